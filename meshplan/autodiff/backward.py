@@ -1,0 +1,130 @@
+"""autodiff: forward Graph -> train-step Graph (forward, backward, optimizer).
+
+Invariants:
+- Backward ops are emitted in reverse forward order by each op's rule
+  (`OpRule.grad`); each has phase=backward, its forward op's module path and
+  `grad_of` = that forward op's id.
+- A value with several gradient contributions gets one `meshplan.grad_sum`.
+- The loss gradient is seeded with 1/num_microbatches, so accumulating the
+  micro-batch gradients gives the gradient of the mean loss.
+- Each parameter's gradient is added into its accumulator (`<fqn>@grad`,
+  phase=backward) every micro-batch; the optimizer ops (phase=optimizer)
+  read the accumulator once per step.
+"""
+
+from __future__ import annotations
+
+from meshplan.autodiff.optimizer import SLOTS, OptimizerConfig, slot_meta_shape
+from meshplan.errors import CaptureError
+from meshplan.ir import (
+    DType, Graph, GraphBuilder, Op, Phase, Ref, Role, TensorMeta, Update, verify,
+)
+from meshplan.ops.emit import Emitter
+from meshplan.ops.table import rule_for
+
+
+def build_train_step(
+    graph: Graph, optimizer: OptimizerConfig | None = None, num_microbatches: int = 1
+) -> Graph:
+    """Append backward, gradient accumulation and optimizer ops to `graph`."""
+    optimizer = optimizer or OptimizerConfig()
+    b = GraphBuilder(graph)
+    needs = _requires_grad(graph)
+    param_grads = _emit_backward(b, graph, needs, num_microbatches)
+    accs = _emit_accumulate(b, graph, param_grads)
+    _emit_optimizer(b, graph, accs, optimizer)
+    meta = graph.meta + (("optimizer", optimizer.kind),
+                         ("num_microbatches", str(num_microbatches)))
+    step = b.build(graph.loss, meta=meta)
+    verify(step)
+    return step
+
+
+def _requires_grad(graph: Graph) -> set[int]:
+    """Values that depend on a float parameter through differentiable ops."""
+    need = {v.id for v in graph.inputs_by_role(Role.PARAM) if v.meta.is_float}
+    for op in graph.ops:
+        if rule_for(op.kind).differentiable and any(r in need for r in op.refs()):
+            need.update(o for o in op.outputs if o >= 0 and graph.values[o].meta.is_float)
+    return need
+
+
+def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int) -> dict[int, Ref]:
+    contribs: dict[int, list[tuple[Ref, str]]] = {}
+    loss = Ref(graph.loss)
+    e = Emitter(b, phase=Phase.BACKWARD, module_path="", grad_of=-1)
+    seed = e.call("aten.ones_like.default", loss) if m == 1 else \
+        e.call("aten.full_like.default", loss, 1.0 / m)
+    contribs[graph.loss] = [(seed, "")]
+    for op in reversed(graph.ops):
+        if not any(o in contribs for o in op.outputs):
+            continue
+        e = Emitter(b, phase=Phase.BACKWARD, module_path=op.module_path, grad_of=op.id)
+        gouts = tuple(_total(b, contribs.pop(o, None), op) for o in op.outputs)
+        if not any(r in needs for r in op.refs()):
+            continue
+        try:
+            pairs = rule_for(op.kind).grad(e, op, gouts, lambda r: r.id in needs)
+        except CaptureError:
+            raise
+        except Exception as err:  # a rule met arguments it cannot handle
+            raise CaptureError(f"no gradient for {op.kind} at module '{op.module_path}' "
+                               f"({op.source}): {type(err).__name__}: {err}") from err
+        for x, g in pairs:
+            _check_grad(b, x, g, op)
+            contribs.setdefault(x.id, []).append((g, op.module_path))
+    params = graph.inputs_by_role(Role.PARAM)
+    return {p.id: _total(b, contribs.get(p.id), None) for p in params if p.id in contribs}
+
+
+def _total(b: GraphBuilder, contribs, fwd: Op | None) -> Ref | None:
+    """One gradient from its contributions, via `meshplan.grad_sum` if many."""
+    if not contribs:
+        return None
+    if len(contribs) == 1:
+        return contribs[0][0]
+    path = contribs[-1][1]
+    e = Emitter(b, phase=Phase.BACKWARD, module_path=path,
+                grad_of=fwd.id if fwd is not None else -1)
+    return e.call("meshplan.grad_sum", *(g for g, _ in contribs))
+
+
+def _check_grad(b: GraphBuilder, x: Ref, g: Ref, op: Op) -> None:
+    gm, xm = b.meta(g.id), b.meta(x.id)
+    assert gm.shape == xm.shape, (
+        f"gradient rule of {op.kind} gave shape {gm.shape} for an input of shape {xm.shape}")
+
+
+def _owner(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def _emit_accumulate(b: GraphBuilder, graph: Graph, grads: dict[int, Ref]) -> dict[int, Ref]:
+    accs = {}
+    for p in graph.inputs_by_role(Role.PARAM):
+        if p.id not in grads:
+            continue
+        acc_in = b.add_input(p.meta, Role.GRAD, f"{p.name}@grad")
+        e = Emitter(b, phase=Phase.BACKWARD, module_path=_owner(p.name))
+        acc = e.call("meshplan.accumulate_grad", Ref(acc_in), grads[p.id])
+        b.updates.append(Update(f"{p.name}@grad", acc.id))
+        accs[p.id] = acc
+    return accs
+
+
+def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: OptimizerConfig):
+    for p in graph.inputs_by_role(Role.PARAM):
+        if p.id not in accs:
+            continue
+        slots = []
+        for slot in SLOTS[opt.kind]:
+            shape = slot_meta_shape(slot, p.meta.shape)
+            dtype = DType("float32") if slot == "step" else p.meta.dtype
+            slots.append(Ref(b.add_input(TensorMeta(shape, dtype), Role.OPT_STATE,
+                                         f"{p.name}@{slot}")))
+        e = Emitter(b, phase=Phase.OPTIMIZER, module_path=_owner(p.name))
+        kw = dict(opt.kwargs())
+        outs = e.call_multi(f"meshplan.{opt.kind}", Ref(p.id), accs[p.id], *slots, **kw)
+        b.updates.append(Update(p.name, outs[0].id))
+        for slot, out in zip(SLOTS[opt.kind], outs[1:]):
+            b.updates.append(Update(f"{p.name}@{slot}", out.id))

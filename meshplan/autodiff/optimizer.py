@@ -1,0 +1,69 @@
+"""Optimizer configuration, state slots and their initial values.
+
+Invariant: state names are `<param fqn>@<slot>`; the gradient accumulator of
+a parameter is `<fqn>@grad`. Slot order matches the `meshplan.<kind>` op's
+inputs after (param, grad).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshplan.errors import ConfigError
+
+SLOTS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerConfig:
+    """Hyperparameters, with torch.optim's names and meanings."""
+
+    kind: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        if self.kind not in SLOTS:
+            raise ConfigError(f"unknown optimizer '{self.kind}': choose sgd or adamw")
+
+    @staticmethod
+    def default(kind: str) -> "OptimizerConfig":
+        """torch-like defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(1e-3, wd 0.01)."""
+        if kind == "adamw":
+            return OptimizerConfig("adamw", lr=1e-3, weight_decay=0.01)
+        return OptimizerConfig(kind)
+
+    def kwargs(self) -> tuple[tuple[str, object], ...]:
+        """The literal arguments of this optimizer's op, after its tensors."""
+        if self.kind == "sgd":
+            return (("lr", self.lr), ("momentum", self.momentum),
+                    ("weight_decay", self.weight_decay), ("dampening", 0.0),
+                    ("nesterov", False))
+        return (("lr", self.lr), ("beta1", self.betas[0]), ("beta2", self.betas[1]),
+                ("eps", self.eps), ("weight_decay", self.weight_decay))
+
+    def torch_optimizer(self, params) -> torch.optim.Optimizer:
+        """The eager equivalent, for reference runs."""
+        if self.kind == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                                   weight_decay=self.weight_decay, foreach=False)
+        return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                                 weight_decay=self.weight_decay, foreach=False)
+
+
+def slot_meta_shape(slot: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return () if slot == "step" else param_shape
+
+
+def initial_state(slot: str, like: torch.Tensor) -> torch.Tensor | None:
+    """The value of a fresh optimizer slot (None: created by the first step)."""
+    if slot == "momentum_buffer":
+        return None
+    if slot == "step":
+        return torch.zeros((), dtype=torch.float32, device=like.device)
+    return torch.zeros_like(like, memory_format=torch.preserve_format)

@@ -1,0 +1,233 @@
+"""capture: `nn.Module` -> forward `Graph`, through `torch.export`.
+
+Invariants:
+- The export is the training IR (not decomposed), non-strict.
+- Every op keeps its module path (`blocks.3.attn.qkv`) and source line;
+  params and buffers keep their FQNs, shapes and dtypes.
+- The graph ends in a scalar loss: the model's output, or `loss_fn(output,
+  *targets)` when a `loss_fn` is given.
+- Ops are rewritten into canonical forms (`ops.canonical`) and mutation is
+  functionalized: a mutated buffer becomes a fresh value plus an `Update`.
+- Shapes are export's own (`node.meta["val"]`); inference runs only for ops
+  that capture itself creates.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from meshplan.errors import CaptureError
+from meshplan.ir import DType, Graph, GraphBuilder, Ref, Role, TensorMeta, Update, verify
+from meshplan.ops.emit import Emitter
+from meshplan.ops.table import rule_for
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+DEVICE = "$device"  # literal standing for "the device this runs on"
+_SKIP = {
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+}
+_ROLE = {"PARAMETER": Role.PARAM, "BUFFER": Role.BUFFER, "CONSTANT_TENSOR": Role.BUFFER,
+         "USER_INPUT": Role.DATA}
+
+
+class _WithLoss(nn.Module):
+    """Wraps a model whose output needs `loss_fn` to become a scalar loss."""
+
+    def __init__(self, model: nn.Module, loss_fn, n_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.n_inputs = n_inputs
+
+    def forward(self, *args):
+        out = self.model(*args[: self.n_inputs])
+        return self.loss_fn(out, *args[self.n_inputs:])
+
+
+@dataclass
+class _Ctx:
+    """Capture state: fx node -> Ref, and the rebinding of mutated values."""
+
+    env: dict = field(default_factory=dict)
+    current: dict[int, int] = field(default_factory=dict)
+    state_name: dict[int, str] = field(default_factory=dict)
+    builder: GraphBuilder | None = None
+
+    def ref(self, node) -> Ref:
+        r = self.env[node]
+        while r.id in self.current:
+            r = Ref(self.current[r.id])
+        return r
+
+    def rebind(self, old: Ref, new: Ref) -> None:
+        old = Ref(self.current.get(old.id, old.id))
+        self.current[old.id] = new.id
+        name = self.state_name.pop(old.id, None)
+        if name is not None:
+            self.state_name[new.id] = name
+
+
+def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -> Graph:
+    """Capture `module` on example `inputs` as a forward Graph ending in a loss.
+
+    With `loss_fn`, the loss is `loss_fn(module(*inputs), *targets)`.
+    Works on a module built on the `meta` device (no weights allocated)."""
+    t0 = time.perf_counter()
+    model = _WithLoss(module, loss_fn, len(inputs)) if loss_fn is not None else module
+    args = tuple(inputs) + tuple(targets)
+    prefix = "model." if loss_fn is not None else ""
+    try:
+        ep = torch.export.export(model, args, strict=False)
+    except CaptureError:
+        raise
+    except Exception as e:  # torch raises many kinds; the first line says what
+        raise CaptureError(f"torch.export failed on {type(module).__name__}: "
+                           f"{_first_line(e)}; check that the inputs fit the model") from e
+    graph = _translate(ep, prefix, type(module).__name__)
+    graph = Graph(graph.values, graph.ops, graph.inputs, graph.loss, graph.updates,
+                  graph.meta + (("capture_s", f"{time.perf_counter() - t0:.3f}"),))
+    verify(graph)
+    return graph
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _translate(ep, prefix: str, model_name: str) -> Graph:
+    ctx = _Ctx(builder=GraphBuilder())
+    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    loss = None
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            _add_input(ctx, node, specs[node.name], prefix)
+        elif node.op == "call_function":
+            _add_call(ctx, node, prefix)
+        elif node.op == "output":
+            loss = _loss_of(ctx, node, model_name)
+    b = ctx.builder
+    b.updates = [Update(name, vid) for vid, name in ctx.state_name.items()
+                 if b.values[vid].role is Role.INTERNAL]
+    return b.build(loss.id, meta=(("model_class", model_name),))
+
+
+def _add_input(ctx: _Ctx, node, spec, prefix: str) -> None:
+    kind = spec.kind.name
+    if kind not in _ROLE:
+        raise CaptureError(f"unsupported graph input kind {kind} for {node.name}")
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise CaptureError(f"input {node.name} is not a tensor ({type(val).__name__}); "
+                           "pass tensors only, and keep other settings in the model")
+    name = spec.target.removeprefix(prefix) if spec.target else node.name
+    vid = ctx.builder.add_input(_meta(val, node), _ROLE[kind], name)
+    ctx.env[node] = Ref(vid)
+    if _ROLE[kind] is Role.BUFFER:
+        ctx.state_name[vid] = name
+
+
+def _meta(val, node) -> TensorMeta:
+    if any(not isinstance(s, int) for s in val.shape):
+        raise CaptureError(
+            f"data-dependent shape {tuple(val.shape)} at {_where(node)}; meshplan "
+            "plans static shapes only: avoid ops like nonzero/masked_select on the step"
+        )
+    return TensorMeta.of(val)
+
+
+def _where(node) -> str:
+    return f"module '{_module_path(node, '') or '<root>'}' ({_source(node)})"
+
+
+def _module_path(node, prefix: str) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.removeprefix(prefix.rstrip(".")).lstrip(".") if prefix else path
+
+
+def _source(node) -> str:
+    """`file:line: code` of the innermost frame outside torch itself."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    frames = [(lines[i], lines[i + 1] if i + 1 < len(lines) else "")
+              for i in range(len(lines)) if lines[i].startswith("File ")]
+    if not frames:
+        return "unknown source"
+    user = [f for f in frames if _TORCH_DIR not in f[0]] or frames
+    head, code = user[-1]
+    loc = head.split(", in ")[0].removeprefix("File ").replace('"', "")
+    return f"{loc}: {code}"
+
+
+def _lit(a, ctx: _Ctx):
+    """fx argument -> IR argument (Ref or typed literal)."""
+    if isinstance(a, torch.fx.Node):
+        return ctx.ref(a)
+    if isinstance(a, (list, tuple)):
+        return tuple(_lit(x, ctx) for x in a)
+    if isinstance(a, torch.dtype):
+        return DType.of(a)
+    if isinstance(a, torch.device):
+        return DEVICE
+    if isinstance(a, (torch.layout, torch.memory_format)):
+        return str(a)
+    return a
+
+
+def _add_call(ctx: _Ctx, node, prefix: str) -> None:
+    if node.target is operator.getitem:
+        src, i = node.args
+        ctx.env[node] = ctx.env[src][i]
+        return
+    kind = str(node.target)
+    if kind in _SKIP:
+        return
+    e = Emitter(ctx.builder, module_path=_module_path(node, prefix), source=_source(node))
+    try:
+        _emit_node(ctx, e, node, kind)
+    except CaptureError as err:
+        raise CaptureError(f"{err} [op {kind} at {_where(node)}]") from err
+    except Exception as err:  # a kernel or shape function refused the op
+        raise CaptureError(f"cannot capture {kind} at {_where(node)}: {_first_line(err)}") from err
+
+
+def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
+    if not hasattr(node.target, "_schema"):
+        raise CaptureError(f"unsupported call {kind}: not an aten op, no generic rule applies")
+    rule = rule_for(kind)
+    args = tuple(_lit(a, ctx) for a in node.args)
+    kwargs = {k: _lit(v, ctx) for k, v in node.kwargs.items() if k not in ("layout", "pin_memory")}
+    val = node.meta.get("val")
+    if rule.canonical is not None:
+        outs = rule.canonical(e, args, kwargs, ctx)
+    else:
+        vals = val if isinstance(val, (list, tuple)) else (val,)
+        metas = tuple(None if v is None else _meta(v, node) for v in vals)
+        outs = tuple(Ref(o) for o in e.emit(kind, args, metas, tuple(kwargs.items())))
+    ctx.env[node] = outs if isinstance(val, (list, tuple)) else outs[0]
+
+
+def _loss_of(ctx: _Ctx, node, model_name: str) -> Ref:
+    outs = node.args[0]
+    out = outs[0] if isinstance(outs, (list, tuple)) and len(outs) == 1 else outs
+    if not isinstance(out, torch.fx.Node):
+        raise CaptureError(f"{model_name} returns {type(out).__name__}, not a scalar loss tensor; "
+                           "return the loss, or pass loss_fn= to compute it from the output")
+    ref = ctx.ref(out)
+    m = ctx.builder.meta(ref.id)
+    if m.shape != () or not m.is_float:
+        raise CaptureError(f"{model_name} returns a {m.dtype.name} tensor of shape "
+                           f"{list(m.shape)}, not a scalar loss; return the loss, or pass "
+                           "loss_fn= to compute it from the output")
+    return ref

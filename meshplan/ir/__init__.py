@@ -1,0 +1,23 @@
+"""The IR: frozen dataclasses for graphs, values and ops."""
+
+from meshplan.ir.builder import GraphBuilder
+from meshplan.ir.graph import (
+    ABSENT,
+    Arg,
+    DType,
+    Graph,
+    Lit,
+    Op,
+    Phase,
+    Ref,
+    Role,
+    TensorMeta,
+    Update,
+    Value,
+)
+from meshplan.ir.verify import verify
+
+__all__ = [
+    "ABSENT",    "Arg", "DType", "Graph", "GraphBuilder", "Lit", "Op", "Phase", "Ref", "Role",
+    "TensorMeta", "Update", "Value", "verify",
+]

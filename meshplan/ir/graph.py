@@ -1,0 +1,185 @@
+"""The logical graph: frozen, typed, SSA.
+
+Invariants:
+- A `Graph` is a tuple of `Op`s in topological order. Every value id is
+  defined exactly once: by a graph input or by one op output. Ids are dense,
+  `0 .. len(values) - 1`, and `values[i].id == i`.
+- An op argument is either a `Ref` to a value or a literal (`Lit`): None,
+  bool, int, float, str, `DType`, or a tuple of these. Nothing opaque.
+- Op kinds are strings naming the aten overload (`aten.linear.default`) or a
+  meshplan op (`meshplan.grad_sum`); their behaviour lives in `ops/`.
+- An op output id of `ABSENT` (-1) is a kernel output left undefined.
+- Forward and backward ops run once per micro-batch; optimizer ops run once
+  per step (`Phase`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+
+class Phase(enum.Enum):
+    """When an op runs: per micro-batch (forward, backward) or per step."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class Role(enum.Enum):
+    """What a graph input stands for."""
+
+    PARAM = "param"        # trainable parameter, keyed by FQN
+    BUFFER = "buffer"      # module buffer (BatchNorm running stats), by FQN
+    DATA = "data"          # one micro-batch of a user input
+    GRAD = "grad"          # accumulated gradient of a parameter, by FQN
+    OPT_STATE = "opt_state"  # optimizer state, "<fqn>:<slot>"
+    INTERNAL = "internal"  # produced by an op (never a graph input)
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """A torch dtype, by name (`float32`), so the IR serializes as text."""
+
+    name: str
+
+    @staticmethod
+    def of(dtype: torch.dtype) -> "DType":
+        return DType(str(dtype).removeprefix("torch."))
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.name)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Logical shape and dtype of one value."""
+
+    shape: tuple[int, ...]
+    dtype: DType
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(tuple(int(s) for s in t.shape), DType.of(t.dtype))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.torch.is_floating_point
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """One SSA value. `name` is the FQN for params and buffers."""
+
+    id: int
+    meta: TensorMeta
+    role: Role = Role.INTERNAL
+    name: str = ""
+
+
+ABSENT = -1  # the output id of an undefined (None) kernel output
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """An op argument that refers to a value."""
+
+    id: int
+
+
+Lit = Union[None, bool, int, float, str, DType, tuple]
+Arg = Union[Ref, Lit]
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One operation. `grad_of` is the forward op a backward op belongs to."""
+
+    id: int
+    kind: str
+    args: tuple[Arg, ...]
+    outputs: tuple[int, ...]
+    kwargs: tuple[tuple[str, Arg], ...] = ()
+    phase: Phase = Phase.FORWARD
+    module_path: str = ""
+    source: str = ""
+    grad_of: int = -1
+
+    def refs(self) -> tuple[int, ...]:
+        """Ids of every value this op reads, in argument order."""
+        out: list[int] = []
+        for a in self.args + tuple(v for _, v in self.kwargs):
+            _collect_refs(a, out)
+        return tuple(out)
+
+
+def _collect_refs(a: Arg, out: list[int]) -> None:
+    if isinstance(a, Ref):
+        out.append(a.id)
+    elif isinstance(a, tuple):
+        for x in a:
+            _collect_refs(x, out)
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """After a step, state `name` (a param, buffer, grad or optimizer slot)
+    takes the value `value`."""
+
+    name: str
+    value: int
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """A whole program: forward only after capture, the train step after
+    autodiff. `loss` is the scalar loss value of one micro-batch."""
+
+    values: tuple[Value, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    loss: int
+    updates: tuple[Update, ...] = ()
+    meta: tuple[tuple[str, str], ...] = field(default=())
+
+    def value(self, vid: int) -> Value:
+        return self.values[vid]
+
+    def inputs_by_role(self, role: Role) -> tuple[Value, ...]:
+        return tuple(self.values[i] for i in self.inputs if self.values[i].role is role)
+
+    def ops_in(self, phase: Phase) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if op.phase is phase)
+
+    def producers(self) -> dict[int, Op]:
+        """Map from value id to the op that defines it."""
+        return {o: op for op in self.ops for o in op.outputs if o != ABSENT}
+
+    def consumers(self) -> dict[int, list[Op]]:
+        """Map from value id to the ops that read it, in graph order."""
+        out: dict[int, list[Op]] = {}
+        for op in self.ops:
+            for r in dict.fromkeys(op.refs()):
+                out.setdefault(r, []).append(op)
+        return out
+
+    def param_bytes(self) -> int:
+        return sum(v.meta.nbytes for v in self.inputs_by_role(Role.PARAM))

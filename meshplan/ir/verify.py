@@ -1,0 +1,34 @@
+"""Structural checks of a `Graph`, run after every pass when checks are on.
+
+Invariant checked: SSA (each value defined once, before use), dense ids,
+the loss is a scalar, and updates name real values.
+"""
+
+from __future__ import annotations
+
+from meshplan.ir.graph import ABSENT, Graph, Role
+
+
+def verify(graph: Graph) -> None:
+    """Assert the graph's structural invariants (internal errors only)."""
+    for i, v in enumerate(graph.values):
+        assert v.id == i, f"value id {v.id} at position {i}"
+    defined: set[int] = set()
+    for vid in graph.inputs:
+        assert graph.values[vid].role is not Role.INTERNAL, f"input {vid} has no role"
+        assert vid not in defined, f"input {vid} listed twice"
+        defined.add(vid)
+    for i, op in enumerate(graph.ops):
+        assert op.id == i, f"op id {op.id} at position {i}"
+        for r in op.refs():
+            assert r in defined, f"op {op.id} {op.kind} reads {r} before it is defined"
+        for o in op.outputs:
+            if o == ABSENT:
+                continue
+            assert o not in defined, f"value {o} defined twice (op {op.id} {op.kind})"
+            defined.add(o)
+        assert op.grad_of < op.id, f"op {op.id} is the gradient of a later op"
+    assert graph.loss in defined, "loss value is never defined"
+    assert graph.values[graph.loss].meta.shape == (), "loss is not a scalar"
+    for u in graph.updates:
+        assert u.value in defined, f"update {u.name} names undefined value {u.value}"

@@ -1,0 +1,250 @@
+"""Model registry: presets, validated configs, builders and example batches.
+
+Invariants:
+- `model_config` is the only way user input becomes a `ModelConfig`, and it
+  either returns a config every builder accepts or raises `ConfigError` with
+  one line saying what is wrong, where and how to fix it.
+- Every model's forward takes the tensors of `example_batch` positionally
+  and returns a scalar loss; its repeated layers live in `blocks.{i}`, which
+  `layer_pattern` matches.
+- `example_batch` is a pure function of (cfg, batch_size, seed): data is
+  drawn on CPU from a private `torch.Generator`, so it is the same on every
+  rank and device and never touches the global RNG.
+- For resnet, `layers == sum(blocks)` and `hidden == width`; `heads=1`,
+  `seq_len=0` and `vocab=0` are placeholders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from meshplan.errors import ConfigError
+from meshplan.models.bert import BERT, mlm_batch
+from meshplan.models.gpt import GPT
+from meshplan.models.resnet import STAGE_STRIDES, ResNet
+
+MODELS = ("gpt", "bert", "resnet")
+LAYER_PATTERN = r"blocks\.(\d+)"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture of one model; resnet-only fields are 0/() elsewhere."""
+
+    model: str
+    layers: int
+    heads: int
+    hidden: int
+    seq_len: int
+    vocab: int
+    dropout: float = 0.0
+    image_size: int = 0
+    width: int = 0
+    num_classes: int = 0
+    blocks: tuple[int, ...] = ()
+
+
+def _transformer(model: str, layers: int, heads: int, hidden: int,
+                 seq_len: int, vocab: int) -> ModelConfig:
+    return ModelConfig(model, layers, heads, hidden, seq_len, vocab)
+
+
+def _resnet(blocks: tuple[int, ...], width: int, image_size: int,
+            num_classes: int) -> ModelConfig:
+    return ModelConfig(
+        "resnet", layers=sum(blocks), heads=1, hidden=width, seq_len=0, vocab=0,
+        image_size=image_size, width=width, num_classes=num_classes, blocks=blocks,
+    )
+
+
+PRESETS: dict[str, dict[str, ModelConfig]] = {
+    "gpt": {
+        "tiny": _transformer("gpt", 4, 4, 64, 16, 128),
+        "small": _transformer("gpt", 8, 8, 256, 128, 1024),
+        "gpt3-175b": _transformer("gpt", 96, 96, 12288, 2048, 50304),
+    },
+    "bert": {
+        "tiny": _transformer("bert", 4, 4, 64, 16, 128),
+        "small": _transformer("bert", 8, 8, 256, 128, 1024),
+        "bert-large": _transformer("bert", 24, 16, 1024, 512, 30522),
+    },
+    "resnet": {
+        "tiny": _resnet((1, 1, 1, 1), width=8, image_size=16, num_classes=10),
+        "small": _resnet((2, 2, 2, 2), width=16, image_size=32, num_classes=10),
+        "resnet50": _resnet((3, 4, 6, 3), width=64, image_size=224, num_classes=1000),
+    },
+}
+
+# Which override names make sense per family. Resnet's depth comes from
+# `blocks`, and it has no heads, sequence or vocabulary, so those flags would
+# be silently meaningless there; reject them instead.
+_TRANSFORMER_KEYS = frozenset({"layers", "heads", "hidden", "seq_len", "vocab", "dropout"})
+_RESNET_KEYS = frozenset({"hidden", "width", "image_size", "num_classes", "blocks"})
+_ALLOWED = {"gpt": _TRANSFORMER_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS}
+
+
+def _choices(names) -> str:
+    return ", ".join(names)
+
+
+def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
+    """Return the `size` preset of `model` with `overrides` applied, validated.
+
+    Overrides are `ModelConfig` field names (`layers`, `heads`, `hidden`,
+    `seq_len`, `vocab`, `dropout`; for resnet `hidden`/`width`,
+    `image_size`, `num_classes`, `blocks`); `None` values are ignored so CLI
+    flags can be passed straight through. Raises `ConfigError`.
+    """
+    if model not in PRESETS:
+        raise ConfigError(f"unknown model {model!r}: choose one of {_choices(MODELS)}")
+    presets = PRESETS[model]
+    if size not in presets:
+        raise ConfigError(
+            f"unknown size {size!r} for {model}: choose one of {_choices(presets)}"
+        )
+    given = {k: v for k, v in overrides.items() if v is not None}
+    allowed = _ALLOWED[model]
+    for key in given:
+        if key not in allowed:
+            raise ConfigError(
+                f"{model}: override {key!r} does not apply to {model}; "
+                f"use only {_choices(sorted(allowed))}"
+            )
+    if model == "resnet":
+        given = _resnet_overrides(given)
+    cfg = replace(presets[size], **given)
+    validate(cfg)
+    return cfg
+
+
+def _resnet_overrides(given: dict) -> dict:
+    # `hidden` is resnet's base width; keep the two fields in step, and keep
+    # `layers` equal to the total number of blocks.
+    if "hidden" in given and "width" in given and given["hidden"] != given["width"]:
+        raise ConfigError(
+            f"resnet: hidden={given['hidden']} and width={given['width']} disagree; "
+            "pass only one of them"
+        )
+    width = given.pop("hidden", given.get("width"))
+    if width is not None:
+        given["width"] = given["hidden"] = width
+    if "blocks" in given:
+        given["blocks"] = tuple(given["blocks"])
+        given["layers"] = sum(given["blocks"])
+    return given
+
+
+def validate(cfg: ModelConfig) -> None:
+    """Raise `ConfigError` if `cfg` cannot be built; return None otherwise."""
+    if cfg.model not in PRESETS:
+        raise ConfigError(f"unknown model {cfg.model!r}: choose one of {_choices(MODELS)}")
+    if cfg.model == "resnet":
+        _validate_resnet(cfg)
+        return
+    for name in ("layers", "heads", "hidden", "seq_len", "vocab"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{cfg.model}: {name}={value!r} must be a positive integer")
+    if cfg.hidden % cfg.heads:
+        divisors = [d for d in range(1, cfg.hidden + 1) if cfg.hidden % d == 0]
+        raise ConfigError(
+            f"{cfg.model}: heads={cfg.heads} does not divide hidden={cfg.hidden}; "
+            f"pick heads among {_choices(map(str, divisors))}"
+        )
+    if cfg.model == "bert" and cfg.vocab < 2:
+        # Id 0 is [MASK]; real tokens need at least one more id.
+        raise ConfigError(f"bert: vocab={cfg.vocab} is too small; use vocab >= 2")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"{cfg.model}: dropout={cfg.dropout} must be in [0, 1)")
+
+
+def _validate_resnet(cfg: ModelConfig) -> None:
+    for name in ("width", "image_size", "num_classes"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"resnet: {name}={value!r} must be a positive integer")
+    stages = len(STAGE_STRIDES)
+    if not 1 <= len(cfg.blocks) <= stages or any(
+        not isinstance(b, int) or b <= 0 for b in cfg.blocks
+    ):
+        raise ConfigError(
+            f"resnet: blocks={cfg.blocks!r} must be 1 to {stages} positive integers, "
+            "e.g. (3, 4, 6, 3)"
+        )
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
+    """Construct the model for `cfg` on `device`, in train mode.
+
+    With `device="meta"` no storage is allocated (and init is skipped), so
+    even GPT-3 175B builds in about a second, for planning and cost models.
+    """
+    validate(cfg)
+    with torch.device(device):
+        if cfg.model == "gpt":
+            return GPT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
+        if cfg.model == "bert":
+            return BERT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
+        return ResNet(cfg.blocks, cfg.width, cfg.image_size, cfg.num_classes)
+
+
+def example_batch(
+    cfg: ModelConfig, batch_size: int, seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, ...]:
+    """Return the forward inputs of `cfg`'s model for `batch_size` samples.
+
+    gpt: (tokens, targets) long (B, T); targets are tokens shifted by one.
+    bert: (masked tokens, labels) long (B, T); labels -100 where unmasked.
+    resnet: (images float32 (B, 3, S, S), labels long (B,)).
+    Deterministic in `seed`; on meta, empty tensors of the same shape/dtype.
+    """
+    if batch_size <= 0:
+        raise ConfigError(f"{cfg.model}: batch_size={batch_size} must be a positive integer")
+    validate(cfg)
+    device = torch.device(device)
+    if device.type == "meta":
+        return tuple(torch.empty(shape, dtype=dtype, device=device)
+                     for shape, dtype in batch_spec(cfg, batch_size))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if cfg.model == "gpt":
+        # One (T + 1)-long stream per row gives consistent next-token targets.
+        stream = torch.randint(0, cfg.vocab, (batch_size, cfg.seq_len + 1), generator=gen)
+        batch = (stream[:, :-1].contiguous(), stream[:, 1:].contiguous())
+    elif cfg.model == "bert":
+        batch = mlm_batch(batch_size, cfg.seq_len, cfg.vocab, gen)
+    else:
+        size = cfg.image_size
+        images = torch.randn(batch_size, 3, size, size, generator=gen)
+        labels = torch.randint(0, cfg.num_classes, (batch_size,), generator=gen)
+        batch = (images, labels)
+    return tuple(t.to(device) for t in batch)
+
+
+def batch_spec(
+    cfg: ModelConfig, batch_size: int,
+) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """Return (shape, dtype) of each forward input, without making tensors."""
+    if cfg.model == "resnet":
+        size = cfg.image_size
+        return ((batch_size, 3, size, size), torch.float32), ((batch_size,), torch.long)
+    shape = (batch_size, cfg.seq_len)
+    return (shape, torch.long), (shape, torch.long)
+
+
+def layer_pattern(cfg: ModelConfig) -> str:
+    """Regex over module paths whose group(1) is a layer index (`blocks.3`)."""
+    return LAYER_PATTERN
+
+
+def param_count(model: nn.Module) -> int:
+    """Number of parameter elements (works on meta models)."""
+    return sum(math.prod(p.shape) for p in model.parameters())
+
+
+# Guard against a field rename drifting away from the override tables.
+assert _TRANSFORMER_KEYS | _RESNET_KEYS <= {f.name for f in fields(ModelConfig)}

@@ -1,0 +1,118 @@
+"""Capture-time rewrites into the canonical op forms the rule table knows.
+
+Each rewrite takes `(e, args, kwargs, ctx)` and returns the Refs standing for
+the captured node's outputs. `ctx.rebind(old, new)` says that a buffer or an
+in-place-mutated value now lives in `new` (functionalization), so later ops,
+and the step's state updates, read the new value.
+
+Why rewrite: gradients need the saved statistics that only the `native_*`
+forms return (mean/rstd of a norm, indices of a max-pool, logsumexp of
+attention), and SSA needs mutation turned into fresh values.
+"""
+
+from __future__ import annotations
+
+from meshplan.ir import Ref
+
+
+def _first(refs):
+    return (refs[0],)
+
+
+def layer_norm(e, args, kw, ctx):
+    x, shape = args[0], args[1]
+    w = args[2] if len(args) > 2 else kw.get("weight")
+    b = args[3] if len(args) > 3 else kw.get("bias")
+    eps = args[4] if len(args) > 4 else kw.get("eps", 1e-5)
+    return _first(e.call_multi("aten.native_layer_norm.default", x, shape, w, b, eps))
+
+
+def softmax(e, args, kw, ctx):
+    return (e.call("aten._softmax.default", args[0], args[1], False),)
+
+
+def log_softmax(e, args, kw, ctx):
+    return (e.call("aten._log_softmax.default", args[0], args[1], False),)
+
+
+def cross_entropy(e, args, kw, ctx):
+    x, target = args[0], args[1]
+    rest = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), args[2:]))
+    rest.update(kw)
+    smoothing = rest.get("label_smoothing", 0.0)
+    if len(e.meta(x).shape) > 2 or smoothing != 0.0:
+        return (e.call("aten.cross_entropy_loss.default", *args, **kw),)
+    dim = 1 if len(e.meta(x).shape) == 2 else 0
+    logp = e.call("aten._log_softmax.default", x, dim, False)
+    loss, _total = e.call_multi(
+        "aten.nll_loss_forward.default", logp, target, rest.get("weight"),
+        rest.get("reduction", 1), rest.get("ignore_index", -100),
+    )
+    return (loss,)
+
+
+def dropout(e, args, kw, ctx):
+    x = args[0]
+    p = args[1] if len(args) > 1 else kw.get("p", 0.5)
+    train = args[2] if len(args) > 2 else kw.get("train", True)
+    if p == 0 or not train:
+        return (x,)  # no op at all: dropout off is the identity
+    return _first(e.call_multi("aten.native_dropout.default", x, p, train))
+
+
+def sdpa(e, args, kw, ctx):
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    opts = dict(zip(names, args[3:]))
+    opts.update(kw)
+    if opts.get("attn_mask") is not None or opts.get("enable_gqa", False):
+        return (e.call("aten.scaled_dot_product_attention.default", *args, **kw),)
+    out = e.call_multi(
+        "aten._scaled_dot_product_flash_attention_for_cpu.default", *args[:3],
+        opts.get("dropout_p", 0.0), opts.get("is_causal", False), scale=opts.get("scale"),
+    )
+    return _first(out)
+
+
+def batch_norm(e, args, kw, ctx):
+    x, w, b, rm, rv, training, momentum, eps = args[:8]
+    if not training or not isinstance(rm, Ref):
+        return (e.call("aten.batch_norm.default", *args, **kw),)
+    out, _mean, _rstd, new_rm, new_rv = e.call_multi(
+        "aten._native_batch_norm_legit_functional.default", x, w, b, rm, rv,
+        training, momentum, eps,
+    )
+    ctx.rebind(rm, new_rm)
+    ctx.rebind(rv, new_rv)
+    return (out,)
+
+
+def max_pool2d(e, args, kw, ctx):
+    return _first(e.call_multi("aten.max_pool2d_with_indices.default", *args, **kw))
+
+
+def adaptive_avg_pool2d(e, args, kw, ctx):
+    return (e.call("aten._adaptive_avg_pool2d.default", *args, **kw),)
+
+
+def functionalize(functional_kind: str):
+    """Rewrite an in-place op `x.f_(...)` as `y = f(x, ...)`, rebinding x to y."""
+
+    def rewrite(e, args, kw, ctx):
+        out = e.call(functional_kind, *args, **kw)
+        ctx.rebind(args[0], out)
+        return (out,)
+
+    return rewrite
+
+
+CANONICAL = {
+    "aten.layer_norm.default": layer_norm,
+    "aten.softmax.int": softmax,
+    "aten.log_softmax.int": log_softmax,
+    "aten.cross_entropy_loss.default": cross_entropy,
+    "aten.dropout.default": dropout,
+    "aten.scaled_dot_product_attention.default": sdpa,
+    "aten.batch_norm.default": batch_norm,
+    "aten.max_pool2d.default": max_pool2d,
+    "aten.adaptive_avg_pool2d.default": adaptive_avg_pool2d,
+}

@@ -1,0 +1,89 @@
+"""The generic rule: any aten op, with its gradient through `torch.func.vjp`.
+
+Invariant: a `meshplan.vjp` op recomputes its forward op from the saved
+inputs and differentiates it with `torch.func.vjp`. It is correct for every
+differentiable aten op, at the price of one extra forward.
+Its args are `(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt)` where `wrt`
+indexes the forward op's tensor arguments in traversal order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshplan.ir import Ref, TensorMeta
+from meshplan.ops.resolve import resolve_aten
+
+
+def _tensor_slots(op) -> list[Ref]:
+    return [Ref(r) for r in op.refs()]
+
+
+def vjp_grad(e, op, gouts, needs):
+    """Emit one `meshplan.vjp` op computing every needed input gradient."""
+    slots = _tensor_slots(op)
+    wrt = tuple(i for i, r in enumerate(slots) if needs(r))
+    if not wrt:
+        return []
+    outs = e.call_multi(
+        "meshplan.vjp", op.kind, op.args, op.kwargs, tuple(gouts), wrt
+    )
+    return [(slots[i], g) for i, g in zip(wrt, outs)]
+
+
+def vjp_infer(sig_args, sig_kwargs) -> tuple[TensorMeta, ...]:
+    _kind, fwd_args, fwd_kwargs, _gouts, wrt = sig_args
+    metas: list[TensorMeta] = []
+    _collect(fwd_args, metas)
+    _collect(fwd_kwargs, metas)
+    return tuple(metas[i] for i in wrt)
+
+
+def _collect(sig, out: list) -> None:
+    if isinstance(sig, TensorMeta):
+        out.append(sig)
+    elif isinstance(sig, (tuple, list)):
+        for x in sig:
+            _collect(x, out)
+
+
+def _substitute(structure, tensors: dict[int, torch.Tensor], counter: list[int]):
+    """Rebuild `structure`, replacing the k-th tensor by `tensors[k]` if given."""
+    if isinstance(structure, torch.Tensor):
+        k = counter[0]
+        counter[0] += 1
+        return tensors.get(k, structure)
+    if isinstance(structure, (tuple, list)):
+        return type(structure)(_substitute(x, tensors, counter) for x in structure)
+    return structure
+
+
+def vjp_kernel(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt):
+    """Run the forward under `torch.func.vjp` and pull back `gouts`."""
+    fn = resolve_aten(fwd_kind)
+    kw_names = [k for k, _ in fwd_kwargs]
+    flat: list[torch.Tensor] = []
+    _flatten(fwd_args, flat)
+    _flatten([v for _, v in fwd_kwargs], flat)
+    primals = [flat[i] for i in wrt]
+
+    def f(*ps):
+        subs = dict(zip(wrt, ps))
+        counter = [0]
+        args = _substitute(list(fwd_args), subs, counter)
+        kwargs = _substitute([v for _, v in fwd_kwargs], subs, counter)
+        return fn(*args, **dict(zip(kw_names, kwargs)))
+
+    out, pullback = torch.func.vjp(f, *primals)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    cot = [g if g is not None else torch.zeros_like(o) for g, o in zip(gouts, outs)]
+    grads = pullback(type(out)(cot) if isinstance(out, (tuple, list)) else cot[0])
+    return tuple(grads)
+
+
+def _flatten(structure, out: list) -> None:
+    if isinstance(structure, torch.Tensor):
+        out.append(structure)
+    elif isinstance(structure, (tuple, list)):
+        for x in structure:
+            _flatten(x, out)

@@ -1,0 +1,141 @@
+"""Gradient rules of view, layout, slicing and reduction ops."""
+
+from __future__ import annotations
+
+import math
+
+from meshplan.ir import ABSENT, Ref
+from meshplan.ops.grad_util import arg, zeros_like
+
+
+def _reshape_back(e, op, gouts, needs):
+    """For every op whose output is its input re-viewed (view, reshape, ...)."""
+    (g,) = gouts
+    x = op.args[0]
+    if not needs(x):
+        return []
+    return [(x, e.call("aten.reshape.default", g, e.meta(x).shape))]
+
+
+view_grad = _reshape_back
+
+
+def transpose_grad(e, op, gouts, needs):
+    (g,) = gouts
+    x = op.args[0]
+    return [(x, e.call("aten.transpose.int", g, op.args[1], op.args[2]))] if needs(x) else []
+
+
+def t_grad(e, op, gouts, needs):
+    (g,) = gouts
+    x = op.args[0]
+    return [(x, e.call("aten.t.default", g))] if needs(x) else []
+
+
+def permute_grad(e, op, gouts, needs):
+    (g,) = gouts
+    x = op.args[0]
+    if not needs(x):
+        return []
+    n = len(e.meta(x).shape)
+    dims = [d % n for d in op.args[1]]
+    inverse = tuple(sorted(range(n), key=lambda i: dims[i]))
+    return [(x, e.call("aten.permute.default", g, inverse))]
+
+
+def expand_grad(e, op, gouts, needs):
+    from meshplan.ops.grad_util import sum_to
+
+    (g,) = gouts
+    x = op.args[0]
+    return [(x, sum_to(e, g, e.meta(x).shape))] if needs(x) else []
+
+
+def split_grad(e, op, gouts, needs):
+    """split / split_with_sizes / chunk / unbind: concatenate the pieces."""
+    x = op.args[0]
+    if not needs(x):
+        return []
+    dim = arg(op, 2, "dim", 0) if op.kind != "aten.unbind.int" else arg(op, 1, "dim", 0)
+    pieces = []
+    for o, g in zip(op.outputs, gouts):
+        if o == ABSENT:
+            continue
+        pieces.append(g if g is not None else zeros_like(e, Ref(o)))
+    if op.kind == "aten.unbind.int":
+        return [(x, e.call("aten.stack.default", tuple(pieces), dim))]
+    return [(x, e.call("aten.cat.default", tuple(pieces), dim))]
+
+
+def cat_grad(e, op, gouts, needs):
+    (g,) = gouts
+    tensors = op.args[0]
+    n = len(e.meta(tensors[0]).shape)
+    dim = arg(op, 1, "dim", 0) % n
+    out, off = [], 0
+    for t in tensors:
+        size = e.meta(t).shape[dim]
+        if needs(t):
+            out.append((t, e.call("aten.slice.Tensor", g, dim, off, off + size)))
+        off += size
+    return out
+
+
+def slice_grad(e, op, gouts, needs):
+    (g,) = gouts
+    x = op.args[0]
+    if not needs(x):
+        return []
+    shape = e.meta(x).shape
+    dim = arg(op, 1, "dim", 0) % len(shape)
+    start = arg(op, 2, "start", None)
+    end = arg(op, 3, "end", None)
+    step = arg(op, 4, "step", 1)
+    start, end, step = slice(start, end, step).indices(shape[dim])
+    return [(x, e.call("aten.slice_backward.default", g, shape, dim, start, end, step))]
+
+
+def select_grad(e, op, gouts, needs):
+    (g,) = gouts
+    x = op.args[0]
+    if not needs(x):
+        return []
+    shape = e.meta(x).shape
+    return [(x, e.call("aten.select_backward.default", g, shape, op.args[1], op.args[2]))]
+
+
+def _expand_reduced(e, op, g, keepdim_index):
+    """Broadcast a reduction's gradient back to its input's shape."""
+    x = op.args[0]
+    shape = e.meta(x).shape
+    dims = arg(op, 1, "dim", None)
+    keepdim = arg(op, keepdim_index, "keepdim", False) if dims is not None else False
+    if dims is not None and not keepdim and shape:
+        dims = (dims,) if isinstance(dims, int) else dims
+        kept = [1 if i in {d % len(shape) for d in dims} else s for i, s in enumerate(shape)]
+        g = e.call("aten.reshape.default", g, tuple(kept))
+    return e.call("aten.expand.default", g, shape)
+
+
+def _reduced_count(e, op) -> int:
+    shape = e.meta(op.args[0]).shape
+    dims = arg(op, 1, "dim", None)
+    if dims is None or (isinstance(dims, tuple) and len(dims) == 0):
+        return math.prod(shape)
+    dims = (dims,) if isinstance(dims, int) else dims
+    return math.prod(shape[d % len(shape)] for d in dims)
+
+
+def sum_grad(e, op, gouts, needs):
+    (g,) = gouts
+    x = op.args[0]
+    return [(x, _expand_reduced(e, op, g, 2))] if needs(x) else []
+
+
+def mean_grad(e, op, gouts, needs):
+    (g,) = gouts
+    x = op.args[0]
+    if not needs(x):
+        return []
+    scaled = e.call("aten.div.Tensor", g, float(_reduced_count(e, op)))
+    return [(x, _expand_reduced(e, op, scaled, 2))]

@@ -1,0 +1,55 @@
+"""Kernels of meshplan's own ops (those with no single aten op).
+
+Invariants:
+- `accumulate_grad` and the optimizer kernels update state in place and
+  return it: their outputs alias their state inputs, as the rule says.
+- The optimizer kernels call torch's own functional optimizers, so the
+  arithmetic is the same as `torch.optim.SGD` / `torch.optim.AdamW`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adamw import adamw as _adamw
+from torch.optim.sgd import sgd as _sgd
+
+
+def grad_sum(*grads: torch.Tensor) -> torch.Tensor:
+    """Sum of the gradient contributions of a value with several consumers."""
+    acc = grads[0] + grads[1]
+    for g in grads[2:]:
+        acc.add_(g)
+    return acc
+
+
+def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    """Add one micro-batch's gradient into the step's accumulator.
+
+    The first micro-batch adopts `g` (no zero-fill, no copy), as autograd
+    does for `.grad`."""
+    if acc is None:
+        return g
+    return acc.add_(g)
+
+
+def sgd_step(param, grad, momentum_buf, lr, momentum, weight_decay, dampening, nesterov):
+    """One `torch.optim.SGD` step on one parameter; returns (param, buf)."""
+    bufs = [momentum_buf]
+    with torch.no_grad():
+        _sgd(
+            [param], [grad], bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
+            dampening=dampening, nesterov=nesterov, maximize=False, foreach=False,
+        )
+    return param, bufs[0]
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """One `torch.optim.AdamW` step on one parameter; returns its new state."""
+    with torch.no_grad():
+        _adamw(
+            [param], [grad], [exp_avg], [exp_avg_sq], [], [step], foreach=False,
+            capturable=False, differentiable=False, fused=None, grad_scale=None,
+            found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
+            lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
+        )
+    return param, exp_avg, exp_avg_sq, step

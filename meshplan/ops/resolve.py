@@ -1,0 +1,27 @@
+"""Op kind strings to torch callables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from meshplan.errors import CaptureError
+
+
+@lru_cache(maxsize=None)
+def resolve_aten(kind: str):
+    """`aten.linear.default` -> `torch.ops.aten.linear.default`."""
+    parts = kind.split(".")
+    if len(parts) != 3:
+        raise CaptureError(f"op kind {kind!r} is not of the form namespace.name.overload")
+    ns, name, overload = parts
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except (AttributeError, RuntimeError) as e:
+        raise CaptureError(f"unknown torch op {kind!r}: {e}") from e
+
+
+def kind_of(target) -> str:
+    """The kind string of an fx call target (an `OpOverload`)."""
+    return str(target)
