@@ -1,0 +1,125 @@
+"""The `meshplan` command: one verb per sub-command.
+
+Invariant: a `MeshplanError` prints one line `meshplan: error: ...` to stderr
+and exits 2 with no traceback (unless `--debug`); nothing is left half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from meshplan.errors import MeshplanError
+
+EPILOG_INSPECT = """examples:
+  meshplan inspect --model gpt --size gpt3-175b
+  meshplan inspect --model resnet --size resnet50 --json"""
+EPILOG_VERIFY = """examples:
+  meshplan verify --model gpt --size tiny
+  meshplan verify --model bert --size tiny --steps 20 --optimizer adamw --json
+  meshplan verify --model gpt --size tiny --global-batch-size 8 --num-microbatches 4"""
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="gpt", help="gpt, bert or resnet (default gpt)")
+    g.add_argument("--size", default="tiny", help="preset: tiny, small, gpt3-175b, "
+                   "bert-large, resnet50 (default tiny)")
+    for flag in ("layers", "heads", "hidden", "seq-len", "vocab"):
+        g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
+
+
+def _overrides(a: argparse.Namespace) -> dict:
+    keys = ("layers", "heads", "hidden", "seq_len", "vocab")
+    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshplan", description="A distributed-training compiler for PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="errors only")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    p = sub.add_parser("inspect", help="capture a model on the meta device and count it",
+                       epilog=EPILOG_INSPECT, formatter_class=fmt)
+    _model_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="train with eager PyTorch and meshplan; compare losses",
+                       epilog=EPILOG_VERIFY, formatter_class=fmt)
+    _model_flags(p)
+    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--global-batch-size", type=int, default=8, help="samples per step")
+    p.add_argument("--num-microbatches", type=int, default=1,
+                   help="gradient-accumulation micro-batches per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tolerance", type=float, default=1e-5,
+                   help="largest allowed |loss - eager loss| (exit 1 above it)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_cmd_verify)
+    return parser
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from meshplan.driver.inspect import inspect_model
+
+    r = inspect_model(a.model, a.size, **_overrides(a))
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"{a.model} {a.size}: {r['ops']} ops, {r['params']} parameters "
+          f"({r['param_numel']:,} elements, {r['param_bytes'] / 2**30:.2f} GiB), "
+          f"{r['layers']} layers, {r['buffers']} buffers")
+    print(f"captured on the meta device in {r['capture_s']:.2f} s "
+          f"(model built in {r['build_s']:.2f} s)")
+    if r["generic_ops"]:
+        print("ops on the generic rule: " + ", ".join(r["generic_ops"]))
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from meshplan.driver.verify import verify
+
+    r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer,
+               global_batch_size=a.global_batch_size, num_microbatches=a.num_microbatches,
+               seed=a.seed, **_overrides(a))
+    ok = r["max_abs_diff"] <= a.tolerance
+    if a.json:
+        print(json.dumps(r | {"ok": ok, "tolerance": a.tolerance}))
+        return 0 if ok else 1
+    print(f"{'step':>4}  {'eager loss':>12}  {'meshplan loss':>13}  {'|diff|':>9}")
+    for i, (x, y) in enumerate(zip(r["ref_losses"], r["losses"])):
+        print(f"{i:>4}  {x:>12.6f}  {y:>13.6f}  {abs(x - y):>9.2e}")
+    verdict = "OK" if ok else "MISMATCH"
+    print(f"{verdict}: max |diff| {r['max_abs_diff']:.2e} (tolerance {a.tolerance:g}); "
+          f"step {r['step_s'] * 1e3:.1f} ms vs eager {r['ref_step_s'] * 1e3:.1f} ms")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `meshplan` command."""
+    args = build_parser().parse_args(argv)
+    level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose > 1 else
+                                              logging.INFO if args.verbose else logging.WARNING)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except MeshplanError as e:
+        if args.debug:
+            raise
+        print(f"meshplan: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("meshplan: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""driver: the user-level entry points that tie the layers together."""
