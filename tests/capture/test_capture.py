@@ -1,0 +1,76 @@
+"""capture: module paths, FQNs, losses, and one-line errors for bad models."""
+
+import pytest
+import torch
+from torch import nn
+
+from meshplan.capture import capture
+from meshplan.errors import CaptureError
+from meshplan.ir import Role
+from meshplan.models import build_model, example_batch, model_config
+
+
+def test_gpt_ops_keep_module_paths_and_params_keep_fqns():
+    cfg = model_config("gpt", "tiny")
+    g = capture(build_model(cfg), example_batch(cfg, 2))
+    paths = {op.module_path for op in g.ops}
+    assert {"blocks.3.attn.qkv", "blocks.0.mlp.fc2", "wte", "head"} <= paths
+    params = {v.name: v.meta for v in g.inputs_by_role(Role.PARAM)}
+    assert params["blocks.3.attn.qkv.weight"].shape == (192, 64)
+    assert params["blocks.3.attn.qkv.weight"].dtype.name == "float32"
+    assert all(op.source for op in g.ops)
+    assert g.values[g.loss].meta.shape == ()
+
+
+def test_resnet_buffers_become_updates():
+    cfg = model_config("resnet", "tiny")
+    g = capture(build_model(cfg), example_batch(cfg, 2))
+    buffers = {v.name for v in g.inputs_by_role(Role.BUFFER)}
+    updated = {u.name for u in g.updates}
+    assert "blocks.0.bn1.running_mean" in buffers
+    assert buffers == updated
+
+
+class _Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_model_without_scalar_loss_is_capture_error():
+    with pytest.raises(CaptureError) as e:
+        capture(_Logits(), (torch.randn(2, 4),))
+    msg = str(e.value)
+    assert "not a scalar loss" in msg and "loss_fn=" in msg and "\n" not in msg
+
+
+def test_loss_fn_turns_outputs_into_a_loss():
+    m = _Logits()
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    g = capture(m, (x,), loss_fn=nn.functional.cross_entropy, targets=(y,))
+    assert g.values[g.loss].meta.shape == ()
+    assert {v.name for v in g.inputs_by_role(Role.PARAM)} == {"fc.weight", "fc.bias"}
+    assert any(op.module_path == "fc" for op in g.ops)
+
+
+def test_inputs_that_do_not_fit_are_capture_error():
+    cfg = model_config("resnet", "tiny")
+    images, labels = example_batch(cfg, 2)
+    with pytest.raises(CaptureError) as e:
+        capture(build_model(cfg), (images[:, :1], labels))  # 1 channel, model wants 3
+    assert "torch.export failed" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_gpt3_175b_captures_on_meta_without_weights():
+    cfg = model_config("gpt", "gpt3-175b")
+    module = build_model(cfg, device="meta")
+    g = capture(module, example_batch(cfg, 1, device="meta"))
+    params = g.inputs_by_role(Role.PARAM)
+    assert len(params) == 1157  # 12 per layer x 96 + wte, wpe, ln_f (2), head
+    assert sum(p.meta.numel for p in params) == 175_222_972_416
+    assert len(g.ops) == 1450
+    assert all(p.is_meta for p in module.parameters())

@@ -1,0 +1,68 @@
+"""The CLI: verbs work, and user mistakes are one line with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshplan", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_user_error(p: subprocess.CompletedProcess, phrase: str) -> None:
+    assert p.returncode == 2, p
+    assert "Traceback" not in p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("meshplan: error: ")
+    assert phrase in lines[0]
+
+
+def test_verify_json_reports_equal_losses():
+    p = run("verify", "--model", "gpt", "--size", "tiny", "--steps", "3", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert len(r["losses"]) == len(r["ref_losses"]) == 3
+    assert r["max_abs_diff"] <= 1e-5
+
+
+def test_verify_table():
+    p = run("verify", "--model", "resnet", "--steps", "2")
+    assert p.returncode == 0, p.stderr
+    assert "OK: max |diff|" in p.stdout
+
+
+def test_inspect_json_counts():
+    p = run("inspect", "--model", "bert", "--size", "tiny", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["layers"] == 4 and r["params"] > 0 and r["generic_ops"] == []
+
+
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (("verify", "--model", "gtp"), "unknown model 'gtp'"),
+        (("verify", "--model", "gpt", "--size", "huge"), "unknown size 'huge'"),
+        (("verify", "--heads", "5"), "heads=5 does not divide hidden=64"),
+        (("verify", "--hidden", "-4"), "hidden"),
+        (("inspect", "--model", "resnet", "--vocab", "10"), "vocab"),
+        (("verify", "--num-microbatches", "3"), "micro-batches"),
+    ],
+)
+def test_user_mistakes_are_one_line(args, phrase):
+    assert_user_error(run(*args), phrase)
+
+
+def test_debug_shows_the_traceback():
+    p = run("--debug", "verify", "--model", "gtp")
+    assert p.returncode != 0 and "Traceback" in p.stderr
+
+
+def test_every_verb_has_help_with_examples():
+    for verb in ("inspect", "verify"):
+        p = run(verb, "--help")
+        assert p.returncode == 0 and "examples:" in p.stdout
