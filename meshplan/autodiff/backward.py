@@ -17,7 +17,16 @@ from __future__ import annotations
 from meshplan.autodiff.optimizer import SLOTS, OptimizerConfig, slot_meta_shape
 from meshplan.errors import CaptureError
 from meshplan.ir import (
-    DType, Graph, GraphBuilder, Op, Phase, Ref, Role, TensorMeta, Update, verify,
+    DType,
+    Graph,
+    GraphBuilder,
+    Op,
+    Phase,
+    Ref,
+    Role,
+    TensorMeta,
+    Update,
+    verify,
 )
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for

@@ -32,7 +32,7 @@ class OptimizerConfig:
             raise ConfigError(f"unknown optimizer '{self.kind}': choose sgd or adamw")
 
     @staticmethod
-    def default(kind: str) -> "OptimizerConfig":
+    def default(kind: str) -> OptimizerConfig:
         """torch-like defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(1e-3, wd 0.01)."""
         if kind == "adamw":
             return OptimizerConfig("adamw", lr=1e-3, weight_decay=0.01)

@@ -15,9 +15,11 @@ from meshplan.ir.graph import (
     Update,
     Value,
 )
+from meshplan.ir.serialize import graph_from_bytes, graph_to_bytes, load_graph, save_graph
 from meshplan.ir.verify import verify
 
 __all__ = [
     "ABSENT",    "Arg", "DType", "Graph", "GraphBuilder", "Lit", "Op", "Phase", "Ref", "Role",
     "TensorMeta", "Update", "Value", "verify",
+    "graph_from_bytes", "graph_to_bytes", "load_graph", "save_graph",
 ]

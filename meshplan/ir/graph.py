@@ -49,7 +49,7 @@ class DType:
     name: str
 
     @staticmethod
-    def of(dtype: torch.dtype) -> "DType":
+    def of(dtype: torch.dtype) -> DType:
         return DType(str(dtype).removeprefix("torch."))
 
     @property
@@ -69,7 +69,7 @@ class TensorMeta:
     dtype: DType
 
     @staticmethod
-    def of(t: torch.Tensor) -> "TensorMeta":
+    def of(t: torch.Tensor) -> TensorMeta:
         return TensorMeta(tuple(int(s) for s in t.shape), DType.of(t.dtype))
 
     @property

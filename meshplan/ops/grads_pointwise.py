@@ -35,9 +35,9 @@ def sub_grad(e, op, gouts, needs):
 
 
 def rsub_grad(e, op, gouts, needs):
-    # rsub(a, b, alpha) = b - alpha * a
+    # rsub(a, b, alpha) = b - alpha * a; rsub.Scalar takes alpha positionally
     (g,) = gouts
-    alpha = dict(op.kwargs).get("alpha", 1)
+    alpha = arg(op, 2, "alpha", 1)
     return _pair(e, op, needs, lambda: _scaled(e, g, -alpha), lambda: g)
 
 

@@ -109,11 +109,15 @@ def _expand_reduced(e, op, g, keepdim_index):
     x = op.args[0]
     shape = e.meta(x).shape
     dims = arg(op, 1, "dim", None)
+    if dims == ():
+        dims = None  # an empty dim list reduces every dim, as None does
     keepdim = arg(op, keepdim_index, "keepdim", False) if dims is not None else False
     if dims is not None and not keepdim and shape:
         dims = (dims,) if isinstance(dims, int) else dims
         kept = [1 if i in {d % len(shape) for d in dims} else s for i, s in enumerate(shape)]
         g = e.call("aten.reshape.default", g, tuple(kept))
+    if e.meta(g).dtype != e.meta(x).dtype:  # `dtype=` reduced in another dtype
+        g = e.call("aten._to_copy.default", g, dtype=e.meta(x).dtype)
     return e.call("aten.expand.default", g, shape)
 
 

@@ -11,7 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any, Callable
 
 import torch
@@ -57,7 +57,7 @@ def infer_outputs(kind: str, args: tuple, kwargs: tuple, meta_of) -> tuple[Tenso
     return _infer_cached(kind, to_sig(args, meta_of), to_sig(kwargs, meta_of))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _infer_cached(kind: str, sig_args: tuple, sig_kwargs: tuple) -> tuple[TensorMeta, ...]:
     from meshplan.ops.table import rule_for  # the table imports this module
 

@@ -4,7 +4,9 @@ Invariants:
 - `accumulate_grad` and the optimizer kernels update state in place and
   return it: their outputs alias their state inputs, as the rule says.
 - The optimizer kernels call torch's own functional optimizers, so the
-  arithmetic is the same as `torch.optim.SGD` / `torch.optim.AdamW`.
+  arithmetic is the same as `torch.optim.SGD` / `torch.optim.AdamW`. Their
+  `*_multi` forms take one list per argument; the executor batches a run of
+  optimizer ops into one such call, as `torch.optim` itself does.
 """
 
 from __future__ import annotations
@@ -32,24 +34,37 @@ def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     return acc.add_(g)
 
 
-def sgd_step(param, grad, momentum_buf, lr, momentum, weight_decay, dampening, nesterov):
-    """One `torch.optim.SGD` step on one parameter; returns (param, buf)."""
-    bufs = [momentum_buf]
+def sgd_multi(params, grads, bufs, lr, momentum, weight_decay, dampening, nesterov):
+    """`torch.optim.SGD` steps on lists of parameters; returns (params, bufs)."""
+    bufs = list(bufs)
     with torch.no_grad():
         _sgd(
-            [param], [grad], bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
+            params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
             dampening=dampening, nesterov=nesterov, maximize=False, foreach=False,
         )
-    return param, bufs[0]
+    return params, bufs
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
-    """One `torch.optim.AdamW` step on one parameter; returns its new state."""
+def sgd_step(param, grad, buf, **hp):
+    """One SGD step on one parameter; returns (param, buf)."""
+    (p,), (b,) = sgd_multi([param], [grad], [buf], **hp)
+    return p, b
+
+
+def adamw_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
+                weight_decay):
+    """`torch.optim.AdamW` steps on lists of parameters; returns the new state lists."""
     with torch.no_grad():
         _adamw(
-            [param], [grad], [exp_avg], [exp_avg_sq], [], [step], foreach=False,
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False,
             capturable=False, differentiable=False, fused=None, grad_scale=None,
             found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
             lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
         )
-    return param, exp_avg, exp_avg_sq, step
+    return params, exp_avgs, exp_avg_sqs, steps
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, step, **hp):
+    """One AdamW step on one parameter; returns its new state."""
+    out = adamw_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], **hp)
+    return tuple(x[0] for x in out)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 from meshplan.errors import CaptureError
 
 
-@lru_cache(maxsize=None)
+@cache
 def resolve_aten(kind: str):
     """`aten.linear.default` -> `torch.ops.aten.linear.default`."""
     parts = kind.split(".")

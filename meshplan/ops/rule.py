@@ -41,3 +41,7 @@ class OpRule:
     temp_bytes: Optional[Callable] = None  # (arg signature) -> int
     exact: bool = True
     differentiable: bool = True
+    # Kernel over lists: one list per tensor argument, the literal kwargs
+    # shared; returns one list per output. Lets the executor run a run of
+    # such ops (one per parameter) as a single call.
+    batched: Optional[Callable] = None

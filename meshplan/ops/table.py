@@ -22,6 +22,7 @@ _GRADS = {
     "aten.add.Tensor": pw.add_grad,
     "aten.sub.Tensor": pw.sub_grad,
     "aten.rsub.Scalar": pw.rsub_grad,
+    "aten.rsub.Tensor": pw.rsub_grad,
     "aten.mul.Tensor": pw.mul_grad,
     "aten.div.Tensor": pw.div_grad,
     "aten.neg.default": pw.neg_grad,
@@ -39,11 +40,13 @@ _GRADS = {
     "aten.contiguous.default": pw.identity_grad,
     "aten.alias.default": pw.identity_grad,
     "aten._to_copy.default": pw.to_copy_grad,
+    "aten.to.dtype": pw.to_copy_grad,
     # layout and views
     "aten.view.default": sh.view_grad,
     "aten.reshape.default": sh.view_grad,
     "aten._unsafe_view.default": sh.view_grad,
     "aten.unsqueeze.default": sh.view_grad,
+    "aten.squeeze.default": sh.view_grad,
     "aten.squeeze.dim": sh.view_grad,
     "aten.squeeze.dims": sh.view_grad,
     "aten.flatten.using_ints": sh.view_grad,
@@ -119,11 +122,11 @@ _MESHPLAN = {
     "meshplan.vjp": OpRule("meshplan.vjp", vjp_kernel, infer=vjp_infer, differentiable=False),
     "meshplan.sgd": OpRule(
         "meshplan.sgd", kernels.sgd_step, differentiable=False,
-        infer=lambda a, k: (a[0], a[0]),
+        infer=lambda a, k: (a[0], a[0]), batched=kernels.sgd_multi,
     ),
     "meshplan.adamw": OpRule(
         "meshplan.adamw", kernels.adamw_step, differentiable=False,
-        infer=lambda a, k: (a[0], a[2], a[3], a[4]),
+        infer=lambda a, k: (a[0], a[2], a[3], a[4]), batched=kernels.adamw_multi,
     ),
 }
 

@@ -7,7 +7,7 @@ counts calls and cache hits for the compile statistics.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from meshplan.ops.table import rule_for
 
@@ -27,7 +27,7 @@ def temp_bytes(kind: str, sig_args: tuple) -> int:
     return _temp_cached(kind, sig_args)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _temp_cached(kind: str, sig_args: tuple) -> int:
     TempStats.misses += 1
     fn = rule_for(kind).temp_bytes

@@ -55,6 +55,37 @@ def _kernel(kind: str):
     return getattr(k, "_op", k)  # an OpOverload's C++ callable skips a Python frame
 
 
+def _groups(ops: list[Op]) -> list[list[Op]]:
+    """Consecutive ops of one batchable kind and equal literals form a group."""
+    groups: list[list[Op]] = []
+    for op in ops:
+        prev = groups[-1][0] if groups else None
+        if (prev is not None and rule_for(op.kind).batched is not None
+                and prev.kind == op.kind and prev.kwargs == op.kwargs):
+            groups[-1].append(op)
+        else:
+            groups.append([op])
+    return groups
+
+
+def _call_line(group: list[Op], consts: _Consts, device) -> str:
+    """`outputs = kernel(args)` for one op, or one batched call for a group."""
+    def outs(op):
+        return [f"v{o}" if o != ABSENT else "_" for o in op.outputs]
+
+    kw = [f"{k}={_expr(v, consts, device)}" for k, v in group[0].kwargs]
+    if len(group) == 1:
+        (op,) = group
+        args = [_expr(a, consts, device) for a in op.args] + kw
+        target = ", ".join(outs(op)) if len(op.outputs) > 1 else outs(op)[0]
+        return f"    {target} = {consts.ref(_kernel(op.kind))}({', '.join(args)})"
+    kernel = consts.ref(rule_for(group[0].kind).batched)
+    columns = zip(*(op.args for op in group))
+    args = ["[" + ", ".join(_expr(a, consts, device) for a in col) + "]" for col in columns]
+    targets = ", ".join("[" + ", ".join(col) + "]" for col in zip(*(outs(op) for op in group)))
+    return f"    {targets} = {kernel}({', '.join(args + kw)})"
+
+
 def compile_segment(
     graph: Graph,
     ops: Iterable[Op],
@@ -67,26 +98,25 @@ def compile_segment(
     """A function `f(env, mem)` that runs `ops` in order.
 
     `reads`: value ids the segment takes from `env`; `keeps`: value ids it
-    must leave in `env` for later segments."""
-    ops = list(ops)
+    must leave in `env` for later segments. Runs of batchable ops (see
+    `OpRule.batched`) become one call."""
+    groups = _groups(list(ops))
     keeps, reads = set(keeps), set(reads)
     consts = _Consts()
     last_use = {}
-    for i, op in enumerate(ops):
-        for r in op.refs():
-            last_use[r] = i
+    for i, group in enumerate(groups):
+        for op in group:
+            for r in op.refs():
+                last_use[r] = i
     lines = [f"def {name}(env, mem):"]
-    lines += [f"    v{r} = env[{r}]" for r in sorted(set(reads))]
-    for i, op in enumerate(ops):
-        args = [_expr(a, consts, device) for a in op.args]
-        args += [f"{k}={_expr(v, consts, device)}" for k, v in op.kwargs]
-        call = f"{consts.ref(_kernel(op.kind))}({', '.join(args)})"
-        outs = [f"v{o}" if o != ABSENT else "_" for o in op.outputs]
-        target = outs[0] if len(outs) == 1 else ", ".join(outs)
-        lines.append(f"    {target} = {call}")
-        lines += [f"    mem.add(v{o})" for o in op.outputs if o != ABSENT]
-        dead = [r for r in dict.fromkeys(op.refs()) if last_use[r] == i and r not in keeps]
-        dead += [o for o in op.outputs if o != ABSENT and o not in last_use and o not in keeps]
+    lines += [f"    v{r} = env[{r}]" for r in sorted(reads)]
+    for i, group in enumerate(groups):
+        lines.append(_call_line(group, consts, device))
+        made = [o for op in group for o in op.outputs if o != ABSENT]
+        lines += [f"    mem.add(v{o})" for o in made]
+        used = dict.fromkeys(r for op in group for r in op.refs())
+        dead = [r for r in used if last_use[r] == i and r not in keeps]
+        dead += [o for o in made if o not in last_use and o not in keeps]
         for d in dead:  # values read from env are owned by env: no mem.drop
             lines.append(f"    del v{d}" if d in reads else f"    mem.drop(v{d}); del v{d}")
     lines += [f"    env[{k}] = v{k}" for k in sorted(keeps)]

@@ -103,7 +103,7 @@ def test_integral_float_stays_float_and_bool_stays_bool():
     args = graph_from_json(graph_to_json(small_graph())).ops[0].args
     lits = args[2:]
     assert [type(x) for x in lits] == [type(x) for x in LITERALS]
-    assert type(lits[LITERALS.index(1.0)]) is float
+    assert type(lits[7]) is float and lits[7] == 1.0
     assert math.copysign(1, lits[8]) == -1.0  # -0.0 keeps its sign
     assert lits[1] is True and lits[3] == 0 and type(lits[3]) is int
 
@@ -165,30 +165,28 @@ def _stable_digest(graph: Graph) -> str:
 
 _DIGEST_SCRIPT = """
 import dataclasses, hashlib, torch
+from meshplan.autodiff import build_train_step
 from meshplan.capture import capture
 from meshplan.ir import graph_to_bytes
 from meshplan.models import build_model, example_batch, model_config
 torch.manual_seed(0)
 cfg = model_config("gpt", "tiny")
-g = capture(build_model(cfg), example_batch(cfg, 2))
+g = build_train_step(capture(build_model(cfg), example_batch(cfg, 2)))
 g = dataclasses.replace(g, meta=tuple(kv for kv in g.meta if kv[0] != "capture_s"))
 print(hashlib.sha256(graph_to_bytes(g)).hexdigest())
 """
 
 
 def test_bytes_identical_across_processes():
-    """Two fresh interpreters (different hash seeds) and this one agree."""
-    procs = [subprocess.Popen([sys.executable, "-c", _DIGEST_SCRIPT], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONHASHSEED": seed})
-             for seed in ("1", "2")]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
-    digests = {out.strip() for out, _ in outs}
+    """A fresh interpreter with another hash seed writes the same bytes as this one."""
+    seed = "54321" if os.environ.get("PYTHONHASHSEED") == "12345" else "12345"
+    child = subprocess.run([sys.executable, "-c", _DIGEST_SCRIPT], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": seed})
+    assert child.returncode == 0, child.stderr[-2000:]
     torch.manual_seed(0)
     cfg = model_config("gpt", "tiny")
-    digests.add(_stable_digest(capture(build_model(cfg), example_batch(cfg, 2))))
-    assert len(digests) == 1, digests
+    here = _stable_digest(build_train_step(capture(build_model(cfg), example_batch(cfg, 2))))
+    assert child.stdout.strip() == here
 
 
 _names = st.text(max_size=8)
@@ -200,7 +198,7 @@ _leaf = st.one_of(
 _lits = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=20)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(args=st.lists(_lits, max_size=6).map(tuple),
        kwargs=st.lists(st.tuples(_names, _lits), max_size=3).map(tuple))
 def test_random_literals_round_trip(args, kwargs):

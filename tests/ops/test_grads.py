@@ -144,6 +144,7 @@ CASES = {
     "sub_alpha": C(lambda a, b: torch.sub(a, b, alpha=3), ((1, 4), (3, 1)), "aten.sub.Tensor"),
     "sub_scalar": C(lambda a: a - 1.5, ((3,),), "aten.sub.Tensor"),
     "rsub": C(lambda a: 1.0 - a, ((3, 4),), "aten.rsub.Scalar"),
+    "rsub_tensor": C(lambda a, b: torch.rsub(a, b, alpha=2), ((3, 4), (4,)), "aten.rsub.Tensor"),
     "rsub_alpha": C(lambda a: torch.rsub(a, 2.0, alpha=3), ((3, 4),), "aten.rsub.Scalar"),
     "mul": C(lambda a, b: a * b, ((3, 4), (3, 4)), "aten.mul.Tensor"),
     "mul_bcast": C(lambda a, b: a * b, ((3, 1), (2, 1, 4)), "aten.mul.Tensor"),
@@ -173,6 +174,7 @@ CASES = {
     "reshape": C(lambda a: a.reshape(4, 3), ((3, 4),), "aten.reshape.default"),
     "unsqueeze": C(lambda a: a.unsqueeze(-1), ((3, 4),), "aten.unsqueeze.default"),
     "squeeze_dim": C(lambda a: a.squeeze(1), ((3, 1, 4),), "aten.squeeze.dim"),
+    "squeeze_all": C(lambda a: a.squeeze(), ((3, 1, 4),), "aten.squeeze.default"),
     "squeeze_dims": C(lambda a: a.squeeze((0, 2)), ((1, 3, 1, 4),), "aten.squeeze.dims"),
     "flatten": C(lambda a: a.flatten(1), ((2, 3, 4),), "aten.flatten.using_ints"),
     "transpose": C(lambda a: a.transpose(0, -1), ((2, 3, 4),), "aten.transpose.int"),
@@ -202,9 +204,12 @@ CASES = {
     "sum": C(lambda a: a.sum(), ((3, 4),), "aten.sum.default"),
     "sum_dim": C(lambda a: a.sum(1), ((2, 3, 4),), "aten.sum.dim_IntList"),
     "sum_dims_neg": C(lambda a: a.sum((0, -1)), ((2, 3, 4),), "aten.sum.dim_IntList"),
+    "sum_empty_dims": C(lambda a: a.sum(()), ((2, 3),), "aten.sum.dim_IntList"),
+    "sum_dtype": C(lambda a: a.sum(dtype=F32), ((2, 3),), "aten.sum.default", tol=1e-6),
     "sum_keepdim": C(lambda a: a.sum(-1, keepdim=True), ((2, 3, 4),), "aten.sum.dim_IntList"),
     "mean": C(lambda a: a.mean(), ((3, 4),), "aten.mean.default"),
     "mean_dim": C(lambda a: a.mean(0), ((2, 3, 4),), "aten.mean.dim"),
+    "mean_none": C(lambda a: a.mean(dim=None), ((2, 3),), "aten.mean.dim"),
     "mean_keepdim": C(lambda a: a.mean((1, 2), keepdim=True), ((2, 3, 4),), "aten.mean.dim"),
     # matmuls
     "linear": C(F.linear, ((3, 4), (5, 4), (5,)), "aten.linear.default"),
@@ -239,12 +244,21 @@ CASES = {
     "embedding_padding_idx": C(lambda w, i: F.embedding(i, w, padding_idx=1), ((6, 3),),
                                "aten.embedding.default",
                                inputs=lambda: (torch.tensor([[0, 1, 4, 1], [1, 5, 0, 2]]),)),
+    "embedding_scale_by_freq": C(lambda w, i: F.embedding(i, w, scale_grad_by_freq=True),
+                                 ((6, 3),), "aten.embedding.default",
+                                 inputs=lambda: (torch.tensor([[0, 1, 4, 1], [1, 5, 0, 1]]),)),
     "cross_entropy": C(F.cross_entropy, ((6, 5),), "aten.nll_loss_forward.default",
                        inputs=_ce_targets),
     "cross_entropy_sum": C(lambda x, t: F.cross_entropy(x, t, reduction="sum"), ((6, 5),),
                            "aten.nll_loss_forward.default", inputs=_ce_targets),
     "cross_entropy_none": C(lambda x, t: F.cross_entropy(x, t, reduction="none"), ((6, 5),),
                             "aten.nll_loss_forward.default", inputs=_ce_targets),
+    "cross_entropy_weight_ignore0": C(
+        lambda x, t, w: F.cross_entropy(x, t, weight=w, ignore_index=0), ((6, 5),),
+        "aten.nll_loss_forward.default",
+        inputs=lambda: (torch.tensor([0, 1, 4, 0, 2, 3]), torch.rand(5, dtype=F64) + 0.5)),
+    "cross_entropy_1d": C(F.cross_entropy, ((5,),), "aten.nll_loss_forward.default",
+                          inputs=lambda: (torch.tensor(3),)),
     "cross_entropy_3d": C(F.cross_entropy, ((3, 5, 2),), "aten.cross_entropy_loss.default",
                           inputs=_ints(3, 2), generic=True),
     "cross_entropy_smoothing": C(lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1),
@@ -266,16 +280,26 @@ CASES = {
                     "aten.max_pool2d_with_indices.default"),
     "max_pool2d_pad": C(lambda a: F.max_pool2d(a, 3, stride=2, padding=1), ((2, 3, 7, 7),),
                         "aten.max_pool2d_with_indices.default"),
+    "max_pool2d_ceil_dilation": C(lambda a: F.max_pool2d(a, 2, 2, 0, 2, ceil_mode=True),
+                                  ((1, 2, 7, 7),), "aten.max_pool2d_with_indices.default"),
     "avg_pool2d": C(lambda a: F.avg_pool2d(a, 2), ((2, 3, 6, 6),), "aten.avg_pool2d.default"),
     "avg_pool2d_pad": C(lambda a: F.avg_pool2d(a, 3, 2, 1, count_include_pad=False),
                         ((2, 3, 7, 7),), "aten.avg_pool2d.default"),
+    "avg_pool2d_divisor_ceil": C(lambda a: F.avg_pool2d(a, 2, ceil_mode=True, divisor_override=3),
+                                 ((1, 2, 5, 5),), "aten.avg_pool2d.default"),
     "adaptive_avg_pool2d": C(lambda a: F.adaptive_avg_pool2d(a, 2), ((2, 3, 6, 6),),
                              "aten._adaptive_avg_pool2d.default"),
     "adaptive_avg_pool2d_uneven": C(lambda a: F.adaptive_avg_pool2d(a, (3, 2)), ((2, 3, 7, 5),),
                                     "aten._adaptive_avg_pool2d.default"),
     # identity-like
     "clone": C(torch.clone, ((3, 4),), "aten.clone.default"),
-    "to_dtype": C(lambda a: a.to(F32), ((3, 4),), "aten._to_copy.default"),
+    "contiguous": C(lambda a: a.t().contiguous(), ((3, 4),), "aten.contiguous.default"),
+    "alias": C(torch.ops.aten.alias.default, ((3, 4),), "aten.alias.default"),
+    "unsafe_view": C(lambda a: torch.ops.aten._unsafe_view.default(a, (2, 6)), ((3, 4),),
+                     "aten._unsafe_view.default"),
+    "to_copy": C(lambda a: torch.ops.aten._to_copy.default(a, dtype=F32), ((3, 4),),
+                 "aten._to_copy.default"),
+    "to_dtype": C(lambda a: a.to(F32), ((3, 4),), "aten.to.dtype"),
 }
 
 
@@ -301,3 +325,73 @@ def test_every_exact_rule_has_a_case():
     # training IR for these modules; their rule is the shared view/identity rule.
     assert untested <= {"aten._unsafe_view.default", "aten.contiguous.default",
                         "aten.alias.default"}, sorted(untested)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_dropout_matches_eager_under_the_same_seed(p):
+    # [Note: dropout RNG] eager F.dropout and aten.native_dropout both draw
+    # the mask with one `bernoulli_(1 - p)` on the CPU generator, so
+    # re-seeding before each run gives the same mask (measured: bit-equal).
+    case = Case(lambda a: F.dropout(a, p, True), ((16, 8),), "aten.native_dropout.default")
+    torch.manual_seed(0)
+    module = OpModule(case)
+    module.add_cotangents()
+    step, state, loss = train_one_step(module, (), seed=123)
+    want = eager_one_step(module, (), seed=123)
+    kinds = {op.kind for op in step.ops}
+    assert not any("dropout" in k for k in kinds) if p == 0 else case.kind in kinds
+    assert "meshplan.vjp" not in kinds
+    assert math.isclose(loss, want, rel_tol=1e-12)
+    assert_grads_match(module, state, 1e-12)
+    if p:  # the mask itself: zero where dropped, cot / (1 - p) where kept
+        grad, cot = state["p0@grad"], module.cot0
+        torch.manual_seed(123)
+        kept = F.dropout(torch.ones_like(cot), p, True) != 0
+        assert 0 < kept.sum() < kept.numel()
+        assert torch.equal(grad == 0, ~kept)
+        torch.testing.assert_close(grad[kept], cot[kept] / (1 - p), rtol=1e-12, atol=0)
+
+
+def test_dropout_off_in_eval_is_identity():
+    module = nn.Sequential(nn.Dropout(0.5))
+    case = Case(lambda a: module(a), ((4, 3),), "aten.mul.Tensor")
+    module.eval()
+    torch.manual_seed(0)
+    m = OpModule(case)
+    m.add_cotangents()
+    m.eval()
+    step, state, _ = train_one_step(m, ())
+    assert not any("dropout" in op.kind for op in step.ops)
+    eager_one_step(m, ())
+    assert_grads_match(m, state, 1e-12)
+
+
+class _BatchNormModule(nn.Module):
+    def __init__(self, affine: bool):
+        super().__init__()
+        self.x = nn.Parameter(torch.randn(3, 4, 5, 5, dtype=F64))
+        self.bn = nn.BatchNorm2d(4, affine=affine, momentum=0.2, dtype=F64)
+        if affine:
+            with torch.no_grad():
+                self.bn.weight.uniform_(0.5, 1.5)
+                self.bn.bias.normal_()
+        self.bn.running_mean.normal_()
+        self.register_buffer("cot", torch.randn(3, 4, 5, 5, dtype=F64))
+
+    def forward(self):
+        return (self.bn(self.x) * self.cot).sum()
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_train_grads_and_running_stats(affine):
+    torch.manual_seed(0)
+    module = _BatchNormModule(affine)
+    step, state, loss = train_one_step(module, ())
+    assert_rule_used(step, "aten._native_batch_norm_legit_functional.default", generic=False)
+    want = eager_one_step(module, ())
+    assert math.isclose(loss, want, rel_tol=1e-10, abs_tol=1e-10)
+    assert_grads_match(module, state, 1e-10)
+    for name, buf in module.named_buffers():
+        if name.startswith("bn."):
+            torch.testing.assert_close(state[name], buf, rtol=1e-12, atol=0, msg=name)
+    assert int(state["bn.num_batches_tracked"]) == 1

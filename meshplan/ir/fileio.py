@@ -1,0 +1,151 @@
+"""Files meshplan writes: atomic, versioned, checksummed JSON envelopes.
+
+Invariants:
+- A file is written whole or not at all: `write_atomic` writes a temp file
+  in the target's directory, fsyncs it and `os.replace`s it into place; on
+  any failure the temp file is removed. Readers never see a partial file.
+- A sealed file is one line of ASCII JSON,
+  `{"format":K,"version":V,"sha256":H,"body":B}` plus a newline, where B is
+  the canonical JSON of the body (sorted keys, no spaces, no NaN/Infinity)
+  and H the sha256 of B. Sealing the same body twice gives the same bytes.
+- `unseal` accepts only the expected format and version, and only a body
+  whose canonical bytes still match H. The checksum catches corruption and
+  stray edits; it is not a signature.
+- Every failure to read is a `PlanError` of one line: what, where, and how
+  to fix it. Nothing here uses pickle: reading a file never runs code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from meshplan.errors import PlanError
+
+_NEW_FILE_MODE = 0o644  # mkstemp makes 0o600; plan files are read by every rank
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the new one.
+
+    Raises `PlanError` when the file cannot be written; no temp file is left
+    behind, whatever fails."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        mode = _NEW_FILE_MODE
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _fsync_dir(path.parent)
+    except OSError as e:
+        raise PlanError(f"cannot write {path}: {e.strerror or e}; "
+                        "check that its directory exists and is writable") from e
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (best effort: not every OS allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def canonical(body: dict) -> bytes:
+    """The canonical bytes of a JSON body: what the checksum covers."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return text.encode("ascii")
+
+
+def seal(kind: str, version: int, body: dict) -> bytes:
+    """Wrap `body` in a checksummed envelope; deterministic byte for byte.
+
+    `body` must hold JSON types only, with finite floats (ValueError if not:
+    that is a bug in the caller's encoder)."""
+    data = canonical(body)
+    head = (f'{{"format":{json.dumps(kind)},"version":{int(version)},'
+            f'"sha256":"{hashlib.sha256(data).hexdigest()}","body":')
+    return head.encode("ascii") + data + b"}\n"
+
+
+def unseal(data: bytes, kind: str, version: int, where: str) -> dict:
+    """Check an envelope written by `seal` and return its body.
+
+    `where` (the file path) goes into every error message."""
+    env = _parse(data, where)
+    if not isinstance(env, dict) or not {"format", "version", "sha256", "body"} <= env.keys():
+        raise _unreadable(where)
+    got_kind, got_version, digest, body = (env["format"], env["version"], env["sha256"],
+                                           env["body"])
+    if got_kind != kind:
+        raise PlanError(f"{where} is a {_short(got_kind)} file, not a {kind!r} file; "
+                        "pass the right file, or recompile it")
+    if type(got_version) is not int:
+        raise _unreadable(where)
+    if got_version != version:
+        raise PlanError(f"{where} was written by format version {got_version}, this meshplan "
+                        f"reads version {version}; recompile it with this version")
+    if not isinstance(body, dict) or not isinstance(digest, str):
+        raise _unreadable(where)
+    try:
+        actual = hashlib.sha256(canonical(body)).hexdigest()
+    except (ValueError, RecursionError):  # e.g. 1e999 edited in: not canonical
+        actual = ""
+    if actual != digest:
+        raise PlanError(f"{where}: checksum mismatch: the file was edited or corrupted; "
+                        "recompile it")
+    return body
+
+
+def read_sealed(path: str | os.PathLike, kind: str, version: int) -> dict:
+    """Read the file at `path` and `unseal` it."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PlanError(f"{path} does not exist; check the path, or compile it first") from None
+    except OSError as e:
+        raise PlanError(f"cannot read {path}: {e.strerror or e}; check its permissions") from e
+    return unseal(data, kind, version, str(path))
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _parse(data: bytes, where: str):
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise _unreadable(where) from None
+
+
+def _unreadable(where: str) -> PlanError:
+    return PlanError(f"{where} is truncated or not a meshplan file; recompile it")
+
+
+def _short(x) -> str:
+    """A value read from a file, made safe for a one-line message."""
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
