@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import operator
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +79,6 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
 
     With `loss_fn`, the loss is `loss_fn(module(*inputs), *targets)`.
     Works on a module built on the `meta` device (no weights allocated)."""
-    t0 = time.perf_counter()
     model = _WithLoss(module, loss_fn, len(inputs)) if loss_fn is not None else module
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
@@ -92,8 +90,6 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
                            f"{_first_line(e)}; check that the inputs fit the model") from e
     graph = _translate(ep, prefix, type(module).__name__)
-    graph = Graph(graph.values, graph.ops, graph.inputs, graph.loss, graph.updates,
-                  graph.meta + (("capture_s", f"{time.perf_counter() - t0:.3f}"),))
     verify(graph)
     return graph
 

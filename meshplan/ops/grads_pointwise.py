@@ -53,7 +53,7 @@ def mul_grad(e, op, gouts, needs):
 
 def div_grad(e, op, gouts, needs):
     (g,) = gouts
-    a, b = op.args[0], op.args[1]
+    b = op.args[1]
     ga = e.call("aten.div.Tensor", g, b)
     out = out_ref(op, 0)
     return _pair(
