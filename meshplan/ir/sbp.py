@@ -1,0 +1,96 @@
+"""SBP: how a logical tensor lives on the ranks of one mesh axis.
+
+Invariants:
+- `Shard(dim)`: split along `dim` into near-equal contiguous parts (the
+  first `size % n` parts one longer), part `i` on the axis's `i`-th rank.
+- `Replicate()`: every rank holds the whole tensor.
+- `Partial(op)`: every rank holds a tensor of the full shape; the logical
+  value is their reduction by `op` ("sum" or "max").
+- An N-D SBP (`NdSbp`) has one entry per axis of a placement's rank grid,
+  outermost first. Shards on several axes of one dim nest: the outer axis
+  splits first, the inner axis splits each part again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    op: str = "sum"
+
+    def __str__(self) -> str:
+        return "P" if self.op == "sum" else f"P({self.op})"
+
+
+Sbp = Union[Shard, Replicate, Partial]
+NdSbp = tuple[Sbp, ...]
+R = Replicate()
+P = Partial()
+
+
+def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part `index` when `size` splits into `parts` near-equal parts."""
+    base, extra = divmod(size, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+Box = tuple[tuple[int, int], ...]
+
+
+def local_box(shape: tuple[int, ...], sbp: NdSbp, grid: tuple[int, ...],
+              coord: tuple[int, ...]) -> Box:
+    """The slice of a logical tensor of `shape` held at grid coordinate `coord`."""
+    box = [(0, s) for s in shape]
+    for axis, s in enumerate(sbp):
+        if isinstance(s, Shard):
+            lo, hi = box[s.dim]
+            a, b = split_range(hi - lo, grid[axis], coord[axis])
+            box[s.dim] = (lo + a, lo + b)
+    return tuple(box)
+
+
+def local_shape(shape: tuple[int, ...], sbp: NdSbp, grid: tuple[int, ...],
+                coord: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of the local tensor at `coord`."""
+    return tuple(b - a for a, b in local_box(shape, sbp, grid, coord))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None if they do not overlap."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def box_numel(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def fmt(sbp: NdSbp) -> str:
+    """`(S(0), R)` -> `S(0)R`: the compact form used in reports and goldens."""
+    return "".join(str(s) for s in sbp)
