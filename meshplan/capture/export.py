@@ -193,6 +193,8 @@ def _add_call(ctx: _Ctx, node, prefix: str) -> None:
     try:
         _emit_node(ctx, e, node, kind)
     except CaptureError as err:
+        if "module '" in str(err):
+            raise
         raise CaptureError(f"{err} [op {kind} at {_where(node)}]") from err
     except Exception as err:  # a kernel or shape function refused the op
         raise CaptureError(f"cannot capture {kind} at {_where(node)}: {_first_line(err)}") from err

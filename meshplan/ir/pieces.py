@@ -68,12 +68,13 @@ def recv_pieces(shape, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: 
 def send_pieces(shape, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: NdSbp,
                 src_rank: int) -> list[Piece]:
     """The pieces source `src_rank` sends, in destination-rank order."""
+    assert not any(isinstance(s, Partial) for s in src_sbp), "reduce Partial before transfer"
     coord = src.coord(src_rank)
     have = local_box(shape, src_sbp, src.grid, coord)
     reps = _replicas(src, src_sbp, coord)
     out = []
     for index, d in enumerate(dst.ranks):
-        if reps[index % len(reps)] != src_rank:
+        if reps[0] != src_rank:
             continue
         part = intersect(have, local_box(shape, dst_sbp, dst.grid, dst.coord(d)))
         if part is not None:

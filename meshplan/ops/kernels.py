@@ -1,8 +1,8 @@
 """Kernels of meshplan's own ops (those with no single aten op).
 
 Invariants:
-- `accumulate_grad` and the optimizer kernels update state in place and
-  return it: their outputs alias their state inputs, as the rule says.
+- The optimizer kernels update state in place and return it: their outputs
+  alias their state inputs.
 - The optimizer kernels call torch's own functional optimizers, so the
   arithmetic is the same as `torch.optim.SGD` / `torch.optim.AdamW`. Their
   `*_multi` forms take one list per argument; the executor batches a run of
@@ -28,10 +28,12 @@ def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     """Add one micro-batch's gradient into the step's accumulator.
 
     The first micro-batch adopts `g` (no zero-fill, no copy), as autograd
-    does for `.grad`."""
+    does for `.grad`. Later ones add out of place: an adopted `g` may be an
+    expanded view, or the very tensor another parameter adopted, so it must
+    never be written to."""
     if acc is None:
         return g
-    return acc.add_(g)
+    return acc + g
 
 
 def sgd_multi(params, grads, bufs, lr, momentum, weight_decay, dampening, nesterov):

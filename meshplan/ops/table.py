@@ -7,11 +7,13 @@ generic rule (meta-kernel inference, `torch.func.vjp` gradient).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 from meshplan.errors import CaptureError
-from meshplan.ops import cost, grads_nn as nn, grads_pointwise as pw, grads_shape as sh
-from meshplan.ops import kernels
+from meshplan.ops import cost, kernels
+from meshplan.ops import grads_nn as nn
+from meshplan.ops import grads_pointwise as pw
+from meshplan.ops import grads_shape as sh
 from meshplan.ops.canonical import CANONICAL, functionalize
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
 from meshplan.ops.resolve import resolve_aten
@@ -131,7 +133,7 @@ _MESHPLAN = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def rule_for(kind: str) -> OpRule:
     """The rule of `kind`: exact if listed, else the generic rule."""
     if kind in _MESHPLAN:

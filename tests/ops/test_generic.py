@@ -68,7 +68,6 @@ def test_generic_ops_train_like_eager():
         opt.step()
         theirs.append(loss.item())
     diff = max(abs(a - b) for a, b in zip(ours, theirs))
-    print(f"max |loss diff| over 20 steps: {diff:.3g}")
     assert diff <= 1e-5, f"max |loss diff| over 20 steps: {diff:.3g}"
     for name, p in model.named_parameters():
         torch.testing.assert_close(state[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)

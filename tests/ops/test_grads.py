@@ -320,11 +320,7 @@ def test_rule_matches_eager(name):
 def test_every_exact_rule_has_a_case():
     covered = {c.kind for c in CASES.values()} | {"aten.native_dropout.default",
                                                  "aten._native_batch_norm_legit_functional.default"}
-    untested = exact_kinds() - covered
-    # aten._unsafe_view, contiguous and alias never come out of torch.export's
-    # training IR for these modules; their rule is the shared view/identity rule.
-    assert untested <= {"aten._unsafe_view.default", "aten.contiguous.default",
-                        "aten.alias.default"}, sorted(untested)
+    assert exact_kinds() <= covered, sorted(exact_kinds() - covered)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])

@@ -1,0 +1,1 @@
+"""passes: pure functions from a train-step Graph towards a Job."""

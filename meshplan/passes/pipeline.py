@@ -1,0 +1,316 @@
+"""Pipeline partition with automatic PP -> VPP: every op gets a stage and a chunk.
+
+Invariants (of `assign_stages`' result, for a train-step Graph):
+- Layers are the forward ops whose module path `re.match`es the layer
+  pattern; a layer instance is the match text (`blocks.3` for
+  `blocks.3.attn.qkv` under `blocks\\.(\\d+)`), and its forward ops are
+  contiguous (ops matching no layer may sit among them).
+- Forward ops that match no layer belong to the preceding layer; those
+  before the first layer belong to the first one.
+- By default the L layers form `pp * vpp` equal segments in model order and
+  segment `i` goes to stage `i % pp`, chunk `i // pp` (Megatron interleaving):
+
+      L = 8, pp = 2, vpp = 2        segment:  0     1     2     3
+      layers 0-1 2-3 4-5 6-7        stage:    0     1     0     1
+                                    chunk:    0     0     1     1
+
+- A user layout (`layer_stages`) is used as given when it is non-decreasing
+  and vpp == 1, replaced by the default when it is non-decreasing and
+  vpp > 1, and kept with chunks assigned by runs when it is not monotone.
+- A backward op sits with its forward op (`grad_of`); a `meshplan.grad_sum`
+  with the last op (highest id) producing one of its inputs; gradient
+  accumulation and optimizer ops with their parameter, i.e. with the first
+  forward op that reads it. Any other op (the loss-gradient seed) sits with
+  the last producer of its inputs, or else with its first consumer.
+- A parameter is read by forward ops of one stage only (no tying across
+  stages). Graph inputs are not ops and get no entry.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from meshplan.errors import ConfigError
+from meshplan.ir import Graph, Op, Phase, Role
+
+GRAD_SUM = "meshplan.grad_sum"
+ACCUMULATE = "meshplan.accumulate_grad"
+GRAD_SUFFIX = "@grad"  # accumulator `<fqn>@grad` of parameter `<fqn>`
+MAX_EXAMPLES = 5       # module paths shown when the layer pattern matches nothing
+
+Place = tuple[int, int]  # (stage, chunk)
+
+
+@dataclass(frozen=True, slots=True)
+class StageAssignment:
+    """Stage and chunk (virtual stage) of every op, indexed by op id."""
+
+    stage: tuple[int, ...]
+    chunk: tuple[int, ...]
+    layers: tuple[str, ...]       # layer instances in model order ("blocks.0", ...)
+    layer_stage: tuple[int, ...]
+    layer_chunk: tuple[int, ...]
+    notes: tuple[str, ...] = ()   # remarks for the report
+
+    def num_chunks(self) -> int:
+        """Chunks on the stage that has the most (vpp for the default layout)."""
+        return max(self.layer_chunk, default=0) + 1
+
+
+def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
+                  layer_stages: tuple[int, ...] = ()) -> StageAssignment:
+    """Place every op of the train step `graph` on a (stage, chunk).
+
+    Raises `ConfigError` for a pattern that matches nothing, a layer whose
+    ops are not contiguous, a layer count that does not split into
+    `pp * vpp` segments, a bad `layer_stages`, or a parameter tied across
+    stages.
+    """
+    if pp < 1 or vpp < 1:
+        raise ConfigError(f"pp={pp} and vpp={vpp} must both be >= 1; pass --pp and --vpp >= 1")
+    layers, op_layer = find_layers(graph, layer_pattern)
+    stages, chunks, notes = _layout(len(layers), pp, vpp, tuple(layer_stages), layer_pattern)
+    places = _Placer(graph, op_layer, list(zip(stages, chunks))).run()
+    return StageAssignment(
+        stage=tuple(p[0] for p in places), chunk=tuple(p[1] for p in places),
+        layers=tuple(layers), layer_stage=tuple(stages), layer_chunk=tuple(chunks),
+        notes=tuple(notes),
+    )
+
+
+# ---------------------------------------------------------------- layers
+
+
+def find_layers(graph: Graph, layer_pattern: str) -> tuple[list[str], dict[int, int]]:
+    """Layer instances in model order, and the layer index of each forward op."""
+    rx = _compile(layer_pattern)
+    names: dict[str, str | None] = {}  # module path -> layer instance (cache)
+    layers: list[str] = []
+    index: dict[str, int] = {}
+    breaker: dict[int, Op] = {}        # layer index -> first op of the next layer
+    op_layer: dict[int, int] = {}
+    current = 0
+    for op in graph.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        path = op.module_path
+        name = names[path] if path in names else names.setdefault(path, _instance(rx, path))
+        if name is not None and (not layers or name != layers[current]):
+            if name in index:
+                _not_contiguous(graph, name, index[name], breaker, op)
+            if layers:
+                breaker[current] = op
+            current = index[name] = len(layers)
+            layers.append(name)
+        op_layer[op.id] = current
+    if not layers:
+        _no_layers(graph, layer_pattern)
+    return layers, op_layer
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise ConfigError(f"layer pattern {pattern!r} is not a valid regular expression "
+                          f"({err}); fix --layer-pattern, e.g. 'blocks\\.\\d+'") from err
+
+
+def _instance(rx: re.Pattern[str], path: str) -> str | None:
+    m = rx.match(path)
+    # An empty match names no layer (a pattern like '' or '.*?' would
+    # otherwise make one nameless layer of the whole model).
+    return m.group(0) if m and m.group(0) else None
+
+
+def _not_contiguous(graph: Graph, name: str, layer: int, breaker: dict[int, Op], op: Op):
+    mid = breaker[layer]
+    last = max(i for i in range(mid.id) if graph.ops[i].phase is Phase.FORWARD
+               and graph.ops[i].module_path.startswith(name))
+    raise ConfigError(
+        f"layer '{name}' is not contiguous in the forward pass: its ops stop at op #{last}, "
+        f"op #{mid.id} {mid.kind} ('{mid.module_path}') runs in between, and '{name}' "
+        f"resumes at op #{op.id} {op.kind} ('{op.module_path}'); call each layer once, "
+        f"or change --layer-pattern so that one match is one contiguous layer")
+
+
+def _no_layers(graph: Graph, pattern: str):
+    paths = dict.fromkeys(op.module_path for op in graph.ops
+                          if op.phase is Phase.FORWARD and op.module_path)
+    examples = ", ".join(repr(p) for p in list(paths)[:MAX_EXAMPLES]) or "none"
+    raise ConfigError(
+        f"layer pattern {pattern!r} matches no forward op's module path (re.match from "
+        f"the start; module paths include {examples}); pass --layer-pattern with a regex "
+        f"whose match names one layer instance, e.g. 'blocks\\.\\d+'")
+
+
+# ---------------------------------------------------------------- layout
+
+
+def _layout(n: int, pp: int, vpp: int, user: tuple[int, ...], pattern: str):
+    """(stage per layer, chunk per layer, notes)."""
+    if not user:
+        _check_divisible(n, pp, vpp, pattern)
+        return (*_round_robin(n, pp, vpp), [])
+    _check_user(user, n, pp)
+    if any(a > b for a, b in zip(user, user[1:])):
+        return _chunks_by_runs(user, pp, vpp)
+    if vpp == 1:
+        _check_every_stage(user, pp)
+        return list(user), [0] * n, []
+    _check_divisible(n, pp, vpp, pattern)
+    note = (f"layer_stages {list(user)} is non-decreasing and vpp={vpp} > 1, so it is "
+            f"replaced by the interleaved layout: segment i of {pp * vpp} goes to stage "
+            f"i % {pp}, chunk i // {pp}")
+    return (*_round_robin(n, pp, vpp), [note])
+
+
+def _round_robin(n: int, pp: int, vpp: int) -> tuple[list[int], list[int]]:
+    per = n // (pp * vpp)
+    segs = [i // per for i in range(n)]
+    return [s % pp for s in segs], [s // pp for s in segs]
+
+
+def _check_divisible(n: int, pp: int, vpp: int, pattern: str) -> None:
+    if n % (pp * vpp) == 0:
+        return
+    what = (f"{n} layers (matches of {pattern!r}) do not split into pp*vpp = "
+            f"{pp}*{vpp} = {pp * vpp} equal segments")
+    if n % pp:
+        valid = [p for p in range(1, n + 1) if n % p == 0]
+        raise ConfigError(f"{what}; pp must divide the layer count: "
+                          f"valid pp values: {', '.join(map(str, valid))}")
+    valid = [v for v in range(1, n // pp + 1) if n % (pp * v) == 0]
+    raise ConfigError(f"{what}; pass a --vpp that divides {n // pp}: "
+                      f"valid vpp values: {', '.join(map(str, valid))}")
+
+
+def _check_user(user: tuple[int, ...], n: int, pp: int) -> None:
+    if len(user) != n:
+        raise ConfigError(f"layer_stages has {len(user)} entries but the model has {n} "
+                          f"layers; give exactly {n} stage ids, one per layer in model order")
+    bad = [(i, s) for i, s in enumerate(user) if not isinstance(s, int) or not 0 <= s < pp]
+    if bad:
+        i, s = bad[0]
+        raise ConfigError(f"layer_stages[{i}] = {s!r} is outside [0, {pp}) for pp={pp}; "
+                          f"use stage ids 0 .. {pp - 1}")
+
+
+def _check_every_stage(user: tuple[int, ...], pp: int) -> None:
+    empty = sorted(set(range(pp)) - set(user))
+    if empty:
+        raise ConfigError(f"layer_stages {list(user)} gives no layer to stage(s) "
+                          f"{', '.join(map(str, empty))} of pp={pp}; give every stage "
+                          f"at least one layer, or lower --pp")
+
+
+def _chunks_by_runs(user: tuple[int, ...], pp: int, vpp: int):
+    """Keep a non-monotone layout; the k-th run of layers on a stage is chunk k."""
+    _check_every_stage(user, pp)
+    runs = [0] * pp
+    chunks = []
+    for i, s in enumerate(user):
+        if i == 0 or user[i - 1] != s:
+            runs[s] += 1
+        chunks.append(runs[s] - 1)
+    counts = ", ".join(f"stage {s}: {c}" for s, c in enumerate(runs))
+    note = (f"layer_stages {list(user)} is not monotone (non-decreasing), so it is kept "
+            f"as given with chunks assigned by runs; chunks per stage: {counts}")
+    if any(c != vpp for c in runs):
+        note += f"; vpp={vpp} is not used"
+    return list(user), chunks, [note]
+
+
+# ---------------------------------------------------------------- ops
+
+
+class _Placer:
+    """One pass over the ops in order; producers are placed before consumers."""
+
+    __slots__ = ("graph", "op_layer", "layer_place", "place", "producer",
+                 "params", "by_name", "reader")
+
+    def __init__(self, graph: Graph, op_layer: dict[int, int], layer_place: list[Place]):
+        self.graph = graph
+        self.op_layer = op_layer
+        self.layer_place = layer_place
+        self.place: list[Place | None] = [None] * len(graph.ops)
+        self.producer = [-1] * len(graph.values)  # value id -> op id
+        params = graph.inputs_by_role(Role.PARAM)
+        self.params = {v.id for v in params}
+        self.by_name = {v.name: v.id for v in params}
+        self.reader: dict[int, int] = {}  # param id -> first forward op reading it
+
+    def run(self) -> list[Place]:
+        place, producer = self.place, self.producer
+        for op in self.graph.ops:
+            refs = op.refs()
+            place[op.id] = _rule_of(op)(self, op, refs)
+            for o in op.outputs:
+                if o >= 0:
+                    producer[o] = op.id
+        if None in place:
+            self._place_by_consumer()
+        return place  # type: ignore[return-value]
+
+    def by_layer(self, op: Op, refs: tuple[int, ...]) -> Place:
+        p = self.layer_place[self.op_layer[op.id]]
+        for r in refs:
+            if r in self.params:
+                first = self.reader.setdefault(r, op.id)
+                if first != op.id and self.place[first][0] != p[0]:
+                    self._tied(r, first, op, p[0])
+        return p
+
+    def by_forward_op(self, op: Op, refs: tuple[int, ...]) -> Place | None:
+        return self.place[op.grad_of]
+
+    def by_param(self, op: Op, refs: tuple[int, ...]) -> Place | None:
+        for r in refs:
+            v = self.graph.values[r]
+            pid = r if v.role is Role.PARAM else \
+                self.by_name.get(v.name.removesuffix(GRAD_SUFFIX)) if v.role is Role.GRAD \
+                else None
+            if pid is not None and pid in self.reader:
+                return self.place[self.reader[pid]]
+        return self.by_last_producer(op, refs)
+
+    def by_last_producer(self, op: Op, refs: tuple[int, ...]) -> Place | None:
+        last = max((self.producer[r] for r in refs), default=-1)
+        return self.place[last] if last >= 0 else None  # None: placed by consumer
+
+    def _place_by_consumer(self) -> None:
+        # Ops without a placed producer (factories such as `aten.arange` outside
+        # the forward) go with their first consumer; later ones resolve first.
+        consumers = self.graph.consumers()
+        for i in reversed(range(len(self.place))):
+            if self.place[i] is None:
+                users = [c.id for o in self.graph.ops[i].outputs for c in consumers.get(o, ())]
+                p = self.place[min(users)] if users else None
+                self.place[i] = p if p is not None else self.layer_place[0]
+
+    def _tied(self, pid: int, first: int, op: Op, stage: int):
+        a = self.graph.ops[first]
+        raise ConfigError(
+            f"parameter '{self.graph.values[pid].name}' is read on stage "
+            f"{self.place[first][0]} (op #{first} {a.kind} at '{a.module_path}') and on stage "
+            f"{stage} (op #{op.id} {op.kind} at '{op.module_path}'): tied parameters across "
+            f"stages are not supported; untie it")
+
+
+_KIND_RULES = {GRAD_SUM: _Placer.by_last_producer, ACCUMULATE: _Placer.by_param}
+
+
+def _rule_of(op: Op):
+    """The placement rule of one op: by phase, then kind, then a default."""
+    if op.phase is Phase.FORWARD:
+        return _Placer.by_layer
+    rule = _KIND_RULES.get(op.kind)
+    if rule is not None:
+        return rule
+    if op.phase is Phase.OPTIMIZER:
+        return _Placer.by_param
+    if op.grad_of >= 0:
+        return _Placer.by_forward_op
+    return _Placer.by_last_producer
