@@ -59,6 +59,7 @@ def _requires_grad(graph: Graph) -> set[int]:
 
 
 def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int) -> dict[int, Ref]:
+    """Emit the backward ops; returns the total gradient of each graph input."""
     contribs: dict[int, list[tuple[Ref, str]]] = {}
     loss = Ref(graph.loss)
     e = Emitter(b, phase=Phase.BACKWARD, module_path="", grad_of=-1)
@@ -70,6 +71,7 @@ def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int) -> di
             continue
         e = Emitter(b, phase=Phase.BACKWARD, module_path=op.module_path, grad_of=op.id)
         gouts = tuple(_total(b, contribs.pop(o, None), op) for o in op.outputs)
+        b.grads += [(o, g.id) for o, g in zip(op.outputs, gouts) if g is not None]
         if not any(r in needs for r in op.refs()):
             continue
         try:
@@ -82,8 +84,13 @@ def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int) -> di
         for x, g in pairs:
             _check_grad(b, x, g, op)
             contribs.setdefault(x.id, []).append((g, op.module_path))
-    params = graph.inputs_by_role(Role.PARAM)
-    return {p.id: _total(b, contribs.get(p.id), None) for p in params if p.id in contribs}
+    grads = {}
+    for v in graph.inputs:
+        total = _total(b, contribs.get(v), None)
+        if total is not None:
+            grads[v] = total
+            b.grads.append((v, total.id))
+    return grads
 
 
 def _total(b: GraphBuilder, contribs, fwd: Op | None) -> Ref | None:

@@ -19,6 +19,7 @@ class GraphBuilder:
         self.ops: list[Op] = list(base.ops) if base else []
         self.inputs: list[int] = list(base.inputs) if base else []
         self.updates: list[Update] = list(base.updates) if base else []
+        self.grads: list[tuple[int, int]] = list(base.grads) if base else []
 
     def new_value(self, meta: TensorMeta, role: Role = Role.INTERNAL, name: str = "") -> int:
         vid = len(self.values)
@@ -63,6 +64,7 @@ class GraphBuilder:
             loss=loss,
             updates=tuple(self.updates),
             meta=meta,
+            grads=tuple(self.grads),
         )
 
 

@@ -159,6 +159,9 @@ class Graph:
     loss: int
     updates: tuple[Update, ...] = ()
     meta: tuple[tuple[str, str], ...] = field(default=())
+    # (forward value, its total gradient value), set by autodiff: passes use
+    # it to place constraints on a gradient (e.g. a colwise input's grad).
+    grads: tuple[tuple[int, int], ...] = ()
 
     def value(self, vid: int) -> Value:
         return self.values[vid]

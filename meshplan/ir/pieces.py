@@ -74,7 +74,7 @@ def send_pieces(shape, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: 
     reps = _replicas(src, src_sbp, coord)
     out = []
     for index, d in enumerate(dst.ranks):
-        if reps[0] != src_rank:
+        if reps[index % len(reps)] != src_rank:
             continue
         part = intersect(have, local_box(shape, dst_sbp, dst.grid, dst.coord(d)))
         if part is not None:

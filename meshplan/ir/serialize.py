@@ -45,6 +45,7 @@ def graph_to_json(graph: Graph) -> dict:
         "loss": graph.loss,
         "updates": [[u.name, u.value] for u in graph.updates],
         "meta": [[k, v] for k, v in graph.meta],
+        "grads": [[v, g] for v, g in graph.grads],
     }
 
 
@@ -88,6 +89,7 @@ def graph_from_json(d: dict, where: str = "<json>") -> Graph:
             loss=_int(d["loss"]),
             updates=tuple(Update(_str(n), _int(v)) for n, v in d["updates"]),
             meta=tuple((_str(k), _str(v)) for k, v in d["meta"]),
+            grads=tuple((_int(v), _int(g)) for v, g in d["grads"]),
         )
     except (_Malformed, KeyError, TypeError, ValueError, RecursionError) as e:
         raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body ({type(e).__name__}: "
