@@ -134,8 +134,8 @@ def _add_input(ctx: _Ctx, node, spec, prefix: str) -> None:
 def _meta(val, node) -> TensorMeta:
     if any(not isinstance(s, int) for s in val.shape):
         raise CaptureError(
-            f"data-dependent shape {tuple(val.shape)} from {node.target} at {_where(node)}; meshplan "
-            "plans static shapes only: avoid ops like nonzero/masked_select on the step"
+            f"data-dependent shape {tuple(val.shape)} from {node.target} at {_where(node)}; "
+            "meshplan plans static shapes only: avoid ops like nonzero/masked_select on the step"
         )
     return TensorMeta.of(val)
 
