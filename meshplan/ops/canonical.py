@@ -44,10 +44,16 @@ def cross_entropy(e, args, kw, ctx):
         return (e.call("aten.cross_entropy_loss.default", *args, **kw),)
     dim = 1 if len(e.meta(x).shape) == 2 else 0
     logp = e.call("aten._log_softmax.default", x, dim, False)
-    loss, _total = e.call_multi(
+    reduction = rest.get("reduction", 1)
+    # A mean is kept as sum / total weight: both are sums over samples, so a
+    # batch split makes them Partial and one scalar all-reduce each finishes
+    # the global mean (the division itself happens replicated).
+    loss, total = e.call_multi(
         "aten.nll_loss_forward.default", logp, target, rest.get("weight"),
-        rest.get("reduction", 1), rest.get("ignore_index", -100),
+        2 if reduction == 1 else reduction, rest.get("ignore_index", -100),
     )
+    if reduction == 1:
+        loss = e.call("aten.div.Tensor", loss, total)
     return (loss,)
 
 

@@ -45,3 +45,5 @@ class OpRule:
     # shared; returns one list per output. Lets the executor run a run of
     # such ops (one per parameter) as a single call.
     batched: Optional[Callable] = None
+    # SBP signatures along one mesh axis (see `sbp_sig.py`); default: replicated.
+    sbp: Optional[Callable] = None

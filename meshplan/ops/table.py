@@ -7,6 +7,7 @@ generic rule (meta-kernel inference, `torch.func.vjp` gradient).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 from meshplan.errors import CaptureError
@@ -18,6 +19,7 @@ from meshplan.ops.canonical import CANONICAL, functionalize
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
 from meshplan.ops.resolve import resolve_aten
 from meshplan.ops.rule import OpRule
+from meshplan.ops.sbp_table import SBP, replicated_rule
 
 _GRADS = {
     # pointwise
@@ -115,7 +117,7 @@ _NONDIFF = {
     "aten.argmax.default", "aten.detach.default", "aten.lift_fresh_copy.default",
 }
 
-_MESHPLAN = {
+_MESHPLAN_KINDS = {
     "meshplan.grad_sum": OpRule("meshplan.grad_sum", kernels.grad_sum, differentiable=False),
     "meshplan.accumulate_grad": OpRule(
         "meshplan.accumulate_grad", kernels.accumulate_grad, differentiable=False,
@@ -136,8 +138,8 @@ _MESHPLAN = {
 @cache
 def rule_for(kind: str) -> OpRule:
     """The rule of `kind`: exact if listed, else the generic rule."""
-    if kind in _MESHPLAN:
-        return _MESHPLAN[kind]
+    if kind in _MESHPLAN_KINDS:
+        return replace(_MESHPLAN_KINDS[kind], sbp=SBP.get(kind, replicated_rule))
     if not kind.startswith("aten."):
         raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op")
     kernel = resolve_aten(kind)
@@ -154,6 +156,7 @@ def rule_for(kind: str) -> OpRule:
         temp_bytes=_TEMP.get(kind),
         exact=grad is not None or kind in _NONDIFF,
         differentiable=kind not in _NONDIFF,
+        sbp=SBP.get(kind, replicated_rule),
     )
 
 

@@ -1,0 +1,186 @@
+"""SBP rules of matmuls, norms, attention, embedding, losses, convolution,
+pooling and meshplan's own ops (one mesh axis; contract in `sbp_sig.py`).
+
+The Megatron patterns come from these rows: a column-parallel linear is
+`x R, w S(0), b S(0) -> S(-1)`; a row-parallel one is
+`x S(-1), w S(1), b R -> P` (the bias added by one rank: "bias_first");
+a vocab-parallel embedding is `w S(0), idx R -> P` ("vocab_offset").
+"""
+
+from __future__ import annotations
+
+from meshplan.ir.sbp import Shard
+from meshplan.ops.sbp_sig import P, R, SbpSig, replicated, same, tensors
+
+
+def linear(args, kwargs, outs, n):
+    ts = tensors((args, kwargs))
+    x = ts[0]
+    nb = len(x.shape)
+    has_b = len(ts) == 3
+    b = (R,) if has_b else ()
+    sigs = [SbpSig((Shard(i), R) + b, (Shard(i),)) for i in range(nb - 1) if x.shape[i] > 1]
+    sigs.append(SbpSig((R, Shard(0)) + ((Shard(0),) if has_b else ()), (Shard(nb - 1),)))
+    first = "bias_first" if has_b else ""
+    sigs.append(SbpSig((Shard(nb - 1), Shard(1)) + b, (P,), first))
+    sigs.append(SbpSig((P, R) + b, (P,), first))
+    return sigs + [replicated(len(ts), 1)]
+
+
+def matmul(args, kwargs, outs, n):
+    """mm / bmm / matmul with broadcast batch dims (both operands >= 2-D)."""
+    a, b = tensors((args, kwargs))[:2]
+    if len(a.shape) < 2 or len(b.shape) < 2:
+        return [replicated(2, 1)]
+    out = outs[0].shape
+    nd = len(out)
+    sigs = []
+    for d in range(nd - 2):  # batch dims
+        ja, jb = d - (nd - len(a.shape)), d - (nd - len(b.shape))
+        sa = Shard(ja) if ja >= 0 and a.shape[ja] == out[d] else R
+        sb = Shard(jb) if jb >= 0 and b.shape[jb] == out[d] else R
+        if out[d] > 1:
+            sigs.append(SbpSig((sa, sb), (Shard(d),)))
+    la, lb = len(a.shape), len(b.shape)
+    sigs += [
+        SbpSig((Shard(la - 2), R), (Shard(nd - 2),)),
+        SbpSig((R, Shard(lb - 1)), (Shard(nd - 1),)),
+        SbpSig((Shard(la - 1), Shard(lb - 2)), (P,)),
+        SbpSig((P, R), (P,)),
+        SbpSig((R, P), (P,)),
+    ]
+    return sigs + [replicated(2, 1)]
+
+
+def addmm(args, kwargs, outs, n):
+    return [SbpSig((R, Shard(0), R), (Shard(0),)), replicated(3, 1)]
+
+
+def layer_norm(args, kwargs, outs, n):
+    ts = tensors((args, kwargs))
+    x = ts[0]
+    axis = len(x.shape) - len(args[1])
+    k = len(ts) - 1
+    sigs = [SbpSig((Shard(d),) + (R,) * k, (Shard(d),) * 3) for d in range(axis)
+            if x.shape[d] > 1]
+    return sigs + [replicated(len(ts), 3)]
+
+
+def layer_norm_backward(args, kwargs, outs, n):
+    """(g, x, mean, rstd, w, b) -> (gx, gw, gb): a batch shard makes gw, gb Partial."""
+    ts = tensors((args, kwargs))
+    x = ts[1]
+    axis = len(x.shape) - len(args[2])
+    params = len(ts) - 4
+    sigs = [SbpSig((Shard(d),) * 4 + (R,) * params,
+                   (Shard(d),) + tuple(None if o is None else P for o in outs[1:]))
+            for d in range(axis) if x.shape[d] > 1]
+    return sigs + [SbpSig((R,) * len(ts), tuple(None if o is None else R for o in outs))]
+
+
+def embedding(args, kwargs, outs, n):
+    w, idx = tensors(args[:2])
+    nd = len(idx.shape)
+    sigs = [SbpSig((R, Shard(d)), (Shard(d),)) for d in range(nd) if idx.shape[d] > 1]
+    sigs.append(SbpSig((Shard(1), R), (Shard(nd),)))
+    sigs.append(SbpSig((Shard(0), R), (P,), "vocab_offset"))
+    return sigs + [replicated(2, 1)]
+
+
+def embedding_backward(args, kwargs, outs, n):
+    g, idx = tensors(args[:2])
+    nd = len(idx.shape)
+    sigs = [SbpSig((Shard(d), Shard(d)), (P,)) for d in range(nd) if idx.shape[d] > 1]
+    sigs.append(SbpSig((Shard(nd), R), (Shard(1),)))
+    sigs.append(SbpSig((R, R), (Shard(0),), "vocab_offset"))
+    return sigs + [replicated(2, 1)]
+
+
+def nll_loss(args, kwargs, outs, n):
+    """(x[N, C], target[N], weight?) -> (loss, total_weight), reduction sum."""
+    ts = tensors((args, kwargs))
+    reduction = args[3]
+    w = (R,) * (len(ts) - 2)
+    sigs = []
+    if reduction == 2 and len(ts[0].shape) == 2:
+        sigs.append(SbpSig((Shard(0), Shard(0)) + w, (P, P)))
+        sigs.append(SbpSig((Shard(1), R) + w, (P, R), "class_offset"))
+    return sigs + [replicated(len(ts), 2)]
+
+
+def nll_loss_backward(args, kwargs, outs, n):
+    """(g, x, target, weight?, total_weight) -> gx, reduction sum."""
+    ts = tensors((args, kwargs))
+    reduction = args[4]
+    k = len(ts) - 3
+    sigs = []
+    if reduction == 2 and len(ts[1].shape) == 2:
+        sigs.append(SbpSig((R, Shard(0), Shard(0)) + (R,) * k, (Shard(0),)))
+        sigs.append(SbpSig((R, Shard(1), R) + (R,) * k, (Shard(1),), "class_offset"))
+    return sigs + [replicated(len(ts), 1)]
+
+
+def attention(args, kwargs, outs, n):
+    """Flash attention and its backward: batch or head shards pass through."""
+    ts = tensors((args, kwargs))
+    q = ts[0] if len(ts[0].shape) == 4 else ts[1]
+    sigs = [same(len(ts), len(outs), Shard(d)) for d in (0, 1) if q.shape[d] > 1]
+    return sigs + [replicated(len(ts), len(outs))]
+
+
+def conv2d(args, kwargs, outs, n):
+    ts = tensors((args, kwargs))
+    has_b = len(ts) == 3
+    groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+    b = (R,) if has_b else ()
+    sigs = [SbpSig((Shard(0), R) + b, (Shard(0),))]
+    if groups == 1:
+        sigs.append(SbpSig((R, Shard(0)) + ((Shard(0),) if has_b else ()), (Shard(1),)))
+        sigs.append(SbpSig((Shard(1), Shard(1)) + b, (P,), "bias_first" if has_b else ""))
+    return sigs + [replicated(len(ts), 1)]
+
+
+def conv2d_backward(args, kwargs, outs, n):
+    """(g, x, w) -> (gx, gw, gb): a batch shard makes the weight grads Partial."""
+    ts = tensors((args, kwargs))
+    sig_outs = tuple(None if o is None else s for o, s in zip(outs, (Shard(0), P, P)))
+    return [SbpSig((Shard(0), Shard(0), R), sig_outs),
+            SbpSig((R,) * len(ts), tuple(None if o is None else R for o in outs))]
+
+
+def batch_passthrough(args, kwargs, outs, n):
+    """Pooling and friends (and their backward): batch and channel shards pass."""
+    ts = tensors((args, kwargs))
+    sigs = [same(len(ts), len(outs), Shard(d)) for d in (0, 1) if ts[0].shape[d] > 1]
+    return sigs + [replicated(len(ts), len(outs))]
+
+
+def grad_sum(args, kwargs, outs, n):
+    ts = tensors((args, kwargs))
+    nd = len(ts[0].shape)
+    sigs = [same(len(ts), 1, Shard(d)) for d in range(nd) if ts[0].shape[d] > 1]
+    return sigs + [same(len(ts), 1, P), replicated(len(ts), 1)]
+
+
+def accumulate(args, kwargs, outs, n):
+    """accumulate_grad(acc, g): the accumulator keeps g's layout, Partial included."""
+    return grad_sum(args, kwargs, outs, n)
+
+
+def optimizer(args, kwargs, outs, n):
+    """sgd / adamw: every tensor in the parameter's layout (never Partial);
+    AdamW's scalar step counter is replicated."""
+    ts = tensors((args, kwargs))
+    p = ts[0]
+    per = [R if t.shape != p.shape else None for t in ts]
+    sigs = []
+    for d in range(len(p.shape)):
+        if p.shape[d] > 1:
+            ins = tuple(s or Shard(d) for s in per)
+            sigs.append(SbpSig(ins, tuple(ins[i] for i in _out_positions(len(outs)))))
+    return sigs + [replicated(len(ts), len(outs))]
+
+
+def _out_positions(n_out: int) -> tuple[int, ...]:
+    """Input positions of each optimizer output: (param, then the state slots)."""
+    return (0,) + tuple(range(2, 1 + n_out))

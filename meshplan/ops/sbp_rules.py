@@ -1,0 +1,195 @@
+"""SBP rules of pointwise, layout, view and reduction ops (one mesh axis).
+
+See `sbp_sig.py` for the contract. Shards of views need the sharded size to
+divide by the axis size, so the split lines up before and after the view.
+"""
+
+from __future__ import annotations
+
+from meshplan.ir.sbp import Partial, Shard
+from meshplan.ops.sbp_sig import P, R, SbpSig, divisible, norm_dim, replicated, tensors
+
+PMAX = Partial("max")
+
+
+def _out_shape(ts) -> tuple[int, ...]:
+    nd = max(len(t.shape) for t in ts)
+    shape = [1] * nd
+    for t in ts:
+        for i, s in enumerate(t.shape):
+            j = nd - len(t.shape) + i
+            shape[j] = max(shape[j], s)
+    return tuple(shape)
+
+
+def _broadcast_shards(ts, n_out: int) -> list[SbpSig]:
+    """S(d) on the outputs <- S(d') on inputs that have dim d, R where broadcast."""
+    out = _out_shape(ts)
+    sigs = []
+    for d, size in enumerate(out):
+        if size < 2:
+            continue
+        ins = []
+        for t in ts:
+            j = d - (len(out) - len(t.shape))
+            ins.append(Shard(j) if j >= 0 and t.shape[j] == size else R)
+        sigs.append(SbpSig(tuple(ins), (Shard(d),) * n_out))
+    return sigs
+
+
+def pointwise(linear_in: tuple[int, ...] = ()):
+    """Elementwise ops. `linear_in`: input positions the op is linear in alone
+    (a Partial there, Replicate elsewhere, gives a Partial output)."""
+
+    def rule(args, kwargs, outs, n):
+        ts = tensors((args, kwargs))
+        sigs = _broadcast_shards(ts, len(outs))
+        for i in linear_in:
+            if i < len(ts):
+                sigs.append(SbpSig(tuple(P if j == i else R for j in range(len(ts))), (P,)))
+        return sigs + [replicated(len(ts), len(outs))]
+
+    return rule
+
+
+def additive(args, kwargs, outs, n):
+    """add / sub / rsub: Partial + Partial is Partial."""
+    ts = tensors((args, kwargs))
+    sigs = _broadcast_shards(ts, 1)
+    if all(t.shape == ts[0].shape for t in ts):
+        sigs.append(SbpSig((P,) * len(ts), (P,)))
+    return sigs + [replicated(len(ts), 1)]
+
+
+def like(args, kwargs, outs, n):
+    """zeros_like / ones_like / full_like: the output follows the input's layout."""
+    (t,) = tensors((args, kwargs))
+    sigs = [SbpSig((Shard(d),), (Shard(d),)) for d in range(len(t.shape)) if t.shape[d] > 1]
+    return sigs + [SbpSig((P,), (R,)), replicated(1, 1)]
+
+
+def _groups(a: tuple[int, ...], b: tuple[int, ...]):
+    """Pair up runs of dims of `a` and `b` with equal products (a view's dim map)."""
+    i = j = 0
+    out = []
+    while i < len(a) or j < len(b):
+        gi, gj = [i] if i < len(a) else [], [j] if j < len(b) else []
+        pa = a[i] if i < len(a) else 1
+        pb = b[j] if j < len(b) else 1
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(i)
+                pa *= a[i]
+                i += 1
+            else:
+                gj.append(j)
+                pb *= b[j]
+                j += 1
+        out.append((gi, gj))
+    return out
+
+
+def view(args, kwargs, outs, n):
+    """view / reshape / flatten / squeeze / unsqueeze: track the split dim."""
+    (t,) = tensors(args[:1])
+    out_shape = outs[0].shape
+    a = [(d, s) for d, s in enumerate(t.shape) if s != 1]
+    b = [(d, s) for d, s in enumerate(out_shape) if s != 1]
+    sigs = []
+    for gi, gj in _groups(tuple(s for _, s in a), tuple(s for _, s in b)):
+        if not gi or not gj:
+            continue
+        din, size_in = a[gi[0]]
+        dout, size_out = b[gj[0]]
+        if divisible(size_in, n) and divisible(size_out, n):
+            sigs.append(SbpSig((Shard(din),), (Shard(dout),)))
+    return sigs + [SbpSig((P,), (P,)), replicated(1, 1)]
+
+
+def permuting(perm_of):
+    """transpose / t / permute: S(d) -> S(perm(d))."""
+
+    def rule(args, kwargs, outs, n):
+        (t,) = tensors(args[:1])
+        perm = perm_of(args, len(t.shape))
+        sigs = [SbpSig((Shard(perm[j]),), (Shard(j),)) for j in range(len(perm))
+                if t.shape[perm[j]] > 1]
+        return sigs + [SbpSig((P,), (P,)), replicated(1, 1)]
+
+    return rule
+
+
+def _transpose_perm(args, nd):
+    a, b = norm_dim(args[1], nd), norm_dim(args[2], nd)
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+transpose = permuting(_transpose_perm)
+t = permuting(lambda args, nd: list(reversed(range(nd))))
+permute = permuting(lambda args, nd: [norm_dim(d, nd) for d in args[1]])
+
+
+def expand(args, kwargs, outs, n):
+    (t,) = tensors(args[:1])
+    size = args[1]
+    lead = len(size) - len(t.shape)
+    sigs = [SbpSig((Shard(d),), (Shard(d + lead),)) for d in range(len(t.shape))
+            if t.shape[d] > 1 and size[d + lead] in (-1, t.shape[d])]
+    return sigs + [SbpSig((P,), (P,)), replicated(1, 1)]
+
+
+def along_dim(dim_index: int, removes_dim: bool = False, default_dim: int = 0,
+              linear: bool = True):
+    """Ops acting along one dim (split, cat, slice, select, softmax...): any
+    other dim may be sharded; the output keeps it. `linear` ops also pass
+    Partial through."""
+
+    def rule(args, kwargs, outs, n):
+        ts = tensors((args, kwargs))
+        outs_count = len(outs)
+        nd = len(ts[0].shape)
+        dim = args[dim_index] if dim_index < len(args) else kwargs.get("dim", default_dim)
+        dim = norm_dim(dim, nd)
+        sigs = []
+        for d in range(nd):
+            if d == dim or ts[0].shape[d] < 2:
+                continue
+            od = d - 1 if removes_dim and d > dim else d
+            sigs.append(SbpSig((Shard(d),) * len(ts), (Shard(od),) * outs_count))
+        if linear:
+            sigs.append(SbpSig((P,) * len(ts), (P,) * outs_count))
+        return sigs + [replicated(len(ts), outs_count)]
+
+    return rule
+
+
+def reduction(kind: str):
+    """sum / mean / amax over `dim` (None: all): a sharded reduced dim gives a
+    Partial ("mean" rescales locally, "max" reduces by max)."""
+
+    def rule(args, kwargs, outs, n):
+        (x,) = tensors(args[:1])
+        nd = len(x.shape)
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        dims = tuple(range(nd)) if dims in (None, ()) else (
+            (dims,) if isinstance(dims, int) else tuple(dims))
+        dims = {norm_dim(d, nd) for d in dims}
+        keep = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
+        sigs = []
+        for d in range(nd):
+            if x.shape[d] < 2:
+                continue
+            if d in dims:
+                out = PMAX if kind == "max" else P
+                sigs.append(SbpSig((Shard(d),), (out,), "mean_rescale" if kind == "mean" else ""))
+            else:
+                od = d if keep else d - sum(1 for r in dims if r < d)
+                sigs.append(SbpSig((Shard(d),), (Shard(od),)))
+        if kind != "max":
+            sigs.append(SbpSig((P,), (P,)))
+        return sigs + [replicated(1, 1)]
+
+    return rule

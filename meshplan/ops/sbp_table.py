@@ -1,0 +1,90 @@
+"""Kind -> SBP rule. Kinds not listed are replicated (always correct)."""
+
+from __future__ import annotations
+
+from meshplan.ops import sbp_nn as nn
+from meshplan.ops import sbp_rules as r
+from meshplan.ops.sbp_sig import replicated, tensors
+
+_LINEAR_IN_0 = r.pointwise((0,))
+
+SBP = {
+    "aten.add.Tensor": r.additive,
+    "aten.sub.Tensor": r.additive,
+    "aten.rsub.Tensor": r.additive,
+    "aten.rsub.Scalar": _LINEAR_IN_0,
+    "aten.mul.Tensor": r.pointwise((0, 1)),
+    "aten.div.Tensor": _LINEAR_IN_0,
+    "aten.neg.default": _LINEAR_IN_0,
+    "aten.clone.default": _LINEAR_IN_0,
+    "aten.contiguous.default": _LINEAR_IN_0,
+    "aten.alias.default": _LINEAR_IN_0,
+    "aten._to_copy.default": _LINEAR_IN_0,
+    "aten.to.dtype": _LINEAR_IN_0,
+    "aten.gelu_backward.default": _LINEAR_IN_0,
+    "aten.tanh_backward.default": _LINEAR_IN_0,
+    "aten.sigmoid_backward.default": _LINEAR_IN_0,
+    "aten.threshold_backward.default": _LINEAR_IN_0,
+    "aten.silu_backward.default": _LINEAR_IN_0,
+    "aten.native_dropout_backward.default": _LINEAR_IN_0,
+    **{f"aten.{k}.default": r.pointwise() for k in (
+        "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu",
+        "native_dropout")},
+    "aten.pow.Tensor_Scalar": r.pointwise(),
+    "aten.zeros_like.default": r.like,
+    "aten.ones_like.default": r.like,
+    "aten.full_like.default": r.like,
+    **{k: r.view for k in (
+        "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+        "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+        "aten.squeeze.default", "aten.flatten.using_ints")},
+    "aten.transpose.int": r.transpose,
+    "aten.t.default": r.t,
+    "aten.permute.default": r.permute,
+    "aten.expand.default": r.expand,
+    "aten.split.Tensor": r.along_dim(2),
+    "aten.split_with_sizes.default": r.along_dim(2),
+    "aten.chunk.default": r.along_dim(2),
+    "aten.unbind.int": r.along_dim(1, removes_dim=True),
+    "aten.cat.default": r.along_dim(1),
+    "aten.slice.Tensor": r.along_dim(1),
+    "aten.select.int": r.along_dim(1, removes_dim=True),
+    "aten.slice_backward.default": r.along_dim(2),
+    "aten._softmax.default": r.along_dim(1, linear=False),
+    "aten._log_softmax.default": r.along_dim(1, linear=False),
+    "aten._softmax_backward_data.default": r.along_dim(2, linear=False),
+    "aten._log_softmax_backward_data.default": r.along_dim(2, linear=False),
+    "aten.sum.default": r.reduction("sum"),
+    "aten.sum.dim_IntList": r.reduction("sum"),
+    "aten.mean.default": r.reduction("mean"),
+    "aten.mean.dim": r.reduction("mean"),
+    "aten.amax.default": r.reduction("max"),
+    "aten.linear.default": nn.linear,
+    "aten.mm.default": nn.matmul,
+    "aten.bmm.default": nn.matmul,
+    "aten.matmul.default": nn.matmul,
+    "aten.addmm.default": nn.addmm,
+    "aten.native_layer_norm.default": nn.layer_norm,
+    "aten.native_layer_norm_backward.default": nn.layer_norm_backward,
+    "aten.embedding.default": nn.embedding,
+    "aten.embedding_dense_backward.default": nn.embedding_backward,
+    "aten.nll_loss_forward.default": nn.nll_loss,
+    "aten.nll_loss_backward.default": nn.nll_loss_backward,
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": nn.attention,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": nn.attention,
+    "aten.conv2d.default": nn.conv2d,
+    "aten.convolution_backward.default": nn.conv2d_backward,
+    **{k: nn.batch_passthrough for k in (
+        "aten.max_pool2d_with_indices.default", "aten.max_pool2d_with_indices_backward.default",
+        "aten.avg_pool2d.default", "aten.avg_pool2d_backward.default",
+        "aten._adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d_backward.default")},
+    "meshplan.grad_sum": nn.grad_sum,
+    "meshplan.accumulate_grad": nn.accumulate,
+    "meshplan.sgd": nn.optimizer,
+    "meshplan.adamw": nn.optimizer,
+}
+
+
+def replicated_rule(args, kwargs, outs, n):
+    """The default: every tensor replicated (correct for any op)."""
+    return [replicated(len(tensors((args, kwargs))), len(outs))]
