@@ -70,3 +70,9 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, **hp):
     """One AdamW step on one parameter; returns its new state."""
     out = adamw_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], **hp)
     return tuple(x[0] for x in out)
+
+
+def boxing_identity(x: torch.Tensor, **_layout) -> torch.Tensor:
+    """A boxing op on the logical (single-process) tensor: the identity.
+    Its distributed kernels live in the runtime, chosen by lowering."""
+    return x

@@ -92,8 +92,9 @@ def embedding_backward(args, kwargs, outs, n):
     nd = len(idx.shape)
     sigs = [SbpSig((Shard(d), Shard(d)), (P,)) for d in range(nd) if idx.shape[d] > 1]
     sigs.append(SbpSig((Shard(nd), R), (Shard(1),)))
-    sigs.append(SbpSig((R, R), (Shard(0),), "vocab_offset"))
-    return sigs + [replicated(2, 1)]
+    sigs.append(SbpSig((P, R), (P,)))
+    # Each rank computing only its own vocab rows: for a vocab-sharded table.
+    return sigs + [replicated(2, 1), SbpSig((R, R), (Shard(0),), "vocab_offset")]
 
 
 def nll_loss(args, kwargs, outs, n):

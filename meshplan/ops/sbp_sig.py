@@ -8,7 +8,7 @@ Invariants:
   follows the op's tensor arguments in traversal order (`Op.refs()`), `outs`
   the op's outputs (None for an absent output).
 - The list is in order of preference: propagation breaks cost ties by it.
-  Every list ends with the all-Replicate signature, which is always correct.
+  Every list holds the all-Replicate signature, which is always correct.
 - `local` names a rank-dependent variant of the kernel that lowering applies
   (e.g. "bias_first": only the axis's first rank adds the bias), "" if none.
 """

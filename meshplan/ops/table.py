@@ -135,6 +135,14 @@ _MESHPLAN_KINDS = {
 }
 
 
+for _kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "local_slice",
+              "transfer"):
+    _MESHPLAN_KINDS[f"meshplan.{_kind}"] = OpRule(
+        f"meshplan.{_kind}", kernels.boxing_identity, differentiable=False,
+        infer=lambda a, k: (a[0],),
+    )
+
+
 @cache
 def rule_for(kind: str) -> OpRule:
     """The rule of `kind`: exact if listed, else the generic rule."""

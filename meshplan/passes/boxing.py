@@ -1,0 +1,191 @@
+"""Boxing: turn every layout mismatch into explicit communication ops.
+
+Invariants:
+- After this pass every op reads each input in exactly the layout its chosen
+  signature needs, and on its own stage: mismatches became ops.
+- One op per axis and step, the conversions being
+    P -> R  all_reduce        P -> S(d)  reduce_scatter
+    S(d) -> R  all_gather     S(i) -> S(j)  all_to_all
+    R -> S(d)  local_slice (no communication)
+  Partial axes are reduced first.
+- Across stages: Partial axes are reduced on the source stage, then one
+  `meshplan.transfer` carries the value to the consumer's stage in the layout
+  the consumer needs (lowering cuts it into send/recv pieces).
+- A conversion is made once per (value, layout, stage) and shared by every
+  consumer that needs it; a hinted value is converted right after its
+  producer, and all consumers, state updates and the loss read the
+  converted value.
+- Boxing ops run in the phase of the op that needs them: a gradient
+  accumulator's data-parallel all-reduce therefore runs once per step, in
+  the optimizer phase, however many micro-batches there are.
+- Logically every boxing op is the identity, so the boxed graph still runs
+  single-process and gives the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from meshplan.ir import Graph, GraphBuilder, Op, Ref
+from meshplan.ir.builder import renumber_ops
+from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
+from meshplan.ops.emit import Emitter
+from meshplan.passes.propagate import SbpPlan
+
+BOXING_KINDS = ("meshplan.all_reduce", "meshplan.reduce_scatter", "meshplan.all_gather",
+                "meshplan.all_to_all", "meshplan.local_slice", "meshplan.transfer")
+
+
+@dataclass(frozen=True, slots=True)
+class Boxed:
+    """The boxed graph and its per-op / per-value annotations."""
+
+    graph: Graph
+    stage: tuple[int, ...]
+    chunk: tuple[int, ...]
+    sbp: tuple[NdSbp, ...]
+    local: tuple[tuple[str, ...], ...]
+
+
+@dataclass
+class _Ctx:
+    b: GraphBuilder
+    plan: SbpPlan
+    naxes: int
+    ops: list = field(default_factory=list)
+    stage: list = field(default_factory=list)
+    chunk: list = field(default_factory=list)
+    local: list = field(default_factory=list)
+    layout: dict = field(default_factory=dict)     # value id -> NdSbp
+    where: dict = field(default_factory=dict)      # value id -> (stage, chunk, phase)
+    versions: dict = field(default_factory=dict)   # (value, NdSbp, stage) -> value id
+    default: dict = field(default_factory=dict)    # value id -> hinted version
+
+    def emit(self, kind, src: int, out_layout: NdSbp, at, module_path: str, **kw) -> int:
+        stage, chunk, phase = at
+        e = Emitter(self.b, phase=phase, module_path=module_path)
+        n_before = len(self.b.ops)
+        out = e.call(kind, Ref(src), **kw).id
+        self.ops.append(self.b.ops[n_before])
+        self.stage.append(stage)
+        self.chunk.append(chunk)
+        self.local.append(("",) * self.naxes)
+        self.layout[out] = out_layout
+        self.where[out] = at
+        return out
+
+
+def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
+    """Insert boxing ops; returns the boxed graph with its annotations."""
+    b = GraphBuilder(graph)
+    b.ops = []
+    ctx = _Ctx(b, plan, naxes)
+    ctx.layout.update(plan.produced)
+    for op in graph.ops:
+        at = (stage[op.id], chunk[op.id], op.phase)
+        needs = [tuple(sig.ins[k] for sig in plan.sigs[op.id]) for k in range(len(op.refs()))]
+        mapping = [_ready(ctx, r, need, at, op.module_path) for r, need in zip(op.refs(), needs)]
+        new_op = _with_refs(op, mapping)
+        b.ops.append(new_op)
+        ctx.ops.append(new_op)
+        ctx.stage.append(at[0])
+        ctx.chunk.append(at[1])
+        ctx.local.append(tuple(sig.local for sig in plan.sigs[op.id]))
+        for o in op.outputs:
+            if o >= 0:
+                ctx.where[o] = at
+                _apply_hint(ctx, o, op.module_path)
+    ops = renumber_ops(ctx.ops)
+    updates = tuple(replace(u, value=ctx.default.get(u.value, u.value)) for u in graph.updates)
+    loss = ctx.default.get(graph.loss, graph.loss)
+    boxed = Graph(tuple(b.values), ops, graph.inputs, loss, updates, graph.meta, graph.grads)
+    sbp = tuple(ctx.layout.get(v.id, (Replicate(),) * naxes) for v in boxed.values)
+    return Boxed(boxed, tuple(ctx.stage), tuple(ctx.chunk), sbp, tuple(ctx.local))
+
+
+def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:
+    want = ctx.plan.visible.get(o)
+    have = ctx.plan.produced.get(o)
+    if want is None or want == have:
+        return
+    at = ctx.where[o]
+    ctx.default[o] = _convert_local(ctx, o, have, want, at, module_path)
+    ctx.versions[(o, want, at[0])] = ctx.default[o]
+
+
+def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
+    """A value holding `r` in layout `need` on stage `at[0]` (made if missing)."""
+    base = ctx.default.get(r, r)
+    have = ctx.layout.get(base)
+    src_at = ctx.where.get(r, at)  # graph inputs are local to every stage
+    if have is None:  # a lazily laid-out input (gradient accumulator)
+        ctx.layout[r] = need
+        return r
+    if have == need and src_at[0] == at[0]:
+        return base
+    key = (r, need, at[0])
+    if key in ctx.versions:
+        return ctx.versions[key]
+    if src_at[0] != at[0]:
+        out = _transfer(ctx, base, have, need, src_at, at, module_path)
+    else:
+        out = _convert_local(ctx, base, have, need, at, module_path)
+    ctx.versions[key] = out
+    return out
+
+
+def _transfer(ctx, vid, have, need, src_at, at, module_path) -> int:
+    reduced = tuple(Replicate() if isinstance(s, Partial) else s for s in have)
+    if reduced != have:
+        vid = _convert_local(ctx, vid, have, reduced, src_at, module_path)
+    target = tuple(Replicate() if isinstance(s, Partial) else s for s in need)
+    vid = ctx.emit("meshplan.transfer", vid, target, at, module_path,
+                   src_stage=src_at[0], src_chunk=src_at[1], dst_stage=at[0])
+    if target != need:
+        raise AssertionError(f"value {vid} needs {need} after a stage transfer")
+    return vid
+
+
+def _convert_local(ctx: _Ctx, vid: int, have: NdSbp, need: NdSbp, at, module_path) -> int:
+    order = sorted(range(len(need)), key=lambda a: not isinstance(have[a], Partial))
+    cur = list(have)
+    for a in order:
+        if cur[a] == need[a]:
+            continue
+        kind, kw = _step(cur[a], need[a])
+        cur[a] = need[a]
+        vid = ctx.emit(kind, vid, tuple(cur), at, module_path, axis=a, **kw)
+    return vid
+
+
+def _step(src, dst) -> tuple[str, dict]:
+    assert not isinstance(dst, Partial), f"cannot make {dst} from {src}"
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return "meshplan.all_reduce", {"op": src.op}
+        return "meshplan.reduce_scatter", {"dim": dst.dim}
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return "meshplan.all_gather", {"dim": src.dim}
+        return "meshplan.all_to_all", {"src_dim": src.dim, "dst_dim": dst.dim}
+    return "meshplan.local_slice", {"dim": dst.dim}
+
+
+def _with_refs(op: Op, mapping: list[int]) -> Op:
+    """`op` with its k-th Ref (in `refs()` order) replaced by `mapping[k]`."""
+    it = iter(mapping)
+
+    def sub(a):
+        if isinstance(a, Ref):
+            return Ref(next(it))
+        if isinstance(a, tuple):
+            return tuple(sub(x) for x in a)
+        return a
+
+    args = tuple(sub(a) for a in op.args)
+    kwargs = tuple((k, sub(v)) for k, v in op.kwargs)
+    return replace(op, args=args, kwargs=kwargs)
+
+
+def is_boxing(op: Op) -> bool:
+    return op.kind in BOXING_KINDS

@@ -1,0 +1,56 @@
+"""plan: the planning passes, in order, from a train-step Graph to a Job.
+
+    check_strategy -> assign_stages -> tensor_parallel -> propagate_sbp
+                   -> add_boxing -> Job
+
+Each step is a pure function of immutable data; `plan_job` only wires them.
+`timings` (seconds per pass) is filled when given, for the compile report.
+"""
+
+from __future__ import annotations
+
+import time
+
+from meshplan.ir import Graph, verify
+from meshplan.ir.job import Job, verify_job
+from meshplan.ir.mesh import AXES, Mesh, Strategy
+from meshplan.passes.boxing import add_boxing
+from meshplan.passes.pipeline import assign_stages
+from meshplan.passes.propagate import propagate_sbp
+from meshplan.passes.strategy import check_strategy
+from meshplan.passes.tp_plan import tensor_parallel
+
+TP_AXIS = AXES.index("tp")
+
+
+def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
+             timings: dict | None = None) -> Job:
+    """Place, lay out, box and stage `graph` (a train step) for `strategy` on `mesh`."""
+    timings = {} if timings is None else timings
+    t = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        timings[name] = now - t
+        t = now
+
+    strategy = check_strategy(mesh, strategy)
+    stages = assign_stages(graph, strategy.pp, strategy.vpp, strategy.layer_pattern,
+                           strategy.layer_stages)
+    lap("assign_stages")
+    param_tp, hints = tensor_parallel(graph, strategy.tp_plan, TP_AXIS)
+    lap("tensor_parallel")
+    sbp = propagate_sbp(graph, stages.stage, strategy.grid, param_tp, hints, TP_AXIS)
+    lap("propagate_sbp")
+    boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid))
+    lap("add_boxing")
+    job = Job(
+        graph=boxed.graph, mesh=mesh, strategy=strategy, stage=boxed.stage,
+        chunk=boxed.chunk, sbp=boxed.sbp, local=boxed.local, layers=stages.layers,
+        layer_stage=stages.layer_stage, layer_chunk=stages.layer_chunk, notes=stages.notes,
+    )
+    if checks:
+        verify(job.graph)
+        verify_job(job)
+    return job

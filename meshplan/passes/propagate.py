@@ -1,0 +1,168 @@
+"""SBP propagation: choose, op by op, the signature with the least boxing cost.
+
+Invariants:
+- Ops are visited in graph (topological) order; for each mesh axis of size
+  > 1 the op's rule lists its signatures (`OpRule.sbp`) and the one whose
+  inputs cost the fewest bytes to box into is chosen; ties go to the rule's
+  order. Axes of size 1 are Replicate throughout.
+- Fixed layouts: data inputs Shard(0) on dp, Replicate on tp; parameters as
+  the tensor-parallel plan says (Replicate on dp); optimizer state follows
+  its parameter; a gradient accumulator takes whatever its first use needs.
+- A hint ({value: {axis: Sbp}}) re-boxes a value right after its producer;
+  consumers see the hinted layout, and the cost of reaching it counts in the
+  producer's choice. State updates are hinted back to their state's layout
+  (a parameter stays in its layout across steps), and the loss to Replicate.
+- A value crossing a stage boundary arrives with its Partial axes reduced
+  (they are reduced before the transfer), so nothing downstream of a stage
+  boundary can need a Partial the transfer cannot carry.
+- Decisions are cached by (signature of the op, its input layouts), so a
+  layer repeated 96 times is decided once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.ir import Graph, Role
+from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
+from meshplan.ops.infer import to_sig
+from meshplan.ops.sbp_sig import SbpSig
+from meshplan.ops.table import rule_for
+
+R = Replicate()
+INF = float("inf")
+LATENCY_BYTES = 64 * 1024  # one collective's fixed cost, in bytes moved
+
+
+@dataclass(frozen=True, slots=True)
+class SbpPlan:
+    """Chosen signature per op (one per axis) and every value's layout."""
+
+    sigs: dict            # op id -> tuple[SbpSig, ...] (one per axis)
+    produced: dict        # value id -> NdSbp as its producer makes it
+    visible: dict         # value id -> NdSbp consumers see (after hints)
+
+
+def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int) -> float:
+    """Bytes-equivalent cost of turning layout `src` into `dst` on an axis of n ranks."""
+    if src == dst:
+        return 0.0
+    frac = (n - 1) / n
+    if isinstance(dst, Partial):
+        return INF  # a Partial is never made from a value that is not one
+    if isinstance(src, Partial):
+        base = 2 * frac if isinstance(dst, Replicate) else frac
+        return LATENCY_BYTES + base * nbytes
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return LATENCY_BYTES + frac * nbytes
+        return LATENCY_BYTES + frac * nbytes / n  # all-to-all
+    return 1e-3 * nbytes / n  # Replicate -> Shard: a local slice
+
+
+def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int) -> dict[int, NdSbp]:
+    layouts: dict[int, NdSbp] = {}
+    params = {}
+    for vid in graph.inputs:
+        v = graph.values[vid]
+        if v.role is Role.DATA:
+            layouts[vid] = tuple(Shard(0) if a == 0 and n > 1 and v.meta.shape else R
+                                 for a, n in enumerate(grid))
+        elif v.role is Role.PARAM:
+            s = param_tp.get(vid, R) if grid[tp_axis] > 1 else R
+            layouts[vid] = tuple(s if a == tp_axis else R for a in range(len(grid)))
+            params[v.name] = (v, layouts[vid])
+        elif v.role is Role.BUFFER:
+            layouts[vid] = (R,) * len(grid)
+    for vid in graph.inputs:
+        v = graph.values[vid]
+        if v.role is Role.OPT_STATE:
+            p, layout = params[v.name.rsplit("@", 1)[0]]
+            layouts[vid] = layout if v.meta.shape == p.meta.shape else (R,) * len(grid)
+    return layouts
+
+
+def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
+    """Hints that keep every state in its layout, and make the loss Replicate."""
+    out = {k: dict(v) for k, v in hints.items()}
+    by_name = {graph.values[v].name: v for v in graph.inputs}
+    for u in graph.updates:
+        layout = layouts.get(by_name.get(u.name, -1))
+        if layout is not None:
+            out.setdefault(u.value, {}).update(enumerate(layout))
+    naxes = len(next(iter(layouts.values()))) if layouts else 0
+    out.setdefault(graph.loss, {}).update({a: R for a in range(naxes)})
+    return out
+
+
+def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
+                  hints: dict, tp_axis: int = 1) -> SbpPlan:
+    """Choose each op's signatures; returns the layouts of every value."""
+    produced = _input_layouts(graph, grid, param_tp, tp_axis)
+    hints = state_hints(graph, produced, hints)
+    visible = dict(produced)
+    value_stage: dict[int, int] = {}
+    sigs: dict[int, tuple] = {}
+    cache: dict = {}
+    meta_of = graph.values.__getitem__
+    for op in graph.ops:
+        stage = op_stage[op.id]
+        refs = op.refs()
+        have = [_arriving(visible.get(r), value_stage.get(r, stage) != stage) for r in refs]
+        outs = tuple(None if o < 0 else meta_of(o).meta for o in op.outputs)
+        sig_args = to_sig(op.args, lambda i: meta_of(i).meta)
+        sig_kw = to_sig(op.kwargs, lambda i: meta_of(i).meta)
+        nbytes = tuple(meta_of(r).meta.nbytes for r in refs)
+        chosen = []
+        for axis, n in enumerate(grid):
+            if n == 1:
+                chosen.append(SbpSig((R,) * len(refs), tuple(None if o is None else R
+                                                             for o in outs)))
+                continue
+            avail = tuple(h[axis] if h is not None else None for h in have)
+            wanted = tuple(hints[o].get(axis) if o in hints else None for o in op.outputs)
+            key = (op.kind, sig_args, sig_kw, outs, n, avail, wanted)
+            best = cache.get(key)
+            if best is None:
+                best = cache[key] = _choose(op.kind, sig_args, sig_kw, outs, n, avail, nbytes,
+                                            wanted)
+            chosen.append(best)
+        sigs[op.id] = tuple(chosen)
+        for r, h, k in zip(refs, have, range(len(refs))):
+            if h is None:  # a lazily laid-out input (gradient accumulator)
+                produced[r] = visible[r] = tuple(s.ins[k] for s in chosen)
+        for i, o in enumerate(op.outputs):
+            if o < 0:
+                continue
+            layout = tuple(s.outs[i] for s in chosen)
+            produced[o] = layout
+            hint = hints.get(o)
+            visible[o] = tuple(hint.get(a, x) for a, x in enumerate(layout)) if hint else layout
+            value_stage[o] = stage
+    return SbpPlan(sigs, produced, visible)
+
+
+def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:
+    """The layout a consumer can get: Partial axes are reduced before a transfer."""
+    if layout is None or not crosses:
+        return layout
+    return tuple(R if isinstance(s, Partial) else s for s in layout)
+
+
+def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted) -> SbpSig:
+    """The cheapest signature: boxing its inputs in, and its hinted outputs out."""
+    candidates = rule_for(kind).sbp(sig_args, dict(sig_kw), outs, n)
+    best, best_cost = candidates[-1], INF
+    for cand in candidates:
+        cost = 0.0
+        for need, h, b in zip(cand.ins, avail, nbytes):
+            if h is not None:
+                cost += box_cost(h, need, b, n)
+            if cost >= best_cost:
+                break
+        for got, want, meta in zip(cand.outs, wanted, outs):
+            if want is not None and got is not None:
+                cost += box_cost(got, want, meta.nbytes, n)
+        if cost < best_cost:
+            best, best_cost = cand, cost
+    return best

@@ -1,0 +1,93 @@
+"""Validate a (mesh, strategy) pair and resolve its defaults.
+
+Invariant: every check here raises one `ConfigError` line that says what is
+wrong, with the numbers, and how to fix it; a strategy that passes makes
+`dp * tp * pp == world` and a whole number of micro-batches per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.errors import ConfigError
+from meshplan.ir.mesh import Mesh, Strategy
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+# The Megatron plan for the zoo's transformers: qkv and fc1 column-parallel,
+# proj and fc2 row-parallel, embedding and head vocab-parallel.
+MEGATRON_PLAN = (
+    (r"blocks\.\d+\.attn\.qkv", "colwise"),
+    (r"blocks\.\d+\.attn\.proj", "rowwise"),
+    (r"blocks\.\d+\.mlp\.fc1", "colwise"),
+    (r"blocks\.\d+\.mlp\.fc2", "rowwise"),
+    (r"wte", "vocab"),
+    (r"head", "vocab"),
+)
+STYLES = ("colwise", "rowwise", "vocab", "replicate")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
+    """Validate; returns the strategy with `schedule` defaults resolved."""
+    for name in ("dp", "tp", "pp", "vpp", "global_batch_size", "micro_batch_size"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"{name}={getattr(s, name)} must be >= 1")
+    if mesh.nodes < 1 or mesh.devices_per_node < 1:
+        raise ConfigError(f"mesh {mesh.nodes} nodes x {mesh.devices_per_node} devices "
+                          "must have at least one of each")
+    if s.dp * s.tp * s.pp != mesh.world and not s.stage_ranks:
+        raise ConfigError(
+            f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
+            f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose dp, tp, pp "
+            f"whose product is {mesh.world}")
+    if s.schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule '{s.schedule}': choose one of {', '.join(SCHEDULES)}")
+    if s.vpp > 1 and s.schedule != "interleaved":
+        s = replace(s, schedule="interleaved")
+    per_step = s.micro_batch_size * s.dp
+    if s.global_batch_size % per_step:
+        raise ConfigError(
+            f"global batch {s.global_batch_size} is not a multiple of micro-batch "
+            f"{s.micro_batch_size} x dp {s.dp} = {per_step}; use a global batch of "
+            f"{per_step * max(1, s.global_batch_size // per_step)} or "
+            f"{per_step * (s.global_batch_size // per_step + 1)}")
+    m = s.num_microbatches
+    if s.schedule in ("1f1b", "interleaved") and m < s.pp:
+        raise ConfigError(
+            f"{s.schedule} needs num_microbatches >= pp, got {m} < {s.pp}; raise the global "
+            f"batch to {s.pp * per_step} or use --schedule gpipe")
+    _check_stage_ranks(mesh, s)
+    for pattern, style in s.tp_plan:
+        if style not in STYLES:
+            raise ConfigError(f"tensor-parallel style '{style}' for '{pattern}' is unknown: "
+                              f"choose one of {', '.join(STYLES)}")
+    return s
+
+
+def _check_stage_ranks(mesh: Mesh, s: Strategy) -> None:
+    if not s.stage_ranks:
+        return
+    if len(s.stage_ranks) != s.pp:
+        raise ConfigError(f"{len(s.stage_ranks)} stage rank lists given for pp={s.pp}; "
+                          "give one list per stage")
+    seen: set[int] = set()
+    for i, ranks in enumerate(s.stage_ranks):
+        if len(ranks) != s.dp * s.tp:
+            raise ConfigError(f"stage {i} lists {len(ranks)} ranks, but dp*tp = {s.dp * s.tp}")
+        bad = [r for r in ranks if not 0 <= r < mesh.world or r in seen]
+        if bad:
+            raise ConfigError(f"stage {i} lists rank {bad[0]}, which is outside 0..{mesh.world - 1}"
+                              " or already in another stage; each rank belongs to one stage")
+        seen.update(ranks)
+
+
+def check_heads(heads: int, tp: int, model: str) -> None:
+    """Tensor parallelism splits attention heads: tp must divide them."""
+    if heads % tp:
+        ok = [d for d in _divisors(heads) if d <= 64]
+        raise ConfigError(f"{model}: tp={tp} does not divide heads={heads}; choose tp among "
+                          f"{', '.join(map(str, ok))}")

@@ -1,0 +1,104 @@
+"""Tensor-parallel plans: module-path patterns -> styles -> parameter SBPs
+and layout constraints at module boundaries.
+
+The styles are the ones `parallelize_module` users know:
+
+  colwise    weight S(0), bias S(0) on tp; the gradient of the module's input
+             is made Replicate right where it is produced (one all-reduce)
+  rowwise    weight S(1), bias R; the module's output is made Replicate
+             right after it is produced (one all-reduce)
+  vocab      an Embedding: weight S(0) (vocab rows), output made Replicate;
+             a Linear head: weight S(0) (vocab columns of the logits), as colwise
+  replicate  every parameter R
+
+Invariant: constraints ("hints") are what make propagation produce exactly
+Megatron's communication: propagation is greedy per op, and without them it
+may prefer a cheaper reduce-scatter now for a dearer gather later.
+"""
+
+from __future__ import annotations
+
+import re
+
+from meshplan.errors import ConfigError
+from meshplan.ir import Graph, Phase, Role
+from meshplan.ir.sbp import Replicate, Sbp, Shard
+
+R = Replicate()
+_PARAM_SBP = {
+    "colwise": {"weight": Shard(0), "bias": Shard(0)},
+    "rowwise": {"weight": Shard(1), "bias": R},
+    "vocab": {"weight": Shard(0), "bias": Shard(0)},
+    "replicate": {},
+}
+
+
+def _style_of(module: str, plan) -> str | None:
+    for pattern, style in plan:
+        if re.fullmatch(pattern, module):
+            return style
+    return None
+
+
+def tensor_parallel(graph: Graph, plan, tp_axis: int):
+    """(param SBP on the tp axis by value id, hints {value id: {axis: Sbp}})."""
+    params = {v.id: v for v in graph.inputs_by_role(Role.PARAM)}
+    styles: dict[str, str] = {}
+    param_sbp: dict[int, Sbp] = {}
+    for v in params.values():
+        module, _, leaf = v.name.rpartition(".")
+        style = _style_of(module, plan)
+        if style is None:
+            continue
+        styles[module] = style
+        param_sbp[v.id] = _PARAM_SBP[style].get(leaf, R)
+    if plan and not styles:
+        raise ConfigError(
+            f"tensor-parallel plan matches no module (patterns: "
+            f"{', '.join(p for p, _ in plan)}); module paths look like "
+            f"{', '.join(sorted({v.name.rpartition('.')[0] for v in params.values()})[:3])}")
+    hints: dict[int, dict[int, Sbp]] = {}
+    inputs, outputs, kinds = _boundaries(graph, set(styles), set(params))
+    grads = dict(graph.grads)
+    for module, style in styles.items():
+        is_embedding = "aten.embedding.default" in kinds.get(module, ())
+        if style == "rowwise" or (style == "vocab" and is_embedding):
+            for vid in outputs.get(module, ()):
+                hints.setdefault(vid, {})[tp_axis] = R
+        elif style in ("colwise", "vocab"):
+            for vid in inputs.get(module, ()):
+                if vid in grads:
+                    hints.setdefault(grads[vid], {})[tp_axis] = R
+    return param_sbp, hints
+
+
+def _owner(path: str, modules: set[str]) -> str | None:
+    """The planned module an op with module path `path` belongs to, if any."""
+    while path:
+        if path in modules:
+            return path
+        path = path.rpartition(".")[0]
+    return None
+
+
+def _boundaries(graph: Graph, modules: set[str], params: set[int]):
+    """Per planned module: values entering it, values leaving it, op kinds in it."""
+    owner_of_value: dict[int, str | None] = {}
+    inputs: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    kinds: dict[str, set[str]] = {}
+    for op in graph.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        owner = _owner(op.module_path, modules)
+        for r in dict.fromkeys(op.refs()):
+            src = owner_of_value.get(r)
+            if owner is not None and src != owner and r not in params:
+                inputs.setdefault(owner, []).append(r)
+            if src is not None and src != owner and r not in outputs.get(src, ()):
+                outputs.setdefault(src, []).append(r)
+        for o in op.outputs:
+            owner_of_value[o] = owner
+        if owner is not None:
+            kinds.setdefault(owner, set()).add(op.kind)
+    return inputs, outputs, kinds
