@@ -33,10 +33,12 @@ class InferStats:
 
 def to_sig(a: Arg, meta_of: Callable[[int], TensorMeta]) -> Any:
     """Replace each `Ref` by its `TensorMeta`, giving a hashable signature."""
-    if isinstance(a, Ref):
+    t = type(a)
+    if t is tuple:  # the hot path: flat argument tuples (exact type checks are cheaper)
+        return tuple(meta_of(x.id) if type(x) is Ref else
+                     (to_sig(x, meta_of) if type(x) is tuple else x) for x in a)
+    if t is Ref:
         return meta_of(a.id)
-    if isinstance(a, tuple):
-        return tuple(to_sig(x, meta_of) for x in a)
     return a
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from meshplan.ir import Graph, GraphBuilder, Op, Ref
-from meshplan.ir.builder import renumber_ops
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
 from meshplan.ops.emit import Emitter
 from meshplan.passes.propagate import SbpPlan
@@ -81,11 +80,16 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
     b.ops = []
     ctx = _Ctx(b, plan, naxes)
     ctx.layout.update(plan.produced)
+    new_id: dict[int, int] = {}
     for op in graph.ops:
         at = (stage[op.id], chunk[op.id], op.phase)
-        needs = [tuple(sig.ins[k] for sig in plan.sigs[op.id]) for k in range(len(op.refs()))]
-        mapping = [_ready(ctx, r, need, at, op.module_path) for r, need in zip(op.refs(), needs)]
-        new_op = _with_refs(op, mapping)
+        refs = op.refs()
+        sigs = plan.sigs[op.id]
+        mapping = [_ready(ctx, r, tuple(sig.ins[k] for sig in sigs), at, op.module_path)
+                   for k, r in enumerate(refs)]
+        new_id[op.id] = len(b.ops)
+        new_op = _renumbered(op, len(b.ops), new_id.get(op.grad_of, -1),
+                             None if list(refs) == mapping else mapping)
         b.ops.append(new_op)
         ctx.ops.append(new_op)
         ctx.stage.append(at[0])
@@ -95,7 +99,7 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
             if o >= 0:
                 ctx.where[o] = at
                 _apply_hint(ctx, o, op.module_path)
-    ops = renumber_ops(ctx.ops)
+    ops = tuple(ctx.ops)
     updates = tuple(replace(u, value=ctx.default.get(u.value, u.value)) for u in graph.updates)
     loss = ctx.default.get(graph.loss, graph.loss)
     boxed = Graph(tuple(b.values), ops, graph.inputs, loss, updates, graph.meta, graph.grads)
@@ -171,8 +175,13 @@ def _step(src, dst) -> tuple[str, dict]:
     return "meshplan.local_slice", {"dim": dst.dim}
 
 
-def _with_refs(op: Op, mapping: list[int]) -> Op:
-    """`op` with its k-th Ref (in `refs()` order) replaced by `mapping[k]`."""
+def _renumbered(op: Op, oid: int, grad_of: int, mapping: list[int] | None) -> Op:
+    """`op` with id `oid`, `grad_of` remapped, and (if given) its k-th Ref (in
+    `refs()` order) replaced by `mapping[k]`."""
+    if mapping is None:
+        if oid == op.id and grad_of == op.grad_of:
+            return op
+        return replace(op, id=oid, grad_of=grad_of)
     it = iter(mapping)
 
     def sub(a):
@@ -184,7 +193,7 @@ def _with_refs(op: Op, mapping: list[int]) -> Op:
 
     args = tuple(sub(a) for a in op.args)
     kwargs = tuple((k, sub(v)) for k, v in op.kwargs)
-    return replace(op, args=args, kwargs=kwargs)
+    return replace(op, id=oid, grad_of=grad_of, args=args, kwargs=kwargs)
 
 
 def is_boxing(op: Op) -> bool:
