@@ -11,29 +11,27 @@ import json
 import logging
 import sys
 
+from meshplan.cli.flags import (
+    add_model_flags,
+    add_strategy_flags,
+    mesh_of,
+    overrides,
+    strategy_fields,
+)
 from meshplan.errors import MeshplanError
 
 EPILOG_INSPECT = """examples:
   meshplan inspect --model gpt --size gpt3-175b
   meshplan inspect --model resnet --size resnet50 --json"""
+EPILOG_PLAN = """examples:
+  meshplan plan --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --vpp 2 \\
+      --global-batch-size 16 --micro-batch-size 2
+  meshplan plan --model gpt --size gpt3-175b --nodes 128 --devices-per-node 8 \\
+      --tp 8 --pp 16 --vpp 2 --num-microbatches 64 --json"""
 EPILOG_VERIFY = """examples:
   meshplan verify --model gpt --size tiny
   meshplan verify --model bert --size tiny --steps 20 --optimizer adamw --json
   meshplan verify --model gpt --size tiny --global-batch-size 8 --num-microbatches 4"""
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="gpt", help="gpt, bert or resnet (default gpt)")
-    g.add_argument("--size", default="tiny", help="preset: tiny, small, gpt3-175b, "
-                   "bert-large, resnet50 (default tiny)")
-    for flag in ("layers", "heads", "hidden", "seq-len", "vocab"):
-        g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
-
-
-def _overrides(a: argparse.Namespace) -> dict:
-    keys = ("layers", "heads", "hidden", "seq_len", "vocab")
-    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,13 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="capture a model on the meta device and count it",
                        epilog=EPILOG_INSPECT, formatter_class=fmt)
-    _model_flags(p)
+    add_model_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_inspect)
 
     p = sub.add_parser("verify", help="train with eager PyTorch and meshplan; compare losses",
                        epilog=EPILOG_VERIFY, formatter_class=fmt)
-    _model_flags(p)
+    add_model_flags(p)
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--global-batch-size", type=int, default=8, help="samples per step")
@@ -64,13 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest allowed |loss - eager loss| (exit 1 above it)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_verify)
+
+    p = sub.add_parser("plan", help="plan a model on a mesh and print the Job summary",
+                       epilog=EPILOG_PLAN, formatter_class=fmt)
+    add_model_flags(p)
+    add_strategy_flags(p)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_cmd_plan)
     return parser
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from meshplan.driver.inspect import inspect_model
 
-    r = inspect_model(a.model, a.size, **_overrides(a))
+    r = inspect_model(a.model, a.size, **overrides(a))
     if a.json:
         print(json.dumps(r))
         return 0
@@ -89,7 +95,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
     r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer,
                global_batch_size=a.global_batch_size, num_microbatches=a.num_microbatches,
-               seed=a.seed, **_overrides(a))
+               seed=a.seed, **overrides(a))
     ok = r["max_abs_diff"] <= a.tolerance
     if a.json:
         print(json.dumps(r | {"ok": ok, "tolerance": a.tolerance}))
@@ -101,6 +107,22 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     print(f"{verdict}: max |diff| {r['max_abs_diff']:.2e} (tolerance {a.tolerance:g}); "
           f"step {r['step_s'] * 1e3:.1f} ms vs eager {r['ref_step_s'] * 1e3:.1f} ms")
     return 0 if ok else 1
+
+
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from meshplan.cli.show_plan import print_plan
+    from meshplan.driver.plan import plan_model, report, zoo_strategy
+    from meshplan.models import model_config
+
+    cfg = model_config(a.model, a.size, **overrides(a))
+    strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
+    planned = plan_model(a.model, a.size, mesh_of(a), strategy, a.optimizer, **overrides(a))
+    r = report(planned.job)
+    if a.json:
+        print(json.dumps(r | {"capture_s": planned.capture_s, "passes_s": planned.timings}))
+    else:
+        print_plan(r, a.model, a.size, planned.timings, planned.capture_s)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,82 @@
+"""Flags shared by the verbs: the model, and the parallel strategy.
+
+Every verb that plans (`plan`, `compile`, `run`, `verify`) takes the same
+strategy flags, with Megatron's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from meshplan.errors import ConfigError
+from meshplan.ir.mesh import Mesh
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="gpt", help="gpt, bert or resnet (default gpt)")
+    g.add_argument("--size", default="tiny", help="preset: tiny, small, gpt3-175b, "
+                   "bert-large, resnet50 (default tiny)")
+    for flag in ("layers", "heads", "hidden", "seq-len", "vocab"):
+        g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
+
+
+def overrides(a: argparse.Namespace) -> dict:
+    keys = ("layers", "heads", "hidden", "seq_len", "vocab")
+    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+
+
+def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None:
+    g = p.add_argument_group("parallel strategy")
+    g.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    g.add_argument("--devices-per-node", type=int, default=1, help="ranks per machine")
+    g.add_argument("--dp", type=int, default=None, help="data parallel (default: the rest)")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--vpp", type=int, default=1, help="virtual stages (chunks) per stage")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help=f"samples per step (default {default_gbs})")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per micro-batch per dp rank")
+    g.add_argument("--num-microbatches", type=int, default=None,
+                   help="shorthand: global batch = this x micro-batch x dp")
+    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
+                   help="pipeline schedule (default 1f1b; interleaved when vpp > 1)")
+    g.add_argument("--layer-pattern", default=None,
+                   help=r"regex over module paths naming a layer (default: blocks\.(\d+))")
+    g.add_argument("--layer-stages", default=None,
+                   help="stage of each layer, comma-separated, e.g. 0,0,1,1")
+    g.set_defaults(default_gbs=default_gbs)
+
+
+def mesh_of(a: argparse.Namespace) -> Mesh:
+    return Mesh(a.nodes, a.devices_per_node)
+
+
+def strategy_fields(a: argparse.Namespace) -> dict:
+    """The Strategy fields the flags say, with Megatron's batch arithmetic."""
+    world = a.nodes * a.devices_per_node
+    dp = a.dp if a.dp is not None else max(1, world // max(1, a.tp * a.pp))
+    mbs = a.micro_batch_size
+    if a.num_microbatches is not None:
+        mbs = mbs or 1
+        gbs = a.num_microbatches * mbs * dp
+        if a.global_batch_size is not None and a.global_batch_size != gbs:
+            raise ConfigError(f"--num-microbatches {a.num_microbatches} x micro-batch {mbs} x "
+                              f"dp {dp} = {gbs} contradicts --global-batch-size "
+                              f"{a.global_batch_size}; give one of the two")
+    else:
+        gbs = a.global_batch_size or a.default_gbs
+        mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if a.vpp > 1 else 1)))
+    fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": a.vpp, "global_batch_size": gbs,
+              "micro_batch_size": mbs,
+              "schedule": a.schedule or ("interleaved" if a.vpp > 1 else "1f1b")}
+    if a.layer_pattern:
+        fields["layer_pattern"] = a.layer_pattern
+    if a.layer_stages:
+        try:
+            fields["layer_stages"] = tuple(int(x) for x in a.layer_stages.split(","))
+        except ValueError:
+            raise ConfigError(f"--layer-stages '{a.layer_stages}' is not a comma-separated "
+                              "list of stage numbers, e.g. 0,0,1,1") from None
+    return fields

@@ -1,0 +1,29 @@
+"""Terminal rendering of the `plan` report."""
+
+from __future__ import annotations
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) -> None:
+    print(f"{model} {size} on {r['nodes']}x{r['devices_per_node']} = {r['world']} ranks: "
+          f"dp={r['dp']} tp={r['tp']} pp={r['pp']} vpp={r['vpp']}, schedule {r['schedule']}, "
+          f"{r['num_microbatches']} micro-batches, {r['ops']} ops")
+    print(f"\n{'stage':>5} {'chunk':>5} {'ops':>6} {'params':>11}  layers")
+    for c in r["chunks"]:
+        layers = ", ".join(c["layers"]) or "-"
+        print(f"{c['stage']:>5} {c['chunk']:>5} {c['ops']:>6} {_mib(c['param_bytes']):>11}  "
+              f"{layers}")
+    print(f"\n{'communication':<36} {'count':>6}")
+    for key, n in sorted(r["comm_counts"].items()):
+        kind, axis, phase = key.split("/")
+        print(f"{kind + ' over ' + axis + ' (' + phase + ')':<36} {n:>6}")
+    t = r["totals_per_step"]
+    print(f"\nper step: {t['comm_ops']} communication ops, {_mib(t['comm_bytes'])} "
+          "(logical bytes of the tensors communicated)")
+    for note in r["notes"]:
+        print(f"note: {note}")
+    passes = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in timings.items())
+    print(f"capture {capture_s:.2f} s; passes: {passes}; job {r['job_digest'][:16]}")

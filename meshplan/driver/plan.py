@@ -1,0 +1,106 @@
+"""plan: a zoo model and a strategy -> the Job, and its report.
+
+Invariant: the report is computed from the Job alone (plus the micro-batch
+count), so it says exactly what the ranks will be asked to do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from meshplan.autodiff import OptimizerConfig, build_train_step
+from meshplan.capture import capture
+from meshplan.ir import Phase, Role
+from meshplan.ir.job import Job
+from meshplan.ir.mesh import AXES, Mesh, Strategy
+from meshplan.ir.sbp import fmt
+from meshplan.models import build_model, example_batch, layer_pattern, model_config
+from meshplan.passes.boxing import BOXING_KINDS
+from meshplan.passes.plan import plan_job
+from meshplan.passes.strategy import MEGATRON_PLAN, check_heads, check_strategy
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    job: Job
+    capture_s: float
+    timings: dict
+
+
+def zoo_strategy(model: str, cfg, **fields) -> Strategy:
+    """A Strategy with the zoo's defaults: its layer pattern, the Megatron plan."""
+    fields.setdefault("layer_pattern", layer_pattern(cfg))
+    if fields.get("tp", 1) > 1 and model in ("gpt", "bert"):
+        fields.setdefault("tp_plan", MEGATRON_PLAN)
+    return Strategy(**fields)
+
+
+def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
+               optimizer: str = "sgd", device: str = "meta", **overrides) -> Planned:
+    """Capture a zoo model (on the meta device: no weights) and plan it."""
+    cfg = model_config(model, size, **overrides)
+    strategy = check_strategy(mesh, strategy)
+    check_heads(cfg.heads, strategy.tp, model)
+    t0 = time.perf_counter()
+    module = build_model(cfg, device=device)
+    batch = example_batch(cfg, strategy.micro_batch_size * strategy.dp, device=device)
+    graph = build_train_step(capture(module, batch), OptimizerConfig.default(optimizer),
+                             strategy.num_microbatches)
+    t1 = time.perf_counter()
+    timings: dict = {}
+    job = plan_job(graph, mesh, strategy, timings=timings)
+    return Planned(job, t1 - t0, timings)
+
+
+def comm_ops(job: Job) -> list[dict]:
+    """Every communication op: kind, axis, phase, stage, bytes per micro-batch."""
+    out = []
+    for op in job.graph.ops:
+        if op.kind not in BOXING_KINDS or op.kind == "meshplan.local_slice":
+            continue
+        kw = dict(op.kwargs)
+        src = op.args[0].id
+        out.append({
+            "op": op.id, "kind": op.kind.removeprefix("meshplan."),
+            "axis": AXES[kw["axis"]] if "axis" in kw else "pp",
+            "phase": op.phase.value, "stage": job.stage[op.id], "chunk": job.chunk[op.id],
+            "module": op.module_path, "bytes": job.graph.values[src].meta.nbytes,
+            "from": fmt(job.sbp[src]), "to": fmt(job.sbp[op.outputs[0]]),
+        })
+    return out
+
+
+def report(job: Job) -> dict:
+    """The Job summary: stages and chunks, communication, totals per step."""
+    g = job.graph
+    m = job.strategy.num_microbatches
+    chunks: dict = defaultdict(lambda: {"layers": [], "ops": 0, "param_bytes": 0})
+    for name, s, c in zip(job.layers, job.layer_stage, job.layer_chunk):
+        chunks[(s, c)]["layers"].append(name)
+    consumers: dict[int, int] = {}
+    for op in g.ops:
+        chunks[(job.stage[op.id], job.chunk[op.id])]["ops"] += 1
+        for r in op.refs():
+            consumers.setdefault(r, op.id)
+    for p in g.inputs_by_role(Role.PARAM):
+        if p.id in consumers:
+            i = consumers[p.id]
+            chunks[(job.stage[i], job.chunk[i])]["param_bytes"] += p.meta.nbytes
+    comms = comm_ops(job)
+    per_step = sum(c["bytes"] * (1 if c["phase"] == Phase.OPTIMIZER.value else m) for c in comms)
+    s = job.strategy
+    return {
+        "world": job.mesh.world, "nodes": job.mesh.nodes,
+        "devices_per_node": job.mesh.devices_per_node,
+        "dp": s.dp, "tp": s.tp, "pp": s.pp, "vpp": s.vpp, "schedule": s.schedule,
+        "num_microbatches": m, "ops": len(g.ops), "job_digest": job.digest(),
+        "chunks": [{"stage": k[0], "chunk": k[1], **v} for k, v in sorted(chunks.items())],
+        "comm": comms,
+        "comm_counts": dict(Counter(f"{c['kind']}/{c['axis']}/{c['phase']}" for c in comms)),
+        "totals_per_step": {"comm_ops": sum(1 if c["phase"] == "optimizer" else m
+                                            for c in comms),
+                            "comm_bytes": per_step},
+        "notes": list(job.notes),
+    }
