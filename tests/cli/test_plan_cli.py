@@ -1,0 +1,45 @@
+"""`meshplan plan`: the report, and one clear ConfigError per bad strategy."""
+
+import json
+
+import pytest
+
+from tests.cli.test_cli import assert_user_error, run
+
+
+def test_plan_json_report():
+    p = run("plan", "--model", "gpt", "--nodes", "2", "--devices-per-node", "4", "--tp", "2",
+            "--pp", "2", "--vpp", "2", "--global-batch-size", "16", "--micro-batch-size", "2",
+            "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert (r["dp"], r["tp"], r["pp"], r["vpp"], r["num_microbatches"]) == (2, 2, 2, 2, 4)
+    assert [(c["stage"], c["chunk"], c["layers"]) for c in r["chunks"]] == [
+        (0, 0, ["blocks.0"]), (0, 1, ["blocks.2"]), (1, 0, ["blocks.1"]), (1, 1, ["blocks.3"])]
+    assert r["comm_counts"]["transfer/pp/forward"] == 3
+    assert r["comm_counts"]["all_reduce/dp/optimizer"] == 53
+    assert all({"kind", "axis", "bytes", "phase"} <= set(c) for c in r["comm"])
+    assert r["totals_per_step"]["comm_bytes"] > 0
+
+
+def test_plan_table_and_non_monotone_note():
+    p = run("plan", "--model", "gpt", "--devices-per-node", "2", "--pp", "2",
+            "--layer-stages", "0,1,1,0", "--global-batch-size", "4", "--micro-batch-size", "1")
+    assert p.returncode == 0, p.stderr
+    assert "stage chunk" in p.stdout and "note:" in p.stdout and "not monotone" in p.stdout
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (("--devices-per-node", "4", "--dp", "1", "--tp", "2", "--pp", "1"), "dp*tp*pp = 1*2*1 = 2"),
+    (("--devices-per-node", "3", "--tp", "3"), "tp=3 does not divide heads=4"),
+    (("--devices-per-node", "3", "--pp", "3"), "valid pp values"),
+    (("--devices-per-node", "2", "--pp", "2", "--vpp", "3", "--num-microbatches", "4"),
+     "valid vpp values: 1, 2"),
+    (("--layer-pattern", r"layers\.(\d+)"), "matches no"),
+    (("--devices-per-node", "2", "--pp", "2", "--layer-stages", "0,1,1"), "4 layers"),
+    (("--devices-per-node", "2", "--pp", "2", "--num-microbatches", "1"),
+     "needs num_microbatches >= pp"),
+    (("--global-batch-size", "7", "--micro-batch-size", "2"), "not a multiple"),
+])
+def test_bad_strategies_are_one_line_config_errors(args, phrase):
+    assert_user_error(run("plan", *args), phrase)
