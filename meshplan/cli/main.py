@@ -31,7 +31,8 @@ EPILOG_PLAN = """examples:
 EPILOG_VERIFY = """examples:
   meshplan verify --model gpt --size tiny
   meshplan verify --model bert --size tiny --steps 20 --optimizer adamw --json
-  meshplan verify --model gpt --size tiny --global-batch-size 8 --num-microbatches 4"""
+  meshplan verify --model gpt --size tiny --global-batch-size 8 --num-microbatches 4
+  meshplan verify --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,11 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="train with eager PyTorch and meshplan; compare losses",
                        epilog=EPILOG_VERIFY, formatter_class=fmt)
     add_model_flags(p)
+    add_strategy_flags(p)
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--global-batch-size", type=int, default=8, help="samples per step")
-    p.add_argument("--num-microbatches", type=int, default=1,
-                   help="gradient-accumulation micro-batches per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest allowed |loss - eager loss| (exit 1 above it)")
@@ -91,11 +90,22 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
+    from meshplan.driver.plan import zoo_strategy
     from meshplan.driver.verify import verify
+    from meshplan.models import model_config
 
-    r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer,
-               global_batch_size=a.global_batch_size, num_microbatches=a.num_microbatches,
-               seed=a.seed, **overrides(a))
+    fields = strategy_fields(a)
+    parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1
+    if parallel:
+        cfg = model_config(a.model, a.size, **overrides(a))
+        strategy = zoo_strategy(a.model, cfg, **fields)
+        r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer, seed=a.seed,
+                   mesh=mesh_of(a), strategy=strategy, **overrides(a))
+    else:
+        m = a.num_microbatches or 1
+        r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer,
+                   global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
+                   num_microbatches=m, seed=a.seed, **overrides(a))
     ok = r["max_abs_diff"] <= a.tolerance
     if a.json:
         print(json.dumps(r | {"ok": ok, "tolerance": a.tolerance}))
@@ -104,6 +114,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     for i, (x, y) in enumerate(zip(r["ref_losses"], r["losses"])):
         print(f"{i:>4}  {x:>12.6f}  {y:>13.6f}  {abs(x - y):>9.2e}")
     verdict = "OK" if ok else "MISMATCH"
+    if r["mode"] == "logical":
+        print("(logical mode: the planned Job's graph, run in this one process)")
     print(f"{verdict}: max |diff| {r['max_abs_diff']:.2e} (tolerance {a.tolerance:g}); "
           f"step {r['step_s'] * 1e3:.1f} ms vs eager {r['ref_step_s'] * 1e3:.1f} ms")
     return 0 if ok else 1

@@ -18,7 +18,10 @@ from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.capture import capture
 from meshplan.driver.reference import eager_train, split_microbatches
 from meshplan.errors import ConfigError
+from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
+from meshplan.passes.plan import plan_job
+from meshplan.passes.strategy import check_heads
 from meshplan.runtime import Executor
 
 
@@ -30,9 +33,18 @@ def verify(
     global_batch_size: int = 8,
     num_microbatches: int = 1,
     seed: int = 0,
+    mesh: Mesh | None = None,
+    strategy: Strategy | None = None,
     **overrides,
 ) -> dict:
-    """Train `steps` steps both ways; returns losses, max_abs_diff and timings."""
+    """Train `steps` steps both ways; returns losses, max_abs_diff and timings.
+
+    With a `mesh` and `strategy`, meshplan plans the Job and runs its graph in
+    this one process ("logical" mode: every boxing op is the identity), which
+    checks that planning kept the program's meaning."""
+    if strategy is not None:
+        global_batch_size = strategy.global_batch_size
+        num_microbatches = strategy.num_microbatches
     if steps < 1 or global_batch_size < 1 or num_microbatches < 1:
         raise ConfigError("steps, global batch size and micro-batch count must be >= 1")
     if global_batch_size % num_microbatches:
@@ -49,9 +61,13 @@ def verify(
     t0 = time.perf_counter()
     forward = capture(module, micro[0][0])
     t1 = time.perf_counter()
-    step_graph = build_train_step(forward, opt, num_microbatches)
+    graph = build_train_step(forward, opt, num_microbatches)
     t2 = time.perf_counter()
-    ex = Executor(step_graph)
+    if strategy is not None:
+        check_heads(cfg.heads, strategy.tp, model)
+        graph = plan_job(graph, mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp),
+                         strategy).graph
+    ex = Executor(graph)
     state = ex.init_state(module)
     losses, times = [], []
     for mbs in micro:
@@ -63,9 +79,10 @@ def verify(
         "model": model, "size": size, "config": asdict(cfg), "steps": steps,
         "optimizer": optimizer, "global_batch_size": global_batch_size,
         "num_microbatches": num_microbatches,
+        "mode": "single" if strategy is None else "logical",
         "ref_losses": ref_losses, "losses": losses,
         "max_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        "ops": len(step_graph.ops), "capture_s": t1 - t0, "autodiff_s": t2 - t1,
+        "ops": len(graph.ops), "capture_s": t1 - t0, "autodiff_s": t2 - t1,
         "step_s": statistics.median(times), "ref_step_s": statistics.median(ref_times),
         "measured_peak_bytes": ex.mem.peak,
     }

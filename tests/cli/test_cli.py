@@ -50,7 +50,9 @@ def test_inspect_json_counts():
         (("verify", "--heads", "5"), "heads=5 does not divide hidden=64"),
         (("verify", "--hidden", "-4"), "hidden"),
         (("inspect", "--model", "resnet", "--vocab", "10"), "vocab"),
-        (("verify", "--num-microbatches", "3"), "micro-batches"),
+        (("verify", "--global-batch-size", "8", "--num-microbatches", "3"), "contradicts"),
+        (("verify", "--devices-per-node", "2", "--pp", "2", "--num-microbatches", "1"),
+         "num_microbatches >= pp"),
     ],
 )
 def test_user_mistakes_are_one_line(args, phrase):
