@@ -1,0 +1,113 @@
+"""compile: run the master once, then lower every rank in its own process.
+
+Invariants:
+- The master (capture, autodiff, planning passes) runs once and yields the
+  Job's bytes; each worker process rebuilds the Job from those bytes and
+  lowers only the ranks it is given. No process ever holds two ranks' plans
+  at once or the whole cluster's physical graph.
+- Rank plans are cached under (job digest, rank, meshplan version): a
+  repeated compile copies them, and a killed worker leaves no partial entry
+  (entries are written atomically).
+- Statistics: seconds per pass and per rank, inference calls and cache hits,
+  tasks and buffers per rank, the compiling processes' peak memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import meshplan
+from meshplan.capture.cache import cache_dir
+from meshplan.errors import ConfigError, MeshplanError, PlanError
+from meshplan.ir.fileio import write_atomic
+from meshplan.ir.job import Job
+from meshplan.ops.infer import InferStats
+from meshplan.ops.temp import TempStats
+from meshplan.plan.files import plan_name, plan_to_bytes, write_job
+from meshplan.plan.lower import lower
+
+
+def _plan_cache(digest: str) -> Path:
+    return cache_dir() / "plans" / f"{digest}-{meshplan.__version__}"
+
+
+def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool) -> dict:
+    """Worker body: lower `ranks` of the Job in `job_bytes`, write their files."""
+    job = Job.from_bytes(job_bytes)
+    digest = job.digest()
+    stats = {}
+    for rank in ranks:
+        t0 = time.perf_counter()
+        cached = _plan_cache(digest) / plan_name(rank)
+        if use_cache and cached.is_file():
+            data, hit = cached.read_bytes(), True
+            tasks = buffers = peak = None
+        else:
+            plan = lower(job, rank)
+            data, hit = plan_to_bytes(plan), False
+            tasks, buffers, peak = len(plan.tasks), len(plan.buffers), plan.memory.peak_bytes()
+            if use_cache:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(cached, data)
+        write_atomic(Path(out) / plan_name(rank), data)
+        stats[rank] = {"lower_s": time.perf_counter() - t0, "cache_hit": hit, "tasks": tasks,
+                       "buffers": buffers, "planned_peak_bytes": peak}
+    stats["_process"] = {"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                         * 1024, "temp": TempStats.snapshot()}
+    return stats
+
+
+def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
+                workers: int | None = None, use_cache: bool = True,
+                progress=None) -> dict:
+    """Write `out/job.json` and the plans of `ranks` (default: all), lowered by
+    `workers` processes (default: the number of cores)."""
+    world = job.mesh.world
+    ranks = list(range(world)) if ranks is None else ranks
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ConfigError(f"--ranks lists rank {bad[0]}, outside 0..{world - 1}")
+    out = Path(out)
+    write_job(out, job)
+    job_bytes = job.to_bytes()
+    workers = max(1, min(workers or os.cpu_count() or 1, len(ranks)))
+    batches = [ranks[i::workers] for i in range(workers)]
+    stats: dict = {}
+    procs = []
+    ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = [pool.submit(lower_ranks, job_bytes, b, str(out), use_cache)
+                   for b in batches if b]
+        for fut, batch in zip(futures, batches):
+            try:
+                result = fut.result()
+            except MeshplanError:
+                raise
+            except Exception as e:  # a worker died or raised
+                raise PlanError(f"compile worker for ranks {batch[:8]} failed "
+                                f"({type(e).__name__}: {e}); cache entries are whole or "
+                                "absent, so compiling again is safe") from e
+            procs.append(result.pop("_process"))
+            stats.update(result)
+            if progress is not None:
+                progress(len(stats), len(ranks))
+    return {"ranks": {r: stats[r] for r in sorted(stats)}, "workers": workers,
+            "worker_maxrss_bytes": max((p["maxrss_bytes"] for p in procs), default=0),
+            "temp_inference": _sum_stats(p["temp"] for p in procs)}
+
+
+def _sum_stats(items) -> dict:
+    out = {"calls": 0, "cache_hits": 0}
+    for s in items:
+        out["calls"] += s["calls"]
+        out["cache_hits"] += s["cache_hits"]
+    return out
+
+
+def inference_stats() -> dict:
+    return {"logical": InferStats.snapshot(), "temp_master": TempStats.snapshot()}

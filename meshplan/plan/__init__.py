@@ -1,0 +1,1 @@
+"""plan: lower(job, rank) -> RankPlan, plan files, and the cross-rank checker."""

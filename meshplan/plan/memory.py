@@ -1,0 +1,108 @@
+"""The memory plan: where each buffer lives, and the rank's planned peak.
+
+Layout (two memory chunks):
+- "state": parameters, module buffers, gradient accumulators and optimizer
+  state, one block each, for the whole run. Values that update a state in
+  place alias it and take no memory of their own.
+- "activations": (a) saved values — those living from one action to another
+  (a forward activation kept for its backward, a micro-batch's data) — get
+  `copies` static slots per chunk, as many as the schedule keeps that chunk's
+  micro-batches in flight; (b) transient values, living inside one action,
+  are packed first-fit by liveness over the action's task order, and every
+  action reuses that region.
+Kernel workspace ("temp") is the largest temp of any task, computed from the
+task's physical signature and cached by it (`ops.temp`).
+
+Invariant: `peak` = the sum of the layout's extents, split by category:
+param (incl. module buffers), grad, optimizer, activation, temp.
+"""
+
+from __future__ import annotations
+
+from meshplan.ir import TensorMeta
+from meshplan.ops.infer import to_sig
+from meshplan.ops.temp import temp_bytes
+from meshplan.plan.rankplan import Block, MemoryPlan
+
+_STATE = ("param", "buffer", "grad", "optimizer")
+
+
+def _first_fit(intervals: list[tuple[int, int, int, int]]) -> tuple[dict[int, int], int]:
+    """Offsets for (key, start, end, size) intervals; returns ({key: offset}, extent)."""
+    placed: list[tuple[int, int, int, int]] = []   # (offset, size, start, end)
+    offsets, extent = {}, 0
+    for key, start, end, size in sorted(intervals, key=lambda x: (x[1], -x[3], x[0])):
+        busy = sorted((o, o + s) for o, s, a, b in placed if a < end and start < b)
+        off = 0
+        for lo, hi in busy:
+            if off + size <= lo:
+                break
+            off = max(off, hi)
+        placed.append((off, size, start, end))
+        offsets[key] = off
+        extent = max(extent, off + size)
+    return offsets, extent
+
+
+def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
+    """Blocks for every buffer, and the planned peak by category."""
+    updates = {u.value for u in low.job.graph.updates}
+    blocks, peak, chunks = [], {}, []
+    state_chunk, act_chunk = low.next_id(), low.next_id()
+    off = 0
+    for b in buffers:
+        if b.category in _STATE:
+            blocks.append(Block(low.next_id(), state_chunk, off, b.nbytes, (b.id,)))
+            off += b.nbytes
+            key = "param" if b.category == "buffer" else b.category
+            peak[key] = peak.get(key, 0) + b.nbytes
+    chunks.append((state_chunk, "state", off))
+    saved = [b for b in buffers if b.category == "data" or (
+        b.category not in _STATE and b.value not in updates and b.copies > 1)]
+    saved_ids = {b.id for b in saved}
+    off = 0
+    for b in sorted(saved, key=lambda x: x.id):
+        size = b.nbytes * b.copies
+        blocks.append(Block(low.next_id(), act_chunk, off, size, (b.id,)))
+        off += size
+    saved_extent = off
+    transient = [b for b in buffers if b.category == "activation" and b.id not in saved_ids
+                 and b.value not in updates]
+    offsets, extent = _first_fit(_intervals(low, transient))
+    for b in transient:
+        blocks.append(Block(low.next_id(), act_chunk, saved_extent + offsets[b.id], b.nbytes,
+                            (b.id,)))
+    peak["activation"] = saved_extent + extent
+    chunks.append((act_chunk, "activations", saved_extent + extent))
+    peak["temp"] = _temp(low)
+    for k in ("param", "grad", "optimizer", "activation", "temp"):
+        peak.setdefault(k, 0)
+    total = sum(peak.values())
+    order = ("param", "grad", "optimizer", "activation", "temp")
+    return MemoryPlan(tuple(chunks), tuple(blocks),
+                      tuple((k, peak[k]) for k in order) + (("total", total),))
+
+
+def _intervals(low, transient) -> list[tuple[int, int, int, int]]:
+    """(buffer id, first task index, last task index + 1, bytes) of transient buffers."""
+    index = {t.id: i for i, t in enumerate(low.tasks)}
+    out = []
+    for b in transient:
+        uses = [index[t] for t in b.producers + b.consumers if t in index]
+        if uses:
+            out.append((b.id, min(uses), max(uses) + 1, b.nbytes))
+    return out
+
+
+def _temp(low) -> int:
+    """The largest kernel workspace of any task on this rank."""
+    graph, best = low.job.graph, 0
+    local_meta = {b.value: TensorMeta(b.shape, graph.values[b.value].meta.dtype)
+                  for b in low.bufs.values()}
+    for t in low.tasks:
+        op = graph.ops[t.op]
+        if t.kind.value != "compute":
+            continue
+        sig = to_sig(op.args, lambda i: local_meta.get(i) or graph.values[i].meta)
+        best = max(best, temp_bytes(op.kind, sig))
+    return best

@@ -1,0 +1,100 @@
+"""RankPlan: everything one rank executes, and nothing any other rank does.
+
+Invariants:
+- Tasks are static: each runs once per micro-batch (forward/backward phase)
+  or once per step (optimizer phase), as the rank's `actions` order them.
+  An action `F(v, mb)` runs, in order, the forward tasks of virtual stage
+  `v`'s chunk; `B` the backward ones; `STEP` the optimizer-phase tasks;
+  SEND/RECV actions run the send/recv tasks of that virtual stage.
+- Buffers hold physical (local) shapes, derived from the logical shape and
+  the N-D SBP at the rank's grid coordinate. `copies` is how many
+  micro-batches' instances can be alive at once.
+- Ids: tasks per `ids.task_id`; buffers, memory blocks and memory chunks
+  share the rank's `(rank << 48) + counter` space.
+- The plan is a pure function of (Job, rank): its bytes are the same in
+  whatever process computes it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from meshplan.ir import DType, Phase
+from meshplan.schedules.action import Action
+
+
+class TaskKind(enum.Enum):
+    COMPUTE = "compute"
+    COLLECTIVE = "collective"
+    SEND = "send"
+    RECV = "recv"
+    GRAD_REDUCE = "grad_reduce"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One op of the Job as this rank runs it."""
+
+    id: int
+    kind: TaskKind
+    op: int                         # the Job op it comes from
+    chunk: int
+    phase: Phase
+    inputs: tuple[int, ...]         # buffer ids, in the op's `refs()` order
+    outputs: tuple[int, ...]        # buffer ids (-1: absent output)
+    local: tuple[str, ...] = ()     # rank-dependent kernel variant per mesh axis
+    group: tuple[int, ...] = ()     # collective participants, in group order
+    peer: int = -1                  # send/recv: the other rank
+    peer_task: int = -1             # send/recv: the matching task on the peer
+    box: tuple[tuple[int, int], ...] = ()  # send/recv: logical slice moved
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A register: one value's local tensor on this rank."""
+
+    id: int
+    value: int                      # Job value id
+    producers: tuple[int, ...]      # task ids (several recv pieces; none for state)
+    consumers: tuple[int, ...]      # task ids
+    shape: tuple[int, ...]
+    dtype: DType
+    nbytes: int
+    copies: int
+    category: str                   # param | grad | optimizer | buffer | data | activation
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A buffer's (or a buffer group's) place in a memory chunk."""
+
+    id: int
+    chunk: int                      # memory chunk id
+    offset: int
+    size: int
+    buffers: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    chunks: tuple[tuple[int, str, int], ...]   # (id, name, size)
+    blocks: tuple[Block, ...]
+    peak: tuple[tuple[str, int], ...]          # category -> bytes, and "total"
+
+    def peak_bytes(self) -> int:
+        return dict(self.peak)["total"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    rank: int
+    world: int
+    stage: int
+    coord: tuple[int, ...]
+    job_digest: str
+    tasks: tuple[Task, ...]
+    buffers: tuple[Buffer, ...]
+    memory: MemoryPlan
+    actions: tuple[Action, ...]

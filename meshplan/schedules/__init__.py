@@ -1,0 +1,64 @@
+"""Pipeline schedules as data: compute orders, one comm lowering, checks.
+
+Invariants:
+- A schedule is a pure function `(pp, vpp, num_microbatches, rank) ->
+  list[Action]` of compute actions (F, B) only; every rank's order is built
+  the same way on every rank, with no communication between them.
+- `comm.add_comm` is the only place SEND/RECV actions are made.
+- `validate.validate` and `simulate.simulate` check a lowered schedule
+  without processes or torch.distributed.
+- `compute_actions` is the checked entry point; `SCHEDULES` maps the
+  `--schedule` names to the raw functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshplan.errors import ScheduleError
+from meshplan.schedules.action import Action, ActionType, chunk_of, rank_of
+from meshplan.schedules.comm import Transfer, add_comm, chain_edges
+from meshplan.schedules.gpipe import schedule_gpipe
+from meshplan.schedules.grid import format_grid
+from meshplan.schedules.interleaved import schedule_interleaved
+from meshplan.schedules.one_f_one_b import schedule_1f1b
+from meshplan.schedules.simulate import SimResult, chrome_trace, simulate
+from meshplan.schedules.validate import validate
+
+Schedule = Callable[[int, int, int, int], list[Action]]
+
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": schedule_gpipe,
+    "1f1b": schedule_1f1b,
+    "interleaved": schedule_interleaved,
+}
+
+__all__ = [
+    "SCHEDULES", "Action", "ActionType", "SimResult", "Transfer", "add_comm",
+    "chain_edges", "chrome_trace", "chunk_of", "compute_actions", "format_grid",
+    "rank_of", "simulate", "validate",
+]
+
+
+def compute_actions(name: str, pp: int, vpp: int, num_microbatches: int,
+                    rank: int) -> list[Action]:
+    """Rank `rank`'s compute actions under schedule `name`, after checking the counts.
+
+    `interleaved` with vpp == 1 returns the 1F1B order: torch's interleaved
+    formula warms up 2*(pp-rank-1) forwards there instead of pp-rank-1 (see
+    [Note: interleaved at vpp=1] in interleaved.py).
+    """
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; use --schedule one of "
+                            f"{', '.join(sorted(SCHEDULES))}")
+    for label, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"schedule {name}: {label} must be a positive integer, "
+                                f"got {value!r}")
+    if not isinstance(rank, int) or not 0 <= rank < pp:
+        raise ScheduleError(f"schedule {name}: rank must be in 0..{pp - 1} for pp={pp}, "
+                            f"got {rank!r}")
+    if name == "interleaved" and vpp == 1:
+        schedule_interleaved(pp, vpp, num_microbatches, rank)  # same counts check
+        return schedule_1f1b(pp, vpp, num_microbatches, rank)
+    return SCHEDULES[name](pp, vpp, num_microbatches, rank)

@@ -1,0 +1,162 @@
+"""Schedule actions: one record per thing a rank does in a pipeline step.
+
+Invariants:
+- `stage` is a VIRTUAL stage index, `chunk * pp + rank` (the numbering of
+  torch.distributed.pipelining), so `rank_of(stage, pp)` is the rank that
+  runs the action. STEP has `stage == microbatch == -1`.
+- Compute actions (F, B) have `peer == -1`. SEND/RECV actions always carry a
+  concrete `peer` (the virtual stage on the other side); leaving it out means
+  the chain neighbour (SEND_F: stage+1, RECV_F: stage-1, SEND_B: stage-1,
+  RECV_B: stage+1), filled in at construction.
+- `str(a)` is `0F3`, `2B1`, `0SEND_F3`, `1RECV_B0`, `STEP`; a non-default
+  peer is written as `@<peer>` (`0SEND_F3@2`). `Action.parse(str(a)) == a`
+  for every valid action.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from meshplan.errors import ScheduleError
+
+
+class ActionType(Enum):
+    """What an action does; F/B compute, SEND/RECV move one transfer."""
+
+    F = "F"
+    B = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    STEP = "STEP"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionType.F, ActionType.B)
+
+    @property
+    def is_send(self) -> bool:
+        return self in (ActionType.SEND_F, ActionType.SEND_B)
+
+    @property
+    def is_recv(self) -> bool:
+        return self in (ActionType.RECV_F, ActionType.RECV_B)
+
+    @property
+    def is_comm(self) -> bool:
+        return self.is_send or self.is_recv
+
+    @property
+    def kind(self) -> ActionType:
+        """The compute kind (F or B) this action computes or moves."""
+        if self in (ActionType.F, ActionType.SEND_F, ActionType.RECV_F):
+            return ActionType.F
+        if self in (ActionType.B, ActionType.SEND_B, ActionType.RECV_B):
+            return ActionType.B
+        raise ValueError("STEP has no compute kind")
+
+
+# The chain neighbour each SEND/RECV talks to by default (peer = stage + offset).
+_DEFAULT_PEER_OFFSET = {
+    ActionType.SEND_F: +1,
+    ActionType.RECV_F: -1,
+    ActionType.SEND_B: -1,
+    ActionType.RECV_B: +1,
+}
+
+_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:@(\d+))?")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank's schedule; see the module docstring."""
+
+    stage: int
+    type: ActionType
+    microbatch: int
+    peer: int = -1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, ActionType):
+            raise ScheduleError(f"action type must be an ActionType, got {self.type!r}")
+        if self.type is ActionType.STEP:
+            if (self.stage, self.microbatch, self.peer) != (-1, -1, -1):
+                raise ScheduleError("STEP takes no stage, microbatch or peer; use Action.step()")
+            return
+        if self.stage < 0 or self.microbatch < 0:
+            raise ScheduleError(
+                f"action {self.type.value} needs stage >= 0 and microbatch >= 0, "
+                f"got stage={self.stage} microbatch={self.microbatch}"
+            )
+        if self.type.is_compute:
+            if self.peer != -1:
+                raise ScheduleError(f"compute action {self.stage}{self.type.value}"
+                                    f"{self.microbatch} takes no peer (got {self.peer})")
+            return
+        self._fill_peer()
+
+    def _fill_peer(self) -> None:
+        peer = self.peer
+        if peer == -1:
+            peer = self.stage + _DEFAULT_PEER_OFFSET[self.type]
+            if peer < 0:
+                raise ScheduleError(
+                    f"{self.stage}{self.type.value}{self.microbatch} has no chain neighbour "
+                    f"at stage {peer}; give an explicit peer (`@<stage>`)"
+                )
+            object.__setattr__(self, "peer", peer)
+        elif peer < 0 or peer == self.stage:
+            raise ScheduleError(f"{self.stage}{self.type.value}{self.microbatch}: "
+                                f"peer must be another stage >= 0, got {peer}")
+
+    @staticmethod
+    def step() -> Action:
+        """The optimizer step action (`STEP`)."""
+        return Action(-1, ActionType.STEP, -1)
+
+    @property
+    def default_peer(self) -> bool:
+        """True when a SEND/RECV talks to its chain neighbour."""
+        offset = _DEFAULT_PEER_OFFSET.get(self.type)
+        return offset is not None and self.peer == self.stage + offset
+
+    def __str__(self) -> str:
+        if self.type is ActionType.STEP:
+            return "STEP"
+        text = f"{self.stage}{self.type.value}{self.microbatch}"
+        if self.type.is_comm and not self.default_peer:
+            text += f"@{self.peer}"
+        return text
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        """Invert `str()`: `'0SEND_F3@2'` -> `Action(0, SEND_F, 3, peer=2)`."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"cannot parse action from {type(text).__name__} {text!r}")
+        s = text.strip()
+        if s == "STEP":
+            return Action.step()
+        match = _PATTERN.fullmatch(s)
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}; expected <stage><F|B|SEND_F|RECV_F|SEND_B|"
+                f"RECV_B><microbatch>[@<peer>] (e.g. 0F3, 0SEND_F3@2) or STEP"
+            )
+        stage, kind, mb, peer = match.groups()
+        atype = ActionType(kind)
+        if peer is not None and not atype.is_comm:
+            raise ScheduleError(f"cannot parse action {text!r}: only SEND/RECV take `@<peer>`")
+        return Action(int(stage), atype, int(mb), -1 if peer is None else int(peer))
+
+
+def chunk_of(stage: int, pp: int) -> int:
+    """The chunk (virtual pipeline index) of a virtual stage."""
+    return stage // pp
+
+
+def rank_of(stage: int, pp: int) -> int:
+    """The pipeline rank that runs a virtual stage."""
+    return stage % pp

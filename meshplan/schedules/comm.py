@@ -1,0 +1,112 @@
+"""The one shared lowering that adds SEND/RECV to compute-only schedules.
+
+Invariants:
+- No schedule writes its own communication; `add_comm` is the only maker
+  of SEND/RECV actions.
+- A transfer `Transfer(kind, src, dst)` means compute `kind` (F or B) of
+  virtual stage `src` produces what compute `kind` of stage `dst` consumes,
+  for the same micro-batch. The default transfers are the chain: F from v to
+  v+1 and B from v+1 to v.
+- A transfer between stages on the same rank needs no action. Across ranks:
+  the producer's rank gets SEND right after the producing compute action;
+  the consumer's rank gets RECV right before the consuming one.
+- Output is deterministic: ranks keep their key order, several SENDs after
+  one action (or RECVs before one) follow the order of `edges`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from meshplan.errors import ScheduleError
+from meshplan.schedules.action import Action, ActionType, rank_of
+
+_SEND = {ActionType.F: ActionType.SEND_F, ActionType.B: ActionType.SEND_B}
+_RECV = {ActionType.F: ActionType.RECV_F, ActionType.B: ActionType.RECV_B}
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Output of `kind` at stage `src` feeds `kind` at stage `dst` (per micro-batch)."""
+
+    kind: ActionType
+    src: int
+    dst: int
+
+    def cross_rank(self, pp: int) -> bool:
+        return rank_of(self.src, pp) != rank_of(self.dst, pp)
+
+
+EdgeLike = Union[Transfer, tuple[int, int, Union[str, ActionType]]]
+
+
+def chain_edges(num_stages: int) -> list[Transfer]:
+    """The pipeline chain: F v -> v+1 and B v+1 -> v for each neighbour pair."""
+    out = [Transfer(ActionType.F, v, v + 1) for v in range(num_stages - 1)]
+    out += [Transfer(ActionType.B, v + 1, v) for v in range(num_stages - 1)]
+    return out
+
+
+def num_stages_of(actions: dict[int, Sequence[Action]]) -> int:
+    """Number of virtual stages the actions mention (max stage + 1)."""
+    stages = [a.stage for acts in actions.values() for a in acts if a.stage >= 0]
+    peers = [a.peer for acts in actions.values() for a in acts if a.peer >= 0]
+    return max(stages + peers, default=-1) + 1
+
+
+def normalize_edges(edges: Iterable[EdgeLike] | None, num_stages: int) -> list[Transfer]:
+    """`edges` as Transfers (chain when None); ScheduleError on a malformed one."""
+    if edges is None:
+        return chain_edges(num_stages)
+    out = []
+    for edge in edges:
+        if isinstance(edge, Transfer):
+            out.append(edge)
+            continue
+        try:
+            src, dst, kind = edge
+            kind = kind if isinstance(kind, ActionType) else ActionType(kind)
+        except (TypeError, ValueError):
+            raise ScheduleError(f"bad transfer {edge!r}; expected (src_stage, dst_stage, "
+                                f"'F' or 'B')") from None
+        if kind not in (ActionType.F, ActionType.B) or src == dst:
+            raise ScheduleError(f"bad transfer {edge!r}: kind must be 'F' or 'B' and "
+                                f"src_stage != dst_stage")
+        out.append(Transfer(kind, int(src), int(dst)))
+    return out
+
+
+def add_comm(compute: dict[int, list[Action]], pp: int,
+             edges: Iterable[EdgeLike] | None = None) -> dict[int, list[Action]]:
+    """Each rank's actions with SEND/RECV added for every cross-rank transfer.
+
+    `compute` maps rank -> its compute actions (F, B, STEP); `edges` lists
+    `(src_stage, dst_stage, "F"|"B")` transfers, the chain by default.
+    """
+    for rank, acts in compute.items():
+        for a in acts:
+            if a.type.is_comm:
+                raise ScheduleError(f"add_comm takes compute actions only; rank {rank} "
+                                    f"already has {a}")
+    transfers = [t for t in normalize_edges(edges, num_stages_of(compute)) if t.cross_rank(pp)]
+    sends: dict[tuple[ActionType, int], list[int]] = defaultdict(list)
+    recvs: dict[tuple[ActionType, int], list[int]] = defaultdict(list)
+    for t in transfers:
+        sends[(t.kind, t.src)].append(t.dst)
+        recvs[(t.kind, t.dst)].append(t.src)
+    return {rank: _lower_rank(acts, sends, recvs) for rank, acts in compute.items()}
+
+
+def _lower_rank(acts: Sequence[Action], sends: dict, recvs: dict) -> list[Action]:
+    out: list[Action] = []
+    for a in acts:
+        if not a.type.is_compute:
+            out.append(a)
+            continue
+        key = (a.type, a.stage)
+        out.extend(Action(a.stage, _RECV[a.type], a.microbatch, src) for src in recvs.get(key, ()))
+        out.append(a)
+        out.extend(Action(a.stage, _SEND[a.type], a.microbatch, dst) for dst in sends.get(key, ()))
+    return out
