@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 
+from meshplan.cli.compile_cmds import cmd_check, cmd_compile
 from meshplan.cli.flags import (
     add_model_flags,
     add_strategy_flags,
@@ -28,6 +29,14 @@ EPILOG_PLAN = """examples:
       --global-batch-size 16 --micro-batch-size 2
   meshplan plan --model gpt --size gpt3-175b --nodes 128 --devices-per-node 8 \\
       --tp 8 --pp 16 --vpp 2 --num-microbatches 64 --json"""
+EPILOG_COMPILE = """examples:
+  meshplan compile --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --vpp 2 \\
+      --num-microbatches 8 --out plans/
+  meshplan compile --model gpt --size gpt3-175b --nodes 512 --devices-per-node 8 --tp 8 \\
+      --pp 16 --vpp 2 --num-microbatches 64 --ranks 0,17 --out big/ --json"""
+EPILOG_CHECK = """examples:
+  meshplan check plans/
+  meshplan check plans/ --json"""
 EPILOG_VERIFY = """examples:
   meshplan verify --model gpt --size tiny
   meshplan verify --model bert --size tiny --steps 20 --optimizer adamw --json
@@ -69,6 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_cmd_plan)
+
+    p = sub.add_parser("compile", help="compile one plan per rank, each rank in a worker",
+                       epilog=EPILOG_COMPILE, formatter_class=fmt)
+    add_model_flags(p)
+    add_strategy_flags(p)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--out", required=True, help="plan directory to write")
+    p.add_argument("--ranks", default=None, help="lower only these ranks, e.g. 0,17 or 0-7")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes (default: the number of cores)")
+    p.add_argument("--no-cache", action="store_true", help="lower every rank afresh")
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.set_defaults(run=cmd_compile)
+
+    p = sub.add_parser("check", help="prove a plan directory consistent and simulate it",
+                       epilog=EPILOG_CHECK, formatter_class=fmt)
+    p.add_argument("dir", help="a directory written by `meshplan compile`")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=cmd_check)
     return parser
 
 

@@ -109,5 +109,17 @@ def _sum_stats(items) -> dict:
     return out
 
 
-def inference_stats() -> dict:
-    return {"logical": InferStats.snapshot(), "temp_master": TempStats.snapshot()}
+def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "sgd",
+                  ranks=None, workers=None, use_cache: bool = True, progress=None,
+                  **overrides) -> dict:
+    """The whole compile of a zoo model: master once, then ranks in workers."""
+    from meshplan.driver.plan import plan_model
+
+    planned = plan_model(model, size, mesh, strategy, optimizer, **overrides)
+    master_s = sum(planned.timings.values())
+    stats = compile_job(planned.job, out, ranks, workers, use_cache, progress)
+    return {"capture_s": planned.capture_s, "master_s": master_s,
+            "passes_s": planned.timings, "job_digest": planned.job.digest(), **stats,
+            "inference": {"logical": InferStats.snapshot(),
+                          "temp": stats.pop("temp_inference")},
+            "master_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -45,11 +45,12 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     check_heads(cfg.heads, strategy.tp, model)
     t0 = time.perf_counter()
     module = build_model(cfg, device=device)
-    batch = example_batch(cfg, strategy.micro_batch_size * strategy.dp, device=device)
-    graph = build_train_step(capture(module, batch), OptimizerConfig.default(optimizer),
-                             strategy.num_microbatches)
+    forward = capture(module, example_batch(cfg, strategy.micro_batch_size * strategy.dp,
+                                            device=device))
     t1 = time.perf_counter()
-    timings: dict = {}
+    graph = build_train_step(forward, OptimizerConfig.default(optimizer),
+                             strategy.num_microbatches)
+    timings: dict = {"autodiff": time.perf_counter() - t1}
     job = plan_job(graph, mesh, strategy, timings=timings)
     return Planned(job, t1 - t0, timings)
 

@@ -1,0 +1,233 @@
+"""check: prove a set of RankPlans consistent before anything runs.
+
+Proves, in order (each failure is one message; `errors` lists them all):
+1. ids are unique across ranks, and every task id decodes to its own rank;
+2. every send task has exactly one matching recv task on its peer (peer,
+   box, shape, dtype, bytes) and vice versa, and every SEND action of a
+   micro-batch has the peer's RECV action of the same micro-batch;
+3. every collective has the same participants and the same position in the
+   per-group order on every member (the group's sequence of (op,
+   micro-batch) instances, expanded from each member's action order);
+4. all ranks of a stage run the same action list, and a discrete-event
+   simulation of the stages (the schedule simulator, with per-action costs
+   from the op cost model) finishes with no deadlock; it reports the bubble
+   ratio, the predicted step time and each rank's planned peak memory.
+Failures that point at an action come with the schedule grid and
+`<-- ERROR HERE`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from meshplan.ir import Phase
+from meshplan.ir.job import Job
+from meshplan.ir.sbp import box_numel
+from meshplan.plan.cost import action_costs
+from meshplan.plan.ids import TaskId
+from meshplan.plan.rankplan import RankPlan, TaskKind
+from meshplan.schedules.action import ActionType
+from meshplan.schedules.grid import format_grid
+from meshplan.schedules.simulate import simulate
+
+
+@dataclass
+class CheckResult:
+    ok: bool = True
+    errors: list[str] = field(default_factory=list)
+    bubble_ratio: float | None = None
+    predicted_step_s: float | None = None
+    ranks: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "errors": self.errors, "bubble_ratio": self.bubble_ratio,
+                "predicted_step_s": self.predicted_step_s,
+                "ranks": {str(r): v for r, v in sorted(self.ranks.items())}}
+
+
+def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
+    """Run every proof over `plans`; never raises for a bad plan."""
+    res = CheckResult()
+    for proof in (_unique_ids, _p2p, _collectives, _stages_agree):
+        res.errors += proof(job, plans)
+    if not res.errors:
+        _simulate(job, plans, res)
+    res.ok = not res.errors
+    for r, p in sorted(plans.items()):
+        res.ranks[r] = {"planned_peak_bytes": p.memory.peak_bytes(),
+                        "peak_by_category": dict(p.memory.peak[:-1]),
+                        "tasks": len(p.tasks), "buffers": len(p.buffers), "stage": p.stage}
+    return res
+
+
+def _unique_ids(job: Job, plans) -> list[str]:
+    """Task ids, and the (rank << 48) ids of buffers, blocks and memory chunks,
+    are each unique across all ranks."""
+    errors = []
+    tasks: Counter = Counter()
+    local: Counter = Counter()
+    for r, p in plans.items():
+        tasks.update(t.id for t in p.tasks)
+        local.update([b.id for b in p.buffers] + [b.id for b in p.memory.blocks]
+                     + [c[0] for c in p.memory.chunks])
+        wrong = next((t for t in p.tasks if TaskId.unpack(t.id).rank != r), None)
+        if wrong is not None:
+            errors.append(f"rank {r}: task {wrong.id:#x} (op {wrong.op}) decodes to rank "
+                          f"{TaskId.unpack(wrong.id).rank}; task ids must carry their rank")
+        bad = next((b for b in p.buffers if b.id >> 48 != r), None)
+        if bad is not None:
+            errors.append(f"rank {r}: buffer {bad.id:#x} is not in the rank's id space "
+                          f"({r} << 48)")
+    for name, seen in (("task", tasks), ("buffer/block/chunk", local)):
+        dups = sorted(i for i, n in seen.items() if n > 1)
+        if dups:
+            errors.append(f"{len(dups)} duplicated {name} ids, e.g. {dups[0]:#x} (rank "
+                          f"{dups[0] >> 48}); ids must be unique across ranks")
+    return errors
+
+
+def _p2p(job: Job, plans) -> list[str]:
+    errors = []
+    by_id = {t.id: (r, t) for r, p in plans.items() for t in p.tasks
+             if t.kind in (TaskKind.SEND, TaskKind.RECV)}
+    bufs = {b.id: b for p in plans.values() for b in p.buffers}
+    for tid, (r, t) in sorted(by_id.items()):
+        other = by_id.get(t.peer_task)
+        want = TaskKind.RECV if t.kind is TaskKind.SEND else TaskKind.SEND
+        if other is None or other[0] != t.peer or other[1].kind is not want:
+            errors.append(f"rank {r}: {t.kind.value} of op {t.op} "
+                          f"({job.graph.ops[t.op].module_path or '<root>'}) to rank {t.peer} has "
+                          f"no matching {want.value} there; the plans disagree on this transfer")
+            continue
+        peer_t = other[1]
+        mine = bufs[(t.inputs or t.outputs)[0]]
+        theirs = bufs[(peer_t.inputs or peer_t.outputs)[0]]
+        if (peer_t.peer_task != tid or peer_t.box != t.box or mine.dtype != theirs.dtype):
+            errors.append(f"rank {r}: {t.kind.value} of op {t.op} and its peer on rank {t.peer} "
+                          f"disagree on the piece: box {t.box} vs {peer_t.box}, dtype "
+                          f"{mine.dtype.name} vs {theirs.dtype.name}")
+    errors += _p2p_actions(job, plans)
+    return errors
+
+
+def _p2p_actions(job: Job, plans) -> list[str]:
+    """Every SEND action instance has its peer's RECV action instance."""
+    pp = job.strategy.pp
+    recvs = set()
+    for r, p in plans.items():
+        for a in p.actions:
+            if a.type in (ActionType.RECV_F, ActionType.RECV_B):
+                recvs.add((r, a.type, a.peer, a.stage, a.microbatch))
+    errors = []
+    for r, p in plans.items():
+        peers_of = _send_peers(p, pp)
+        for i, a in enumerate(p.actions):
+            if a.type not in (ActionType.SEND_F, ActionType.SEND_B):
+                continue
+            want = ActionType.RECV_F if a.type is ActionType.SEND_F else ActionType.RECV_B
+            for peer in peers_of.get((a.stage, a.type), ()):
+                if (peer, want, a.stage, a.peer, a.microbatch) not in recvs:
+                    grid = format_grid({q: plans[q].actions for q in (r, peer) if q in plans},
+                                       mark=(r, i))
+                    errors.append(f"rank {r}: {a} has no {want.value} of micro-batch "
+                                  f"{a.microbatch} on rank {peer}\n{grid}")
+                    return errors
+    return errors
+
+
+def _send_peers(p: RankPlan, pp: int) -> dict:
+    out = defaultdict(set)
+    for t in p.tasks:
+        if t.kind is TaskKind.SEND:
+            kind = ActionType.SEND_F if t.phase is Phase.FORWARD else ActionType.SEND_B
+            out[(t.chunk * pp + p.stage, kind)].add(t.peer)
+    return out
+
+
+def expand_collectives(p: RankPlan, pp: int) -> dict[tuple, list]:
+    """Per group: the (op, micro-batch) collectives this rank joins, in order."""
+    by_action = defaultdict(list)
+    for t in p.tasks:
+        if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
+            by_action[(t.chunk if t.phase is not Phase.OPTIMIZER else -1, t.phase)].append(t)
+    seq = defaultdict(list)
+    for a in p.actions:
+        if a.type is ActionType.STEP:
+            key = (-1, Phase.OPTIMIZER)
+        elif a.type in (ActionType.F, ActionType.B):
+            key = (a.stage // pp, Phase.FORWARD if a.type is ActionType.F else Phase.BACKWARD)
+        else:
+            continue
+        for t in by_action.get(key, ()):
+            seq[t.group].append((t.op, a.microbatch))
+    return seq
+
+
+def _collectives(job: Job, plans) -> list[str]:
+    pp = job.strategy.pp
+    per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
+    for r, p in plans.items():
+        for group, seq in expand_collectives(p, pp).items():
+            if r not in group:
+                return [f"rank {r} joins a collective of group {group} it is not in"]
+            per_group[group][r] = seq
+    errors = []
+    for group, seqs in sorted(per_group.items()):
+        members = [r for r in group if r in plans]
+        ref = seqs.get(members[0], [])
+        for r in members[1:]:
+            mine = seqs.get(r, [])
+            if mine != ref:
+                k = next((i for i, (x, y) in enumerate(zip(ref, mine)) if x != y),
+                         min(len(ref), len(mine)))
+                got = mine[k] if k < len(mine) else "nothing"
+                errors.append(f"collective order differs in group {list(group)}: at position "
+                              f"{k} rank {members[0]} runs {ref[k] if k < len(ref) else 'nothing'}"
+                              f" (op, micro-batch) but rank {r} runs {got}; every member must "
+                              "issue the group's collectives in one order")
+                break
+    return errors
+
+
+def _stages_agree(job: Job, plans) -> list[str]:
+    first: dict[int, RankPlan] = {}
+    for r, p in sorted(plans.items()):
+        ref = first.setdefault(p.stage, p)
+        if p.actions != ref.actions:
+            k = next((i for i, (x, y) in enumerate(zip(ref.actions, p.actions)) if x != y), 0)
+            grid = format_grid({ref.rank: ref.actions, r: p.actions}, mark=(r, k))
+            return [f"ranks {ref.rank} and {r} of stage {p.stage} run different action lists "
+                    f"(from action {k})\n{grid}"]
+    return []
+
+
+def _simulate(job: Job, plans, res: CheckResult) -> None:
+    pp = job.strategy.pp
+    reps = {}
+    for _, p in sorted(plans.items()):
+        reps.setdefault(p.stage, p)
+    if len(reps) < pp:
+        return  # a partial set of plans: proofs above only
+    cost = action_costs(job, reps)
+    actions = {s: list(p.actions) for s, p in reps.items()}
+    edges = sorted({(t.chunk * pp + p.stage, _dst_stage(job, t, pp),
+                     "F" if t.phase is Phase.FORWARD else "B")
+                    for p in reps.values() for t in p.tasks if t.kind is TaskKind.SEND})
+    sim = simulate(actions, pp, cost_f=lambda v: cost[(v, "F")], cost_b=lambda v: cost[(v, "B")],
+                   cost_comm=lambda kind, src, dst: cost.get(("comm", src, dst), 0.0),
+                   cost_step=max(cost.get(("step", s), 0.0) for s in reps), edges=edges)
+    if not sim.ok:
+        res.errors.append(f"the simulated step deadlocks: {sim.deadlock}")
+        return
+    res.bubble_ratio = sim.bubble_ratio
+    res.predicted_step_s = sim.step_time
+
+
+def _dst_stage(job: Job, t, pp: int) -> int:
+    op = job.graph.ops[t.op]
+    return job.chunk[op.id] * pp + job.stage[op.id]
+
+
+def piece_bytes(box, itemsize: int) -> int:
+    return box_numel(box) * itemsize
