@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from meshplan.autodiff import OptimizerConfig, build_train_step
-from meshplan.capture import capture
+from meshplan.capture import cached, capture, capture_key
 from meshplan.ir import Phase, Role
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
@@ -37,16 +37,26 @@ def zoo_strategy(model: str, cfg, **fields) -> Strategy:
     return Strategy(**fields)
 
 
+def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
+    """The forward Graph of a zoo model for one micro-batch of `batch_size`,
+    captured on the meta device (no weights) and cached by config and shape."""
+    key = capture_key(config=cfg, batch_size=batch_size, kind="zoo")
+
+    def make():
+        module = build_model(cfg, device="meta")
+        return capture(module, example_batch(cfg, batch_size, device="meta"))
+
+    return cached(key, make, enabled=use_cache)[0]
+
+
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
-               optimizer: str = "sgd", device: str = "meta", **overrides) -> Planned:
-    """Capture a zoo model (on the meta device: no weights) and plan it."""
+               optimizer: str = "sgd", **overrides) -> Planned:
+    """Capture a zoo model (on the meta device: no weights; cached) and plan it."""
     cfg = model_config(model, size, **overrides)
     strategy = check_strategy(mesh, strategy)
     check_heads(cfg.heads, strategy.tp, model)
     t0 = time.perf_counter()
-    module = build_model(cfg, device=device)
-    forward = capture(module, example_batch(cfg, strategy.micro_batch_size * strategy.dp,
-                                            device=device))
+    forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
     t1 = time.perf_counter()
     graph = build_train_step(forward, OptimizerConfig.default(optimizer),
                              strategy.num_microbatches)
