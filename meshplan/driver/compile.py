@@ -36,10 +36,11 @@ def _plan_cache(digest: str) -> Path:
     return cache_dir() / "plans" / f"{digest}-{meshplan.__version__}"
 
 
-def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool) -> dict:
+def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
+                digest: str = "") -> dict:
     """Worker body: lower `ranks` of the Job in `job_bytes`, write their files."""
     job = Job.from_bytes(job_bytes)
-    digest = job.digest()
+    digest = digest or job.digest()
     stats = {}
     for rank in ranks:
         t0 = time.perf_counter()
@@ -48,7 +49,7 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool) -
             data, hit = cached.read_bytes(), True
             tasks = buffers = peak = None
         else:
-            plan = lower(job, rank)
+            plan = lower(job, rank, job_digest=digest)
             data, hit = plan_to_bytes(plan), False
             tasks, buffers, peak = len(plan.tasks), len(plan.buffers), plan.memory.peak_bytes()
             if use_cache:
@@ -81,7 +82,8 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     procs = []
     ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = [pool.submit(lower_ranks, job_bytes, b, str(out), use_cache)
+        digest = job.digest()
+        futures = [pool.submit(lower_ranks, job_bytes, b, str(out), use_cache, digest)
                    for b in batches if b]
         for fut, batch in zip(futures, batches):
             try:

@@ -164,8 +164,11 @@ class _Lowering:
             self.add(task, (), (dst,))
 
 
-def lower(job: Job, rank: int, device_type: str = "cpu") -> RankPlan:
-    """The physical plan of `rank`: tasks, buffers, memory plan and actions."""
+def lower(job: Job, rank: int, device_type: str = "cpu", job_digest: str = "") -> RankPlan:
+    """The physical plan of `rank`: tasks, buffers, memory plan and actions.
+
+    `job_digest` may be passed by a caller lowering many ranks of one Job, so
+    the Job is hashed once, not once per rank."""
     low = _Lowering(job, rank, device_type)
     for op in job.graph.ops:
         low.visit(op)
@@ -173,7 +176,7 @@ def lower(job: Job, rank: int, device_type: str = "cpu") -> RankPlan:
     inflight = _inflight(actions, job.strategy.pp)
     buffers = _buffers(low, inflight)
     memory = plan_memory(low, buffers, actions, inflight)
-    return RankPlan(rank, job.mesh.world, low.stage, low.coord, job.digest(),
+    return RankPlan(rank, job.mesh.world, low.stage, low.coord, job_digest or job.digest(),
                     tuple(low.tasks), buffers, memory, tuple(actions))
 
 

@@ -19,6 +19,9 @@ param (incl. module buffers), grad, optimizer, activation, temp.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+
 from meshplan.ir import TensorMeta
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import temp_bytes
@@ -28,20 +31,51 @@ _STATE = ("param", "buffer", "grad", "optimizer")
 
 
 def _first_fit(intervals: list[tuple[int, int, int, int]]) -> tuple[dict[int, int], int]:
-    """Offsets for (key, start, end, size) intervals; returns ({key: offset}, extent)."""
-    placed: list[tuple[int, int, int, int]] = []   # (offset, size, start, end)
-    offsets, extent = {}, 0
+    """Offsets for (key, start, end, size) intervals; returns ({key: offset}, extent).
+
+    Simulates a first-fit allocator over the intervals' alloc/free events:
+    freed ranges become holes (merged with their neighbours), an allocation
+    takes the lowest hole that fits, else grows the top. Holes stay few, so
+    this is near-linear where a pairwise interval scan is quadratic."""
+    frees: list[tuple[int, int, int]] = []  # heap of (end, offset, size)
+    holes: list[list[int]] = []             # sorted [offset, size]
+    offsets, top = {}, 0
     for key, start, end, size in sorted(intervals, key=lambda x: (x[1], -x[3], x[0])):
-        busy = sorted((o, o + s) for o, s, a, b in placed if a < end and start < b)
-        off = 0
-        for lo, hi in busy:
-            if off + size <= lo:
-                break
-            off = max(off, hi)
-        placed.append((off, size, start, end))
+        while frees and frees[0][0] <= start:
+            _, off, sz = heapq.heappop(frees)
+            top = _release(holes, off, sz, top)
+        off = _take(holes, size)
+        if off is None:
+            off, top = top, top + size
         offsets[key] = off
-        extent = max(extent, off + size)
+        heapq.heappush(frees, (end, off, size))
+    extent = max((offsets[k] + sz for k, _, _, sz in intervals), default=0)
     return offsets, extent
+
+
+def _take(holes: list[list[int]], size: int) -> int | None:
+    for i, (off, sz) in enumerate(holes):
+        if sz >= size:
+            if sz == size:
+                holes.pop(i)
+            else:
+                holes[i] = [off + size, sz - size]
+            return off
+    return None
+
+
+def _release(holes: list[list[int]], off: int, size: int, top: int) -> int:
+    """Return [off, off+size) to the free list; returns the new top."""
+    i = bisect.bisect_left(holes, [off, size])
+    holes.insert(i, [off, size])
+    if i + 1 < len(holes) and holes[i][0] + holes[i][1] == holes[i + 1][0]:
+        holes[i][1] += holes.pop(i + 1)[1]
+    if i > 0 and holes[i - 1][0] + holes[i - 1][1] == holes[i][0]:
+        holes[i - 1][1] += holes.pop(i)[1]
+        i -= 1
+    if holes[i][0] + holes[i][1] == top:  # the top hole shrinks the arena
+        top = holes.pop(i)[0]
+    return top
 
 
 def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
