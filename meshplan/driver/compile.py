@@ -6,7 +6,8 @@ Invariants:
   lowers only the ranks it is given. No process ever holds two ranks' plans
   at once or the whole cluster's physical graph.
 - Rank plans are cached under (job digest, rank, meshplan version): a
-  repeated compile copies them, and a killed worker leaves no partial entry
+  repeated compile checks and copies them (an unreadable entry is lowered
+  again and replaced), and a killed worker leaves no partial entry
   (entries are written atomically).
 - Statistics: seconds per pass and per rank, inference calls and cache hits,
   tasks and buffers per rank, the compiling processes' peak memory.
@@ -29,12 +30,28 @@ from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 from meshplan.ops.infer import InferStats
 from meshplan.ops.temp import TempStats
-from meshplan.plan.files import plan_name, plan_to_bytes, write_job
+from meshplan.plan.files import plan_from_bytes, plan_name, plan_to_bytes, write_job
 from meshplan.plan.lower import lower
+from meshplan.plan.rankplan import RankPlan
 
 
 def _plan_cache(digest: str) -> Path:
     return cache_dir() / "plans" / f"{digest}-{meshplan.__version__}"
+
+
+def _read_cached(path: Path, digest: str, rank: int) -> tuple[bytes, RankPlan] | None:
+    """A cache entry's bytes and plan; None when it is absent, unreadable, or not
+    `rank`'s plan of this Job (the caller then lowers afresh and replaces it).
+    Checked, not copied blindly: a corrupt entry would otherwise reach every
+    later compile, and "recompile it" would never cure it."""
+    try:
+        data = path.read_bytes()
+        plan = plan_from_bytes(data, str(path))
+    except (OSError, PlanError):
+        return None
+    if plan.rank != rank or plan.job_digest != digest:
+        return None
+    return data, plan
 
 
 def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
@@ -46,16 +63,16 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
     for rank in ranks:
         t0 = time.perf_counter()
         cached = _plan_cache(digest) / plan_name(rank)
-        if use_cache and cached.is_file():
-            data, hit = cached.read_bytes(), True
-            tasks = buffers = peak = None
+        entry = _read_cached(cached, digest, rank) if use_cache else None
+        if entry is not None:
+            (data, plan), hit = entry, True
         else:
             plan = lower(job, rank, job_digest=digest)
             data, hit = plan_to_bytes(plan), False
-            tasks, buffers, peak = len(plan.tasks), len(plan.buffers), plan.memory.peak_bytes()
             if use_cache:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(cached, data)
+        tasks, buffers, peak = len(plan.tasks), len(plan.buffers), plan.memory.peak_bytes()
         write_atomic(Path(out) / plan_name(rank), data)
         stats[rank] = {"lower_s": time.perf_counter() - t0, "cache_hit": hit, "tasks": tasks,
                        "buffers": buffers, "planned_peak_bytes": peak}

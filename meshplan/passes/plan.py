@@ -15,7 +15,7 @@ from meshplan.ir import Graph, verify
 from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.boxing import add_boxing
-from meshplan.passes.pipeline import assign_stages
+from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.propagate import propagate_sbp
 from meshplan.passes.strategy import check_strategy
 from meshplan.passes.tp_plan import tensor_parallel
@@ -36,8 +36,11 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
         t = now
 
     strategy = check_strategy(mesh, strategy)
-    stages = assign_stages(graph, strategy.pp, strategy.vpp, strategy.layer_pattern,
-                           strategy.layer_stages)
+    if strategy.pp == strategy.vpp == 1 and not strategy.layer_pattern:
+        stages = StageAssignment((0,) * len(graph.ops), (0,) * len(graph.ops), (), (), (), ())
+    else:
+        stages = assign_stages(graph, strategy.pp, strategy.vpp, strategy.layer_pattern,
+                               strategy.layer_stages)
     lap("assign_stages")
     param_tp, hints = tensor_parallel(graph, strategy.tp_plan, TP_AXIS)
     lap("tensor_parallel")

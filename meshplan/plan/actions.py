@@ -13,7 +13,9 @@ from meshplan.schedules.comm import add_comm
 def rank_actions(strategy: Strategy, stage: int, edges) -> list[Action]:
     """Actions of the ranks of pipeline stage `stage`, in execution order."""
     s = strategy
-    schedule = s.schedule if s.pp > 1 or s.vpp > 1 else "gpipe"
+    # One stage: 1F1B degenerates to F0 B0 F1 B1 ..., each micro-batch's
+    # activations freed before the next starts.
+    schedule = s.schedule if s.pp > 1 or s.vpp > 1 else "1f1b"
     compute = compute_actions(schedule, s.pp, s.vpp, s.num_microbatches, stage)
     lowered = add_comm({stage: compute}, s.pp, edges=list(edges))[stage]
     return list(lowered) + [Action(-1, ActionType.STEP, -1)]

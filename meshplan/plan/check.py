@@ -1,7 +1,8 @@
 """check: prove a set of RankPlans consistent before anything runs.
 
 Proves, in order (each failure is one message; `errors` lists them all):
-1. ids are unique across ranks, and every task id decodes to its own rank;
+1. ids are unique across ranks, every task id decodes to its own rank, and
+   every task reads and writes only buffers of its own rank's plan;
 2. every send task has exactly one matching recv task on its peer (peer,
    box, shape, dtype, bytes) and vice versa, and every SEND action of a
    micro-batch has the peer's RECV action of the same micro-batch;
@@ -49,7 +50,7 @@ class CheckResult:
 def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     """Run every proof over `plans`; never raises for a bad plan."""
     res = CheckResult()
-    for proof in (_unique_ids, _p2p, _collectives, _stages_agree):
+    for proof in (_unique_ids, _references, _p2p, _collectives, _stages_agree):
         res.errors += proof(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
@@ -87,6 +88,21 @@ def _unique_ids(job: Job, plans) -> list[str]:
     return errors
 
 
+def _references(job: Job, plans) -> list[str]:
+    """Every task's buffer ids name buffers of its own plan (so the proofs
+    below, and the cost model, can look them up)."""
+    errors = []
+    for r, p in sorted(plans.items()):
+        own = {b.id for b in p.buffers}
+        for t in p.tasks:
+            missing = next((i for i in t.inputs + t.outputs if i >= 0 and i not in own), None)
+            if missing is not None:
+                errors.append(f"rank {r}: task {t.id:#x} (op {t.op}) uses buffer {missing:#x}, "
+                              "which is not among the rank's buffers; recompile the plan")
+                break
+    return errors
+
+
 def _p2p(job: Job, plans) -> list[str]:
     errors = []
     by_id = {t.id: (r, t) for r, p in plans.items() for t in p.tasks
@@ -101,8 +117,10 @@ def _p2p(job: Job, plans) -> list[str]:
                           f"no matching {want.value} there; the plans disagree on this transfer")
             continue
         peer_t = other[1]
-        mine = bufs[(t.inputs or t.outputs)[0]]
-        theirs = bufs[(peer_t.inputs or peer_t.outputs)[0]]
+        mine = bufs.get(((t.inputs or t.outputs) or (-1,))[0])
+        theirs = bufs.get(((peer_t.inputs or peer_t.outputs) or (-1,))[0])
+        if mine is None or theirs is None:
+            continue  # a dangling buffer id: `_references` reports it
         if (peer_t.peer_task != tid or peer_t.box != t.box or mine.dtype != theirs.dtype):
             errors.append(f"rank {r}: {t.kind.value} of op {t.op} and its peer on rank {t.peer} "
                           f"disagree on the piece: box {t.box} vs {peer_t.box}, dtype "

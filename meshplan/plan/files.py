@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from meshplan.errors import PlanError
@@ -24,6 +25,7 @@ from meshplan.schedules.action import Action
 
 KIND, VERSION = "meshplan.rankplan", 1
 JOB_FILE = "job.json"
+_PLAN_FILE = re.compile(r"rank_(\d+)\.plan")
 
 
 def plan_name(rank: int) -> str:
@@ -103,10 +105,16 @@ def read_dir(out: Path) -> tuple[Job, dict[int, RankPlan]]:
         raise PlanError(f"plan directory {out} does not exist; run `meshplan compile --out {out}`")
     job = read_job(out)
     digest = job.digest()
-    names = sorted(n for n in os.listdir(out) if n.startswith("rank_") and n.endswith(".plan"))
+    # `plan_name` pads to 5 digits, so rank 100000 and up take more than 5.
+    ranks = sorted(int(m[1]) for n in os.listdir(out) if (m := _PLAN_FILE.fullmatch(n))
+                   and n == plan_name(int(m[1])))
     plans = {}
-    for n in names:
-        p = read_plan(out, int(n[5:10]))
+    for rank in ranks:
+        p, n = read_plan(out, rank), plan_name(rank)
+        if p.rank != rank or rank >= job.mesh.world:
+            raise PlanError(f"{out / n} holds the plan of rank {p.rank}, which is not its own "
+                            f"rank or is outside world {job.mesh.world}; recompile the whole "
+                            "directory")
         if p.job_digest != digest:
             raise PlanError(f"{out / n} was lowered from another Job ({p.job_digest[:12]} != "
                             f"{digest[:12]}); recompile the whole directory")

@@ -55,12 +55,13 @@ def _kernel(kind: str):
     return getattr(k, "_op", k)  # an OpOverload's C++ callable skips a Python frame
 
 
-def _groups(ops: list[Op]) -> list[list[Op]]:
+def _groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
     """Consecutive ops of one batchable kind and equal literals form a group."""
     groups: list[list[Op]] = []
     for op in ops:
         prev = groups[-1][0] if groups else None
         if (prev is not None and rule_for(op.kind).batched is not None
+                and op.id not in kernels and prev.id not in kernels
                 and prev.kind == op.kind and prev.kwargs == op.kwargs):
             groups[-1].append(op)
         else:
@@ -68,7 +69,7 @@ def _groups(ops: list[Op]) -> list[list[Op]]:
     return groups
 
 
-def _call_line(group: list[Op], consts: _Consts, device) -> str:
+def _call_line(group: list[Op], consts: _Consts, device, kernels: dict) -> str:
     """`outputs = kernel(args)` for one op, or one batched call for a group."""
     def outs(op):
         return [f"v{o}" if o != ABSENT else "_" for o in op.outputs]
@@ -78,7 +79,8 @@ def _call_line(group: list[Op], consts: _Consts, device) -> str:
         (op,) = group
         args = [_expr(a, consts, device) for a in op.args] + kw
         target = ", ".join(outs(op)) if len(op.outputs) > 1 else outs(op)[0]
-        return f"    {target} = {consts.ref(_kernel(op.kind))}({', '.join(args)})"
+        kernel = kernels.get(op.id) or _kernel(op.kind)
+        return f"    {target} = {consts.ref(kernel)}({', '.join(args)})"
     kernel = consts.ref(rule_for(group[0].kind).batched)
     columns = zip(*(op.args for op in group))
     args = ["[" + ", ".join(_expr(a, consts, device) for a in col) + "]" for col in columns]
@@ -94,14 +96,20 @@ def compile_segment(
     keeps: Iterable[int],
     device: torch.device,
     name: str = "segment",
+    kernels: dict | None = None,
+    borrowed: Iterable[int] = (),
 ) -> Callable:
     """A function `f(env, mem)` that runs `ops` in order.
 
     `reads`: value ids the segment takes from `env`; `keeps`: value ids it
     must leave in `env` for later segments. Runs of batchable ops (see
-    `OpRule.batched`) become one call."""
-    groups = _groups(list(ops))
-    keeps, reads = set(keeps), set(reads)
+    `OpRule.batched`) become one call. `kernels` overrides the callable of
+    an op by id (a rank's variant or collective). A read value that dies
+    here leaves `env` too (and `mem`), unless it is `borrowed` (owned by
+    someone else, like the state)."""
+    kernels = kernels or {}
+    groups = _groups(list(ops), kernels)
+    keeps, reads, borrowed = set(keeps), set(reads), set(borrowed)
     consts = _Consts()
     last_use = {}
     for i, group in enumerate(groups):
@@ -111,14 +119,19 @@ def compile_segment(
     lines = [f"def {name}(env, mem):"]
     lines += [f"    v{r} = env[{r}]" for r in sorted(reads)]
     for i, group in enumerate(groups):
-        lines.append(_call_line(group, consts, device))
+        lines.append(_call_line(group, consts, device, kernels))
         made = [o for op in group for o in op.outputs if o != ABSENT]
         lines += [f"    mem.add(v{o})" for o in made]
         used = dict.fromkeys(r for op in group for r in op.refs())
         dead = [r for r in used if last_use[r] == i and r not in keeps]
         dead += [o for o in made if o not in last_use and o not in keeps]
-        for d in dead:  # values read from env are owned by env: no mem.drop
-            lines.append(f"    del v{d}" if d in reads else f"    mem.drop(v{d}); del v{d}")
+        for d in dead:
+            if d in borrowed:
+                lines.append(f"    del v{d}")
+            elif d in reads:
+                lines.append(f"    mem.drop(env.pop({d})); del v{d}")
+            else:
+                lines.append(f"    mem.drop(v{d}); del v{d}")
     lines += [f"    env[{k}] = v{k}" for k in sorted(keeps)]
     lines.append("    return env")
     source = "\n".join(lines) + "\n"

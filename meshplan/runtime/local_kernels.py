@@ -1,0 +1,92 @@
+"""Rank-dependent kernel variants (`Job.local`), bound at load time.
+
+Each variant wraps the op's aten kernel for one rank, given the slices it
+holds. Invariant: summed (Partial) or concatenated (Shard) over the ranks of
+the axis, the variants' outputs equal the logical op's output.
+
+  bias_first    row-parallel linear / conv: only the axis's first rank adds
+                the bias, so the Partial sum counts it once
+  vocab_offset  vocab-sharded embedding rows [lo, hi): look up ids in range
+                (shifted by lo), zero the rest; its gradient keeps only the
+                rows [lo, hi)
+  class_offset  class-sharded log-probabilities [lo, hi) in nll_loss: pick
+                only targets in range; the total weight counts every target
+  mean_rescale  a mean over a sharded dim: local mean x local / global count
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+
+def bias_first(kernel, first: bool):
+    if first:
+        return kernel
+
+    def no_bias(x, w, b=None, *rest, **kw):
+        return kernel(x, w, None, *rest, **kw)
+
+    return no_bias
+
+
+def _shift(idx: torch.Tensor, lo: int, hi: int, fill: int):
+    outside = (idx < lo) | (idx >= hi)
+    return (idx - lo).masked_fill(outside, fill), outside
+
+
+def vocab_embedding(lo: int, hi: int):
+    def embedding(w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+        local, outside = _shift(idx, lo, hi, 0)
+        pad = padding_idx - lo if lo <= padding_idx < hi else -1
+        out = aten.embedding.default(w, local, pad, scale_grad_by_freq, sparse)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
+
+    return embedding
+
+
+def vocab_embedding_backward(lo: int, hi: int):
+    def backward(g, idx, num_weights, padding_idx, scale_grad_by_freq):
+        local, outside = _shift(idx, lo, hi, 0)
+        g = g.masked_fill(outside.unsqueeze(-1), 0)
+        pad = padding_idx - lo if lo <= padding_idx < hi else -1
+        return aten.embedding_dense_backward.default(g, local, hi - lo, pad, scale_grad_by_freq)
+
+    return backward
+
+
+def class_nll(lo: int, hi: int):
+    def nll(x, target, weight, reduction, ignore_index):
+        local, outside = _shift(target, lo, hi, ignore_index)
+        local = local.masked_fill(target == ignore_index, ignore_index)
+        out, _ = aten.nll_loss_forward.default(x, local, weight, reduction, ignore_index)
+        total = (target != ignore_index).sum().to(x.dtype)
+        return out, total
+
+    return nll
+
+
+def class_nll_backward(lo: int, hi: int):
+    def nll_backward(g, x, target, weight, reduction, ignore_index, total_weight):
+        local, _ = _shift(target, lo, hi, ignore_index)
+        local = local.masked_fill(target == ignore_index, ignore_index)
+        return aten.nll_loss_backward.default(g, x, local, weight, reduction, ignore_index,
+                                              total_weight)
+
+    return nll_backward
+
+
+def mean_rescale(kernel, local_shape, logical_shape, dims):
+    """Scale a local mean over `dims` into this rank's share of the global mean."""
+    nd = len(logical_shape)
+    dims = range(nd) if dims in (None, ()) else [d % nd for d in (
+        (dims,) if isinstance(dims, int) else dims)]
+    ratio = math.prod(local_shape[d] for d in dims) / math.prod(logical_shape[d] for d in dims)
+
+    def rescaled(*args, **kw):
+        return kernel(*args, **kw) * ratio
+
+    return rescaled

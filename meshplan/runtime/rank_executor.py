@@ -1,0 +1,197 @@
+"""The executor of one rank: runs a RankPlan's actions with torch kernels.
+
+Invariants:
+- Load time does all the work that can be done once: each action template
+  (chunk x phase, and the STEP) becomes one straight-line function
+  (`codegen`), with this rank's variants and collectives bound (`bind`);
+  send/recv pieces are resolved to slices. The step loop only dispatches.
+- Per micro-batch an environment holds the values that live between
+  actions; a value leaves it after the last action that needs it. State
+  (parameters, buffers, gradient accumulators, optimizer slots) lives in one
+  dict by name; buffer and accumulator updates apply after each action,
+  parameter and optimizer updates after the STEP.
+- Sends are asynchronous (waited at the end of the step), receives are
+  waited before the action that needs them: the checker's simulation uses
+  the same semantics, so a plan it proves deadlock-free runs.
+- With one rank and no process group this is the single-process executor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from meshplan.ir import Phase, Role
+from meshplan.ir.job import Job
+from meshplan.plan.rankplan import RankPlan, TaskKind
+from meshplan.runtime.bind import RankContext, bind_task
+from meshplan.runtime.codegen import compile_segment
+from meshplan.runtime.memory import LiveBytes
+from meshplan.runtime.transfers import Transfers
+from meshplan.schedules.action import ActionType
+
+_PER_MICROBATCH = (Role.BUFFER, Role.GRAD)
+STEP_KEY = (-1, Phase.OPTIMIZER)
+
+
+def template_of(task) -> tuple[int, Phase]:
+    return STEP_KEY if task.phase is Phase.OPTIMIZER else (task.chunk, task.phase)
+
+
+class RankExecutor:
+    """Runs `plan` (this rank's part of `job`) step after step."""
+
+    def __init__(self, job: Job, plan: RankPlan, comm=None, device="cpu"):
+        self.job, self.plan, self.comm = job, plan, comm
+        self.device = torch.device(device)
+        self.ctx = RankContext(job, plan.rank)
+        self.mem = LiveBytes()
+        self.current = "load"
+        g = job.graph
+        self.names = {v.id: v.name for v in g.values if v.role not in (Role.INTERNAL, Role.DATA)}
+        roles = {v.name: v.role for v in g.values if v.role is not Role.INTERNAL}
+        self.updates = {u.value: (u.name, roles.get(u.name)) for u in g.updates}
+        self.data_ids = [v.id for v in g.inputs_by_role(Role.DATA)]
+        self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
+        self.pp = job.strategy.pp
+        self._build(plan)
+        self.transfers = Transfers(job, plan, self.ctx, self.device)
+        self.transfers.drop_after_send = self.drop_after_send
+
+    # ------------------------------------------------------------ load time
+    def _build(self, plan: RankPlan) -> None:
+        g = self.job.graph
+        by_tmpl = defaultdict(list)
+        for t in plan.tasks:
+            if t.kind not in (TaskKind.SEND, TaskKind.RECV):
+                by_tmpl[template_of(t)].append(t)
+        nchunks = self.job.strategy.vpp
+
+        def pos(key) -> int:
+            chunk, phase = key
+            if key == STEP_KEY:
+                return 2 * nchunks
+            return chunk if phase is Phase.FORWARD else 2 * nchunks - 1 - chunk
+
+        last: dict[int, int] = {}
+        for key, tasks in by_tmpl.items():
+            for t in tasks:
+                for r in g.ops[t.op].refs():
+                    last[r] = max(last.get(r, -1), pos(key))
+        sent: dict[int, int] = {}
+        for t in plan.tasks:
+            if t.kind is TaskKind.SEND:
+                vid = g.ops[t.op].args[0].id
+                sent[vid] = max(sent.get(vid, -1), pos(template_of(t)))
+        self.used = set(last) | set(sent)
+        self.sent = set(sent)
+        self.segments = {}
+        self.drops: dict[int, list[int]] = {}
+        for key, tasks in by_tmpl.items():
+            self.segments[key] = self._segment(key, tasks, pos, last)
+        self.drop_after_send = {v for v, p in sent.items() if last.get(v, -1) <= p}
+        for vid, p in last.items():
+            if vid not in self.names and vid not in self.drop_after_send:
+                self.drops.setdefault(p, []).append(vid)
+
+    def _segment(self, key, tasks, pos, last):
+        g = self.job.graph
+        ops = [g.ops[t.op] for t in tasks]
+        produced = {o for op in ops for o in op.outputs if o >= 0}
+        reads = list(dict.fromkeys(r for op in ops for r in op.refs() if r not in produced))
+        here = pos(key)
+        keeps = [o for o in produced if last.get(o, -1) > here or o in self.updates
+                 or o == g.loss or o in self.sent]
+        keeps += [r for r in reads if last.get(r, -1) > here or r in self.sent]
+        kernels = {}
+        for t in tasks:
+            k = bind_task(t, self.ctx, self.comm)
+            if k is not None:
+                kernels[t.op] = k
+        state_reads = [(r, self.names[r]) for r in reads if r in self.names]
+        state_reads += [(r, self.updates[r][0]) for r in reads
+                        if r in self.updates and r not in self.names and key == STEP_KEY]
+        name = "step" if key == STEP_KEY else f"chunk{key[0]}_{key[1].value}"
+        fn = compile_segment(g, ops, reads=reads, keeps=keeps, device=self.device, name=name,
+                             kernels=kernels, borrowed=[r for r, _ in state_reads])
+        mb_updates = [(o, n) for o in keeps if o in self.updates
+                      for n, role in [self.updates[o]] if role in _PER_MICROBATCH]
+        step_updates = [(o, n) for o in keeps if o in self.updates
+                        for n, role in [self.updates[o]] if role not in _PER_MICROBATCH]
+        return fn, state_reads, mb_updates, step_updates, here
+
+    # ------------------------------------------------------------ state
+    def init_state(self, module) -> dict:
+        """This rank's slice of the module's own parameters and buffers; fresh
+        optimizer slots; no gradients."""
+        from meshplan.runtime.state import sliced_state
+
+        used = {b.value for b in self.plan.buffers}
+        state = sliced_state(self.job, self.ctx, module, self.device, used)
+        for t in state.values():
+            self.mem.add(t)
+        return state
+
+    # ------------------------------------------------------------ the step
+    def step(self, state: dict, microbatches) -> list[torch.Tensor]:
+        """Run the rank's actions over `microbatches` (global micro-batches);
+        returns this rank's loss per micro-batch (empty if it holds none)."""
+        for name in self.grad_names:
+            self._swap(state, name, None)
+        envs = [self._data_env(mb) for mb in microbatches]
+        losses: dict[int, torch.Tensor] = {}
+        for action in self.plan.actions:
+            self.current = str(action)
+            t = action.type
+            if t is ActionType.STEP:
+                self._run(STEP_KEY, {}, state)
+            elif t in (ActionType.F, ActionType.B):
+                env = envs[action.microbatch]
+                phase = Phase.FORWARD if t is ActionType.F else Phase.BACKWARD
+                self._run((action.stage // self.pp, phase), env, state)
+                if self.job.graph.loss in env and action.microbatch not in losses:
+                    losses[action.microbatch] = env[self.job.graph.loss].detach()
+            elif t in (ActionType.SEND_F, ActionType.SEND_B):
+                self.transfers.send(action, envs[action.microbatch], self.mem)
+            else:
+                self.transfers.recv(action, envs[action.microbatch], self.mem)
+        self.current = "wait sends"
+        self.transfers.wait_sends()
+        self.current = "done"
+        return [losses[k] for k in sorted(losses)]
+
+    def _run(self, key, env: dict, state: dict) -> None:
+        seg = self.segments.get(key)
+        if seg is None:
+            return
+        fn, state_reads, mb_updates, step_updates, here = seg
+        for vid, name in state_reads:
+            env[vid] = state[name]
+        fn(env, self.mem)
+        for vid, name in mb_updates + step_updates:
+            self._swap(state, name, env.pop(vid))
+        for vid, _ in state_reads:
+            env.pop(vid, None)
+        for vid in self.drops.get(here, ()):
+            if vid in env:
+                self.mem.drop(env.pop(vid))
+
+    def _data_env(self, batch) -> dict:
+        env = {}
+        for vid, t in zip(self.data_ids, batch):
+            if vid not in self.used:
+                continue
+            box = self.ctx.box(vid)
+            local = t
+            for d, (a, b) in enumerate(box):
+                if (a, b) != (0, t.shape[d]):
+                    local = local.narrow(d, a, b - a)
+            env[vid] = local.to(self.device)
+            self.mem.add(env[vid])
+        return env
+
+    def _swap(self, state: dict, name: str, new) -> None:
+        old = state.get(name)
+        state[name] = new
+        self.mem.drop(old)

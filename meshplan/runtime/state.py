@@ -1,0 +1,56 @@
+"""A rank's training state: the module's own weights, sliced by SBP.
+
+Invariant: every configuration starts from the same weights as the eager
+reference — each parameter and buffer is the module's tensor cut to the
+slice (`local_box`) this rank holds; optimizer slots start fresh, gradient
+accumulators empty. Only the state this rank's tasks touch is loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshplan.autodiff.optimizer import initial_state
+from meshplan.errors import ConfigError
+from meshplan.ir import Role
+
+
+def cut(t: torch.Tensor, box) -> torch.Tensor:
+    """`t` restricted to `box` (a view)."""
+    for d, (a, b) in enumerate(box):
+        if (a, b) != (0, t.shape[d]):
+            t = t.narrow(d, a, b - a)
+    return t
+
+
+def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict:
+    """The state of the rank at `ctx`, for the input values in `used` (all if None)."""
+    own = dict(module.named_parameters()) | dict(module.named_buffers())
+    state: dict = {}
+    values = job.graph.values
+    for vid in job.graph.inputs:
+        v = values[vid]
+        if used is not None and vid not in used:
+            continue
+        if v.role in (Role.PARAM, Role.BUFFER):
+            if v.name not in own:
+                raise ConfigError(f"module has no parameter or buffer '{v.name}'; "
+                                  "capture and run the same model")
+            state[v.name] = cut(own[v.name].detach(), ctx.box(vid)).to(device, copy=True)
+    for vid in job.graph.inputs:
+        v = values[vid]
+        if used is not None and vid not in used:
+            continue
+        if v.role is Role.OPT_STATE:
+            fqn, slot = v.name.rsplit("@", 1)
+            like = state.get(fqn)
+            if like is None:
+                like = cut(own[fqn].detach(), ctx.box(_value_of(job, fqn))).to(device)
+            state[v.name] = initial_state(slot, like)
+        elif v.role is Role.GRAD:
+            state[v.name] = None
+    return state
+
+
+def _value_of(job, name: str) -> int:
+    return next(v.id for v in job.graph.values if v.name == name)

@@ -1,0 +1,90 @@
+"""Stage-crossing transfers of one rank: its send and receive pieces, by
+action, resolved to slices at load time.
+
+Invariants: a piece is the intersection of the sender's and receiver's boxes
+(`ir.pieces`), addressed here relative to each side's local tensor; sends
+are posted asynchronously and waited at the end of the step; a receive
+assembles the value's local tensor from its pieces before the action that
+reads it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from meshplan.ir import Phase
+from meshplan.plan.rankplan import TaskKind
+from meshplan.schedules.action import ActionType
+
+
+def _slices(box, base) -> tuple[slice, ...]:
+    return tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(box, base))
+
+
+class Transfers:
+    def __init__(self, job, plan, ctx, device):
+        pp = job.strategy.pp
+        self.device = device
+        self.sends = defaultdict(list)   # (stage, type) -> [(vid, slices, peer, op)]
+        self.recvs = defaultdict(list)   # (stage, type) -> [(vid, slices, shape, peer, op)]
+        self.shapes = {}                 # received vid -> (local shape, dtype)
+        self.pending: list = []
+        self.drop_after_send: set[int] = set()
+        for t in plan.tasks:
+            op = job.graph.ops[t.op]
+            forward = t.phase is Phase.FORWARD
+            if t.kind is TaskKind.SEND:
+                vid = op.args[0].id
+                key = (t.chunk * pp + plan.stage, ActionType.SEND_F if forward else
+                       ActionType.SEND_B)
+                self.sends[key].append((vid, _slices(t.box, ctx.box(vid)), t.peer, t.op))
+            elif t.kind is TaskKind.RECV:
+                vid = op.outputs[0]
+                key = (job.chunk[op.id] * pp + job.stage[op.id],
+                       ActionType.RECV_F if forward else ActionType.RECV_B)
+                box = ctx.box(vid)
+                piece = tuple(b - a for a, b in t.box)
+                self.recvs[key].append((vid, _slices(t.box, box), piece, t.peer, t.op))
+                meta = job.graph.values[vid].meta
+                self.shapes[vid] = (tuple(b - a for a, b in box), meta.dtype.torch)
+
+    def send(self, action, env: dict, mem) -> None:
+        from meshplan.runtime.comm import p2p, tag_of
+
+        ops, keep = [], []
+        for vid, sl, peer, op_id in self.sends.get((action.stage, action.type), ()):
+            piece = env[vid][sl].contiguous()
+            ops.append(("send", piece, peer, tag_of(op_id, action.microbatch)))
+            keep.append(piece)
+        self.pending.append((p2p(ops), keep))
+        for vid, *_ in self.sends.get((action.stage, action.type), ()):
+            if vid in self.drop_after_send and vid in env:
+                mem.drop(env.pop(vid))
+
+    def recv(self, action, env: dict, mem) -> None:
+        from meshplan.runtime.comm import p2p, tag_of
+
+        entries = self.recvs.get((action.stage, action.type), ())
+        bufs, ops, places = {}, [], []
+        for vid, sl, piece, peer, op_id in entries:
+            if vid not in bufs:
+                shape, dtype = self.shapes[vid]
+                bufs[vid] = torch.empty(shape, dtype=dtype, device=self.device)
+            tmp = torch.empty(piece, dtype=bufs[vid].dtype, device=self.device)
+            ops.append(("recv", tmp, peer, tag_of(op_id, action.microbatch)))
+            places.append((vid, sl, tmp))
+        for work in p2p(ops):
+            work.wait()
+        for vid, sl, tmp in places:
+            bufs[vid][sl] = tmp
+        for vid, buf in bufs.items():
+            env[vid] = buf
+            mem.add(buf)
+
+    def wait_sends(self) -> None:
+        for works, _ in self.pending:
+            for w in works:
+                w.wait()
+        self.pending.clear()
