@@ -98,7 +98,7 @@ class _Lowering:
         for o in op.outputs:
             if o >= 0:
                 self.producer_phase[o] = op.phase
-        if op.kind == "meshplan.transfer":
+        if op.kind == "meshplan.transfer" and job.strategy.pp > 1:
             self.transfer(op)
             return
         if job.stage[op.id] != self.stage:

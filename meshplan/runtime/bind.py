@@ -50,6 +50,8 @@ def bind_task(task: Task, ctx: RankContext, comm):
     if op.kind == "meshplan.local_slice":
         return _narrower(ctx, op.args[0].id, op.outputs[0])
     if task.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
+        if len(task.group) <= 1:
+            return None  # a group of one: the logical kernel (the identity) is exact
         return _collective(op, kw, task, ctx, comm)
     if any(task.local):
         return _variant(op, task, ctx)
