@@ -4,4 +4,5 @@ import sys
 
 from meshplan.cli.main import main
 
-sys.exit(main())
+if __name__ == "__main__":  # rank processes re-import this module: no re-run there
+    sys.exit(main())

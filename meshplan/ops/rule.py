@@ -47,3 +47,6 @@ class OpRule:
     batched: Optional[Callable] = None
     # SBP signatures along one mesh axis (see `sbp_sig.py`); default: replicated.
     sbp: Optional[Callable] = None
+    # (argument position, output index): the argument is a shape that must
+    # equal that output's shape; lowering puts the rank's local shape there.
+    shape_args: tuple[tuple[int, int], ...] = ()

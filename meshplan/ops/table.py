@@ -111,6 +111,19 @@ _TEMP = {
 }
 
 # Ops whose outputs carry no gradient (integer results, statistics).
+# Shape-carrying arguments, localized per rank (see `OpRule.shape_args`).
+_SHAPE_ARGS = {
+    "aten.view.default": ((1, 0),),
+    "aten.reshape.default": ((1, 0),),
+    "aten._unsafe_view.default": ((1, 0),),
+    "aten.expand.default": ((1, 0),),
+    "aten.new_zeros.default": ((1, 0),),
+    "aten.slice_backward.default": ((1, 0),),
+    "aten.select_backward.default": ((1, 0),),
+    "aten.zeros.default": ((0, 0),),
+    "aten.full.default": ((0, 0),),
+}
+
 _NONDIFF = {
     "aten.arange.start", "aten.arange.default", "aten.zeros_like.default",
     "aten.ones_like.default", "aten.full_like.default", "aten.eq.Tensor",
@@ -165,6 +178,7 @@ def rule_for(kind: str) -> OpRule:
         exact=grad is not None or kind in _NONDIFF,
         differentiable=kind not in _NONDIFF,
         sbp=SBP.get(kind, replicated_rule),
+        shape_args=_SHAPE_ARGS.get(kind, ()),
     )
 
 

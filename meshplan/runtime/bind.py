@@ -9,6 +9,8 @@ computed here, once, at load time.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import local_box
@@ -123,3 +125,15 @@ def _variant(op, task, ctx: RankContext):
         else:
             raise AssertionError(f"unknown local variant {tag!r} of {op.kind}")
     return kernel
+
+
+def localize(op, ctx: RankContext):
+    """`op` with its shape-carrying arguments set to this rank's local shapes."""
+    spec = rule_for(op.kind).shape_args
+    if not spec:
+        return op
+    args = list(op.args)
+    for pos, out in spec:
+        if pos < len(args) and op.outputs[out] >= 0:
+            args[pos] = tuple(b - a for a, b in ctx.box(op.outputs[out]))
+    return replace(op, args=tuple(args))

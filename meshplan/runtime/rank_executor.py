@@ -25,7 +25,7 @@ import torch
 from meshplan.ir import Phase, Role
 from meshplan.ir.job import Job
 from meshplan.plan.rankplan import RankPlan, TaskKind
-from meshplan.runtime.bind import RankContext, bind_task
+from meshplan.runtime.bind import RankContext, bind_task, localize
 from meshplan.runtime.codegen import compile_segment
 from meshplan.runtime.memory import LiveBytes
 from meshplan.runtime.transfers import Transfers
@@ -48,6 +48,7 @@ class RankExecutor:
         self.ctx = RankContext(job, plan.rank)
         self.mem = LiveBytes()
         self.current = "load"
+        self.on_action = None  # called with each action's index (a launcher's watchdog)
         g = job.graph
         self.names = {v.id: v.name for v in g.values if v.role not in (Role.INTERNAL, Role.DATA)}
         roles = {v.name: v.role for v in g.values if v.role is not Role.INTERNAL}
@@ -97,7 +98,7 @@ class RankExecutor:
 
     def _segment(self, key, tasks, pos, last):
         g = self.job.graph
-        ops = [g.ops[t.op] for t in tasks]
+        ops = [localize(g.ops[t.op], self.ctx) for t in tasks]
         produced = {o for op in ops for o in op.outputs if o >= 0}
         reads = list(dict.fromkeys(r for op in ops for r in op.refs() if r not in produced))
         here = pos(key)
@@ -141,8 +142,10 @@ class RankExecutor:
             self._swap(state, name, None)
         envs = [self._data_env(mb) for mb in microbatches]
         losses: dict[int, torch.Tensor] = {}
-        for action in self.plan.actions:
+        for index, action in enumerate(self.plan.actions):
             self.current = str(action)
+            if self.on_action is not None:
+                self.on_action(index)
             t = action.type
             if t is ActionType.STEP:
                 self._run(STEP_KEY, {}, state)

@@ -1,0 +1,112 @@
+"""Local launch: one process per rank on 127.0.0.1, gloo, and a watchdog.
+
+Invariants:
+- Rank processes come from a fork server that imported torch once and never
+  ran a kernel, so they start fast and clean.
+- If a rank exits non-zero (it raised, or was killed), every other rank is
+  ended within seconds, and the launch fails with one line naming the rank
+  and the action it was in. A global deadline bounds the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import time
+from pathlib import Path
+
+from meshplan.errors import RuntimeFault
+from meshplan.ir.fileio import write_atomic
+from meshplan.runtime.worker import RunSpec, spawn_entry
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["meshplan.runtime.worker", "meshplan.runtime.rank_executor",
+                                "meshplan.models"])
+    return ctx
+
+
+def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float = 600.0,
+                 kill: tuple[int, float] | None = None) -> dict[int, dict]:
+    """Run `world` ranks locally; returns each rank's result. `kill` =
+    (rank, seconds): kill that rank after that long (a fault test)."""
+    results = Path(spec.results)
+    results.mkdir(parents=True, exist_ok=True)
+    job_path = results / "job.bin"
+    write_atomic(job_path, job_bytes)
+    port = free_port()
+    ctx = _context()
+    progress = ctx.Array("i", [-1] * world, lock=False)
+    procs = [ctx.Process(target=spawn_entry,
+                         args=(spec.to_json(), r, world, str(job_path), port, progress),
+                         name=f"meshplan-rank-{r}") for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        _watch(procs, results, deadline_s, kill, progress, job_bytes)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    return {r: json.loads((results / f"rank_{r}.json").read_text()) for r in range(world)}
+
+
+def _watch(procs, results: Path, deadline_s: float, kill, progress, job_bytes) -> None:
+    start = time.monotonic()
+    killed = False
+    while any(p.is_alive() for p in procs):
+        time.sleep(0.05)
+        if kill is not None and not killed and time.monotonic() - start > kill[1]:
+            procs[kill[0]].kill()
+            killed = True
+        bad = [(r, p.exitcode) for r, p in enumerate(procs)
+               if p.exitcode not in (None, 0)]
+        if bad:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeFault(_failure(bad, results, progress, job_bytes))
+        if time.monotonic() - start > deadline_s:
+            raise RuntimeFault(f"the run exceeded its {deadline_s:.0f} s deadline; ranks still "
+                               f"running: {[r for r, p in enumerate(procs) if p.is_alive()]}")
+
+
+def _action_of(rank: int, progress, job_bytes: bytes) -> str:
+    """The action a rank was in when it died (its plan, lowered here)."""
+    from meshplan.ir.job import Job
+    from meshplan.plan.lower import lower
+
+    index = progress[rank]
+    if index < 0:
+        return "setup"
+    return str(lower(Job.from_bytes(job_bytes), rank).actions[index])
+
+
+def _failure(bad: list[tuple[int, int]], results: Path, progress, job_bytes: bytes) -> str:
+    """One line naming the rank that failed first: one killed by a signal
+    (its peers then fail on broken connections), else the first report."""
+    signalled = [(r, code) for r, code in bad if code < 0]
+    if signalled:
+        r, code = signalled[0]
+        return (f"rank {r} died (signal {-code}) in action {_action_of(r, progress, job_bytes)};"
+                " the other ranks were stopped")
+    reports = []
+    for r, _ in bad:
+        f = results / f"fail_{r}.json"
+        if f.is_file():
+            reports.append(json.loads(f.read_text()))
+    if reports:
+        first = min(reports, key=lambda x: x.get("time", 0))
+        return (f"rank {first['rank']} failed in action {first['action']}: {first['error']}; "
+                f"the other ranks were stopped")
+    r, code = bad[0]
+    return f"rank {r} exited with code {code} without a report; the other ranks were stopped"

@@ -1,0 +1,159 @@
+"""The body of one rank's process: join the group, lower (or load) its own
+plan, train, report.
+
+Invariants:
+- A rank lowers only its own plan, from the Job's bytes (rank 0's master
+  made them); nothing else crosses processes but tensors.
+- The model is built from its config and seed in every process, so every
+  rank slices the very weights the eager reference starts from.
+- Any exception is written to `<results>/fail_<rank>.json` with the action
+  the rank was in, then the process exits non-zero; the launcher reports it.
+- Every collective is bounded by the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshplan.ir.fileio import write_atomic
+from meshplan.ir.job import Job
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """What every rank needs besides the Job: data, steps, where to report."""
+
+    model: str
+    size: str
+    overrides: tuple[tuple[str, int], ...]
+    steps: int
+    seed: int
+    results: str
+    threads: int = 1
+    timeout_s: float = 60.0
+    device: str = "cpu"
+    plan_dir: str = ""
+    trace: bool = False
+    save_dir: str = ""
+    resume: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({k: getattr(self, k) for k in self.__slots__})
+
+    @staticmethod
+    def from_json(text: str) -> RunSpec:
+        d = json.loads(text)
+        d["overrides"] = tuple(tuple(x) for x in d["overrides"])
+        return RunSpec(**d)
+
+
+def _groups(plan) -> list[tuple[int, ...]]:
+    return sorted({t.group for t in plan.tasks if len(t.group) > 1})
+
+
+def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
+              init_method: str | None = None, progress=None) -> int:
+    """Run one rank; returns its exit code (0 ok, 1 failed and reported)."""
+    torch.set_num_threads(spec.threads)
+    try:
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        backend = "nccl" if spec.device == "cuda" else "gloo"
+        if world > 1 or init_method:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world, timeout=timeout)
+        job = _job(job_bytes, rank, world)
+        return _train(spec, job, rank, world, progress)
+    except Exception as e:  # reported, then the launcher ends the others
+        ex = _CURRENT.get("executor")
+        where = ex.current if ex is not None else "setup"
+        fail = {"rank": rank, "action": where, "time": time.time(),
+                "error": f"{type(e).__name__}: {e}"[:500],
+                "traceback": traceback.format_exc()[-4000:]}
+        Path(spec.results).mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(spec.results) / f"fail_{rank}.json", json.dumps(fail).encode())
+        return 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+_CURRENT: dict = {}
+
+
+def _job(job_bytes: bytes | None, rank: int, world: int) -> Job:
+    """The Job: given, or (under torchrun) broadcast by rank 0 as bytes."""
+    if job_bytes is not None or world == 1:
+        return Job.from_bytes(job_bytes)
+    raise AssertionError("torchrun ranks receive the Job through broadcast_job")
+
+
+def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int:
+    from meshplan.driver.reference import split_microbatches
+    from meshplan.models import build_model, example_batch, model_config
+    from meshplan.plan.lower import lower
+    from meshplan.runtime.comm import Comm
+    from meshplan.runtime.rank_executor import RankExecutor
+
+    if world != job.mesh.world:
+        raise RuntimeError(f"the plan is for {job.mesh.world} ranks but {world} were started")
+    plan = _plan(spec, job, rank, lower)
+    comm = Comm(rank, _groups(plan), "gloo") if world > 1 else None
+    ex = RankExecutor(job, plan, comm, device=spec.device)
+    _CURRENT["executor"] = ex
+    if progress is not None:
+        def report(index: int) -> None:
+            progress[rank] = index
+
+        ex.on_action = report
+    cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
+    torch.manual_seed(spec.seed)
+    module = build_model(cfg)
+    state = ex.init_state(module)
+    s = job.strategy
+    losses, times = [], []
+    for step in range(spec.steps):
+        batch = example_batch(cfg, s.global_batch_size, seed=spec.seed + step)
+        mbs = split_microbatches(batch, s.num_microbatches)
+        t0 = time.perf_counter()
+        out = ex.step(state, mbs)
+        times.append(time.perf_counter() - t0)
+        if out:
+            losses.append(float(torch.stack(out).mean()))
+    result = {"rank": rank, "losses": losses, "step_s": times,
+              "planned_peak_bytes": plan.memory.peak_bytes(),
+              "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak}
+    write_atomic(Path(spec.results) / f"rank_{rank}.json", json.dumps(result).encode())
+    return 0
+
+
+def _plan(spec: RunSpec, job: Job, rank: int, lower):
+    if spec.plan_dir:
+        from meshplan.plan.files import read_plan
+
+        plan = read_plan(Path(spec.plan_dir), rank)
+        if plan.job_digest != job.digest():
+            raise RuntimeError(f"{spec.plan_dir} holds plans of another Job; recompile it")
+        return plan
+    return lower(job, rank)
+
+
+def spawn_entry(spec_json: str, rank: int, world: int, job_path: str, port: int,
+                progress=None) -> None:
+    """Target of a locally spawned rank process."""
+    spec = RunSpec.from_json(spec_json)
+    job_bytes = Path(job_path).read_bytes()
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    code = rank_main(spec, rank, world, job_bytes, f"tcp://127.0.0.1:{port}", progress)
+    raise SystemExit(code)
