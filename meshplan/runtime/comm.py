@@ -3,12 +3,12 @@ point-to-point pieces. The only module (with `launch.py`) that imports
 `torch.distributed`.
 
 Invariants:
-- Sub-groups are made once, at load time, with local synchronization (only
-  their members call), in one deterministic order.
+- Sub-groups are made once, at load time, by every rank in one order
+  derived from the strategy (torch's rule for `new_group`).
 - Collectives work on uneven shards: an all-gather gathers each member's
-  own local shape; gloo lacks reduce-scatter and all-to-all, so there they
-  are an all-reduce (or all-gather) followed by a local slice — the same
-  numbers, more bytes.
+  own local shape. Reduce-scatter and all-to-all run as an all-reduce (or
+  all-gather) and a local slice (`bind.py`): gloo has neither, and this is
+  the same numbers for more bytes.
 - p2p ops carry a tag derived from (op, micro-batch), so gloo matches them
   whatever order two ranks post them in.
 - Every wait is bounded by the process group's timeout.
@@ -26,12 +26,17 @@ class Comm:
     """The process groups of one rank, and its collective kernels."""
 
     def __init__(self, rank: int, groups: list[tuple[int, ...]], backend: str):
+        """`groups`: every group of the job, in the same order on every rank
+        (each rank takes part in creating each one, as torch requires)."""
         self.rank = rank
         self.backend = backend
         self.groups: dict[tuple[int, ...], object] = {}
-        for g in sorted(set(groups)):
-            if len(g) > 1 and rank in g:
-                self.groups[g] = dist.new_group(list(g), use_local_synchronization=True)
+        for g in groups:
+            if len(g) > 1:
+                pg = dist.new_group(list(g))
+                if rank in g:
+                    self.groups[g] = pg
+
 
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
         out = x.clone(memory_format=torch.contiguous_format)
@@ -44,16 +49,26 @@ class Comm:
         dist.all_gather(parts, x.contiguous(), group=self.groups[group])
         return torch.cat(parts, dim=dim)
 
-    def reduce_scatter(self, x: torch.Tensor, group, dim: int, start: int, stop: int):
-        """Sum over the group, keep [start, stop) of `dim`."""
-        full = self.all_reduce(x, group, "sum")
-        return full.narrow(dim, start, stop - start).contiguous()
 
-    def all_to_all(self, x, group, src_dim: int, gathered_shapes, dst_dim: int, start: int,
-                   stop: int):
-        """Shard(src_dim) -> Shard(dst_dim): gather `src_dim`, keep my part of `dst_dim`."""
-        full = self.all_gather(x, group, src_dim, gathered_shapes)
-        return full.narrow(dst_dim, start, stop - start).contiguous()
+def job_groups(strategy) -> list[tuple[int, ...]]:
+    """Every collective group of a job: each stage's grid lines along each axis."""
+    out = []
+    for stage in range(strategy.pp):
+        place = strategy.placement(stage)
+        for axis, n in enumerate(place.grid):
+            if n < 2:
+                continue
+            seen = set()
+            for r in place.ranks:
+                c = list(place.coord(r))
+                line = []
+                for k in range(n):
+                    c[axis] = k
+                    line.append(place.rank_at(tuple(c)))
+                if tuple(line) not in seen:
+                    seen.add(tuple(line))
+                    out.append(tuple(line))
+    return out
 
 
 def p2p(ops: list[tuple[str, torch.Tensor, int, int]]) -> list:

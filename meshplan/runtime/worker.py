@@ -103,13 +103,15 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
     from meshplan.driver.reference import split_microbatches
     from meshplan.models import build_model, example_batch, model_config
     from meshplan.plan.lower import lower
-    from meshplan.runtime.comm import Comm
+    from meshplan.runtime.comm import Comm, job_groups
     from meshplan.runtime.rank_executor import RankExecutor
 
     if world != job.mesh.world:
         raise RuntimeError(f"the plan is for {job.mesh.world} ranks but {world} were started")
     plan = _plan(spec, job, rank, lower)
-    comm = Comm(rank, _groups(plan), "gloo") if world > 1 else None
+    comm = Comm(rank, job_groups(job.strategy), "gloo") if world > 1 else None
+    missing = set(_groups(plan)) - set(comm.groups if comm else ())
+    assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
     ex = RankExecutor(job, plan, comm, device=spec.device)
     _CURRENT["executor"] = ex
     if progress is not None:

@@ -1,0 +1,43 @@
+"""compile_job's plan cache: hits report the same statistics as misses, and a
+damaged cache entry is lowered again instead of being copied into the output."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.driver.compile import _plan_cache, compile_job
+from meshplan.errors import ConfigError
+from meshplan.plan.files import plan_name, plan_to_bytes, read_dir
+from tests.plan.jobs import job_of, plans_of
+
+NAME = "gpt_interleaved"  # 2 ranks
+
+
+def test_cache_hits_and_a_damaged_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    job, plans = job_of(NAME), plans_of(NAME)
+    first = compile_job(job, tmp_path / "a", workers=1)
+    assert not any(v["cache_hit"] for v in first["ranks"].values())
+    second = compile_job(job, tmp_path / "b", workers=1)
+    for r, v in second["ranks"].items():
+        assert v["cache_hit"]
+        for k in ("tasks", "buffers", "planned_peak_bytes"):
+            assert v[k] == first["ranks"][r][k] is not None
+        assert (tmp_path / "b" / plan_name(r)).read_bytes() == plan_to_bytes(plans[r])
+
+    entry = _plan_cache(job.digest()) / plan_name(1)
+    entry.write_bytes(entry.read_bytes()[:100])  # truncated
+    third = compile_job(job, tmp_path / "c", workers=1)
+    assert third["ranks"][0]["cache_hit"] and not third["ranks"][1]["cache_hit"]
+    assert read_dir(tmp_path / "c")[1] == plans  # the output is whole
+    assert entry.read_bytes() == plan_to_bytes(plans[1])  # and the entry repaired
+
+    entry.write_bytes(plan_to_bytes(plans[0]))  # a whole file, of the wrong rank
+    fourth = compile_job(job, tmp_path / "d", workers=1)
+    assert not fourth["ranks"][1]["cache_hit"]
+    assert (tmp_path / "d" / plan_name(1)).read_bytes() == plan_to_bytes(plans[1])
+
+
+def test_ranks_outside_the_world_are_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="outside 0..1"):
+        compile_job(job_of(NAME), tmp_path, ranks=[0, 2], use_cache=False)
