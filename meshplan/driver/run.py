@@ -7,14 +7,18 @@ there holds the replicated loss), the mean over the global batch per step.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 from meshplan.driver.plan import plan_model
+from meshplan.errors import RuntimeFault
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.launch import launch_local
-from meshplan.runtime.worker import RunSpec
+from meshplan.runtime.worker import RunSpec, rank_main
 
 
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
@@ -32,6 +36,41 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
     return merge(per_rank, job, time.perf_counter() - t0)
 
 
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and "RANK" in os.environ)
+
+
+def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
+                 optimizer: str = "sgd", seed: int = 0, threads: int = 1,
+                 timeout_s: float = 60.0, **overrides) -> dict | None:
+    """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
+    every rank lowers and runs itself. Returns the merged result on rank 0."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != mesh.world:
+        raise RuntimeFault(f"torchrun started {world} ranks but the strategy needs "
+                           f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world}; match "
+                           "--nnodes/--nproc-per-node to --nodes/--devices-per-node")
+    t0 = time.perf_counter()
+
+    def master() -> bytes:
+        return plan_model(model, size, mesh, strategy, optimizer, **overrides).job.to_bytes()
+
+    with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
+        spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
+                       threads, timeout_s, gather=True)
+        code = rank_main(spec, rank, world, None, "env://", master=master)
+        if code != 0:
+            fail = json.loads((Path(results) / f"fail_{rank}.json").read_text())
+            raise RuntimeFault(f"rank {rank} failed in action {fail['action']}: "
+                               f"{fail['error']}")
+        if rank != 0:
+            return None
+        per_rank = {d["rank"]: d for d in json.loads(
+            (Path(results) / "all_ranks.json").read_text())}
+    return merge(per_rank, None, time.perf_counter() - t0)
+
+
 def merge(per_rank: dict[int, dict], job, wall_s: float) -> dict:
     holders = [r for r, v in sorted(per_rank.items()) if v["losses"]]
     losses = per_rank[holders[0]]["losses"] if holders else []
@@ -44,5 +83,5 @@ def merge(per_rank: dict[int, dict], job, wall_s: float) -> dict:
                            "measured_peak_bytes": v["measured_peak_bytes"],
                            "planned_peak": v["planned_peak"]}
                   for r, v in sorted(per_rank.items())},
-        "job_digest": job.digest(), "wall_s": wall_s,
+        "job_digest": job.digest() if job is not None else None, "wall_s": wall_s,
     }

@@ -17,11 +17,10 @@ import torch
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.capture import capture
 from meshplan.driver.reference import eager_train, split_microbatches
+from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
-from meshplan.passes.plan import plan_job
-from meshplan.passes.strategy import check_heads
 from meshplan.runtime import Executor
 
 
@@ -39,9 +38,9 @@ def verify(
 ) -> dict:
     """Train `steps` steps both ways; returns losses, max_abs_diff and timings.
 
-    With a `mesh` and `strategy`, meshplan plans the Job and runs its graph in
-    this one process ("logical" mode: every boxing op is the identity), which
-    checks that planning kept the program's meaning."""
+    With a `mesh` and `strategy`, meshplan compiles the Job and trains on one
+    local process per rank (gloo); the eager reference sees the same global
+    batches, split into the same micro-batches (of micro_batch_size x dp)."""
     if strategy is not None:
         global_batch_size = strategy.global_batch_size
         num_microbatches = strategy.num_microbatches
@@ -56,17 +55,34 @@ def verify(
     reference = copy.deepcopy(module)
     opt = OptimizerConfig.default(optimizer)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
-    micro = [split_microbatches(b, num_microbatches) for b in batches]
+    if strategy is not None and (mesh is None or mesh.world > 1):
+        mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
+        result = run(model, size, mesh, strategy, steps, optimizer, seed, **overrides)
+        mine = {"mode": "distributed", "losses": result["losses"],
+                "step_s": result["median_step_s"], "ranks": result["ranks"],
+                "ops": None, "capture_s": None, "autodiff_s": None,
+                "measured_peak_bytes": max(r["measured_peak_bytes"]
+                                           for r in result["ranks"].values())}
+    else:
+        mine = _single(module, batches, opt, num_microbatches)
+    ref_losses, ref_times = eager_train(reference, batches, num_microbatches, opt)
+    return {
+        "model": model, "size": size, "config": asdict(cfg), "steps": steps,
+        "optimizer": optimizer, "global_batch_size": global_batch_size,
+        "num_microbatches": num_microbatches, **mine, "ref_losses": ref_losses,
+        "max_abs_diff": max(abs(a - b) for a, b in zip(mine["losses"], ref_losses)),
+        "ref_step_s": statistics.median(ref_times),
+    }
 
+
+def _single(module, batches, opt, m: int) -> dict:
+    """meshplan on this one process: capture, autodiff, the one-rank executor."""
+    micro = [split_microbatches(b, m) for b in batches]
     t0 = time.perf_counter()
     forward = capture(module, micro[0][0])
     t1 = time.perf_counter()
-    graph = build_train_step(forward, opt, num_microbatches)
+    graph = build_train_step(forward, opt, m)
     t2 = time.perf_counter()
-    if strategy is not None:
-        check_heads(cfg.heads, strategy.tp, model)
-        graph = plan_job(graph, mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp),
-                         strategy).graph
     ex = Executor(graph)
     state = ex.init_state(module)
     losses, times = [], []
@@ -74,15 +90,6 @@ def verify(
         ts = time.perf_counter()
         losses.append(ex.step(state, mbs))
         times.append(time.perf_counter() - ts)
-    ref_losses, ref_times = eager_train(reference, batches, num_microbatches, opt)
-    return {
-        "model": model, "size": size, "config": asdict(cfg), "steps": steps,
-        "optimizer": optimizer, "global_batch_size": global_batch_size,
-        "num_microbatches": num_microbatches,
-        "mode": "single" if strategy is None else "logical",
-        "ref_losses": ref_losses, "losses": losses,
-        "max_abs_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-        "ops": len(graph.ops), "capture_s": t1 - t0, "autodiff_s": t2 - t1,
-        "step_s": statistics.median(times), "ref_step_s": statistics.median(ref_times),
-        "measured_peak_bytes": ex.mem.peak,
-    }
+    return {"mode": "single", "losses": losses, "ops": len(graph.ops),
+            "capture_s": t1 - t0, "autodiff_s": t2 - t1,
+            "step_s": statistics.median(times), "measured_peak_bytes": ex.mem.peak}

@@ -87,3 +87,27 @@ def tag_of(op_id: int, microbatch: int) -> int:
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """`data` from rank `src` to every rank (as a uint8 tensor, not pickle)."""
+    n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(n, src)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
+           else torch.empty(int(n.item()), dtype=torch.uint8))
+    dist.broadcast(buf, src)
+    return bytes(buf.numpy().tobytes())
+
+
+def gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's `data`, on every rank (padded uint8 tensors)."""
+    world = dist.get_world_size()
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    top = int(max(x.item() for x in sizes))
+    mine = torch.zeros(top, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty(top, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return [bytes(p[: int(k.item())].numpy().tobytes()) for p, k in zip(parts, sizes)]

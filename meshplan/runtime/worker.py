@@ -45,6 +45,7 @@ class RunSpec:
     trace: bool = False
     save_dir: str = ""
     resume: bool = False
+    gather: bool = False
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -61,8 +62,11 @@ def _groups(plan) -> list[tuple[int, ...]]:
 
 
 def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
-              init_method: str | None = None, progress=None) -> int:
-    """Run one rank; returns its exit code (0 ok, 1 failed and reported)."""
+              init_method: str | None = None, progress=None, master=None) -> int:
+    """Run one rank; returns its exit code (0 ok, 1 failed and reported).
+
+    Under torchrun `job_bytes` is None: rank 0 runs `master()` (capture and
+    planning) and broadcasts the Job's bytes; every rank lowers itself."""
     torch.set_num_threads(spec.threads)
     try:
         timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -70,7 +74,11 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
         if world > 1 or init_method:
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=world, timeout=timeout)
-        job = _job(job_bytes, rank, world)
+        if job_bytes is None:
+            from meshplan.runtime.comm import broadcast_bytes
+
+            job_bytes = broadcast_bytes(master() if rank == 0 else None, src=0)
+        job = Job.from_bytes(job_bytes)
         return _train(spec, job, rank, world, progress)
     except Exception as e:  # reported, then the launcher ends the others
         ex = _CURRENT.get("executor")
@@ -90,13 +98,6 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
 
 
 _CURRENT: dict = {}
-
-
-def _job(job_bytes: bytes | None, rank: int, world: int) -> Job:
-    """The Job: given, or (under torchrun) broadcast by rank 0 as bytes."""
-    if job_bytes is not None or world == 1:
-        return Job.from_bytes(job_bytes)
-    raise AssertionError("torchrun ranks receive the Job through broadcast_job")
 
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int:
@@ -136,7 +137,16 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
     result = {"rank": rank, "losses": losses, "step_s": times,
               "planned_peak_bytes": plan.memory.peak_bytes(),
               "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak}
-    write_atomic(Path(spec.results) / f"rank_{rank}.json", json.dumps(result).encode())
+    data = json.dumps(result).encode()
+    if spec.gather:  # no shared file system (torchrun): results travel as bytes
+        from meshplan.runtime.comm import gather_bytes
+
+        data = json.dumps([json.loads(b) for b in gather_bytes(data)]).encode()
+        if rank != 0:
+            return 0
+        write_atomic(Path(spec.results) / "all_ranks.json", data)
+        return 0
+    write_atomic(Path(spec.results) / f"rank_{rank}.json", data)
     return 0
 
 

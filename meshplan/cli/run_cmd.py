@@ -1,0 +1,36 @@
+"""The `run` verb: locally spawned ranks, or this process as a torchrun rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from meshplan.cli.flags import mesh_of, overrides, strategy_fields
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from meshplan.driver.plan import zoo_strategy
+    from meshplan.driver.run import run, run_torchrun, under_torchrun
+    from meshplan.models import model_config
+
+    cfg = model_config(a.model, a.size, **overrides(a))
+    strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
+    common = dict(steps=a.steps, optimizer=a.optimizer, seed=a.seed, threads=a.threads,
+                  timeout_s=a.timeout, **overrides(a))
+    if under_torchrun():
+        r = run_torchrun(a.model, a.size, mesh_of(a), strategy, **common)
+        if r is None:  # not rank 0: rank 0 reports for everyone
+            return 0
+    else:
+        r = run(a.model, a.size, mesh_of(a), strategy, plan_dir=a.plan_dir, **common)
+    if a.json:
+        print(json.dumps({"losses": r["losses"], "step_s": r["step_s"], "ranks": r["ranks"]}))
+        return 0
+    print(f"{'step':>4}  {'loss':>10}  {'step (ms)':>9}")
+    for i, (loss, t) in enumerate(zip(r["losses"], r["step_s"])):
+        print(f"{i:>4}  {loss:>10.6f}  {t * 1e3:>9.1f}")
+    peaks = [(v["planned_peak_bytes"], v["measured_peak_bytes"]) for v in r["ranks"].values()]
+    print(f"{len(peaks)} ranks; peak memory per rank planned "
+          f"{max(p for p, _ in peaks) / 2**20:.2f} MiB, measured "
+          f"{max(m for _, m in peaks) / 2**20:.2f} MiB")
+    return 0
