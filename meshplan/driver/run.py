@@ -26,8 +26,15 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         plan_dir: str = "", kill: tuple[int, float] | None = None, **overrides) -> dict:
     """Train on `mesh.world` local processes; returns losses, step times, memory."""
     t0 = time.perf_counter()
-    planned = plan_model(model, size, mesh, strategy, optimizer, **overrides)
-    job = planned.job
+    if plan_dir:  # compiled plans: validated whole before any process starts
+        from meshplan.plan.files import read_dir
+
+        job, _ = read_dir(Path(plan_dir))
+        if job.mesh.world != mesh.world:
+            raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
+                               f"{mesh.world} were asked for; recompile or match the mesh")
+    else:
+        job = plan_model(model, size, mesh, strategy, optimizer, **overrides).job
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
                        threads, timeout_s, plan_dir=plan_dir)
