@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any collective may wait before the run fails")
     p.add_argument("--plan-dir", default="", help="run plans written by `meshplan compile`")
+    p.add_argument("--save-dir", default="", help="write a checkpoint there at the end")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --save-dir (any parallel layout)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=cmd_run)
 

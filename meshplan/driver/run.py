@@ -23,7 +23,8 @@ from meshplan.runtime.worker import RunSpec, rank_main
 
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
-        plan_dir: str = "", kill: tuple[int, float] | None = None, **overrides) -> dict:
+        plan_dir: str = "", kill: tuple[int, float] | None = None, save_dir: str = "",
+        resume: bool = False, **overrides) -> dict:
     """Train on `mesh.world` local processes; returns losses, step times, memory."""
     t0 = time.perf_counter()
     if plan_dir:  # compiled plans: validated whole before any process starts
@@ -37,7 +38,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         job = plan_model(model, size, mesh, strategy, optimizer, **overrides).job
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
-                       threads, timeout_s, plan_dir=plan_dir)
+                       threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume)
         per_rank = launch_local(spec, mesh.world, job.to_bytes(),
                                 deadline_s=60 + steps * 60, kill=kill)
     return merge(per_rank, job, time.perf_counter() - t0)
@@ -91,4 +92,5 @@ def merge(per_rank: dict[int, dict], job, wall_s: float) -> dict:
                            "planned_peak": v["planned_peak"]}
                   for r, v in sorted(per_rank.items())},
         "job_digest": job.digest() if job is not None else None, "wall_s": wall_s,
+        "first_step": next(iter(per_rank.values())).get("first_step", 0),
     }

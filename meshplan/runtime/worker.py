@@ -104,6 +104,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
     from meshplan.driver.reference import split_microbatches
     from meshplan.models import build_model, example_batch, model_config
     from meshplan.plan.lower import lower
+    from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
     from meshplan.runtime.rank_executor import RankExecutor
 
@@ -125,8 +126,12 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
     module = build_model(cfg)
     state = ex.init_state(module)
     s = job.strategy
+    start = 0
+    if spec.resume:
+        ex.current = "load checkpoint"
+        start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
     losses, times = [], []
-    for step in range(spec.steps):
+    for step in range(start, spec.steps):
         batch = example_batch(cfg, s.global_batch_size, seed=spec.seed + step)
         mbs = split_microbatches(batch, s.num_microbatches)
         t0 = time.perf_counter()
@@ -134,7 +139,10 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
         times.append(time.perf_counter() - t0)
         if out:
             losses.append(float(torch.stack(out).mean()))
-    result = {"rank": rank, "losses": losses, "step_s": times,
+    if spec.save_dir:
+        ex.current = "save checkpoint"
+        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
+    result = {"rank": rank, "losses": losses, "step_s": times, "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
               "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak}
     data = json.dumps(result).encode()

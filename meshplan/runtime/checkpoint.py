@@ -1,0 +1,119 @@
+"""Checkpoints through torch.distributed.checkpoint, one shard per rank,
+loadable into any other parallel layout.
+
+Invariants:
+- Each state tensor is saved as the slices ranks hold, one key per slice:
+  `<state name>|<box>` (box = the logical slice, e.g. `0:96,0:64`). Of
+  replicas of a slice only the first (coordinate 0 on every non-Shard axis)
+  writes it. Optimizer slots and module buffers are state like parameters;
+  gradient accumulators are empty between steps and are not saved.
+- Loading intersects the boxes this rank needs with the saved ones (the same
+  arithmetic as stage transfers), so a checkpoint from tp=2 loads into tp=1,
+  pp=2 into pp=1, and back.
+- `COMPLETE` is written by rank 0 only after every rank's shard is written
+  (a barrier): a checkpoint without it, e.g. one cut short by a killed rank,
+  is never loaded.
+- The data position (the next step) is saved with it; data is a pure
+  function of the step, so a resumed run sees exactly the batches an
+  uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from meshplan.errors import RuntimeFault
+from meshplan.ir import Role
+from meshplan.ir.fileio import write_atomic
+from meshplan.ir.sbp import Shard, intersect
+
+COMPLETE = "COMPLETE"
+STEP_KEY = "meshplan/next_step"
+
+
+def _box_key(box) -> str:
+    return ",".join(f"{a}:{b}" for a, b in box) or "scalar"
+
+
+def _parse_box(text: str):
+    if text == "scalar":
+        return ()
+    return tuple(tuple(int(x) for x in part.split(":")) for part in text.split(","))
+
+
+def _primary(ctx, vid: int) -> bool:
+    sbp = ctx.job.sbp[vid]
+    return all(c == 0 for c, s in zip(ctx.coord, sbp) if not isinstance(s, Shard))
+
+
+def _state_values(job) -> dict[str, int]:
+    return {v.name: v.id for v in job.graph.values
+            if v.role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)}
+
+
+def save(path: str, state: dict, job, ctx, next_step: int) -> None:
+    """Write this rank's shard; rank 0 marks the checkpoint complete."""
+    values = _state_values(job)
+    sd = {}
+    for name, t in state.items():
+        if t is None or name not in values or not _primary(ctx, values[name]):
+            continue
+        sd[f"{name}|{_box_key(ctx.box(values[name]))}"] = t.detach().contiguous().cpu()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        sd[STEP_KEY] = torch.tensor(next_step)
+    dcp.save(sd, checkpoint_id=path)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        meta = {"next_step": next_step, "world": job.mesh.world, "job": job.digest()}
+        write_atomic(Path(path) / COMPLETE, json.dumps(meta).encode())
+
+
+def load(path: str, state: dict, job, ctx) -> int:
+    """Fill this rank's state from the checkpoint; returns the step to resume at."""
+    root = Path(path)
+    if not (root / COMPLETE).is_file():
+        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker: a run was "
+                           "stopped while saving); resume from an earlier one or start afresh")
+    saved: dict[str, list] = {}
+    for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+        name, _, box = key.partition("|")
+        if box:
+            saved.setdefault(name, []).append(_parse_box(box))
+    values = _state_values(job)
+    request, places = {STEP_KEY: torch.tensor(0)}, []
+    for name, vid in values.items():
+        if name not in state:
+            continue
+        want = ctx.box(vid)
+        if name not in saved:
+            if "@" in name:
+                continue  # an optimizer slot not yet created (SGD momentum): start fresh
+            raise RuntimeFault(f"checkpoint {path} has no '{name}': it was saved from another "
+                               "model; resume with the model and size it was saved from")
+        for box in saved[name]:
+            part = intersect(want, box) if box else ()
+            if part is None:
+                continue
+            key = f"{name}|{_box_key(box)}"
+            if key not in request:
+                shape = tuple(b - a for a, b in box)
+                request[key] = torch.empty(shape, dtype=job.graph.values[vid].meta.dtype.torch)
+            places.append((name, vid, key, box, part))
+    dcp.load(request, checkpoint_id=path)
+    for name, vid, key, box, part in places:
+        target = state[name]
+        if target is None or tuple(target.shape) != tuple(b - a for a, b in ctx.box(vid)):
+            shape = tuple(b - a for a, b in ctx.box(vid))
+            target = state[name] = torch.empty(shape, dtype=request[key].dtype)
+        mine = ctx.box(vid)
+        dst = tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(part, mine))
+        src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(part, box))
+        target[dst] = request[key][src].to(target.device)
+    return int(request[STEP_KEY])

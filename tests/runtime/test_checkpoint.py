@@ -1,0 +1,52 @@
+"""Checkpoints: resume gives the uninterrupted run's losses; a checkpoint
+saved in one layout loads into another; an incomplete one is refused."""
+
+import pytest
+
+from meshplan.driver.plan import zoo_strategy
+from meshplan.driver.run import run
+from meshplan.errors import RuntimeFault
+from meshplan.ir.mesh import Mesh
+from meshplan.models import model_config
+
+
+def _s(model="gpt", **f):
+    f.setdefault("global_batch_size", 8)
+    f.setdefault("micro_batch_size", 8 // (f.get("dp", 1) * (2 if f.get("pp", 1) > 1 else 1)))
+    return zoo_strategy(model, model_config(model, "tiny"), **f)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_resume_equals_uninterrupted(tmp_path, optimizer):
+    s = _s(tp=2)
+    full = run("gpt", "tiny", Mesh(1, 2), s, steps=6, optimizer=optimizer)
+    run("gpt", "tiny", Mesh(1, 2), s, steps=3, optimizer=optimizer, save_dir=str(tmp_path))
+    rest = run("gpt", "tiny", Mesh(1, 2), s, steps=6, optimizer=optimizer,
+               save_dir=str(tmp_path / "again"), resume=False)
+    resumed = run("gpt", "tiny", Mesh(1, 2), s, steps=6, optimizer=optimizer,
+                  save_dir=str(tmp_path), resume=True)
+    assert resumed["first_step"] == 3 and len(resumed["losses"]) == 3
+    assert resumed["losses"] == full["losses"][3:]
+    assert rest["losses"] == full["losses"]
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    ((dict(tp=2), (1, 2)), (dict(), (1, 1))),
+    ((dict(pp=2), (1, 2)), (dict(), (1, 1))),
+    ((dict(), (1, 1)), (dict(tp=2, pp=2), (1, 4))),
+])
+def test_reshard_across_layouts(tmp_path, saved, loaded):
+    (f1, m1), (f2, m2) = saved, loaded
+    full = run("gpt", "tiny", Mesh(*m1), _s(**f1), steps=4, optimizer="adamw")
+    run("gpt", "tiny", Mesh(*m1), _s(**f1), steps=2, optimizer="adamw", save_dir=str(tmp_path))
+    other = run("gpt", "tiny", Mesh(*m2), _s(**f2), steps=4, optimizer="adamw",
+                save_dir=str(tmp_path), resume=True)
+    assert max(abs(a - b) for a, b in zip(other["losses"], full["losses"][2:])) <= 1e-5
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    s = _s(tp=2)
+    run("gpt", "tiny", Mesh(1, 2), s, steps=1, save_dir=str(tmp_path))
+    (tmp_path / "COMPLETE").unlink()
+    with pytest.raises(RuntimeFault, match="incomplete"):
+        run("gpt", "tiny", Mesh(1, 2), s, steps=2, save_dir=str(tmp_path), resume=True)
