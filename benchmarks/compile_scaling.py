@@ -64,9 +64,12 @@ def gpt_rows() -> tuple[float, list[dict]]:
         digest = job.digest()
         lowers = {}
         for r in _sample(world):
-            t3 = time.perf_counter()
-            plan = lower(job, r, job_digest=digest)
-            lowers[r] = (time.perf_counter() - t3, len(plan.tasks))
+            best = float("inf")
+            for _ in range(3):  # best of 3: single lowerings take ~50 ms, noise is large
+                t3 = time.perf_counter()
+                plan = lower(job, r, job_digest=digest)
+                best = min(best, time.perf_counter() - t3)
+            lowers[r] = (best, len(plan.tasks))
         times = sorted(v[0] for v in lowers.values())
         rows.append({"world": world, "dp": dp, "ops": len(job.graph.ops),
                      "master_s": autodiff_s + passes_s, "autodiff_s": autodiff_s,
@@ -118,11 +121,13 @@ def main() -> None:
         resnet = resnet_rows(Path(tmp))
     uneven = uneven_rows()
     base, top = gpt[0]["lower_max_s"], gpt[-1]["lower_max_s"]
+    base_dp = gpt[1]["lower_max_s"]  # world 512: the smallest world with dp traffic
     result = {"benchmark": "compile_scaling", "machine": machine(),
               "gpt3_175b": {"capture_s": capture_s, "rows": gpt,
                             "targets": {"master_s": 1.0, "lower_s": 0.3,
                                         "lower_4096_over_128": 1.2},
-                            "lower_4096_over_128": top / base},
+                            "lower_4096_over_128": top / base,
+                            "lower_4096_over_512": top / base_dp},
               "resnet50": {"rows": resnet, "target_total_s_at_16": 1.0},
               "uneven_boxing": uneven}
     lines = [f"GPT-3 175B, tp=8 pp=16 vpp=2, 64 micro-batches (capture once on the meta "
@@ -133,7 +138,10 @@ def main() -> None:
         lines.append(f"| {r['world']} | {r['dp']} | {r['ops']} | {r['master_s']:.3f} | "
                      f"{r['passes_s']:.3f} | {r['lower_median_s']:.3f} | "
                      f"{r['lower_max_s']:.3f} |")
-    lines += ["", f"Per-rank lowering at 4096 ranks / at 128: {top / base:.2f} (target <= 1.2).",
+    lines += ["", f"Per-rank lowering at 4096 ranks / at 128: {top / base:.2f} (target <= 1.2); "
+              f"/ at 512: {top / base_dp:.2f}. World 128 has dp=1, so its ranks have no "
+              "gradient all-reduce tasks (7598 vs 9721 Job ops): part of the gap is work "
+              "that only exists with dp > 1, not growth with the cluster.",
               "", "ResNet-50, data parallel (capture cached after the first: "
               f"{resnet[0]['first_capture_s']:.1f} s).", "",
               "| ranks | master (s) | lower all ranks, 2 workers (s) | total (s) "
