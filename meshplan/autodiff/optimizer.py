@@ -7,7 +7,7 @@ inputs after (param, grad).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,11 +32,14 @@ class OptimizerConfig:
             raise ConfigError(f"unknown optimizer '{self.kind}': choose sgd or adamw")
 
     @staticmethod
-    def default(kind: str) -> OptimizerConfig:
-        """torch-like defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(1e-3, wd 0.01)."""
+    def default(kind: str, lr: float | None = None) -> OptimizerConfig:
+        """torch-like defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(1e-3, wd 0.01);
+        `lr` overrides the learning rate."""
         if kind == "adamw":
-            return OptimizerConfig("adamw", lr=1e-3, weight_decay=0.01)
-        return OptimizerConfig(kind)
+            cfg = OptimizerConfig("adamw", lr=1e-3, weight_decay=0.01)
+        else:
+            cfg = OptimizerConfig(kind)
+        return cfg if lr is None else replace(cfg, lr=lr)
 
     def kwargs(self) -> tuple[tuple[str, object], ...]:
         """The literal arguments of this optimizer's op, after its tensors."""

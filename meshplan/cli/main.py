@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_flags(p)
     p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: sgd 0.05, adamw 1e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest allowed |loss - eager loss| (exit 1 above it)")
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_flags(p)
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: sgd 0.05, adamw 1e-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--timeout", type=float, default=60.0,
@@ -150,12 +154,12 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         cfg = model_config(a.model, a.size, **overrides(a))
         strategy = zoo_strategy(a.model, cfg, **fields)
         r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer, seed=a.seed,
-                   mesh=mesh_of(a), strategy=strategy, **overrides(a))
+                   mesh=mesh_of(a), strategy=strategy, lr=a.lr, **overrides(a))
     else:
         m = a.num_microbatches or 1
         r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer,
                    global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
-                   num_microbatches=m, seed=a.seed, **overrides(a))
+                   num_microbatches=m, seed=a.seed, lr=a.lr, **overrides(a))
     ok = r["max_abs_diff"] <= a.tolerance
     if a.json:
         print(json.dumps(r | {"ok": ok, "tolerance": a.tolerance}))

@@ -50,7 +50,7 @@ def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
 
 
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
-               optimizer: str = "sgd", **overrides) -> Planned:
+               optimizer: str = "sgd", lr: float | None = None, **overrides) -> Planned:
     """Capture a zoo model (on the meta device: no weights; cached) and plan it."""
     cfg = model_config(model, size, **overrides)
     strategy = check_strategy(mesh, strategy)
@@ -58,7 +58,7 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     t0 = time.perf_counter()
     forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
     t1 = time.perf_counter()
-    graph = build_train_step(forward, OptimizerConfig.default(optimizer),
+    graph = build_train_step(forward, OptimizerConfig.default(optimizer, lr),
                              strategy.num_microbatches)
     timings: dict = {"autodiff": time.perf_counter() - t1}
     job = plan_job(graph, mesh, strategy, timings=timings)

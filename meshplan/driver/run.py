@@ -24,7 +24,7 @@ from meshplan.runtime.worker import RunSpec, rank_main
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
         plan_dir: str = "", kill: tuple[int, float] | None = None, save_dir: str = "",
-        resume: bool = False, **overrides) -> dict:
+        resume: bool = False, lr: float | None = None, **overrides) -> dict:
     """Train on `mesh.world` local processes; returns losses, step times, memory."""
     t0 = time.perf_counter()
     if plan_dir:  # compiled plans: validated whole before any process starts
@@ -35,7 +35,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
             raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
                                f"{mesh.world} were asked for; recompile or match the mesh")
     else:
-        job = plan_model(model, size, mesh, strategy, optimizer, **overrides).job
+        job = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides).job
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
                        threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume)
@@ -51,7 +51,7 @@ def under_torchrun() -> bool:
 
 def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
                  optimizer: str = "sgd", seed: int = 0, threads: int = 1,
-                 timeout_s: float = 60.0, **overrides) -> dict | None:
+                 timeout_s: float = 60.0, lr: float | None = None, **overrides) -> dict | None:
     """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
     every rank lowers and runs itself. Returns the merged result on rank 0."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -62,7 +62,8 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
     t0 = time.perf_counter()
 
     def master() -> bytes:
-        return plan_model(model, size, mesh, strategy, optimizer, **overrides).job.to_bytes()
+        return plan_model(model, size, mesh, strategy, optimizer, lr,
+                          **overrides).job.to_bytes()
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,

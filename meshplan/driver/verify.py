@@ -34,6 +34,7 @@ def verify(
     seed: int = 0,
     mesh: Mesh | None = None,
     strategy: Strategy | None = None,
+    lr: float | None = None,
     **overrides,
 ) -> dict:
     """Train `steps` steps both ways; returns losses, max_abs_diff and timings.
@@ -53,11 +54,11 @@ def verify(
     torch.manual_seed(seed)
     module = build_model(cfg)
     reference = copy.deepcopy(module)
-    opt = OptimizerConfig.default(optimizer)
+    opt = OptimizerConfig.default(optimizer, lr)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
     if strategy is not None and (mesh is None or mesh.world > 1):
         mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
-        result = run(model, size, mesh, strategy, steps, optimizer, seed, **overrides)
+        result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr, **overrides)
         mine = {"mode": "distributed", "losses": result["losses"],
                 "step_s": result["median_step_s"], "ranks": result["ranks"],
                 "ops": None, "capture_s": None, "autodiff_s": None,

@@ -53,10 +53,11 @@ def pointwise(linear_in: tuple[int, ...] = ()):
 
 
 def additive(args, kwargs, outs, n):
-    """add / sub / rsub: Partial + Partial is Partial."""
+    """add / sub / rsub: Partial + Partial is Partial. Not with a number
+    operand: each rank would add it, so the sum would hold it n times."""
     ts = tensors((args, kwargs))
     sigs = _broadcast_shards(ts, 1)
-    if all(t.shape == ts[0].shape for t in ts):
+    if len(ts) == 2 and all(t.shape == ts[0].shape for t in ts):
         sigs.append(SbpSig((P,) * len(ts), (P,)))
     return sigs + [replicated(len(ts), 1)]
 

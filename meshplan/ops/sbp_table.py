@@ -12,7 +12,7 @@ SBP = {
     "aten.add.Tensor": r.additive,
     "aten.sub.Tensor": r.additive,
     "aten.rsub.Tensor": r.additive,
-    "aten.rsub.Scalar": _LINEAR_IN_0,
+    "aten.rsub.Scalar": r.pointwise(),  # number - x: not linear in x
     "aten.mul.Tensor": r.pointwise((0, 1)),
     "aten.div.Tensor": _LINEAR_IN_0,
     "aten.neg.default": _LINEAR_IN_0,
