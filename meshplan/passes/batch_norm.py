@@ -11,19 +11,18 @@ next op needs the whole value. The backward is rewritten the same way.
     running = (1 - m) * running + m * stat     (var unbiased: n / (n - 1))
     gb = sum(g)   gw = sum(g * xhat)   gx = w * rstd * (g - (gb + xhat * gw) / n)
 
-Invariants: values keep their ids (new ones are appended); outputs of the
-fused ops are remapped in every consumer, state update and gradient link;
-the rewritten graph computes the same numbers up to rounding. Runs only when
-data parallelism needs it (the single-process graph keeps the fused kernels).
+Invariant: the rewritten graph computes the same numbers up to rounding
+(`rewrite_ops` keeps every link). Runs only when data parallelism needs it
+(the single-process graph keeps the fused kernels).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
-from meshplan.ir import Graph, GraphBuilder, Ref, Update, verify
+from meshplan.ir import Graph, Ref
 from meshplan.ops.emit import Emitter
+from meshplan.passes.rewrite import rewrite_ops
 
 FORWARD = "aten._native_batch_norm_legit_functional.default"
 BACKWARD = "aten.native_batch_norm_backward.default"
@@ -31,44 +30,7 @@ BACKWARD = "aten.native_batch_norm_backward.default"
 
 def expand_batch_norm(graph: Graph) -> Graph:
     """Rewrite every training BatchNorm (forward and backward) into sums."""
-    if not any(op.kind in (FORWARD, BACKWARD) for op in graph.ops):
-        return graph
-    b = GraphBuilder(graph)
-    b.ops = []
-    vmap: dict[int, int] = {}
-    omap: dict[int, int] = {}
-
-    def ref(a):
-        if isinstance(a, Ref):
-            return Ref(vmap.get(a.id, a.id))
-        if isinstance(a, tuple):
-            return tuple(ref(x) for x in a)
-        return a
-
-    for op in graph.ops:
-        args = tuple(ref(a) for a in op.args)
-        first = len(b.ops)
-        if op.kind == FORWARD and args[5]:
-            e = Emitter(b, op.phase, op.module_path, op.source, omap.get(op.grad_of, -1))
-            outs = _forward(e, args)
-        elif op.kind == BACKWARD and args[7]:
-            e = Emitter(b, op.phase, op.module_path, op.source, omap.get(op.grad_of, -1))
-            outs = _backward(e, args, op.outputs)
-        else:
-            kwargs = tuple((k, ref(v)) for k, v in op.kwargs)
-            b.ops.append(replace(op, id=first, args=args, kwargs=kwargs,
-                                 grad_of=omap.get(op.grad_of, -1)))
-            omap[op.id] = first
-            continue
-        omap[op.id] = len(b.ops) - 1
-        for old, new in zip(op.outputs, outs):
-            if old >= 0 and new is not None:
-                vmap[old] = new.id
-    b.updates = [Update(u.name, vmap.get(u.value, u.value)) for u in graph.updates]
-    b.grads = [(vmap.get(v, v), vmap.get(g, g)) for v, g in graph.grads]
-    out = b.build(vmap.get(graph.loss, graph.loss), graph.meta)
-    verify(out)
-    return out
+    return rewrite_ops(graph, {FORWARD: _forward, BACKWARD: _backward})
 
 
 def _bcast(e: Emitter, v: Ref, nd: int) -> Ref:
@@ -84,8 +46,10 @@ def _stats(e: Emitter, x: Ref):
     return dims, n, len(shape)
 
 
-def _forward(e: Emitter, args):
-    x, w, bias, rm, rv, _training, momentum, eps = args
+def _forward(e: Emitter, args, op):
+    x, w, bias, rm, rv, training, momentum, eps = args
+    if not training:
+        return None
     dims, n, nd = _stats(e, x)
     mean = e.call("aten.div.Tensor", e.call("aten.sum.dim_IntList", x, dims), n)
     xc = e.call("aten.sub.Tensor", x, _bcast(e, mean, nd))
@@ -108,8 +72,10 @@ def _blend(e: Emitter, running: Ref, stat: Ref, m: float) -> Ref:
     return e.call("aten.add.Tensor", kept, e.call("aten.mul.Tensor", stat, m))
 
 
-def _backward(e: Emitter, args, outputs):
-    g, x, w, _rm, _rv, mean, rstd, _train, _eps, mask = args
+def _backward(e: Emitter, args, op):
+    g, x, w, _rm, _rv, mean, rstd, train, _eps, mask = args
+    if not train:
+        return None
     dims, n, nd = _stats(e, x)
     rstd_b = _bcast(e, rstd, nd)
     xhat = e.call("aten.mul.Tensor", e.call("aten.sub.Tensor", x, _bcast(e, mean, nd)), rstd_b)

@@ -1,6 +1,7 @@
 """plan: the planning passes, in order, from a train-step Graph to a Job.
 
-    check_strategy -> expand_batch_norm (dp > 1) -> assign_stages
+    check_strategy -> expand_batch_norm (dp > 1) -> expand_log_softmax (vocab tp)
+        -> assign_stages
         -> tensor_parallel -> propagate_sbp -> add_boxing -> Job
 
 Each step is a pure function of immutable data; `plan_job` only wires them.
@@ -16,6 +17,7 @@ from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import add_boxing
+from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.propagate import propagate_sbp
 from meshplan.passes.strategy import check_strategy
@@ -39,6 +41,8 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
     strategy = check_strategy(mesh, strategy)
     if strategy.dp > 1:  # batch statistics must become sums the dp ranks reduce
         graph = expand_batch_norm(graph)
+    if strategy.tp > 1 and any(style == "vocab" for _, style in strategy.tp_plan):
+        graph = expand_log_softmax(graph)  # the class reductions become Partials
     if strategy.pp == strategy.vpp == 1 and not strategy.layer_pattern:
         stages = StageAssignment((0,) * len(graph.ops), (0,) * len(graph.ops), (), (), (), ())
     else:

@@ -51,8 +51,11 @@ def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int) -> float:
     if isinstance(dst, Partial):
         return INF  # a Partial is never made from a value that is not one
     if isinstance(src, Partial):
-        base = 2 * frac if isinstance(dst, Replicate) else frac
-        return LATENCY_BYTES + base * nbytes
+        if isinstance(dst, Replicate):
+            return LATENCY_BYTES + 2 * frac * nbytes
+        # A shard made from a Partial is usually gathered again later (one
+        # more collective greedy cannot see yet): charge that latency now.
+        return 2 * LATENCY_BYTES + frac * nbytes
     if isinstance(src, Shard):
         if isinstance(dst, Replicate):
             return LATENCY_BYTES + frac * nbytes
