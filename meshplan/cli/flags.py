@@ -49,6 +49,15 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.set_defaults(default_gbs=default_gbs)
 
 
+def add_training_flags(p: argparse.ArgumentParser, steps: int) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    g.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    g.add_argument("--lr", type=float, default=None,
+                   help="learning rate (default: sgd 0.05, adamw 1e-3)")
+    g.add_argument("--seed", type=int, default=0, help="model and data seed")
+
+
 def mesh_of(a: argparse.Namespace) -> Mesh:
     return Mesh(a.nodes, a.devices_per_node)
 

@@ -68,11 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_VERIFY, formatter_class=fmt)
     add_model_flags(p)
     add_strategy_flags(p)
-    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: sgd 0.05, adamw 1e-3)")
-    p.add_argument("--seed", type=int, default=0)
+    add_training_flags(p, steps=20)
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest allowed |loss - eager loss| (exit 1 above it)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -103,11 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_RUN, formatter_class=fmt)
     add_model_flags(p)
     add_strategy_flags(p)
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: sgd 0.05, adamw 1e-3)")
-    p.add_argument("--seed", type=int, default=0)
+    add_training_flags(p, steps=10)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any collective may wait before the run fails")
