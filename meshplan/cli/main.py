@@ -15,6 +15,7 @@ from meshplan.cli.compile_cmds import cmd_check, cmd_compile
 from meshplan.cli.flags import (
     add_model_flags,
     add_strategy_flags,
+    add_training_flags,
     mesh_of,
     overrides,
     strategy_fields,
