@@ -27,6 +27,7 @@ from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEVICE = "$device"  # literal standing for "the device this runs on"
 _SKIP = {
     "aten._assert_tensor_metadata.default",
@@ -163,7 +164,19 @@ def _source(node) -> str:
     user = [f for f in frames if _TORCH_DIR not in f[0]] or frames
     head, code = user[-1]
     loc = head.split(", in ")[0].removeprefix("File ").replace('"', "")
-    return f"{loc}: {code}"
+    return f"{_short(loc)}: {code}"
+
+
+def _short(loc: str) -> str:
+    """A source path that does not depend on where the code is checked out:
+    meshplan's own files relative to the package's parent, others relative to
+    the working directory when inside it. Keeps graphs and Jobs byte-stable."""
+    path, _, line = loc.partition(", line ")
+    for root in (_PACKAGE_PARENT, os.getcwd()):
+        if path.startswith(root + os.sep):
+            path = os.path.relpath(path, root)
+            break
+    return f"{path}, line {line}" if line else path
 
 
 def _lit(a, ctx: _Ctx):

@@ -2,6 +2,7 @@
 data-parallel gradient reduction, determinism, and the OneFlow crash case."""
 
 import hashlib
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -105,7 +106,7 @@ def test_job_bytes_are_deterministic_across_processes():
         "micro_batch_size=2)\n"
         "print(plan_model('gpt', 'tiny', Mesh(2, 4), s).job.digest())\n")
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                           timeout=300, env={"PYTHONHASHSEED": "7", "PATH": ""})
+                           timeout=300, env={**os.environ, "PYTHONHASHSEED": "7"})
     assert child.returncode == 0, child.stderr[-1500:]
     assert child.stdout.strip() == here
     assert Job.from_bytes(job.to_bytes()) == job
