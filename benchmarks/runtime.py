@@ -1,0 +1,467 @@
+"""Runtime step time: meshplan's pipeline vs torch.distributed.pipelining,
+the ideal pipeline, and meshplan single-rank vs eager.
+
+GPT (8 layers, hidden 128, 4 heads, seq 64, vocab 1024), global batch 16,
+SGD (lr 0.05, momentum 0.9, wd 1e-4), one thread per process, on this
+machine's CPUs. Configurations run one after another (not interleaved), each
+for 2 warm-up steps then the timed steps; a pipeline step's time is the max
+over ranks. Ratios (target):
+- meshplan pp=2 vpp=2 / torch ScheduleInterleaved1F1B, same split (<= 0.8)
+- meshplan pp=2 vpp=2 / ideal = eager / pp * (1 + (pp-1)/(vpp*m)) (<= 1.15)
+- meshplan single rank / eager, one micro-batch of 16 (<= 1.05)
+Both pipelines' losses are checked against each other and against eager
+training with the same 8 micro-batches (`reference.eager_train`).
+If a target is missed, a meshplan pp=2 run with timers around each rank
+executor's phases (compute, recv, send, optimizer) says where the time goes.
+
+Run: python benchmarks/runtime.py [--steps K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, median, write  # noqa: E402
+
+from meshplan.autodiff import OptimizerConfig  # noqa: E402
+from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
+from meshplan.driver.reference import eager_train, split_microbatches  # noqa: E402
+from meshplan.driver.run import run  # noqa: E402
+from meshplan.ir.mesh import Mesh  # noqa: E402
+from meshplan.models import build_model, example_batch, model_config  # noqa: E402
+from meshplan.runtime.launch import free_port  # noqa: E402
+
+SHAPE = dict(layers=8, hidden=128, heads=4, seq_len=64, vocab=1024)
+BATCH, MICRO, PP, VPP, WARMUP = 16, 2, 2, 2, 2
+M = BATCH // MICRO
+STAGES = PP * VPP
+TARGETS = {"pp_vs_torch": 0.8, "pp_vs_ideal": 1.15, "single_vs_eager": 1.05}
+
+
+def cfg():
+    return model_config("gpt", "tiny", **SHAPE)
+
+
+def batches(steps: int) -> list:
+    """The batches meshplan's worker trains on (seed 0 + step)."""
+    return [example_batch(cfg(), BATCH, seed=s) for s in range(steps)]
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return OptimizerConfig.default("sgd").torch_optimizer(params)
+
+
+# ------------------------------------------------------------------ meshplan
+def meshplan_pp(steps: int) -> dict:
+    s = zoo_strategy("gpt", cfg(), pp=PP, vpp=VPP, global_batch_size=BATCH,
+                     micro_batch_size=MICRO)
+    return run("gpt", "tiny", Mesh(1, PP), s, steps=steps, threads=1, **SHAPE)
+
+
+def meshplan_single(steps: int) -> dict:
+    s = zoo_strategy("gpt", cfg(), global_batch_size=BATCH, micro_batch_size=BATCH)
+    return run("gpt", "tiny", Mesh(1, 1), s, steps=steps, threads=1, **SHAPE)
+
+
+# ------------------------------------------------------------------ eager
+def eager(steps: int, microbatches: int) -> dict:
+    """Eager training in this process, one thread; `microbatches` per step."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    module = build_model(cfg())
+    losses, times = eager_train(module, batches(steps), microbatches,
+                                OptimizerConfig.default("sgd"))
+    return {"losses": losses, "step_s": times}
+
+
+# ------------------------------------------------------------------ torch pipelining
+class Chunk(nn.Module):
+    """Blocks [lo, hi) of one GPT; the first chunk embeds, the last projects."""
+
+    def __init__(self, model: nn.Module, stage: int):
+        super().__init__()
+        per = len(model.blocks) // STAGES
+        self.first, self.last = stage == 0, stage == STAGES - 1
+        if self.first:
+            self.wte, self.wpe = model.wte, model.wpe
+        self.blocks = nn.ModuleList(model.blocks[stage * per:(stage + 1) * per])
+        if self.last:
+            self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.view(-1, SHAPE["vocab"]), targets.view(-1))
+
+
+def _example_io(stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t, h = SHAPE["seq_len"], SHAPE["hidden"]
+    # requires_grad on the examples: the stage's metadata says which
+    # activations get gradients (without it backward sees no output grads).
+    x = (torch.zeros(MICRO, t, dtype=torch.long) if stage == 0
+         else torch.zeros(MICRO, t, h, requires_grad=True))
+    y = torch.zeros(MICRO, t, SHAPE["vocab"] if stage == STAGES - 1 else h, requires_grad=True)
+    return x, y
+
+
+def _torch_rank(rank: int, port: int, steps: int, out: str) -> None:
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=PP)
+    torch.manual_seed(0)
+    model = build_model(cfg())
+    stages = []
+    for s in range(rank, STAGES, PP):
+        x, y = _example_io(s)
+        stages.append(PipelineStage(Chunk(model, s), s, STAGES, torch.device("cpu"),
+                                    input_args=x, output_args=y))
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=lm_loss)
+    opt = sgd([p for st in stages for p in st.submod.parameters()])
+    losses, times = [], []
+    for tokens, targets in batches(steps):
+        mb_losses: list = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        schedule.step(tokens, target=targets, losses=mb_losses)
+        opt.step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        if mb_losses:
+            losses.append(float(torch.stack([x.detach() for x in mb_losses]).mean()))
+    Path(out, f"{rank}.json").write_text(json.dumps({"losses": losses, "step_s": times}))
+    dist.destroy_process_group()
+
+
+def torch_pp(steps: int) -> dict:
+    """ScheduleInterleaved1F1B on PP processes; step time is the max over ranks."""
+    with tempfile.TemporaryDirectory(prefix="runtime-torch-") as out:
+        tmp.spawn(_torch_rank, args=(free_port(), steps, out), nprocs=PP, join=True)
+        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(PP)]
+    losses = next(r["losses"] for r in ranks if r["losses"])
+    return {"losses": losses,
+            "step_s": [max(r["step_s"][i] for r in ranks) for i in range(steps)]}
+
+
+# ------------------------------------------------------------------ profile
+def _timed(fn, acc: dict, name_of):
+    def wrapper(*args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        acc[name_of(*args)] += time.perf_counter() - t0
+        return out
+    return wrapper
+
+
+def _instrument(ex, acc: dict) -> None:
+    """Wrap one RankExecutor's phases (instance attributes; meshplan untouched)."""
+    from meshplan.runtime.rank_executor import STEP_KEY
+
+    ex._run = _timed(ex._run, acc, lambda key, *_: (
+        "optimizer" if key == STEP_KEY else f"{key[1].value}"))
+    tr = ex.transfers
+    tr.recv = _timed(tr.recv, acc, lambda *_: "recv (wait)")
+    tr.send = _timed(tr.send, acc, lambda *_: "send (post)")
+    tr.wait_sends = _timed(tr.wait_sends, acc, lambda *_: "wait sends")
+
+
+def _prepost_recvs(ex) -> None:
+    """Diagnostic what-if: post every receive of a step when the step starts
+    (as torch.distributed.pipelining posts RECVs ahead of need) and only wait
+    in the RECV action. Patches this one executor instance in this process."""
+    from meshplan.runtime.comm import tag_of
+    from meshplan.schedules.action import ActionType
+
+    tr, step = ex.transfers, ex.step
+    kinds = (ActionType.RECV_F, ActionType.RECV_B)
+    actions = [a for a in ex.plan.actions if a.type in kinds]
+    posted: dict = {}
+
+    def post_then_step(state, mbs):
+        for a in actions:
+            posted[str(a)] = []
+            for vid, _, piece, peer, op_id in tr.recvs.get((a.stage, a.type), ()):
+                shape, dtype = tr.shapes[vid]
+                if tuple(piece) != tuple(shape):
+                    raise NotImplementedError("the what-if handles whole-value receives only")
+                buf = torch.empty(shape, dtype=dtype)
+                work = dist.irecv(buf, peer, tag=tag_of(op_id, a.microbatch))
+                posted[str(a)].append((vid, buf, work))
+        return step(state, mbs)
+
+    def wait_recv(action, env, mem):
+        for vid, buf, work in posted.pop(str(action)):
+            work.wait()
+            env[vid] = buf
+            mem.add(buf)
+
+    ex.step, tr.recv = post_then_step, wait_recv
+
+
+def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
+                  prepost: bool) -> None:
+    from meshplan.ir.job import Job
+    from meshplan.plan.lower import lower
+    from meshplan.runtime.comm import Comm, job_groups
+    from meshplan.runtime.rank_executor import RankExecutor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=PP)
+    job = Job.from_bytes(Path(job_path).read_bytes())
+    ex = RankExecutor(job, lower(job, rank), Comm(rank, job_groups(job.strategy), "gloo"))
+    torch.manual_seed(0)
+    state = ex.init_state(build_model(cfg()))
+    if prepost:
+        _prepost_recvs(ex)
+    acc: dict = defaultdict(float)
+    _instrument(ex, acc)
+    total = 0.0
+    for i, batch in enumerate(batches(steps)):
+        if i == WARMUP:
+            acc.clear()
+            total = 0.0
+        mbs = split_microbatches(batch, M)
+        t0 = time.perf_counter()  # no barrier: as meshplan's worker times its steps
+        ex.step(state, mbs)
+        total += time.perf_counter() - t0
+    n = steps - WARMUP
+    phases = {k: v / n for k, v in acc.items()}
+    phases["other"] = total / n - sum(phases.values())
+    result = {"step_s": total / n, "phases_s": phases}
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def profile_pp(steps: int, prepost: bool = False) -> dict:
+    """Per rank, mean seconds per step in each executor phase of the pp run."""
+    s = zoo_strategy("gpt", cfg(), pp=PP, vpp=VPP, global_batch_size=BATCH,
+                     micro_batch_size=MICRO)
+    job = plan_model("gpt", "tiny", Mesh(1, PP), s, "sgd", **SHAPE).job
+    with tempfile.TemporaryDirectory(prefix="runtime-prof-") as out:
+        job_path = Path(out, "job.bin")
+        job_path.write_bytes(job.to_bytes())
+        tmp.spawn(_profile_rank, args=(free_port(), str(job_path), steps, out, prepost),
+                  nprocs=PP, join=True)
+        return {str(r): json.loads(Path(out, f"{r}.json").read_text()) for r in range(PP)}
+
+
+# ------------------------------------------------------------------ report
+CONFIGS = {"eager": ("eager, 1 process, 1x16", lambda n: eager(n, 1)),
+           "eager_8x2": ("eager, 1 process, 8x2 (loss reference)", lambda n: eager(n, M)),
+           "meshplan_single": ("meshplan, 1 rank, 1x16", meshplan_single),
+           "meshplan_pp": ("meshplan, pp=2 vpp=2, 8x2", meshplan_pp),
+           "torch_pp": ("torch ScheduleInterleaved1F1B, 2 ranks, 8x2", torch_pp)}
+NAMES = {"pp_vs_torch": "meshplan pp / torch pipelining",
+         "pp_vs_ideal": "meshplan pp / ideal (eager / pp x (1 + bubble))",
+         "single_vs_eager": "meshplan single rank / eager"}
+
+
+def cpu_busy(interval_s: float = 0.5) -> float:
+    """Fraction of all CPUs busy over `interval_s` (Linux /proc/stat; else 0)."""
+    def read() -> tuple[int, int]:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return sum(f), f[3] + f[4]  # total, idle + iowait
+    try:
+        t0, i0 = read()
+        time.sleep(interval_s)
+        t1, i1 = read()
+    except OSError:
+        return 0.0
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_quiet(limit_s: float = 10.0, busy: float = 0.15) -> float:
+    """Wait (at most `limit_s`) until other processes leave the CPUs; returns
+    the busy fraction last seen. Measured: this machine is shared, and a
+    burst of other work doubles a 2-rank step."""
+    end = time.monotonic() + limit_s
+    seen = cpu_busy()
+    while seen > busy and time.monotonic() < end:
+        seen = cpu_busy()
+    return seen
+
+
+def measure(steps: int, rounds: int) -> dict:
+    """Every configuration once per round, round after round, each after the
+    CPUs are quiet, so that bursts of load from other processes on the machine
+    spread over all of them. Losses are round 0's (every round trains the same
+    batches from seed 0)."""
+    runs: dict = {k: {"losses": None, "rounds": [], "busy_before": []} for k in CONFIGS}
+    for _ in range(rounds):
+        for k, (_, fn) in CONFIGS.items():
+            runs[k]["busy_before"].append(wait_quiet())
+            out = fn(steps)
+            runs[k]["rounds"].append(out["step_s"])
+            runs[k]["losses"] = runs[k]["losses"] or out["losses"]
+    return runs
+
+
+def timed_median(rounds: list[list[float]]) -> float:
+    return median([s for r in rounds for s in r[WARMUP:]])
+
+
+def best_round(rounds: list[list[float]]) -> float:
+    """The quietest round's median: a companion to the median when other
+    processes load the machine during some rounds."""
+    return min(median(r[WARMUP:]) for r in rounds)
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def ratios(t: dict) -> dict:
+    bubble = (PP - 1) / (VPP * M)
+    ideal = t["eager"] / PP * (1 + bubble)
+    return {"ideal_step_s": ideal, "bubble": bubble,
+            "pp_vs_torch": t["meshplan_pp"] / t["torch_pp"],
+            "pp_vs_ideal": t["meshplan_pp"] / ideal,
+            "single_vs_eager": t["meshplan_single"] / t["eager"]}
+
+
+def losses_check(runs: dict) -> dict:
+    """Both pipelines against each other and against eager with 8 micro-batches."""
+    loss = {k: v["losses"] for k, v in runs.items()}
+    pairs = {"meshplan_pp_vs_torch_pp": ("meshplan_pp", "torch_pp"),
+             "meshplan_pp_vs_eager_8x2": ("meshplan_pp", "eager_8x2"),
+             "torch_pp_vs_eager_8x2": ("torch_pp", "eager_8x2"),
+             "meshplan_single_vs_eager": ("meshplan_single", "eager")}
+    return {"per_step": loss, "tolerance": 1e-4,
+            "max_abs_diff": {k: max_diff(loss[a], loss[b]) for k, (a, b) in pairs.items()}}
+
+
+def profile(steps: int, rounds: int) -> dict:
+    """The instrumented pp run as it is and with receives posted ahead,
+    alternating; per rank and phase, the mean over rounds of the mean step."""
+    out: dict = {"as_is": [], "recvs_posted_at_step_start": []}
+    for _ in range(rounds):
+        for name, prepost in (("as_is", False), ("recvs_posted_at_step_start", True)):
+            wait_quiet()
+            out[name].append(profile_pp(steps, prepost))
+    mean = {}
+    for name, runs in out.items():
+        mean[name] = {r: {"step_s": sum(x[r]["step_s"] for x in runs) / rounds,
+                          "phases_s": {k: sum(x[r]["phases_s"][k] for x in runs) / rounds
+                                       for k in runs[0][r]["phases_s"]}}
+                      for r in runs[0]}
+    return {"per_round": out, "mean": mean}
+
+
+def _phase_line(name: str, prof: dict) -> str:
+    parts = []
+    for r, p in prof.items():
+        ph = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in p["phases_s"].items())
+        parts.append(f"rank {r} {p['step_s'] * 1e3:.0f} ms = {ph}")
+    return f"- {name}, per step (ms): " + "; ".join(parts) + "."
+
+
+def _worst(prof: dict, *keys: str) -> float:
+    return max(sum(p["phases_s"].get(k, 0.0) for k in keys) for p in prof.values())
+
+
+def profile_lines(prof: dict, what_if: dict, t: dict) -> list[str]:
+    """Where a meshplan pp step's time goes, from the instrumented runs."""
+    comp = _worst(prof, "forward", "backward", "optimizer")
+    wait, step = _worst(prof, "recv (wait)"), max(p["step_s"] for p in prof.values())
+    bubble = (PP - 1) / (VPP * M)
+    return [
+        _phase_line("meshplan pp with timers around each executor phase", prof),
+        f"- Compute (forward+backward+optimizer) is {comp * 1e3:.0f} ms on the busier rank "
+        f"vs eager/pp = {t['eager'] / PP * 1e3:.0f} ms: micro-batches of 2 cost more than "
+        f"one of 16 (eager 8x2: {t['eager_8x2'] * 1e3:.0f} ms vs 1x16: "
+        f"{t['eager'] * 1e3:.0f} ms per step, x{t['eager_8x2'] / t['eager']:.2f}).",
+        f"- Waiting in recv: up to {wait * 1e3:.0f} ms ({wait / step:.0%} of the step) vs "
+        f"a bubble of {bubble:.3f} x compute = {bubble * comp * 1e3:.0f} ms. meshplan posts "
+        "each receive just before the action that needs it and waits at once; "
+        "torch.distributed.pipelining posts its RECVs ahead.",
+        _phase_line("What-if, every receive of a step posted at its start (this "
+                    "benchmark patches one executor instance; meshplan unchanged)", what_if),
+    ]
+
+
+def table(a, t: dict, best: dict, loss: dict, load: list, prof_lines: list[str]) -> str:
+    r, rb = ratios(t), ratios(best)
+    lines = [f"Runtime step time: GPT 8x128 (seq 64, vocab 1024), global batch 16, SGD, "
+             f"1 thread per process; median of {a.rounds} rounds x {a.steps - WARMUP} steps "
+             f"(each after {WARMUP} warm-up), configurations alternating by round, each "
+             "started once the CPUs were quiet (or after 10 s); pipeline "
+             f"steps are the max over ranks. Load average before/after: {load[0]:.1f}/"
+             f"{load[1]:.1f} on {machine()['cpu_count']} CPUs.", "",
+             "| configuration | median step (ms) | best round's median (ms) |",
+             "|---|---|---|"]
+    lines += [f"| {label} | {t[k] * 1e3:.1f} | {best[k] * 1e3:.1f} |"
+              for k, (label, _) in CONFIGS.items()]
+    lines += [f"| ideal pp=2 vpp=2 (eager / 2 x {1 + r['bubble']:.4f}) | "
+              f"{r['ideal_step_s'] * 1e3:.1f} | {rb['ideal_step_s'] * 1e3:.1f} |", ""]
+    for k, name in NAMES.items():
+        met = "met" if r[k] <= TARGETS[k] else "NOT met"
+        lines.append(f"- {name} = {r[k]:.3f} (target <= {TARGETS[k]}): {met} "
+                     f"(best rounds: {rb[k]:.3f})")
+    d = loss["max_abs_diff"]
+    agree = "agree" if max(d.values()) <= loss["tolerance"] else "DISAGREE"
+    lines.append("- losses, max |diff| per step: " + ", ".join(
+        f"{k.replace('_vs_', ' vs ')} {v:.1e}" for k, v in d.items()) + f" ({agree})")
+    if prof_lines:
+        lines += ["", "Where the meshplan pp step's time goes (mean of the profile rounds):",
+                  ""] + prof_lines
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6, help="steps per configuration per "
+                    f"round, the first {WARMUP} untimed")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    load = [os.getloadavg()[0]]
+    runs = measure(a.steps, a.rounds)
+    t = {k: timed_median(v["rounds"]) for k, v in runs.items()}
+    best = {k: best_round(v["rounds"]) for k, v in runs.items()}
+    r = ratios(t)
+    loss = losses_check(runs)
+    for k in ("meshplan_pp", "torch_pp", "eager_8x2"):
+        print(f"losses {k:12s}", " ".join(f"{x:.6f}" for x in loss["per_step"][k]))
+    met = {k: r[k] <= v for k, v in TARGETS.items()}
+    result = {"benchmark": "runtime", "machine": machine(), "model": SHAPE,
+              "global_batch": BATCH, "micro_batch": MICRO, "pp": PP, "vpp": VPP,
+              "optimizer": "sgd", "warmup_steps": WARMUP, "steps": a.steps,
+              "rounds": a.rounds, "targets": TARGETS, "median_step_s": t, "ratios": r,
+              "best_round_step_s": best, "best_round_ratios": ratios(best),
+              "met": met, "step_s": {k: v["rounds"] for k, v in runs.items()},
+              "cpu_busy_before": {k: v["busy_before"] for k, v in runs.items()},
+              "losses": loss}
+    prof_lines = []
+    if not (met["pp_vs_torch"] and met["pp_vs_ideal"]):
+        result["profile_pp"] = prof = profile(a.steps * 2, 2)
+        prof_lines = profile_lines(prof["mean"]["as_is"],
+                                   prof["mean"]["recvs_posted_at_step_start"], t)
+    load.append(os.getloadavg()[0])
+    result["load_average_before_after"] = load
+    write("runtime", result, table(a, t, best, loss, load, prof_lines))
+
+
+if __name__ == "__main__":
+    main()
