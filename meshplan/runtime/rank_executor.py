@@ -58,6 +58,7 @@ class RankExecutor:
         self.pp = job.strategy.pp
         self._build(plan)
         self.transfers = Transfers(job, plan, self.ctx, self.device)
+        self.next_recv = _next_recv(plan.actions)
         self.transfers.drop_after_send = self.drop_after_send
 
     # ------------------------------------------------------------ load time
@@ -146,6 +147,9 @@ class RankExecutor:
             self.current = str(action)
             if self.on_action is not None:
                 self.on_action(index)
+            ahead = self.next_recv[index]
+            if ahead is not None:  # post the next receive while this action runs
+                self.transfers.post_recv(self.plan.actions[ahead])
             t = action.type
             if t is ActionType.STEP:
                 self._run(STEP_KEY, {}, state)
@@ -198,3 +202,14 @@ class RankExecutor:
         old = state.get(name)
         state[name] = new
         self.mem.drop(old)
+
+
+def _next_recv(actions) -> list[int | None]:
+    """For each action index, the index of the first RECV action after it."""
+    out: list[int | None] = [None] * len(actions)
+    nxt = None
+    for i in range(len(actions) - 1, -1, -1):
+        out[i] = nxt
+        if actions[i].type in (ActionType.RECV_F, ActionType.RECV_B):
+            nxt = i
+    return out

@@ -3,9 +3,10 @@ action, resolved to slices at load time.
 
 Invariants: a piece is the intersection of the sender's and receiver's boxes
 (`ir.pieces`), addressed here relative to each side's local tensor; sends
-are posted asynchronously and waited at the end of the step; a receive
-assembles the value's local tensor from its pieces before the action that
-reads it.
+are posted asynchronously and waited at the end of the step; the next
+receive action's pieces are posted one action ahead (as torch's pipelining
+does), and a receive assembles the value's local tensor before the action
+that reads it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Transfers:
         self.recvs = defaultdict(list)   # (stage, type) -> [(vid, slices, shape, peer, op)]
         self.shapes = {}                 # received vid -> (local shape, dtype)
         self.pending: list = []
+        self.posted: dict = {}           # (stage, type, mb) -> (works, places, bufs)
         self.drop_after_send: set[int] = set()
         for t in plan.tasks:
             op = job.graph.ops[t.op]
@@ -63,19 +65,29 @@ class Transfers:
             if vid in self.drop_after_send and vid in env:
                 mem.drop(env.pop(vid))
 
-    def recv(self, action, env: dict, mem) -> None:
+    def post_recv(self, action) -> None:
+        """Post the receives of `action` now (before it runs), unless posted."""
         from meshplan.runtime.comm import p2p, tag_of
 
-        entries = self.recvs.get((action.stage, action.type), ())
+        key = (action.stage, action.type, action.microbatch)
+        if key in self.posted:
+            return
         bufs, ops, places = {}, [], []
-        for vid, sl, piece, peer, op_id in entries:
+        for vid, sl, piece, peer, op_id in self.recvs.get((action.stage, action.type), ()):
             if vid not in bufs:
                 shape, dtype = self.shapes[vid]
                 bufs[vid] = torch.empty(shape, dtype=dtype, device=self.device)
             tmp = torch.empty(piece, dtype=bufs[vid].dtype, device=self.device)
             ops.append(("recv", tmp, peer, tag_of(op_id, action.microbatch)))
             places.append((vid, sl, tmp))
-        for work in p2p(ops):
+        self.posted[key] = (p2p(ops), places, bufs)
+
+    def recv(self, action, env: dict, mem) -> None:
+        """Wait for `action`'s pieces (posting them first if not yet) and
+        assemble each received value's local tensor."""
+        self.post_recv(action)
+        works, places, bufs = self.posted.pop((action.stage, action.type, action.microbatch))
+        for work in works:
             work.wait()
         for vid, sl, tmp in places:
             bufs[vid][sl] = tmp
