@@ -2,24 +2,29 @@
 the ideal pipeline, and meshplan single-rank vs eager.
 
 GPT (8 layers, hidden 128, 4 heads, seq 64, vocab 1024), global batch 16,
-SGD (lr 0.05, momentum 0.9, wd 1e-4), one thread per process, on this
-machine's CPUs. Configurations run one after another (not interleaved), each
-for 2 warm-up steps then the timed steps; a pipeline step's time is the max
-over ranks. Ratios (target):
+SGD (lr 0.05, momentum 0.9, wd 1e-4), one thread per process, CPU, gloo.
+Every configuration runs once per round (2 warm-up steps, then timed ones),
+rounds one after another, each run started once the CPUs are quiet: the
+machine is shared, and measured: another process's burst doubles a 2-rank
+step. A pipeline step's time is the max over ranks (meshplan's `run` times
+each rank's step without a barrier; the torch pipeline between barriers).
+Ratios of the median step (target):
 - meshplan pp=2 vpp=2 / torch ScheduleInterleaved1F1B, same split (<= 0.8)
 - meshplan pp=2 vpp=2 / ideal = eager / pp * (1 + (pp-1)/(vpp*m)) (<= 1.15)
 - meshplan single rank / eager, one micro-batch of 16 (<= 1.05)
 Both pipelines' losses are checked against each other and against eager
 training with the same 8 micro-batches (`reference.eager_train`).
-If a target is missed, a meshplan pp=2 run with timers around each rank
-executor's phases (compute, recv, send, optimizer) says where the time goes.
+If a pp target is missed, meshplan pp runs with timers around each rank
+executor's phases, as it is and with its receives posted ahead (a what-if
+patched onto the executor instance here), say where the time goes.
 
-Run: python benchmarks/runtime.py [--steps K]
+Run: python benchmarks/runtime.py [--steps K] [--rounds R]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -49,6 +54,7 @@ SHAPE = dict(layers=8, hidden=128, heads=4, seq_len=64, vocab=1024)
 BATCH, MICRO, PP, VPP, WARMUP = 16, 2, 2, 2, 2
 M = BATCH // MICRO
 STAGES = PP * VPP
+TIMEOUT = datetime.timedelta(seconds=60)  # a hung rank fails instead of blocking the run
 TARGETS = {"pp_vs_torch": 0.8, "pp_vs_ideal": 1.15, "single_vs_eager": 1.05}
 
 
@@ -72,8 +78,8 @@ def meshplan_pp(steps: int) -> dict:
     return run("gpt", "tiny", Mesh(1, PP), s, steps=steps, threads=1, **SHAPE)
 
 
-def meshplan_single(steps: int) -> dict:
-    s = zoo_strategy("gpt", cfg(), global_batch_size=BATCH, micro_batch_size=BATCH)
+def meshplan_single(steps: int, micro: int = BATCH) -> dict:
+    s = zoo_strategy("gpt", cfg(), global_batch_size=BATCH, micro_batch_size=micro)
     return run("gpt", "tiny", Mesh(1, 1), s, steps=steps, threads=1, **SHAPE)
 
 
@@ -129,7 +135,7 @@ def _torch_rank(rank: int, port: int, steps: int, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=PP)
+                            rank=rank, world_size=PP, timeout=TIMEOUT)
     torch.manual_seed(0)
     model = build_model(cfg())
     stages = []
@@ -229,7 +235,7 @@ def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=PP)
+                            rank=rank, world_size=PP, timeout=TIMEOUT)
     job = Job.from_bytes(Path(job_path).read_bytes())
     ex = RankExecutor(job, lower(job, rank), Comm(rank, job_groups(job.strategy), "gloo"))
     torch.manual_seed(0)
@@ -245,7 +251,12 @@ def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
             total = 0.0
         mbs = split_microbatches(batch, M)
         t0 = time.perf_counter()  # no barrier: as meshplan's worker times its steps
-        ex.step(state, mbs)
+        try:
+            ex.step(state, mbs)
+        except RuntimeError as e:  # a timed-out wait: say where, keep the benchmark going
+            fail = {"step": i, "action": ex.current, "error": str(e).splitlines()[0][:300]}
+            Path(out, f"{rank}.json").write_text(json.dumps({"failed": fail}))
+            return
         total += time.perf_counter() - t0
     n = steps - WARMUP
     phases = {k: v / n for k, v in acc.items()}
@@ -272,6 +283,8 @@ def profile_pp(steps: int, prepost: bool = False) -> dict:
 CONFIGS = {"eager": ("eager, 1 process, 1x16", lambda n: eager(n, 1)),
            "eager_8x2": ("eager, 1 process, 8x2 (loss reference)", lambda n: eager(n, M)),
            "meshplan_single": ("meshplan, 1 rank, 1x16", meshplan_single),
+           "meshplan_single_8x2": ("meshplan, 1 rank, 8x2",
+                                   lambda n: meshplan_single(n, MICRO)),
            "meshplan_pp": ("meshplan, pp=2 vpp=2, 8x2", meshplan_pp),
            "torch_pp": ("torch ScheduleInterleaved1F1B, 2 ranks, 8x2", torch_pp)}
 NAMES = {"pp_vs_torch": "meshplan pp / torch pipelining",
@@ -348,14 +361,32 @@ def losses_check(runs: dict) -> dict:
     pairs = {"meshplan_pp_vs_torch_pp": ("meshplan_pp", "torch_pp"),
              "meshplan_pp_vs_eager_8x2": ("meshplan_pp", "eager_8x2"),
              "torch_pp_vs_eager_8x2": ("torch_pp", "eager_8x2"),
-             "meshplan_single_vs_eager": ("meshplan_single", "eager")}
+             "meshplan_single_vs_eager": ("meshplan_single", "eager"),
+             "meshplan_single_8x2_vs_eager_8x2": ("meshplan_single_8x2", "eager_8x2")}
     return {"per_step": loss, "tolerance": 1e-4,
             "max_abs_diff": {k: max_diff(loss[a], loss[b]) for k, (a, b) in pairs.items()}}
 
 
+def _eager_rank(rank: int, steps: int, out: str) -> None:
+    Path(out, f"{rank}.json").write_text(json.dumps(timed_median([eager(steps, 1)["step_s"]])))
+
+
+def concurrency(steps: int) -> dict:
+    """Eager 1x16 alone, then in PP processes at once: what running PP
+    single-threaded processes side by side costs each on this machine."""
+    wait_quiet()
+    alone = timed_median([eager(steps, 1)["step_s"]])
+    wait_quiet()
+    with tempfile.TemporaryDirectory(prefix="runtime-conc-") as out:
+        tmp.spawn(_eager_rank, args=(steps, out), nprocs=PP, join=True)
+        together = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(PP)]
+    return {"alone_s": alone, "together_s": together, "slowdown": max(together) / alone}
+
+
 def profile(steps: int, rounds: int) -> dict:
     """The instrumented pp run as it is and with receives posted ahead,
-    alternating; per rank and phase, the mean over rounds of the mean step."""
+    alternating; per rank and phase, the mean over rounds of the mean step;
+    and the machine's cost of running PP processes at once."""
     out: dict = {"as_is": [], "recvs_posted_at_step_start": []}
     for _ in range(rounds):
         for name, prepost in (("as_is", False), ("recvs_posted_at_step_start", True)):
@@ -367,7 +398,7 @@ def profile(steps: int, rounds: int) -> dict:
                           "phases_s": {k: sum(x[r]["phases_s"][k] for x in runs) / rounds
                                        for k in runs[0][r]["phases_s"]}}
                       for r in runs[0]}
-    return {"per_round": out, "mean": mean}
+    return {"per_round": out, "mean": mean, "concurrency": concurrency(steps)}
 
 
 def _phase_line(name: str, prof: dict) -> str:
@@ -382,9 +413,10 @@ def _worst(prof: dict, *keys: str) -> float:
     return max(sum(p["phases_s"].get(k, 0.0) for k in keys) for p in prof.values())
 
 
-def profile_lines(prof: dict, what_if: dict, t: dict) -> list[str]:
+def profile_lines(prof: dict, what_if: dict, conc: dict, t: dict) -> list[str]:
     """Where a meshplan pp step's time goes, from the instrumented runs."""
     comp = _worst(prof, "forward", "backward", "optimizer")
+    floor = t["eager_8x2"] / PP * conc["slowdown"] * (1 + (PP - 1) / (VPP * M))
     wait, step = _worst(prof, "recv (wait)"), max(p["step_s"] for p in prof.values())
     bubble = (PP - 1) / (VPP * M)
     return [
@@ -392,13 +424,21 @@ def profile_lines(prof: dict, what_if: dict, t: dict) -> list[str]:
         f"- Compute (forward+backward+optimizer) is {comp * 1e3:.0f} ms on the busier rank "
         f"vs eager/pp = {t['eager'] / PP * 1e3:.0f} ms: micro-batches of 2 cost more than "
         f"one of 16 (eager 8x2: {t['eager_8x2'] * 1e3:.0f} ms vs 1x16: "
-        f"{t['eager'] * 1e3:.0f} ms per step, x{t['eager_8x2'] / t['eager']:.2f}).",
+        f"{t['eager'] * 1e3:.0f} ms per step, x{t['eager_8x2'] / t['eager']:.2f}; "
+        f"meshplan 1 rank 8x2: {t['meshplan_single_8x2'] * 1e3:.0f} ms, "
+        f"x{t['meshplan_single_8x2'] / t['eager_8x2']:.2f} eager 8x2).",
         f"- Waiting in recv: up to {wait * 1e3:.0f} ms ({wait / step:.0%} of the step) vs "
         f"a bubble of {bubble:.3f} x compute = {bubble * comp * 1e3:.0f} ms. meshplan posts "
         "each receive just before the action that needs it and waits at once; "
         "torch.distributed.pipelining posts its RECVs ahead.",
         _phase_line("What-if, every receive of a step posted at its start (this "
                     "benchmark patches one executor instance; meshplan unchanged)", what_if),
+        f"- {PP} single-thread processes at once run slower each here: eager 1x16 "
+        f"{conc['alone_s'] * 1e3:.0f} ms alone vs {max(conc['together_s']) * 1e3:.0f} ms "
+        f"side by side (x{conc['slowdown']:.2f}); with x{t['eager_8x2'] / t['eager']:.2f} for "
+        f"micro-batches of 2, this machine's floor for the pp step is about eager 8x2 / pp x "
+        f"{conc['slowdown']:.2f} x (1 + bubble) = {floor * 1e3:.0f} ms "
+        f"({floor / ratios(t)['ideal_step_s']:.2f} x the ideal).",
     ]
 
 
@@ -434,7 +474,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="steps per configuration per "
                     f"round, the first {WARMUP} untimed")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     load = [os.getloadavg()[0]]
     runs = measure(a.steps, a.rounds)
@@ -455,9 +495,10 @@ def main() -> None:
               "losses": loss}
     prof_lines = []
     if not (met["pp_vs_torch"] and met["pp_vs_ideal"]):
-        result["profile_pp"] = prof = profile(a.steps * 2, 2)
+        result["profile_pp"] = prof = profile(a.steps * 2, 3)
         prof_lines = profile_lines(prof["mean"]["as_is"],
-                                   prof["mean"]["recvs_posted_at_step_start"], t)
+                                   prof["mean"]["recvs_posted_at_step_start"],
+                                   prof["concurrency"], t)
     load.append(os.getloadavg()[0])
     result["load_average_before_after"] = load
     write("runtime", result, table(a, t, best, loss, load, prof_lines))

@@ -28,12 +28,17 @@ def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     """Add one micro-batch's gradient into the step's accumulator.
 
     The first micro-batch adopts `g` (no zero-fill, no copy), as autograd
-    does for `.grad`. Later ones add out of place: an adopted `g` may be an
-    expanded view, or the very tensor another parameter adopted, so it must
-    never be written to."""
+    does for `.grad`. An adopted `g` may be an expanded view, or the very
+    tensor another parameter adopted, so it is never written to: the second
+    micro-batch adds out of place into a fresh tensor the accumulator owns
+    (marked), and later ones add into that in place."""
     if acc is None:
         return g
-    return acc + g
+    if getattr(acc, "_meshplan_owned", False):
+        return acc.add_(g)
+    out = acc + g
+    out._meshplan_owned = True
+    return out
 
 
 def sgd_multi(params, grads, bufs, lr, momentum, weight_decay, dampening, nesterov):
