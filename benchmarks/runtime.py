@@ -15,8 +15,9 @@ Ratios of the median step (target):
 Both pipelines' losses are checked against each other and against eager
 training with the same 8 micro-batches (`reference.eager_train`).
 If a pp target is missed, meshplan pp runs with timers around each rank
-executor's phases, as it is and with its receives posted ahead (a what-if
-patched onto the executor instance here), say where the time goes.
+executor's phases, as it is and with every receive of a step posted at its
+start (a what-if patched onto the executor instance here), say where the
+time goes.
 
 Run: python benchmarks/runtime.py [--steps K] [--rounds R]
 """
@@ -194,36 +195,22 @@ def _instrument(ex, acc: dict) -> None:
 
 
 def _prepost_recvs(ex) -> None:
-    """Diagnostic what-if: post every receive of a step when the step starts
-    (as torch.distributed.pipelining posts RECVs ahead of need) and only wait
-    in the RECV action. Patches this one executor instance in this process."""
-    from meshplan.runtime.comm import tag_of
+    """Diagnostic what-if: post every receive of a step when the step starts,
+    through the executor's own `post_recv` (which the executor's `recv` then
+    finds posted), instead of one action ahead. Patches this one executor
+    instance in this process."""
     from meshplan.schedules.action import ActionType
 
     tr, step = ex.transfers, ex.step
     kinds = (ActionType.RECV_F, ActionType.RECV_B)
     actions = [a for a in ex.plan.actions if a.type in kinds]
-    posted: dict = {}
 
     def post_then_step(state, mbs):
         for a in actions:
-            posted[str(a)] = []
-            for vid, _, piece, peer, op_id in tr.recvs.get((a.stage, a.type), ()):
-                shape, dtype = tr.shapes[vid]
-                if tuple(piece) != tuple(shape):
-                    raise NotImplementedError("the what-if handles whole-value receives only")
-                buf = torch.empty(shape, dtype=dtype)
-                work = dist.irecv(buf, peer, tag=tag_of(op_id, a.microbatch))
-                posted[str(a)].append((vid, buf, work))
+            tr.post_recv(a)
         return step(state, mbs)
 
-    def wait_recv(action, env, mem):
-        for vid, buf, work in posted.pop(str(action)):
-            work.wait()
-            env[vid] = buf
-            mem.add(buf)
-
-    ex.step, tr.recv = post_then_step, wait_recv
+    ex.step = post_then_step
 
 
 def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
@@ -383,22 +370,30 @@ def concurrency(steps: int) -> dict:
     return {"alone_s": alone, "together_s": together, "slowdown": max(together) / alone}
 
 
+def _mean_phases(runs: list[dict]) -> dict:
+    """Per rank, the mean over runs of each phase's seconds per step."""
+    n = len(runs)
+    return {r: {"step_s": sum(x[r]["step_s"] for x in runs) / n,
+                "phases_s": {k: sum(x[r]["phases_s"][k] for x in runs) / n
+                             for k in runs[0][r]["phases_s"]}}
+            for r in runs[0]}
+
+
 def profile(steps: int, rounds: int) -> dict:
-    """The instrumented pp run as it is and with receives posted ahead,
-    alternating; per rank and phase, the mean over rounds of the mean step;
-    and the machine's cost of running PP processes at once."""
+    """The instrumented pp run as it is and with every receive posted at the
+    step's start, alternating; per rank and phase, the mean over the rounds
+    that finished; and the machine's cost of running PP processes at once."""
     out: dict = {"as_is": [], "recvs_posted_at_step_start": []}
     for _ in range(rounds):
         for name, prepost in (("as_is", False), ("recvs_posted_at_step_start", True)):
             wait_quiet()
             out[name].append(profile_pp(steps, prepost))
-    mean = {}
-    for name, runs in out.items():
-        mean[name] = {r: {"step_s": sum(x[r]["step_s"] for x in runs) / rounds,
-                          "phases_s": {k: sum(x[r]["phases_s"][k] for x in runs) / rounds
-                                       for k in runs[0][r]["phases_s"]}}
-                      for r in runs[0]}
-    return {"per_round": out, "mean": mean, "concurrency": concurrency(steps)}
+    failed = {name: [run for run in runs if any("failed" in v for v in run.values())]
+              for name, runs in out.items()}
+    mean = {name: _mean_phases([run for run in runs if run not in failed[name]])
+            for name, runs in out.items() if len(failed[name]) < len(runs)}
+    return {"per_round": out, "failed": failed, "mean": mean,
+            "concurrency": concurrency(steps)}
 
 
 def _phase_line(name: str, prof: dict) -> str:
@@ -428,10 +423,9 @@ def profile_lines(prof: dict, what_if: dict, conc: dict, t: dict) -> list[str]:
         f"meshplan 1 rank 8x2: {t['meshplan_single_8x2'] * 1e3:.0f} ms, "
         f"x{t['meshplan_single_8x2'] / t['eager_8x2']:.2f} eager 8x2).",
         f"- Waiting in recv: up to {wait * 1e3:.0f} ms ({wait / step:.0%} of the step) vs "
-        f"a bubble of {bubble:.3f} x compute = {bubble * comp * 1e3:.0f} ms. meshplan posts "
-        "each receive just before the action that needs it and waits at once; "
-        "torch.distributed.pipelining posts its RECVs ahead.",
-        _phase_line("What-if, every receive of a step posted at its start (this "
+        f"a bubble of {bubble:.3f} x compute = {bubble * comp * 1e3:.0f} ms (the executor "
+        "posts each receive one action ahead).",
+        _phase_line("What-if, every receive of a step posted at its start instead (this "
                     "benchmark patches one executor instance; meshplan unchanged)", what_if),
         f"- {PP} single-thread processes at once run slower each here: eager 1x16 "
         f"{conc['alone_s'] * 1e3:.0f} ms alone vs {max(conc['together_s']) * 1e3:.0f} ms "
@@ -496,9 +490,12 @@ def main() -> None:
     prof_lines = []
     if not (met["pp_vs_torch"] and met["pp_vs_ideal"]):
         result["profile_pp"] = prof = profile(a.steps * 2, 3)
-        prof_lines = profile_lines(prof["mean"]["as_is"],
-                                   prof["mean"]["recvs_posted_at_step_start"],
-                                   prof["concurrency"], t)
+        if len(prof["mean"]) == 2:
+            prof_lines = profile_lines(prof["mean"]["as_is"],
+                                       prof["mean"]["recvs_posted_at_step_start"],
+                                       prof["concurrency"], t)
+        prof_lines += [f"- {name}: {len(runs)} profile run(s) timed out in a receive: "
+                       f"{runs[0]}" for name, runs in prof["failed"].items() if runs]
     load.append(os.getloadavg()[0])
     result["load_average_before_after"] = load
     write("runtime", result, table(a, t, best, loss, load, prof_lines))
