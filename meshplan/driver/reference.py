@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import time
 
-import torch
 from torch import nn
 
 from meshplan.autodiff import OptimizerConfig
-
-
-def split_microbatches(batch: tuple[torch.Tensor, ...], m: int) -> list[tuple[torch.Tensor, ...]]:
-    """Split every tensor of `batch` into `m` equal micro-batches along dim 0."""
-    parts = [t.chunk(m, dim=0) for t in batch]
-    return [tuple(p[i] for p in parts) for i in range(m)]
+from meshplan.runtime.data import split_microbatches
 
 
 def eager_train(

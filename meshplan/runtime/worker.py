@@ -101,11 +101,11 @@ _CURRENT: dict = {}
 
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int:
-    from meshplan.driver.reference import split_microbatches
     from meshplan.models import build_model, example_batch, model_config
     from meshplan.plan.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
+    from meshplan.runtime.data import split_microbatches
     from meshplan.runtime.rank_executor import RankExecutor
 
     if world != job.mesh.world:
