@@ -21,6 +21,7 @@ from meshplan.cli.flags import (
     strategy_fields,
 )
 from meshplan.cli.run_cmd import cmd_run
+from meshplan.cli.show_cmd import cmd_show
 from meshplan.errors import MeshplanError
 
 EPILOG_INSPECT = """examples:
@@ -40,6 +41,9 @@ EPILOG_RUN = """examples:
   meshplan run --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4 --steps 10
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST --master-port 29500 \\
       -m meshplan run --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --json"""
+EPILOG_SHOW = """examples:
+  meshplan show plans/
+  meshplan show plans/ --rank 5 --trace step.json"""
 EPILOG_CHECK = """examples:
   meshplan check plans/
   meshplan check plans/ --json"""
@@ -110,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the checkpoint in --save-dir (any parallel layout)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=cmd_run)
+
+    p = sub.add_parser("show", help="show a plan directory: ranks, pipeline grid, trace",
+                       epilog=EPILOG_SHOW, formatter_class=fmt)
+    p.add_argument("dir", help="a directory written by `meshplan compile`")
+    p.add_argument("--rank", type=int, default=None, help="only this rank")
+    p.add_argument("--trace", default="", help="write a Chrome trace of the simulated step")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=cmd_show)
 
     p = sub.add_parser("check", help="prove a plan directory consistent and simulate it",
                        epilog=EPILOG_CHECK, formatter_class=fmt)

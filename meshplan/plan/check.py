@@ -220,21 +220,31 @@ def _stages_agree(job: Job, plans) -> list[str]:
     return []
 
 
-def _simulate(job: Job, plans, res: CheckResult) -> None:
+def simulate_plans(job: Job, plans):
+    """The step simulated on one plan per stage (all ranks of a stage run the
+    same actions), with per-action costs from the op cost model; None when
+    `plans` lacks a stage."""
     pp = job.strategy.pp
     reps = {}
     for _, p in sorted(plans.items()):
         reps.setdefault(p.stage, p)
     if len(reps) < pp:
-        return  # a partial set of plans: proofs above only
+        return None
     cost = action_costs(job, reps)
     actions = {s: list(p.actions) for s, p in reps.items()}
     edges = sorted({(t.chunk * pp + p.stage, _dst_stage(job, t, pp),
                      "F" if t.phase is Phase.FORWARD else "B")
                     for p in reps.values() for t in p.tasks if t.kind is TaskKind.SEND})
-    sim = simulate(actions, pp, cost_f=lambda v: cost[(v, "F")], cost_b=lambda v: cost[(v, "B")],
-                   cost_comm=lambda kind, src, dst: cost.get(("comm", src, dst), 0.0),
-                   cost_step=max(cost.get(("step", s), 0.0) for s in reps), edges=edges)
+    return simulate(actions, pp, cost_f=lambda v: cost[(v, "F")],
+                    cost_b=lambda v: cost[(v, "B")],
+                    cost_comm=lambda kind, src, dst: cost.get(("comm", src, dst), 0.0),
+                    cost_step=max(cost.get(("step", s), 0.0) for s in reps), edges=edges)
+
+
+def _simulate(job: Job, plans, res: CheckResult) -> None:
+    sim = simulate_plans(job, plans)
+    if sim is None:
+        return  # a partial set of plans: proofs above only
     if not sim.ok:
         res.errors.append(f"the simulated step deadlocks: {sim.deadlock}")
         return

@@ -1,0 +1,61 @@
+"""The `show` verb: what a plan directory holds, rank by rank, and the
+pipeline grid; optionally a Chrome/Perfetto trace of the simulated step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from meshplan.errors import ConfigError
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def summary(plan) -> dict:
+    """Tasks by kind, buffers, planned peak by category and peers of one rank."""
+    peers = {t.peer for t in plan.tasks if t.peer >= 0}
+    peers |= {r for t in plan.tasks for r in t.group}
+    peers.discard(plan.rank)
+    return {"rank": plan.rank, "stage": plan.stage, "coord": list(plan.coord),
+            "tasks": dict(Counter(t.kind.value for t in plan.tasks)),
+            "buffers": len(plan.buffers), "planned_peak": dict(plan.memory.peak),
+            "peers": sorted(peers), "actions": len(plan.actions)}
+
+
+def cmd_show(a: argparse.Namespace) -> int:
+    from meshplan.ir.fileio import write_atomic
+    from meshplan.plan.check import simulate_plans
+    from meshplan.plan.files import read_dir
+    from meshplan.schedules.grid import format_grid
+    from meshplan.schedules.simulate import chrome_trace
+
+    job, plans = read_dir(Path(a.dir))
+    if a.rank is not None and a.rank not in plans:
+        raise ConfigError(f"--rank {a.rank} is not in {a.dir} (ranks 0..{len(plans) - 1})")
+    shown = [plans[a.rank]] if a.rank is not None else [plans[r] for r in sorted(plans)]
+    rows = [summary(p) for p in shown]
+    if a.trace:
+        sim = simulate_plans(job, plans)
+        write_atomic(Path(a.trace), json.dumps(chrome_trace(sim, unit_us=1e6)).encode())
+    if a.json:
+        print(json.dumps({"ranks": rows, "trace": a.trace or None}))
+        return 0
+    for r in rows:
+        peak = r["planned_peak"]
+        cats = ", ".join(f"{k} {_mib(v)}" for k, v in peak.items() if k != "total")
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["tasks"].items()))
+        print(f"rank {r['rank']} (stage {r['stage']}, grid {tuple(r['coord'])}): {kinds}; "
+              f"{r['buffers']} buffers; peak {_mib(peak['total'])} MiB ({cats}); "
+              f"peers {r['peers'][:8]}{' ...' if len(r['peers']) > 8 else ''}")
+    stages = {}
+    for p in shown:
+        stages.setdefault(p.stage, p.actions)
+    print("\npipeline grid (one column per stage; actions <stage><F|B><micro-batch>):")
+    print(format_grid(stages, max_rows=64))
+    if a.trace:
+        print(f"\nwrote {a.trace} (simulated step; open it in Perfetto or chrome://tracing)")
+    return 0
