@@ -39,7 +39,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
     stats = compile_model(a.model, a.size, mesh_of(a), strategy, a.out, a.optimizer,
-                          ranks=parse_ranks(a.ranks), workers=a.workers,
+                          lr=a.lr, ranks=parse_ranks(a.ranks), workers=a.workers,
                           use_cache=not a.no_cache, progress=None if a.json else _progress,
                           **overrides(a))
     if a.json:

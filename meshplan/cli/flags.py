@@ -49,13 +49,32 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.set_defaults(default_gbs=default_gbs)
 
 
-def add_training_flags(p: argparse.ArgumentParser, steps: int) -> None:
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+def add_optimizer_flags(g) -> None:
+    """The optimizer the train step is built with (it is part of the Job)."""
     g.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     g.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: sgd 0.05, adamw 1e-3)")
+
+
+def add_training_flags(p: argparse.ArgumentParser, steps: int) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
+    add_optimizer_flags(g)
     g.add_argument("--seed", type=int, default=0, help="model and data seed")
+
+
+def add_verb(sub, name: str, help: str, epilog: str, run, planning: bool = True,
+             json_help: str = "print one JSON object") -> argparse.ArgumentParser:
+    """A sub-command with examples, `--json`, and (if `planning`) the model
+    and strategy flags every planning verb shares."""
+    p = sub.add_parser(name, help=help, epilog=epilog,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    if planning:
+        add_model_flags(p)
+        add_strategy_flags(p)
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.set_defaults(run=run)
+    return p
 
 
 def mesh_of(a: argparse.Namespace) -> Mesh:

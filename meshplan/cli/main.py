@@ -14,8 +14,9 @@ import sys
 from meshplan.cli.compile_cmds import cmd_check, cmd_compile
 from meshplan.cli.flags import (
     add_model_flags,
-    add_strategy_flags,
+    add_optimizer_flags,
     add_training_flags,
+    add_verb,
     mesh_of,
     overrides,
     strategy_fields,
@@ -61,49 +62,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     parser.add_argument("-q", "--quiet", action="store_true", help="errors only")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-    fmt = argparse.RawDescriptionHelpFormatter
 
-    p = sub.add_parser("inspect", help="capture a model on the meta device and count it",
-                       epilog=EPILOG_INSPECT, formatter_class=fmt)
+    p = add_verb(sub, "inspect", "capture a model on the meta device and count it",
+                 EPILOG_INSPECT, _cmd_inspect, planning=False)
     add_model_flags(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=_cmd_inspect)
 
-    p = sub.add_parser("verify", help="train with eager PyTorch and meshplan; compare losses",
-                       epilog=EPILOG_VERIFY, formatter_class=fmt)
-    add_model_flags(p)
-    add_strategy_flags(p)
+    p = add_verb(sub, "verify", "train with eager PyTorch and meshplan; compare losses",
+                 EPILOG_VERIFY, _cmd_verify)
     add_training_flags(p, steps=20)
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest allowed |loss - eager loss| (exit 1 above it)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=_cmd_verify)
 
-    p = sub.add_parser("plan", help="plan a model on a mesh and print the Job summary",
-                       epilog=EPILOG_PLAN, formatter_class=fmt)
-    add_model_flags(p)
-    add_strategy_flags(p)
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=_cmd_plan)
+    p = add_verb(sub, "plan", "plan a model on a mesh and print the Job summary",
+                 EPILOG_PLAN, _cmd_plan)
+    add_optimizer_flags(p)
 
-    p = sub.add_parser("compile", help="compile one plan per rank, each rank in a worker",
-                       epilog=EPILOG_COMPILE, formatter_class=fmt)
-    add_model_flags(p)
-    add_strategy_flags(p)
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p = add_verb(sub, "compile", "compile one plan per rank, each rank in a worker",
+                 EPILOG_COMPILE, cmd_compile, json_help="print the statistics as JSON")
+    add_optimizer_flags(p)
     p.add_argument("--out", required=True, help="plan directory to write")
     p.add_argument("--ranks", default=None, help="lower only these ranks, e.g. 0,17 or 0-7")
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes (default: the number of cores)")
     p.add_argument("--no-cache", action="store_true", help="lower every rank afresh")
-    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    p.set_defaults(run=cmd_compile)
 
-    p = sub.add_parser("run", help="train on one local process per rank (or under torchrun)",
-                       epilog=EPILOG_RUN, formatter_class=fmt)
-    add_model_flags(p)
-    add_strategy_flags(p)
+    p = add_verb(sub, "run", "train on one local process per rank (or under torchrun)",
+                 EPILOG_RUN, cmd_run)
     add_training_flags(p, steps=10)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--timeout", type=float, default=60.0,
@@ -112,22 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", default="", help="write a checkpoint there at the end")
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint in --save-dir (any parallel layout)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=cmd_run)
 
-    p = sub.add_parser("show", help="show a plan directory: ranks, pipeline grid, trace",
-                       epilog=EPILOG_SHOW, formatter_class=fmt)
+    p = add_verb(sub, "show", "show a plan directory: ranks, pipeline grid, trace",
+                 EPILOG_SHOW, cmd_show, planning=False)
     p.add_argument("dir", help="a directory written by `meshplan compile`")
     p.add_argument("--rank", type=int, default=None, help="only this rank")
     p.add_argument("--trace", default="", help="write a Chrome trace of the simulated step")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=cmd_show)
 
-    p = sub.add_parser("check", help="prove a plan directory consistent and simulate it",
-                       epilog=EPILOG_CHECK, formatter_class=fmt)
+    p = add_verb(sub, "check", "prove a plan directory consistent and simulate it",
+                 EPILOG_CHECK, cmd_check, planning=False)
     p.add_argument("dir", help="a directory written by `meshplan compile`")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=cmd_check)
     return parser
 
 
@@ -187,7 +165,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
-    planned = plan_model(a.model, a.size, mesh_of(a), strategy, a.optimizer, **overrides(a))
+    planned = plan_model(a.model, a.size, mesh_of(a), strategy, a.optimizer, a.lr,
+                         **overrides(a))
     r = report(planned.job)
     if a.json:
         print(json.dumps(r | {"capture_s": planned.capture_s, "passes_s": planned.timings}))

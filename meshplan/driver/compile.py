@@ -137,12 +137,12 @@ def _sum_stats(items) -> dict:
 
 
 def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "sgd",
-                  ranks=None, workers=None, use_cache: bool = True, progress=None,
-                  **overrides) -> dict:
+                  lr: float | None = None, ranks=None, workers=None, use_cache: bool = True,
+                  progress=None, **overrides) -> dict:
     """The whole compile of a zoo model: master once, then ranks in workers."""
     from meshplan.driver.plan import plan_model
 
-    planned = plan_model(model, size, mesh, strategy, optimizer, **overrides)
+    planned = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides)
     master_s = sum(planned.timings.values())
     stats = compile_job(planned.job, out, ranks, workers, use_cache, progress)
     return {"capture_s": planned.capture_s, "master_s": master_s,
