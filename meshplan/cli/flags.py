@@ -46,7 +46,23 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help=r"regex over module paths naming a layer (default: blocks\.(\d+))")
     g.add_argument("--layer-stages", default=None,
                    help="stage of each layer, comma-separated, e.g. 0,0,1,1")
-    g.set_defaults(default_gbs=default_gbs)
+    g = p.add_argument_group("training step")
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="compute precision: bf16/fp16 run matmul, linear, attention and conv "
+                   "in low precision with fp32 master weights (fp16 adds loss scaling)")
+    g.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
+                   help="activation checkpointing: full keeps only each region's input, "
+                   "selective also keeps matmul/attention outputs")
+    g.add_argument("--recompute-pattern", default=None,
+                   help="regex over module paths naming the checkpointed regions "
+                   "(default: the layer pattern)")
+    g = p.add_argument_group("configuration names")
+    g.add_argument("--config", default=None, metavar="NAME",
+                   help="a configuration name, e.g. "
+                   "bert_nl4_nah4_hs64_FP32_actrue_mp2_pp1_mb4_gb8_1n4g")
+    g.add_argument("--print-config", action="store_true",
+                   help="print the configuration name of the flags and exit")
+    p.set_defaults(default_gbs=default_gbs, flag_parser=p)
 
 
 def add_optimizer_flags(g) -> None:
@@ -98,7 +114,10 @@ def strategy_fields(a: argparse.Namespace) -> dict:
         mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if a.vpp > 1 else 1)))
     fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": a.vpp, "global_batch_size": gbs,
               "micro_batch_size": mbs,
-              "schedule": a.schedule or ("interleaved" if a.vpp > 1 else "1f1b")}
+              "schedule": a.schedule or ("interleaved" if a.vpp > 1 else "1f1b"),
+              "precision": a.precision, "recompute": a.recompute}
+    if a.recompute_pattern:
+        fields["recompute_pattern"] = a.recompute_pattern
     if a.layer_pattern:
         fields["layer_pattern"] = a.layer_pattern
     if a.layer_stages:
@@ -108,3 +127,31 @@ def strategy_fields(a: argparse.Namespace) -> dict:
             raise ConfigError(f"--layer-stages '{a.layer_stages}' is not a comma-separated "
                               "list of stage numbers, e.g. 0,0,1,1") from None
     return fields
+
+
+def apply_config(a: argparse.Namespace) -> None:
+    """Fill the flags from `--config NAME`; a flag given too must agree with it."""
+    if not getattr(a, "config", None):
+        return
+    from meshplan.cli.config_name import parse_config_name
+
+    parser = a.flag_parser
+    for dest, value in parse_config_name(a.config).items():
+        given = getattr(a, dest)
+        if given != parser.get_default(dest) and given != value:
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(f"{flag} {given} contradicts --config {a.config}, which says "
+                              f"{value}; drop the flag or change the name")
+        setattr(a, dest, value)
+
+
+def config_name_of(a: argparse.Namespace) -> str:
+    """The configuration name the flags describe (for `--print-config`)."""
+    from meshplan.cli.config_name import format_config_name
+    from meshplan.models import model_config
+
+    cfg = model_config(a.model, a.size, **overrides(a))
+    f = strategy_fields(a)
+    return format_config_name(f | {"model": a.model, "layers": cfg.layers, "heads": cfg.heads,
+                                    "hidden": cfg.hidden, "nodes": a.nodes,
+                                    "devices_per_node": a.devices_per_node})

@@ -17,6 +17,8 @@ from meshplan.cli.flags import (
     add_optimizer_flags,
     add_training_flags,
     add_verb,
+    apply_config,
+    config_name_of,
     mesh_of,
     overrides,
     strategy_fields,
@@ -182,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
+        apply_config(args)
+        if getattr(args, "print_config", False):
+            print(config_name_of(args))
+            return 0
         return args.run(args)
     except MeshplanError as e:
         if args.debug:

@@ -66,6 +66,9 @@ class Strategy:
     layer_stages: tuple[int, ...] = ()   # optional user stage per layer
     stage_ranks: tuple[tuple[int, ...], ...] = ()  # optional explicit ranks per stage
     tp_plan: tuple[tuple[str, str], ...] = ()      # (module-path regex, style)
+    precision: str = "fp32"          # fp32 | bf16 | fp16 (mixed, fp32 master weights)
+    recompute: str = "none"          # none | full | selective (activation checkpointing)
+    recompute_pattern: str = ""      # regex of checkpointed regions; "" = the layer pattern
 
     @property
     def num_microbatches(self) -> int:

@@ -13,6 +13,8 @@ from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "full", "selective")
 
 # The Megatron plan for the zoo's transformers: qkv and fc1 column-parallel,
 # proj and fc2 row-parallel, embedding and head vocab-parallel.
@@ -61,6 +63,12 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"{s.schedule} needs num_microbatches >= pp, got {m} < {s.pp}; raise the global "
             f"batch to {s.pp * per_step} or use --schedule gpipe")
     _check_stage_ranks(mesh, s)
+    if s.precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision '{s.precision}': choose one of "
+                          f"{', '.join(PRECISIONS)}")
+    if s.recompute not in RECOMPUTE:
+        raise ConfigError(f"unknown recompute mode '{s.recompute}': choose one of "
+                          f"{', '.join(RECOMPUTE)}")
     for pattern, style in s.tp_plan:
         if style not in STYLES:
             raise ConfigError(f"tensor-parallel style '{style}' for '{pattern}' is unknown: "
