@@ -8,8 +8,9 @@ Invariants:
 - The loss gradient is seeded with 1/num_microbatches, so accumulating the
   micro-batch gradients gives the gradient of the mean loss.
 - Each parameter's gradient is added into its accumulator (`<fqn>@grad`,
-  phase=backward) every micro-batch; the optimizer ops (phase=optimizer)
-  read the accumulator once per step.
+  phase=backward) every micro-batch, right after the op that completes it
+  (so no weight gradient outlives its layer's backward); the optimizer ops
+  (phase=optimizer) read the accumulator once per step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from meshplan.ir import (
     Update,
     verify,
 )
+from meshplan.ir.builder import renumber_ops
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
@@ -44,9 +46,29 @@ def build_train_step(
     _emit_optimizer(b, graph, accs, optimizer)
     meta = graph.meta + (("optimizer", optimizer.kind),
                          ("num_microbatches", str(num_microbatches)))
+    b.ops = list(_accumulate_early(b.ops))
     step = b.build(graph.loss, meta=meta)
     verify(step)
     return step
+
+
+def _accumulate_early(ops: list[Op]) -> tuple[Op, ...]:
+    """`ops` with each gradient accumulation moved up to just after the op
+    that produces its gradient (ids renumbered, order otherwise kept)."""
+    made_by = {o: op.id for op in ops for o in op.outputs}
+    after: dict[int, list[Op]] = {}
+    rest = []
+    for op in ops:
+        if op.kind == "meshplan.accumulate_grad":
+            after.setdefault(made_by[op.args[1].id], []).append(op)
+        else:
+            rest.append(op)
+    ordered = []
+    for op in rest:
+        ordered.append(op)
+        ordered += after.pop(op.id, [])
+    assert not after
+    return renumber_ops(ordered)
 
 
 def _requires_grad(graph: Graph) -> set[int]:

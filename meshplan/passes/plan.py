@@ -2,7 +2,7 @@
 
     check_strategy -> expand_batch_norm (dp > 1) -> expand_log_softmax (vocab tp)
         -> assign_stages
-        -> tensor_parallel -> propagate_sbp -> add_boxing -> Job
+        -> tensor_parallel -> propagate_sbp -> add_boxing -> recompute -> Job
 
 Each step is a pure function of immutable data; `plan_job` only wires them.
 `timings` (seconds per pass) is filled when given, for the compile report.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from meshplan.errors import ConfigError
 from meshplan.ir import Graph, verify
 from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
@@ -20,6 +21,7 @@ from meshplan.passes.boxing import add_boxing
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.propagate import propagate_sbp
+from meshplan.passes.recompute import recompute
 from meshplan.passes.strategy import check_strategy
 from meshplan.passes.tp_plan import tensor_parallel
 
@@ -55,6 +57,13 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
     lap("propagate_sbp")
     boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid))
     lap("add_boxing")
+    if strategy.recompute != "none":
+        pattern = strategy.recompute_pattern or strategy.layer_pattern
+        if not pattern:
+            raise ConfigError("--recompute needs regions: give --recompute-pattern (or "
+                              "--layer-pattern), a regex over module paths like 'blocks\\.\\d+'")
+        boxed = recompute(boxed, strategy.recompute, pattern)
+        lap("recompute")
     job = Job(
         graph=boxed.graph, mesh=mesh, strategy=strategy, stage=boxed.stage,
         chunk=boxed.chunk, sbp=boxed.sbp, local=boxed.local, layers=stages.layers,

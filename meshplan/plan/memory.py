@@ -10,6 +10,10 @@ Layout (two memory chunks):
   micro-batches in flight; (b) transient values, living inside one action,
   are packed first-fit by liveness over the action's task order, and every
   action reuses that region.
+Gradient accumulators count twice when a step has several micro-batches:
+the first micro-batch's gradient is adopted as the accumulator, and the
+second adds into a fresh tensor while the adopted one lives to the end of
+that action (`ops.kernels.accumulate_grad`).
 Kernel workspace ("temp") is the largest temp of any task, computed from the
 task's physical signature and cached by it (`ops.temp`).
 
@@ -90,6 +94,9 @@ def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
             off += b.nbytes
             key = "param" if b.category == "buffer" else b.category
             peak[key] = peak.get(key, 0) + b.nbytes
+    if low.job.strategy.num_microbatches > 1 and "grad" in peak:
+        off += peak["grad"]  # room for the second copy (no buffer of its own)
+        peak["grad"] *= 2
     chunks.append((state_chunk, "state", off))
     saved = [b for b in buffers if b.category == "data" or (
         b.category not in _STATE and b.value not in updates and b.copies > 1)]

@@ -1,0 +1,142 @@
+"""Activation checkpointing: re-emit a region's forward ops inside its backward.
+
+A region is a match of the recompute pattern on forward module paths
+(`blocks.3` under `blocks\\.\\d+`: one region per layer). For a checkpointed
+region, every backward op of the region that reads a forward value made in
+the region reads a *clone* instead: the forward op re-emitted, just before
+its first use, in the backward phase, with the original op's stage, chunk,
+kernel variant and the original outputs' layouts. So the forward task keeps
+only what crosses the region's boundary (its input), and the memory plan,
+which keeps a forward value alive until its last reader, sees the saving.
+
+Invariants:
+- Clones read clones of their region's values and the originals of
+  everything else (the region's input, parameters, other regions' values),
+  so recomputation is bit-identical to the forward it repeats.
+- `full` recomputes every forward op of a region; `selective` keeps the
+  outputs of the expensive ops (matmuls, attention, convolutions) and of
+  communication, and recomputes the cheap ones between them.
+- Cross-stage transfers are never cloned, and a region with a random op
+  (dropout) is refused: replaying it would need the forward's RNG state.
+- Ops keep their relative order; clones are inserted, never moved, so the
+  graph stays topologically ordered and every `grad_of` points backward.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from functools import partial
+
+from meshplan.errors import ConfigError
+from meshplan.ir import Graph, GraphBuilder, Op, Phase, Ref
+from meshplan.passes.boxing import BOXING_KINDS, Boxed
+
+# Kept (not recomputed) under `selective`: costly to redo, or communication.
+EXPENSIVE = frozenset({
+    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten.matmul.default", "aten.baddbmm.default", "aten.conv1d.default",
+    "aten.conv2d.default", "aten.convolution.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten.scaled_dot_product_attention.default",
+}) | frozenset(BOXING_KINDS)
+RANDOM = ("dropout", "bernoulli", "rand")
+
+
+def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
+    """`boxed` with the regions matching `pattern` checkpointed (`mode` full
+    or selective); unchanged for mode none."""
+    if mode == "none":
+        return boxed
+    g = boxed.graph
+    region = _regions(g, pattern, mode)
+    if not region:
+        return boxed
+    producer = g.producers()
+    b = GraphBuilder(g)
+    b.ops = []
+    stage, chunk, local, sbp = [], [], [], list(boxed.sbp)
+    omap: dict[int, int] = {}
+    clones: dict[tuple[str, int], int] = {}
+
+    def append(op: Op, src: Op) -> None:
+        b.ops.append(op)
+        stage.append(boxed.stage[src.id])
+        chunk.append(boxed.chunk[src.id])
+        local.append(boxed.local[src.id])
+
+    def value_for(vid: int, where: str) -> int:
+        """The id a backward op of region `where` reads for forward value `vid`."""
+        p = producer.get(vid)
+        if p is None or region.get(p.id) != where:
+            return vid
+        key = (where, vid)
+        if key not in clones:
+            args, kwargs = _remap(p, partial(value_for, where=where))
+            outs = []
+            for o in p.outputs:
+                if o < 0:
+                    outs.append(o)
+                    continue
+                outs.append(b.new_value(g.values[o].meta))
+                sbp.append(boxed.sbp[o])
+                clones[(where, o)] = outs[-1]
+            append(replace(p, id=len(b.ops), args=args, kwargs=kwargs, outputs=tuple(outs),
+                           phase=Phase.BACKWARD, grad_of=omap[p.id]), p)
+        return clones[key]
+
+    rx = re.compile(pattern)
+    for op in g.ops:
+        where = _region_of(rx, op.module_path) if op.phase is Phase.BACKWARD else None
+        if where is not None:
+            args, kwargs = _remap(op, partial(value_for, where=where))
+            op = replace(op, args=args, kwargs=kwargs)
+        omap[op.id] = len(b.ops)
+        append(replace(op, id=len(b.ops), grad_of=omap.get(op.grad_of, -1)), op)
+    graph = b.build(g.loss, g.meta)
+    return Boxed(graph, tuple(stage), tuple(chunk), tuple(sbp), tuple(local))
+
+
+def _region_of(rx: re.Pattern[str], path: str) -> str | None:
+    m = rx.match(path)
+    return m.group(0) if m and m.group(0) else None
+
+
+def _regions(g: Graph, pattern: str, mode: str) -> dict[int, str]:
+    """Region of each recomputable forward op."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as err:
+        raise ConfigError(f"recompute pattern '{pattern}' is not a valid regular expression "
+                          f"({err}); fix --recompute-pattern, e.g. 'blocks\\.\\d+'") from err
+    out: dict[int, str] = {}
+    for op in g.ops:
+        if op.phase is not Phase.FORWARD or op.kind == "meshplan.transfer":
+            continue
+        where = _region_of(rx, op.module_path)
+        if where is None or (mode == "selective" and op.kind in EXPENSIVE):
+            continue
+        if any(word in op.kind for word in RANDOM):
+            raise ConfigError(f"cannot recompute {op.kind} at '{op.module_path}': replaying a "
+                              "random op needs its RNG state; set its probability to 0 or "
+                              "exclude it with --recompute-pattern")
+        out[op.id] = where
+    if not out and mode == "full":
+        raise ConfigError(f"recompute pattern '{pattern}' matches no forward module path; "
+                          "give --recompute-pattern a regex like 'blocks\\.\\d+'")
+    return out
+
+
+def _remap(op: Op, fn) -> tuple[tuple, tuple]:
+    """`op`'s args and kwargs with every Ref's id replaced by `fn(id)`."""
+    return _map_refs(op.args, fn), tuple((k, _map_refs(v, fn)) for k, v in op.kwargs)
+
+
+def _map_refs(a, fn):
+    if isinstance(a, Ref):
+        return Ref(fn(a.id))
+    if isinstance(a, tuple):
+        return tuple(_map_refs(x, fn) for x in a)
+    return a
