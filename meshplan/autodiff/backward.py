@@ -6,7 +6,9 @@ Invariants:
   `grad_of` = that forward op's id.
 - A value with several gradient contributions gets one `meshplan.grad_sum`.
 - The loss gradient is seeded with 1/num_microbatches, so accumulating the
-  micro-batch gradients gives the gradient of the mean loss.
+  micro-batch gradients gives the gradient of the mean loss; with
+  `loss_scale` (fp16) the seed is also multiplied by the state
+  `amp@loss_scale`, which the executor divides out before the optimizer.
 - Each parameter's gradient is added into its accumulator (`<fqn>@grad`,
   phase=backward) every micro-batch, right after the op that completes it
   (so no weight gradient outlives its layer's backward); the optimizer ops
@@ -15,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from meshplan.autodiff.optimizer import SLOTS, OptimizerConfig, slot_meta_shape
+from meshplan.autodiff.optimizer import LOSS_SCALE, SLOTS, OptimizerConfig, slot_meta_shape
 from meshplan.errors import CaptureError
 from meshplan.ir import (
     DType,
@@ -35,13 +37,16 @@ from meshplan.ops.table import rule_for
 
 
 def build_train_step(
-    graph: Graph, optimizer: OptimizerConfig | None = None, num_microbatches: int = 1
+    graph: Graph, optimizer: OptimizerConfig | None = None, num_microbatches: int = 1,
+    loss_scale: bool = False,
 ) -> Graph:
     """Append backward, gradient accumulation and optimizer ops to `graph`."""
     optimizer = optimizer or OptimizerConfig()
     b = GraphBuilder(graph)
     needs = _requires_grad(graph)
-    param_grads = _emit_backward(b, graph, needs, num_microbatches)
+    scale = b.add_input(TensorMeta((), DType("float32")), Role.OPT_STATE, LOSS_SCALE) \
+        if loss_scale else None
+    param_grads = _emit_backward(b, graph, needs, num_microbatches, scale)
     accs = _emit_accumulate(b, graph, param_grads)
     _emit_optimizer(b, graph, accs, optimizer)
     meta = graph.meta + (("optimizer", optimizer.kind),
@@ -80,13 +85,16 @@ def _requires_grad(graph: Graph) -> set[int]:
     return need
 
 
-def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int) -> dict[int, Ref]:
+def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int,
+                   scale: int | None) -> dict[int, Ref]:
     """Emit the backward ops; returns the total gradient of each graph input."""
     contribs: dict[int, list[tuple[Ref, str]]] = {}
     loss = Ref(graph.loss)
     e = Emitter(b, phase=Phase.BACKWARD, module_path="", grad_of=-1)
     seed = e.call("aten.ones_like.default", loss) if m == 1 else \
         e.call("aten.full_like.default", loss, 1.0 / m)
+    if scale is not None:
+        seed = e.call("aten.mul.Tensor", seed, Ref(scale))
     contribs[graph.loss] = [(seed, "")]
     for op in reversed(graph.ops):
         if not any(o in contribs for o in op.outputs):
@@ -105,6 +113,8 @@ def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int) -> di
                                f"({op.source}): {type(err).__name__}: {err}") from err
         for x, g in pairs:
             _check_grad(b, x, g, op)
+            if b.meta(g.id).dtype != b.meta(x.id).dtype:  # as autograd: a gradient
+                g = e.call("aten._to_copy.default", g, dtype=b.meta(x.id).dtype)  # has x's dtype
             contribs.setdefault(x.id, []).append((g, op.module_path))
     grads = {}
     for v in graph.inputs:

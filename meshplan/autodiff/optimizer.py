@@ -70,3 +70,10 @@ def initial_state(slot: str, like: torch.Tensor) -> torch.Tensor | None:
     if slot == "step":
         return torch.zeros((), dtype=torch.float32, device=like.device)
     return torch.zeros_like(like, memory_format=torch.preserve_format)
+
+
+# fp16 dynamic loss scaling (torch.amp.GradScaler's defaults): the scale is a
+# step-level state every rank holds; the backward seed is multiplied by it.
+LOSS_SCALE = "amp@loss_scale"
+INIT_SCALE = 2.0 ** 16
+GROWTH_INTERVAL = 2000

@@ -42,6 +42,7 @@ EPILOG_COMPILE = """examples:
       --pp 16 --vpp 2 --num-microbatches 64 --ranks 0,17 --out big/ --json"""
 EPILOG_RUN = """examples:
   meshplan run --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4 --steps 10
+  meshplan run --config bert_nl4_nah4_hs64_FP16_actrue_mp2_pp1_mb4_gb8_1n4g --steps 10
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST --master-port 29500 \\
       -m meshplan run --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --json"""
 EPILOG_SHOW = """examples:
@@ -54,7 +55,8 @@ EPILOG_VERIFY = """examples:
   meshplan verify --model gpt --size tiny
   meshplan verify --model bert --size tiny --steps 20 --optimizer adamw --json
   meshplan verify --model gpt --size tiny --global-batch-size 8 --num-microbatches 4
-  meshplan verify --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4"""
+  meshplan verify --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4
+  meshplan verify --config gpt_nl4_nah4_hs64_BF16_actrue_mp2_pp1_mb2_gb16_1n4g --steps 20"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_flags(p, steps=20)
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="largest allowed |loss - eager loss| (exit 1 above it)")
+    p.add_argument("--rel-tolerance", type=float, default=1e-2,
+                   help="bf16/fp16: largest allowed mean relative loss difference to eager "
+                   "autocast and to eager fp32 (default 1e-2)")
 
     p = add_verb(sub, "plan", "plan a model on a mesh and print the Job summary",
                  EPILOG_PLAN, _cmd_plan)
@@ -146,6 +151,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
                    global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
                    num_microbatches=m, seed=a.seed, lr=a.lr, **overrides(a))
     ok = r["max_abs_diff"] <= a.tolerance
+    if "precision" in r:  # mixed precision: judged against both eager references
+        ok = max(r["mean_rel_diff"], r["mean_rel_diff_fp32"]) <= a.rel_tolerance
     if a.json:
         print(json.dumps(r | {"ok": ok, "tolerance": a.tolerance}))
         return 0 if ok else 1
@@ -153,6 +160,10 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     for i, (x, y) in enumerate(zip(r["ref_losses"], r["losses"])):
         print(f"{i:>4}  {x:>12.6f}  {y:>13.6f}  {abs(x - y):>9.2e}")
     verdict = "OK" if ok else "MISMATCH"
+    if "precision" in r:
+        print(f"{r['precision']}: mean relative difference {r['mean_rel_diff']:.2e} to eager "
+              f"autocast, {r['mean_rel_diff_fp32']:.2e} to eager fp32 (tolerance "
+              f"{a.rel_tolerance:g})")
     if r["mode"] == "distributed":
         print(f"(meshplan ran on {len(r['ranks'])} local processes, one per rank)")
     print(f"{verdict}: max |diff| {r['max_abs_diff']:.2e} (tolerance {a.tolerance:g}); "

@@ -19,6 +19,7 @@ from meshplan.ir.sbp import fmt
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.passes.boxing import BOXING_KINDS
 from meshplan.passes.plan import plan_job
+from meshplan.passes.precision import apply_precision
 from meshplan.passes.strategy import MEGATRON_PLAN, check_heads, check_strategy
 
 
@@ -58,8 +59,9 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     t0 = time.perf_counter()
     forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
     t1 = time.perf_counter()
+    forward = apply_precision(forward, strategy.precision)
     graph = build_train_step(forward, OptimizerConfig.default(optimizer, lr),
-                             strategy.num_microbatches)
+                             strategy.num_microbatches, loss_scale=strategy.precision == "fp16")
     timings: dict = {"autodiff": time.perf_counter() - t1}
     job = plan_job(graph, mesh, strategy, timings=timings)
     return Planned(job, t1 - t0, timings)

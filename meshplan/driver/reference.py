@@ -3,34 +3,50 @@
 Invariant: the reference sees exactly the data meshplan sees: the same
 global batches, split into the same micro-batches, with each micro-batch's
 loss scaled by 1/num_microbatches before `backward()` so gradients
-accumulate to the gradient of the mean loss.
+accumulate to the gradient of the mean loss. Mixed precision uses torch's
+own `torch.autocast` (and, for fp16, `torch.amp.GradScaler` with the same
+initial scale and growth interval as meshplan).
 """
 
 from __future__ import annotations
 
 import time
 
+import torch
 from torch import nn
 
 from meshplan.autodiff import OptimizerConfig
+from meshplan.autodiff.optimizer import GROWTH_INTERVAL, INIT_SCALE
 from meshplan.runtime.data import split_microbatches
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def eager_train(
-    module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig
+    module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
+    precision: str = "fp32",
 ) -> tuple[list[float], list[float]]:
     """Train `module` in place on `batches`; returns (losses, step seconds)."""
     opt = optimizer.torch_optimizer(module.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE,
+                                  growth_interval=GROWTH_INTERVAL) \
+        if precision == "fp16" else None
     losses, times = [], []
     for batch in batches:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in split_microbatches(batch, num_microbatches):
-            loss = module(*mb)
-            (loss / num_microbatches if num_microbatches > 1 else loss).backward()
-            total += loss.detach()
-        opt.step()
+            with torch.autocast("cpu", dtype=LOW.get(precision), enabled=precision in LOW):
+                loss = module(*mb)
+            scaled = loss / num_microbatches if num_microbatches > 1 else loss
+            (scaler.scale(scaled) if scaler else scaled).backward()
+            total += loss.detach().float()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         losses.append(float(total / num_microbatches))
         times.append(time.perf_counter() - t0)
     return losses, times

@@ -21,6 +21,7 @@ from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
+from meshplan.passes.precision import apply_precision
 from meshplan.runtime import Executor
 
 
@@ -54,6 +55,8 @@ def verify(
     torch.manual_seed(seed)
     module = build_model(cfg)
     reference = copy.deepcopy(module)
+    fp32_reference = copy.deepcopy(module)
+    precision = strategy.precision if strategy is not None else "fp32"
     opt = OptimizerConfig.default(optimizer, lr)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
     if strategy is not None and (mesh is None or mesh.world > 1):
@@ -65,9 +68,16 @@ def verify(
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
                                            for r in result["ranks"].values())}
     else:
-        mine = _single(module, batches, opt, num_microbatches)
-    ref_losses, ref_times = eager_train(reference, batches, num_microbatches, opt)
-    return {
+        mine = _single(module, batches, opt, num_microbatches, precision)
+    ref_losses, ref_times = eager_train(reference, batches, num_microbatches, opt, precision)
+    extra = {}
+    if precision != "fp32":  # the second judge: full-precision eager
+        fp32, _ = eager_train(fp32_reference, batches, num_microbatches, opt)
+        extra = {"precision": precision, "ref_fp32_losses": fp32,
+                 "mean_rel_diff": mean_rel_diff(mine["losses"], ref_losses),
+                 "mean_rel_diff_fp32": mean_rel_diff(mine["losses"], fp32),
+                 "autocast_vs_fp32": mean_rel_diff(ref_losses, fp32)}
+    return extra | {
         "model": model, "size": size, "config": asdict(cfg), "steps": steps,
         "optimizer": optimizer, "global_batch_size": global_batch_size,
         "num_microbatches": num_microbatches, **mine, "ref_losses": ref_losses,
@@ -76,13 +86,18 @@ def verify(
     }
 
 
-def _single(module, batches, opt, m: int) -> dict:
+def mean_rel_diff(a: list[float], b: list[float]) -> float:
+    """Mean over steps of |a - b| / |b|."""
+    return statistics.fmean(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def _single(module, batches, opt, m: int, precision: str = "fp32") -> dict:
     """meshplan on this one process: capture, autodiff, the one-rank executor."""
     micro = [split_microbatches(b, m) for b in batches]
     t0 = time.perf_counter()
-    forward = capture(module, micro[0][0])
+    forward = apply_precision(capture(module, micro[0][0]), precision)
     t1 = time.perf_counter()
-    graph = build_train_step(forward, opt, m)
+    graph = build_train_step(forward, opt, m, loss_scale=precision == "fp16")
     t2 = time.perf_counter()
     ex = Executor(graph)
     state = ex.init_state(module)

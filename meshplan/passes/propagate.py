@@ -79,7 +79,9 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int) -> dict[int
             layouts[vid] = (R,) * len(grid)
     for vid in graph.inputs:
         v = graph.values[vid]
-        if v.role is Role.OPT_STATE:
+        if v.role is Role.OPT_STATE and v.name.rsplit("@", 1)[0] not in params:
+            layouts[vid] = (R,) * len(grid)  # a step-level scalar (the loss scale)
+        elif v.role is Role.OPT_STATE:
             p, layout = params[v.name.rsplit("@", 1)[0]]
             layouts[vid] = layout if v.meta.shape == p.meta.shape else (R,) * len(grid)
     return layouts

@@ -117,9 +117,11 @@ def compile_segment(
             for r in op.refs():
                 last_use[r] = i
     lines = [f"def {name}(env, mem):"]
+    line_ops: dict[int, tuple[int, ...]] = {}  # source line -> ops it calls
     lines += [f"    v{r} = env[{r}]" for r in sorted(reads)]
     for i, group in enumerate(groups):
         lines.append(_call_line(group, consts, device, kernels))
+        line_ops[len(lines)] = tuple(op.id for op in group)
         made = [o for op in group for o in op.outputs if o != ABSENT]
         lines += [f"    mem.add(v{o})" for o in made]
         used = dict.fromkeys(r for op in group for r in op.refs())
@@ -139,4 +141,16 @@ def compile_segment(
     exec(compile(source, f"<meshplan {name}>", "exec"), scope)  # noqa: S102
     fn = scope[name]
     fn.source = source
+    fn.line_ops = line_ops
     return fn
+
+
+def failing_ops(fn: Callable, err: BaseException) -> tuple[int, ...]:
+    """The op ids of the call in `fn` (a compiled segment) that raised `err`."""
+    tb = err.__traceback__
+    ops: tuple[int, ...] = ()
+    while tb is not None:
+        if tb.tb_frame.f_code is fn.__code__:
+            ops = fn.line_ops.get(tb.tb_lineno, ())
+        tb = tb.tb_next
+    return ops

@@ -43,6 +43,10 @@ class Comm:
         dist.all_reduce(out, op=_OPS[op], group=self.groups[group])
         return out
 
+    def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
+        """In place over every rank (the fp16 overflow flag)."""
+        dist.all_reduce(x, op=_OPS[op])
+
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         """Gather along `dim`; `shapes` are every member's local shapes."""
         parts = [torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes]

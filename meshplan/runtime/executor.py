@@ -20,8 +20,10 @@ class Executor:
     """Runs `graph` (a train step) on one device."""
 
     def __init__(self, graph: Graph, device: str | torch.device = "cpu"):
-        m = int(dict(graph.meta).get("num_microbatches", "1"))
-        self.job = plan_job(graph, Mesh(1, 1), Strategy(global_batch_size=m))
+        meta = dict(graph.meta)
+        m = int(meta.get("num_microbatches", "1"))
+        strategy = Strategy(global_batch_size=m, precision=meta.get("precision", "fp32"))
+        self.job = plan_job(graph, Mesh(1, 1), strategy)
         self.graph = self.job.graph
         self.rank = RankExecutor(self.job, lower(self.job, 0), device=device)
         self.mem = self.rank.mem

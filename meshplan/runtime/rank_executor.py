@@ -14,6 +14,11 @@ Invariants:
   waited before the action that needs them: the checker's simulation uses
   the same semantics, so a plan it proves deadlock-free runs.
 - With one rank and no process group this is the single-process executor.
+- fp16: before the STEP every rank divides its gradient accumulators by the
+  loss scale and checks them for inf/nan; one all-reduce (max) of that flag
+  over the whole world makes every rank skip, or take, the same step, and
+  every rank moves its own copy of the scale the same way (halve on
+  overflow, double after `GROWTH_INTERVAL` good steps), as GradScaler does.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from collections import defaultdict
 
 import torch
 
+from meshplan.autodiff.optimizer import GROWTH_INTERVAL, INIT_SCALE, LOSS_SCALE
+from meshplan.errors import ConfigError
 from meshplan.ir import Phase, Role
 from meshplan.ir.job import Job
 from meshplan.plan.rankplan import RankPlan, TaskKind
 from meshplan.runtime.bind import RankContext, bind_task, localize
-from meshplan.runtime.codegen import compile_segment
+from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.memory import LiveBytes
 from meshplan.runtime.transfers import Transfers
 from meshplan.schedules.action import ActionType
@@ -56,6 +63,8 @@ class RankExecutor:
         self.data_ids = [v.id for v in g.inputs_by_role(Role.DATA)]
         self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
         self.pp = job.strategy.pp
+        self.fp16 = job.strategy.precision == "fp16"
+        self.loss_scale, self.good_steps, self.skipped = INIT_SCALE, 0, 0
         self._build(plan)
         self.transfers = Transfers(job, plan, self.ctx, self.device)
         self.next_recv = _next_recv(plan.actions)
@@ -141,6 +150,8 @@ class RankExecutor:
         returns this rank's loss per micro-batch (empty if it holds none)."""
         for name in self.grad_names:
             self._swap(state, name, None)
+        if LOSS_SCALE in state:
+            state[LOSS_SCALE].fill_(self.loss_scale)
         envs = [self._data_env(mb) for mb in microbatches]
         losses: dict[int, torch.Tensor] = {}
         for index, action in enumerate(self.plan.actions):
@@ -152,7 +163,8 @@ class RankExecutor:
                 self.transfers.post_recv(self.plan.actions[ahead])
             t = action.type
             if t is ActionType.STEP:
-                self._run(STEP_KEY, {}, state)
+                if not self.fp16 or self._unscale(state):
+                    self._run(STEP_KEY, {}, state)
             elif t in (ActionType.F, ActionType.B):
                 env = envs[action.microbatch]
                 phase = Phase.FORWARD if t is ActionType.F else Phase.BACKWARD
@@ -168,6 +180,28 @@ class RankExecutor:
         self.current = "done"
         return [losses[k] for k in sorted(losses)]
 
+    def _unscale(self, state: dict) -> bool:
+        """fp16: unscale this rank's gradients; True if no rank overflowed."""
+        names = [n for n in self.grad_names if state.get(n) is not None]
+        grads = [state[n] * (1.0 / self.loss_scale) for n in names]  # fresh: adopted
+        found = torch.zeros(1, device=self.device)                   # grads are shared
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found, torch.ones(1, device=self.device))
+        if self.comm is not None:
+            self.comm.all_reduce_world(found, "max")
+        for n, g in zip(names, grads):
+            self.mem.add(g)
+            self._swap(state, n, g)
+        if found.item():
+            self.loss_scale, self.good_steps, self.skipped = \
+                self.loss_scale / 2, 0, self.skipped + 1
+            return False
+        self.good_steps += 1
+        if self.good_steps == GROWTH_INTERVAL:
+            self.loss_scale, self.good_steps = self.loss_scale * 2, 0
+        return True
+
     def _run(self, key, env: dict, state: dict) -> None:
         seg = self.segments.get(key)
         if seg is None:
@@ -175,7 +209,10 @@ class RankExecutor:
         fn, state_reads, mb_updates, step_updates, here = seg
         for vid, name in state_reads:
             env[vid] = state[name]
-        fn(env, self.mem)
+        try:
+            fn(env, self.mem)
+        except RuntimeError as err:
+            raise _kernel_error(self.job.graph, failing_ops(fn, err), err, self.device) from err
         for vid, name in mb_updates + step_updates:
             self._swap(state, name, env.pop(vid))
         for vid, _ in state_reads:
@@ -213,3 +250,23 @@ def _next_recv(actions) -> list[int | None]:
         if actions[i].type in (ActionType.RECV_F, ActionType.RECV_B):
             nxt = i
     return out
+
+
+_LOW_DTYPE_ERRORS = ("not implemented for 'Half'", "Unsupported dtype Half",
+                     "Low precision dtypes not supported", "not implemented for 'BFloat16'")
+
+
+def _kernel_error(graph, ops: tuple[int, ...], err: RuntimeError, device) -> Exception:
+    """A kernel's failure, named by op and module; a missing fp16/bf16 kernel
+    is the user's choice of precision, with the fix."""
+    if not ops:
+        return err
+    op = graph.ops[ops[0]]
+    where = f"{op.kind} at module '{op.module_path}' ({op.source or 'no source'})"
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if any(m in text for m in _LOW_DTYPE_ERRORS):
+        low = "float16" if "Half" in text else "bfloat16"
+        other = "bf16" if low == "float16" else "fp32"
+        return ConfigError(f"{where} has no {low} kernel on {device.type} ({text}); "
+                           f"use --precision {other}")
+    return RuntimeError(f"{where} failed: {text}")

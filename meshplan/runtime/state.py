@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from meshplan.autodiff.optimizer import initial_state
+from meshplan.autodiff.optimizer import INIT_SCALE, LOSS_SCALE, initial_state
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
 
@@ -41,7 +41,9 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
         v = values[vid]
         if used is not None and vid not in used:
             continue
-        if v.role is Role.OPT_STATE:
+        if v.name == LOSS_SCALE:
+            state[v.name] = torch.tensor(INIT_SCALE, dtype=torch.float32, device=device)
+        elif v.role is Role.OPT_STATE:
             fqn, slot = v.name.rsplit("@", 1)
             like = state.get(fqn)
             if like is None:

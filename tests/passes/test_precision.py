@@ -1,0 +1,132 @@
+"""Mixed precision: casts as ops, fp32 master weights, losses against eager
+autocast and eager fp32, fp16 loss scaling, a missing fp16 kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from meshplan.autodiff import build_train_step
+from meshplan.capture import capture
+from meshplan.driver.plan import capture_zoo, plan_model, zoo_strategy
+from meshplan.driver.verify import verify
+from meshplan.errors import ConfigError
+from meshplan.ir import Role
+from meshplan.ir.mesh import Mesh
+from meshplan.models import model_config
+from meshplan.passes.precision import CAST, FP32_OPS, LOW, apply_precision
+from meshplan.plan.lower import lower
+from meshplan.runtime import Executor
+
+TOL = 1e-2  # mean relative loss difference, to eager autocast and to eager fp32
+
+
+def test_low_ops_read_bf16_fp32_ops_read_fp32_and_weights_stay_fp32():
+    fwd = capture_zoo(model_config("gpt", "tiny"), 2)
+    g = apply_precision(fwd, "bf16")
+    dtype = {v.id: v.meta.dtype.name for v in g.values}
+    for op in g.ops:
+        floats = [dtype[r] for r in op.refs() if g.values[r].meta.is_float]
+        if op.kind in LOW:
+            assert set(floats) == {"bfloat16"}, op
+        elif op.kind in FP32_OPS:
+            assert set(floats) <= {"float32"}, op
+    assert all(v.meta.dtype.name == "float32" for v in g.inputs_by_role(Role.PARAM))
+    assert dtype[g.loss] == "float32"
+    param_casts = [op.args[0].id for op in g.ops if op.kind == CAST
+                   and g.values[op.args[0].id].role is Role.PARAM]
+    read_low = {fwd.values[r].name for op in fwd.ops if op.kind in LOW for r in op.refs()
+                if fwd.values[r].role is Role.PARAM}
+    assert sorted(g.values[v].name for v in param_casts) == sorted(read_low)  # one copy each
+
+
+def test_the_memory_plan_holds_both_copies_of_the_weights():
+    cfg = model_config("gpt", "tiny")
+    plans = {}
+    for p in ("fp32", "bf16"):
+        s = zoo_strategy("gpt", cfg, global_batch_size=2, micro_batch_size=2, precision=p)
+        job = plan_model("gpt", "tiny", Mesh(1, 1), s).job
+        plans[p] = (job, dict(lower(job, 0).memory.peak))
+    job, peak = plans["bf16"]
+    casts = [op for op in job.graph.ops if op.kind == CAST
+             and job.graph.values[op.args[0].id].role is Role.PARAM]
+    lowered = {b.value for b in lower(job, 0).buffers}
+    assert casts and all(op.outputs[0] in lowered for op in casts)
+    assert peak["param"] == plans["fp32"][1]["param"]  # fp32 masters, unchanged
+
+
+@pytest.mark.parametrize("model,precision", [("gpt", "bf16"), ("gpt", "fp16"),
+                                             ("bert", "bf16"), ("bert", "fp16")])
+def test_one_rank_equals_eager_autocast_and_tracks_fp32(model, precision):
+    s = zoo_strategy(model, model_config(model, "tiny"), global_batch_size=8,
+                     micro_batch_size=4, precision=precision)
+    r = verify(model, "tiny", steps=20, mesh=Mesh(1, 1), strategy=s)
+    assert r["mean_rel_diff"] < r["mean_rel_diff_fp32"] <= TOL, r
+    # GPT is bit-exact. BERT's head feeds a bf16 tensor to a LayerNorm: our
+    # lists (like CUDA autocast's) run norms in fp32, CPU autocast does not.
+    assert r["max_abs_diff"] <= (1e-5 if model == "gpt" else 2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,precision,fields,closer", [
+    ("gpt", "bf16", dict(dp=2, pp=2), True),
+    ("bert", "fp16", dict(dp=2, pp=2), True),
+    ("gpt", "fp16", dict(tp=2), False),
+    ("bert", "bf16", dict(tp=2), False),
+])
+def test_distributed_mixed_precision_tracks_both_references(model, precision, fields, closer):
+    """dp and pp do not change a sample's arithmetic, so they match autocast
+    more closely than fp32; tp rounds each partial sum to bf16/fp16 before
+    the all-reduce (as Megatron does), so there only the tolerance holds."""
+    world = fields.get("dp", 1) * fields.get("tp", 1) * fields.get("pp", 1)
+    s = zoo_strategy(model, model_config(model, "tiny"), global_batch_size=8,
+                     micro_batch_size=2, precision=precision, **fields)
+    r = verify(model, "tiny", steps=20, mesh=Mesh(1, world), strategy=s)
+    assert max(r["mean_rel_diff"], r["mean_rel_diff_fp32"]) <= TOL, r
+    if closer:
+        assert r["mean_rel_diff"] < r["mean_rel_diff_fp32"], r
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(monkeypatch):
+    """From a scale of 2**40 the fp16 gradients overflow: steps are skipped
+    (weights unchanged) and the scale halves, exactly as GradScaler does."""
+    import meshplan.driver.reference as reference
+    import meshplan.runtime.rank_executor as rank_executor
+    import meshplan.runtime.state as state
+
+    for mod in (reference, rank_executor, state):
+        monkeypatch.setattr(mod, "INIT_SCALE", 2.0 ** 40)
+    s = zoo_strategy("gpt", model_config("gpt", "tiny"), global_batch_size=4,
+                     micro_batch_size=4, precision="fp16")
+    r = verify("gpt", "tiny", steps=30, mesh=Mesh(1, 1), strategy=s)
+    assert r["max_abs_diff"] <= 1e-5, r  # GradScaler skipped the very same steps
+
+    m, x = _Pool3d(), torch.randn(8, 8)  # and the executor's own account of it
+    m.forward = lambda x: m.fc(x).square().mean()
+    ex = Executor(build_train_step(apply_precision(capture(m, (x,)), "fp16"),
+                                   loss_scale=True))
+    st = ex.init_state(m)
+    before = st["fc.weight"].clone()
+    ex.step(st, [(x,)])
+    assert ex.rank.skipped == 1 and ex.rank.loss_scale == 2.0 ** 39
+    assert torch.equal(st["fc.weight"], before)
+
+
+class _Pool3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return nn.functional.avg_pool3d(self.fc(x).view(1, 1, 4, 4, 8), 2).sum()
+
+
+def test_fp16_on_a_cpu_kernel_without_it_suggests_bf16():
+    m, x = _Pool3d(), torch.randn(8, 8)
+    g = build_train_step(apply_precision(capture(m, (x,)), "fp16"), loss_scale=True)
+    ex = Executor(g)
+    state = ex.init_state(m)
+    with pytest.raises(ConfigError, match=r"avg_pool3d.* no float16 kernel on cpu.*--precision "
+                       r"bf16"):
+        ex.step(state, [(x,)])
