@@ -139,7 +139,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     from meshplan.models import model_config
 
     fields = strategy_fields(a)
-    parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1
+    parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1 or \
+        (a.precision, a.recompute) != ("fp32", "none")
     if parallel:
         cfg = model_config(a.model, a.size, **overrides(a))
         strategy = zoo_strategy(a.model, cfg, **fields)

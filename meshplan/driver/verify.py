@@ -59,7 +59,7 @@ def verify(
     precision = strategy.precision if strategy is not None else "fp32"
     opt = OptimizerConfig.default(optimizer, lr)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
-    if strategy is not None and (mesh is None or mesh.world > 1):
+    if strategy is not None and (mesh is None or mesh.world > 1 or strategy.recompute != "none"):
         mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
         result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr, **overrides)
         mine = {"mode": "distributed", "losses": result["losses"],
