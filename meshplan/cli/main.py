@@ -41,7 +41,9 @@ EPILOG_COMPILE = """examples:
 EPILOG_RUN = """examples:
   meshplan run --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4 --steps 10
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST --master-port 29500 \\
-      -m meshplan run --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --json"""
+      -m meshplan run --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --json
+  meshplan run --model gpt --devices-per-node 2 --pp 2 --vpp 2 --num-microbatches 4 \\
+      --steps 3 --trace step.json"""
 EPILOG_SHOW = """examples:
   meshplan show plans/
   meshplan show plans/ --rank 5 --trace step.json"""
@@ -96,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", default="", help="write a checkpoint there at the end")
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint in --save-dir (any parallel layout)")
+    p.add_argument("--trace", default="",
+                   help="write the last step, measured on every rank, as a Chrome trace")
 
     p = add_verb(sub, "show", "show a plan directory: ranks, pipeline grid, trace",
                  EPILOG_SHOW, cmd_show, planning=False)
