@@ -46,7 +46,8 @@ EPILOG_RUN = """examples:
       --steps 3 --trace step.json"""
 EPILOG_SHOW = """examples:
   meshplan show plans/
-  meshplan show plans/ --rank 5 --trace step.json"""
+  meshplan show plans/ --rank 5 --trace step.json
+  meshplan show plans/ --png schedule.png --json"""
 EPILOG_CHECK = """examples:
   meshplan check plans/
   meshplan check plans/ --json"""
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="a directory written by `meshplan compile`")
     p.add_argument("--rank", type=int, default=None, help="only this rank")
     p.add_argument("--trace", default="", help="write a Chrome trace of the simulated step")
+    p.add_argument("--png", default="", help="draw the simulated step: one row per rank, "
+                   "F and B coloured by chunk, sends and receives marked, bubbles white")
 
     p = add_verb(sub, "check", "prove a plan directory consistent and simulate it",
                  EPILOG_CHECK, cmd_check, planning=False)
