@@ -21,6 +21,7 @@ from meshplan.cli.flags import (
     overrides,
     strategy_fields,
 )
+from meshplan.cli.progress import Progress
 from meshplan.cli.run_cmd import cmd_run
 from meshplan.cli.show_cmd import cmd_show
 from meshplan.errors import MeshplanError
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshplan", description="A distributed-training compiler for PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
-    parser.add_argument("-q", "--quiet", action="store_true", help="errors only")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="errors only: no progress bars, no logging below ERROR")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = add_verb(sub, "inspect", "capture a model on the meta device and count it",
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose > 1 else
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    args.progress = Progress(quiet=args.quiet)
     try:
         return args.run(args)
     except MeshplanError as e:

@@ -22,8 +22,9 @@ def cmd_run(a: argparse.Namespace) -> int:
         if r is None:  # not rank 0: rank 0 reports for everyone
             return 0
     else:
-        r = run(a.model, a.size, mesh_of(a), strategy, plan_dir=a.plan_dir,
-                save_dir=a.save_dir, resume=a.resume, **common)
+        with a.progress.task("training steps", a.steps) as update:
+            r = run(a.model, a.size, mesh_of(a), strategy, plan_dir=a.plan_dir,
+                    save_dir=a.save_dir, resume=a.resume, on_step=update, **common)
     if a.json:
         print(json.dumps({"losses": r["losses"], "step_s": r["step_s"], "ranks": r["ranks"],
                           "trace": r["trace"]}))
