@@ -12,6 +12,8 @@ import logging
 import sys
 
 from meshplan.cli.compile_cmds import cmd_check, cmd_compile
+from meshplan.cli.demo_cmd import EPILOG as EPILOG_DEMO
+from meshplan.cli.demo_cmd import add_demo_flags, cmd_demo
 from meshplan.cli.flags import (
     add_model_flags,
     add_optimizer_flags,
@@ -22,7 +24,7 @@ from meshplan.cli.flags import (
     strategy_fields,
 )
 from meshplan.cli.progress import Progress
-from meshplan.cli.run_cmd import cmd_run
+from meshplan.cli.run_cmd import cmd_run, loss_table
 from meshplan.cli.show_cmd import cmd_show
 from meshplan.errors import MeshplanError
 
@@ -67,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="errors only: no progress bars, no logging below ERROR")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = add_verb(sub, "demo", "the main job end to end on 8 local processes: compile, check, "
+                 "train beside eager PyTorch, draw the schedule and losses, write a trace",
+                 EPILOG_DEMO, cmd_demo, planning=False)
+    add_demo_flags(p)
 
     p = add_verb(sub, "inspect", "capture a model on the meta device and count it",
                  EPILOG_INSPECT, _cmd_inspect, planning=False)
@@ -156,9 +163,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(r | {"ok": ok, "tolerance": a.tolerance}))
         return 0 if ok else 1
-    print(f"{'step':>4}  {'eager loss':>12}  {'meshplan loss':>13}  {'|diff|':>9}")
-    for i, (x, y) in enumerate(zip(r["ref_losses"], r["losses"])):
-        print(f"{i:>4}  {x:>12.6f}  {y:>13.6f}  {abs(x - y):>9.2e}")
+    print(loss_table(r["ref_losses"], r["losses"]))
     verdict = "OK" if ok else "MISMATCH"
     if r["mode"] == "distributed":
         print(f"(meshplan ran on {len(r['ranks'])} local processes, one per rank)")

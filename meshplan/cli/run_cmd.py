@@ -46,3 +46,11 @@ def trace_line(t: dict) -> str:
     return (f"wrote {t['path']}: the last step measured on every rank, "
             f"{t['step_s'] * 1e3:.1f} ms, bubble ratio {t['bubble_ratio']:.3f} "
             "(open it in Perfetto or chrome://tracing)")
+
+
+def loss_table(reference: list[float], mine: list[float]) -> str:
+    """Eager's and meshplan's loss per step, side by side."""
+    lines = [f"{'step':>4}  {'eager loss':>12}  {'meshplan loss':>13}  {'|diff|':>9}"]
+    for i, (x, y) in enumerate(zip(reference, mine)):
+        lines.append(f"{i:>4}  {x:>12.6f}  {y:>13.6f}  {abs(x - y):>9.2e}")
+    return "\n".join(lines)
