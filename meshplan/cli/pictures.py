@@ -140,7 +140,7 @@ def draw_losses(steps: Sequence[int], mine: Sequence[float], reference: Sequence
                 path: str | Path, title: str) -> Path:
     """meshplan's loss per step beside the eager reference's, as a PNG."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.4), dpi=110)
     ax.plot(steps, reference, color="#0072B2", linewidth=3.5, alpha=0.45,
             label="eager PyTorch, one process")
     ax.plot(steps, mine, color="#D55E00", marker="o", markersize=4, linewidth=1.2,
@@ -152,7 +152,8 @@ def draw_losses(steps: Sequence[int], mine: Sequence[float], reference: Sequence
     ax.text(0.99, 0.02, f"max |diff| = {diff:.1e}", transform=ax.transAxes, ha="right",
             va="bottom", fontsize=9)
     ax.grid(color="0.9")
-    ax.legend(frameon=False)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
