@@ -12,6 +12,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from meshplan.driver.plan import plan_model
@@ -43,12 +44,27 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
                                f"{mesh.world} were asked for; recompile or match the mesh")
     else:
         job = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides).job
+    spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, "", threads,
+                   timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
+                   trace=bool(trace))
+    return launch(job, spec, t0, trace, kill=kill, on_step=on_step)
+
+
+def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None,
+           on_step=None) -> dict:
+    """Run `spec` on `job.mesh.world` local processes (results in a temporary
+    folder; `saved`, if given, is torch-saved there as the ranks' `module_file`)
+    and merge what they report."""
+    import torch
+
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
-        spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
-                       threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
-                       trace=bool(trace))
-        per_rank = launch_local(spec, mesh.world, job.to_bytes(),
-                                deadline_s=60 + steps * 60, kill=kill, on_step=on_step)
+        module_file = ""
+        if saved is not None:
+            module_file = str(Path(results) / "module.pt")
+            torch.save(saved, module_file)
+        spec = replace(spec, results=results, module_file=module_file)
+        per_rank = launch_local(spec, job.mesh.world, job.to_bytes(),
+                                deadline_s=60 + spec.steps * 60, kill=kill, on_step=on_step)
     return merge(per_rank, job, time.perf_counter() - t0, trace)
 
 

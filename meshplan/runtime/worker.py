@@ -46,6 +46,7 @@ class RunSpec:
     save_dir: str = ""
     resume: bool = False
     gather: bool = False
+    module_file: str = ""  # a user's module and batches (torch.save), not a zoo model
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -105,7 +106,6 @@ _CURRENT: dict = {}
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
            steps_done=None) -> int:
-    from meshplan.models import build_model, example_batch, model_config
     from meshplan.plan.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
@@ -125,9 +125,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
             progress[rank] = index
 
         ex.on_action = report
-    cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
-    torch.manual_seed(spec.seed)
-    module = build_model(cfg)
+    module, batch_of = _source(spec, job)
     state = ex.init_state(module)
     s = job.strategy
     start = 0
@@ -136,8 +134,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
     losses, times, trace = [], [], None
     for step in range(start, spec.steps):
-        batch = example_batch(cfg, s.global_batch_size, seed=spec.seed + step)
-        mbs = split_microbatches(batch, s.num_microbatches)
+        mbs = split_microbatches(batch_of(step), s.num_microbatches)
         t0 = time.perf_counter()
         if spec.trace and step == spec.steps - 1:
             out, trace = _traced_step(ex, comm, state, mbs)
@@ -166,6 +163,22 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         return 0
     write_atomic(Path(spec.results) / f"rank_{rank}.json", data)
     return 0
+
+
+def _source(spec: RunSpec, job: Job):
+    """The module (with its initial weights) and `batch_of(step)`, the global
+    batch of each step: a zoo model built from its config and seed, or the
+    user's module and batches saved by the launcher (`module_file`)."""
+    if spec.module_file:
+        saved = torch.load(spec.module_file, weights_only=False)
+        batches = saved["batches"]
+        return saved["module"], lambda step: batches[step]
+    from meshplan.models import build_model, example_batch, model_config
+
+    cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
+    torch.manual_seed(spec.seed)
+    gbs = job.strategy.global_batch_size
+    return build_model(cfg), lambda step: example_batch(cfg, gbs, seed=spec.seed + step)
 
 
 def _traced_step(ex, comm, state: dict, mbs) -> tuple[list, list]:
