@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from meshplan.schedules.action import Action, ActionType
-from meshplan.schedules.trace import Span
+from meshplan.schedules.trace import Span, action_of
 
 MAX_ROWS = 32
 # One hue per chunk (colour-blind-safe Okabe-Ito order); F light, B dark.
@@ -66,7 +66,7 @@ def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], pp: int, path: str
     chunks: set[int] = set()
     for y, (_, spans) in enumerate(rows):
         for s in spans:
-            a = _action(s.name)
+            a = action_of(s)
             if a is None:
                 continue
             if a.type.is_compute or a.type is ActionType.STEP:
@@ -98,13 +98,6 @@ def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], pp: int, path: str
     fig.savefig(path)
     plt.close(fig)
     return Path(path)
-
-
-def _action(name: str) -> Action | None:
-    try:
-        return Action.parse(name)
-    except Exception:  # noqa: BLE001 - a collective or a wait: not drawn
-        return None
 
 
 def _draw_compute(ax, a: Action, s: Span, y: int, pp: int, end: float) -> set[int]:

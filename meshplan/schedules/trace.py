@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from meshplan.errors import ScheduleError
 from meshplan.schedules.action import Action
 
 
@@ -57,13 +58,19 @@ def action_span(action: Action, start: float, end: float) -> Span:
     return Span(str(action), track_of(action), start, end)
 
 
-def _args(name: str) -> dict:
-    """Stage, micro-batch and type of an action's span (nothing for others)."""
+def action_of(span: Span) -> Action | None:
+    """The action a span times; None for a collective or a wait."""
     try:
-        a = Action.parse(name)
-    except Exception:  # noqa: BLE001 - a collective or a wait, not an action
-        return {}
-    return {"stage": a.stage, "microbatch": a.microbatch, "type": a.type.value}
+        return Action.parse(span.name)
+    except ScheduleError:
+        return None
+
+
+def _args(span: Span) -> dict:
+    """Stage, micro-batch and type of an action's span (nothing for others)."""
+    a = action_of(span)
+    return {} if a is None else {"stage": a.stage, "microbatch": a.microbatch,
+                                 "type": a.type.value}
 
 
 def chrome_events(spans: Mapping[int, Sequence[Span]], unit_us: float = 1e6) -> dict:
@@ -81,7 +88,7 @@ def chrome_events(spans: Mapping[int, Sequence[Span]], unit_us: float = 1e6) -> 
         for s in sorted(spans[rank], key=lambda s: (s.start, s.track.value)):
             events.append({"name": s.name, "cat": track_name(s), "ph": "X", "pid": rank,
                            "tid": s.track.value, "ts": s.start * unit_us,
-                           "dur": (s.end - s.start) * unit_us, "args": _args(s.name)})
+                           "dur": (s.end - s.start) * unit_us, "args": _args(s)})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
