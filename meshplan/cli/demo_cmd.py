@@ -51,7 +51,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     r = demo(Path(a.out), a.steps, a.workers, a.progress)
     ok = r["max_abs_diff"] <= a.tolerance
     r |= {"ok": ok, "tolerance": a.tolerance}
-    (Path(a.out) / "demo.json").write_text(json.dumps(r, indent=1))
+    r["files"]["summary"] = str(Path(a.out) / "demo.json")
+    Path(r["files"]["summary"]).write_text(json.dumps(r, indent=1))
     if a.json:
         print(json.dumps(r))
         return 0 if ok else 1

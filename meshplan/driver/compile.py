@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import gc
+import logging
 import multiprocessing as mp
 import os
 import resource
@@ -33,6 +34,8 @@ from meshplan.ops.temp import TempStats
 from meshplan.plan.files import plan_from_bytes, plan_name, plan_to_bytes, write_job
 from meshplan.plan.lower import lower
 from meshplan.plan.rankplan import RankPlan
+
+log = logging.getLogger("meshplan")
 
 
 def _plan_cache(digest: str) -> Path:
@@ -113,6 +116,8 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     batches = [ranks[i:i + size] for i in range(0, len(ranks), size)]
     stats: dict = {}
     procs: dict = {}
+    log.info("lowering %d ranks in %d worker processes (%d batches) into %s", len(ranks),
+             workers, len(batches), out)
     ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
     # Forked workers share the master's heap copy-on-write; a garbage
     # collection in a worker would touch (and copy) all of it. Measured: 0.25 s

@@ -8,6 +8,7 @@ there holds the replicated loss), the mean over the global batch per step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import tempfile
@@ -22,6 +23,8 @@ from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.launch import launch_local
 from meshplan.runtime.worker import RunSpec, rank_main
 from meshplan.schedules.trace import Span, bubble, chrome_events
+
+log = logging.getLogger("meshplan")
 
 
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
@@ -63,6 +66,8 @@ def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None
             module_file = str(Path(results) / "module.pt")
             torch.save(saved, module_file)
         spec = replace(spec, results=results, module_file=module_file)
+        log.info("starting %d rank processes for %d steps (plans: %s)", job.mesh.world,
+                 spec.steps, spec.plan_dir or "each rank lowers its own")
         per_rank = launch_local(spec, job.mesh.world, job.to_bytes(),
                                 deadline_s=60 + spec.steps * 60, kill=kill, on_step=on_step)
     return merge(per_rank, job, time.perf_counter() - t0, trace)

@@ -23,7 +23,7 @@ def test_demo_writes_its_pictures_and_the_measured_trace(tmp_path):
     r = json.loads(p.stdout)
     assert r["ok"] and len(r["losses"]) == len(r["ref_losses"]) == 2
     assert r["max_abs_diff"] <= 1e-5 and wall < 120
-    assert set(r["files"]) == {"plans", "schedule", "trace", "losses"}
+    assert set(r["files"]) == {"plans", "schedule", "trace", "losses", "summary"}
     assert_real_png(out / "schedule.png", min_colours=50)
     assert_real_png(out / "losses.png", min_colours=30)
     job, plans = read_dir(out / "plans")

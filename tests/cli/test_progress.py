@@ -35,3 +35,16 @@ def test_quiet_shows_nothing():
         _drive(p)
         p.line("narration")
         assert stream.getvalue() == ""
+
+
+def test_verbose_logs_and_quiet_silences_the_command(tmp_path):
+    from tests.cli.test_cli import run
+
+    args = ("compile", "--model", "gpt", "--devices-per-node", "2", "--pp", "2",
+            "--num-microbatches", "2", "--out", str(tmp_path / "p"))
+    loud = run("-v", *args)
+    assert loud.returncode == 0, loud.stderr
+    assert "INFO meshplan: lowering 2 ranks" in loud.stderr
+    assert "lowering ranks: 2/2" in loud.stderr
+    quiet = run("-q", *args)
+    assert quiet.returncode == 0 and quiet.stderr == "" and "compiled 2 rank plans" in quiet.stdout
