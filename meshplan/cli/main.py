@@ -203,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"meshplan: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a path that cannot be read or written: the user's to fix
+        if args.debug:
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(f"meshplan: error: cannot use{where}: {e.strerror or e}; check the path and "
+              "its permissions", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130

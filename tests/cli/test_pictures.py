@@ -32,11 +32,11 @@ def plans(tmp_path_factory):
     s = zoo_strategy("gpt", cfg, pp=2, vpp=2, global_batch_size=4, micro_batch_size=1)
     out = tmp_path_factory.mktemp("plans")
     compile_job(plan_model("gpt", "tiny", Mesh(1, 2), s).job, out, workers=1, use_cache=False)
-    return read_dir(out)
+    return (*read_dir(out), out)
 
 
 def test_schedule_png_has_one_colour_per_chunk(plans, tmp_path):
-    job, ranks = plans
+    job, ranks, _ = plans
     r = schedule_png(job, ranks, tmp_path / "schedule.png")
     assert r["bubble_ratio"] > 0
     img = assert_real_png(tmp_path / "schedule.png", min_colours=50)
@@ -54,3 +54,22 @@ def test_losses_png(tmp_path):
     mine = [5 - 0.1 * i for i in steps]
     draw_losses(steps, mine, [x + 1e-7 for x in mine], tmp_path / "losses.png", "GPT tiny")
     assert_real_png(tmp_path / "losses.png", min_colours=30)
+
+
+def test_many_ranks_draw_one_row_per_stage():
+    from meshplan.cli.pictures import MAX_ROWS, rows_of
+
+    spans = {0: [], 1: []}
+    few = rows_of(spans, {0: [0, 1], 1: [2, 3]})
+    assert [label for label, _ in few] == ["rank 0 (stage 0)", "rank 1 (stage 0)",
+                                           "rank 2 (stage 1)", "rank 3 (stage 1)"]
+    half = MAX_ROWS // 2 + 1
+    many = rows_of(spans, {0: list(range(half)), 1: list(range(half, 2 * half))})
+    assert [label for label, _ in many] == [f"stage 0: {half} ranks", f"stage 1: {half} ranks"]
+
+
+def test_a_picture_path_that_cannot_be_written_is_one_line(plans, tmp_path):
+    from tests.cli.test_cli import assert_user_error, run
+
+    bad = tmp_path / "missing" / "dir" / "s.png"
+    assert_user_error(run("show", str(plans[2]), "--png", str(bad)), "cannot use")
