@@ -40,7 +40,6 @@ class Comm:
                 pg = dist.new_group(list(g))
                 if rank in g:
                     self.groups[g] = pg
-
         self.spans: list | None = None  # when a list: each collective's Span is appended
 
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:

@@ -70,7 +70,7 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
     Under torchrun `job_bytes` is None: rank 0 runs `master()` (capture and
     planning) and broadcasts the Job's bytes; every rank lowers itself.
     `progress[rank]` is set to each action's index before it runs,
-    `steps_done[rank]` to the number of steps finished."""
+    `steps_done[rank]` to the steps finished (counting resumed ones)."""
     torch.set_num_threads(spec.threads)
     try:
         timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -144,7 +144,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         if out:
             losses.append(float(torch.stack(out).mean()))
         if steps_done is not None:
-            steps_done[rank] = step + 1 - start
+            steps_done[rank] = step + 1
     if spec.save_dir:
         ex.current = "save checkpoint"
         checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
