@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from meshplan.cli.flags import mesh_of, overrides, strategy_fields
 from meshplan.errors import ConfigError
@@ -23,14 +22,6 @@ def parse_ranks(text: str | None) -> list[int] | None:
         raise ConfigError(f"--ranks '{text}' is not a list like 0,17 or 0-7") from None
 
 
-def _progress(done: int, total: int) -> None:
-    if sys.stderr.isatty():
-        width = 30
-        fill = width * done // max(total, 1)
-        print(f"\r  lowering ranks [{'#' * fill}{'.' * (width - fill)}] {done}/{total}",
-              end="" if done < total else "\n", file=sys.stderr, flush=True)
-
-
 def cmd_compile(a: argparse.Namespace) -> int:
     from meshplan.driver.compile import compile_model
     from meshplan.driver.plan import zoo_strategy
@@ -38,10 +29,12 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
-    stats = compile_model(a.model, a.size, mesh_of(a), strategy, a.out, a.optimizer,
-                          lr=a.lr, ranks=parse_ranks(a.ranks), workers=a.workers,
-                          use_cache=not a.no_cache, progress=None if a.json else _progress,
-                          **overrides(a))
+    ranks = parse_ranks(a.ranks)
+    with a.progress.task("lowering ranks", len(ranks or range(mesh_of(a).world))) as update:
+        stats = compile_model(a.model, a.size, mesh_of(a), strategy, a.out, a.optimizer,
+                              lr=a.lr, ranks=ranks, workers=a.workers,
+                              use_cache=not a.no_cache, progress=lambda done, _: update(done),
+                              **overrides(a))
     if a.json:
         print(json.dumps(stats | {"ranks": {str(r): v for r, v in stats["ranks"].items()}}))
         return 0

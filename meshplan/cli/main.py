@@ -12,6 +12,8 @@ import logging
 import sys
 
 from meshplan.cli.compile_cmds import cmd_check, cmd_compile
+from meshplan.cli.demo_cmd import EPILOG as EPILOG_DEMO
+from meshplan.cli.demo_cmd import add_demo_flags, cmd_demo
 from meshplan.cli.flags import (
     add_model_flags,
     add_optimizer_flags,
@@ -23,7 +25,8 @@ from meshplan.cli.flags import (
     overrides,
     strategy_fields,
 )
-from meshplan.cli.run_cmd import cmd_run
+from meshplan.cli.progress import Progress
+from meshplan.cli.run_cmd import cmd_run, loss_table
 from meshplan.cli.show_cmd import cmd_show
 from meshplan.errors import MeshplanError
 
@@ -44,10 +47,13 @@ EPILOG_RUN = """examples:
   meshplan run --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4 --steps 10
   meshplan run --config bert_nl4_nah4_hs64_FP16_actrue_mp2_pp1_mb4_gb8_1n4g --steps 10
   torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST --master-port 29500 \\
-      -m meshplan run --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --json"""
+      -m meshplan run --model gpt --nodes 2 --devices-per-node 4 --tp 2 --pp 2 --json
+  meshplan run --model gpt --devices-per-node 2 --pp 2 --vpp 2 --num-microbatches 4 \\
+      --steps 3 --trace step.json"""
 EPILOG_SHOW = """examples:
   meshplan show plans/
-  meshplan show plans/ --rank 5 --trace step.json"""
+  meshplan show plans/ --rank 5 --trace step.json
+  meshplan show plans/ --png schedule.png --json"""
 EPILOG_CHECK = """examples:
   meshplan check plans/
   meshplan check plans/ --json"""
@@ -64,8 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="meshplan", description="A distributed-training compiler for PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
-    parser.add_argument("-q", "--quiet", action="store_true", help="errors only")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="errors only: no progress bars, no logging below ERROR")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = add_verb(sub, "demo", "the main job end to end on 8 local processes: compile, check, "
+                 "train beside eager PyTorch, draw the schedule and losses, write a trace",
+                 EPILOG_DEMO, cmd_demo, planning=False)
+    add_demo_flags(p)
 
     p = add_verb(sub, "inspect", "capture a model on the meta device and count it",
                  EPILOG_INSPECT, _cmd_inspect, planning=False)
@@ -103,12 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", default="", help="write a checkpoint there at the end")
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint in --save-dir (any parallel layout)")
+    p.add_argument("--trace", default="",
+                   help="write the last step, measured on every rank, as a Chrome trace")
 
     p = add_verb(sub, "show", "show a plan directory: ranks, pipeline grid, trace",
                  EPILOG_SHOW, cmd_show, planning=False)
     p.add_argument("dir", help="a directory written by `meshplan compile`")
     p.add_argument("--rank", type=int, default=None, help="only this rank")
     p.add_argument("--trace", default="", help="write a Chrome trace of the simulated step")
+    p.add_argument("--png", default="", help="draw the simulated step: one row per rank, "
+                   "F and B coloured by chunk, sends and receives marked, bubbles white")
 
     p = add_verb(sub, "check", "prove a plan directory consistent and simulate it",
                  EPILOG_CHECK, cmd_check, planning=False)
@@ -157,9 +173,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(r | {"ok": ok, "tolerance": a.tolerance}))
         return 0 if ok else 1
-    print(f"{'step':>4}  {'eager loss':>12}  {'meshplan loss':>13}  {'|diff|':>9}")
-    for i, (x, y) in enumerate(zip(r["ref_losses"], r["losses"])):
-        print(f"{i:>4}  {x:>12.6f}  {y:>13.6f}  {abs(x - y):>9.2e}")
+    print(loss_table(r["ref_losses"], r["losses"]))
     verdict = "OK" if ok else "MISMATCH"
     if "precision" in r:
         print(f"{r['precision']}: mean relative difference {r['mean_rel_diff']:.2e} to eager "
@@ -195,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose > 1 else
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    args.progress = Progress(quiet=args.quiet)
     try:
         apply_config(args)
         if getattr(args, "print_config", False):
@@ -206,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"meshplan: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a path that cannot be read or written: the user's to fix
+        if args.debug:
+            raise
+        where = f" {e.filename}" if e.filename else ""
+        print(f"meshplan: error: cannot use{where}: {e.strerror or e}; check the path and "
+              "its permissions", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("meshplan: interrupted", file=sys.stderr)
         return 130

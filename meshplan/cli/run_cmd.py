@@ -16,16 +16,18 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
     common = dict(steps=a.steps, optimizer=a.optimizer, seed=a.seed, threads=a.threads,
-                  timeout_s=a.timeout, lr=a.lr, **overrides(a))
+                  timeout_s=a.timeout, lr=a.lr, trace=a.trace, **overrides(a))
     if under_torchrun():
         r = run_torchrun(a.model, a.size, mesh_of(a), strategy, **common)
         if r is None:  # not rank 0: rank 0 reports for everyone
             return 0
     else:
-        r = run(a.model, a.size, mesh_of(a), strategy, plan_dir=a.plan_dir,
-                save_dir=a.save_dir, resume=a.resume, **common)
+        with a.progress.task("training steps", a.steps) as update:
+            r = run(a.model, a.size, mesh_of(a), strategy, plan_dir=a.plan_dir,
+                    save_dir=a.save_dir, resume=a.resume, on_step=update, **common)
     if a.json:
-        print(json.dumps({"losses": r["losses"], "step_s": r["step_s"], "ranks": r["ranks"]}))
+        print(json.dumps({"losses": r["losses"], "step_s": r["step_s"], "ranks": r["ranks"],
+                          "trace": r["trace"]}))
         return 0
     print(f"{'step':>4}  {'loss':>10}  {'step (ms)':>9}")
     for i, (loss, t) in enumerate(zip(r["losses"], r["step_s"])):
@@ -34,4 +36,21 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"{len(peaks)} ranks; peak memory per rank planned "
           f"{max(p for p, _ in peaks) / 2**20:.2f} MiB, measured "
           f"{max(m for _, m in peaks) / 2**20:.2f} MiB")
+    if r["trace"]:
+        print(trace_line(r["trace"]))
     return 0
+
+
+def trace_line(t: dict) -> str:
+    """The sentence that reports a measured trace."""
+    return (f"wrote {t['path']}: the last step measured on every rank, "
+            f"{t['step_s'] * 1e3:.1f} ms, bubble ratio {t['bubble_ratio']:.3f} "
+            "(open it in Perfetto or chrome://tracing)")
+
+
+def loss_table(reference: list[float], mine: list[float]) -> str:
+    """Eager's and meshplan's loss per step, side by side."""
+    lines = [f"{'step':>4}  {'eager loss':>12}  {'meshplan loss':>13}  {'|diff|':>9}"]
+    for i, (x, y) in enumerate(zip(reference, mine)):
+        lines.append(f"{i:>4}  {x:>12.6f}  {y:>13.6f}  {abs(x - y):>9.2e}")
+    return "\n".join(lines)

@@ -1,5 +1,6 @@
 """The `show` verb: what a plan directory holds, rank by rank, and the
-pipeline grid; optionally a Chrome/Perfetto trace of the simulated step."""
+pipeline grid; optionally the simulated step as a Chrome/Perfetto trace and
+as a picture."""
 
 from __future__ import annotations
 
@@ -26,9 +27,36 @@ def summary(plan) -> dict:
             "peers": sorted(peers), "actions": len(plan.actions)}
 
 
+def simulated(job, plans):
+    """The step simulated on the cost model; a user error when it cannot be."""
+    from meshplan.plan.check import simulate_plans
+
+    sim = simulate_plans(job, plans)
+    if sim is None:
+        raise ConfigError("the plan directory lacks a stage's plans; compile every rank "
+                          "(no --ranks) to simulate or draw the step")
+    return sim
+
+
+def schedule_png(job, plans, path: str | Path) -> dict:
+    """Draw the simulated step of `plans` at `path` (one row per rank)."""
+    from meshplan.cli.pictures import draw_schedule, rows_of
+    from meshplan.schedules.simulate import spans_of
+
+    sim = simulated(job, plans)
+    by_stage: dict[int, list[int]] = {}
+    for r, p in sorted(plans.items()):
+        by_stage.setdefault(p.stage, []).append(r)
+    s = job.strategy
+    title = (f"one training step, simulated on the cost model: pp={s.pp} vpp={s.vpp} "
+             f"dp={s.dp} tp={s.tp}, {s.num_microbatches} micro-batches, "
+             f"bubble ratio {sim.bubble_ratio:.2f}")
+    draw_schedule(rows_of(spans_of(sim), by_stage), s.pp, path, title)
+    return {"path": str(path), "bubble_ratio": sim.bubble_ratio, "step_s": sim.step_time}
+
+
 def cmd_show(a: argparse.Namespace) -> int:
     from meshplan.ir.fileio import write_atomic
-    from meshplan.plan.check import simulate_plans
     from meshplan.plan.files import read_dir
     from meshplan.schedules.grid import format_grid
     from meshplan.schedules.simulate import chrome_trace
@@ -39,10 +67,11 @@ def cmd_show(a: argparse.Namespace) -> int:
     shown = [plans[a.rank]] if a.rank is not None else [plans[r] for r in sorted(plans)]
     rows = [summary(p) for p in shown]
     if a.trace:
-        sim = simulate_plans(job, plans)
+        sim = simulated(job, plans)
         write_atomic(Path(a.trace), json.dumps(chrome_trace(sim, unit_us=1e6)).encode())
+    png = schedule_png(job, plans, a.png) if a.png else None
     if a.json:
-        print(json.dumps({"ranks": rows, "trace": a.trace or None}))
+        print(json.dumps({"ranks": rows, "trace": a.trace or None, "png": png}))
         return 0
     for r in rows:
         peak = r["planned_peak"]
@@ -58,4 +87,6 @@ def cmd_show(a: argparse.Namespace) -> int:
     print(format_grid(stages, max_rows=64))
     if a.trace:
         print(f"\nwrote {a.trace} (simulated step; open it in Perfetto or chrome://tracing)")
+    if png:
+        print(f"wrote {a.png} (the simulated step drawn, one row per rank)")
     return 0

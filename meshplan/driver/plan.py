@@ -6,6 +6,7 @@ count), so it says exactly what the ranks will be asked to do.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from meshplan.passes.boxing import BOXING_KINDS
 from meshplan.passes.plan import plan_job
 from meshplan.passes.precision import apply_precision
 from meshplan.passes.strategy import MEGATRON_PLAN, check_heads, check_strategy
+
+log = logging.getLogger("meshplan")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,8 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
                              strategy.num_microbatches, loss_scale=strategy.precision == "fp16")
     timings: dict = {"autodiff": time.perf_counter() - t1}
     job = plan_job(graph, mesh, strategy, timings=timings)
+    log.info("%s %s: captured in %.2f s, planned in %.2f s (%d ops in the Job)", model, size,
+             t1 - t0, sum(timings.values()), len(job.graph.ops))
     return Planned(job, t1 - t0, timings)
 
 

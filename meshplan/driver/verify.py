@@ -36,13 +36,15 @@ def verify(
     mesh: Mesh | None = None,
     strategy: Strategy | None = None,
     lr: float | None = None,
+    run_options: dict | None = None,
     **overrides,
 ) -> dict:
     """Train `steps` steps both ways; returns losses, max_abs_diff and timings.
 
     With a `mesh` and `strategy`, meshplan compiles the Job and trains on one
     local process per rank (gloo); the eager reference sees the same global
-    batches, split into the same micro-batches (of micro_batch_size x dp)."""
+    batches, split into the same micro-batches (of micro_batch_size x dp);
+    `run_options` go to `driver.run.run` (plan_dir, trace, on_step, ...)."""
     if strategy is not None:
         global_batch_size = strategy.global_batch_size
         num_microbatches = strategy.num_microbatches
@@ -61,8 +63,9 @@ def verify(
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
     if strategy is not None and (mesh is None or mesh.world > 1 or strategy.recompute != "none"):
         mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
-        result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr, **overrides)
-        mine = {"mode": "distributed", "losses": result["losses"],
+        result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr,
+                     **(run_options or {}), **overrides)
+        mine = {"mode": "distributed", "losses": result["losses"], "trace": result["trace"],
                 "step_s": result["median_step_s"], "ranks": result["ranks"],
                 "ops": None, "capture_s": None, "autodiff_s": None,
                 "measured_peak_bytes": max(r["measured_peak_bytes"]

@@ -16,8 +16,12 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+from meshplan.schedules.trace import Span, Track
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -36,11 +40,13 @@ class Comm:
                 pg = dist.new_group(list(g))
                 if rank in g:
                     self.groups[g] = pg
-
+        self.spans: list | None = None  # when a list: each collective's Span is appended
 
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
+        t0 = time.perf_counter()
         out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=_OPS[op], group=self.groups[group])
+        self._record(f"all_reduce({op}) {list(group)}", t0)
         return out
 
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
@@ -49,9 +55,15 @@ class Comm:
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         """Gather along `dim`; `shapes` are every member's local shapes."""
+        t0 = time.perf_counter()
         parts = [torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes]
         dist.all_gather(parts, x.contiguous(), group=self.groups[group])
+        self._record(f"all_gather {list(group)}", t0)
         return torch.cat(parts, dim=dim)
+
+    def _record(self, name: str, t0: float) -> None:
+        if self.spans is not None:
+            self.spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
 
 
 def job_groups(strategy) -> list[tuple[int, ...]]:

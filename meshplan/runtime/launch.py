@@ -35,9 +35,10 @@ def _context():
 
 
 def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float = 600.0,
-                 kill: tuple[int, float] | None = None) -> dict[int, dict]:
+                 kill: tuple[int, float] | None = None, on_step=None) -> dict[int, dict]:
     """Run `world` ranks locally; returns each rank's result. `kill` =
-    (rank, seconds): kill that rank after that long (a fault test)."""
+    (rank, seconds): kill that rank after that long (a fault test).
+    `on_step(k)` is called whenever every rank has finished k steps."""
     results = Path(spec.results)
     results.mkdir(parents=True, exist_ok=True)
     job_path = results / "job.bin"
@@ -45,13 +46,16 @@ def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float 
     port = free_port()
     ctx = _context()
     progress = ctx.Array("i", [-1] * world, lock=False)
+    steps_done = ctx.Array("i", [0] * world, lock=False)
     procs = [ctx.Process(target=spawn_entry,
-                         args=(spec.to_json(), r, world, str(job_path), port, progress),
+                         args=(spec.to_json(), r, world, str(job_path), port, progress,
+                               steps_done),
                          name=f"meshplan-rank-{r}") for r in range(world)]
     for p in procs:
         p.start()
     try:
-        _watch(procs, results, deadline_s, kill, progress, job_bytes)
+        _watch(procs, results, deadline_s, kill, progress, job_bytes,
+               _step_reporter(steps_done, on_step))
     finally:
         for p in procs:
             if p.is_alive():
@@ -60,11 +64,27 @@ def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float 
     return {r: json.loads((results / f"rank_{r}.json").read_text()) for r in range(world)}
 
 
-def _watch(procs, results: Path, deadline_s: float, kill, progress, job_bytes) -> None:
+def _step_reporter(steps_done, on_step):
+    """A poll function calling `on_step(k)` each time the slowest rank's
+    finished-step count k grows."""
+    seen = [0]
+
+    def poll() -> None:
+        k = min(steps_done)
+        if on_step is not None and k > seen[0]:
+            seen[0] = k
+            on_step(k)
+
+    return poll
+
+
+def _watch(procs, results: Path, deadline_s: float, kill, progress, job_bytes,
+           poll=lambda: None) -> None:
     start = time.monotonic()
     killed = False
     while any(p.is_alive() for p in procs):
         time.sleep(0.05)
+        poll()
         if kill is not None and not killed and time.monotonic() - start > kill[1]:
             procs[kill[0]].kill()
             killed = True
@@ -78,6 +98,7 @@ def _watch(procs, results: Path, deadline_s: float, kill, progress, job_bytes) -
         if time.monotonic() - start > deadline_s:
             raise RuntimeFault(f"the run exceeded its {deadline_s:.0f} s deadline; ranks still "
                                f"running: {[r for r, p in enumerate(procs) if p.is_alive()]}")
+    poll()
 
 
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:

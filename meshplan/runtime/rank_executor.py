@@ -19,10 +19,14 @@ Invariants:
   over the whole world makes every rank skip, or take, the same step, and
   every rank moves its own copy of the scale the same way (halve on
   overflow, double after `GROWTH_INTERVAL` good steps), as GradScaler does.
+- With `spans` set to a list, a step appends one `Span` per action (and one
+  for waiting on the sends) in `time.perf_counter()` seconds; tracing costs
+  two clock reads per action, so it is on only for the traced step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -37,6 +41,7 @@ from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.memory import LiveBytes
 from meshplan.runtime.transfers import Transfers
 from meshplan.schedules.action import ActionType
+from meshplan.schedules.trace import Span, Track, action_span
 
 _PER_MICROBATCH = (Role.BUFFER, Role.GRAD)
 STEP_KEY = (-1, Phase.OPTIMIZER)
@@ -56,6 +61,7 @@ class RankExecutor:
         self.mem = LiveBytes()
         self.current = "load"
         self.on_action = None  # called with each action's index (a launcher's watchdog)
+        self.spans: list | None = None  # when a list: each action's Span is appended
         g = job.graph
         self.names = {v.id: v.name for v in g.values if v.role not in (Role.INTERNAL, Role.DATA)}
         roles = {v.name: v.role for v in g.values if v.role is not Role.INTERNAL}
@@ -158,25 +164,18 @@ class RankExecutor:
             self.current = str(action)
             if self.on_action is not None:
                 self.on_action(index)
+            t0 = time.perf_counter()
             ahead = self.next_recv[index]
             if ahead is not None:  # post the next receive while this action runs
                 self.transfers.post_recv(self.plan.actions[ahead])
-            t = action.type
-            if t is ActionType.STEP:
-                if not self.fp16 or self._unscale(state):
-                    self._run(STEP_KEY, {}, state)
-            elif t in (ActionType.F, ActionType.B):
-                env = envs[action.microbatch]
-                phase = Phase.FORWARD if t is ActionType.F else Phase.BACKWARD
-                self._run((action.stage // self.pp, phase), env, state)
-                if self.job.graph.loss in env and action.microbatch not in losses:
-                    losses[action.microbatch] = env[self.job.graph.loss].detach()
-            elif t in (ActionType.SEND_F, ActionType.SEND_B):
-                self.transfers.send(action, envs[action.microbatch], self.mem)
-            else:
-                self.transfers.recv(action, envs[action.microbatch], self.mem)
+            self._action(action, envs, state, losses)
+            if self.spans is not None:
+                self.spans.append(action_span(action, t0, time.perf_counter()))
         self.current = "wait sends"
+        t0 = time.perf_counter()
         self.transfers.wait_sends()
+        if self.spans is not None:
+            self.spans.append(Span("wait sends", Track.COMM, t0, time.perf_counter()))
         self.current = "done"
         return [losses[k] for k in sorted(losses)]
 
@@ -201,6 +200,22 @@ class RankExecutor:
         if self.good_steps == GROWTH_INTERVAL:
             self.loss_scale, self.good_steps = self.loss_scale * 2, 0
         return True
+
+    def _action(self, action, envs: list[dict], state: dict, losses: dict) -> None:
+        t = action.type
+        if t is ActionType.STEP:
+            if not self.fp16 or self._unscale(state):
+                self._run(STEP_KEY, {}, state)
+        elif t in (ActionType.F, ActionType.B):
+            env = envs[action.microbatch]
+            phase = Phase.FORWARD if t is ActionType.F else Phase.BACKWARD
+            self._run((action.stage // self.pp, phase), env, state)
+            if self.job.graph.loss in env and action.microbatch not in losses:
+                losses[action.microbatch] = env[self.job.graph.loss].detach()
+        elif t in (ActionType.SEND_F, ActionType.SEND_B):
+            self.transfers.send(action, envs[action.microbatch], self.mem)
+        else:
+            self.transfers.recv(action, envs[action.microbatch], self.mem)
 
     def _run(self, key, env: dict, state: dict) -> None:
         seg = self.segments.get(key)

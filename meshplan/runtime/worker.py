@@ -18,7 +18,7 @@ import json
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ class RunSpec:
     save_dir: str = ""
     resume: bool = False
     gather: bool = False
+    module_file: str = ""  # a user's module and batches (torch.save), not a zoo model
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -62,11 +63,14 @@ def _groups(plan) -> list[tuple[int, ...]]:
 
 
 def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
-              init_method: str | None = None, progress=None, master=None) -> int:
+              init_method: str | None = None, progress=None, master=None,
+              steps_done=None) -> int:
     """Run one rank; returns its exit code (0 ok, 1 failed and reported).
 
     Under torchrun `job_bytes` is None: rank 0 runs `master()` (capture and
-    planning) and broadcasts the Job's bytes; every rank lowers itself."""
+    planning) and broadcasts the Job's bytes; every rank lowers itself.
+    `progress[rank]` is set to each action's index before it runs,
+    `steps_done[rank]` to the steps finished (counting resumed ones)."""
     torch.set_num_threads(spec.threads)
     try:
         timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -79,7 +83,7 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
 
             job_bytes = broadcast_bytes(master() if rank == 0 else None, src=0)
         job = Job.from_bytes(job_bytes)
-        return _train(spec, job, rank, world, progress)
+        return _train(spec, job, rank, world, progress, steps_done)
     except Exception as e:  # reported, then the launcher ends the others
         ex = _CURRENT.get("executor")
         where = ex.current if ex is not None else "setup"
@@ -100,8 +104,8 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
 _CURRENT: dict = {}
 
 
-def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int:
-    from meshplan.models import build_model, example_batch, model_config
+def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
+           steps_done=None) -> int:
     from meshplan.plan.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
@@ -121,30 +125,33 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
             progress[rank] = index
 
         ex.on_action = report
-    cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
-    torch.manual_seed(spec.seed)
-    module = build_model(cfg)
+    module, batch_of = _source(spec, job)
     state = ex.init_state(module)
     s = job.strategy
     start = 0
     if spec.resume:
         ex.current = "load checkpoint"
         start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
-    losses, times = [], []
+    losses, times, trace = [], [], None
     for step in range(start, spec.steps):
-        batch = example_batch(cfg, s.global_batch_size, seed=spec.seed + step)
-        mbs = split_microbatches(batch, s.num_microbatches)
+        mbs = split_microbatches(batch_of(step), s.num_microbatches)
         t0 = time.perf_counter()
-        out = ex.step(state, mbs)
+        if spec.trace and step == spec.steps - 1:
+            out, trace = _traced_step(ex, comm, state, mbs)
+        else:
+            out = ex.step(state, mbs)
         times.append(time.perf_counter() - t0)
         if out:
             losses.append(float(torch.stack(out).mean()))
+        if steps_done is not None:
+            steps_done[rank] = step + 1
     if spec.save_dir:
         ex.current = "save checkpoint"
         checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
     result = {"rank": rank, "losses": losses, "step_s": times, "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
-              "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak}
+              "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak,
+              "trace": trace}
     data = json.dumps(result).encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
         from meshplan.runtime.comm import gather_bytes
@@ -156,6 +163,44 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
         return 0
     write_atomic(Path(spec.results) / f"rank_{rank}.json", data)
     return 0
+
+
+def _source(spec: RunSpec, job: Job):
+    """The module (with its initial weights) and `batch_of(step)`, the global
+    batch of each step: a zoo model built from its config and seed, or the
+    user's module and batches saved by the launcher (`module_file`)."""
+    if spec.module_file:
+        saved = torch.load(spec.module_file, weights_only=False)
+        batches = saved["batches"]
+        return saved["module"], lambda step: batches[step]
+    from meshplan.models import build_model, example_batch, model_config
+
+    cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
+    torch.manual_seed(spec.seed)
+    gbs = job.strategy.global_batch_size
+    return build_model(cfg), lambda step: example_batch(cfg, gbs, seed=spec.seed + step)
+
+
+def _traced_step(ex, comm, state: dict, mbs) -> tuple[list, list]:
+    """One step with every action and collective timed: its losses, and its
+    spans (`Span.to_json` rows) in seconds from a barrier all ranks leave
+    together, so ranks on different machines share the origin up to the
+    barrier's skew."""
+    if dist.is_initialized():
+        dist.barrier()
+    origin = time.perf_counter()
+    spans: list = []
+    ex.spans = spans
+    if comm is not None:
+        comm.spans = spans
+    try:
+        out = ex.step(state, mbs)
+    finally:
+        ex.spans = None
+        if comm is not None:
+            comm.spans = None
+    return out, [replace(s, start=s.start - origin, end=s.end - origin).to_json()
+                 for s in spans]
 
 
 def _plan(spec: RunSpec, job: Job, rank: int, lower):
@@ -170,10 +215,11 @@ def _plan(spec: RunSpec, job: Job, rank: int, lower):
 
 
 def spawn_entry(spec_json: str, rank: int, world: int, job_path: str, port: int,
-                progress=None) -> None:
+                progress=None, steps_done=None) -> None:
     """Target of a locally spawned rank process."""
     spec = RunSpec.from_json(spec_json)
     job_bytes = Path(job_path).read_bytes()
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
-    code = rank_main(spec, rank, world, job_bytes, f"tcp://127.0.0.1:{port}", progress)
+    code = rank_main(spec, rank, world, job_bytes, f"tcp://127.0.0.1:{port}", progress,
+                     steps_done=steps_done)
     raise SystemExit(code)

@@ -29,6 +29,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from meshplan.schedules import trace
 from meshplan.schedules.action import Action, ActionType, rank_of
 from meshplan.schedules.comm import EdgeLike, Transfer, normalize_edges, num_stages_of
 from meshplan.schedules.grid import format_grid
@@ -142,7 +143,7 @@ class _Sim:
             return SimResult(False, self.explain(stuck), math.inf, dict(self.busy), finish,
                              math.inf, {r: math.inf for r in self.actions}, self.timeline)
         step = max(finish.values(), default=0.0)
-        per_rank = {r: _ratio(step - b, b) for r, b in self.busy.items()}
+        per_rank = {r: trace.ratio(step - b, b) for r, b in self.busy.items()}
         return SimResult(True, None, step, dict(self.busy), finish,
                          max(per_rank.values(), default=0.0), per_rank, self.timeline)
 
@@ -181,27 +182,15 @@ _SEND = {ActionType.F: ActionType.SEND_F, ActionType.B: ActionType.SEND_B}
 _RECV = {ActionType.F: ActionType.RECV_F, ActionType.B: ActionType.RECV_B}
 
 
-def _ratio(idle: float, busy: float) -> float:
-    if busy > 0:
-        return idle / busy
-    return 0.0 if idle <= 0 else math.inf
-
-
 def chrome_trace(result: SimResult, unit_us: float = 1000.0) -> dict:
     """Chrome/Perfetto trace JSON: one process per rank, one complete event per action.
 
     One simulated cost unit lasts `unit_us` microseconds (1 ms by default).
     """
-    events: list[dict] = []
-    for rank in sorted(result.timeline):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                       "args": {"name": f"rank {rank}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
-                       "args": {"sort_index": rank}})
-        for a, start, end in result.timeline[rank]:
-            cat = "compute" if a.type.is_compute or a.type is ActionType.STEP else "comm"
-            events.append({"name": str(a), "cat": cat, "ph": "X", "pid": rank, "tid": 0,
-                           "ts": start * unit_us, "dur": (end - start) * unit_us,
-                           "args": {"stage": a.stage, "microbatch": a.microbatch,
-                                    "type": a.type.value}})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return trace.chrome_events(spans_of(result), unit_us)
+
+
+def spans_of(result: SimResult) -> dict[int, list[trace.Span]]:
+    """The simulated timeline as trace spans (rank -> spans, in cost units)."""
+    return {r: [trace.action_span(a, s, e) for a, s, e in result.timeline[r]]
+            for r in sorted(result.timeline)}

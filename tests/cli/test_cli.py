@@ -64,7 +64,19 @@ def test_debug_shows_the_traceback():
     assert p.returncode != 0 and "Traceback" in p.stderr
 
 
-def test_every_verb_has_help_with_examples():
-    for verb in ("inspect", "verify"):
-        p = run(verb, "--help")
-        assert p.returncode == 0 and "examples:" in p.stdout
+def verbs() -> dict:
+    from meshplan.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "verb")
+    return dict(sub.choices)
+
+
+def test_every_verb_has_help_with_examples_and_json():
+    found = verbs()
+    assert {"inspect", "verify", "plan", "compile", "check", "show", "run", "demo"} <= set(found)
+    for name, parser in found.items():
+        text = parser.format_help()
+        assert "examples:" in text and f"meshplan {name}" in text.split("examples:")[1], name
+        assert "--json" in text, name
+    p = run("demo", "--help")  # and through the real command
+    assert p.returncode == 0 and "examples:" in p.stdout

@@ -15,9 +15,11 @@ def test_show_summaries_grid_and_trace(tmp_path):
     compile_job(plan_model("gpt", "tiny", Mesh(1, 2), s).job, tmp_path / "p", workers=1,
                 use_cache=False)
     trace = tmp_path / "t.json"
-    p = run("show", str(tmp_path / "p"), "--json", "--trace", str(trace))
+    png = tmp_path / "s.png"
+    p = run("show", str(tmp_path / "p"), "--json", "--trace", str(trace), "--png", str(png))
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
+    assert r["png"]["path"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
     assert [x["rank"] for x in r["ranks"]] == [0, 1]
     assert all(x["tasks"]["send"] > 0 and x["peers"] for x in r["ranks"])
     events = json.loads(trace.read_text())["traceEvents"]

@@ -37,7 +37,7 @@ def test_two_torchrun_node_launches_match_eager(tmp_path):
     port = free_port()
     args = ["-m", "meshplan", "run", "--model", "gpt", "--nodes", "2", "--devices-per-node",
             "4", "--tp", "2", "--pp", "2", "--global-batch-size", "8", "--micro-batch-size",
-            "2", "--steps", "10", "--json"]
+            "2", "--steps", "10", "--json", "--trace", str(tmp_path / "trace.json")]
     env = {**os.environ, "MESHPLAN_CACHE_DIR": str(tmp_path / "cache")}
     nodes = []
     for node in (0, 1):
@@ -52,6 +52,10 @@ def test_two_torchrun_node_launches_match_eager(tmp_path):
     ref = _eager("gpt", 10, 8, 2)
     assert len(r["ranks"]) == 8
     assert max(abs(a - b) for a, b in zip(r["losses"], ref)) <= 1e-4
+    # rank 0 merged the last step of all 8 ranks (gathered, no shared files)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == set(range(8))
+    assert r["trace"]["bubble_ratio"] >= 0
 
 
 def test_a_killed_rank_ends_the_job_naming_it():

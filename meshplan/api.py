@@ -1,0 +1,157 @@
+"""The public Python API: six verbs over any `nn.Module`
+(`import meshplan.api as mp`).
+
+    graph = capture(module, one_microbatch)          # torch.export -> Graph
+    job   = plan(graph, mesh, strategy)              # train step, SBP, stages -> Job
+    stats = compile(job, "plans/")                   # one RankPlan file per rank
+    res   = check("plans/")                          # consistent? bubble, peaks
+    out   = run(job, module, batches)                # one local process per rank
+    out   = verify(job, module, batches)             # run, beside eager PyTorch
+
+Invariants:
+- Each function is a thin, documented entry over the layer that does the
+  work (capture/export.py, passes/plan.py, driver/compile.py,
+  plan/check.py, driver/run.py, driver/reference.py); none adds behaviour
+  of its own besides argument checks.
+- `run` and `verify` start the ranks from a fork server: call them under
+  `if __name__ == "__main__":`, and define the module's class at the top of
+  an importable file (each rank unpickles the module).
+- A user mistake raises a `ConfigError` that says what to change.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshplan.autodiff import OptimizerConfig
+from meshplan.errors import ConfigError
+from meshplan.ir.mesh import Mesh, Strategy
+
+__all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile", "plan", "run",
+           "verify"]
+
+
+def capture(module, inputs: tuple, loss_fn=None, targets: tuple = ()):
+    """Capture `module` called on `inputs` (one micro-batch: micro_batch_size x
+    dp samples) as a forward `Graph` ending in a scalar loss.
+
+    A module that returns its loss needs no `loss_fn`; otherwise the loss is
+    `loss_fn(module(*inputs), *targets)`."""
+    from meshplan.capture import capture as _capture
+
+    return _capture(module, tuple(inputs), loss_fn=loss_fn, targets=tuple(targets))
+
+
+def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
+    """The `Job` of `graph` (from `capture`) on `mesh` under `strategy`: the
+    whole train step (forward, backward, accumulation over the strategy's
+    micro-batches, the optimizer), laid out in SBP, boxed and staged.
+
+    `optimizer` is "sgd", "adamw" or an `OptimizerConfig`; `lr` overrides
+    its learning rate."""
+    from dataclasses import replace
+
+    from meshplan.autodiff import build_train_step
+    from meshplan.ir import Role
+    from meshplan.passes.plan import plan_job
+    from meshplan.passes.strategy import check_strategy
+
+    strategy = check_strategy(mesh, strategy)
+    want = strategy.micro_batch_size * strategy.dp
+    for v in graph.inputs_by_role(Role.DATA):
+        if v.meta.shape and v.meta.shape[0] != want:
+            raise ConfigError(
+                f"input '{v.name}' was captured with batch {v.meta.shape[0]}, but one "
+                f"micro-batch is micro_batch_size {strategy.micro_batch_size} x dp "
+                f"{strategy.dp} = {want} samples; capture on a batch of {want}")
+    if isinstance(optimizer, str):
+        opt = OptimizerConfig.default(optimizer, lr)
+    else:
+        opt = optimizer if lr is None else replace(optimizer, lr=lr)
+    step = build_train_step(graph, opt, strategy.num_microbatches)
+    return plan_job(step, mesh, strategy)
+
+
+def compile(job, out: str | Path, ranks: Sequence[int] | None = None,
+            workers: int | None = None, progress=None) -> dict:
+    """Write `out/job.json` and one plan file per rank (default: all ranks),
+    each rank lowered in a worker process; returns timings per rank.
+    `progress(done, total)` is called as ranks finish."""
+    from meshplan.driver.compile import compile_job
+
+    return compile_job(job, out, None if ranks is None else list(ranks), workers,
+                       progress=progress)
+
+
+def check(plans: str | Path | tuple):
+    """Prove a plan directory (or a `(job, {rank: RankPlan})` pair) consistent:
+    unique ids, matched send/recv, ordered collectives, a deadlock-free
+    simulated step. Returns a `CheckResult` (`ok`, `errors`, `bubble_ratio`,
+    `predicted_step_s`, per-rank peaks); never raises for a bad plan."""
+    from meshplan.plan.check import check_plans
+    from meshplan.plan.files import read_dir
+
+    job, by_rank = plans if isinstance(plans, tuple) else read_dir(Path(plans))
+    return check_plans(job, by_rank)
+
+
+def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = "",
+        timeout_s: float = 60.0, threads: int = 1) -> dict:
+    """Train `module` (its current weights) for `len(batches)` steps on
+    `job.mesh.world` local gloo processes, one per rank; `batches[k]` is the
+    global batch of step k (a tuple like the captured inputs, with
+    global_batch_size samples). The module itself is not changed.
+
+    Returns `losses` (mean over the global batch, per step), `step_s`, memory
+    per rank, and with `trace` (a path) the measured last step there."""
+    from meshplan.driver.run import launch
+    from meshplan.runtime.worker import RunSpec
+
+    batches = _checked(job, batches)
+    spec = RunSpec("custom", "", (), len(batches), 0, "", threads, timeout_s,
+                   plan_dir=str(plan_dir), trace=bool(trace))
+    return launch(job, spec, time.perf_counter(), trace,
+                  saved={"module": module, "batches": batches})
+
+
+def verify(job, module, batches: Sequence[tuple], tolerance: float = 1e-5, **run_options) -> dict:
+    """`run`, then the same steps with eager PyTorch on one process from the
+    same weights (micro-batches and optimizer alike); returns both loss
+    curves, `max_abs_diff` and `ok` (max_abs_diff <= tolerance)."""
+    from meshplan.driver.reference import eager_train
+
+    mine = run(job, module, batches, **run_options)
+    ref, _ = eager_train(copy.deepcopy(module), list(batches),
+                         job.strategy.num_microbatches, optimizer_of(job))
+    diff = max(abs(a - b) for a, b in zip(mine["losses"], ref))
+    return mine | {"ref_losses": ref, "max_abs_diff": diff, "ok": diff <= tolerance}
+
+
+def optimizer_of(job):
+    """The `OptimizerConfig` the Job's optimizer ops were built with."""
+    for op in job.graph.ops:
+        kind = op.kind.removeprefix("meshplan.")
+        if kind in ("sgd", "adamw"):
+            kw = dict(op.kwargs)
+            if kind == "adamw":
+                return OptimizerConfig("adamw", lr=kw["lr"], weight_decay=kw["weight_decay"],
+                                       betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"])
+            return OptimizerConfig("sgd", lr=kw["lr"], momentum=kw["momentum"],
+                                   weight_decay=kw["weight_decay"])
+    raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
+
+
+def _checked(job, batches: Sequence[tuple]) -> list[tuple]:
+    batches = [tuple(b) for b in batches]
+    if not batches:
+        raise ConfigError("run needs at least one batch (one per training step)")
+    gbs = job.strategy.global_batch_size
+    for k, b in enumerate(batches):
+        sizes = {t.shape[0] for t in b if getattr(t, "ndim", 0)}
+        if sizes != {gbs}:
+            raise ConfigError(f"batch {k} has {sorted(sizes)} samples but the strategy's "
+                              f"global batch is {gbs}; give every step {gbs} samples")
+    return batches

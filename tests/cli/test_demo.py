@@ -1,0 +1,39 @@
+"""`meshplan demo`, as the README tells a user to run it (fewer steps)."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshplan.plan.files import read_dir
+from tests.cli.test_pictures import assert_real_png
+from tests.runtime.test_trace import assert_trace_covers_plans
+
+
+@pytest.mark.slow
+def test_demo_writes_its_pictures_and_the_measured_trace(tmp_path):
+    out = tmp_path / "demo"
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "meshplan", "demo", "--steps", "2", "--out",
+                        str(out), "--json"], capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    assert r["ok"] and len(r["losses"]) == len(r["ref_losses"]) == 2
+    assert r["max_abs_diff"] <= 1e-5 and wall < 120
+    assert set(r["files"]) == {"plans", "schedule", "trace", "losses", "summary"}
+    assert_real_png(out / "schedule.png", min_colours=50)
+    assert_real_png(out / "losses.png", min_colours=30)
+    job, plans = read_dir(out / "plans")
+    assert len(plans) == 8 and job.strategy.vpp == 2 and job.strategy.num_microbatches == 8
+    assert_trace_covers_plans(json.loads((out / "trace.json").read_text()), plans)
+    assert 0 <= r["trace"]["bubble_ratio"] and 0 < r["simulated"]["bubble_ratio"] < 1
+    assert "training on 8 processes: 2/2" in p.stderr  # plain progress lines off a terminal
+
+
+def test_a_bad_step_count_is_one_line():
+    from tests.cli.test_cli import assert_user_error, run
+
+    assert_user_error(run("-q", "demo", "--steps", "0"), "--steps")
