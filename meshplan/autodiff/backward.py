@@ -38,19 +38,21 @@ from meshplan.ops.table import rule_for
 
 def build_train_step(
     graph: Graph, optimizer: OptimizerConfig | None = None, num_microbatches: int = 1,
-    loss_scale: bool = False,
+    loss_scale: float | None = None,
 ) -> Graph:
     """Append backward, gradient accumulation and optimizer ops to `graph`."""
     optimizer = optimizer or OptimizerConfig()
     b = GraphBuilder(graph)
     needs = _requires_grad(graph)
     scale = b.add_input(TensorMeta((), DType("float32")), Role.OPT_STATE, LOSS_SCALE) \
-        if loss_scale else None
+        if loss_scale is not None else None
     param_grads = _emit_backward(b, graph, needs, num_microbatches, scale)
     accs = _emit_accumulate(b, graph, param_grads)
     _emit_optimizer(b, graph, accs, optimizer)
     meta = graph.meta + (("optimizer", optimizer.kind),
                          ("num_microbatches", str(num_microbatches)))
+    if loss_scale is not None:
+        meta += (("loss_scale", repr(float(loss_scale))),)
     b.ops = list(_accumulate_early(b.ops))
     step = b.build(graph.loss, meta=meta)
     verify(step)

@@ -72,8 +72,13 @@ def initial_state(slot: str, like: torch.Tensor) -> torch.Tensor | None:
     return torch.zeros_like(like, memory_format=torch.preserve_format)
 
 
-# fp16 dynamic loss scaling (torch.amp.GradScaler's defaults): the scale is a
-# step-level state every rank holds; the backward seed is multiplied by it.
+# fp16 dynamic loss scaling (torch.amp.GradScaler's rule): the scale is a
+# step-level state every rank holds (and checkpoints); the backward seed is
+# multiplied by it. Its first value is the train step's meta "loss_scale".
 LOSS_SCALE = "amp@loss_scale"
 INIT_SCALE = 2.0 ** 16
 GROWTH_INTERVAL = 2000
+
+
+def initial_loss_scale(graph) -> float:
+    return float(dict(graph.meta).get("loss_scale", INIT_SCALE))

@@ -50,6 +50,8 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="compute precision: bf16/fp16 run matmul, linear, attention and conv "
                    "in low precision with fp32 master weights (fp16 adds loss scaling)")
+    g.add_argument("--initial-loss-scale", type=float, default=65536.0,
+                   help="fp16: the dynamic loss scale to start from (default 2^16)")
     g.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
                    help="activation checkpointing: full keeps only each region's input, "
                    "selective also keeps matmul/attention outputs")
@@ -115,7 +117,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": a.vpp, "global_batch_size": gbs,
               "micro_batch_size": mbs,
               "schedule": a.schedule or ("interleaved" if a.vpp > 1 else "1f1b"),
-              "precision": a.precision, "recompute": a.recompute}
+              "precision": a.precision, "recompute": a.recompute,
+              "initial_loss_scale": a.initial_loss_scale}
     if a.recompute_pattern:
         fields["recompute_pattern"] = a.recompute_pattern
     if a.layer_pattern:

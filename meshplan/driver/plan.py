@@ -64,7 +64,9 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     t1 = time.perf_counter()
     forward = apply_precision(forward, strategy.precision)
     graph = build_train_step(forward, OptimizerConfig.default(optimizer, lr),
-                             strategy.num_microbatches, loss_scale=strategy.precision == "fp16")
+                             strategy.num_microbatches,
+                             loss_scale=strategy.initial_loss_scale
+                             if strategy.precision == "fp16" else None)
     timings: dict = {"autodiff": time.perf_counter() - t1}
     job = plan_job(graph, mesh, strategy, timings=timings)
     log.info("%s %s: captured in %.2f s, planned in %.2f s (%d ops in the Job)", model, size,

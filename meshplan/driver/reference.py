@@ -24,11 +24,11 @@ LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
-    precision: str = "fp32",
+    precision: str = "fp32", init_scale: float = INIT_SCALE,
 ) -> tuple[list[float], list[float]]:
     """Train `module` in place on `batches`; returns (losses, step seconds)."""
     opt = optimizer.torch_optimizer(module.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE,
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
         if precision == "fp16" else None
     losses, times = [], []

@@ -15,6 +15,7 @@ from dataclasses import asdict
 import torch
 
 from meshplan.autodiff import OptimizerConfig, build_train_step
+from meshplan.autodiff.optimizer import INIT_SCALE
 from meshplan.capture import capture
 from meshplan.driver.reference import eager_train, split_microbatches
 from meshplan.driver.run import run
@@ -59,6 +60,7 @@ def verify(
     reference = copy.deepcopy(module)
     fp32_reference = copy.deepcopy(module)
     precision = strategy.precision if strategy is not None else "fp32"
+    init_scale = strategy.initial_loss_scale if strategy is not None else INIT_SCALE
     opt = OptimizerConfig.default(optimizer, lr)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
     if strategy is not None and (mesh is None or mesh.world > 1 or strategy.recompute != "none"):
@@ -71,8 +73,9 @@ def verify(
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
                                            for r in result["ranks"].values())}
     else:
-        mine = _single(module, batches, opt, num_microbatches, precision)
-    ref_losses, ref_times = eager_train(reference, batches, num_microbatches, opt, precision)
+        mine = _single(module, batches, opt, num_microbatches, precision, init_scale)
+    ref_losses, ref_times = eager_train(reference, batches, num_microbatches, opt, precision,
+                                        init_scale)
     extra = {}
     if precision != "fp32":  # the second judge: full-precision eager
         fp32, _ = eager_train(fp32_reference, batches, num_microbatches, opt)
@@ -94,13 +97,15 @@ def mean_rel_diff(a: list[float], b: list[float]) -> float:
     return statistics.fmean(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-def _single(module, batches, opt, m: int, precision: str = "fp32") -> dict:
+def _single(module, batches, opt, m: int, precision: str = "fp32",
+            init_scale: float = INIT_SCALE) -> dict:
     """meshplan on this one process: capture, autodiff, the one-rank executor."""
     micro = [split_microbatches(b, m) for b in batches]
     t0 = time.perf_counter()
     forward = apply_precision(capture(module, micro[0][0]), precision)
     t1 = time.perf_counter()
-    graph = build_train_step(forward, opt, m, loss_scale=precision == "fp16")
+    graph = build_train_step(forward, opt, m,
+                             loss_scale=init_scale if precision == "fp16" else None)
     t2 = time.perf_counter()
     ex = Executor(graph)
     state = ex.init_state(module)

@@ -69,6 +69,7 @@ class Strategy:
     precision: str = "fp32"          # fp32 | bf16 | fp16 (mixed, fp32 master weights)
     recompute: str = "none"          # none | full | selective (activation checkpointing)
     recompute_pattern: str = ""      # regex of checkpointed regions; "" = the layer pattern
+    initial_loss_scale: float = 65536.0  # fp16 dynamic loss scaling starts here
 
     @property
     def num_microbatches(self) -> int:

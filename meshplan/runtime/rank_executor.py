@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import torch
 
-from meshplan.autodiff.optimizer import GROWTH_INTERVAL, INIT_SCALE, LOSS_SCALE
+from meshplan.autodiff.optimizer import GROWTH_INTERVAL, LOSS_SCALE, initial_loss_scale
 from meshplan.errors import ConfigError
 from meshplan.ir import Phase, Role
 from meshplan.ir.job import Job
@@ -70,7 +70,7 @@ class RankExecutor:
         self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
         self.pp = job.strategy.pp
         self.fp16 = job.strategy.precision == "fp16"
-        self.loss_scale, self.good_steps, self.skipped = INIT_SCALE, 0, 0
+        self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self._build(plan)
         self.transfers = Transfers(job, plan, self.ctx, self.device)
         self.next_recv = _next_recv(plan.actions)
@@ -145,6 +145,9 @@ class RankExecutor:
         from meshplan.runtime.state import sliced_state
 
         used = {b.value for b in self.plan.buffers}
+        if self.fp16:  # every rank keeps (and checkpoints) the loss scale
+            used |= {v.id for v in self.job.graph.inputs_by_role(Role.OPT_STATE)
+                     if v.name == LOSS_SCALE}
         state = sliced_state(self.job, self.ctx, module, self.device, used)
         for t in state.values():
             self.mem.add(t)
@@ -156,8 +159,8 @@ class RankExecutor:
         returns this rank's loss per micro-batch (empty if it holds none)."""
         for name in self.grad_names:
             self._swap(state, name, None)
-        if LOSS_SCALE in state:
-            state[LOSS_SCALE].fill_(self.loss_scale)
+        if LOSS_SCALE in state:  # the state is the truth: a checkpoint may have set it
+            self.loss_scale = float(state[LOSS_SCALE])
         envs = [self._data_env(mb) for mb in microbatches]
         losses: dict[int, torch.Tensor] = {}
         for index, action in enumerate(self.plan.actions):
@@ -192,14 +195,15 @@ class RankExecutor:
         for n, g in zip(names, grads):
             self.mem.add(g)
             self._swap(state, n, g)
-        if found.item():
-            self.loss_scale, self.good_steps, self.skipped = \
-                self.loss_scale / 2, 0, self.skipped + 1
-            return False
-        self.good_steps += 1
-        if self.good_steps == GROWTH_INTERVAL:
-            self.loss_scale, self.good_steps = self.loss_scale * 2, 0
-        return True
+        overflow = bool(found.item())
+        self.good_steps = 0 if overflow else self.good_steps + 1
+        self.skipped += overflow
+        if overflow or self.good_steps == GROWTH_INTERVAL:
+            self.loss_scale *= 0.5 if overflow else 2.0
+            self.good_steps = 0
+        if LOSS_SCALE in state:
+            state[LOSS_SCALE].fill_(self.loss_scale)
+        return not overflow
 
     def _action(self, action, envs: list[dict], state: dict, losses: dict) -> None:
         t = action.type

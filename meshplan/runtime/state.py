@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from meshplan.autodiff.optimizer import INIT_SCALE, LOSS_SCALE, initial_state
+from meshplan.autodiff.optimizer import LOSS_SCALE, initial_loss_scale, initial_state
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
 
@@ -42,7 +42,8 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
         if used is not None and vid not in used:
             continue
         if v.name == LOSS_SCALE:
-            state[v.name] = torch.tensor(INIT_SCALE, dtype=torch.float32, device=device)
+            state[v.name] = torch.tensor(initial_loss_scale(job.graph), dtype=torch.float32,
+                                         device=device)
         elif v.role is Role.OPT_STATE:
             fqn, slot = v.name.rsplit("@", 1)
             like = state.get(fqn)

@@ -88,28 +88,23 @@ def test_distributed_mixed_precision_tracks_both_references(model, precision, fi
         assert r["mean_rel_diff"] < r["mean_rel_diff_fp32"], r
 
 
-def test_fp16_overflow_skips_the_step_and_halves_the_scale(monkeypatch):
+def test_fp16_overflow_skips_the_step_and_halves_the_scale():
     """From a scale of 2**40 the fp16 gradients overflow: steps are skipped
     (weights unchanged) and the scale halves, exactly as GradScaler does."""
-    import meshplan.driver.reference as reference
-    import meshplan.runtime.rank_executor as rank_executor
-    import meshplan.runtime.state as state
-
-    for mod in (reference, rank_executor, state):
-        monkeypatch.setattr(mod, "INIT_SCALE", 2.0 ** 40)
     s = zoo_strategy("gpt", model_config("gpt", "tiny"), global_batch_size=4,
-                     micro_batch_size=4, precision="fp16")
+                     micro_batch_size=4, precision="fp16", initial_loss_scale=2.0 ** 40)
     r = verify("gpt", "tiny", steps=30, mesh=Mesh(1, 1), strategy=s)
     assert r["max_abs_diff"] <= 1e-5, r  # GradScaler skipped the very same steps
 
     m, x = _Pool3d(), torch.randn(8, 8)  # and the executor's own account of it
     m.forward = lambda x: m.fc(x).square().mean()
     ex = Executor(build_train_step(apply_precision(capture(m, (x,)), "fp16"),
-                                   loss_scale=True))
+                                   loss_scale=2.0 ** 40))
     st = ex.init_state(m)
     before = st["fc.weight"].clone()
     ex.step(st, [(x,)])
     assert ex.rank.skipped == 1 and ex.rank.loss_scale == 2.0 ** 39
+    assert float(st["amp@loss_scale"]) == 2.0 ** 39
     assert torch.equal(st["fc.weight"], before)
 
 
@@ -124,7 +119,7 @@ class _Pool3d(nn.Module):
 
 def test_fp16_on_a_cpu_kernel_without_it_suggests_bf16():
     m, x = _Pool3d(), torch.randn(8, 8)
-    g = build_train_step(apply_precision(capture(m, (x,)), "fp16"), loss_scale=True)
+    g = build_train_step(apply_precision(capture(m, (x,)), "fp16"), loss_scale=2.0 ** 16)
     ex = Executor(g)
     state = ex.init_state(m)
     with pytest.raises(ConfigError, match=r"avg_pool3d.* no float16 kernel on cpu.*--precision "

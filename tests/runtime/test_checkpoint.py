@@ -30,6 +30,17 @@ def test_resume_equals_uninterrupted(tmp_path, optimizer):
     assert rest["losses"] == full["losses"]
 
 
+@pytest.mark.slow
+def test_fp16_resume_keeps_the_loss_scale(tmp_path):
+    """Started at 2**24 the scale halves on overflowing steps across the
+    checkpoint; a resume that forgot it would skip different steps."""
+    s = _s(pp=2, precision="fp16", initial_loss_scale=2.0 ** 24)
+    full = run("gpt", "tiny", Mesh(1, 2), s, steps=8)
+    run("gpt", "tiny", Mesh(1, 2), s, steps=4, save_dir=str(tmp_path))
+    resumed = run("gpt", "tiny", Mesh(1, 2), s, steps=8, save_dir=str(tmp_path), resume=True)
+    assert resumed["losses"] == full["losses"][4:]
+
+
 @pytest.mark.parametrize("saved, loaded", [
     ((dict(tp=2), (1, 2)), (dict(), (1, 1))),
     ((dict(pp=2), (1, 2)), (dict(), (1, 1))),
