@@ -54,7 +54,7 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
     its learning rate."""
     from dataclasses import replace
 
-    from meshplan.autodiff import build_train_step
+    from meshplan.driver.plan import train_step
     from meshplan.ir import Role
     from meshplan.passes.plan import plan_job
     from meshplan.passes.strategy import check_strategy
@@ -71,7 +71,7 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
         opt = OptimizerConfig.default(optimizer, lr)
     else:
         opt = optimizer if lr is None else replace(optimizer, lr=lr)
-    step = build_train_step(graph, opt, strategy.num_microbatches)
+    step = train_step(graph, strategy, opt)
     return plan_job(step, mesh, strategy)
 
 

@@ -59,3 +59,15 @@ def test_run_checks_batches_and_the_optimizer_round_trips():
         mp.run(job, _tiny(), [(torch.randn(3, 8), torch.randint(0, 3, (3,)))])
     with pytest.raises(ConfigError, match="at least one batch"):
         mp.run(job, _tiny(), [])
+
+
+def test_plan_applies_the_strategys_precision_and_recompute():
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    graph = mp.capture(_tiny(), (x,), loss_fn=torch.nn.functional.cross_entropy, targets=(y,))
+    s = mp.Strategy(global_batch_size=4, micro_batch_size=4, precision="bf16",
+                    recompute="full", recompute_pattern=r"\d+")
+    job = mp.plan(graph, mp.Mesh(1, 1), s)
+    kinds = [op.kind for op in job.graph.ops]
+    assert "aten._to_copy.default" in kinds
+    relu = [op for op in job.graph.ops if op.kind == "aten.relu.default"]
+    assert len(relu) == 2 and relu[1].phase.value == "backward"  # recomputed

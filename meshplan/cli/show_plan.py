@@ -10,7 +10,8 @@ def _mib(n: int) -> str:
 def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) -> None:
     print(f"{model} {size} on {r['nodes']}x{r['devices_per_node']} = {r['world']} ranks: "
           f"dp={r['dp']} tp={r['tp']} pp={r['pp']} vpp={r['vpp']}, schedule {r['schedule']}, "
-          f"{r['num_microbatches']} micro-batches, {r['ops']} ops")
+          f"{r['num_microbatches']} micro-batches, {r['ops']} ops, {r['precision']}, "
+          f"recompute {r['recompute']}")
     print(f"\n{'stage':>5} {'chunk':>5} {'ops':>6} {'params':>11}  layers")
     for c in r["chunks"]:
         layers = ", ".join(c["layers"]) or "-"

@@ -53,6 +53,13 @@ def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
     return cached(key, make, enabled=use_cache)[0]
 
 
+def train_step(forward, strategy: Strategy, optimizer: OptimizerConfig):
+    """A forward Graph -> the strategy's precision casts -> its train step."""
+    forward = apply_precision(forward, strategy.precision)
+    scale = strategy.initial_loss_scale if strategy.precision == "fp16" else None
+    return build_train_step(forward, optimizer, strategy.num_microbatches, loss_scale=scale)
+
+
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
                optimizer: str = "sgd", lr: float | None = None, **overrides) -> Planned:
     """Capture a zoo model (on the meta device: no weights; cached) and plan it."""
@@ -62,11 +69,7 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     t0 = time.perf_counter()
     forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
     t1 = time.perf_counter()
-    forward = apply_precision(forward, strategy.precision)
-    graph = build_train_step(forward, OptimizerConfig.default(optimizer, lr),
-                             strategy.num_microbatches,
-                             loss_scale=strategy.initial_loss_scale
-                             if strategy.precision == "fp16" else None)
+    graph = train_step(forward, strategy, OptimizerConfig.default(optimizer, lr))
     timings: dict = {"autodiff": time.perf_counter() - t1}
     job = plan_job(graph, mesh, strategy, timings=timings)
     log.info("%s %s: captured in %.2f s, planned in %.2f s (%d ops in the Job)", model, size,
@@ -115,6 +118,7 @@ def report(job: Job) -> dict:
         "world": job.mesh.world, "nodes": job.mesh.nodes,
         "devices_per_node": job.mesh.devices_per_node,
         "dp": s.dp, "tp": s.tp, "pp": s.pp, "vpp": s.vpp, "schedule": s.schedule,
+        "precision": s.precision, "recompute": s.recompute,
         "num_microbatches": m, "ops": len(g.ops), "job_digest": job.digest(),
         "chunks": [{"stage": k[0], "chunk": k[1], **v} for k, v in sorted(chunks.items())],
         "comm": comms,

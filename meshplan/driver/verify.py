@@ -14,15 +14,15 @@ from dataclasses import asdict
 
 import torch
 
-from meshplan.autodiff import OptimizerConfig, build_train_step
+from meshplan.autodiff import OptimizerConfig
 from meshplan.autodiff.optimizer import INIT_SCALE
 from meshplan.capture import capture
+from meshplan.driver.plan import train_step
 from meshplan.driver.reference import eager_train, split_microbatches
 from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
-from meshplan.passes.precision import apply_precision
 from meshplan.runtime import Executor
 
 
@@ -102,10 +102,10 @@ def _single(module, batches, opt, m: int, precision: str = "fp32",
     """meshplan on this one process: capture, autodiff, the one-rank executor."""
     micro = [split_microbatches(b, m) for b in batches]
     t0 = time.perf_counter()
-    forward = apply_precision(capture(module, micro[0][0]), precision)
+    forward = capture(module, micro[0][0])
     t1 = time.perf_counter()
-    graph = build_train_step(forward, opt, m,
-                             loss_scale=init_scale if precision == "fp16" else None)
+    graph = train_step(forward, Strategy(global_batch_size=m, precision=precision,
+                                         initial_loss_scale=init_scale), opt)
     t2 = time.perf_counter()
     ex = Executor(graph)
     state = ex.init_state(module)
