@@ -215,7 +215,9 @@ def _add_call(ctx: _Ctx, node, prefix: str) -> None:
 
 def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
     if not hasattr(node.target, "_schema"):
-        raise CaptureError(f"unsupported call {kind}: not an aten op, no generic rule applies")
+        raise CaptureError(f"unsupported call {kind}: not an aten op, so no generic rule "
+                           "applies; express it with tensor ops (e.g. torch.where for a "
+                           "branch) or move it out of the model's forward")
     rule = rule_for(kind)
     args = tuple(_lit(a, ctx) for a in node.args)
     kwargs = {k: _lit(v, ctx) for k, v in node.kwargs.items() if k not in ("layout", "pin_memory")}

@@ -55,8 +55,16 @@ EPILOG_VERIFY = """examples:
   meshplan verify --model gpt --devices-per-node 4 --tp 2 --pp 2 --num-microbatches 4"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a flag mistake reported as one line (exit 2) like every
+    other user error, instead of the usage block plus a line."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog.split()[0]}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="meshplan", description="A distributed-training compiler for PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")

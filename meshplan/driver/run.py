@@ -15,10 +15,47 @@ import time
 from pathlib import Path
 
 from meshplan.driver.plan import plan_model
-from meshplan.errors import RuntimeFault
+from meshplan.errors import ConfigError, PlanError, RuntimeFault
+from meshplan.ir import Role
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.runtime.checkpoint import check_resumable
 from meshplan.runtime.launch import launch_local
 from meshplan.runtime.worker import RunSpec, rank_main
+
+
+def check_run_args(steps: int, threads: int, timeout_s: float) -> None:
+    """Flags every rank would trip over: refused before any process starts."""
+    for flag, value in (("--steps", steps), ("--threads", threads)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout {timeout_s} must be a positive number of seconds")
+
+
+def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dict):
+    """The Job of a compiled plan directory, proved consistent, for this mesh
+    and this model (a rank would otherwise die slicing the wrong weights)."""
+    from meshplan.models import build_model, model_config
+    from meshplan.plan.check import check_plans
+    from meshplan.plan.files import read_dir
+
+    job, plans = read_dir(Path(plan_dir))
+    if job.mesh.world != mesh.world:
+        raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
+                           f"{mesh.world} were asked for; recompile or match the mesh")
+    res = check_plans(job, plans)
+    if not res.ok:
+        raise PlanError(f"{plan_dir} fails `meshplan check`: "
+                        f"{res.errors[0].splitlines()[0]}; recompile it")
+    module = build_model(model_config(model, size, **overrides), device="meta")
+    mine = {k: list(t.shape) for k, t in module.state_dict().items()}
+    for v in job.graph.values:
+        if v.role in (Role.PARAM, Role.BUFFER) and mine.get(v.name) != list(v.meta.shape):
+            raise PlanError(f"{plan_dir} was compiled for another model: its '{v.name}' is "
+                            f"{list(v.meta.shape)}, but --model {model} --size {size} "
+                            f"{'has ' + str(mine[v.name]) if v.name in mine else 'has none'}; "
+                            "pass the model flags it was compiled with, or recompile")
+    return job
 
 
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
@@ -27,15 +64,13 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         resume: bool = False, lr: float | None = None, **overrides) -> dict:
     """Train on `mesh.world` local processes; returns losses, step times, memory."""
     t0 = time.perf_counter()
+    check_run_args(steps, threads, timeout_s)
     if plan_dir:  # compiled plans: validated whole before any process starts
-        from meshplan.plan.files import read_dir
-
-        job, _ = read_dir(Path(plan_dir))
-        if job.mesh.world != mesh.world:
-            raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
-                               f"{mesh.world} were asked for; recompile or match the mesh")
+        job = _load_plans(plan_dir, mesh, model, size, overrides)
     else:
         job = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides).job
+    if resume:
+        check_resumable(save_dir, job)
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
                        threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume)
@@ -54,6 +89,7 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
                  timeout_s: float = 60.0, lr: float | None = None, **overrides) -> dict | None:
     """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
     every rank lowers and runs itself. Returns the merged result on rank 0."""
+    check_run_args(steps, threads, timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != mesh.world:
         raise RuntimeFault(f"torchrun started {world} ranks but the strategy needs "

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 
@@ -67,8 +68,8 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
 
     Under torchrun `job_bytes` is None: rank 0 runs `master()` (capture and
     planning) and broadcasts the Job's bytes; every rank lowers itself."""
-    torch.set_num_threads(spec.threads)
     try:
+        torch.set_num_threads(spec.threads)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         backend = "nccl" if spec.device == "cuda" else "gloo"
         if world > 1 or init_method:
@@ -109,7 +110,8 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
     from meshplan.runtime.rank_executor import RankExecutor
 
     if world != job.mesh.world:
-        raise RuntimeError(f"the plan is for {job.mesh.world} ranks but {world} were started")
+        raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
+                           "started; start as many ranks as the plan's mesh has")
     plan = _plan(spec, job, rank, lower)
     comm = Comm(rank, job_groups(job.strategy), "gloo") if world > 1 else None
     missing = set(_groups(plan)) - set(comm.groups if comm else ())
@@ -164,7 +166,7 @@ def _plan(spec: RunSpec, job: Job, rank: int, lower):
 
         plan = read_plan(Path(spec.plan_dir), rank)
         if plan.job_digest != job.digest():
-            raise RuntimeError(f"{spec.plan_dir} holds plans of another Job; recompile it")
+            raise PlanError(f"{spec.plan_dir} holds plans of another Job; recompile it")
         return plan
     return lower(job, rank)
 
