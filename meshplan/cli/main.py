@@ -23,7 +23,7 @@ from meshplan.cli.flags import (
 )
 from meshplan.cli.run_cmd import cmd_run
 from meshplan.cli.show_cmd import cmd_show
-from meshplan.errors import MeshplanError
+from meshplan.errors import ConfigError, MeshplanError
 
 EPILOG_INSPECT = """examples:
   meshplan inspect --model gpt --size gpt3-175b
@@ -56,11 +56,11 @@ EPILOG_VERIFY = """examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a flag mistake reported as one line (exit 2) like every
-    other user error, instead of the usage block plus a line."""
+    """argparse, with a flag mistake raised as a `ConfigError`, so it is one
+    line (exit 2) like every other user error, not the usage block."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog.split()[0]}: error: {message}; see `{self.prog} --help`\n")
+        raise ConfigError(f"{message}; see `{self.prog} --help`")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +185,14 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `meshplan` command."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ConfigError as e:
+        if "--debug" in argv:
+            raise
+        print(f"meshplan: error: {e}", file=sys.stderr)
+        return e.exit_code
     level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose > 1 else
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -62,6 +62,11 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
         raise ConfigError(
             f"{s.schedule} needs num_microbatches >= pp, got {m} < {s.pp}; raise the global "
             f"batch to {s.pp * per_step} or use --schedule gpipe")
+    if s.schedule == "interleaved" and m % s.pp:
+        lo, hi = (m // s.pp) * s.pp, (m // s.pp + 1) * s.pp
+        raise ConfigError(
+            f"interleaved needs num_microbatches to be a multiple of pp, got {m} for pp={s.pp}; "
+            f"use --num-microbatches {f'{lo} or {hi}' if lo else hi}")
     _check_stage_ranks(mesh, s)
     for pattern, style in s.tp_plan:
         if style not in STYLES:
