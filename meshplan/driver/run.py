@@ -61,8 +61,11 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
         plan_dir: str = "", kill: tuple[int, float] | None = None, save_dir: str = "",
-        resume: bool = False, lr: float | None = None, **overrides) -> dict:
-    """Train on `mesh.world` local processes; returns losses, step times, memory."""
+        resume: bool = False, lr: float | None = None, kill_in_save: int = -1,
+        **overrides) -> dict:
+    """Train on `mesh.world` local processes; returns losses, step times, memory.
+    `kill` and `kill_in_save` inject faults for tests (see `launch_local`,
+    `RunSpec`)."""
     t0 = time.perf_counter()
     check_run_args(steps, threads, timeout_s)
     if plan_dir:  # compiled plans: validated whole before any process starts
@@ -73,7 +76,8 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         check_resumable(save_dir, job)
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
-                       threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume)
+                       threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
+                       kill_in_save=kill_in_save)
         per_rank = launch_local(spec, mesh.world, job.to_bytes(),
                                 deadline_s=60 + steps * 60, kill=kill)
     return merge(per_rank, job, time.perf_counter() - t0)

@@ -59,8 +59,13 @@ def _state_values(job) -> dict[str, int]:
             if v.role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)}
 
 
-def save(path: str, state: dict, job, ctx, next_step: int) -> None:
-    """Write this rank's shard; rank 0 marks the checkpoint complete."""
+def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> None:
+    """Write this rank's shard; rank 0 marks the checkpoint complete.
+
+    An older `COMPLETE` in `path` is removed before any shard is overwritten,
+    so a save cut short never leaves a marker over a mix of old and new
+    shards. `after_shard()` runs once this rank's shard is written (a fault
+    test kills the rank there)."""
     values = _state_values(job)
     sd = {}
     for name, t in state.items():
@@ -70,7 +75,12 @@ def save(path: str, state: dict, job, ctx, next_step: int) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         sd[STEP_KEY] = torch.tensor(next_step)
+        (Path(path) / COMPLETE).unlink(missing_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
     dcp.save(sd, checkpoint_id=path)
+    if after_shard is not None:
+        after_shard()
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:

@@ -57,7 +57,8 @@ class RankExecutor:
         self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
         self.pp = job.strategy.pp
         self._build(plan)
-        self.transfers = Transfers(job, plan, self.ctx, self.device)
+        self.transfers = Transfers(job, plan, self.ctx, self.device,
+                                   p2p=getattr(comm, "p2p", None))
         self.next_recv = _next_recv(plan.actions)
         self.transfers.drop_after_send = self.drop_after_send
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class RunSpec:
     save_dir: str = ""
     resume: bool = False
     gather: bool = False
+    kill_in_save: int = -1  # fault test: this rank kills itself once its shard is saved
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -143,7 +145,8 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
             losses.append(float(torch.stack(out).mean()))
     if spec.save_dir:
         ex.current = "save checkpoint"
-        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
+        die = _kill_self if spec.kill_in_save == rank else None
+        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps), die)
     result = {"rank": rank, "losses": losses, "step_s": times, "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
               "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak}
@@ -158,6 +161,10 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None) -> int
         return 0
     write_atomic(Path(spec.results) / f"rank_{rank}.json", data)
     return 0
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _plan(spec: RunSpec, job: Job, rank: int, lower):
