@@ -15,7 +15,9 @@ Invariants:
   is never loaded. It is a sealed file (versioned, checksummed) holding the
   next step and a manifest of every state tensor's logical shape and dtype,
   so `check_resumable` refuses a checkpoint of another model before any
-  rank starts.
+  rank starts. It also holds the sha256 of DCP's `.metadata` file, which
+  DCP reads with pickle: `load` checks the hash first, so only the bytes
+  this code wrote are ever unpickled.
 - The data position (the next step) is saved with it; data is a pure
   function of the step, so a resumed run sees exactly the batches an
   uninterrupted one would.
@@ -23,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -35,6 +38,7 @@ from meshplan.ir.fileio import read_sealed, seal, write_atomic
 from meshplan.ir.sbp import Shard, intersect
 
 COMPLETE = "COMPLETE"
+METADATA = ".metadata"  # DCP's index of the saved keys (a pickle)
 STEP_KEY = "meshplan/next_step"
 KIND, VERSION = "meshplan.checkpoint", 1
 
@@ -84,7 +88,12 @@ def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> 
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, _manifest(job, next_step)))
+        meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path)}
+        write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
+
+
+def _metadata_hash(path: str) -> str:
+    return hashlib.sha256((Path(path) / METADATA).read_bytes()).hexdigest()
 
 
 def _manifest(job, next_step: int) -> dict:
@@ -127,6 +136,10 @@ def check_resumable(path: str, job) -> int:
                                f"{saved[name][0]}, but this model needs {want[1]} {want[0]}: it "
                                "was saved from another model size; resume with the flags it "
                                "was saved with")
+    want = meta.get("metadata_sha256")
+    if not (root / METADATA).is_file() or _metadata_hash(path) != want:
+        raise RuntimeFault(f"checkpoint {path}: {METADATA} is missing or not the one saved "
+                           "with it (edited or corrupted); resume from another checkpoint")
     return step
 
 

@@ -231,6 +231,8 @@ CASES: list[Case] = [
         *RESUME, ckpt=files.drop_complete),
     cli("resume-edited", "checkpoint", PlanError, "checksum mismatch", *RESUME,
         ckpt=files.edit_complete),
+    cli("resume-metadata-edited", "checkpoint", RuntimeFault, ".metadata is missing or not the",
+        *RESUME, ckpt=files.edit_metadata),
     cli("resume-other-size", "checkpoint", RuntimeFault, "saved from another model size",
         *RESUME, "--hidden", "32", ckpt=lambda d: None),
     cli("resume-other-model", "checkpoint", RuntimeFault, "saved from another model",

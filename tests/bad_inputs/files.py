@@ -128,3 +128,9 @@ def drop_complete(d: Path) -> None:
 def edit_complete(d: Path) -> None:
     data = (d / "COMPLETE").read_bytes()
     (d / "COMPLETE").write_bytes(data.replace(b'"next_step":1', b'"next_step":5', 1))
+
+
+def edit_metadata(d: Path) -> None:
+    """DCP's pickled index changed: it must never be unpickled."""
+    with open(d / ".metadata", "ab") as f:
+        f.write(b"\x80")
