@@ -45,6 +45,7 @@ def test_a_killed_compile_worker_is_named_and_leaves_nothing_partial(tmp_path, m
     assert sorted(read_dir(tmp_path / "out")[1]) == [0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_cli_names_the_killed_worker_rank(tmp_path):
     env = os.environ | {KILL_ENV: "1", "MESHPLAN_CACHE_DIR": str(tmp_path / "cache")}
@@ -57,6 +58,7 @@ def test_the_cli_names_the_killed_worker_rank(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # three local runs: ~15 s
 @pytest.mark.timeout(300)
 def test_a_checkpoint_cut_by_a_killed_rank_is_never_resumed(tmp_path):
     s = zoo_strategy("gpt", model_config("gpt", "tiny"), tp=2, global_batch_size=8,

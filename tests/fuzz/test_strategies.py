@@ -23,7 +23,7 @@ from meshplan.plan.check import check_plans
 from meshplan.plan.lower import lower
 
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
-FAST = settings(max_examples=12, derandomize=True, **COMMON)
+FAST = settings(max_examples=8, derandomize=True, **COMMON)
 SLOW = settings(max_examples=150, **COMMON)
 
 
