@@ -88,8 +88,11 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
     except CaptureError:
         raise
     except Exception as e:  # torch raises many kinds; the first line says what
+        hint = ("the forward branches on a tensor's value (e.g. `if x.item() > 0`): compute "
+                "both sides and pick with torch.where" if "DataDependent" in type(e).__name__
+                else "check that the inputs fit the model")
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
-                           f"{_first_line(e)}; check that the inputs fit the model") from e
+                           f"{_first_line(e)}; {hint}") from e
     graph = _translate(ep, prefix, type(module).__name__)
     verify(graph)
     return graph

@@ -196,7 +196,8 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     ranks = list(range(world)) if ranks is None else ranks
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
-        raise ConfigError(f"--ranks lists rank {bad[0]}, outside 0..{world - 1}")
+        raise ConfigError(f"--ranks lists rank {bad[0]}, outside 0..{world - 1}; list ranks "
+                          f"of the world only, e.g. 0-{world - 1}")
     out = Path(out)
     stage = _staging_dir(out)
     workers = max(1, min(workers or os.cpu_count() or 1, len(ranks)))

@@ -27,9 +27,10 @@ def check_run_args(steps: int, threads: int, timeout_s: float) -> None:
     """Flags every rank would trip over: refused before any process starts."""
     for flag, value in (("--steps", steps), ("--threads", threads)):
         if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{flag} {value} must be a positive integer")
+            raise ConfigError(f"{flag} {value} must be a positive integer, e.g. {flag} 1")
     if not timeout_s > 0:
-        raise ConfigError(f"--timeout {timeout_s} must be a positive number of seconds")
+        raise ConfigError(f"--timeout {timeout_s} must be a positive number of seconds, "
+                          "e.g. --timeout 60")
 
 
 def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dict):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from meshplan.errors import ConfigError, RuntimeFault
+from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
 from meshplan.ir.fileio import read_sealed, seal, write_atomic
 from meshplan.ir.sbp import Shard, intersect
@@ -117,7 +117,12 @@ def check_resumable(path: str, job) -> int:
     if not (root / COMPLETE).is_file():
         raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker: a run was "
                            "stopped while saving); resume from an earlier one or start afresh")
-    meta = read_sealed(root / COMPLETE, KIND, VERSION)
+    try:
+        meta = read_sealed(root / COMPLETE, KIND, VERSION)
+    except PlanError as e:  # its wording ("recompile it") is for plans
+        what = str(e).split("; ")[0].removeprefix(str(root / COMPLETE)).lstrip(": ")
+        raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker ({what}); "
+                           "resume from another checkpoint, or save it again") from None
     saved = meta.get("state")
     step = meta.get("next_step")
     if not isinstance(saved, dict) or not isinstance(step, int):
