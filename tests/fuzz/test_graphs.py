@@ -3,8 +3,8 @@
 A model is a stack of `blocks.{i}`, each a random chain of steps (linear,
 an MLP, matmul with a weight, residual add, product, relu, gelu, layer norm,
 softmax, a sum broadcast back, view, transpose), ending in a squared-error
-loss. A plan is a random (dp, tp, pp) on 2 to 4 ranks with a random tensor
-parallel style per Linear. SBP propagation and boxing must give a Job whose
+loss. A plan is a random (dp, tp, pp, vpp, schedule) on 2 to 4 ranks with a
+random tensor parallel style per Linear. SBP propagation and boxing must give a Job whose
 ranks, run in this process on threads (`runtime.local`, the launched
 ranks' executor without the transport), train to the losses of eager
 single-process PyTorch within 1e-5 (relative to the loss when it is above
@@ -110,14 +110,17 @@ class Random(nn.Module):
 def examples(draw):
     dp, tp, pp = draw(st.sampled_from([(1, 2, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2),
                                        (2, 1, 2), (1, 4, 1), (4, 1, 1)]))
-    layers = pp * draw(st.integers(1, 2))
+    vpp = draw(st.sampled_from([1, 2])) if pp > 1 else 1
+    layers = pp * vpp * draw(st.integers(1, 2))
     blocks = [draw(st.lists(st.sampled_from(STEPS), min_size=1, max_size=4))
               for _ in range(layers)]
     m = pp * draw(st.integers(1, 2))
+    schedule = "interleaved" if vpp > 1 else draw(st.sampled_from(["1f1b", "gpipe"]))
     mbs = draw(st.sampled_from([1, 2])) * (2 if tp == 4 or dp == 4 else 1)
     seed = draw(st.integers(0, 2**16))
     styles = draw(st.lists(st.sampled_from(STYLES), min_size=64, max_size=64))
-    return dict(dp=dp, tp=tp, pp=pp, m=m, mbs=mbs, blocks=blocks, seed=seed, styles=styles)
+    return dict(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule, m=m, mbs=mbs, blocks=blocks,
+                seed=seed, styles=styles)
 
 
 def tp_plan(module: nn.Module, styles: list[str]) -> tuple[tuple[str, str], ...]:
@@ -138,7 +141,8 @@ def train_both_ways(ex: dict) -> float:
     opt = OptimizerConfig.default("sgd")
     forward = capture(module, tuple(t[: mbs * dp] for t in batches[0]))
     graph = build_train_step(forward, opt, m)
-    s = Strategy(dp=dp, tp=tp, pp=pp, global_batch_size=gbs, micro_batch_size=mbs,
+    s = Strategy(dp=dp, tp=tp, pp=pp, vpp=ex["vpp"], schedule=ex["schedule"],
+                 global_batch_size=gbs, micro_batch_size=mbs,
                  layer_pattern=r"blocks\.(\d+)" if pp > 1 else "",
                  tp_plan=tp_plan(module, ex["styles"]) if tp > 1 else ())
     job = plan_job(graph, Mesh(1, dp * tp * pp), s, checks=True)
@@ -155,14 +159,14 @@ def train_both_ways(ex: dict) -> float:
 # Found by this fuzz: the backward of a column-parallel first layer of stage 1
 # wanted its input sharded, and boxing sent it again from stage 0 in the
 # backward phase, which no schedule action carries (a KeyError on rank 3).
-BACKWARD_TRANSFER = dict(dp=1, tp=2, pp=2, m=2, mbs=1, blocks=[["linear"], ["linear"]], seed=0,
-                         styles=["colwise"] * 64)
+BACKWARD_TRANSFER = dict(dp=1, tp=2, pp=2, vpp=1, schedule="1f1b", m=2, mbs=1,
+                         blocks=[["linear"], ["linear"]], seed=0, styles=["colwise"] * 64)
 # Found by this fuzz: dp and tp both split dim 0 of a (2, 3, 8) activation
 # (1 row per dp rank, then 1 and 0 rows per tp rank), and a reshape's local
 # shape no longer matched its input; each axis now sees the earlier axes'
 # split when it picks a signature.
-DOUBLE_SPLIT = dict(dp=2, tp=2, pp=1, m=1, mbs=1, blocks=[["transpose"]], seed=0,
-                    styles=["colwise"] * 64)
+DOUBLE_SPLIT = dict(dp=2, tp=2, pp=1, vpp=1, schedule="1f1b", m=1, mbs=1,
+                    blocks=[["transpose"]], seed=0, styles=["colwise"] * 64)
 
 
 @pytest.mark.timeout(300)
@@ -172,7 +176,7 @@ DOUBLE_SPLIT = dict(dp=2, tp=2, pp=1, m=1, mbs=1, blocks=[["transpose"]], seed=0
 @example(DOUBLE_SPLIT)
 def test_random_models_and_plans_match_eager(ex):
     train_both_ways(ex)
-    event(f"dp={ex['dp']} tp={ex['tp']} pp={ex['pp']}")
+    event(f"dp={ex['dp']} tp={ex['tp']} pp={ex['pp']} vpp={ex['vpp']}")
 
 
 @pytest.mark.slow
@@ -181,4 +185,4 @@ def test_random_models_and_plans_match_eager(ex):
 @given(examples())
 def test_random_models_and_plans_match_eager_many(ex):
     train_both_ways(ex)
-    event(f"dp={ex['dp']} tp={ex['tp']} pp={ex['pp']}")
+    event(f"dp={ex['dp']} tp={ex['tp']} pp={ex['pp']} vpp={ex['vpp']}")
