@@ -47,6 +47,7 @@ from meshplan.autodiff import OptimizerConfig  # noqa: E402
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
 from meshplan.driver.reference import eager_train, split_microbatches  # noqa: E402
 from meshplan.driver.run import run  # noqa: E402
+from meshplan.ir.fileio import write_atomic  # noqa: E402
 from meshplan.ir.mesh import Mesh  # noqa: E402
 from meshplan.models import build_model, example_batch, model_config  # noqa: E402
 from meshplan.runtime.launch import free_port  # noqa: E402
@@ -260,7 +261,7 @@ def profile_pp(steps: int, prepost: bool = False) -> dict:
     job = plan_model("gpt", "tiny", Mesh(1, PP), s, "sgd", **SHAPE).job
     with tempfile.TemporaryDirectory(prefix="runtime-prof-") as out:
         job_path = Path(out, "job.bin")
-        job_path.write_bytes(job.to_bytes())
+        write_atomic(job_path, job.to_bytes())
         tmp.spawn(_profile_rank, args=(free_port(), str(job_path), steps, out, prepost),
                   nprocs=PP, join=True)
         return {str(r): json.loads(Path(out, f"{r}.json").read_text()) for r in range(PP)}

@@ -14,8 +14,8 @@ Invariants:
   plan/check.py, driver/run.py, driver/reference.py); none adds behaviour
   of its own besides argument checks.
 - `run` and `verify` start the ranks from a fork server: call them under
-  `if __name__ == "__main__":`, and define the module's class at the top of
-  an importable file (each rank unpickles the module).
+  `if __name__ == "__main__":`. The ranks get the module's weights and the
+  batches as tensors (`weights_only` loads), never the pickled module.
 - A user mistake raises a `ConfigError` that says what to change.
 """
 
@@ -29,6 +29,7 @@ from pathlib import Path
 from meshplan.autodiff import OptimizerConfig
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.runtime.state import weights_of
 
 __all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile", "plan", "run",
            "verify"]
@@ -114,7 +115,7 @@ def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = 
     spec = RunSpec("custom", "", (), len(batches), 0, "", threads, timeout_s,
                    plan_dir=str(plan_dir), trace=bool(trace))
     return launch(job, spec, time.perf_counter(), trace,
-                  saved={"module": module, "batches": batches})
+                  saved={"weights": weights_of(module), "batches": list(batches)})
 
 
 def verify(job, module, batches: Sequence[tuple], tolerance: float = 1e-5, **run_options) -> dict:

@@ -88,8 +88,11 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
     except CaptureError:
         raise
     except Exception as e:  # torch raises many kinds; the first line says what
+        hint = ("the forward branches on a tensor's value (e.g. `if x.item() > 0`): compute "
+                "both sides and pick with torch.where" if "DataDependent" in type(e).__name__
+                else "check that the inputs fit the model")
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
-                           f"{_first_line(e)}; check that the inputs fit the model") from e
+                           f"{_first_line(e)}; {hint}") from e
     graph = _translate(ep, prefix, type(module).__name__)
     verify(graph)
     return graph
@@ -215,7 +218,9 @@ def _add_call(ctx: _Ctx, node, prefix: str) -> None:
 
 def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
     if not hasattr(node.target, "_schema"):
-        raise CaptureError(f"unsupported call {kind}: not an aten op, no generic rule applies")
+        raise CaptureError(f"unsupported call {kind}: not an aten op, so no generic rule "
+                           "applies; express it with tensor ops (e.g. torch.where for a "
+                           "branch) or move it out of the model's forward")
     rule = rule_for(kind)
     args = tuple(_lit(a, ctx) for a in node.args)
     kwargs = {k: _lit(v, ctx) for k, v in node.kwargs.items() if k not in ("layout", "pin_memory")}

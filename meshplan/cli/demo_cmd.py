@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from meshplan.errors import ConfigError, PlanError
+from meshplan.ir.fileio import write_atomic
 from meshplan.ir.mesh import Mesh
 
 MODEL, SIZE = "gpt", "tiny"
@@ -60,7 +61,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     ok = r["max_abs_diff"] <= a.tolerance
     r |= {"ok": ok, "tolerance": a.tolerance}
     r["files"]["summary"] = str(Path(a.out) / "demo.json")
-    Path(r["files"]["summary"]).write_text(json.dumps(r, indent=1))
+    write_atomic(Path(r["files"]["summary"]), json.dumps(r, indent=1).encode())
     if a.json:
         print(json.dumps(r))
         return 0 if ok else 1

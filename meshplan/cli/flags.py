@@ -99,8 +99,23 @@ def mesh_of(a: argparse.Namespace) -> Mesh:
     return Mesh(a.nodes, a.devices_per_node)
 
 
+_POSITIVE = ("nodes", "devices_per_node", "dp", "tp", "pp", "vpp", "global_batch_size",
+             "micro_batch_size", "num_microbatches")
+
+
+def check_positive(a: argparse.Namespace, names) -> None:
+    """Each given flag of `names` is >= 1 (a 0 would read as "unset" below)."""
+    for name in names:
+        value = getattr(a, name, None)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} {value} must be >= 1; pass a positive count, or leave "
+                              f"{flag} out for its default")
+
+
 def strategy_fields(a: argparse.Namespace) -> dict:
     """The Strategy fields the flags say, with Megatron's batch arithmetic."""
+    check_positive(a, _POSITIVE)
     world = a.nodes * a.devices_per_node
     dp = a.dp if a.dp is not None else max(1, world // max(1, a.tp * a.pp))
     mbs = a.micro_batch_size

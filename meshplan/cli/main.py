@@ -28,7 +28,7 @@ from meshplan.cli.flags import (
 from meshplan.cli.progress import Progress
 from meshplan.cli.run_cmd import cmd_run, loss_table
 from meshplan.cli.show_cmd import cmd_show
-from meshplan.errors import MeshplanError
+from meshplan.errors import ConfigError, MeshplanError
 
 EPILOG_INSPECT = """examples:
   meshplan inspect --model gpt --size gpt3-175b
@@ -65,8 +65,16 @@ EPILOG_VERIFY = """examples:
   meshplan verify --config gpt_nl4_nah4_hs64_BF16_actrue_mp2_pp1_mb2_gb16_1n4g --steps 20"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a flag mistake raised as a `ConfigError`, so it is one
+    line (exit 2) like every other user error, not the usage block."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}; see `{self.prog} --help`")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="meshplan", description="A distributed-training compiler for PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
@@ -205,7 +213,14 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `meshplan` command."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ConfigError as e:
+        if "--debug" in argv:
+            raise
+        print(f"meshplan: error: {e}", file=sys.stderr)
+        return e.exit_code
     level = logging.ERROR if args.quiet else (logging.DEBUG if args.verbose > 1 else
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -9,6 +9,10 @@ Invariants:
   repeated compile checks and copies them (an unreadable entry is lowered
   again and replaced), and a killed worker leaves no partial entry
   (entries are written atomically).
+- The output directory changes only when every rank succeeded: files are
+  staged beside it and moved in at the end. A worker that dies is reported
+  by the rank it was lowering (a shared progress slot per worker); a shared
+  count of finished ranks per worker drives the progress bar rank by rank.
 - Statistics: seconds per pass and per rank, inference calls and cache hits,
   tasks and buffers per rank, the compiling processes' peak memory.
 """
@@ -16,26 +20,34 @@ Invariants:
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing as mp
 import os
 import resource
+import shutil
+import signal
+import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import meshplan
+from meshplan import errors
 from meshplan.capture.cache import cache_dir
 from meshplan.errors import ConfigError, MeshplanError, PlanError
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 from meshplan.ops.infer import InferStats
 from meshplan.ops.temp import TempStats
-from meshplan.plan.files import plan_from_bytes, plan_name, plan_to_bytes, write_job
+from meshplan.plan.files import JOB_FILE, plan_from_bytes, plan_name, plan_to_bytes, write_job
 from meshplan.plan.lower import lower
 from meshplan.plan.rankplan import RankPlan
 
 log = logging.getLogger("meshplan")
+
+# Fault injection for tests: a worker that lowers this rank kills itself
+# (SIGKILL) after lowering it and before writing anything.
+KILL_ENV = "MESHPLAN_TEST_KILL_COMPILE_RANK"
 
 
 def _plan_cache(digest: str) -> Path:
@@ -57,24 +69,18 @@ def _read_cached(path: Path, digest: str, rank: int) -> tuple[bytes, RankPlan] |
     return data, plan
 
 
-_WORKER_JOB: dict = {}
-
-
-def _init_worker(job_bytes: bytes, digest: str) -> None:
-    """Pool initializer: decode the Job once per worker process."""
-    _WORKER_JOB["job"] = Job.from_bytes(job_bytes)
-    _WORKER_JOB["digest"] = digest or _WORKER_JOB["job"].digest()
-
-
-def lower_ranks(job_bytes: bytes | None, ranks: list[int], out: str, use_cache: bool,
-                digest: str = "") -> dict:
-    """Worker body: lower `ranks` of the Job in `job_bytes` (None: the Job
-    this worker was started with), write their files."""
-    if job_bytes is not None:
-        _init_worker(job_bytes, digest)
-    job, digest = _WORKER_JOB["job"], _WORKER_JOB["digest"]
+def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
+                digest: str = "", progress=None, slot: int = 0, done=None) -> dict:
+    """Worker body: lower `ranks` of the Job in `job_bytes`, write their files.
+    `progress[slot]` says which rank the worker is lowering (for a report if
+    it dies), `done[slot]` how many it has finished."""
+    job = Job.from_bytes(job_bytes)
+    digest = digest or job.digest()
+    kill_at = os.environ.get(KILL_ENV)
     stats = {}
     for rank in ranks:
+        if progress is not None:
+            progress[slot] = rank
         t0 = time.perf_counter()
         cached = _plan_cache(digest) / plan_name(rank)
         entry = _read_cached(cached, digest, rank) if use_cache else None
@@ -82,6 +88,8 @@ def lower_ranks(job_bytes: bytes | None, ranks: list[int], out: str, use_cache: 
             (data, plan), hit = entry, True
         else:
             plan = lower(job, rank, job_digest=digest)
+            if kill_at == str(rank):  # fault injection: die before writing anything
+                os.kill(os.getpid(), signal.SIGKILL)
             data, hit = plan_to_bytes(plan), False
             if use_cache:
                 cached.parent.mkdir(parents=True, exist_ok=True)
@@ -90,67 +98,139 @@ def lower_ranks(job_bytes: bytes | None, ranks: list[int], out: str, use_cache: 
         write_atomic(Path(out) / plan_name(rank), data)
         stats[rank] = {"lower_s": time.perf_counter() - t0, "cache_hit": hit, "tasks": tasks,
                        "buffers": buffers, "planned_peak_bytes": peak}
-    stats["_process"] = {"pid": os.getpid(), "temp": TempStats.snapshot(),
-                         "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                         * 1024}
+        if done is not None:
+            done[slot] += 1
+    stats["_process"] = {"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                         * 1024, "temp": TempStats.snapshot()}
     return stats
+
+
+def _worker(job_bytes: bytes, ranks: list[int], stage: str, use_cache: bool, digest: str,
+            progress, slot: int, done) -> None:
+    """A compile worker process: its statistics, or its error, go to a file
+    in the staging directory (JSON, never pickle)."""
+    try:
+        stats = lower_ranks(job_bytes, ranks, stage, use_cache, digest, progress, slot, done)
+        write_atomic(Path(stage) / f".stats_{slot}.json", json.dumps(stats).encode())
+    except Exception as e:  # reported by the parent, by rank
+        name = type(e).__name__ if isinstance(e, MeshplanError) else ""
+        fail = {"class": name, "rank": progress[slot], "error": f"{type(e).__name__}: {e}"}
+        write_atomic(Path(stage) / f".fail_{slot}.json", json.dumps(fail).encode())
+        raise SystemExit(1) from None
+
+
+def _failure(slot: int, code: int, stage: Path, progress) -> MeshplanError:
+    """One line naming the rank a worker was lowering when it failed."""
+    rank = progress[slot]
+    report = stage / f".fail_{slot}.json"
+    if code > 0 and report.is_file():
+        fail = json.loads(report.read_text())
+        if fail["class"]:  # a user-facing error raised while lowering: keep its class
+            return getattr(errors, fail["class"], PlanError)(fail["error"].partition(": ")[2])
+        return PlanError(f"compile worker failed lowering rank {fail['rank']} "
+                         f"({fail['error'][:200]}); this is a meshplan bug, please report it")
+    how = f"died (signal {-code})" if code < 0 else f"exited with code {code}"
+    return PlanError(f"compile worker {how} while lowering rank {rank}; no plan was written "
+                     "and the plan cache holds only whole entries, so compiling again is safe")
+
+
+def _run_workers(batches: list[list[int]], job_bytes: bytes, stage: Path, use_cache: bool,
+                 digest: str, progress_cb, total: int) -> dict:
+    ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
+    progress = ctx.Array("i", [-1] * len(batches), lock=False)
+    done = ctx.Array("i", [0] * len(batches), lock=False)
+    procs = [ctx.Process(target=_worker, name=f"meshplan-compile-{i}",
+                         args=(job_bytes, b, str(stage), use_cache, digest, progress, i, done))
+             for i, b in enumerate(batches)]
+    stats: dict = {}
+    reported = 0
+    try:
+        for p in procs:
+            p.start()
+        waiting = set(range(len(procs)))
+        while waiting:
+            time.sleep(0.02)
+            finished = sum(done)
+            if progress_cb is not None and finished > reported:
+                reported = finished
+                progress_cb(finished, total)
+            for i in sorted(waiting):
+                code = procs[i].exitcode
+                if code is None:
+                    continue
+                if code != 0:
+                    raise _failure(i, code, stage, progress)
+                waiting.discard(i)
+                stats.update({int(k) if k != "_process" else f"_process{i}": v for k, v in
+                              json.loads((stage / f".stats_{i}.json").read_text()).items()})
+        if progress_cb is not None and sum(done) > reported:
+            progress_cb(sum(done), total)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    return stats
+
+
+def _staging_dir(out: Path) -> Path:
+    """A fresh directory beside `out` (same file system: renames are atomic)."""
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"--out {out} is a file, not a directory; pass a directory path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    except OSError as e:
+        raise PlanError(f"cannot write plans to {out}: {e.strerror or e}; check that its "
+                        "parent directory exists and is writable") from e
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Move the staged files into `out`, plans first and job.json last."""
+    try:
+        out.mkdir(exist_ok=True)
+        names = sorted(n for n in os.listdir(stage) if not n.startswith("."))
+        for name in sorted(names, key=lambda n: n == JOB_FILE):
+            os.replace(stage / name, out / name)
+    except OSError as e:
+        raise PlanError(f"cannot write plans to {out}: {e.strerror or e}; check that it is "
+                        "a writable directory") from e
 
 
 def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
                 workers: int | None = None, use_cache: bool = True,
                 progress=None) -> dict:
     """Write `out/job.json` and the plans of `ranks` (default: all), lowered by
-    `workers` processes (default: the number of cores). `progress(done,
-    total)` is called as ranks finish."""
+    `workers` processes (default: the number of cores). Files are staged in a
+    directory beside `out` and moved in only when every rank succeeded: a
+    failed compile leaves `out` as it was (not even created)."""
     world = job.mesh.world
     ranks = list(range(world)) if ranks is None else ranks
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
-        raise ConfigError(f"--ranks lists rank {bad[0]}, outside 0..{world - 1}")
+        raise ConfigError(f"--ranks lists rank {bad[0]}, outside 0..{world - 1}; list ranks "
+                          f"of the world only, e.g. 0-{world - 1}")
     out = Path(out)
-    write_job(out, job)
+    stage = _staging_dir(out)
     workers = max(1, min(workers or os.cpu_count() or 1, len(ranks)))
-    # Batches of ranks small enough for ~16 progress updates per worker; each
-    # worker decodes the Job once (initializer), not once per batch.
-    size = max(1, len(ranks) // (16 * workers))
-    batches = [ranks[i:i + size] for i in range(0, len(ranks), size)]
-    stats: dict = {}
-    procs: dict = {}
-    log.info("lowering %d ranks in %d worker processes (%d batches) into %s", len(ranks),
-             workers, len(batches), out)
-    ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
+    batches = [b for b in (ranks[i::workers] for i in range(workers)) if b]
+    log.info("lowering %d ranks in %d worker processes into %s", len(ranks), workers, out)
     # Forked workers share the master's heap copy-on-write; a garbage
     # collection in a worker would touch (and copy) all of it. Measured: 0.25 s
     # per ResNet-50 rank in a worker without this, 0.08 s with it.
     gc.freeze()
     try:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                                 initargs=(job.to_bytes(), job.digest())) as pool:
-            futures = {pool.submit(lower_ranks, None, b, str(out), use_cache): b
-                       for b in batches}
-            for fut in as_completed(futures):
-                result = _result(fut, futures[fut])
-                proc = result.pop("_process")
-                procs[proc["pid"]] = proc  # the latest: its counters are cumulative
-                stats.update(result)
-                if progress is not None:
-                    progress(len(stats), len(ranks))
+        write_job(stage, job)
+        stats = _run_workers(batches, job.to_bytes(), stage, use_cache, job.digest(),
+                             progress, len(ranks))
+        _publish(stage, out)
     finally:
         gc.unfreeze()
+        shutil.rmtree(stage, ignore_errors=True)
+    procs = [stats.pop(k) for k in [k for k in stats if not isinstance(k, int)]]
     return {"ranks": {r: stats[r] for r in sorted(stats)}, "workers": workers,
-            "worker_maxrss_bytes": max((p["maxrss_bytes"] for p in procs.values()), default=0),
-            "temp_inference": _sum_stats(p["temp"] for p in procs.values())}
-
-
-def _result(fut, batch: list[int]) -> dict:
-    try:
-        return fut.result()
-    except MeshplanError:
-        raise
-    except Exception as e:  # a worker died or raised
-        raise PlanError(f"compile worker for ranks {batch[:8]} failed "
-                        f"({type(e).__name__}: {e}); cache entries are whole or "
-                        "absent, so compiling again is safe") from e
+            "worker_maxrss_bytes": max((p["maxrss_bytes"] for p in procs), default=0),
+            "temp_inference": _sum_stats(p["temp"] for p in procs)}
 
 
 def _sum_stats(items) -> dict:

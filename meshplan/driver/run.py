@@ -17,9 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshplan.driver.plan import plan_model
-from meshplan.errors import RuntimeFault
+from meshplan.errors import ConfigError, PlanError, RuntimeFault
+from meshplan.ir import Role
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.runtime.checkpoint import check_resumable
+from meshplan.runtime.inputs_file import save_inputs
 from meshplan.runtime.launch import launch_local
 from meshplan.runtime.worker import RunSpec, rank_main
 from meshplan.schedules.trace import Span, bubble, chrome_events
@@ -27,44 +30,80 @@ from meshplan.schedules.trace import Span, bubble, chrome_events
 log = logging.getLogger("meshplan")
 
 
+def check_run_args(steps: int, threads: int, timeout_s: float) -> None:
+    """Flags every rank would trip over: refused before any process starts."""
+    for flag, value in (("--steps", steps), ("--threads", threads)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer, e.g. {flag} 1")
+    if not timeout_s > 0:
+        raise ConfigError(f"--timeout {timeout_s} must be a positive number of seconds, "
+                          "e.g. --timeout 60")
+
+
+def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dict):
+    """The Job of a compiled plan directory, proved consistent, for this mesh
+    and this model (a rank would otherwise die slicing the wrong weights)."""
+    from meshplan.models import build_model, model_config
+    from meshplan.plan.check import check_plans
+    from meshplan.plan.files import read_dir
+
+    job, plans = read_dir(Path(plan_dir))
+    if job.mesh.world != mesh.world:
+        raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
+                           f"{mesh.world} were asked for; recompile or match the mesh")
+    res = check_plans(job, plans)
+    if not res.ok:
+        raise PlanError(f"{plan_dir} fails `meshplan check`: "
+                        f"{res.errors[0].splitlines()[0]}; recompile it")
+    module = build_model(model_config(model, size, **overrides), device="meta")
+    mine = {k: list(t.shape) for k, t in module.state_dict().items()}
+    for v in job.graph.values:
+        if v.role in (Role.PARAM, Role.BUFFER) and mine.get(v.name) != list(v.meta.shape):
+            raise PlanError(f"{plan_dir} was compiled for another model: its '{v.name}' is "
+                            f"{list(v.meta.shape)}, but --model {model} --size {size} "
+                            f"{'has ' + str(mine[v.name]) if v.name in mine else 'has none'}; "
+                            "pass the model flags it was compiled with, or recompile")
+    return job
+
+
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
         plan_dir: str = "", kill: tuple[int, float] | None = None, save_dir: str = "",
         resume: bool = False, lr: float | None = None, trace: str = "", on_step=None,
-        **overrides) -> dict:
+        kill_in_save: int = -1, **overrides) -> dict:
     """Train on `mesh.world` local processes; returns losses, step times, memory.
 
     With `trace` (a path), the last step is timed on every rank and written
     there as one Chrome/Perfetto trace; the result's "trace" holds its
-    measured bubble ratio. `on_step(k)` is called as the ranks finish step k."""
+    measured bubble ratio. `on_step(k)` is called as the ranks finish step k.
+    `kill` and `kill_in_save` inject faults for tests (see `launch_local`,
+    `RunSpec`)."""
     t0 = time.perf_counter()
+    check_run_args(steps, threads, timeout_s)
     if plan_dir:  # compiled plans: validated whole before any process starts
-        from meshplan.plan.files import read_dir
-
-        job, _ = read_dir(Path(plan_dir))
-        if job.mesh.world != mesh.world:
-            raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
-                               f"{mesh.world} were asked for; recompile or match the mesh")
+        job = _load_plans(plan_dir, mesh, model, size, overrides)
     else:
         job = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides).job
+    if resume:
+        check_resumable(save_dir, job)
     spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, "", threads,
                    timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
-                   trace=bool(trace))
+                   trace=bool(trace), kill_in_save=kill_in_save)
     return launch(job, spec, t0, trace, kill=kill, on_step=on_step)
 
 
 def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None,
            on_step=None) -> dict:
     """Run `spec` on `job.mesh.world` local processes (results in a temporary
-    folder; `saved`, if given, is torch-saved there as the ranks' `module_file`)
+    folder; `saved`, weights and batches, if given, go there as the ranks'
+    `module_file`, tensors only)
     and merge what they report."""
-    import torch
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         module_file = ""
         if saved is not None:
-            module_file = str(Path(results) / "module.pt")
-            torch.save(saved, module_file)
+            module_file = str(Path(results) / "inputs.bin")
+            save_inputs(Path(module_file), saved["weights"], saved["batches"])
         spec = replace(spec, results=results, module_file=module_file)
         log.info("starting %d rank processes for %d steps (plans: %s)", job.mesh.world,
                  spec.steps, spec.plan_dir or "each rank lowers its own")
@@ -84,6 +123,7 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
                  **overrides) -> dict | None:
     """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
     every rank lowers and runs itself. Returns the merged result on rank 0."""
+    check_run_args(steps, threads, timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != mesh.world:
         raise RuntimeFault(f"torchrun started {world} ranks but the strategy needs "

@@ -10,7 +10,12 @@ Invariants:
   Partial axes are reduced first.
 - Across stages: Partial axes are reduced on the source stage, then one
   `meshplan.transfer` carries the value to the consumer's stage in the layout
-  the consumer needs (lowering cuts it into send/recv pieces).
+  the consumer needs (lowering cuts it into send/recv pieces). A value
+  crosses to a stage once, for its first consumer there; a later consumer
+  that needs another layout converts the arrived copy on its own stage.
+  (A second transfer in a backward consumer's phase would flow forward in
+  the backward pass, where no schedule action carries it: found by the
+  random-graph fuzz, tests/fuzz/test_graphs.py.)
 - A conversion is made once per (value, layout, stage) and shared by every
   consumer that needs it; a hinted value is converted right after its
   producer, and all consumers, state updates and the loss read the
@@ -59,6 +64,7 @@ class _Ctx:
     where: dict = field(default_factory=dict)      # value id -> (stage, chunk, phase)
     versions: dict = field(default_factory=dict)   # (value, NdSbp, stage) -> value id
     default: dict = field(default_factory=dict)    # value id -> hinted version
+    arrived: dict = field(default_factory=dict)    # (value, stage) -> transferred copy
 
     def emit(self, kind, src: int, out_layout: NdSbp, at, module_path: str, **kw) -> int:
         stage, chunk, phase = at
@@ -130,8 +136,12 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     key = (r, need, at[0])
     if key in ctx.versions:
         return ctx.versions[key]
-    if src_at[0] != at[0]:
-        out = _transfer(ctx, base, have, need, src_at, at, module_path)
+    arrived = ctx.arrived.get((r, at[0]))
+    if arrived is not None:
+        out = _convert_local(ctx, arrived, ctx.layout[arrived], need, at, module_path)
+    elif src_at[0] != at[0]:
+        out = ctx.arrived[(r, at[0])] = _transfer(ctx, base, have, need, src_at, at,
+                                                   module_path)
     else:
         out = _convert_local(ctx, base, have, need, at, module_path)
     ctx.versions[key] = out

@@ -21,9 +21,9 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from meshplan.ir import Graph, Role
+from meshplan.ir import Graph, Role, TensorMeta
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ops.infer import to_sig
 from meshplan.ops.sbp_sig import SbpSig
@@ -126,10 +126,13 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
                 continue
             avail = tuple(h[axis] if h is not None else None for h in have)
             wanted = tuple(hints[o].get(axis) if o in hints else None for o in op.outputs)
-            key = (op.kind, sig_args, sig_kw, outs, n, avail, wanted)
+            a_args, a_kw, a_outs = sig_args, sig_kw, outs
+            if any(isinstance(x, Shard) for c in chosen for x in c.ins + c.outs):
+                a_args, a_kw, a_outs = _after_split(op, refs, outs, chosen, grid, meta_of)
+            key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted)
             best = cache.get(key)
             if best is None:
-                best = cache[key] = _choose(op.kind, sig_args, sig_kw, outs, n, avail, nbytes,
+                best = cache[key] = _choose(op.kind, a_args, a_kw, a_outs, n, avail, nbytes,
                                             wanted)
             chosen.append(best)
         sigs[op.id] = tuple(chosen)
@@ -145,6 +148,30 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
             visible[o] = tuple(hint.get(a, x) for a, x in enumerate(layout)) if hint else layout
             value_stage[o] = stage
     return SbpPlan(sigs, produced, visible)
+
+
+def _split(meta: TensorMeta, layouts, grid) -> TensorMeta:
+    """`meta` as one shard of the earlier axes sees it: a dim those axes split
+    evenly shrinks; one split unevenly counts as 1 (no axis may split it
+    again, or a view's local shapes would not line up)."""
+    shape = list(meta.shape)
+    for sbp, n in zip(layouts, grid):
+        if isinstance(sbp, Shard):
+            d = sbp.dim % len(shape)
+            shape[d] = shape[d] // n if shape[d] % n == 0 else 1
+    return replace(meta, shape=tuple(shape))
+
+
+def _after_split(op, refs, outs, chosen, grid, meta_of):
+    """The signature arguments an op's later mesh axis is chosen from: the
+    shapes left after the earlier axes' splits (each rule's divisibility
+    checks then hold for the combined split, e.g. S(0) on dp and on tp)."""
+    local: dict[int, TensorMeta] = {}
+    for k, r in enumerate(refs):
+        local.setdefault(r, _split(meta_of(r).meta, [c.ins[k] for c in chosen], grid))
+    a_outs = tuple(None if m is None else _split(m, [c.outs[i] for c in chosen], grid)
+                   for i, m in enumerate(outs))
+    return to_sig(op.args, local.__getitem__), to_sig(op.kwargs, local.__getitem__), a_outs
 
 
 def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:

@@ -37,10 +37,12 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
     """Validate; returns the strategy with `schedule` defaults resolved."""
     for name in ("dp", "tp", "pp", "vpp", "global_batch_size", "micro_batch_size"):
         if getattr(s, name) < 1:
-            raise ConfigError(f"{name}={getattr(s, name)} must be >= 1")
+            raise ConfigError(f"{name}={getattr(s, name)} must be >= 1; pass a positive "
+                              f"--{name.replace('_', '-')}")
     if mesh.nodes < 1 or mesh.devices_per_node < 1:
         raise ConfigError(f"mesh {mesh.nodes} nodes x {mesh.devices_per_node} devices "
-                          "must have at least one of each")
+                          "must have at least one of each; pass --nodes and "
+                          "--devices-per-node >= 1")
     if s.dp * s.tp * s.pp != mesh.world and not s.stage_ranks:
         raise ConfigError(
             f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
@@ -62,6 +64,11 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
         raise ConfigError(
             f"{s.schedule} needs num_microbatches >= pp, got {m} < {s.pp}; raise the global "
             f"batch to {s.pp * per_step} or use --schedule gpipe")
+    if s.schedule == "interleaved" and m % s.pp:
+        lo, hi = (m // s.pp) * s.pp, (m // s.pp + 1) * s.pp
+        raise ConfigError(
+            f"interleaved needs num_microbatches to be a multiple of pp, got {m} for pp={s.pp}; "
+            f"use --num-microbatches {f'{lo} or {hi}' if lo else hi}")
     _check_stage_ranks(mesh, s)
     if s.precision not in PRECISIONS:
         raise ConfigError(f"unknown precision '{s.precision}': choose one of "
@@ -95,6 +102,9 @@ def _check_stage_ranks(mesh: Mesh, s: Strategy) -> None:
 
 def check_heads(heads: int, tp: int, model: str) -> None:
     """Tensor parallelism splits attention heads: tp must divide them."""
+    if tp > 1 and model == "resnet":
+        raise ConfigError(f"resnet has no tensor-parallel plan (tp={tp}); use --tp 1 and "
+                          "spread the ranks over --dp and --pp")
     if heads % tp:
         ok = [d for d in _divisors(heads) if d <= 64]
         raise ConfigError(f"{model}: tp={tp} does not divide heads={heads}; choose tp among "

@@ -9,7 +9,10 @@ Proves, in order (each failure is one message; `errors` lists them all):
 3. every collective has the same participants and the same position in the
    per-group order on every member (the group's sequence of (op,
    micro-batch) instances, expanded from each member's action order);
-4. all ranks of a stage run the same action list, and a discrete-event
+4. all ranks of a stage run the same action list, and that list is a
+   valid schedule (`schedules.validate`: one F and one B per virtual stage
+   and micro-batch, in order, each SEND and RECV once, inputs received
+   before use; and one STEP, last); a discrete-event
    simulation of the stages (the schedule simulator, with per-action costs
    from the op cost model) finishes with no deadlock; it reports the bubble
    ratio, the predicted step time and each rank's planned peak memory.
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.sbp import box_numel
@@ -31,6 +35,7 @@ from meshplan.plan.rankplan import RankPlan, TaskKind
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.simulate import simulate
+from meshplan.schedules.validate import validate
 
 
 @dataclass
@@ -50,7 +55,7 @@ class CheckResult:
 def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     """Run every proof over `plans`; never raises for a bad plan."""
     res = CheckResult()
-    for proof in (_unique_ids, _references, _p2p, _collectives, _stages_agree):
+    for proof in (_unique_ids, _references, _p2p, _collectives, _stages_agree, _schedule):
         res.errors += proof(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
@@ -220,21 +225,51 @@ def _stages_agree(job: Job, plans) -> list[str]:
     return []
 
 
+def _stage_plans(job: Job, plans) -> dict[int, RankPlan] | None:
+    """One plan per stage (the lowest rank's); None when a stage is missing."""
+    reps: dict[int, RankPlan] = {}
+    for _, p in sorted(plans.items()):
+        reps.setdefault(p.stage, p)
+    return reps if len(reps) >= job.strategy.pp else None
+
+
+def _edges(job: Job, reps: dict[int, RankPlan]) -> list[tuple[int, int, str]]:
+    """The stage-crossing transfers the plans send: (src, dst virtual stage, F|B)."""
+    pp = job.strategy.pp
+    return sorted({(t.chunk * pp + p.stage, _dst_stage(job, t, pp),
+                    "F" if t.phase is Phase.FORWARD else "B")
+                   for p in reps.values() for t in p.tasks if t.kind is TaskKind.SEND})
+
+
+def _schedule(job: Job, plans) -> list[str]:
+    reps = _stage_plans(job, plans)
+    if reps is None:
+        return []  # a partial set of plans: the other proofs only
+    for stage, p in sorted(reps.items()):
+        steps = [i for i, a in enumerate(p.actions) if a.type is ActionType.STEP]
+        if steps != [len(p.actions) - 1]:
+            return [f"rank {p.rank} (stage {stage}) has {len(steps)} STEP actions; a plan ends "
+                    "in exactly one STEP (the optimizer); recompile it"]
+    s = job.strategy
+    try:
+        validate({st: list(p.actions) for st, p in reps.items()}, s.pp, s.vpp,
+                 s.num_microbatches, edges=_edges(job, reps))
+    except ScheduleError as e:
+        return [str(e)]
+    return []
+
+
 def simulate_plans(job: Job, plans):
     """The step simulated on one plan per stage (all ranks of a stage run the
     same actions), with per-action costs from the op cost model; None when
     `plans` lacks a stage."""
     pp = job.strategy.pp
-    reps = {}
-    for _, p in sorted(plans.items()):
-        reps.setdefault(p.stage, p)
-    if len(reps) < pp:
+    reps = _stage_plans(job, plans)
+    if reps is None:
         return None
     cost = action_costs(job, reps)
     actions = {s: list(p.actions) for s, p in reps.items()}
-    edges = sorted({(t.chunk * pp + p.stage, _dst_stage(job, t, pp),
-                     "F" if t.phase is Phase.FORWARD else "B")
-                    for p in reps.values() for t in p.tasks if t.kind is TaskKind.SEND})
+    edges = _edges(job, reps)
     return simulate(actions, pp, cost_f=lambda v: cost[(v, "F")],
                     cost_b=lambda v: cost[(v, "B")],
                     cost_comm=lambda kind, src, dst: cost.get(("comm", src, dst), 0.0),

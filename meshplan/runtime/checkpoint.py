@@ -12,7 +12,12 @@ Invariants:
   pp=2 into pp=1, and back.
 - `COMPLETE` is written by rank 0 only after every rank's shard is written
   (a barrier): a checkpoint without it, e.g. one cut short by a killed rank,
-  is never loaded.
+  is never loaded. It is a sealed file (versioned, checksummed) holding the
+  next step and a manifest of every state tensor's logical shape and dtype,
+  so `check_resumable` refuses a checkpoint of another model before any
+  rank starts. It also holds the sha256 of DCP's `.metadata` file, which
+  DCP reads with pickle: `load` checks the hash first, so only the bytes
+  this code wrote are ever unpickled.
 - The data position (the next step) is saved with it; data is a pure
   function of the step, so a resumed run sees exactly the batches an
   uninterrupted one would.
@@ -20,20 +25,22 @@ Invariants:
 
 from __future__ import annotations
 
-import json
+import hashlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from meshplan.errors import RuntimeFault
+from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
-from meshplan.ir.fileio import write_atomic
+from meshplan.ir.fileio import read_sealed, seal, write_atomic
 from meshplan.ir.sbp import Shard, intersect
 
 COMPLETE = "COMPLETE"
+METADATA = ".metadata"  # DCP's index of the saved keys (a pickle)
 STEP_KEY = "meshplan/next_step"
+KIND, VERSION = "meshplan.checkpoint", 1
 
 
 def _box_key(box) -> str:
@@ -56,8 +63,13 @@ def _state_values(job) -> dict[str, int]:
             if v.role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)}
 
 
-def save(path: str, state: dict, job, ctx, next_step: int) -> None:
-    """Write this rank's shard; rank 0 marks the checkpoint complete."""
+def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> None:
+    """Write this rank's shard; rank 0 marks the checkpoint complete.
+
+    An older `COMPLETE` in `path` is removed before any shard is overwritten,
+    so a save cut short never leaves a marker over a mix of old and new
+    shards. `after_shard()` runs once this rank's shard is written (a fault
+    test kills the rank there)."""
     values = _state_values(job)
     sd = {}
     for name, t in state.items():
@@ -67,20 +79,78 @@ def save(path: str, state: dict, job, ctx, next_step: int) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         sd[STEP_KEY] = torch.tensor(next_step)
+        (Path(path) / COMPLETE).unlink(missing_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
     dcp.save(sd, checkpoint_id=path)
+    if after_shard is not None:
+        after_shard()
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        meta = {"next_step": next_step, "world": job.mesh.world, "job": job.digest()}
-        write_atomic(Path(path) / COMPLETE, json.dumps(meta).encode())
+        meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path)}
+        write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
+
+
+def _metadata_hash(path: str) -> str:
+    return hashlib.sha256((Path(path) / METADATA).read_bytes()).hexdigest()
+
+
+def _manifest(job, next_step: int) -> dict:
+    g = job.graph
+    return {"next_step": next_step, "world": job.mesh.world, "job": job.digest(),
+            "state": {name: [list(g.values[vid].meta.shape), g.values[vid].meta.dtype.name]
+                      for name, vid in sorted(_state_values(job).items())}}
+
+
+def check_resumable(path: str, job) -> int:
+    """The step a run of `job` resumes at from the checkpoint at `path`;
+    raises (one line) when there is none, it is incomplete, or it holds
+    another model's state. Cheap: reads only the `COMPLETE` manifest."""
+    if not path:
+        raise ConfigError("--resume needs --save-dir: the directory of the checkpoint to "
+                          "continue from")
+    root = Path(path)
+    if not root.is_dir():
+        raise RuntimeFault(f"checkpoint {path} does not exist; run with --save-dir {path} "
+                           "first, or drop --resume")
+    if not (root / COMPLETE).is_file():
+        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker: a run was "
+                           "stopped while saving); resume from an earlier one or start afresh")
+    try:
+        meta = read_sealed(root / COMPLETE, KIND, VERSION)
+    except PlanError as e:  # its wording ("recompile it") is for plans
+        what = str(e).split("; ")[0].removeprefix(str(root / COMPLETE)).lstrip(": ")
+        raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker ({what}); "
+                           "resume from another checkpoint, or save it again") from None
+    saved = meta.get("state")
+    step = meta.get("next_step")
+    if not isinstance(saved, dict) or not isinstance(step, int):
+        raise RuntimeFault(f"{root / COMPLETE} lacks the state manifest; save the checkpoint "
+                           "again with this meshplan")
+    g = job.graph
+    for name, vid in sorted(_state_values(job).items()):
+        want = [list(g.values[vid].meta.shape), g.values[vid].meta.dtype.name]
+        if name not in saved:
+            if "@" in name:
+                continue  # an optimizer slot the saved optimizer lacks: it starts fresh
+            raise RuntimeFault(f"checkpoint {path} has no '{name}': it was saved from another "
+                               "model; resume with the model and size it was saved from")
+        if saved[name] != want:
+            raise RuntimeFault(f"checkpoint {path} holds '{name}' as {saved[name][1]} "
+                               f"{saved[name][0]}, but this model needs {want[1]} {want[0]}: it "
+                               "was saved from another model size; resume with the flags it "
+                               "was saved with")
+    want = meta.get("metadata_sha256")
+    if not (root / METADATA).is_file() or _metadata_hash(path) != want:
+        raise RuntimeFault(f"checkpoint {path}: {METADATA} is missing or not the one saved "
+                           "with it (edited or corrupted); resume from another checkpoint")
+    return step
 
 
 def load(path: str, state: dict, job, ctx) -> int:
     """Fill this rank's state from the checkpoint; returns the step to resume at."""
-    root = Path(path)
-    if not (root / COMPLETE).is_file():
-        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker: a run was "
-                           "stopped while saving); resume from an earlier one or start afresh")
+    check_resumable(path, job)
     saved: dict[str, list] = {}
     for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
         name, _, box = key.partition("|")
@@ -93,10 +163,7 @@ def load(path: str, state: dict, job, ctx) -> int:
             continue
         want = ctx.box(vid)
         if name not in saved:
-            if "@" in name:
-                continue  # an optimizer slot not yet created (SGD momentum): start fresh
-            raise RuntimeFault(f"checkpoint {path} has no '{name}': it was saved from another "
-                               "model; resume with the model and size it was saved from")
+            continue  # an optimizer slot not yet created (SGD momentum): start fresh
         for box in saved[name]:
             part = intersect(want, box) if box else ()
             if part is None:

@@ -72,7 +72,8 @@ class RankExecutor:
         self.fp16 = job.strategy.precision == "fp16"
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self._build(plan)
-        self.transfers = Transfers(job, plan, self.ctx, self.device)
+        self.transfers = Transfers(job, plan, self.ctx, self.device,
+                                   p2p=getattr(comm, "p2p", None))
         self.next_recv = _next_recv(plan.actions)
         self.transfers.drop_after_send = self.drop_after_send
 

@@ -8,6 +8,8 @@ accumulators empty. Only the state this rank's tasks touch is loaded.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from meshplan.autodiff.optimizer import LOSS_SCALE, initial_loss_scale, initial_state
@@ -23,9 +25,18 @@ def cut(t: torch.Tensor, box) -> torch.Tensor:
     return t
 
 
+def weights_of(module) -> dict[str, torch.Tensor]:
+    """A module's parameters and buffers by FQN (a mapping passes through)."""
+    if isinstance(module, Mapping):
+        return dict(module)
+    return {k: t.detach() for k, t in
+            (dict(module.named_parameters()) | dict(module.named_buffers())).items()}
+
+
 def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict:
-    """The state of the rank at `ctx`, for the input values in `used` (all if None)."""
-    own = dict(module.named_parameters()) | dict(module.named_buffers())
+    """The state of the rank at `ctx`, for the input values in `used` (all if
+    None); `module` is an `nn.Module` or its `weights_of` mapping."""
+    own = weights_of(module)
     state: dict = {}
     values = job.graph.values
     for vid in job.graph.inputs:

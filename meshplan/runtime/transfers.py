@@ -25,9 +25,11 @@ def _slices(box, base) -> tuple[slice, ...]:
 
 
 class Transfers:
-    def __init__(self, job, plan, ctx, device):
+    def __init__(self, job, plan, ctx, device, p2p=None):
+        """`p2p`: how to post pieces (default `runtime.comm.p2p`, i.e. gloo)."""
         pp = job.strategy.pp
         self.device = device
+        self._p2p = p2p
         self.sends = defaultdict(list)   # (stage, type) -> [(vid, slices, peer, op)]
         self.recvs = defaultdict(list)   # (stage, type) -> [(vid, slices, shape, peer, op)]
         self.shapes = {}                 # received vid -> (local shape, dtype)
@@ -52,22 +54,29 @@ class Transfers:
                 meta = job.graph.values[vid].meta
                 self.shapes[vid] = (tuple(b - a for a, b in box), meta.dtype.torch)
 
+    def p2p(self, ops: list) -> list:
+        if self._p2p is not None:
+            return self._p2p(ops)
+        from meshplan.runtime.comm import p2p
+
+        return p2p(ops)
+
     def send(self, action, env: dict, mem) -> None:
-        from meshplan.runtime.comm import p2p, tag_of
+        from meshplan.runtime.comm import tag_of
 
         ops, keep = [], []
         for vid, sl, peer, op_id in self.sends.get((action.stage, action.type), ()):
             piece = env[vid][sl].contiguous()
             ops.append(("send", piece, peer, tag_of(op_id, action.microbatch)))
             keep.append(piece)
-        self.pending.append((p2p(ops), keep))
+        self.pending.append((self.p2p(ops), keep))
         for vid, *_ in self.sends.get((action.stage, action.type), ()):
             if vid in self.drop_after_send and vid in env:
                 mem.drop(env.pop(vid))
 
     def post_recv(self, action) -> None:
         """Post the receives of `action` now (before it runs), unless posted."""
-        from meshplan.runtime.comm import p2p, tag_of
+        from meshplan.runtime.comm import tag_of
 
         key = (action.stage, action.type, action.microbatch)
         if key in self.posted:
@@ -80,7 +89,7 @@ class Transfers:
             tmp = torch.empty(piece, dtype=bufs[vid].dtype, device=self.device)
             ops.append(("recv", tmp, peer, tag_of(op_id, action.microbatch)))
             places.append((vid, sl, tmp))
-        self.posted[key] = (p2p(ops), places, bufs)
+        self.posted[key] = (self.p2p(ops), places, bufs)
 
     def recv(self, action, env: dict, mem) -> None:
         """Wait for `action`'s pieces (posting them first if not yet) and

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 
@@ -46,7 +48,8 @@ class RunSpec:
     save_dir: str = ""
     resume: bool = False
     gather: bool = False
-    module_file: str = ""  # a user's module and batches (torch.save), not a zoo model
+    module_file: str = ""  # a user's weights and batches (tensors only), not a zoo model
+    kill_in_save: int = -1  # fault test: this rank kills itself once its shard is saved
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -71,8 +74,8 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
     planning) and broadcasts the Job's bytes; every rank lowers itself.
     `progress[rank]` is set to each action's index before it runs,
     `steps_done[rank]` to the steps finished (counting resumed ones)."""
-    torch.set_num_threads(spec.threads)
     try:
+        torch.set_num_threads(spec.threads)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         backend = "nccl" if spec.device == "cuda" else "gloo"
         if world > 1 or init_method:
@@ -113,7 +116,8 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     from meshplan.runtime.rank_executor import RankExecutor
 
     if world != job.mesh.world:
-        raise RuntimeError(f"the plan is for {job.mesh.world} ranks but {world} were started")
+        raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
+                           "started; start as many ranks as the plan's mesh has")
     plan = _plan(spec, job, rank, lower)
     comm = Comm(rank, job_groups(job.strategy), "gloo") if world > 1 else None
     missing = set(_groups(plan)) - set(comm.groups if comm else ())
@@ -147,7 +151,8 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
             steps_done[rank] = step + 1
     if spec.save_dir:
         ex.current = "save checkpoint"
-        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
+        die = _kill_self if spec.kill_in_save == rank else None
+        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps), die)
     result = {"rank": rank, "losses": losses, "step_s": times, "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
               "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak,
@@ -168,11 +173,13 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
 def _source(spec: RunSpec, job: Job):
     """The module (with its initial weights) and `batch_of(step)`, the global
     batch of each step: a zoo model built from its config and seed, or the
-    user's module and batches saved by the launcher (`module_file`)."""
+    user's weights and batches saved by the launcher (`module_file`, tensors
+    only: `runtime/inputs_file.py`)."""
     if spec.module_file:
-        saved = torch.load(spec.module_file, weights_only=False)
-        batches = saved["batches"]
-        return saved["module"], lambda step: batches[step]
+        from meshplan.runtime.inputs_file import load_inputs
+
+        weights, batches = load_inputs(Path(spec.module_file))
+        return weights, lambda step: batches[step]
     from meshplan.models import build_model, example_batch, model_config
 
     cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
@@ -203,13 +210,17 @@ def _traced_step(ex, comm, state: dict, mbs) -> tuple[list, list]:
                  for s in spans]
 
 
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _plan(spec: RunSpec, job: Job, rank: int, lower):
     if spec.plan_dir:
         from meshplan.plan.files import read_plan
 
         plan = read_plan(Path(spec.plan_dir), rank)
         if plan.job_digest != job.digest():
-            raise RuntimeError(f"{spec.plan_dir} holds plans of another Job; recompile it")
+            raise PlanError(f"{spec.plan_dir} holds plans of another Job; recompile it")
         return plan
     return lower(job, rank)
 

@@ -53,7 +53,7 @@ def schedule_interleaved(pp: int, vpp: int, num_microbatches: int, rank: int) ->
         valid = f"{above}" if below == 0 else f"{below} or {above}"
         raise ScheduleError(
             f"interleaved needs num_microbatches to be a multiple of pp, got "
-            f"num_microbatches={m} pp={pp}; use --microbatches {valid}"
+            f"num_microbatches={m} pp={pp}; use --num-microbatches {valid}"
         )
 
     def mb_of(k: int) -> int:

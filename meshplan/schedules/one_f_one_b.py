@@ -63,7 +63,7 @@ def schedule_1f1b(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[A
     if m < pp:
         raise ScheduleError(
             f"1f1b needs num_microbatches >= pp, got num_microbatches={m} pp={pp}; "
-            f"use --microbatches {pp} or more, or --schedule gpipe"
+            f"use --num-microbatches {pp} or more, or --schedule gpipe"
         )
     warmup = min(pp - rank - 1, m)
     return order_1f1b(m, warmup, lambda k: (rank, k), lambda k: (rank, k))

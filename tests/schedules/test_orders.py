@@ -91,14 +91,14 @@ def test_every_stage_and_microbatch_once(name):
 
 
 def test_1f1b_needs_enough_microbatches():
-    with pytest.raises(ScheduleError, match=r"num_microbatches=3 pp=4.*--microbatches 4"):
+    with pytest.raises(ScheduleError, match=r"num_microbatches=3 pp=4.*--num-microbatches 4"):
         compute_actions("1f1b", 4, 1, 3, 0)
 
 
 def test_interleaved_needs_multiple_of_pp():
-    with pytest.raises(ScheduleError, match=r"num_microbatches=6 pp=4.*--microbatches 4 or 8"):
+    with pytest.raises(ScheduleError, match=r"num_microbatches=6 pp=4.*--num-microbatches 4 or 8"):
         compute_actions("interleaved", 4, 2, 6, 0)
-    with pytest.raises(ScheduleError, match=r"num_microbatches=2 pp=4.*--microbatches 4"):
+    with pytest.raises(ScheduleError, match=r"num_microbatches=2 pp=4.*--num-microbatches 4"):
         compute_actions("interleaved", 4, 2, 2, 0)
 
 

@@ -1,0 +1,174 @@
+"""Every rank of a Job in this one process, one thread per rank, with no
+torch.distributed: for tests and fuzzing of planning, not for speed.
+
+Invariants:
+- Each rank runs the very `RankExecutor` a launched rank runs (same plan,
+  generated code, variants, collectives and transfer pieces); only the
+  transport differs: `LocalComm` passes tensors through a shared `Hub`.
+- A collective returns the members' contributions combined in group order,
+  so every member computes the same bytes. A send copies its piece into a
+  mailbox keyed (src, dst, tag); a receive waits for it. Tags are the
+  runtime's own (`comm.tag_of`).
+- Nothing waits forever: every wait is bounded by `timeout_s`, and a rank
+  that raises wakes every waiter, which then fails too. The first error is
+  raised in the caller, as a `RuntimeFault` naming the rank.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from meshplan.errors import RuntimeFault
+
+_REDUCE = {"sum": lambda parts: torch.stack(parts).sum(0),
+           "max": lambda parts: torch.stack(parts).amax(0)}
+
+
+class Hub:
+    """The shared mailboxes of one local run."""
+
+    def __init__(self, timeout_s: float):
+        self.cv = threading.Condition()
+        self.timeout_s = timeout_s
+        self.slots: dict[tuple, dict[int, torch.Tensor]] = {}
+        self.reads: dict[tuple, int] = {}
+        self.mail: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self.failed: str | None = None
+
+    def _wait(self, ready, what: str) -> None:
+        if not self.cv.wait_for(lambda: ready() or self.failed is not None, self.timeout_s):
+            self.fail(f"waited {self.timeout_s:.0f} s for {what}")
+        if self.failed is not None:
+            raise RuntimeFault(f"stopped: {self.failed}")
+
+    def fail(self, why: str) -> None:
+        with self.cv:
+            self.failed = self.failed or why
+            self.cv.notify_all()
+        raise RuntimeFault(why)
+
+    def exchange(self, key: tuple, group: tuple[int, ...], rank: int,
+                 x: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's `x` for collective `key`, in group order."""
+        with self.cv:
+            slot = self.slots.setdefault(key, {})
+            slot[rank] = x
+            self.cv.notify_all()
+            self._wait(lambda: len(slot) == len(group), f"collective {key} of {list(group)}")
+            parts = [slot[r] for r in group]
+            self.reads[key] = self.reads.get(key, 0) + 1
+            if self.reads[key] == len(group):
+                del self.slots[key], self.reads[key]
+            return parts
+
+    def put(self, key: tuple[int, int, int], x: torch.Tensor) -> None:
+        with self.cv:
+            self.mail.setdefault(key, []).append(x)
+            self.cv.notify_all()
+
+    def take(self, key: tuple[int, int, int]) -> torch.Tensor:
+        with self.cv:
+            self._wait(lambda: bool(self.mail.get(key)), f"a message {key} (src, dst, tag)")
+            return self.mail[key].pop(0)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _Recv:
+    def __init__(self, hub: Hub, key: tuple[int, int, int], out: torch.Tensor):
+        self.hub, self.key, self.out = hub, key, out
+
+    def wait(self) -> None:
+        self.out.copy_(self.hub.take(self.key))
+
+
+class LocalComm:
+    """The `runtime.comm.Comm` interface over a `Hub`, for one rank."""
+
+    def __init__(self, rank: int, groups: list[tuple[int, ...]], hub: Hub):
+        self.rank, self.hub = rank, hub
+        self.groups = {g: g for g in groups if len(g) > 1 and rank in g}
+        self.count: dict[tuple[int, ...], int] = {}
+
+    def _exchange(self, group, x: torch.Tensor) -> list[torch.Tensor]:
+        n = self.count[group] = self.count.get(group, 0) + 1
+        return self.hub.exchange((group, n), group, self.rank, x.detach().clone())
+
+    def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
+        return _REDUCE[op](self._exchange(group, x)).to(x.dtype)
+
+    def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
+        parts = self._exchange(group, x.contiguous())
+        assert [tuple(p.shape) for p in parts] == [tuple(s) for s in shapes]
+        return torch.cat(parts, dim=dim)
+
+    def p2p(self, ops) -> list:
+        works = []
+        for kind, t, peer, tag in ops:
+            if kind == "send":
+                self.hub.put((self.rank, peer, tag), t.detach().clone())
+                works.append(_Done())
+            else:
+                works.append(_Recv(self.hub, (peer, self.rank, tag), t))
+        return works
+
+
+def run_local(job, module, batches, timeout_s: float = 60.0) -> list[float]:
+    """Train `module`'s weights with every rank of `job` on threads, one step
+    per global batch of `batches`; returns the loss per step (the last
+    stage's mean over micro-batches)."""
+    from meshplan.plan.lower import lower
+    from meshplan.runtime.comm import job_groups
+    from meshplan.runtime.data import split_microbatches
+    from meshplan.runtime.rank_executor import RankExecutor
+
+    world, hub = job.mesh.world, Hub(timeout_s)
+    groups = job_groups(job.strategy)
+    ranks = []
+    for r in range(world):
+        comm = LocalComm(r, groups, hub) if world > 1 else None
+        ex = RankExecutor(job, lower(job, r), comm)
+        ranks.append((ex, ex.init_state(module)))
+    losses = []
+    for batch in batches:
+        mbs = split_microbatches(batch, job.strategy.num_microbatches)
+        out = _step_all(ranks, mbs, hub, timeout_s)
+        held = [torch.stack(o).mean() for o in out if o]
+        losses.append(float(held[0]))
+    return losses
+
+
+def _step_all(ranks, mbs, hub: Hub, timeout_s: float) -> list[list[torch.Tensor]]:
+    out: list = [None] * len(ranks)
+    errors: list[tuple[int, str, BaseException]] = []
+
+    def body(r: int) -> None:
+        ex, state = ranks[r]
+        try:
+            out[r] = ex.step(state, mbs)
+        except BaseException as e:  # noqa: BLE001 - reported below, by rank
+            errors.append((r, ex.current, e))
+            try:
+                hub.fail(f"rank {r} failed in action {ex.current}")
+            except RuntimeFault:
+                pass
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    if any(t.is_alive() for t in threads):
+        raise RuntimeFault(f"local ranks still running after {timeout_s:.0f} s: "
+                           f"{[r for r, t in enumerate(threads) if t.is_alive()]}")
+    if errors:
+        first = next((e for e in errors if not isinstance(e[2], RuntimeFault)), errors[0])
+        r, action, e = first
+        raise RuntimeFault(f"rank {r} failed in action {action}: {type(e).__name__}: "
+                           f"{str(e)[:300]}") from e
+    return out
