@@ -188,7 +188,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
               f"autocast, {r['mean_rel_diff_fp32']:.2e} to eager fp32 (tolerance "
               f"{a.rel_tolerance:g})")
     if r["mode"] == "distributed":
-        print(f"(meshplan ran on {len(r['ranks'])} local processes, one per rank)")
+        n = len(r["ranks"])
+        print(f"(meshplan ran on {n} local process{'es' if n > 1 else ''}, one per rank)")
     print(f"{verdict}: max |diff| {r['max_abs_diff']:.2e} (tolerance {a.tolerance:g}); "
           f"step {r['step_s'] * 1e3:.1f} ms vs eager {r['ref_step_s'] * 1e3:.1f} ms")
     return 0 if ok else 1
