@@ -104,6 +104,13 @@ def _torchrun_env(world: int) -> dict:
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
 
 
+def _name(**fields) -> str:
+    """A configuration name, valid unless `fields` replaces one of its parts."""
+    parts = dict(model="gpt", nl="nl4", nah="nah4", hs="hs64", precision="FP32", ac="acfalse",
+                 mp="mp1", pp="pp1", mb="mb8", gb="gb8", devices="1n1g") | fields
+    return "_".join(parts.values())
+
+
 RUN = ("run", "--steps", "2")
 RESUME = (*RUN, "--save-dir", "{ckpt}", "--resume")
 OUT = ("--out", "{tmp}/out")
@@ -255,4 +262,23 @@ CASES: list[Case] = [
         "run", "--steps", "0"),
     cli("run-timeout", "runtime", ConfigError, "--timeout 0.0 must be a positive number",
         *RUN, "--timeout", "0"),
+    # ---- configuration names (--config NAME) ---------------------------------------------
+    cli("config-bad-field", "config", ConfigError, "field 'hsX' should be hs<hidden size>",
+        "plan", "--config", _name(hs="hsX")),
+    cli("config-bad-model", "config", ConfigError, "field 'gtp' is not a model; use one of",
+        "compile", "--config", _name(model="gtp"), *OUT),
+    cli("config-bad-precision", "config", ConfigError, "field 'FP8' should be FP32, BF16",
+        "run", "--config", _name(precision="FP8")),
+    cli("config-bad-recompute", "config", ConfigError, "should be actrue or acfalse",
+        "plan", "--config", _name(ac="acmaybe")),
+    cli("config-mesh-mismatch", "config", ConfigError, "but the mesh has 1x2 = 2 ranks",
+        "compile", "--config", _name(mp="mp2", pp="pp2", mb="mb2", devices="1n2g"), *OUT),
+    cli("config-no-nodes", "config", ConfigError, "field '0n4g' should be <nodes>n<devices",
+        "plan", "--config", _name(devices="0n4g")),
+    cli("config-field-count", "config", ConfigError, "has 2 fields separated by '_'",
+        "plan", "--config", "gpt_nl4"),
+    cli("config-flag-contradicts", "config", ConfigError, "--tp 4 contradicts --config",
+        "plan", "--config", _name(mp="mp2", devices="1n2g"), "--tp", "4"),
+    cli("config-heads-hidden", "config", ConfigError, "heads=3 does not divide hidden=64",
+        "plan", "--config", _name(nah="nah3")),
 ]

@@ -87,7 +87,7 @@ def test_the_catalogue_is_wide():
         cats[c.category] = cats.get(c.category, 0) + 1
     assert len(CASES) >= 30 and len({c.id for c in CASES}) == len(CASES)
     assert {"strategy", "model", "capture", "layers", "schedule", "files", "checkpoint",
-            "runtime"} <= set(cats)
+            "runtime", "config"} <= set(cats)
 
 
 def test_debug_shows_the_traceback_in_a_real_process(tmp_path):
