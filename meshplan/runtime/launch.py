@@ -88,17 +88,23 @@ def _watch(procs, results: Path, deadline_s: float, kill, progress, job_bytes,
         if kill is not None and not killed and time.monotonic() - start > kill[1]:
             procs[kill[0]].kill()
             killed = True
-        bad = [(r, p.exitcode) for r, p in enumerate(procs)
-               if p.exitcode not in (None, 0)]
-        if bad:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            raise RuntimeFault(_failure(bad, results, progress, job_bytes))
+        _raise_if_failed(procs, results, progress, job_bytes)
         if time.monotonic() - start > deadline_s:
             raise RuntimeFault(f"the run exceeded its {deadline_s:.0f} s deadline; ranks still "
                                f"running: {[r for r, p in enumerate(procs) if p.is_alive()]}")
+    for p in procs:  # all ended: possibly all failed between two polls
+        p.join(timeout=5)
+    _raise_if_failed(procs, results, progress, job_bytes)
     poll()
+
+
+def _raise_if_failed(procs, results: Path, progress, job_bytes) -> None:
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    if bad:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise RuntimeFault(_failure(bad, results, progress, job_bytes))
 
 
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:
