@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Callable, Union
 
 import torch
 
@@ -125,10 +125,28 @@ class Op:
 
     def refs(self) -> tuple[int, ...]:
         """Ids of every value this op reads, in argument order."""
-        out: list[int] = []
-        for a in self.args + tuple(v for _, v in self.kwargs):
-            _collect_refs(a, out)
-        return tuple(out)
+        return refs_in(self.args, self.kwargs)
+
+    def remap(self, fn: Callable[[int], int]) -> tuple[tuple[Arg, ...], tuple]:
+        """This op's args and kwargs with each `Ref`'s id replaced by `fn(id)`."""
+        return map_refs(self.args, fn), tuple((k, map_refs(v, fn)) for k, v in self.kwargs)
+
+
+def refs_in(args: tuple, kwargs: tuple = ()) -> tuple[int, ...]:
+    """Ids of every `Ref` in `args` and `kwargs` (name, arg) pairs, in order."""
+    out: list[int] = []
+    for a in args + tuple(v for _, v in kwargs):
+        _collect_refs(a, out)
+    return tuple(out)
+
+
+def map_refs(a: Arg, fn: Callable[[int], int]) -> Arg:
+    """`a` with each `Ref`'s id replaced by `fn(id)` (tuples recursively)."""
+    if isinstance(a, Ref):
+        return Ref(fn(a.id))
+    if isinstance(a, tuple):
+        return tuple(map_refs(x, fn) for x in a)
+    return a
 
 
 def _collect_refs(a: Arg, out: list[int]) -> None:

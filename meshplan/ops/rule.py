@@ -50,3 +50,9 @@ class OpRule:
     # (argument position, output index): the argument is a shape that must
     # equal that output's shape; lowering puts the rank's local shape there.
     shape_args: tuple[tuple[int, int], ...] = ()
+    # Mixed precision: "low" (compute in bf16/fp16), "fp32", or "" (follow
+    # type promotion); see `ops/policy.py`.
+    precision: str = ""
+    # Selective recompute: "keep" (keep the output), "random" (cannot be
+    # replayed), or "" (recompute freely).
+    recompute: str = ""

@@ -17,6 +17,7 @@ from meshplan.ops import grads_pointwise as pw
 from meshplan.ops import grads_shape as sh
 from meshplan.ops.canonical import CANONICAL, functionalize
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
+from meshplan.ops.policy import PRECISION, recompute_class
 from meshplan.ops.resolve import resolve_aten
 from meshplan.ops.rule import OpRule
 from meshplan.ops.sbp_table import SBP, replicated_rule
@@ -152,7 +153,7 @@ for _kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "local
               "transfer"):
     _MESHPLAN_KINDS[f"meshplan.{_kind}"] = OpRule(
         f"meshplan.{_kind}", kernels.boxing_identity, differentiable=False,
-        infer=lambda a, k: (a[0],),
+        infer=lambda a, k: (a[0],), recompute="keep",  # communication is not redone
     )
 
 
@@ -179,6 +180,8 @@ def rule_for(kind: str) -> OpRule:
         differentiable=kind not in _NONDIFF,
         sbp=SBP.get(kind, replicated_rule),
         shape_args=_SHAPE_ARGS.get(kind, ()),
+        precision=PRECISION.get(kind, ""),
+        recompute=recompute_class(kind),
     )
 
 

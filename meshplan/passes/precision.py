@@ -7,10 +7,11 @@ boxing communicates the low-precision values (a row-parallel all-reduce
 moves half the bytes), and the memory plan counts each low-precision copy
 of a weight as the activation it is, next to the fp32 master weight.
 
-The rules are torch.autocast's, as tables:
-- LOW: matmul, linear, attention, convolution: every floating-point input
+The rules are torch.autocast's, in the op rule table (`OpRule.precision`,
+listed in `ops/policy.py`):
+- "low": matmul, linear, attention, convolution: every floating-point input
   is cast to the low dtype, so the op computes (and answers) in it;
-- FP32: norms, softmax, losses and reductions: low-precision inputs are
+- "fp32": norms, softmax, losses and reductions: low-precision inputs are
   cast back to fp32;
 - any other op runs in whatever its inputs promote to (a residual add of an
   fp32 stream and a bf16 branch is fp32).
@@ -23,35 +24,13 @@ One cast is made per (value, dtype) and shared by its readers.
 from __future__ import annotations
 
 from meshplan.ir import DType, Graph, GraphBuilder, Phase, Ref, Update, verify
+from meshplan.ir.graph import refs_in
 from meshplan.ops.emit import Emitter
+from meshplan.ops.table import rule_for
 
 DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16")}
 FP32 = DType("float32")
 CAST = "aten._to_copy.default"
-
-LOW = frozenset({
-    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-    "aten.matmul.default", "aten.baddbmm.default", "aten.conv1d.default",
-    "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
-    "aten.scaled_dot_product_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-})
-FP32_OPS = frozenset({
-    "aten.native_layer_norm.default", "aten.layer_norm.default",
-    "aten.group_norm.default", "aten.native_group_norm.default",
-    "aten._native_batch_norm_legit_functional.default", "aten.batch_norm.default",
-    "aten._softmax.default", "aten.softmax.int", "aten._log_softmax.default",
-    "aten.log_softmax.int", "aten.nll_loss_forward.default", "aten.nll_loss.default",
-    "aten.cross_entropy_loss.default", "aten.mse_loss.default",
-    "aten.binary_cross_entropy_with_logits.default", "aten.sum.default",
-    "aten.sum.dim_IntList", "aten.mean.default", "aten.mean.dim", "aten.logsumexp.default",
-    "aten.cumsum.default", "aten.exp.default", "aten.log.default", "aten.pow.Tensor_Scalar",
-    "aten.rsqrt.default", "aten.var.correction", "aten.var_mean.correction",
-    "aten.norm.ScalarOpt_dim", "aten.linalg_vector_norm.default", "aten.cdist.default",
-})
-
 
 def apply_precision(graph: Graph, precision: str) -> Graph:
     """`graph` (a forward Graph) with casts for `precision` (fp32, bf16, fp16)."""
@@ -88,11 +67,12 @@ def apply_precision(graph: Graph, precision: str) -> Graph:
 
     for op in graph.ops:
         e = Emitter(b, op.phase, op.module_path, op.source)
-        want = low if op.kind in LOW else FP32 if op.kind in FP32_OPS else None
+        policy = rule_for(op.kind).precision
+        want = low if policy == "low" else FP32 if policy == "fp32" else None
         args = tuple(arg(e, a, want) for a in op.args)
         kwargs = tuple((k, arg(e, v, want)) for k, v in op.kwargs)
         same = all(b.meta(vmap[r]) == graph.values[r].meta for r in op.refs()) and \
-            not any(r in casts_of for r in _refs(args, kwargs))
+            not any(r in casts_of for r in refs_in(args, kwargs))
         if same:  # no input changed dtype: the outputs are as captured
             outs = e.emit(op.kind, args, [graph.values[o].meta if o >= 0 else None
                                           for o in op.outputs], kwargs)
@@ -109,12 +89,3 @@ def apply_precision(graph: Graph, precision: str) -> Graph:
     verify(out)
     return out
 
-
-def _refs(args: tuple, kwargs: tuple) -> list[int]:
-    out: list[int] = []
-    for a in args + tuple(v for _, v in kwargs):
-        if isinstance(a, Ref):
-            out.append(a.id)
-        elif isinstance(a, tuple):
-            out += _refs(a, ())
-    return out

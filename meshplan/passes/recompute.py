@@ -15,7 +15,8 @@ Invariants:
   so recomputation is bit-identical to the forward it repeats.
 - `full` recomputes every forward op of a region; `selective` keeps the
   outputs of the expensive ops (matmuls, attention, convolutions) and of
-  communication, and recomputes the cheap ones between them.
+  communication (`OpRule.recompute == "keep"`), and recomputes the cheap
+  ones between them.
 - Cross-stage transfers are never cloned, and a region with a random op
   (dropout) is refused: replaying it would need the forward's RNG state.
 - Ops keep their relative order; clones are inserted, never moved, so the
@@ -29,20 +30,9 @@ from dataclasses import replace
 from functools import partial
 
 from meshplan.errors import ConfigError
-from meshplan.ir import Graph, GraphBuilder, Op, Phase, Ref
-from meshplan.passes.boxing import BOXING_KINDS, Boxed
-
-# Kept (not recomputed) under `selective`: costly to redo, or communication.
-EXPENSIVE = frozenset({
-    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-    "aten.matmul.default", "aten.baddbmm.default", "aten.conv1d.default",
-    "aten.conv2d.default", "aten.convolution.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten.scaled_dot_product_attention.default",
-}) | frozenset(BOXING_KINDS)
-RANDOM = ("dropout", "bernoulli", "rand")
+from meshplan.ir import Graph, GraphBuilder, Op, Phase
+from meshplan.ops.table import rule_for
+from meshplan.passes.boxing import Boxed
 
 
 def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
@@ -74,7 +64,7 @@ def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
             return vid
         key = (where, vid)
         if key not in clones:
-            args, kwargs = _remap(p, partial(value_for, where=where))
+            args, kwargs = p.remap(partial(value_for, where=where))
             outs = []
             for o in p.outputs:
                 if o < 0:
@@ -91,7 +81,7 @@ def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
     for op in g.ops:
         where = _region_of(rx, op.module_path) if op.phase is Phase.BACKWARD else None
         if where is not None:
-            args, kwargs = _remap(op, partial(value_for, where=where))
+            args, kwargs = op.remap(partial(value_for, where=where))
             op = replace(op, args=args, kwargs=kwargs)
         omap[op.id] = len(b.ops)
         append(replace(op, id=len(b.ops), grad_of=omap.get(op.grad_of, -1)), op)
@@ -116,9 +106,10 @@ def _regions(g: Graph, pattern: str, mode: str) -> dict[int, str]:
         if op.phase is not Phase.FORWARD or op.kind == "meshplan.transfer":
             continue
         where = _region_of(rx, op.module_path)
-        if where is None or (mode == "selective" and op.kind in EXPENSIVE):
+        policy = rule_for(op.kind).recompute
+        if where is None or (mode == "selective" and policy == "keep"):
             continue
-        if any(word in op.kind for word in RANDOM):
+        if policy == "random":
             raise ConfigError(f"cannot recompute {op.kind} at '{op.module_path}': replaying a "
                               "random op needs its RNG state; set its probability to 0 or "
                               "exclude it with --recompute-pattern")
@@ -128,15 +119,3 @@ def _regions(g: Graph, pattern: str, mode: str) -> dict[int, str]:
                           "give --recompute-pattern a regex like 'blocks\\.\\d+'")
     return out
 
-
-def _remap(op: Op, fn) -> tuple[tuple, tuple]:
-    """`op`'s args and kwargs with every Ref's id replaced by `fn(id)`."""
-    return _map_refs(op.args, fn), tuple((k, _map_refs(v, fn)) for k, v in op.kwargs)
-
-
-def _map_refs(a, fn):
-    if isinstance(a, Ref):
-        return Ref(fn(a.id))
-    if isinstance(a, tuple):
-        return tuple(_map_refs(x, fn) for x in a)
-    return a

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from meshplan.ir import Graph, GraphBuilder, Ref, Update, verify
+from meshplan.ir import Graph, GraphBuilder, Update, verify
+from meshplan.ir.graph import map_refs
 from meshplan.ops.emit import Emitter
 
 # rewriter(e, args, op) -> one Ref (or None) per output of `op`, or None to keep `op`
@@ -28,11 +29,7 @@ def rewrite_ops(graph: Graph, rewriters: dict[str, Rewriter]) -> Graph:
     omap: dict[int, int] = {}
 
     def ref(a):
-        if isinstance(a, Ref):
-            return Ref(vmap.get(a.id, a.id))
-        if isinstance(a, tuple):
-            return tuple(ref(x) for x in a)
-        return a
+        return map_refs(a, lambda i: vmap.get(i, i))
 
     for op in graph.ops:
         args = tuple(ref(a) for a in op.args)

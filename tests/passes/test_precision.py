@@ -15,7 +15,8 @@ from meshplan.errors import ConfigError
 from meshplan.ir import Role
 from meshplan.ir.mesh import Mesh
 from meshplan.models import model_config
-from meshplan.passes.precision import CAST, FP32_OPS, LOW, apply_precision
+from meshplan.ops.policy import PRECISION
+from meshplan.passes.precision import CAST, apply_precision
 from meshplan.plan.lower import lower
 from meshplan.runtime import Executor
 
@@ -28,16 +29,16 @@ def test_low_ops_read_bf16_fp32_ops_read_fp32_and_weights_stay_fp32():
     dtype = {v.id: v.meta.dtype.name for v in g.values}
     for op in g.ops:
         floats = [dtype[r] for r in op.refs() if g.values[r].meta.is_float]
-        if op.kind in LOW:
+        if PRECISION.get(op.kind) == "low":
             assert set(floats) == {"bfloat16"}, op
-        elif op.kind in FP32_OPS:
+        elif PRECISION.get(op.kind) == "fp32":
             assert set(floats) <= {"float32"}, op
     assert all(v.meta.dtype.name == "float32" for v in g.inputs_by_role(Role.PARAM))
     assert dtype[g.loss] == "float32"
     param_casts = [op.args[0].id for op in g.ops if op.kind == CAST
                    and g.values[op.args[0].id].role is Role.PARAM]
-    read_low = {fwd.values[r].name for op in fwd.ops if op.kind in LOW for r in op.refs()
-                if fwd.values[r].role is Role.PARAM}
+    read_low = {fwd.values[r].name for op in fwd.ops if PRECISION.get(op.kind) == "low"
+                for r in op.refs() if fwd.values[r].role is Role.PARAM}
     assert sorted(g.values[v].name for v in param_casts) == sorted(read_low)  # one copy each
 
 

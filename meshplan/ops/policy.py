@@ -1,0 +1,50 @@
+"""Per-op policies of the training-step passes, as tables.
+
+- `PRECISION`: under mixed precision, "low" kinds compute in bf16/fp16 (every
+  float input cast down) and "fp32" kinds in fp32 (low inputs cast back);
+  the lists are CUDA autocast's. Kinds not listed follow type promotion.
+- `RECOMPUTE`: under selective activation checkpointing, "keep" kinds (costly
+  to redo: matmuls, attention, convolution) keep their outputs. Kinds whose
+  name says they draw random numbers are "random": they cannot be replayed
+  (see `recompute_class`).
+
+`table.rule_for` copies these into each `OpRule` (`precision`, `recompute`).
+"""
+
+from __future__ import annotations
+
+_LOW = (
+    "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten.matmul.default", "aten.baddbmm.default", "aten.conv1d.default",
+    "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
+    "aten.scaled_dot_product_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+)
+_FP32 = (
+    "aten.native_layer_norm.default", "aten.layer_norm.default",
+    "aten.group_norm.default", "aten.native_group_norm.default",
+    "aten._native_batch_norm_legit_functional.default", "aten.batch_norm.default",
+    "aten._softmax.default", "aten.softmax.int", "aten._log_softmax.default",
+    "aten.log_softmax.int", "aten.nll_loss_forward.default", "aten.nll_loss.default",
+    "aten.cross_entropy_loss.default", "aten.mse_loss.default",
+    "aten.binary_cross_entropy_with_logits.default", "aten.sum.default",
+    "aten.sum.dim_IntList", "aten.mean.default", "aten.mean.dim", "aten.logsumexp.default",
+    "aten.cumsum.default", "aten.exp.default", "aten.log.default", "aten.pow.Tensor_Scalar",
+    "aten.rsqrt.default", "aten.var.correction", "aten.var_mean.correction",
+    "aten.norm.ScalarOpt_dim", "aten.linalg_vector_norm.default", "aten.cdist.default",
+)
+PRECISION: dict[str, str] = {k: "low" for k in _LOW} | {k: "fp32" for k in _FP32}
+
+# The expensive kinds are exactly those that compute in low precision.
+RECOMPUTE: dict[str, str] = {k: "keep" for k in _LOW}
+_RANDOM_WORDS = ("dropout", "bernoulli", "rand")
+
+
+def recompute_class(kind: str) -> str:
+    """"keep", "random" or "" (recompute freely) for an aten kind."""
+    name = kind.split(".")[1] if "." in kind else kind
+    if any(w in name for w in _RANDOM_WORDS):
+        return "random"
+    return RECOMPUTE.get(kind, "")
