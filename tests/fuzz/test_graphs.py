@@ -150,7 +150,7 @@ def train_both_ways(ex: dict) -> float:
                  if op.kind == "meshplan.transfer"]
     assert len(crossings) == len(set(crossings)), "a value crosses to a stage twice"
     mine = run_local(job, module, batches)
-    theirs, _ = eager_train(ref, batches, m, opt)
+    theirs = eager_train(ref, batches, m, opt).losses
     # The first loss is a pure forward from equal weights; later ones may be
     # amplified by the training dynamics (a random graph's loss can grow 1e4x
     # in one SGD step), and with them the ~1e-7 rounding of reordered sums,

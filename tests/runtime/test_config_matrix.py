@@ -71,7 +71,8 @@ def test_two_node_config_as_two_torchrun_launches(name, tmp_path):
     refs = {}
     for p in {"fp32", f["precision"]}:
         torch.manual_seed(0)
-        refs[p] = eager_train(build_model(cfg), batches, m, OptimizerConfig.default("sgd"), p)[0]
+        opt = OptimizerConfig.default("sgd")
+        refs[p] = eager_train(build_model(cfg), batches, m, opt, p).losses
     if f["precision"] == "fp32":
         assert max(abs(a - b) for a, b in zip(losses, refs["fp32"])) <= 1e-4
     else:
