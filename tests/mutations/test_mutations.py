@@ -156,12 +156,35 @@ def swap_microbatch_payloads(job, hub, ranks):
     hub.take = take
 
 
+def _restore_after_step(names_of):
+    def mutate(job, hub, ranks):
+        for r, (_, held) in enumerate(ranks):
+            names = [n for n in names_of(job) if n in held]
+
+            def before(a, state, names=names):
+                return {n: state[n].clone() for n in names} \
+                    if a.type is ActionType.STEP else None
+
+            def after(a, state, snap):
+                state.update(snap or {})
+
+            _around_actions(ranks, r, before, after)
+    return mutate
+
+
+# the run that trains nothing (lr=0), and one parameter frozen on every rank
+train_nothing = _restore_after_step(
+    lambda job: [v.name for v in job.graph.values if v.role is Role.PARAM])
+freeze_one = _restore_after_step(lambda job: [TARGET])
+
 PLAN_MUTATIONS = {"dropped dp gradient all-reduce": drop_dp_all_reduce,
                   "skipped optimizer update of one shard": skip_optimizer_update}
 RUN_MUTATIONS = {"tp all-reduce a no-op on one rank": tp_all_reduce_noop,
                  "one micro-batch's gradient counted twice": count_microbatch_twice,
                  "a gradient scaled by 2 on one rank": scale_gradient,
-                 "send/recv payloads swapped between micro-batches": swap_microbatch_payloads}
+                 "send/recv payloads swapped between micro-batches": swap_microbatch_payloads,
+                 "nothing trained (lr=0)": train_nothing,
+                 "one parameter frozen": freeze_one}
 PRECISIONS = ["fp32", pytest.param("bf16", marks=pytest.mark.slow)]
 
 
