@@ -18,7 +18,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     common = dict(steps=a.steps, optimizer=a.optimizer, seed=a.seed, threads=a.threads,
                   timeout_s=a.timeout, lr=a.lr, trace=a.trace, **overrides(a))
     if under_torchrun():
-        r = run_torchrun(a.model, a.size, mesh_of(a), strategy, **common)
+        r = run_torchrun(a.model, a.size, mesh_of(a), strategy, save_dir=a.save_dir, **common)
         if r is None:  # not rank 0: rank 0 reports for everyone
             return 0
     else:

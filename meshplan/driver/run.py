@@ -125,9 +125,11 @@ def under_torchrun() -> bool:
 def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
                  optimizer: str = "sgd", seed: int = 0, threads: int = 1,
                  timeout_s: float = 60.0, lr: float | None = None, trace: str = "",
-                 **overrides) -> dict | None:
+                 save_dir: str = "", **overrides) -> dict | None:
     """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
-    every rank lowers and runs itself. Returns the merged result on rank 0."""
+    every rank lowers and runs itself. Returns the merged result on rank 0.
+    With `save_dir` (on storage every rank reaches) the ranks save a DCP
+    checkpoint at the end."""
     check_run_args(steps, threads, timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != mesh.world:
@@ -142,7 +144,7 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
-                       threads, timeout_s, gather=True, trace=bool(trace))
+                       threads, timeout_s, gather=True, trace=bool(trace), save_dir=save_dir)
         code = rank_main(spec, rank, world, None, "env://", master=master)
         if code != 0:
             fail = json.loads((Path(results) / f"fail_{rank}.json").read_text())

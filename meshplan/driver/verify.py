@@ -26,6 +26,8 @@ from meshplan.capture import capture
 from meshplan.driver.compare import (
     BOUNDS,
     Bounds,
+    Flips,
+    adam_flips,
     assemble,
     compare_losses,
     compare_state,
@@ -119,28 +121,31 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
     ref = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale)
     twin = eager_train(copy.deepcopy(module), reordered(batches, m), m, opt, precision,
                        init_scale)
-    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin), ref
+    flips = adam_flips(ref.state, opt.lr, len(batches)) if opt.kind == "adamw" else None
+    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips), ref
 
 
 def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: EagerRun,
-          bounds: Bounds, twin: EagerRun | None = None) -> dict:
+          bounds: Bounds, twin: EagerRun | None = None, flips: Flips | None = None) -> dict:
     """The verdict on a run, from its ranks' losses and final state slices:
     `ok`, `problems` (one line each), `max_abs_diff` (losses), and per tensor
     `params` (parameters and buffers) and `optimizer_state` (slots, the loss
     scale) with `max_abs`, `max_rel`, `ok`. `twin`, the reference trained
-    on `reordered` batches, gives each tensor's reordering noise."""
+    on `reordered` batches, gives each tensor's reordering noise; `flips`,
+    AdamW's rounding-decided elements (`compare.adam_flips`)."""
     loss_noise, noise = 0.0, {}
     if twin is not None:
         loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))
         noise = {k: max_abs(t, twin.state[k]) for k, t in ref.state.items() if k in twin.state}
     losses = compare_losses(rank_losses, ref.losses, bounds, loss_noise)
     shapes = {k: tuple(t.shape) for k, t in ref.state.items()}
-    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise)
+    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips)
     problems = losses["problems"] + [
         f"{name}: {'held by no rank' if d.get('missing') else _describe(d)}"
         for name, d in state.items() if not d["ok"]]
     return {"ok": not problems, "problems": problems, "bounds": asdict(bounds),
             "max_abs_diff": losses["max_abs_diff"], "loss_noise": loss_noise,
+            "loss_bound_used": losses["bound_used"],
             "params": {k: d for k, d in state.items() if "@" not in k},
             "optimizer_state": {k: d for k, d in state.items() if "@" in k}}
 
@@ -158,6 +163,12 @@ def state_summary(r: dict) -> str:
     (name, d), = worst(both, 1)
     return (f"{len(r['params'])} parameter tensors and {len(r['optimizer_state'])} optimizer "
             f"slots compared, worst max_rel {d['max_rel']:.1e} ({name})")
+
+
+def whole_slices(state: dict) -> dict[int, dict]:
+    """A one-process executor's state as rank 0's slices, each whole."""
+    return {0: {f"{k}|{box_key(tuple((0, n) for n in t.shape))}": t
+                for k, t in state.items() if t is not None}}
 
 
 def reordered(batches: list[tuple], m: int) -> list[tuple]:
@@ -196,9 +207,7 @@ def _single(module, batches, opt, m: int, precision: str = "fp32",
         ts = time.perf_counter()
         losses.append(ex.step(state, mbs))
         times.append(time.perf_counter() - ts)
-    slices = {f"{k}|{box_key(tuple((0, n) for n in t.shape))}": t
-              for k, t in state.items() if t is not None}
     return {"mode": "single", "losses": losses, "rank_losses": {"0": losses},
-            "slices": {0: slices}, "ops": len(graph.ops),
+            "slices": whole_slices(state), "ops": len(graph.ops),
             "capture_s": t1 - t0, "autodiff_s": t2 - t1,
             "step_s": statistics.median(times), "measured_peak_bytes": ex.mem.peak}

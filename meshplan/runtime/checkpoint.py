@@ -157,6 +157,23 @@ def check_resumable(path: str, job) -> int:
     return step
 
 
+def read_slices(path: str) -> dict[str, torch.Tensor]:
+    """Every state slice of a complete checkpoint (`<name>|<box>` -> tensor),
+    read in this one process: what a run saved, for `verify`'s assembly."""
+    root = Path(path)
+    if not (root / COMPLETE).is_file():
+        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker)")
+    meta = read_sealed(root / COMPLETE, KIND, VERSION)
+    if _metadata_hash(path) != meta.get("metadata_sha256"):
+        raise RuntimeFault(f"checkpoint {path}: {METADATA} is not the one saved with it")
+    request = {}
+    for key, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items():
+        if "|" in key:
+            request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    dcp.load(request, checkpoint_id=path)
+    return request
+
+
 def load(path: str, state: dict, job, ctx) -> int:
     """Fill this rank's state from the checkpoint; returns the step to resume at."""
     check_resumable(path, job)
