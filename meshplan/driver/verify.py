@@ -32,7 +32,6 @@ from meshplan.driver.compare import (
     compare_losses,
     compare_state,
     max_abs,
-    worst,
 )
 from meshplan.driver.plan import train_step
 from meshplan.driver.reference import EagerRun, eager_train, split_microbatches
@@ -155,14 +154,6 @@ def _describe(d: dict) -> str:
     if "replica_spread" in d:
         text += f", replicas differ by {d['replica_spread']:.2e}"
     return text
-
-
-def state_summary(r: dict) -> str:
-    """One line: how many tensors were compared and the worst of them."""
-    both = r["params"] | r["optimizer_state"]
-    (name, d), = worst(both, 1)
-    return (f"{len(r['params'])} parameter tensors and {len(r['optimizer_state'])} optimizer "
-            f"slots compared, worst max_rel {d['max_rel']:.1e} ({name})")
 
 
 def whole_slices(state: dict) -> dict[int, dict]:
