@@ -55,14 +55,17 @@ class Bounds:
     loss_atol: float
     atol: float
     rtol: float
-    chaos: float = 1e-3  # reordering noise in the loss above which nothing can be judged
+    # reordering noise in the loss above which nothing can be judged: fp32 100x
+    # its loss bound; bf16/fp16 the bound itself (eager autocast's own noise
+    # is already 1.3e-3 for BERT tiny in 5 steps: CPU autocast runs LayerNorm in bf16)
+    chaos: float = 1e-3
 
 
 NOISE_FACTOR = 4.0
 BOUNDS = {
     "fp32": Bounds(loss_atol=1e-5, atol=1e-5, rtol=1e-5),
-    "bf16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2),
-    "fp16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2),
+    "bf16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3),
+    "fp16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3),
 }
 
 
