@@ -57,6 +57,10 @@ class RankExecutor:
     def __init__(self, job: Job, plan: RankPlan, comm=None, device="cpu"):
         self.job, self.plan, self.comm = job, plan, comm
         self.device = torch.device(device)
+        if plan.device != self.device.type:
+            raise ConfigError(f"rank {plan.rank}'s plan was lowered for {plan.device} but "
+                              f"runs on {self.device.type}; compile with --device "
+                              f"{self.device.type}, or run with --device {plan.device}")
         self.ctx = RankContext(job, plan.rank)
         self.mem = LiveBytes()
         self.current = "load"
