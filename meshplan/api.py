@@ -100,33 +100,42 @@ def check(plans: str | Path | tuple):
 
 
 def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = "",
-        timeout_s: float = 60.0, threads: int = 1) -> dict:
+        timeout_s: float = 60.0, threads: int = 1, device: str = "cpu",
+        backend: str = "") -> dict:
     """Train `module` (its current weights) for `len(batches)` steps on
     `job.mesh.world` local gloo processes, one per rank; `batches[k]` is the
     global batch of step k (a tuple like the captured inputs, with
     global_batch_size samples). The module itself is not changed.
 
+    `device` is cpu, cuda or auto (cuda where available); `backend` gloo or
+    nccl ("": nccl on cuda, gloo on cpu; gloo on cuda shares GPUs between
+    ranks through host memory, for testing, not speed).
+
     Returns `losses` (mean over the global batch, per step), `step_s`, memory
     per rank, and with `trace` (a path) the measured last step there."""
-    from meshplan.driver.run import launch
+    from meshplan.driver.run import launch, run_devices
     from meshplan.runtime.worker import RunSpec
 
     batches = _checked(job, batches)
+    device, backend = run_devices(device, backend, job.mesh.world)
     spec = RunSpec("custom", "", (), len(batches), 0, "", threads, timeout_s,
-                   plan_dir=str(plan_dir), trace=bool(trace))
+                   plan_dir=str(plan_dir), trace=bool(trace), device=device, backend=backend)
     return launch(job, spec, time.perf_counter(), trace,
                   saved={"weights": weights_of(module), "batches": list(batches)})
 
 
 def verify(job, module, batches: Sequence[tuple], tolerance: float = 1e-5, **run_options) -> dict:
     """`run`, then the same steps with eager PyTorch on one process from the
-    same weights (micro-batches and optimizer alike); returns both loss
-    curves, `max_abs_diff` and `ok` (max_abs_diff <= tolerance)."""
+    same weights (micro-batches and optimizer alike), on the same device
+    (`run_options["device"]`); returns both loss curves, `max_abs_diff` and
+    `ok` (max_abs_diff <= tolerance)."""
     from meshplan.driver.reference import eager_train
+    from meshplan.runtime.devices import resolve_device
 
-    mine = run(job, module, batches, **run_options)
+    device = resolve_device(run_options.get("device", "cpu"))
+    mine = run(job, module, batches, **(run_options | {"device": device}))
     ref, _ = eager_train(copy.deepcopy(module), list(batches),
-                         job.strategy.num_microbatches, optimizer_of(job))
+                         job.strategy.num_microbatches, optimizer_of(job), device=device)
     diff = max(abs(a - b) for a, b in zip(mine["losses"], ref))
     return mine | {"ref_losses": ref, "max_abs_diff": diff, "ok": diff <= tolerance}
 

@@ -14,6 +14,9 @@ Invariants:
   waited before the action that needs them: the checker's simulation uses
   the same semantics, so a plan it proves deadlock-free runs.
 - With one rank and no process group this is the single-process executor.
+- On a GPU, each micro-batch's inputs are sliced on the host, pinned and
+  copied asynchronously (the compute stream orders the copy before use);
+  the plan must have been lowered for the device's type (its kernels).
 - fp16: before the STEP every rank divides its gradient accumulators by the
   loss scale and checks them for inf/nan; one all-reduce (max) of that flag
   over the whole world makes every rank skip, or take, the same step, and
@@ -255,8 +258,12 @@ class RankExecutor:
             for d, (a, b) in enumerate(box):
                 if (a, b) != (0, t.shape[d]):
                     local = local.narrow(d, a, b - a)
-            env[vid] = local.to(self.device)
-            self.mem.add(env[vid])
+            if self.device.type == "cuda":  # pinned host memory: an asynchronous copy
+                local = local.contiguous().pin_memory().to(self.device, non_blocking=True)
+            else:
+                local = local.to(self.device)
+            env[vid] = local
+            self.mem.add(local)
         return env
 
     def _swap(self, state: dict, name: str, new) -> None:
