@@ -46,6 +46,10 @@ MATH = "meshplan.sdpa_math"
 MATH_BACKWARD = "meshplan.sdpa_math_backward"
 
 FALLBACKS: dict[str, int] = {}  # physical kernel -> runs that fell back to math
+# The rng-state tensors a fused forward returned, by (kernel, device): without
+# dropout their values are never read, but the backward takes tensors of the
+# very types the forward made, so it gets those (eager's autograd does the same).
+_RNG: dict = {}
 
 
 def _arg(op, i: int, name: str, default=None):
@@ -118,20 +122,31 @@ def _flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     except RuntimeError as err:
         _fallback(FLASH, err)
         return _math_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    _RNG[FLASH, q.device] = (r[6], r[7])
     return r[0], r[1]
 
 
 def _flash_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
     if lse.numel() == 0:  # the forward fell back
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
-    seed = torch.empty((0,), dtype=torch.int64, device=q.device)  # read only with dropout
+    seed, offset = _rng_of(FLASH, q.device)
     try:
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal,
-            seed, seed, scale=scale)
+            seed, offset, scale=scale)
     except RuntimeError as err:
         _fallback(FLASH_BACKWARD, err)
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+
+
+def _rng_of(forward: str, device) -> tuple:
+    """The rng-state tensors for a backward (see `_RNG`); empty ones when the
+    forward ran in another process (a recomputed or received value)."""
+    got = _RNG.get((forward, device))
+    if got is None:
+        empty = torch.empty((0,), dtype=torch.int64, device=device)
+        return empty, empty
+    return got
 
 
 def _efficient_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
@@ -141,6 +156,7 @@ def _efficient_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=Non
     except RuntimeError as err:
         _fallback(EFFICIENT, err)
         return _math_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    _RNG[EFFICIENT, q.device] = (r[2], r[3])
     return r[0], r[1]
 
 
@@ -148,10 +164,10 @@ def _efficient_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask
                         scale=None):
     if lse.numel() == 0:
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
-    seed = torch.empty((0,), dtype=torch.int64, device=q.device)
+    seed, offset = _rng_of(EFFICIENT, q.device)
     try:
         gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, attn_mask, out, lse, seed, seed, dropout_p,
+            g, q, k, v, attn_mask, out, lse, seed, offset, dropout_p,
             [True, True, True, False], is_causal, scale=scale)
     except RuntimeError as err:
         _fallback(EFFICIENT_BACKWARD, err)
