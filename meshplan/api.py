@@ -77,14 +77,15 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
 
 
 def compile(job, out: str | Path, ranks: Sequence[int] | None = None,
-            workers: int | None = None, progress=None) -> dict:
+            workers: int | None = None, progress=None, device: str = "cpu") -> dict:
     """Write `out/job.json` and one plan file per rank (default: all ranks),
-    each rank lowered in a worker process; returns timings per rank.
+    each rank lowered in a worker process for `device` (cpu | cuda: it picks
+    each task's kernel; no GPU needed); returns timings per rank.
     `progress(done, total)` is called as ranks finish."""
     from meshplan.driver.compile import compile_job
 
     return compile_job(job, out, None if ranks is None else list(ranks), workers,
-                       progress=progress)
+                       progress=progress, device=device)
 
 
 def check(plans: str | Path | tuple):
