@@ -9,7 +9,8 @@ budget (default 450 s, under 8 minutes on one H200):
   verify_bf16      GPT tiny, 1 GPU, bf16, vs eager autocast and eager fp32
   speed_meshplan   GPT ~1.3B (24 layers, hidden 2048, seq 2048, batch 8, bf16,
   speed_eager        AdamW, one GPU): step time, TFLOP/s, fraction of peak,
-  speed_compile      planned vs measured peak memory; eager; torch.compile
+  speed_compile      planned vs measured peak memory; eager; torch.compile of
+                     each block (regional compilation)
   pytest_cuda      the tests marked `cuda` (pytest -m cuda)
   verify_pp2_vpp2  pp=2 vpp=2 on one GPU, two ranks, host-staged gloo
   verify_tp2       tp=2 on one GPU, two ranks, host-staged gloo
