@@ -75,7 +75,8 @@ def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> 
     for name, t in state.items():
         if t is None or name not in values or not _primary(ctx, values[name]):
             continue
-        sd[f"{name}|{_box_key(ctx.box(values[name]))}"] = t.detach().contiguous().cpu()
+        # device tensors as they are: DCP's writer stages GPU tensors to host itself
+        sd[f"{name}|{_box_key(ctx.box(values[name]))}"] = t.detach().contiguous()
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         sd[STEP_KEY] = torch.tensor(next_step)

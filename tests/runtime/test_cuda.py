@@ -87,3 +87,22 @@ def test_a_cpu_plan_is_refused_on_cuda():
     job = plan_model("gpt", "tiny", Mesh(1, 1), strategy).job
     with pytest.raises(ConfigError, match="lowered for cpu but runs on cuda"):
         RankExecutor(job, lower(job, 0, "cpu"), device="cuda")
+
+
+def test_checkpoint_from_cuda_resumes_like_an_uninterrupted_run(tmp_path):
+    """DCP saves the GPU state tensors as they are; a resumed run on the GPU
+    sees the losses an uninterrupted one does."""
+    from meshplan.driver.plan import zoo_strategy
+    from meshplan.driver.run import run
+    from meshplan.ir.mesh import Mesh
+    from meshplan.models import model_config
+
+    s = zoo_strategy("gpt", model_config("gpt", "tiny"), global_batch_size=8,
+                     micro_batch_size=8)
+    kw = dict(optimizer="adamw", device="cuda")
+    run("gpt", "tiny", Mesh(1, 1), s, steps=2, save_dir=str(tmp_path / "ck"), **kw)
+    full = run("gpt", "tiny", Mesh(1, 1), s, steps=4, **kw)
+    resumed = run("gpt", "tiny", Mesh(1, 1), s, steps=4, save_dir=str(tmp_path / "ck"),
+                  resume=True, **kw)
+    assert resumed["first_step"] == 2
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], abs=1e-5)
