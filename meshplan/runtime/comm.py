@@ -42,7 +42,8 @@ class Comm:
         (each rank takes part in creating each one, as torch requires)."""
         self.rank = rank
         self.backend = backend
-        self.host_staged = backend == "gloo" and device is not None and device.type == "cuda"
+        self.cuda = device is not None and device.type == "cuda"
+        self.host_staged = backend == "gloo" and self.cuda
         self.p2p = staged_p2p if self.host_staged else None  # None: `p2p` below
         self.groups: dict[tuple[int, ...], object] = {}
         for g in groups:
@@ -82,6 +83,8 @@ class Comm:
 
     def _record(self, name: str, t0: float) -> None:
         if self.spans is not None:
+            if self.cuda:  # traced: the collective's time on the device
+                torch.cuda.synchronize()
             self.spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
 
 

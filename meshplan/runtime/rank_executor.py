@@ -24,7 +24,8 @@ Invariants:
   overflow, double after `GROWTH_INTERVAL` good steps), as GradScaler does.
 - With `spans` set to a list, a step appends one `Span` per action (and one
   for waiting on the sends) in `time.perf_counter()` seconds; tracing costs
-  two clock reads per action, so it is on only for the traced step.
+  two clock reads per action (and, on a GPU, a synchronize), so it is on
+  only for the traced step.
 """
 
 from __future__ import annotations
@@ -181,6 +182,7 @@ class RankExecutor:
                 self.transfers.post_recv(self.plan.actions[ahead])
             self._action(action, envs, state, losses)
             if self.spans is not None:
+                self._sync()
                 self.spans.append(action_span(action, t0, time.perf_counter()))
         self.current = "wait sends"
         t0 = time.perf_counter()
@@ -189,6 +191,12 @@ class RankExecutor:
             self.spans.append(Span("wait sends", Track.COMM, t0, time.perf_counter()))
         self.current = "done"
         return [losses[k] for k in sorted(losses)]
+
+    def _sync(self) -> None:
+        """Traced steps on a GPU: wait for the action's kernels, so its span
+        is its time on the device, not the time to queue it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _unscale(self, state: dict) -> bool:
         """fp16: unscale this rank's gradients; True if no rank overflowed."""

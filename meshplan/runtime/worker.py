@@ -9,6 +9,10 @@ Invariants:
 - Any exception is written to `<results>/fail_<rank>.json` with the action
   the rank was in, then the process exits non-zero; the launcher reports it.
 - Every collective is bounded by the process group's timeout.
+- On `--device cuda` a rank takes its GPU (`runtime/devices.py`) before it
+  joins; with NCCL the group has two backends, `cpu:gloo,cuda:nccl`, so the
+  few CPU tensors (the Job's bytes, results) still move. Step times are
+  CUDA-event times and the measured peak is the allocator's.
 """
 
 from __future__ import annotations
