@@ -53,6 +53,20 @@ PARTS = [
     ("speed_compile", 180), ("speed_profile", 120),
 ]
 MIN_PART_S = 20  # a part is not started with less budget left than this
+_RUNNING: list = []  # the part process now running (its own process group)
+
+
+def _stop(signum, _frame) -> None:
+    """SIGTERM/SIGINT: end the running part and its rank processes too (they
+    live in their own session, so they would outlive this process), then exit."""
+    for proc in _RUNNING:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    print(f"[gpu_check] stopped by signal {signum}; the report holds the parts done",
+          flush=True)
+    raise SystemExit(128 + signum)
 
 
 def environment(device: str) -> dict:
@@ -87,6 +101,7 @@ def run_part(name: str, limit: float, a, scratch: Path) -> dict:
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _RUNNING[:] = [proc]
     lines: list[str] = []
 
     def pump():
@@ -104,6 +119,7 @@ def run_part(name: str, limit: float, a, scratch: Path) -> dict:
         code = proc.wait()
         status = "timeout"
     reader.join(timeout=5)
+    _RUNNING.clear()
     seconds = time.monotonic() - t0
     data = {}
     if result.is_file():
@@ -139,6 +155,8 @@ def main(argv=None) -> int:
               "pass --cpu-dry-run to test the script on CPU.", file=sys.stderr)
         return 2
     a.device = "cpu" if a.dry else "cuda"
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu-check-dry-")) if a.dry
                                      else ROOT / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
