@@ -37,12 +37,12 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
     """`module`'s parameters and buffers by FQN, its optimizer's slots as
     `<fqn>@<slot>` and GradScaler's scale as `amp@loss_scale`: the names of
     meshplan's state, so a run's final state can be compared tensor by tensor."""
-    out = {k: t.detach().clone() for k, t in module.state_dict(keep_vars=True).items()}
+    out = {k: t.detach().cpu().clone() for k, t in module.state_dict(keep_vars=True).items()}
     name_of = {id(p): k for k, p in module.named_parameters()}
     for p, slots in opt.state.items():
         for slot, t in slots.items():
             if torch.is_tensor(t):
-                out[f"{name_of[id(p)]}@{slot}"] = t.detach().clone()
+                out[f"{name_of[id(p)]}@{slot}"] = t.detach().cpu().clone()
     if scaler is not None:
         out[LOSS_SCALE] = scaler.get_scale() * torch.ones((), dtype=torch.float32)
     return out
@@ -50,12 +50,16 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
 
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
-    precision: str = "fp32", init_scale: float = INIT_SCALE,
+    precision: str = "fp32", init_scale: float = INIT_SCALE, device: str = "cpu",
 ) -> EagerRun:
     """Train `module` in place on `batches`; returns losses, step seconds and
-    the final state."""
+    the final state (on the CPU). On `device` cuda the module moves there,
+    each micro-batch is copied there, and a step's time ends at a device
+    synchronize."""
+    dev = torch.device(device)
+    module.to(dev)
     opt = optimizer.torch_optimizer(module.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale,
+    scaler = torch.amp.GradScaler(dev.type, init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
         if precision == "fp16" else None
     losses, times = [], []
@@ -64,7 +68,8 @@ def eager_train(
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in split_microbatches(batch, num_microbatches):
-            with torch.autocast("cpu", dtype=LOW.get(precision), enabled=precision in LOW):
+            mb = tuple(t.to(dev) for t in mb)
+            with torch.autocast(dev.type, dtype=LOW.get(precision), enabled=precision in LOW):
                 loss = module(*mb)
             scaled = loss / num_microbatches if num_microbatches > 1 else loss
             (scaler.scale(scaled) if scaler else scaled).backward()
@@ -74,6 +79,6 @@ def eager_train(
             scaler.update()
         else:
             opt.step()
-        losses.append(float(total / num_microbatches))
+        losses.append(float(total / num_microbatches))  # a sync on a GPU
         times.append(time.perf_counter() - t0)
     return EagerRun(losses, times, eager_state(module, opt, scaler))
