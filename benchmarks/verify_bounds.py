@@ -10,12 +10,16 @@ bf16 and fp16, 5 steps of SGD and of AdamW, it runs:
   each STEP) and with one parameter frozen (`blocks.3.mlp.fc1.weight`):
   the share they use (must exceed 1 to be caught).
 
-    python benchmarks/verify_bounds.py [--steps 5]
+    python benchmarks/verify_bounds.py [--steps 5] [--precisions fp32,bf16,fp16]
+
+With a subset of precisions, the rows of the others already in
+results/verify_bounds.json are kept (one table over runs of the same code).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import asdict
@@ -23,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import machine, write  # noqa: E402
+from benchmarks.common import RESULTS, machine, write  # noqa: E402
 from meshplan.driver.compare import BOUNDS  # noqa: E402
 from tests.mutations.test_mutations import freeze_one, train, train_nothing  # noqa: E402
 
@@ -45,9 +49,14 @@ def used(v: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--precisions", default="fp32,bf16,fp16")
     a = p.parse_args()
-    rows, t0 = [], time.perf_counter()
-    for precision in ("fp32", "bf16", "fp16"):
+    chosen = a.precisions.split(",")
+    old = RESULTS / "verify_bounds.json"
+    rows = [r for r in json.loads(old.read_text())["rows"] if r["precision"] not in chosen] \
+        if old.is_file() and len(chosen) < 3 else []
+    t0 = time.perf_counter()
+    for precision in chosen:
         for model in ("gpt", "bert"):
             for layout, fields in LAYOUTS.items():
                 for optimizer in ("sgd", "adamw"):

@@ -91,9 +91,10 @@ class _Recv:
 class LocalComm:
     """The `runtime.comm.Comm` interface over a `Hub`, for one rank."""
 
-    def __init__(self, rank: int, groups: list[tuple[int, ...]], hub: Hub):
+    def __init__(self, rank: int, groups: list[tuple[int, ...]], hub: Hub, world: int):
         self.rank, self.hub = rank, hub
         self.groups = {g: g for g in groups if len(g) > 1 and rank in g}
+        self.world = tuple(range(world))
         self.count: dict[tuple[int, ...], int] = {}
 
     def _exchange(self, group, x: torch.Tensor) -> list[torch.Tensor]:
@@ -102,6 +103,10 @@ class LocalComm:
 
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
         return _REDUCE[op](self._exchange(group, x)).to(x.dtype)
+
+    def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
+        """In place over every rank (the fp16 overflow flag)."""
+        x.copy_(self.all_reduce(x, self.world, op))
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         parts = self._exchange(group, x.contiguous())
@@ -141,7 +146,7 @@ def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     groups = job_groups(job.strategy)
     ranks = []
     for r in range(world):
-        comm = LocalComm(r, groups, hub) if world > 1 else None
+        comm = LocalComm(r, groups, hub, world) if world > 1 else None
         ex = RankExecutor(job, plans[r] if plans is not None else lower(job, r), comm)
         ranks.append((ex, ex.init_state(module)))
     return hub, ranks

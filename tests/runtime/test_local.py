@@ -43,3 +43,20 @@ def test_a_wait_that_cannot_be_met_is_bounded():
     with pytest.raises(RuntimeFault, match="stopped"):  # every later wait fails at once
         hub.exchange(("g", 1), (0, 1), 0, torch.zeros(1))
     assert time.monotonic() - t0 < 2
+
+
+def test_fp16_on_local_ranks_agrees_on_the_overflow_flag():
+    """fp16's overflow flag is all-reduced over the whole world before the
+    STEP (LocalComm.all_reduce_world); found missing by verify_bounds.py."""
+    cfg = model_config("gpt", "tiny")
+    s = zoo_strategy("gpt", cfg, dp=2, global_batch_size=8, micro_batch_size=4,
+                     precision="fp16")
+    job = plan_model("gpt", "tiny", Mesh(1, 2), s).job
+    torch.manual_seed(0)
+    module = build_model(cfg)
+    batches = [example_batch(cfg, 8, seed=i) for i in range(3)]
+    mine = run_local(job, module, batches)
+    verdict, _ = against_eager(mine.rank_losses, mine.slices, module, batches,
+                               s.num_microbatches, OptimizerConfig.default("sgd"), "fp16")
+    assert verdict["ok"], verdict["problems"]
+    assert "amp@loss_scale" in verdict["optimizer_state"]  # GradScaler's scale, compared
