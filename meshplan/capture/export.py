@@ -8,6 +8,8 @@ Invariants:
   *targets)` when a `loss_fn` is given.
 - Ops are rewritten into canonical forms (`ops.canonical`) and mutation is
   functionalized: a mutated buffer becomes a fresh value plus an `Update`.
+- A tied parameter (one tensor under several names) is one input; its
+  other names are recorded as aliases (`Graph.aliases`).
 - Shapes are export's own (`node.meta["val"]`); inference runs only for ops
   that capture itself creates.
 """
@@ -16,13 +18,13 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from meshplan.errors import CaptureError
-from meshplan.ir import DType, Graph, GraphBuilder, Ref, Role, TensorMeta, Update, verify
+from meshplan.ir import ALIAS, DType, Graph, GraphBuilder, Ref, Role, TensorMeta, Update, verify
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
@@ -94,8 +96,26 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
                            f"{_first_line(e)}; {hint}") from e
     graph = _translate(ep, prefix, type(module).__name__)
+    graph = replace(graph, meta=graph.meta + _aliases(module, graph))
     verify(graph)
     return graph
+
+
+def _aliases(module: nn.Module, graph: Graph) -> tuple[tuple[str, str], ...]:
+    """(`alias:<name>`, graph input name) for every other name of a tied
+    parameter or buffer: export names a shared tensor once, and
+    `named_parameters()` dedups, so only identity finds the other names."""
+    inputs = {graph.values[v].name for v in graph.inputs}
+    groups: dict[int, list[str]] = {}
+    for name, t in (*module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False)):
+        groups.setdefault(id(t), []).append(name)
+    out = []
+    for names in groups.values():
+        canon = [n for n in names if n in inputs]
+        if len(names) > 1 and canon:
+            out += [(ALIAS + n, canon[0]) for n in names if n != canon[0]]
+    return tuple(sorted(out))
 
 
 def _first_line(e: Exception) -> str:

@@ -19,11 +19,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "bert-large, resnet50 (default tiny)")
     for flag in ("layers", "heads", "hidden", "seq-len", "vocab"):
         g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
+    g.add_argument("--tie-embeddings", action="store_true", default=None,
+                   help="gpt: the output head shares the token embedding's weight")
 
 
 def overrides(a: argparse.Namespace) -> dict:
-    keys = ("layers", "heads", "hidden", "seq_len", "vocab")
-    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings")
+    return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 
 def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None:

@@ -46,6 +46,7 @@ class ModelConfig:
     width: int = 0
     num_classes: int = 0
     blocks: tuple[int, ...] = ()
+    tie_embeddings: bool = False  # gpt: the head's weight is the token embedding's
 
 
 def _transformer(model: str, layers: int, heads: int, hidden: int,
@@ -84,7 +85,7 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
 # be silently meaningless there; reject them instead.
 _TRANSFORMER_KEYS = frozenset({"layers", "heads", "hidden", "seq_len", "vocab", "dropout"})
 _RESNET_KEYS = frozenset({"hidden", "width", "image_size", "num_classes", "blocks"})
-_ALLOWED = {"gpt": _TRANSFORMER_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS}
+_ALLOWED = {"gpt": _TRANSFORMER_KEYS | {"tie_embeddings"}, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS}
 
 
 def _choices(names) -> str:
@@ -95,7 +96,7 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
     """Return the `size` preset of `model` with `overrides` applied, validated.
 
     Overrides are `ModelConfig` field names (`layers`, `heads`, `hidden`,
-    `seq_len`, `vocab`, `dropout`; for resnet `hidden`/`width`,
+    `seq_len`, `vocab`, `dropout`, for gpt `tie_embeddings`; for resnet `hidden`/`width`,
     `image_size`, `num_classes`, `blocks`); `None` values are ignored so CLI
     flags can be passed straight through. Raises `ConfigError`.
     """
@@ -186,7 +187,8 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Modu
     validate(cfg)
     with torch.device(device):
         if cfg.model == "gpt":
-            return GPT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
+            return GPT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout,
+                       cfg.tie_embeddings)
         if cfg.model == "bert":
             return BERT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
         return ResNet(cfg.blocks, cfg.width, cfg.image_size, cfg.num_classes)
@@ -247,4 +249,4 @@ def param_count(model: nn.Module) -> int:
 
 
 # Guard against a field rename drifting away from the override tables.
-assert _TRANSFORMER_KEYS | _RESNET_KEYS <= {f.name for f in fields(ModelConfig)}
+assert _TRANSFORMER_KEYS | _RESNET_KEYS | {"tie_embeddings"} <= {f.name for f in fields(ModelConfig)}
