@@ -8,6 +8,10 @@ Invariants:
     S(d) -> R  all_gather     S(i) -> S(j)  all_to_all
     R -> S(d)  local_slice (no communication)
   Partial axes are reduced first.
+- Across placements: a value Partial across the stages holding copies of a
+  shared parameter (its per-stage gradient) becomes Replicate by one
+  `all_reduce` with `stages=(...)`, over the ranks at this rank's (dp, tp)
+  coordinate on each of those stages, before its own axes are converted.
 - Across stages: Partial axes are reduced on the source stage, then one
   `meshplan.transfer` carries the value to the consumer's stage in the layout
   the consumer needs (lowering cuts it into send/recv pieces). A value
@@ -65,6 +69,7 @@ class _Ctx:
     versions: dict = field(default_factory=dict)   # (value, NdSbp, stage) -> value id
     default: dict = field(default_factory=dict)    # value id -> hinted version
     arrived: dict = field(default_factory=dict)    # (value, stage) -> transferred copy
+    copies: dict = field(default_factory=dict)     # value -> stages it is Partial across
 
     def emit(self, kind, src: int, out_layout: NdSbp, at, module_path: str, **kw) -> int:
         stage, chunk, phase = at
@@ -80,18 +85,24 @@ class _Ctx:
         return out
 
 
-def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
-    """Insert boxing ops; returns the boxed graph with its annotations."""
+def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
+               copies: dict | None = None) -> Boxed:
+    """Insert boxing ops; returns the boxed graph with its annotations.
+
+    `copies` ({value: stages}) names values that are Partial across the
+    placements of several stages (a shared parameter's per-stage gradient,
+    passes/shared.py): their consumer reads them summed over those stages."""
     b = GraphBuilder(graph)
     b.ops = []
-    ctx = _Ctx(b, plan, naxes)
+    ctx = _Ctx(b, plan, naxes, copies=copies or {})
     ctx.layout.update(plan.produced)
     new_id: dict[int, int] = {}
     for op in graph.ops:
         at = (stage[op.id], chunk[op.id], op.phase)
         refs = op.refs()
         sigs = plan.sigs[op.id]
-        mapping = [_ready(ctx, r, tuple(sig.ins[k] for sig in sigs), at, op.module_path)
+        mapping = [_ready(ctx, _across(ctx, r, at, op.module_path),
+                          tuple(sig.ins[k] for sig in sigs), at, op.module_path)
                    for k, r in enumerate(refs)]
         new_id[op.id] = len(b.ops)
         new_op = _renumbered(op, len(b.ops), new_id.get(op.grad_of, -1),
@@ -111,6 +122,19 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
     boxed = Graph(tuple(b.values), ops, graph.inputs, loss, updates, graph.meta, graph.grads)
     sbp = tuple(ctx.layout.get(v.id, (Replicate(),) * naxes) for v in boxed.values)
     return Boxed(boxed, tuple(ctx.stage), tuple(ctx.chunk), sbp, tuple(ctx.local))
+
+
+def _across(ctx: _Ctx, r: int, at, module_path: str) -> int:
+    """`r` summed over the copies' stages, if it is Partial across them: one
+    all-reduce over this rank's line through those stages' placements."""
+    stages = ctx.copies.get(r)
+    if stages is None:
+        return r
+    key = (r, "copies", at[0])
+    if key not in ctx.versions:
+        ctx.versions[key] = ctx.emit("meshplan.all_reduce", r, ctx.layout[r], at, module_path,
+                                     op="sum", stages=stages)
+    return ctx.versions[key]
 
 
 def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:

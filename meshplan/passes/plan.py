@@ -1,7 +1,7 @@
 """plan: the planning passes, in order, from a train-step Graph to a Job.
 
     check_strategy -> expand_batch_norm (dp > 1) -> expand_log_softmax (vocab tp)
-        -> assign_stages
+        -> assign_stages -> share_params (a parameter read on several stages)
         -> tensor_parallel -> propagate_sbp -> add_boxing -> recompute -> Job
 
 Each step is a pure function of immutable data; `plan_job` only wires them.
@@ -11,6 +11,7 @@ Each step is a pure function of immutable data; `plan_job` only wires them.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, verify
@@ -22,6 +23,7 @@ from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.propagate import propagate_sbp
 from meshplan.passes.recompute import recompute
+from meshplan.passes.shared import param_readers, share_params
 from meshplan.passes.strategy import check_strategy
 from meshplan.passes.tp_plan import tensor_parallel
 
@@ -50,12 +52,19 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
     else:
         stages = assign_stages(graph, strategy.pp, strategy.vpp, strategy.layer_pattern,
                                strategy.layer_stages)
+    places = list(zip(stages.stage, stages.chunk))
+    shared = share_params(graph, places, param_readers(graph, places))
+    if shared.copies:
+        graph = shared.graph
+        stages = replace(stages, stage=tuple(p[0] for p in shared.places),
+                         chunk=tuple(p[1] for p in shared.places))
     lap("assign_stages")
     param_tp, hints = tensor_parallel(graph, strategy.tp_plan, TP_AXIS)
     lap("tensor_parallel")
     sbp = propagate_sbp(graph, stages.stage, strategy.grid, param_tp, hints, TP_AXIS)
     lap("propagate_sbp")
-    boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid))
+    boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid),
+                       shared.copies)
     lap("add_boxing")
     if strategy.recompute != "none":
         pattern = strategy.recompute_pattern or strategy.layer_pattern

@@ -128,7 +128,7 @@ def run_local(job, module, batches, timeout_s: float = 60.0) -> list[float]:
     from meshplan.runtime.rank_executor import RankExecutor
 
     world, hub = job.mesh.world, Hub(timeout_s)
-    groups = job_groups(job.strategy)
+    groups = job_groups(job.strategy, job)
     ranks = []
     for r in range(world):
         comm = LocalComm(r, groups, hub) if world > 1 else None

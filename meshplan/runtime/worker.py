@@ -119,7 +119,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
                            "started; start as many ranks as the plan's mesh has")
     plan = _plan(spec, job, rank, lower)
-    comm = Comm(rank, job_groups(job.strategy), "gloo") if world > 1 else None
+    comm = Comm(rank, job_groups(job.strategy, job), "gloo") if world > 1 else None
     missing = set(_groups(plan)) - set(comm.groups if comm else ())
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
     ex = RankExecutor(job, plan, comm, device=spec.device)

@@ -1,0 +1,155 @@
+"""Shared parameters across stages: one copy per stage that reads it, one
+reduced gradient, the same update on every copy (Megatron's embedding group).
+
+A tied parameter (`wte.weight` used by the embedding on the first stage and
+by the LM head on the last) is one graph input. Graph inputs are local to
+every stage, so each stage that reads it already holds a copy; what this
+pass fixes is the gradient and the update:
+
+    before (autodiff)                       after (pp = 2, W read on stages 0, 1)
+    g = grad_sum(g_head, g_emb)             stage 1: acc1 = accumulate(W@grad, g_head)
+    acc = accumulate(W@grad, g)             stage 0: acc0 = accumulate(W@grad, g_emb)
+    W' = opt(W, acc, slots)                 stage s: W's = opt(W, acc_s, slots)   (s = 0, 1)
+
+Invariants:
+- Each stage's accumulator holds the sum of that stage's uses only: a
+  Partial across the placements of the copies. The pass records it in
+  `copies` ({acc_s value id: stages}), and boxing makes it Replicate the
+  way it makes any Partial Replicate: one all-reduce, here over the group
+  of ranks at the same (dp, tp) coordinate on each copy's stage, once per
+  step in the optimizer phase (passes/boxing.py). So the gradient crosses
+  stages once per step, not once per micro-batch.
+- Every copy's optimizer op is the original op (same kind, same
+  hyper-parameters) on the reduced gradient and its own slots, so copies
+  that start equal stay equal; `plan/check.py` proves both facts on the
+  rank plans (proof 5).
+- A stage's accumulation runs right after the last op on that stage that
+  makes one of its contributions, in that op's chunk; the copy's optimizer
+  op sits with its first forward reader on that stage.
+- Names: every copy updates the same state names (`W`, `W@grad`, `W@<slot>`)
+  on its own ranks, so checkpoints and weights see one tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from meshplan.errors import ConfigError
+from meshplan.ir import Graph, GraphBuilder, Op, Phase, Ref, Role, Update
+from meshplan.ir.builder import renumber_ops
+
+GRAD_SUM = "meshplan.grad_sum"
+ACCUMULATE = "meshplan.accumulate_grad"
+Place = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """The rewritten graph, each op's (stage, chunk), and the per-stage
+    partial gradients boxing must sum across the copies."""
+
+    graph: Graph
+    places: tuple[Place, ...]
+    copies: dict  # acc value id -> stages holding a copy (sorted)
+
+
+def share_params(graph: Graph, places: list[Place], readers: dict[int, dict[int, int]]) -> Shared:
+    """Give each stage in `readers[pid]` ({stage: first forward op reading
+    it}) its own accumulation and optimizer op for parameter `pid`."""
+    shared = {pid: st for pid, st in readers.items() if len(st) > 1}
+    if not shared:
+        return Shared(graph, tuple(places), {})
+    b = GraphBuilder(graph)
+    producer = {o: op for op in graph.ops for o in op.outputs if o >= 0}
+    drop: set[int] = set()
+    after: dict[int, list[tuple[Op, Place]]] = {}   # op id -> ops to insert after it
+    instead: dict[int, list[tuple[Op, Place]]] = {}  # op id -> ops replacing it
+    updates = list(graph.updates)
+    copies: dict[int, tuple[int, ...]] = {}
+    fresh = iter(range(len(graph.ops), 1 << 62))   # provisional ids of new ops
+    for pid, stages in sorted(shared.items()):
+        _split_one(graph, b, pid, stages, places, producer, drop, after, instead, updates,
+                   copies, fresh)
+    ops: list[Op] = []
+    new_places: list[Place] = []
+    for op in graph.ops:
+        if op.id in instead:
+            for o, p in instead[op.id]:
+                ops.append(o)
+                new_places.append(p)
+        elif op.id not in drop:
+            ops.append(op)
+            new_places.append(places[op.id])
+        for o, p in after.get(op.id, ()):
+            ops.append(o)
+            new_places.append(p)
+    gone = {o for i in drop | set(instead) for o in graph.ops[i].outputs}
+    b.ops = list(renumber_ops(ops))
+    b.updates = [u for u in updates if u.value not in gone]
+    b.grads = [(v, g) for v, g in b.grads if g not in gone]
+    return Shared(b.build(graph.loss, graph.meta), tuple(new_places), copies)
+
+
+def _split_one(graph, b, pid, stages, places, producer, drop, after, instead, updates,
+               copies, fresh) -> None:
+    p = graph.values[pid]
+    acc_op = next(op for op in graph.ops if op.kind == ACCUMULATE
+                  and graph.values[op.args[0].id].name == f"{p.name}@grad")
+    opt_op = next(op for op in graph.ops if op.phase is Phase.OPTIMIZER
+                  and op.args and op.args[0] == Ref(pid))
+    total = producer[acc_op.args[1].id]
+    contribs = list(total.args) if total.kind == GRAD_SUM else [acc_op.args[1]]
+    if total.kind == GRAD_SUM:
+        drop.add(total.id)
+    drop.add(acc_op.id)
+    by_stage: dict[int, list[Ref]] = {}
+    for g in contribs:
+        by_stage.setdefault(places[producer[g.id].id][0], []).append(g)
+    missing = sorted(set(stages) - set(by_stage))
+    if missing or set(by_stage) - set(stages):
+        raise ConfigError(f"parameter '{p.name}' is read on stages {sorted(stages)} but its "
+                          f"gradient comes from stages {sorted(by_stage)}; a shared parameter "
+                          "needs a gradient on every stage that reads it (make every use "
+                          "differentiable, or untie it)")
+    order = tuple(sorted(stages))
+    replaced = []
+    for s in order:
+        gs = by_stage[s]
+        last = max((producer[g.id] for g in gs), key=lambda o: o.id)
+        at = places[last.id]
+        new: list[tuple[Op, Place]] = []
+        g = gs[0]
+        if len(gs) > 1:
+            (out,) = _new_values(b, [gs[0].id])
+            new.append((replace(total, id=next(fresh), args=tuple(gs), outputs=(out,)), at))
+            g = Ref(out)
+        (acc,) = _new_values(b, acc_op.outputs)
+        new.append((replace(acc_op, id=next(fresh), args=(acc_op.args[0], g),
+                            outputs=(acc,)), at))
+        after.setdefault(last.id, []).extend(new)
+        updates.append(Update(f"{p.name}@grad", acc))
+        copies[acc] = order
+        outs = _new_values(b, opt_op.outputs)
+        args = (opt_op.args[0], Ref(acc), *opt_op.args[2:])
+        replaced.append((replace(opt_op, id=next(fresh), args=args, outputs=outs),
+                         (s, places[stages[s]][1])))
+        old = {o: u.name for u in graph.updates for o in [u.value]}
+        updates += [Update(old[o], n) for o, n in zip(opt_op.outputs, outs) if o in old]
+    instead[opt_op.id] = replaced
+
+
+def _new_values(b: GraphBuilder, like) -> tuple[int, ...]:
+    return tuple(-1 if v < 0 else b.new_value(b.values[v].meta) for v in like)
+
+
+def param_readers(graph: Graph, places: list[Place]) -> dict[int, dict[int, int]]:
+    """{param id: {stage: first forward op on that stage reading it}}."""
+    params = {v.id for v in graph.inputs_by_role(Role.PARAM)}
+    out: dict[int, dict[int, int]] = {}
+    for op in graph.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        for r in op.refs():
+            if r in params:
+                out.setdefault(r, {}).setdefault(places[op.id][0], op.id)
+    return out
