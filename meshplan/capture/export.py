@@ -95,26 +95,26 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
                 else "check that the inputs fit the model")
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
                            f"{_first_line(e)}; {hint}") from e
-    graph = _translate(ep, prefix, type(module).__name__)
-    graph = replace(graph, meta=graph.meta + _aliases(module, graph))
+    same = _tensor_ids(module)
+    graph = _translate(ep, prefix, type(module).__name__, same)
+    graph = replace(graph, meta=graph.meta + _aliases(same, graph))
     verify(graph)
     return graph
 
 
-def _aliases(module: nn.Module, graph: Graph) -> tuple[tuple[str, str], ...]:
+def _tensor_ids(module: nn.Module) -> dict[str, int]:
+    """Every name of every parameter and buffer -> the identity of its tensor."""
+    return {name: id(t) for name, t in (*module.named_parameters(remove_duplicate=False),
+                                         *module.named_buffers(remove_duplicate=False))}
+
+
+def _aliases(same: dict[str, int], graph: Graph) -> tuple[tuple[str, str], ...]:
     """(`alias:<name>`, graph input name) for every other name of a tied
-    parameter or buffer: export names a shared tensor once, and
-    `named_parameters()` dedups, so only identity finds the other names."""
-    inputs = {graph.values[v].name for v in graph.inputs}
-    groups: dict[int, list[str]] = {}
-    for name, t in (*module.named_parameters(remove_duplicate=False),
-                    *module.named_buffers(remove_duplicate=False)):
-        groups.setdefault(id(t), []).append(name)
-    out = []
-    for names in groups.values():
-        canon = [n for n in names if n in inputs]
-        if len(names) > 1 and canon:
-            out += [(ALIAS + n, canon[0]) for n in names if n != canon[0]]
+    parameter or buffer: `named_parameters()` dedups, and export may name a
+    shared tensor once or under each name, so only identity finds them all."""
+    input_of = {same.get(graph.values[v].name): graph.values[v].name for v in graph.inputs}
+    out = [(ALIAS + name, input_of[key]) for name, key in same.items()
+           if key in input_of and input_of[key] != name]
     return tuple(sorted(out))
 
 
@@ -123,13 +123,21 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _translate(ep, prefix: str, model_name: str) -> Graph:
+def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> Graph:
     ctx = _Ctx(builder=GraphBuilder())
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     loss = None
+    first: dict[int, Ref] = {}  # tensor identity -> the input made for it
     for node in ep.graph.nodes:
         if node.op == "placeholder":
-            _add_input(ctx, node, specs[node.name], prefix)
+            spec = specs[node.name]
+            key = same.get(spec.target.removeprefix(prefix)) if spec.target else None
+            if key is not None and key in first:  # a tied tensor's second name: one input
+                ctx.env[node] = first[key]
+                continue
+            _add_input(ctx, node, spec, prefix)
+            if key is not None:
+                first[key] = ctx.env[node]
         elif node.op == "call_function":
             _add_call(ctx, node, prefix)
         elif node.op == "output":

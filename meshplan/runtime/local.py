@@ -118,10 +118,12 @@ class LocalComm:
         return works
 
 
-def run_local(job, module, batches, timeout_s: float = 60.0) -> list[float]:
+def run_local(job, module, batches, timeout_s: float = 60.0,
+              states: list | None = None) -> list[float]:
     """Train `module`'s weights with every rank of `job` on threads, one step
     per global batch of `batches`; returns the loss per step (the last
-    stage's mean over micro-batches)."""
+    stage's mean over micro-batches). A `states` list receives each rank's
+    (RankContext, final state dict), in rank order, for parameter checks."""
     from meshplan.plan.lower import lower
     from meshplan.runtime.comm import job_groups
     from meshplan.runtime.data import split_microbatches
@@ -140,6 +142,8 @@ def run_local(job, module, batches, timeout_s: float = 60.0) -> list[float]:
         out = _step_all(ranks, mbs, hub, timeout_s)
         held = [torch.stack(o).mean() for o in out if o]
         losses.append(float(held[0]))
+    if states is not None:
+        states += [(ex.ctx, state) for ex, state in ranks]
     return losses
 
 

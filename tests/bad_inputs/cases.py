@@ -60,14 +60,16 @@ def _capture_targets(tmp):
 
 
 def _plan_tied(tmp):
+    """A tied weight that two tp styles would split differently."""
     from meshplan.autodiff import OptimizerConfig, build_train_step
     from meshplan.capture import capture
     from meshplan.ir.mesh import Mesh, Strategy
     from meshplan.passes.plan import plan_job
 
     graph = build_train_step(capture(models.Tied(), models.example()),
-                             OptimizerConfig.default("sgd"), 2)
-    s = Strategy(pp=2, global_batch_size=4, micro_batch_size=2, layer_pattern=r"blocks\.(\d+)")
+                             OptimizerConfig.default("sgd"), 1)
+    s = Strategy(tp=2, global_batch_size=4, micro_batch_size=4,
+                 tp_plan=((r"blocks\.0", "colwise"), (r"blocks\.1", "rowwise")))
     return plan_job(graph, Mesh(1, 2), s)
 
 
@@ -182,7 +184,7 @@ CASES: list[Case] = [
         "plan", "--devices-per-node", "2", "--pp", "2", "--layer-stages", "0,0,5,5"),
     cli("layer-stages-text", "layers", ConfigError, "is not a comma-separated list",
         "plan", "--devices-per-node", "2", "--pp", "2", "--layer-stages", "0,x"),
-    py("tied-across-stages", "layers", ConfigError, "tied parameters across stages",
+    py("tied-styles", "layers", ConfigError, "give the modules sharing it styles that split",
        _plan_tied),
     # ---- schedules and micro-batch counts ----------------------------------------------
     cli("1f1b-too-few", "schedule", ConfigError, "needs num_microbatches >= pp",
