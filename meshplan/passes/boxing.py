@@ -10,7 +10,8 @@ Invariants:
   Partial axes are reduced first.
 - Across placements: a value Partial across the stages holding copies of a
   shared parameter (its per-stage gradient) becomes Replicate by one
-  `all_reduce` with `stages=(...)`, over the ranks at this rank's (dp, tp)
+  `all_reduce` with `stages=(...)` (and `param`, the name that makes the
+  copies' ops one collective for the checker), over the ranks at this rank's (dp, tp)
   coordinate on each of those stages, before its own axes are converted.
 - Across stages: Partial axes are reduced on the source stage, then one
   `meshplan.transfer` carries the value to the consumer's stage in the layout
@@ -89,7 +90,7 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
                copies: dict | None = None) -> Boxed:
     """Insert boxing ops; returns the boxed graph with its annotations.
 
-    `copies` ({value: stages}) names values that are Partial across the
+    `copies` ({value: (stages, parameter name)}) names values that are Partial across the
     placements of several stages (a shared parameter's per-stage gradient,
     passes/shared.py): their consumer reads them summed over those stages."""
     b = GraphBuilder(graph)
@@ -127,13 +128,14 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
 def _across(ctx: _Ctx, r: int, at, module_path: str) -> int:
     """`r` summed over the copies' stages, if it is Partial across them: one
     all-reduce over this rank's line through those stages' placements."""
-    stages = ctx.copies.get(r)
-    if stages is None:
+    shared = ctx.copies.get(r)
+    if shared is None:
         return r
+    stages, param = shared
     key = (r, "copies", at[0])
     if key not in ctx.versions:
         ctx.versions[key] = ctx.emit("meshplan.all_reduce", r, ctx.layout[r], at, module_path,
-                                     op="sum", stages=stages)
+                                     op="sum", stages=stages, param=param)
     return ctx.versions[key]
 
 

@@ -14,7 +14,7 @@ pass fixes is the gradient and the update:
 Invariants:
 - Each stage's accumulator holds the sum of that stage's uses only: a
   Partial across the placements of the copies. The pass records it in
-  `copies` ({acc_s value id: stages}), and boxing makes it Replicate the
+  `copies` ({acc_s value id: (stages, name)}), and boxing makes it Replicate the
   way it makes any Partial Replicate: one all-reduce, here over the group
   of ranks at the same (dp, tp) coordinate on each copy's stage, once per
   step in the optimizer phase (passes/boxing.py). So the gradient crosses
@@ -50,7 +50,7 @@ class Shared:
 
     graph: Graph
     places: tuple[Place, ...]
-    copies: dict  # acc value id -> stages holding a copy (sorted)
+    copies: dict  # acc value id -> (stages holding a copy, sorted; parameter name)
 
 
 def share_params(graph: Graph, places: list[Place], readers: dict[int, dict[int, int]]) -> Shared:
@@ -65,7 +65,7 @@ def share_params(graph: Graph, places: list[Place], readers: dict[int, dict[int,
     after: dict[int, list[tuple[Op, Place]]] = {}   # op id -> ops to insert after it
     instead: dict[int, list[tuple[Op, Place]]] = {}  # op id -> ops replacing it
     updates = list(graph.updates)
-    copies: dict[int, tuple[int, ...]] = {}
+    copies: dict[int, tuple[tuple[int, ...], str]] = {}
     fresh = iter(range(len(graph.ops), 1 << 62))   # provisional ids of new ops
     for pid, stages in sorted(shared.items()):
         _split_one(graph, b, pid, stages, places, producer, drop, after, instead, updates,
@@ -128,7 +128,7 @@ def _split_one(graph, b, pid, stages, places, producer, drop, after, instead, up
                             outputs=(acc,)), at))
         after.setdefault(last.id, []).extend(new)
         updates.append(Update(f"{p.name}@grad", acc))
-        copies[acc] = order
+        copies[acc] = (order, p.name)
         outs = _new_values(b, opt_op.outputs)
         args = (opt_op.args[0], Ref(acc), *opt_op.args[2:])
         replaced.append((replace(opt_op, id=next(fresh), args=args, outputs=outs),

@@ -15,7 +15,11 @@ Proves, in order (each failure is one message; `errors` lists them all):
    before use; and one STEP, last); a discrete-event
    simulation of the stages (the schedule simulator, with per-action costs
    from the op cost model) finishes with no deadlock; it reports the bubble
-   ratio, the predicted step time and each rank's planned peak memory.
+   ratio, the predicted step time and each rank's planned peak memory;
+5. every copy of a parameter takes the same update: each rank reading a
+   trained parameter updates it, and copies on several stages (a tied
+   weight) run the same optimizer op on one gradient all-reduced across
+   exactly those stages (`plan/check_shared.py`).
 Failures that point at an action come with the schedule grid and
 `<-- ERROR HERE`.
 """
@@ -29,6 +33,7 @@ from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.sbp import box_numel
+from meshplan.plan.check_shared import shared_copies
 from meshplan.plan.cost import action_costs
 from meshplan.plan.ids import TaskId
 from meshplan.plan.rankplan import RankPlan, TaskKind
@@ -55,7 +60,8 @@ class CheckResult:
 def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     """Run every proof over `plans`; never raises for a bad plan."""
     res = CheckResult()
-    for proof in (_unique_ids, _references, _p2p, _collectives, _stages_agree, _schedule):
+    for proof in (_unique_ids, _references, _p2p, _collectives, _stages_agree, _schedule,
+                  shared_copies):
         res.errors += proof(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
@@ -168,8 +174,9 @@ def _send_peers(p: RankPlan, pp: int) -> dict:
     return out
 
 
-def expand_collectives(p: RankPlan, pp: int) -> dict[tuple, list]:
-    """Per group: the (op, micro-batch) collectives this rank joins, in order."""
+def expand_collectives(p: RankPlan, pp: int, ops=()) -> dict[tuple, list]:
+    """Per group: the (op, micro-batch) collectives this rank joins, in order
+    (given the Job's `ops`, a cross-stage all-reduce is named by its parameter)."""
     by_action = defaultdict(list)
     for t in p.tasks:
         if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
@@ -183,15 +190,23 @@ def expand_collectives(p: RankPlan, pp: int) -> dict[tuple, list]:
         else:
             continue
         for t in by_action.get(key, ()):
-            seq[t.group].append((t.op, a.microbatch))
+            seq[t.group].append((_instance(ops[t.op]) if ops else t.op, a.microbatch))
     return seq
+
+
+def _instance(op):
+    """What names one collective on every member: its op, except for the
+    all-reduce across the stages holding copies of a shared parameter, which
+    is one op per stage (each on its own stage) and is named by the parameter."""
+    kw = dict(op.kwargs)
+    return f"{kw['param']}@copies" if "stages" in kw else op.id
 
 
 def _collectives(job: Job, plans) -> list[str]:
     pp = job.strategy.pp
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     for r, p in plans.items():
-        for group, seq in expand_collectives(p, pp).items():
+        for group, seq in expand_collectives(p, pp, job.graph.ops).items():
             if r not in group:
                 return [f"rank {r} joins a collective of group {group} it is not in"]
             per_group[group][r] = seq
