@@ -10,6 +10,10 @@ Invariants:
   functionalized: a mutated buffer becomes a fresh value plus an `Update`.
 - A tied parameter (one tensor under several names) is one input; its
   other names are recorded as aliases (`Graph.aliases`).
+- The module's structure (layer list, declared tp plan, head and vocabulary
+  counts) is recorded for "auto" plans (`capture/structure.py`).
+- A tensor constant that is no parameter or buffer (transformers' attention
+  lifts some) becomes an `aten.full` op when its elements are equal.
 - Shapes are export's own (`node.meta["val"]`); inference runs only for ops
   that capture itself creates.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from meshplan.capture.structure import auto_facts
 from meshplan.errors import CaptureError
 from meshplan.ir import ALIAS, DType, Graph, GraphBuilder, Ref, Role, TensorMeta, Update, verify
 from meshplan.ops.emit import Emitter
@@ -97,7 +102,7 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
                            f"{_first_line(e)}; {hint}") from e
     same = _tensor_ids(module)
     graph = _translate(ep, prefix, type(module).__name__, same)
-    graph = replace(graph, meta=graph.meta + _aliases(same, graph))
+    graph = replace(graph, meta=graph.meta + _aliases(same, graph) + auto_facts(module))
     verify(graph)
     return graph
 
@@ -131,6 +136,9 @@ def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> Graph:
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             spec = specs[node.name]
+            if spec.kind.name == "CONSTANT_TENSOR" and spec.target not in same:
+                ctx.env[node] = _constant(ctx, ep.constants[spec.target], spec.target, node)
+                continue
             key = same.get(spec.target.removeprefix(prefix)) if spec.target else None
             if key is not None and key in first:  # a tied tensor's second name: one input
                 ctx.env[node] = first[key]
@@ -146,6 +154,22 @@ def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> Graph:
     b.updates = [Update(name, vid) for vid, name in ctx.state_name.items()
                  if b.values[vid].role is Role.INTERNAL]
     return b.build(loss.id, meta=(("model_class", model_name),))
+
+
+def _constant(ctx: _Ctx, t: torch.Tensor, name: str, node) -> Ref:
+    """A tensor constant of the forward (not a parameter or buffer: no state
+    holds it) as an op that makes it, when all its elements are equal (empty
+    and scalar constants, as transformers' attention lifts)."""
+    flat = t.detach().flatten()
+    if flat.numel() and not bool((flat == flat[0]).all()):
+        raise CaptureError(f"tensor constant '{name}' ({list(t.shape)}) is not a parameter or "
+                           "buffer, so no rank could load it; register it with "
+                           "register_buffer(...)")
+    value = flat[0].item() if flat.numel() else 0
+    e = Emitter(ctx.builder, module_path=_module_path(node, ""), source="")
+    (out,) = e.emit("aten.full.default", (tuple(t.shape), value), (_meta(t, node),),
+                    (("dtype", DType.of(t.dtype)), ("device", DEVICE)))
+    return Ref(out)
 
 
 def _add_input(ctx: _Ctx, node, spec, prefix: str) -> None:

@@ -10,6 +10,8 @@ Invariants:
 - `example_batch` is a pure function of (cfg, batch_size, seed): data is
   drawn on CPU from a private `torch.Generator`, so it is the same on every
   rank and device and never touches the global RNG.
+- `hf:<model_type>` names a transformers model (models/hf.py) with the
+  transformer fields; its layer pattern and tp plan are "auto".
 - For resnet, `layers == sum(blocks)` and `hidden == width`; `heads=1`,
   `seq_len=0` and `vocab=0` are placeholders.
 """
@@ -23,12 +25,14 @@ import torch
 from torch import nn
 
 from meshplan.errors import ConfigError
+from meshplan.models import hf
 from meshplan.models.bert import BERT, mlm_batch
 from meshplan.models.gpt import GPT
 from meshplan.models.resnet import STAGE_STRIDES, ResNet
 
 MODELS = ("gpt", "bert", "resnet")
 LAYER_PATTERN = r"blocks\.(\d+)"
+AUTO = "auto"  # a plan derived from the module itself (passes/auto_plan.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +105,11 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
     `image_size`, `num_classes`, `blocks`); `None` values are ignored so CLI
     flags can be passed straight through. Raises `ConfigError`.
     """
+    if model.startswith(hf.PREFIX):
+        return _hf_config(model, size, overrides)
     if model not in PRESETS:
-        raise ConfigError(f"unknown model {model!r}: choose one of {_choices(MODELS)}")
+        raise ConfigError(f"unknown model {model!r}: choose one of {_choices(MODELS)}, "
+                          "or hf:<model_type> (--hf) for a transformers model")
     presets = PRESETS[model]
     if size not in presets:
         raise ConfigError(
@@ -120,6 +127,18 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
         given = _resnet_overrides(given)
     cfg = replace(presets[size], **given)
     validate(cfg)
+    return cfg
+
+
+def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    bad = sorted(set(given) - _GPT_KEYS)
+    if bad:
+        raise ConfigError(f"{model}: override {bad[0]!r} does not apply; use only "
+                          f"{_choices(sorted(_GPT_KEYS))}")
+    cfg = ModelConfig(model, **(hf.preset(model.removeprefix(hf.PREFIX), size) | given))
+    validate(cfg)
+    hf.hf_config(cfg)  # an unknown model_type, or no transformers: one line now
     return cfg
 
 
@@ -142,7 +161,7 @@ def _resnet_overrides(given: dict) -> dict:
 
 def validate(cfg: ModelConfig) -> None:
     """Raise `ConfigError` if `cfg` cannot be built; return None otherwise."""
-    if cfg.model not in PRESETS:
+    if cfg.model not in PRESETS and not cfg.model.startswith(hf.PREFIX):
         raise ConfigError(f"unknown model {cfg.model!r}: choose one of {_choices(MODELS)}")
     if cfg.model == "resnet":
         _validate_resnet(cfg)
@@ -192,6 +211,8 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Modu
                        cfg.tie_embeddings)
         if cfg.model == "bert":
             return BERT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
+        if cfg.model.startswith(hf.PREFIX):
+            return hf.build_hf(cfg)
         return ResNet(cfg.blocks, cfg.width, cfg.image_size, cfg.num_classes)
 
 
@@ -220,6 +241,8 @@ def example_batch(
         batch = (stream[:, :-1].contiguous(), stream[:, 1:].contiguous())
     elif cfg.model == "bert":
         batch = mlm_batch(batch_size, cfg.seq_len, cfg.vocab, gen)
+    elif cfg.model.startswith(hf.PREFIX):
+        batch = hf.hf_batch(cfg, batch_size, gen)
     else:
         size = cfg.image_size
         images = torch.randn(batch_size, 3, size, size, generator=gen)
@@ -240,8 +263,9 @@ def batch_spec(
 
 
 def layer_pattern(cfg: ModelConfig) -> str:
-    """Regex over module paths whose group(1) is a layer index (`blocks.3`)."""
-    return LAYER_PATTERN
+    """Regex over module paths whose group(1) is a layer index (`blocks.3`);
+    "auto" (derived from the module at capture) for a transformers model."""
+    return AUTO if cfg.model.startswith(hf.PREFIX) else LAYER_PATTERN
 
 
 def param_count(model: nn.Module) -> int:

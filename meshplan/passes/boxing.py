@@ -21,6 +21,8 @@ Invariants:
   (A second transfer in a backward consumer's phase would flow forward in
   the backward pass, where no schedule action carries it: found by the
   random-graph fuzz, tests/fuzz/test_graphs.py.)
+- A value made from no tensor at all (a factory op: a constant) is made
+  again on a consumer's stage instead of crossing to it.
 - A conversion is made once per (value, layout, stage) and shared by every
   consumer that needs it; a hinted value is converted right after its
   producer, and all consumers, state updates and the loss read the
@@ -43,6 +45,9 @@ from meshplan.passes.propagate import SbpPlan
 
 BOXING_KINDS = ("meshplan.all_reduce", "meshplan.reduce_scatter", "meshplan.all_gather",
                 "meshplan.all_to_all", "meshplan.local_slice", "meshplan.transfer")
+
+# Deterministic factories: made again on another stage rather than sent (not rand*).
+_FACTORIES = frozenset({"full", "zeros", "ones", "arange", "empty", "scalar_tensor", "eye"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,7 @@ class _Ctx:
     default: dict = field(default_factory=dict)    # value id -> hinted version
     arrived: dict = field(default_factory=dict)    # (value, stage) -> transferred copy
     copies: dict = field(default_factory=dict)     # value -> stages it is Partial across
+    factory: dict = field(default_factory=dict)    # value -> its producer, if it reads none
 
     def emit(self, kind, src: int, out_layout: NdSbp, at, module_path: str, **kw) -> int:
         stage, chunk, phase = at
@@ -113,6 +119,8 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
         ctx.stage.append(at[0])
         ctx.chunk.append(at[1])
         ctx.local.append(tuple(sig.local for sig in plan.sigs[op.id]))
+        if not refs and op.kind.split(".")[1] in _FACTORIES and len(op.outputs) == 1:
+            ctx.factory[op.outputs[0]] = new_op
         for o in op.outputs:
             if o >= 0:
                 ctx.where[o] = at
@@ -163,6 +171,8 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     if key in ctx.versions:
         return ctx.versions[key]
     arrived = ctx.arrived.get((r, at[0]))
+    if arrived is None and src_at[0] != at[0] and r in ctx.factory:
+        arrived = ctx.arrived[(r, at[0])] = _remake(ctx, ctx.factory[r], at)
     if arrived is not None:
         out = _convert_local(ctx, arrived, ctx.layout[arrived], need, at, module_path)
     elif src_at[0] != at[0]:
@@ -171,6 +181,21 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     else:
         out = _convert_local(ctx, base, have, need, at, module_path)
     ctx.versions[key] = out
+    return out
+
+
+def _remake(ctx: _Ctx, op: Op, at) -> int:
+    """A copy of factory `op` (no tensor inputs) on stage `at[0]`: its value is
+    made again there rather than sent (an empty constant has no pieces to send)."""
+    out = ctx.b.new_value(ctx.b.values[op.outputs[0]].meta)
+    new = replace(op, id=len(ctx.b.ops), outputs=(out,), phase=at[2], grad_of=-1)
+    ctx.b.ops.append(new)
+    ctx.ops.append(new)
+    ctx.stage.append(at[0])
+    ctx.chunk.append(at[1])
+    ctx.local.append(("",) * ctx.naxes)
+    ctx.layout[out] = ctx.layout[op.outputs[0]]
+    ctx.where[out] = at
     return out
 
 
