@@ -91,7 +91,7 @@ def eager(steps: int, microbatches: int) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     module = build_model(cfg())
-    losses, times = eager_train(module, batches(steps), microbatches,
+    losses, times, _ = eager_train(module, batches(steps), microbatches,
                                 OptimizerConfig.default("sgd"))
     return {"losses": losses, "step_s": times}
 

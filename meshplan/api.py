@@ -21,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,35 +99,39 @@ def check(plans: str | Path | tuple):
 
 
 def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = "",
-        timeout_s: float = 60.0, threads: int = 1) -> dict:
+        timeout_s: float = 60.0, threads: int = 1, report_state: bool = False) -> dict:
     """Train `module` (its current weights) for `len(batches)` steps on
     `job.mesh.world` local gloo processes, one per rank; `batches[k]` is the
     global batch of step k (a tuple like the captured inputs, with
     global_batch_size samples). The module itself is not changed.
 
     Returns `losses` (mean over the global batch, per step), `step_s`, memory
-    per rank, and with `trace` (a path) the measured last step there."""
+    per rank, and with `trace` (a path) the measured last step there; with
+    `report_state`, every rank's final state slices ("state_slices")."""
     from meshplan.driver.run import launch
     from meshplan.runtime.worker import RunSpec
 
     batches = _checked(job, batches)
     spec = RunSpec("custom", "", (), len(batches), 0, "", threads, timeout_s,
-                   plan_dir=str(plan_dir), trace=bool(trace))
+                   plan_dir=str(plan_dir), trace=bool(trace), report_state=report_state)
     return launch(job, spec, time.perf_counter(), trace,
                   saved={"weights": weights_of(module), "batches": list(batches)})
 
 
-def verify(job, module, batches: Sequence[tuple], tolerance: float = 1e-5, **run_options) -> dict:
+def verify(job, module, batches: Sequence[tuple], bounds=None, **run_options) -> dict:
     """`run`, then the same steps with eager PyTorch on one process from the
     same weights (micro-batches and optimizer alike); returns both loss
-    curves, `max_abs_diff` and `ok` (max_abs_diff <= tolerance)."""
-    from meshplan.driver.reference import eager_train
+    curves, every parameter's and optimizer slot's difference after the last
+    step (`params`, `optimizer_state`), and the verdict `ok` with its
+    `problems` (`driver/compare.py`; `bounds` defaults to the Job's precision's)."""
+    from meshplan.driver.verify import against_eager
 
-    mine = run(job, module, batches, **run_options)
-    ref, _ = eager_train(copy.deepcopy(module), list(batches),
-                         job.strategy.num_microbatches, optimizer_of(job))
-    diff = max(abs(a - b) for a, b in zip(mine["losses"], ref))
-    return mine | {"ref_losses": ref, "max_abs_diff": diff, "ok": diff <= tolerance}
+    mine = run(job, module, batches, report_state=True, **run_options)
+    s = job.strategy
+    verdict, ref = against_eager(mine["rank_losses"], mine.pop("state_slices"), module,
+                                 list(batches), s.num_microbatches, optimizer_of(job),
+                                 s.precision, s.initial_loss_scale, bounds)
+    return mine | verdict | {"ref_losses": ref.losses}
 
 
 def optimizer_of(job):

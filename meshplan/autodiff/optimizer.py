@@ -33,10 +33,11 @@ class OptimizerConfig:
 
     @staticmethod
     def default(kind: str, lr: float | None = None) -> OptimizerConfig:
-        """torch-like defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(1e-3, wd 0.01);
+        """Defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(3e-3, wd 0.01) (the rates at
+        which the zoo's synthetic tasks learn in 10 steps: models/data.py);
         `lr` overrides the learning rate."""
         if kind == "adamw":
-            cfg = OptimizerConfig("adamw", lr=1e-3, weight_decay=0.01)
+            cfg = OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01)
         else:
             cfg = OptimizerConfig(kind)
         return cfg if lr is None else replace(cfg, lr=lr)

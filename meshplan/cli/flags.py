@@ -73,7 +73,7 @@ def add_optimizer_flags(g) -> None:
     """The optimizer the train step is built with (it is part of the Job)."""
     g.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     g.add_argument("--lr", type=float, default=None,
-                   help="learning rate (default: sgd 0.05, adamw 1e-3)")
+                   help="learning rate (default: sgd 0.05, adamw 3e-3)")
 
 
 def add_training_flags(p: argparse.ArgumentParser, steps: int) -> None:

@@ -11,22 +11,53 @@ initial scale and growth interval as meshplan).
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from meshplan.autodiff import OptimizerConfig
-from meshplan.autodiff.optimizer import GROWTH_INTERVAL, INIT_SCALE
+from meshplan.autodiff.optimizer import GROWTH_INTERVAL, INIT_SCALE, LOSS_SCALE
 from meshplan.runtime.data import split_microbatches
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class EagerRun(NamedTuple):
+    """What the reference run ends with: its losses and step times, and its
+    final state by meshplan's state names (`eager_state`)."""
+
+    losses: list[float]
+    step_s: list[float]
+    state: dict[str, torch.Tensor]
+
+
+def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
+                scaler=None) -> dict[str, torch.Tensor]:
+    """`module`'s parameters and buffers by FQN, its optimizer's slots as
+    `<fqn>@<slot>` and GradScaler's scale as `amp@loss_scale`: the names of
+    meshplan's state, so a run's final state can be compared tensor by tensor."""
+    out, seen = {}, set()
+    for k, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # a tied tensor once, under its first name (as capture)
+            seen.add(id(t))
+            out[k] = t.detach().clone()
+    name_of = {id(p): k for k, p in module.named_parameters()}
+    for p, slots in opt.state.items():
+        for slot, t in slots.items():
+            if torch.is_tensor(t):
+                out[f"{name_of[id(p)]}@{slot}"] = t.detach().clone()
+    if scaler is not None:
+        out[LOSS_SCALE] = scaler.get_scale() * torch.ones((), dtype=torch.float32)
+    return out
+
+
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
     precision: str = "fp32", init_scale: float = INIT_SCALE,
-) -> tuple[list[float], list[float]]:
-    """Train `module` in place on `batches`; returns (losses, step seconds)."""
+) -> EagerRun:
+    """Train `module` in place on `batches`; returns losses, step seconds and
+    the final state."""
     opt = optimizer.torch_optimizer(module.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
@@ -49,4 +80,4 @@ def eager_train(
             opt.step()
         losses.append(float(total / num_microbatches))
         times.append(time.perf_counter() - t0)
-    return losses, times
+    return EagerRun(losses, times, eager_state(module, opt, scaler))

@@ -22,8 +22,8 @@ from meshplan.ir import Role
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.checkpoint import check_resumable
-from meshplan.runtime.inputs_file import save_inputs
 from meshplan.runtime.launch import launch_local
+from meshplan.runtime.tensor_file import STATE, read_tensors, save_inputs
 from meshplan.runtime.worker import RunSpec, rank_main
 from meshplan.schedules.trace import Span, bubble, chrome_events
 
@@ -70,12 +70,14 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
         plan_dir: str = "", kill: tuple[int, float] | None = None, save_dir: str = "",
         resume: bool = False, lr: float | None = None, trace: str = "", on_step=None,
-        kill_in_save: int = -1, **overrides) -> dict:
+        kill_in_save: int = -1, report_state: bool = False, **overrides) -> dict:
     """Train on `mesh.world` local processes; returns losses, step times, memory.
 
     With `trace` (a path), the last step is timed on every rank and written
     there as one Chrome/Perfetto trace; the result's "trace" holds its
     measured bubble ratio. `on_step(k)` is called as the ranks finish step k.
+    With `report_state`, "state_slices" holds every rank's final state
+    (rank -> `<name>|<box>` -> tensor) for `verify`.
     `kill` and `kill_in_save` inject faults for tests (see `launch_local`,
     `RunSpec`)."""
     t0 = time.perf_counter()
@@ -88,7 +90,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         check_resumable(save_dir, job)
     spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, "", threads,
                    timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
-                   trace=bool(trace), kill_in_save=kill_in_save)
+                   trace=bool(trace), kill_in_save=kill_in_save, report_state=report_state)
     return launch(job, spec, t0, trace, kill=kill, on_step=on_step)
 
 
@@ -109,7 +111,10 @@ def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None
                  spec.steps, spec.plan_dir or "each rank lowers its own")
         per_rank = launch_local(spec, job.mesh.world, job.to_bytes(),
                                 deadline_s=60 + spec.steps * 60, kill=kill, on_step=on_step)
-    return merge(per_rank, job, time.perf_counter() - t0, trace)
+        slices = {r: read_tensors(Path(results) / f"state_{r}.bin", STATE)[0]
+                  for r in range(job.mesh.world)} if spec.report_state else None
+    out = merge(per_rank, job, time.perf_counter() - t0, trace)
+    return out if slices is None else out | {"state_slices": slices}
 
 
 def under_torchrun() -> bool:
@@ -159,6 +164,7 @@ def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> dic
              for i in range(len(next(iter(per_rank.values()))["step_s"]))]
     return {
         "losses": losses, "step_s": steps,
+        "rank_losses": {str(r): per_rank[r]["losses"] for r in holders},
         "median_step_s": statistics.median(steps) if steps else None,
         "ranks": {str(r): {"planned_peak_bytes": v["planned_peak_bytes"],
                            "measured_peak_bytes": v["measured_peak_bytes"],

@@ -1,8 +1,14 @@
 """verify: train a zoo model with eager PyTorch and with meshplan, compare.
 
-Invariant: both runs start from the same weights (one module, deep-copied)
-and see the same batches; the result reports both loss curves and their
-largest absolute difference.
+Invariants:
+- Both runs start from the same weights (one module, deep-copied) and see
+  the same batches.
+- The verdict (`ok`) is `driver/compare.py`'s: every loss-holding rank's
+  curve, and every parameter, buffer and optimizer slot after the last step
+  (assembled from all ranks' slices, replicas checked equal), against the
+  eager reference: eager fp32, or eager `torch.autocast` (+ GradScaler) for
+  bf16/fp16, within the precision's `Bounds`. Eager fp32 is a second,
+  informational judge of a mixed-precision run (`vs_fp32`).
 """
 
 from __future__ import annotations
@@ -17,13 +23,23 @@ import torch
 from meshplan.autodiff import OptimizerConfig
 from meshplan.autodiff.optimizer import INIT_SCALE
 from meshplan.capture import capture
+from meshplan.driver.compare import (
+    BOUNDS,
+    Bounds,
+    assemble,
+    compare_losses,
+    compare_state,
+    max_abs,
+    worst,
+)
 from meshplan.driver.plan import train_step
-from meshplan.driver.reference import eager_train, split_microbatches
+from meshplan.driver.reference import EagerRun, eager_train, split_microbatches
 from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime import Executor
+from meshplan.runtime.checkpoint import box_key
 
 
 def verify(
@@ -38,14 +54,17 @@ def verify(
     strategy: Strategy | None = None,
     lr: float | None = None,
     run_options: dict | None = None,
+    bounds: Bounds | None = None,
     **overrides,
 ) -> dict:
-    """Train `steps` steps both ways; returns losses, max_abs_diff and timings.
+    """Train `steps` steps both ways; returns losses, per-tensor state
+    differences, the verdict `ok` (with `problems`) and timings.
 
     With a `mesh` and `strategy`, meshplan compiles the Job and trains on one
     local process per rank (gloo); the eager reference sees the same global
     batches, split into the same micro-batches (of micro_batch_size x dp);
-    `run_options` go to `driver.run.run` (plan_dir, trace, on_step, ...)."""
+    `run_options` go to `driver.run.run` (plan_dir, trace, on_step, ...).
+    `bounds` defaults to the precision's (`compare.BOUNDS`)."""
     if strategy is not None:
         global_batch_size = strategy.global_batch_size
         num_microbatches = strategy.num_microbatches
@@ -66,35 +85,98 @@ def verify(
     if strategy is not None and (mesh is None or mesh.world > 1 or strategy.recompute != "none"):
         mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
         result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr,
-                     **(run_options or {}), **overrides)
-        mine = {"mode": "distributed", "losses": result["losses"], "trace": result["trace"],
-                "step_s": result["median_step_s"], "ranks": result["ranks"],
-                "ops": None, "capture_s": None, "autodiff_s": None,
+                     report_state=True, **(run_options or {}), **overrides)
+        mine = {"mode": "distributed", "losses": result["losses"],
+                "rank_losses": result["rank_losses"], "slices": result["state_slices"],
+                "trace": result["trace"], "step_s": result["median_step_s"],
+                "ranks": result["ranks"], "ops": None, "capture_s": None, "autodiff_s": None,
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
                                            for r in result["ranks"].values())}
     else:
         mine = _single(module, batches, opt, num_microbatches, precision, init_scale)
-    ref_losses, ref_times = eager_train(reference, batches, num_microbatches, opt, precision,
-                                        init_scale)
-    extra = {}
-    if precision != "fp32":  # the second judge: full-precision eager
-        fp32, _ = eager_train(fp32_reference, batches, num_microbatches, opt)
-        extra = {"precision": precision, "ref_fp32_losses": fp32,
-                 "mean_rel_diff": mean_rel_diff(mine["losses"], ref_losses),
-                 "mean_rel_diff_fp32": mean_rel_diff(mine["losses"], fp32),
-                 "autocast_vs_fp32": mean_rel_diff(ref_losses, fp32)}
-    return extra | {
+    verdict, ref = against_eager(mine["rank_losses"], mine.pop("slices"), reference, batches,
+                                 num_microbatches, opt, precision, init_scale, bounds)
+    extra = {"precision": precision}
+    if precision != "fp32":  # the second judge, for information: full-precision eager
+        fp32 = eager_train(fp32_reference, batches, num_microbatches, opt).losses
+        extra |= {"ref_fp32_losses": fp32,
+                  "vs_fp32": {"mean_rel_diff": mean_rel_diff(mine["losses"], fp32),
+                              "autocast_mean_rel_diff": mean_rel_diff(ref.losses, fp32)}}
+    return extra | verdict | {
         "model": model, "size": size, "config": asdict(cfg), "steps": steps,
         "optimizer": optimizer, "global_batch_size": global_batch_size,
-        "num_microbatches": num_microbatches, **mine, "ref_losses": ref_losses,
-        "max_abs_diff": max(abs(a - b) for a, b in zip(mine["losses"], ref_losses)),
-        "ref_step_s": statistics.median(ref_times),
+        "num_microbatches": num_microbatches, **mine, "ref_losses": ref.losses,
+        "ref_step_s": statistics.median(ref.step_s),
     }
+
+
+def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], module,
+                  batches: list[tuple], m: int, opt: OptimizerConfig, precision: str = "fp32",
+                  init_scale: float = INIT_SCALE, bounds: Bounds | None = None):
+    """Train `module` (its starting weights; not changed) eagerly on `batches`,
+    and once more on `reordered` batches for the noise; returns (`judge`'s
+    verdict on the run's losses and state slices, the reference `EagerRun`)."""
+    ref = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale)
+    twin = eager_train(copy.deepcopy(module), reordered(batches, m), m, opt, precision,
+                       init_scale)
+    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin), ref
+
+
+def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: EagerRun,
+          bounds: Bounds, twin: EagerRun | None = None) -> dict:
+    """The verdict on a run, from its ranks' losses and final state slices:
+    `ok`, `problems` (one line each), `max_abs_diff` (losses), and per tensor
+    `params` (parameters and buffers) and `optimizer_state` (slots, the loss
+    scale) with `max_abs`, `max_rel`, `ok`. `twin`, the reference trained
+    on `reordered` batches, gives each tensor's reordering noise."""
+    loss_noise, noise = 0.0, {}
+    if twin is not None:
+        loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))
+        noise = {k: max_abs(t, twin.state[k]) for k, t in ref.state.items() if k in twin.state}
+    losses = compare_losses(rank_losses, ref.losses, bounds, loss_noise)
+    shapes = {k: tuple(t.shape) for k, t in ref.state.items()}
+    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise)
+    problems = losses["problems"] + [
+        f"{name}: {'held by no rank' if d.get('missing') else _describe(d)}"
+        for name, d in state.items() if not d["ok"]]
+    return {"ok": not problems, "problems": problems, "bounds": asdict(bounds),
+            "max_abs_diff": losses["max_abs_diff"], "loss_noise": loss_noise,
+            "params": {k: d for k, d in state.items() if "@" not in k},
+            "optimizer_state": {k: d for k, d in state.items() if "@" in k}}
+
+
+def _describe(d: dict) -> str:
+    text = f"max_abs {d['max_abs']:.2e}, max_rel {d['max_rel']:.2e}"
+    if "replica_spread" in d:
+        text += f", replicas differ by {d['replica_spread']:.2e}"
+    return text
+
+
+def state_summary(r: dict) -> str:
+    """One line: how many tensors were compared and the worst of them."""
+    both = r["params"] | r["optimizer_state"]
+    (name, d), = worst(both, 1)
+    return (f"{len(r['params'])} parameter tensors and {len(r['optimizer_state'])} optimizer "
+            f"slots compared, worst max_rel {d['max_rel']:.1e} ({name})")
+
+
+def reordered(batches: list[tuple], m: int) -> list[tuple]:
+    """`batches` with each micro-batch's samples in reverse order: the same
+    training mathematically (every loss is a mean, BatchNorm's statistics are
+    sums), with other rounding in every sum over the batch."""
+    out = []
+    for batch in batches:
+        n = batch[0].shape[0]
+        size = n // m
+        index = torch.cat([torch.arange(k * size + size - 1, k * size - 1, -1)
+                           for k in range(m)])
+        out.append(tuple(t.index_select(0, index) for t in batch))
+    return out
 
 
 def mean_rel_diff(a: list[float], b: list[float]) -> float:
     """Mean over steps of |a - b| / |b|."""
-    return statistics.fmean(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return statistics.fmean(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def _single(module, batches, opt, m: int, precision: str = "fp32",
@@ -114,6 +196,9 @@ def _single(module, batches, opt, m: int, precision: str = "fp32",
         ts = time.perf_counter()
         losses.append(ex.step(state, mbs))
         times.append(time.perf_counter() - ts)
-    return {"mode": "single", "losses": losses, "ops": len(graph.ops),
+    slices = {f"{k}|{box_key(tuple((0, n) for n in t.shape))}": t
+              for k, t in state.items() if t is not None}
+    return {"mode": "single", "losses": losses, "rank_losses": {"0": losses},
+            "slices": {0: slices}, "ops": len(graph.ops),
             "capture_s": t1 - t0, "autodiff_s": t2 - t1,
             "step_s": statistics.median(times), "measured_peak_bytes": ex.mem.peak}

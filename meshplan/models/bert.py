@@ -72,18 +72,17 @@ class BERT(nn.Module):
 
 
 def mlm_batch(
-    batch_size: int, seq_len: int, vocab: int, generator: torch.Generator,
-    mask_prob: float = 0.15,
+    tokens: torch.Tensor, generator: torch.Generator, mask_prob: float = 0.15,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw (masked tokens, labels) on CPU from `generator`.
+    """Mask `tokens` (B, T), drawing the positions from `generator`:
+    (masked tokens, labels).
 
-    Original tokens avoid id 0 so that a masked position is always visibly
+    Tokens must avoid id 0 so that a masked position is always visibly
     masked. Each row gets one forced labelled position on top of the ~15%
     random ones, because a row (or a micro-batch of one row) with no labels
     would make the mean loss 0/0 = NaN.
     """
-    shape = (batch_size, seq_len)
-    tokens = torch.randint(1, vocab, shape, generator=generator)
+    batch_size, seq_len = shape = tokens.shape
     masked = torch.rand(shape, generator=generator) < mask_prob
     forced = torch.randint(0, seq_len, (batch_size,), generator=generator)
     masked[torch.arange(batch_size), forced] = True

@@ -27,6 +27,7 @@ from torch import nn
 from meshplan.errors import ConfigError
 from meshplan.models import hf
 from meshplan.models.bert import BERT, mlm_batch
+from meshplan.models.data import class_images, markov_tokens
 from meshplan.models.gpt import GPT
 from meshplan.models.resnet import STAGE_STRIDES, ResNet
 
@@ -225,6 +226,7 @@ def example_batch(
     gpt: (tokens, targets) long (B, T); targets are tokens shifted by one.
     bert: (masked tokens, labels) long (B, T); labels -100 where unmasked.
     resnet: (images float32 (B, 3, S, S), labels long (B,)).
+    Tokens and images come from a learnable task (`models/data.py`).
     Deterministic in `seed`; on meta, empty tensors of the same shape/dtype.
     """
     if batch_size <= 0:
@@ -237,17 +239,15 @@ def example_batch(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     if cfg.model == "gpt":
         # One (T + 1)-long stream per row gives consistent next-token targets.
-        stream = torch.randint(0, cfg.vocab, (batch_size, cfg.seq_len + 1), generator=gen)
+        stream = markov_tokens(cfg.vocab, batch_size, cfg.seq_len + 1, gen)
         batch = (stream[:, :-1].contiguous(), stream[:, 1:].contiguous())
     elif cfg.model == "bert":
-        batch = mlm_batch(batch_size, cfg.seq_len, cfg.vocab, gen)
+        tokens = markov_tokens(cfg.vocab, batch_size, cfg.seq_len, gen)
+        batch = mlm_batch(tokens, gen)
     elif cfg.model.startswith(hf.PREFIX):
         batch = hf.hf_batch(cfg, batch_size, gen)
     else:
-        size = cfg.image_size
-        images = torch.randn(batch_size, 3, size, size, generator=gen)
-        labels = torch.randint(0, cfg.num_classes, (batch_size,), generator=gen)
-        batch = (images, labels)
+        batch = class_images(cfg.num_classes, cfg.image_size, batch_size, gen)
     return tuple(t.to(device) for t in batch)
 
 

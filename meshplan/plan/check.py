@@ -3,6 +3,9 @@
 Proves, in order (each failure is one message; `errors` lists them all):
 1. ids are unique across ranks, every task id decodes to its own rank, and
    every task reads and writes only buffers of its own rank's plan;
+   every op of the rank's stage in the Job is exactly one of its tasks (no
+   collective, gradient reduction or optimizer update dropped or doubled),
+   and every collective's group is the rank's line along the op's axis;
 2. every send task has exactly one matching recv task on its peer (peer,
    box, shape, dtype, bytes) and vice versa, and every SEND action of a
    micro-batch has the peer's RECV action of the same micro-batch;
@@ -60,8 +63,8 @@ class CheckResult:
 def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     """Run every proof over `plans`; never raises for a bad plan."""
     res = CheckResult()
-    for proof in (_unique_ids, _references, _p2p, _collectives, _stages_agree, _schedule,
-                  shared_copies):
+    for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
+                  _stages_agree, _schedule, shared_copies):
         res.errors += proof(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
@@ -110,6 +113,43 @@ def _references(job: Job, plans) -> list[str]:
             if missing is not None:
                 errors.append(f"rank {r}: task {t.id:#x} (op {t.op}) uses buffer {missing:#x}, "
                               "which is not among the rank's buffers; recompile the plan")
+                break
+    return errors
+
+
+def _tasks_match_job(job: Job, plans) -> list[str]:
+    """Every op of a rank's stage is exactly one of its tasks (no collective,
+    gradient or optimizer update dropped or doubled), and every collective's
+    group is the rank's line along the op's mesh axis in its placement (for
+    a shared parameter's all-reduce, its line through the copies' stages)."""
+    s = job.strategy
+    errors = []
+    for r, p in sorted(plans.items()):
+        want = Counter(op.id for op in job.graph.ops if job.stage[op.id] == p.stage
+                       and op.kind != "meshplan.transfer")
+        have = Counter(t.op for t in p.tasks if t.kind not in (TaskKind.SEND, TaskKind.RECV))
+        for op_id in sorted(set(want) | set(have)):
+            if want[op_id] != have[op_id]:
+                op = job.graph.ops[op_id]
+                errors.append(f"rank {r} runs {have[op_id]} task(s) of op {op_id} ({op.kind} at "
+                              f"'{op.module_path}') but its stage has {want[op_id]}; recompile")
+                break
+        place = s.placement(p.stage)
+        coord = place.coord(r)
+        for t in p.tasks:
+            if t.kind not in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
+                continue
+            kw = dict(job.graph.ops[t.op].kwargs)
+            if "stages" in kw:  # across the stages holding copies of a shared parameter
+                axis = f"stages {list(kw['stages'])}"
+                line = tuple(s.placement(st).rank_at(coord) for st in kw["stages"])
+            else:
+                axis = kw["axis"]
+                line = tuple(place.rank_at(coord[:axis] + (k,) + coord[axis + 1:])
+                             for k in range(place.grid[axis]))
+            if t.group != line:
+                errors.append(f"rank {r}: collective op {t.op} runs over {list(t.group)} but "
+                              f"its axis {axis} line is {list(line)}; recompile")
                 break
     return errors
 

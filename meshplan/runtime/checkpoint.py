@@ -47,11 +47,11 @@ STEP_KEY = "meshplan/next_step"
 KIND, VERSION = "meshplan.checkpoint", 1
 
 
-def _box_key(box) -> str:
+def box_key(box) -> str:
     return ",".join(f"{a}:{b}" for a, b in box) or "scalar"
 
 
-def _parse_box(text: str):
+def parse_box(text: str):
     if text == "scalar":
         return ()
     return tuple(tuple(int(x) for x in part.split(":")) for part in text.split(","))
@@ -67,6 +67,20 @@ def _state_values(job) -> dict[str, int]:
             if v.role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)}
 
 
+def state_slices(state: dict, job, ctx, primary_only: bool = False) -> dict[str, torch.Tensor]:
+    """This rank's saved state (params, buffers, optimizer slots) as
+    `<name>|<box>` -> a CPU copy of its slice; with `primary_only`, only the
+    first of replicas writes (a checkpoint), else every rank does (`verify`
+    checks the replicas agree)."""
+    values = _state_values(job)
+    out = {}
+    for name, t in state.items():
+        if t is None or name not in values or (primary_only and not _primary(ctx, values[name])):
+            continue
+        out[f"{name}|{box_key(ctx.box(values[name]))}"] = t.detach().contiguous().cpu()
+    return out
+
+
 def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> None:
     """Write this rank's shard; rank 0 marks the checkpoint complete.
 
@@ -74,12 +88,7 @@ def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> 
     so a save cut short never leaves a marker over a mix of old and new
     shards. `after_shard()` runs once this rank's shard is written (a fault
     test kills the rank there)."""
-    values = _state_values(job)
-    sd = {}
-    for name, t in state.items():
-        if t is None or name not in values or not _primary(ctx, values[name]):
-            continue
-        sd[f"{name}|{_box_key(ctx.box(values[name]))}"] = t.detach().contiguous().cpu()
+    sd = state_slices(state, job, ctx, primary_only=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         sd[STEP_KEY] = torch.tensor(next_step)
@@ -170,7 +179,7 @@ def load(path: str, state: dict, job, ctx) -> int:
     for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
         name, _, box = key.partition("|")
         if box:
-            saved.setdefault(name, []).append(_parse_box(box))
+            saved.setdefault(name, []).append(parse_box(box))
     values = _state_values(job)
     request, places = {STEP_KEY: torch.tensor(0)}, []
     for name, vid in values.items():
@@ -184,7 +193,7 @@ def load(path: str, state: dict, job, ctx) -> int:
             part = intersect(want, box) if box else ()
             if part is None:
                 continue
-            key = f"{key_name}|{_box_key(box)}"
+            key = f"{key_name}|{box_key(box)}"
             if key not in request:
                 shape = tuple(b - a for a, b in box)
                 request[key] = torch.empty(shape, dtype=job.graph.values[vid].meta.dtype.torch)

@@ -50,6 +50,7 @@ class RunSpec:
     gather: bool = False
     module_file: str = ""  # a user's weights and batches (tensors only), not a zoo model
     kill_in_save: int = -1  # fault test: this rank kills itself once its shard is saved
+    report_state: bool = False  # write the final state's slices (verify compares them)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -153,6 +154,11 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         ex.current = "save checkpoint"
         die = _kill_self if spec.kill_in_save == rank else None
         checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps), die)
+    if spec.report_state and not spec.gather:
+        from meshplan.runtime.tensor_file import STATE, write_tensors
+
+        write_tensors(Path(spec.results) / f"state_{rank}.bin", STATE,
+                      checkpoint.state_slices(state, job, ex.ctx))
     result = {"rank": rank, "losses": losses, "step_s": times, "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
               "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak,
@@ -174,9 +180,9 @@ def _source(spec: RunSpec, job: Job):
     """The module (with its initial weights) and `batch_of(step)`, the global
     batch of each step: a zoo model built from its config and seed, or the
     user's weights and batches saved by the launcher (`module_file`, tensors
-    only: `runtime/inputs_file.py`)."""
+    only: `runtime/tensor_file.py`)."""
     if spec.module_file:
-        from meshplan.runtime.inputs_file import load_inputs
+        from meshplan.runtime.tensor_file import load_inputs
 
         weights, batches = load_inputs(Path(spec.module_file))
         return weights, lambda step: batches[step]

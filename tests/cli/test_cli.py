@@ -26,13 +26,25 @@ def test_verify_json_reports_equal_losses():
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert len(r["losses"]) == len(r["ref_losses"]) == 3
-    assert r["max_abs_diff"] <= 1e-5
+    assert r["ok"] and r["max_abs_diff"] <= 1e-5
+    # every parameter of the model, by FQN, with its figures
+    assert {"wte.weight", "ln_f.bias"} <= set(r["params"])
+    assert all({"max_abs", "max_rel"} <= set(d) for d in r["params"].values())
 
 
 def test_verify_table():
     p = run("verify", "--model", "resnet", "--steps", "2")
     assert p.returncode == 0, p.stderr
-    assert "OK: max |diff|" in p.stdout
+    assert "OK: losses of 1 loss-holding rank(s)" in p.stdout
+    assert "parameter tensors, worst max_rel" in p.stdout
+
+
+def test_verify_fails_with_exit_1_when_a_tolerance_cannot_be_met():
+    """A negative bound no run can meet: the verdict is MISMATCH and exit 1,
+    naming the tensors (the check can fail through the CLI)."""
+    p = run("verify", "--model", "gpt", "--steps", "1", "--tolerance", "-1")
+    assert p.returncode == 1, p.stderr
+    assert "MISMATCH" in p.stdout and "FAIL" not in p.stderr
 
 
 def test_inspect_json_counts():

@@ -27,6 +27,7 @@ from torch import nn
 
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.capture import capture
+from meshplan.driver.compare import Bounds, assemble, compare_state
 from meshplan.driver.reference import eager_train
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.passes.plan import plan_job
@@ -149,8 +150,9 @@ def train_both_ways(ex: dict) -> float:
     crossings = [(op.args[0].id, job.stage[op.id]) for op in job.graph.ops
                  if op.kind == "meshplan.transfer"]
     assert len(crossings) == len(set(crossings)), "a value crosses to a stage twice"
-    mine = run_local(job, module, batches)
-    theirs, _ = eager_train(ref, batches, m, opt)
+    run = run_local(job, module, batches)
+    mine, reference = run.losses, eager_train(ref, batches, m, opt)
+    theirs = reference.losses
     # The first loss is a pure forward from equal weights; later ones may be
     # amplified by the training dynamics (a random graph's loss can grow 1e4x
     # in one SGD step), and with them the ~1e-7 rounding of reordered sums,
@@ -158,6 +160,12 @@ def train_both_ways(ex: dict) -> float:
     growth = [max(1.0, abs(b) / max(abs(theirs[0]), 1e-6)) for b in theirs]
     diff = max(abs(a - b) / max(1.0, abs(b)) / g for a, b, g in zip(mine, theirs, growth))
     assert diff <= 1e-5, (mine, theirs)
+    # and every parameter and optimizer slot, to the same growth-scaled bound
+    shapes = {k: tuple(t.shape) for k, t in reference.state.items()}
+    bounds = Bounds(loss_atol=1e-5, atol=1e-5 * growth[-1], rtol=1e-5 * growth[-1])
+    state = compare_state(assemble(run.slices, shapes), reference.state, bounds)
+    bad = {k: d for k, d in state.items() if not d["ok"]}
+    assert not bad, bad
     return diff
 
 

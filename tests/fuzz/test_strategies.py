@@ -2,7 +2,8 @@
 
 Each drawn (mesh, strategy, GPT layer count) either plans, lowers every rank
 and passes `check_plans` (ids, send/recv, collective order, simulation), or
-raises a `MeshplanError`: never another exception, never a hang. The
+is refused with a user error (`ConfigError`, `ScheduleError`): never an
+internal `PlanError` or another exception, never a hang. The
 default profile draws a few examples, derandomized so CI is repeatable; the
 slow variant draws many more.
 """
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from meshplan.driver.plan import plan_model, zoo_strategy
-from meshplan.errors import MeshplanError
+from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.mesh import Mesh
 from meshplan.models import model_config
 from meshplan.plan.check import check_plans
@@ -55,7 +56,7 @@ def plan_or_refuse(mesh: Mesh, fields: dict, layers: int) -> str:
         job = plan_model("gpt", "tiny", mesh, zoo_strategy("gpt", cfg, **fields),
                          layers=layers).job
         plans = {r: lower(job, r) for r in range(mesh.world)}
-    except MeshplanError as e:
+    except (ConfigError, ScheduleError) as e:  # a PlanError is a bug: it propagates
         assert "\n" not in str(e), str(e)
         return type(e).__name__
     res = check_plans(job, plans)

@@ -90,6 +90,7 @@ def test_recompute_changes_no_loss_tp2_pp2(mode):
         runs[rc] = verify("gpt", "tiny", steps=5, mesh=Mesh(1, 4), strategy=s)
     diff = max(abs(a - b) for a, b in zip(runs["none"]["losses"], runs[mode]["losses"]))
     assert diff <= 1e-5 and runs[mode]["max_abs_diff"] <= 1e-4
+    assert runs[mode]["ok"], runs[mode]["problems"]  # parameters and slots too
     planned = [v["planned_peak_bytes"] for v in runs[mode]["ranks"].values()]
     measured = [v["measured_peak_bytes"] for v in runs[mode]["ranks"].values()]
     assert all(m <= p for m, p in zip(measured, planned))

@@ -28,7 +28,7 @@ def _eager(model, steps, gbs, m):
     torch.manual_seed(0)
     module = build_model(cfg)
     batches = [example_batch(cfg, gbs, seed=s) for s in range(steps)]
-    return eager_train(module, batches, m, OptimizerConfig.default("sgd"))[0]
+    return eager_train(module, batches, m, OptimizerConfig.default("sgd")).losses
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import PlanError
-from meshplan.runtime.inputs_file import load_inputs, save_inputs
+from meshplan.runtime.tensor_file import load_inputs, save_inputs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
 shapes = st.lists(st.integers(0, 3), min_size=0, max_size=3)
