@@ -31,7 +31,8 @@ def auto_facts(module: nn.Module) -> tuple[tuple[str, str], ...]:
     vocab = _int(conf, "vocab_size") or _largest_embedding(module)
     tp, tp_from = _declared_tp(hf_path, hf)
     if not tp:
-        tp = [[re.escape(p), "vocab", "structure"] for p in _vocab_modules(module, vocab)]
+        tp = [[re.escape(p), "vocab", "structure"]
+              for p in _vocab_modules(module, vocab, layers)]
         tp_from = "structure: the vocabulary embedding and head only"
     facts = {
         "layers": layers, "layers_from": layers_from, "tp": json.dumps(tp), "tp_from": tp_from,
@@ -101,9 +102,12 @@ def _largest_embedding(module: nn.Module) -> int:
     return max(sizes, default=0)
 
 
-def _vocab_modules(module: nn.Module, vocab: int) -> list[str]:
+def _vocab_modules(module: nn.Module, vocab: int, layers: str) -> list[str]:
+    """The embedding and the head over the vocabulary: outside the layers."""
     if not vocab:
         return []
+    inside = layers + "." if layers else None
     return [p for p, m in module.named_modules()
-            if (isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
-            or (isinstance(m, nn.Linear) and m.out_features == vocab)]
+            if not (inside and p.startswith(inside))
+            and ((isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
+                 or (isinstance(m, nn.Linear) and m.out_features == vocab))]

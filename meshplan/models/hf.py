@@ -91,7 +91,7 @@ def hf_config(cfg):
         name = next((n for n in names if hasattr(probe, n)), names[0])
         kw[name] = value
     if hasattr(probe, "intermediate_size"):
-        kw["intermediate_size"] = 2 * cfg.hidden
+        kw["intermediate_size"] = 4 * cfg.hidden
     if hasattr(probe, "num_key_value_heads"):
         kw["num_key_value_heads"] = max(1, cfg.heads // 2)  # grouped-query attention
     kw.update({d: 0.0 for d in _DROPOUT if isinstance(getattr(probe, d, None), float)})
