@@ -130,5 +130,17 @@ def report(job: Job) -> dict:
         "totals_per_step": {"comm_ops": sum(1 if c["phase"] == "optimizer" else m
                                             for c in comms),
                             "comm_bytes": per_step},
+        "layer_pattern": s.layer_pattern, "tp_plan": [list(x) for x in s.tp_plan],
+        "shared": shared_params(job),
         "notes": list(job.notes),
     }
+
+
+def shared_params(job: Job) -> dict[str, list[int]]:
+    """Parameters with a copy on several stages, and those stages."""
+    out = {}
+    for op in job.graph.ops:
+        kw = dict(op.kwargs)
+        if op.kind == "meshplan.all_reduce" and "stages" in kw:
+            out[kw["param"]] = list(kw["stages"])
+    return out

@@ -70,6 +70,7 @@ def _transformers():
     except ImportError:
         raise ConfigError("Hugging Face models need transformers: pip install -e '.[hf]'") \
             from None
+    transformers.logging.set_verbosity_error()  # its advice on configs would bury our one line
     return transformers
 
 
@@ -81,7 +82,21 @@ def hf_config(cfg):
         raise ConfigError(f"transformers {tf.__version__} has no model_type {model_type!r}; "
                           f"tested: {', '.join(TESTED)}")
     cls = tf.CONFIG_MAPPING[model_type]
-    probe = cls()
+    try:
+        return cls(**_fields(cls(), cfg))
+    except Exception as e:  # noqa: BLE001 - one line for any config that will not take ours
+        raise _unbuildable(cfg, e) from None
+
+
+def _unbuildable(cfg, e: Exception) -> ConfigError:
+    text = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+    return ConfigError(f"cannot build {cfg.model} offline from its config "
+                       f"({type(e).__name__}: {text}); use a causal-LM or masked-LM "
+                       f"model_type, e.g. {', '.join(TESTED)}")
+
+
+def _fields(probe, cfg) -> dict:
+    """Our sizes under the config class's own names."""
     kw = {}
     for names, value in ((("num_hidden_layers", "n_layer"), cfg.layers),
                          (("num_attention_heads", "n_head"), cfg.heads),
@@ -99,7 +114,7 @@ def hf_config(cfg):
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(probe, token, None), int) and getattr(probe, token) >= cfg.vocab:
             kw[token] = cfg.vocab - 1
-    return cls(**kw)
+    return kw
 
 
 @lru_cache(maxsize=16)
@@ -116,14 +131,16 @@ def build_hf(cfg) -> nn.Module:
     tf = _transformers()
     conf = hf_config(cfg)
     auto = tf.AutoModelForMaskedLM if is_masked_lm(cfg) else tf.AutoModelForCausalLM
+    if type(conf) not in auto._model_mapping:
+        raise ConfigError(f"cannot build {cfg.model}: transformers has no causal-LM or "
+                          f"masked-LM model for it; use e.g. {', '.join(TESTED)}")
     try:
-        model = auto.from_config(conf, attn_implementation="sdpa")
-    except ValueError:  # no sdpa kernel for this type: its own attention
-        model = auto.from_config(conf)
+        try:
+            model = auto.from_config(conf, attn_implementation="sdpa")
+        except ValueError:  # no sdpa kernel for this type: its own attention
+            model = auto.from_config(conf)
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
-        raise ConfigError(f"cannot build {cfg.model} offline from its config "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); tested: "
-                          f"{', '.join(TESTED)}") from None
+        raise _unbuildable(cfg, e) from None
     return HFLoss(model).train()
 
 
