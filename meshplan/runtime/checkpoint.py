@@ -20,8 +20,7 @@ Invariants:
   this code wrote are ever unpickled.
 - A tied tensor is one state entry, saved once under its graph input's
   name (each stage's copy is the same slice under the same key, which DCP
-  writes once), and
-  found on load under any of its names.
+  writes once), and found on load under any of its names.
 - The data position (the next step) is saved with it; data is a pure
   function of the step, so a resumed run sees exactly the batches an
   uninterrupted one would.
