@@ -56,6 +56,11 @@ def resolve_auto(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str,
     return strategy, tuple(notes)
 
 
+def auto_layer_pattern(graph: Graph) -> str:
+    """The layer regex "auto" stands for in `graph` ("" without a layer list)."""
+    return resolve_auto(graph, Strategy(layer_pattern=AUTO))[0].layer_pattern
+
+
 def _layer_pattern(facts: dict, s: Strategy, notes: list[str]) -> str:
     path = facts.get("layers", "")
     if not path:
