@@ -15,6 +15,7 @@ from meshplan.autodiff import OptimizerConfig
 from meshplan.capture import capture
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
+from meshplan.errors import ConfigError
 from meshplan.ir import Phase
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
@@ -131,3 +132,25 @@ def test_tied_gpt_dp2_tp2_pp2_vpp2_trains_as_eager():
                              schedule="interleaved")
     assert verdict["ok"], verdict["problems"]
     assert copies == 8
+
+
+def test_weights_load_under_any_alias():
+    from meshplan.runtime.state import own_tensor, weights_of
+
+    m = Chain()
+    g = capture(m, (torch.randn(2, 4),))
+    assert {"blocks.0.weight", "blocks.3.weight"} <= set(weights_of(m))
+    w = m.blocks[0].weight.detach()
+    assert own_tensor({"blocks.3.weight": w}, g, "blocks.0.weight") is w  # the other name
+    with pytest.raises(ConfigError, match="no parameter or buffer 'blocks.0.weight'"):
+        own_tensor({}, g, "blocks.0.weight")
+
+
+def test_auto_plans_on_the_zoo_gpt():
+    cfg = model_config("gpt", "tiny", tie_embeddings=True)
+    s = zoo_strategy("gpt", cfg, tp=2, pp=2, global_batch_size=8, micro_batch_size=2,
+                     tp_plan="auto", layer_pattern="auto")
+    job = plan_model("gpt", "tiny", Mesh(1, 4), s, tie_embeddings=True).job
+    assert job.strategy.layer_pattern == r"blocks\.(\d+)"
+    assert job.strategy.tp_plan == (("wte", "vocab"), ("head", "vocab"))
+    assert any("tp_plan auto from structure" in n for n in job.notes)
