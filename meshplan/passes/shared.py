@@ -59,83 +59,97 @@ def share_params(graph: Graph, places: list[Place], readers: dict[int, dict[int,
     shared = {pid: st for pid, st in readers.items() if len(st) > 1}
     if not shared:
         return Shared(graph, tuple(places), {})
-    b = GraphBuilder(graph)
-    producer = {o: op for op in graph.ops for o in op.outputs if o >= 0}
-    drop: set[int] = set()
-    after: dict[int, list[tuple[Op, Place]]] = {}   # op id -> ops to insert after it
-    instead: dict[int, list[tuple[Op, Place]]] = {}  # op id -> ops replacing it
-    updates = list(graph.updates)
-    copies: dict[int, tuple[tuple[int, ...], str]] = {}
-    fresh = iter(range(len(graph.ops), 1 << 62))   # provisional ids of new ops
+    rw = _Rewrite(graph, places)
     for pid, stages in sorted(shared.items()):
-        _split_one(graph, b, pid, stages, places, producer, drop, after, instead, updates,
-                   copies, fresh)
-    ops: list[Op] = []
-    new_places: list[Place] = []
-    for op in graph.ops:
-        if op.id in instead:
-            for o, p in instead[op.id]:
-                ops.append(o)
-                new_places.append(p)
-        elif op.id not in drop:
-            ops.append(op)
-            new_places.append(places[op.id])
-        for o, p in after.get(op.id, ()):
-            ops.append(o)
-            new_places.append(p)
-    gone = {o for i in drop | set(instead) for o in graph.ops[i].outputs}
-    b.ops = list(renumber_ops(ops))
-    b.updates = [u for u in updates if u.value not in gone]
-    b.grads = [(v, g) for v, g in b.grads if g not in gone]
-    return Shared(b.build(graph.loss, graph.meta), tuple(new_places), copies)
+        rw.split(pid, stages)
+    return rw.build()
 
 
-def _split_one(graph, b, pid, stages, places, producer, drop, after, instead, updates,
-               copies, fresh) -> None:
-    p = graph.values[pid]
-    acc_op = next(op for op in graph.ops if op.kind == ACCUMULATE
-                  and graph.values[op.args[0].id].name == f"{p.name}@grad")
-    opt_op = next(op for op in graph.ops if op.phase is Phase.OPTIMIZER
-                  and op.args and op.args[0] == Ref(pid))
-    total = producer[acc_op.args[1].id]
-    contribs = list(total.args) if total.kind == GRAD_SUM else [acc_op.args[1]]
-    if total.kind == GRAD_SUM:
-        drop.add(total.id)
-    drop.add(acc_op.id)
-    by_stage: dict[int, list[Ref]] = {}
-    for g in contribs:
-        by_stage.setdefault(places[producer[g.id].id][0], []).append(g)
-    missing = sorted(set(stages) - set(by_stage))
-    if missing or set(by_stage) - set(stages):
-        raise ConfigError(f"parameter '{p.name}' is read on stages {sorted(stages)} but its "
-                          f"gradient comes from stages {sorted(by_stage)}; a shared parameter "
-                          "needs a gradient on every stage that reads it (make every use "
-                          "differentiable, or untie it)")
-    order = tuple(sorted(stages))
-    replaced = []
-    for s in order:
-        gs = by_stage[s]
-        last = max((producer[g.id] for g in gs), key=lambda o: o.id)
-        at = places[last.id]
+class _Rewrite:
+    """The edits of one `share_params`: ops dropped, replaced, inserted."""
+
+    def __init__(self, graph: Graph, places: list[Place]):
+        self.graph, self.places = graph, places
+        self.b = GraphBuilder(graph)
+        self.producer = {o: op for op in graph.ops for o in op.outputs if o >= 0}
+        self.drop: set[int] = set()
+        self.after: dict[int, list[tuple[Op, Place]]] = {}    # op id -> ops inserted after
+        self.instead: dict[int, list[tuple[Op, Place]]] = {}  # op id -> ops replacing it
+        self.updates = list(graph.updates)
+        self.copies: dict[int, tuple[tuple[int, ...], str]] = {}
+        self.fresh = iter(range(len(graph.ops), 1 << 62))   # provisional ids of new ops
+
+    def split(self, pid: int, stages: dict[int, int]) -> None:
+        g, name = self.graph, self.graph.values[pid].name
+        acc_op = next((op for op in g.ops if op.kind == ACCUMULATE
+                       and g.values[op.args[0].id].name == f"{name}@grad"), None)
+        if acc_op is None:
+            return  # not trained: each copy stays as loaded
+        opt_op = next(op for op in g.ops if op.phase is Phase.OPTIMIZER
+                      and op.args and op.args[0] == Ref(pid))
+        total = self.producer[acc_op.args[1].id]
+        contribs = list(total.args) if total.kind == GRAD_SUM else [acc_op.args[1]]
+        self.drop |= {acc_op.id} | ({total.id} if total.kind == GRAD_SUM else set())
+        by_stage: dict[int, list[Ref]] = {}
+        for c in contribs:
+            by_stage.setdefault(self.places[self.producer[c.id].id][0], []).append(c)
+        if set(by_stage) != set(stages):
+            raise ConfigError(
+                f"parameter '{name}' is read on stages {sorted(stages)} but its gradient "
+                f"comes from stages {sorted(by_stage)}; a shared parameter needs a gradient "
+                "on every stage that reads it (make every use differentiable, or untie it)")
+        order = tuple(sorted(stages))
+        replaced = []
+        for s in order:
+            acc = self._accumulate(by_stage[s], total, acc_op)
+            self.copies[acc] = (order, name)
+            outs = _new_values(self.b, opt_op.outputs)
+            args = (opt_op.args[0], Ref(acc), *opt_op.args[2:])
+            replaced.append((replace(opt_op, id=next(self.fresh), args=args, outputs=outs),
+                             (s, self.places[stages[s]][1])))
+            old = {u.value: u.name for u in g.updates}
+            self.updates += [Update(old[o], n) for o, n in zip(opt_op.outputs, outs) if o in old]
+        self.instead[opt_op.id] = replaced
+
+    def _accumulate(self, grads: list[Ref], total: Op, acc_op: Op) -> int:
+        """One stage's sum of `grads` into its accumulator, right after the
+        last of them is made; returns the accumulated value."""
+        last = max((self.producer[x.id] for x in grads), key=lambda o: o.id)
+        at = self.places[last.id]
         new: list[tuple[Op, Place]] = []
-        g = gs[0]
-        if len(gs) > 1:
-            (out,) = _new_values(b, [gs[0].id])
-            new.append((replace(total, id=next(fresh), args=tuple(gs), outputs=(out,)), at))
-            g = Ref(out)
-        (acc,) = _new_values(b, acc_op.outputs)
-        new.append((replace(acc_op, id=next(fresh), args=(acc_op.args[0], g),
+        grad = grads[0]
+        if len(grads) > 1:
+            (out,) = _new_values(self.b, [grads[0].id])
+            new.append((replace(total, id=next(self.fresh), args=tuple(grads), outputs=(out,)),
+                        at))
+            grad = Ref(out)
+        (acc,) = _new_values(self.b, acc_op.outputs)
+        new.append((replace(acc_op, id=next(self.fresh), args=(acc_op.args[0], grad),
                             outputs=(acc,)), at))
-        after.setdefault(last.id, []).extend(new)
-        updates.append(Update(f"{p.name}@grad", acc))
-        copies[acc] = (order, p.name)
-        outs = _new_values(b, opt_op.outputs)
-        args = (opt_op.args[0], Ref(acc), *opt_op.args[2:])
-        replaced.append((replace(opt_op, id=next(fresh), args=args, outputs=outs),
-                         (s, places[stages[s]][1])))
-        old = {o: u.name for u in graph.updates for o in [u.value]}
-        updates += [Update(old[o], n) for o, n in zip(opt_op.outputs, outs) if o in old]
-    instead[opt_op.id] = replaced
+        self.after.setdefault(last.id, []).extend(new)
+        self.updates.append(Update(self.graph.values[acc_op.args[0].id].name, acc))
+        return acc
+
+    def build(self) -> Shared:
+        ops: list[Op] = []
+        places: list[Place] = []
+        for op in self.graph.ops:
+            if op.id in self.instead:
+                for o, p in self.instead[op.id]:
+                    ops.append(o)
+                    places.append(p)
+            elif op.id not in self.drop:
+                ops.append(op)
+                places.append(self.places[op.id])
+            for o, p in self.after.get(op.id, ()):
+                ops.append(o)
+                places.append(p)
+        gone = {o for i in self.drop | set(self.instead) for o in self.graph.ops[i].outputs}
+        b = self.b
+        b.ops = list(renumber_ops(ops))
+        b.updates = [u for u in self.updates if u.value not in gone]
+        b.grads = [(v, x) for v, x in b.grads if x not in gone]
+        return Shared(b.build(self.graph.loss, self.graph.meta), tuple(places), self.copies)
 
 
 def _new_values(b: GraphBuilder, like) -> tuple[int, ...]:
