@@ -87,7 +87,7 @@ def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, str], .
     for pattern, style, given in entries:
         leaf = pattern.rsplit("\\.", 1)[-1]
         mine = _EXACT.get(style) or _NEAR.get(style, "replicate")
-        if mine == "colwise" and given != "structure" and _is_head(pattern, facts):
+        if mine == "colwise" and given != "structure" and _is_head(pattern):
             mine = "vocab"
         if leaf in _ATTN and mine != "replicate" and heads and heads % tp:
             raise ConfigError(f"tp={tp} does not divide the {heads} attention heads of {model}; "
@@ -104,7 +104,8 @@ def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, str], .
     return tuple(plan)
 
 
-def _is_head(pattern: str, facts: dict) -> bool:
+def _is_head(pattern: str) -> bool:
+    """A vocabulary head by its module name (its column split is `vocab`)."""
     return pattern.rsplit("\\.", 1)[-1] in ("lm_head", "head", "decoder", "output")
 
 
