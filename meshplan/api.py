@@ -76,14 +76,15 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
 
 
 def compile(job, out: str | Path, ranks: Sequence[int] | None = None,
-            workers: int | None = None, progress=None) -> dict:
+            workers: int | None = None, progress=None, device: str = "cpu") -> dict:
     """Write `out/job.json` and one plan file per rank (default: all ranks),
-    each rank lowered in a worker process; returns timings per rank.
+    each rank lowered in a worker process for `device` (cpu | cuda: it picks
+    each task's kernel; no GPU needed); returns timings per rank.
     `progress(done, total)` is called as ranks finish."""
     from meshplan.driver.compile import compile_job
 
     return compile_job(job, out, None if ranks is None else list(ranks), workers,
-                       progress=progress)
+                       progress=progress, device=device)
 
 
 def check(plans: str | Path | tuple):
@@ -99,38 +100,48 @@ def check(plans: str | Path | tuple):
 
 
 def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = "",
-        timeout_s: float = 60.0, threads: int = 1, report_state: bool = False) -> dict:
+        timeout_s: float = 60.0, threads: int = 1, report_state: bool = False,
+        device: str = "cpu", backend: str = "") -> dict:
     """Train `module` (its current weights) for `len(batches)` steps on
     `job.mesh.world` local gloo processes, one per rank; `batches[k]` is the
     global batch of step k (a tuple like the captured inputs, with
     global_batch_size samples). The module itself is not changed.
 
+    `device` is cpu, cuda or auto (cuda where available); `backend` gloo or
+    nccl ("": nccl on cuda, gloo on cpu; gloo on cuda shares GPUs between
+    ranks through host memory, for testing, not speed).
+
     Returns `losses` (mean over the global batch, per step), `step_s`, memory
     per rank, and with `trace` (a path) the measured last step there; with
     `report_state`, every rank's final state slices ("state_slices")."""
-    from meshplan.driver.run import launch
+    from meshplan.driver.run import launch, run_devices
     from meshplan.runtime.worker import RunSpec
 
     batches = _checked(job, batches)
+    device, backend = run_devices(device, backend, job.mesh.world)
     spec = RunSpec("custom", "", (), len(batches), 0, "", threads, timeout_s,
-                   plan_dir=str(plan_dir), trace=bool(trace), report_state=report_state)
+                   plan_dir=str(plan_dir), trace=bool(trace), report_state=report_state,
+                   device=device, backend=backend)
     return launch(job, spec, time.perf_counter(), trace,
                   saved={"weights": weights_of(module), "batches": list(batches)})
 
 
 def verify(job, module, batches: Sequence[tuple], bounds=None, **run_options) -> dict:
     """`run`, then the same steps with eager PyTorch on one process from the
-    same weights (micro-batches and optimizer alike); returns both loss
-    curves, every parameter's and optimizer slot's difference after the last
-    step (`params`, `optimizer_state`), and the verdict `ok` with its
-    `problems` (`driver/compare.py`; `bounds` defaults to the Job's precision's)."""
+    same weights (micro-batches and optimizer alike), on the same device
+    (`run_options["device"]`); returns both loss curves, every parameter's
+    and optimizer slot's difference after the last step (`params`,
+    `optimizer_state`), and the verdict `ok` with its `problems`
+    (`driver/compare.py`; `bounds` defaults to the Job's precision's)."""
     from meshplan.driver.verify import against_eager
+    from meshplan.runtime.devices import resolve_device
 
-    mine = run(job, module, batches, report_state=True, **run_options)
+    device = resolve_device(run_options.get("device", "cpu"))
+    mine = run(job, module, batches, report_state=True, **(run_options | {"device": device}))
     s = job.strategy
     verdict, ref = against_eager(mine["rank_losses"], mine.pop("state_slices"), module,
                                  list(batches), s.num_microbatches, optimizer_of(job),
-                                 s.precision, s.initial_loss_scale, bounds)
+                                 s.precision, s.initial_loss_scale, bounds, device)
     return mine | verdict | {"ref_losses": ref.losses}
 
 

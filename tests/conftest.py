@@ -1,4 +1,5 @@
-"""Shared fixtures. `--regen-goldens` rewrites tests/goldens/* from the code."""
+"""Shared fixtures. `--regen-goldens` rewrites tests/goldens/* from the code.
+Tests marked `cuda` are skipped where there is no CUDA device."""
 
 import os
 import tempfile
@@ -16,3 +17,14 @@ def pytest_addoption(parser):
 @pytest.fixture
 def regen(request) -> bool:
     return request.config.getoption("--regen-goldens")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (on a GPU machine: pytest -m cuda)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

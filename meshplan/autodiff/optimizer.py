@@ -55,9 +55,9 @@ class OptimizerConfig:
         """The eager equivalent, for reference runs."""
         if self.kind == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
-                                   weight_decay=self.weight_decay, foreach=False)
+                                   weight_decay=self.weight_decay, foreach=None)
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                                 weight_decay=self.weight_decay, foreach=False)
+                                 weight_decay=self.weight_decay, foreach=None)
 
 
 def slot_meta_shape(slot: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -68,8 +68,8 @@ def initial_state(slot: str, like: torch.Tensor) -> torch.Tensor | None:
     """The value of a fresh optimizer slot (None: created by the first step)."""
     if slot == "momentum_buffer":
         return None
-    if slot == "step":
-        return torch.zeros((), dtype=torch.float32, device=like.device)
+    if slot == "step":  # on the host, as torch.optim keeps it (not capturable):
+        return torch.zeros((), dtype=torch.float32)  # reading it costs no GPU sync
     return torch.zeros_like(like, memory_format=torch.preserve_format)
 
 

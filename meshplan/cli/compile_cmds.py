@@ -30,11 +30,16 @@ def cmd_compile(a: argparse.Namespace) -> int:
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
     ranks = parse_ranks(a.ranks)
+    device = a.device
+    if device == "auto":  # lowering needs no GPU: only auto asks this machine
+        from meshplan.runtime.devices import resolve_device
+
+        device = resolve_device("auto")
     with a.progress.task("lowering ranks", len(ranks or range(mesh_of(a).world))) as update:
         stats = compile_model(a.model, a.size, mesh_of(a), strategy, a.out, a.optimizer,
                               lr=a.lr, ranks=ranks, workers=a.workers,
                               use_cache=not a.no_cache, progress=lambda done, _: update(done),
-                              **overrides(a))
+                              device=device, **overrides(a))
     if a.json:
         print(json.dumps(stats | {"ranks": {str(r): v for r, v in stats["ranks"].items()}}))
         return 0
@@ -43,7 +48,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
     print(f"compiled {len(lows)} rank plans into {a.out} with {stats['workers']} workers: "
           f"capture {stats['capture_s']:.2f} s, master {stats['master_s']:.2f} s, lowering "
           f"median {sorted(lows)[len(lows) // 2] * 1e3:.1f} ms, max {max(lows) * 1e3:.1f} ms "
-          f"per rank ({hits} from cache)")
+          f"per rank ({hits} from cache){'' if device == 'cpu' else ', for ' + device}")
     return 0
 
 

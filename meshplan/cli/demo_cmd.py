@@ -50,6 +50,9 @@ def add_demo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="compile worker processes (default: the number of cores)")
     add_tolerance_flag(p)
+    from meshplan.cli.flags import add_device_flags
+
+    add_device_flags(p)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -57,7 +60,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
     if a.steps < 1:
         raise ConfigError(f"--steps {a.steps}: the demo needs at least one step")
-    r = demo(Path(a.out), a.steps, a.workers, a.progress, bounds_of(a))
+    r = demo(Path(a.out), a.steps, a.workers, a.progress, bounds_of(a), a.device, a.backend)
     ok = r["ok"]
     r["files"]["summary"] = str(Path(a.out) / "demo.json")
     write_atomic(Path(r["files"]["summary"]), json.dumps(r, indent=1).encode())
@@ -83,8 +86,12 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def demo(out: Path, steps: int = 10, workers: int | None = None, progress=None,
-         bounds=None) -> dict:
-    """Compile, check, train and draw the demo job into `out`; returns the figures."""
+         bounds=None, device: str = "cpu", backend: str = "") -> dict:
+    """Compile, check, train and draw the demo job into `out` (on `device`,
+    cpu | cuda | auto, with `backend`); returns the figures."""
+    from meshplan.driver.run import run_devices
+
+    device, backend = run_devices(device, backend, MESH.world)
     from meshplan.cli.pictures import draw_losses
     from meshplan.cli.progress import Progress
     from meshplan.cli.show_cmd import schedule_png
@@ -103,7 +110,8 @@ def demo(out: Path, steps: int = 10, workers: int | None = None, progress=None,
     job = plan_model(MODEL, SIZE, MESH, strategy).job
     t1 = time.perf_counter()
     with progress.task("lowering ranks", MESH.world) as update:
-        compile_job(job, out / "plans", workers=workers, progress=lambda k, _: update(k))
+        compile_job(job, out / "plans", workers=workers, progress=lambda k, _: update(k),
+                    device=device)
     t2 = time.perf_counter()
     job, plans = read_dir(out / "plans")
     res = check_plans(job, plans)
@@ -113,7 +121,8 @@ def demo(out: Path, steps: int = 10, workers: int | None = None, progress=None,
     t3 = time.perf_counter()
     with progress.task(f"training on {MESH.world} processes", steps) as update:
         r = verify(MODEL, SIZE, steps=steps, mesh=MESH, strategy=strategy, bounds=bounds,
-                   run_options={"plan_dir": str(out / "plans"),
+                   device=device,
+                   run_options={"plan_dir": str(out / "plans"), "backend": backend,
                                 "trace": str(out / "trace.json"), "on_step": update})
     t4 = time.perf_counter()
     draw_losses(range(steps), r["losses"], r["ref_losses"], out / "losses.png",

@@ -90,6 +90,22 @@ def add_training_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--seed", type=int, default=0, help="model and data seed")
 
 
+BACKEND_HELP = ("gloo or nccl (default: nccl on cuda, gloo on cpu). With --device cuda, "
+                "gloo lets ranks share GPUs (more ranks than GPUs) by staging every "
+                "transfer through host memory: for testing plans on a small machine, "
+                "not for speed")
+
+
+def add_device_flags(p: argparse.ArgumentParser, backend: bool = True) -> None:
+    """`--device` (and `--backend`, for verbs that run ranks)."""
+    g = p.add_argument_group("device")
+    g.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="where ranks compute (default cpu); auto: cuda when this machine "
+                   "has one. Plans are lowered per device type (its kernels)")
+    if backend:
+        g.add_argument("--backend", choices=("gloo", "nccl"), default="", help=BACKEND_HELP)
+
+
 def add_verb(sub, name: str, help: str, epilog: str, run, planning: bool = True,
              json_help: str = "print one JSON object") -> argparse.ArgumentParser:
     """A sub-command with examples, `--json`, and (if `planning`) the model

@@ -15,6 +15,7 @@ from meshplan.cli.compile_cmds import cmd_check, cmd_compile
 from meshplan.cli.demo_cmd import EPILOG as EPILOG_DEMO
 from meshplan.cli.demo_cmd import add_demo_flags, cmd_demo
 from meshplan.cli.flags import (
+    add_device_flags,
     add_model_flags,
     add_optimizer_flags,
     add_training_flags,
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_verb(sub, "verify", "train with eager PyTorch and meshplan; compare every loss, "
                  "parameter and optimizer slot", EPILOG_VERIFY, _cmd_verify)
     add_training_flags(p, steps=20)
+    add_device_flags(p)
     add_tolerance_flag(p)
 
     p = add_verb(sub, "plan", "plan a model on a mesh and print the Job summary",
@@ -109,10 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes (default: the number of cores)")
     p.add_argument("--no-cache", action="store_true", help="lower every rank afresh")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="device type to lower for (default cpu): it picks each task's "
+                   "kernel, e.g. CUDA attention. Needs no GPU; auto: cuda when this machine "
+                   "has one")
 
     p = add_verb(sub, "run", "train on one local process per rank (or under torchrun)",
                  EPILOG_RUN, cmd_run)
     add_training_flags(p, steps=10)
+    add_device_flags(p)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any collective may wait before the run fails")
@@ -167,13 +174,13 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         strategy = zoo_strategy(a.model, cfg, **fields)
         r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer, seed=a.seed,
                    mesh=mesh_of(a), strategy=strategy, lr=a.lr, bounds=bounds_of(a),
-                   **overrides(a))
+                   device=a.device, run_options={"backend": a.backend}, **overrides(a))
     else:
         m = a.num_microbatches or 1
         r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer,
                    global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
                    num_microbatches=m, seed=a.seed, lr=a.lr, bounds=bounds_of(a),
-                   **overrides(a))
+                   device=a.device, **overrides(a))
     if a.json:
         print(json.dumps(r))
         return 0 if r["ok"] else 1

@@ -16,9 +16,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
     common = dict(steps=a.steps, optimizer=a.optimizer, seed=a.seed, threads=a.threads,
-                  timeout_s=a.timeout, lr=a.lr, trace=a.trace, **overrides(a))
+                  timeout_s=a.timeout, lr=a.lr, trace=a.trace, device=a.device,
+                  backend=a.backend, **overrides(a))
     if under_torchrun():
-        r = run_torchrun(a.model, a.size, mesh_of(a), strategy, **common)
+        r = run_torchrun(a.model, a.size, mesh_of(a), strategy, save_dir=a.save_dir, **common)
         if r is None:  # not rank 0: rank 0 reports for everyone
             return 0
     else:

@@ -19,11 +19,20 @@ Invariants:
   AdamW divides by sqrt(v) + eps and so turns the rounding of a gradient
   that is zero in exact arithmetic (attention's key bias) into updates of
   up to ~lr/10, the same in both runs' kind but not in value.
+- AdamW (`Flips`): Adam's step is about +-lr whatever the gradient's size,
+  so where a gradient is within rounding of zero its direction is rounding's
+  choice, in eager as in any parallel plan. Those elements may differ by up
+  to 2 * lr * steps; the moments (`exp_avg`, `exp_avg_sq`), linear and
+  quadratic in the gradients, are still held to the elementwise bound, so a
+  doubled or dropped gradient is caught there even though Adam's step is
+  blind to its scale.
 - When reordering alone moves the reference's loss by more than `chaos`, the
   training is chaotic (rounding grows exponentially) and no bound can tell
   rounding from a bug: the verdict fails and says so, rather than widening.
 - `max_rel` is the largest difference over the reference tensor's largest
-  magnitude (a scale-free summary; near-zero elements do not blow it up).
+  magnitude (a scale-free summary; near-zero elements do not blow it up);
+  `bound_used` is the largest elementwise difference over its allowance
+  (above 1 fails).
 - The bounds (`BOUNDS`) are per precision and measured (docs/concepts/verify.md):
   fp32 is rounding only; bf16/fp16 are set above eager autocast's own
   reordering noise and below a run that trains nothing or freezes a tensor.
@@ -46,14 +55,17 @@ class Bounds:
     loss_atol: float
     atol: float
     rtol: float
-    chaos: float = 1e-3  # reordering noise in the loss above which nothing can be judged
+    # reordering noise in the loss above which nothing can be judged: fp32 100x
+    # its loss bound; bf16/fp16 the bound itself (eager autocast's own noise
+    # is already 1.3e-3 for BERT tiny in 5 steps: CPU autocast runs LayerNorm in bf16)
+    chaos: float = 1e-3
 
 
 NOISE_FACTOR = 4.0
 BOUNDS = {
     "fp32": Bounds(loss_atol=1e-5, atol=1e-5, rtol=1e-5),
-    "bf16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2),
-    "fp16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2),
+    "bf16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3),
+    "fp16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3),
 }
 
 
@@ -97,33 +109,78 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(gap.max()) if gap.numel() else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Flips:
+    """AdamW's updates whose direction rounding decides (see the module note).
+
+    Adam moves an element by about lr * m / sqrt(v): by +-lr whatever the
+    gradient's size, so an element whose gradient is within rounding of zero
+    moves one way or the other on the toss of its rounding. Such an element
+    may differ from eager by up to `size` (2 * lr * steps): every element
+    whose eager gradient RMS (sqrt of `exp_avg_sq`) is below `quiet` times
+    its tensor's (attention's key bias: zero in exact arithmetic), and at
+    most `fraction` of the others (measured: <= 0.8% in correct bf16 tp
+    runs, from a gradient that was near zero at one step)."""
+
+    size: float
+    quiet: dict[str, torch.Tensor]  # parameter name -> bool mask of quiet elements
+    fraction: float = 0.01
+
+
+def adam_flips(ref: dict[str, torch.Tensor], lr: float, steps: int,
+               quiet: float = 1e-2) -> Flips:
+    """The `Flips` of an AdamW reference state after `steps` steps."""
+    masks = {}
+    for name, v in ref.items():
+        param = name.removesuffix("@exp_avg_sq")
+        if param != name and param in ref:
+            rms = v.double().sqrt()
+            masks[param] = rms <= quiet * rms.pow(2).mean().sqrt()
+    return Flips(2 * lr * steps, masks)
+
+
 def tensor_diff(mine: torch.Tensor, ref: torch.Tensor, bounds: Bounds,
-                noise: float = 0.0) -> dict:
-    """Max absolute and relative difference of one tensor, and whether it passes."""
+                noise: float = 0.0, quiet: torch.Tensor | None = None,
+                flips: Flips | None = None) -> dict:
+    """Max absolute and relative difference of one tensor, and whether it
+    passes; with `flips` and this tensor's `quiet` mask, AdamW's rounding-
+    decided elements are allowed (counted in `flips`)."""
     a, b = mine.double(), ref.double()
     if a.shape != b.shape:
-        return {"max_abs": float("inf"), "max_rel": float("inf"), "ok": False}
+        return {"max_abs": float("inf"), "max_rel": float("inf"), "bound_used": float("inf"),
+                "ok": False}
     gap = (a - b).abs()
     worst = float(gap.max()) if gap.numel() else 0.0
     scale = float(b.abs().max()) if b.numel() else 0.0
     allowed = bounds.atol + bounds.rtol * b.abs() + NOISE_FACTOR * noise
-    return {"max_abs": worst, "max_rel": worst / scale if scale > 0 else worst,
-            "ok": bool((gap <= allowed).all())}
+    out = gap > allowed
+    d = {"max_abs": worst, "max_rel": worst / scale if scale > 0 else worst}
+    if flips is not None and quiet is not None:
+        loud = out & ~quiet
+        forgiven = out if int(loud.sum()) <= flips.fraction * gap.numel() else out & quiet
+        allowed = torch.where(forgiven, torch.full_like(allowed, flips.size), allowed)
+        d["flips"] = int(forgiven.sum())
+    d["ok"] = bool((gap <= allowed).all())
+    d["bound_used"] = float((gap / allowed.clamp_min(1e-30)).max()) if gap.numel() else 0.0
+    return d
 
 
 def compare_state(assembled: Assembled, ref: dict[str, torch.Tensor], bounds: Bounds,
-                  noise: dict[str, float] | None = None) -> dict:
-    """Per reference tensor: `max_abs`, `max_rel`, `ok` (and `replica_spread`
-    where replicas differ, `missing` where the run lacks it, `noise` where
-    the reference's reordering noise is not zero)."""
+                  noise: dict[str, float] | None = None, flips: Flips | None = None) -> dict:
+    """Per reference tensor: `max_abs`, `max_rel`, `bound_used`, `ok` (and
+    `replica_spread` where replicas differ, `missing` where the run lacks it,
+    `noise` where the reference's reordering noise is not zero, `flips` in
+    an AdamW run)."""
     out = {}
     noise = noise or {}
     for name in sorted(ref):
         if name not in assembled.tensors or name in assembled.uncovered:
-            out[name] = {"max_abs": float("inf"), "max_rel": float("inf"), "ok": False,
-                         "missing": True}
+            out[name] = {"max_abs": float("inf"), "max_rel": float("inf"),
+                         "bound_used": float("inf"), "ok": False, "missing": True}
             continue
-        d = tensor_diff(assembled.tensors[name], ref[name], bounds, noise.get(name, 0.0))
+        quiet = flips.quiet.get(name) if flips is not None else None
+        d = tensor_diff(assembled.tensors[name], ref[name], bounds, noise.get(name, 0.0),
+                        quiet, flips)
         if noise.get(name):
             d["noise"] = noise[name]
         spread = assembled.replica_spread.get(name, 0.0)
@@ -154,7 +211,8 @@ def compare_losses(rank_losses: dict[str, list[float]], ref: list[float],
             worst = max(worst, gap) if gap == gap else float("inf")
             if not gap <= allowed:
                 problems.append(f"rank {rank} step {step}: loss {a:.6g} vs eager {b:.6g}")
-    return {"max_abs_diff": worst, "problems": problems}
+    return {"max_abs_diff": worst, "bound_used": worst / allowed if allowed > 0 else worst,
+            "problems": problems}
 
 
 def worst(params: dict, n: int = 3) -> list[tuple[str, dict]]:

@@ -5,9 +5,9 @@ Invariants:
   Job's bytes; each worker process rebuilds the Job from those bytes and
   lowers only the ranks it is given. No process ever holds two ranks' plans
   at once or the whole cluster's physical graph.
-- Rank plans are cached under (job digest, rank, meshplan version): a
-  repeated compile checks and copies them (an unreadable entry is lowered
-  again and replaced), and a killed worker leaves no partial entry
+- Rank plans are cached under (job digest, rank, meshplan version, device
+  type): a repeated compile checks and copies them (an unreadable entry is
+  lowered again and replaced), and a killed worker leaves no partial entry
   (entries are written atomically).
 - The output directory changes only when every rank succeeded: files are
   staged beside it and moved in at the end. A worker that dies is reported
@@ -50,11 +50,13 @@ log = logging.getLogger("meshplan")
 KILL_ENV = "MESHPLAN_TEST_KILL_COMPILE_RANK"
 
 
-def _plan_cache(digest: str) -> Path:
-    return cache_dir() / "plans" / f"{digest}-{meshplan.__version__}"
+def _plan_cache(digest: str, device: str = "cpu") -> Path:
+    suffix = "" if device == "cpu" else f"-{device}"
+    return cache_dir() / "plans" / f"{digest}-{meshplan.__version__}{suffix}"
 
 
-def _read_cached(path: Path, digest: str, rank: int) -> tuple[bytes, RankPlan] | None:
+def _read_cached(path: Path, digest: str, rank: int,
+                 device: str = "cpu") -> tuple[bytes, RankPlan] | None:
     """A cache entry's bytes and plan; None when it is absent, unreadable, or not
     `rank`'s plan of this Job (the caller then lowers afresh and replaces it).
     Checked, not copied blindly: a corrupt entry would otherwise reach every
@@ -64,13 +66,14 @@ def _read_cached(path: Path, digest: str, rank: int) -> tuple[bytes, RankPlan] |
         plan = plan_from_bytes(data, str(path))
     except (OSError, PlanError):
         return None
-    if plan.rank != rank or plan.job_digest != digest:
+    if plan.rank != rank or plan.job_digest != digest or plan.device != device:
         return None
     return data, plan
 
 
 def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
-                digest: str = "", progress=None, slot: int = 0, done=None) -> dict:
+                digest: str = "", progress=None, slot: int = 0, done=None,
+                device: str = "cpu") -> dict:
     """Worker body: lower `ranks` of the Job in `job_bytes`, write their files.
     `progress[slot]` says which rank the worker is lowering (for a report if
     it dies), `done[slot]` how many it has finished."""
@@ -82,12 +85,12 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
         if progress is not None:
             progress[slot] = rank
         t0 = time.perf_counter()
-        cached = _plan_cache(digest) / plan_name(rank)
-        entry = _read_cached(cached, digest, rank) if use_cache else None
+        cached = _plan_cache(digest, device) / plan_name(rank)
+        entry = _read_cached(cached, digest, rank, device) if use_cache else None
         if entry is not None:
             (data, plan), hit = entry, True
         else:
-            plan = lower(job, rank, job_digest=digest)
+            plan = lower(job, rank, device, job_digest=digest)
             if kill_at == str(rank):  # fault injection: die before writing anything
                 os.kill(os.getpid(), signal.SIGKILL)
             data, hit = plan_to_bytes(plan), False
@@ -106,11 +109,12 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
 
 
 def _worker(job_bytes: bytes, ranks: list[int], stage: str, use_cache: bool, digest: str,
-            progress, slot: int, done) -> None:
+            progress, slot: int, done, device: str = "cpu") -> None:
     """A compile worker process: its statistics, or its error, go to a file
     in the staging directory (JSON, never pickle)."""
     try:
-        stats = lower_ranks(job_bytes, ranks, stage, use_cache, digest, progress, slot, done)
+        stats = lower_ranks(job_bytes, ranks, stage, use_cache, digest, progress, slot, done,
+                            device)
         write_atomic(Path(stage) / f".stats_{slot}.json", json.dumps(stats).encode())
     except Exception as e:  # reported by the parent, by rank
         name = type(e).__name__ if isinstance(e, MeshplanError) else ""
@@ -135,12 +139,13 @@ def _failure(slot: int, code: int, stage: Path, progress) -> MeshplanError:
 
 
 def _run_workers(batches: list[list[int]], job_bytes: bytes, stage: Path, use_cache: bool,
-                 digest: str, progress_cb, total: int) -> dict:
+                 digest: str, progress_cb, total: int, device: str = "cpu") -> dict:
     ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
     progress = ctx.Array("i", [-1] * len(batches), lock=False)
     done = ctx.Array("i", [0] * len(batches), lock=False)
     procs = [ctx.Process(target=_worker, name=f"meshplan-compile-{i}",
-                         args=(job_bytes, b, str(stage), use_cache, digest, progress, i, done))
+                         args=(job_bytes, b, str(stage), use_cache, digest, progress, i, done,
+                               device))
              for i, b in enumerate(batches)]
     stats: dict = {}
     reported = 0
@@ -199,8 +204,9 @@ def _publish(stage: Path, out: Path) -> None:
 
 def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
                 workers: int | None = None, use_cache: bool = True,
-                progress=None) -> dict:
-    """Write `out/job.json` and the plans of `ranks` (default: all), lowered by
+                progress=None, device: str = "cpu") -> dict:
+    """Write `out/job.json` and the plans of `ranks` (default: all) for
+    `device` (cpu | cuda: the device type picks each task's kernel), lowered by
     `workers` processes (default: the number of cores). Files are staged in a
     directory beside `out` and moved in only when every rank succeeded: a
     failed compile leaves `out` as it was (not even created)."""
@@ -222,7 +228,7 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     try:
         write_job(stage, job)
         stats = _run_workers(batches, job.to_bytes(), stage, use_cache, job.digest(),
-                             progress, len(ranks))
+                             progress, len(ranks), device)
         _publish(stage, out)
     finally:
         gc.unfreeze()
@@ -243,13 +249,13 @@ def _sum_stats(items) -> dict:
 
 def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "sgd",
                   lr: float | None = None, ranks=None, workers=None, use_cache: bool = True,
-                  progress=None, **overrides) -> dict:
+                  progress=None, device: str = "cpu", **overrides) -> dict:
     """The whole compile of a zoo model: master once, then ranks in workers."""
     from meshplan.driver.plan import plan_model
 
     planned = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides)
     master_s = sum(planned.timings.values())
-    stats = compile_job(planned.job, out, ranks, workers, use_cache, progress)
+    stats = compile_job(planned.job, out, ranks, workers, use_cache, progress, device)
     return {"capture_s": planned.capture_s, "master_s": master_s,
             "passes_s": planned.timings, "job_digest": planned.job.digest(), **stats,
             "inference": {"logical": InferStats.snapshot(),

@@ -41,12 +41,12 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
     for k, t in module.state_dict(keep_vars=True).items():
         if id(t) not in seen:  # a tied tensor once, under its first name (as capture)
             seen.add(id(t))
-            out[k] = t.detach().clone()
+            out[k] = t.detach().cpu().clone()
     name_of = {id(p): k for k, p in module.named_parameters()}
     for p, slots in opt.state.items():
         for slot, t in slots.items():
             if torch.is_tensor(t):
-                out[f"{name_of[id(p)]}@{slot}"] = t.detach().clone()
+                out[f"{name_of[id(p)]}@{slot}"] = t.detach().cpu().clone()
     if scaler is not None:
         out[LOSS_SCALE] = scaler.get_scale() * torch.ones((), dtype=torch.float32)
     return out
@@ -54,12 +54,16 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
 
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
-    precision: str = "fp32", init_scale: float = INIT_SCALE,
+    precision: str = "fp32", init_scale: float = INIT_SCALE, device: str = "cpu",
 ) -> EagerRun:
     """Train `module` in place on `batches`; returns losses, step seconds and
-    the final state."""
+    the final state (on the CPU). On `device` cuda the module moves there,
+    each micro-batch is copied there, and a step's time ends at a device
+    synchronize."""
+    dev = torch.device(device)
+    module.to(dev)
     opt = optimizer.torch_optimizer(module.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale,
+    scaler = torch.amp.GradScaler(dev.type, init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
         if precision == "fp16" else None
     losses, times = [], []
@@ -68,7 +72,8 @@ def eager_train(
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for mb in split_microbatches(batch, num_microbatches):
-            with torch.autocast("cpu", dtype=LOW.get(precision), enabled=precision in LOW):
+            mb = tuple(t.to(dev) for t in mb)
+            with torch.autocast(dev.type, dtype=LOW.get(precision), enabled=precision in LOW):
                 loss = module(*mb)
             scaled = loss / num_microbatches if num_microbatches > 1 else loss
             (scaler.scale(scaled) if scaler else scaled).backward()
@@ -78,6 +83,6 @@ def eager_train(
             scaler.update()
         else:
             opt.step()
-        losses.append(float(total / num_microbatches))
+        losses.append(float(total / num_microbatches))  # a sync on a GPU
         times.append(time.perf_counter() - t0)
     return EagerRun(losses, times, eager_state(module, opt, scaler))

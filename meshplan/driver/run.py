@@ -40,7 +40,8 @@ def check_run_args(steps: int, threads: int, timeout_s: float) -> None:
                           "e.g. --timeout 60")
 
 
-def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dict):
+def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dict,
+                device: str = "cpu"):
     """The Job of a compiled plan directory, proved consistent, for this mesh
     and this model (a rank would otherwise die slicing the wrong weights)."""
     from meshplan.models import build_model, model_config
@@ -51,6 +52,11 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
     if job.mesh.world != mesh.world:
         raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
                            f"{mesh.world} were asked for; recompile or match the mesh")
+    lowered = next(iter(plans.values())).device
+    if lowered != device:
+        raise ConfigError(f"{plan_dir} holds plans lowered for {lowered}, but the run is on "
+                          f"{device}; run with --device {lowered}, or recompile with "
+                          f"--device {device}")
     res = check_plans(job, plans)
     if not res.ok:
         raise PlanError(f"{plan_dir} fails `meshplan check`: "
@@ -70,7 +76,8 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
         plan_dir: str = "", kill: tuple[int, float] | None = None, save_dir: str = "",
         resume: bool = False, lr: float | None = None, trace: str = "", on_step=None,
-        kill_in_save: int = -1, report_state: bool = False, **overrides) -> dict:
+        kill_in_save: int = -1, report_state: bool = False, device: str = "cpu",
+        backend: str = "", **overrides) -> dict:
     """Train on `mesh.world` local processes; returns losses, step times, memory.
 
     With `trace` (a path), the last step is timed on every rank and written
@@ -79,19 +86,31 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
     With `report_state`, "state_slices" holds every rank's final state
     (rank -> `<name>|<box>` -> tensor) for `verify`.
     `kill` and `kill_in_save` inject faults for tests (see `launch_local`,
-    `RunSpec`)."""
+    `RunSpec`). `device` is cpu, cuda or auto; `backend` gloo or nccl (""
+    picks: nccl on cuda, gloo on cpu; see runtime/devices.py)."""
     t0 = time.perf_counter()
     check_run_args(steps, threads, timeout_s)
+    device, backend = run_devices(device, backend, mesh.world)
     if plan_dir:  # compiled plans: validated whole before any process starts
-        job = _load_plans(plan_dir, mesh, model, size, overrides)
+        job = _load_plans(plan_dir, mesh, model, size, overrides, device)
     else:
         job = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides).job
     if resume:
         check_resumable(save_dir, job)
     spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, "", threads,
                    timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
-                   trace=bool(trace), kill_in_save=kill_in_save, report_state=report_state)
+                   trace=bool(trace), kill_in_save=kill_in_save, report_state=report_state,
+                   device=device, backend=backend)
     return launch(job, spec, t0, trace, kill=kill, on_step=on_step)
+
+
+def run_devices(device: str, backend: str, ranks_here: int) -> tuple[str, str]:
+    """(device type, backend) for `ranks_here` ranks on this machine, or one
+    `ConfigError` line before any process starts."""
+    from meshplan.runtime.devices import resolve_backend, resolve_device
+
+    device = resolve_device(device)
+    return device, resolve_backend(device, backend, ranks_here)
 
 
 def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None,
@@ -125,11 +144,16 @@ def under_torchrun() -> bool:
 def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
                  optimizer: str = "sgd", seed: int = 0, threads: int = 1,
                  timeout_s: float = 60.0, lr: float | None = None, trace: str = "",
+                 save_dir: str = "", device: str = "cpu", backend: str = "",
                  **overrides) -> dict | None:
     """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
-    every rank lowers and runs itself. Returns the merged result on rank 0."""
+    every rank lowers and runs itself. Returns the merged result on rank 0.
+    With `save_dir` (on storage every rank reaches) the ranks save a DCP
+    checkpoint at the end."""
     check_run_args(steps, threads, timeout_s)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device, backend = run_devices(device, backend,
+                                  int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if world != mesh.world:
         raise RuntimeFault(f"torchrun started {world} ranks but the strategy needs "
                            f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world}; match "
@@ -142,7 +166,8 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
-                       threads, timeout_s, gather=True, trace=bool(trace))
+                       threads, timeout_s, gather=True, trace=bool(trace), save_dir=save_dir,
+                       device=device, backend=backend)
         code = rank_main(spec, rank, world, None, "env://", master=master)
         if code != 0:
             fail = json.loads((Path(results) / f"fail_{rank}.json").read_text())
@@ -168,6 +193,9 @@ def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> dic
         "median_step_s": statistics.median(steps) if steps else None,
         "ranks": {str(r): {"planned_peak_bytes": v["planned_peak_bytes"],
                            "measured_peak_bytes": v["measured_peak_bytes"],
+                           "live_peak_bytes": v.get("live_peak_bytes"),
+                           "device": v.get("device", "cpu"),
+                           "attention_fallbacks": v.get("attention_fallbacks", {}),
                            "planned_peak": v["planned_peak"]}
                   for r, v in sorted(per_rank.items())},
         "job_digest": job.digest() if job is not None else None, "wall_s": wall_s,

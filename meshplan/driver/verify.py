@@ -26,11 +26,12 @@ from meshplan.capture import capture
 from meshplan.driver.compare import (
     BOUNDS,
     Bounds,
+    Flips,
+    adam_flips,
     assemble,
     compare_losses,
     compare_state,
     max_abs,
-    worst,
 )
 from meshplan.driver.plan import train_step
 from meshplan.driver.reference import EagerRun, eager_train, split_microbatches
@@ -38,6 +39,7 @@ from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
+from meshplan.ops.device_kernels import FALLBACKS
 from meshplan.runtime import Executor
 from meshplan.runtime.checkpoint import box_key
 
@@ -55,6 +57,7 @@ def verify(
     lr: float | None = None,
     run_options: dict | None = None,
     bounds: Bounds | None = None,
+    device: str = "cpu",
     **overrides,
 ) -> dict:
     """Train `steps` steps both ways; returns losses, per-tensor state
@@ -63,8 +66,12 @@ def verify(
     With a `mesh` and `strategy`, meshplan compiles the Job and trains on one
     local process per rank (gloo); the eager reference sees the same global
     batches, split into the same micro-batches (of micro_batch_size x dp);
-    `run_options` go to `driver.run.run` (plan_dir, trace, on_step, ...).
-    `bounds` defaults to the precision's (`compare.BOUNDS`)."""
+    `run_options` go to `driver.run.run` (plan_dir, trace, on_step, backend,
+    ...). `device` (cpu | cuda | auto) is where both meshplan and the eager
+    reference run. `bounds` defaults to the precision's (`compare.BOUNDS`)."""
+    from meshplan.runtime.devices import resolve_device
+
+    device = resolve_device(device)
     if strategy is not None:
         global_batch_size = strategy.global_batch_size
         num_microbatches = strategy.num_microbatches
@@ -85,7 +92,7 @@ def verify(
     if strategy is not None and (mesh is None or mesh.world > 1 or strategy.recompute != "none"):
         mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
         result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr,
-                     report_state=True, **(run_options or {}), **overrides)
+                     report_state=True, device=device, **(run_options or {}), **overrides)
         mine = {"mode": "distributed", "losses": result["losses"],
                 "rank_losses": result["rank_losses"], "slices": result["state_slices"],
                 "trace": result["trace"], "step_s": result["median_step_s"],
@@ -93,12 +100,15 @@ def verify(
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
                                            for r in result["ranks"].values())}
     else:
-        mine = _single(module, batches, opt, num_microbatches, precision, init_scale)
+        mine = _single(module, batches, opt, num_microbatches, precision, init_scale, device)
+    reset_peak(device)
     verdict, ref = against_eager(mine["rank_losses"], mine.pop("slices"), reference, batches,
-                                 num_microbatches, opt, precision, init_scale, bounds)
-    extra = {"precision": precision}
+                                 num_microbatches, opt, precision, init_scale, bounds, device)
+    ref_peak = peak_of(device)
+    extra = {"precision": precision, "device": device, "ref_measured_peak_bytes": ref_peak}
     if precision != "fp32":  # the second judge, for information: full-precision eager
-        fp32 = eager_train(fp32_reference, batches, num_microbatches, opt).losses
+        fp32 = eager_train(fp32_reference, batches, num_microbatches, opt,
+                           device=device).losses
         extra |= {"ref_fp32_losses": fp32,
                   "vs_fp32": {"mean_rel_diff": mean_rel_diff(mine["losses"], fp32),
                               "autocast_mean_rel_diff": mean_rel_diff(ref.losses, fp32)}}
@@ -112,35 +122,40 @@ def verify(
 
 def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], module,
                   batches: list[tuple], m: int, opt: OptimizerConfig, precision: str = "fp32",
-                  init_scale: float = INIT_SCALE, bounds: Bounds | None = None):
-    """Train `module` (its starting weights; not changed) eagerly on `batches`,
-    and once more on `reordered` batches for the noise; returns (`judge`'s
-    verdict on the run's losses and state slices, the reference `EagerRun`)."""
-    ref = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale)
+                  init_scale: float = INIT_SCALE, bounds: Bounds | None = None,
+                  device: str = "cpu"):
+    """Train `module` (its starting weights; not changed) eagerly on `batches`
+    on `device`, and once more on `reordered` batches for the noise; returns
+    (`judge`'s verdict on the run's losses and state slices, the reference
+    `EagerRun`)."""
+    ref = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale, device)
     twin = eager_train(copy.deepcopy(module), reordered(batches, m), m, opt, precision,
-                       init_scale)
-    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin), ref
+                       init_scale, device)
+    flips = adam_flips(ref.state, opt.lr, len(batches)) if opt.kind == "adamw" else None
+    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips), ref
 
 
 def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: EagerRun,
-          bounds: Bounds, twin: EagerRun | None = None) -> dict:
+          bounds: Bounds, twin: EagerRun | None = None, flips: Flips | None = None) -> dict:
     """The verdict on a run, from its ranks' losses and final state slices:
     `ok`, `problems` (one line each), `max_abs_diff` (losses), and per tensor
     `params` (parameters and buffers) and `optimizer_state` (slots, the loss
     scale) with `max_abs`, `max_rel`, `ok`. `twin`, the reference trained
-    on `reordered` batches, gives each tensor's reordering noise."""
+    on `reordered` batches, gives each tensor's reordering noise; `flips`,
+    AdamW's rounding-decided elements (`compare.adam_flips`)."""
     loss_noise, noise = 0.0, {}
     if twin is not None:
         loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))
         noise = {k: max_abs(t, twin.state[k]) for k, t in ref.state.items() if k in twin.state}
     losses = compare_losses(rank_losses, ref.losses, bounds, loss_noise)
     shapes = {k: tuple(t.shape) for k, t in ref.state.items()}
-    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise)
+    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips)
     problems = losses["problems"] + [
         f"{name}: {'held by no rank' if d.get('missing') else _describe(d)}"
         for name, d in state.items() if not d["ok"]]
     return {"ok": not problems, "problems": problems, "bounds": asdict(bounds),
             "max_abs_diff": losses["max_abs_diff"], "loss_noise": loss_noise,
+            "loss_bound_used": losses["bound_used"],
             "params": {k: d for k, d in state.items() if "@" not in k},
             "optimizer_state": {k: d for k, d in state.items() if "@" in k}}
 
@@ -152,12 +167,10 @@ def _describe(d: dict) -> str:
     return text
 
 
-def state_summary(r: dict) -> str:
-    """One line: how many tensors were compared and the worst of them."""
-    both = r["params"] | r["optimizer_state"]
-    (name, d), = worst(both, 1)
-    return (f"{len(r['params'])} parameter tensors and {len(r['optimizer_state'])} optimizer "
-            f"slots compared, worst max_rel {d['max_rel']:.1e} ({name})")
+def whole_slices(state: dict) -> dict[int, dict]:
+    """A one-process executor's state as rank 0's slices, each whole."""
+    return {0: {f"{k}|{box_key(tuple((0, n) for n in t.shape))}": t.detach().cpu()
+                for k, t in state.items() if t is not None}}
 
 
 def reordered(batches: list[tuple], m: int) -> list[tuple]:
@@ -174,13 +187,25 @@ def reordered(batches: list[tuple], m: int) -> list[tuple]:
     return out
 
 
+def reset_peak(device: str) -> None:
+    """Start a fresh allocator peak (cuda; nothing on cpu)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_of(device: str) -> int | None:
+    """The allocator's peak since `reset_peak` (cuda), else None."""
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+
+
 def mean_rel_diff(a: list[float], b: list[float]) -> float:
     """Mean over steps of |a - b| / |b|."""
     return statistics.fmean(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def _single(module, batches, opt, m: int, precision: str = "fp32",
-            init_scale: float = INIT_SCALE) -> dict:
+            init_scale: float = INIT_SCALE, device: str = "cpu") -> dict:
     """meshplan on this one process: capture, autodiff, the one-rank executor."""
     micro = [split_microbatches(b, m) for b in batches]
     t0 = time.perf_counter()
@@ -189,16 +214,22 @@ def _single(module, batches, opt, m: int, precision: str = "fp32",
     graph = train_step(forward, Strategy(global_batch_size=m, precision=precision,
                                          initial_loss_scale=init_scale), opt)
     t2 = time.perf_counter()
-    ex = Executor(graph)
+    reset_peak(device)
+    ex = Executor(graph, device)
     state = ex.init_state(module)
     losses, times = [], []
     for mbs in micro:
         ts = time.perf_counter()
-        losses.append(ex.step(state, mbs))
+        losses.append(ex.step(state, mbs))  # a float: the step's end on a GPU
         times.append(time.perf_counter() - ts)
-    slices = {f"{k}|{box_key(tuple((0, n) for n in t.shape))}": t
-              for k, t in state.items() if t is not None}
     return {"mode": "single", "losses": losses, "rank_losses": {"0": losses},
-            "slices": {0: slices}, "ops": len(graph.ops),
+            "slices": whole_slices(state), "ops": len(graph.ops),
             "capture_s": t1 - t0, "autodiff_s": t2 - t1,
-            "step_s": statistics.median(times), "measured_peak_bytes": ex.mem.peak}
+            "step_s": statistics.median(times),
+            "measured_peak_bytes": peak_of(device) or ex.mem.peak,
+            "live_peak_bytes": ex.mem.peak,
+            "planned_peak_bytes": ex.rank.plan.memory.peak_bytes(),
+            "attention_fallbacks": dict(FALLBACKS),
+            "attention_kernels": sorted({ex.rank.plan.kernel_of(t, ex.graph)
+                                         for t in ex.rank.plan.tasks
+                                         if "attention" in ex.rank.plan.kernel_of(t, ex.graph)})}

@@ -4,7 +4,9 @@ Invariants:
 - The optimizer kernels update state in place and return it: their outputs
   alias their state inputs.
 - The optimizer kernels call torch's own functional optimizers, so the
-  arithmetic is the same as `torch.optim.SGD` / `torch.optim.AdamW`. Their
+  arithmetic is the same as `torch.optim.SGD` / `torch.optim.AdamW`, with
+  torch's own choice of implementation per device (`foreach=None`: the
+  per-tensor loop on CPU, the multi-tensor kernels on CUDA). Their
   `*_multi` forms take one list per argument; the executor batches a run of
   optimizer ops into one such call, as `torch.optim` itself does.
 """
@@ -47,7 +49,7 @@ def sgd_multi(params, grads, bufs, lr, momentum, weight_decay, dampening, nester
     with torch.no_grad():
         _sgd(
             params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
-            dampening=dampening, nesterov=nesterov, maximize=False, foreach=False,
+            dampening=dampening, nesterov=nesterov, maximize=False, foreach=None,
         )
     return params, bufs
 
@@ -63,7 +65,7 @@ def adamw_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, e
     """`torch.optim.AdamW` steps on lists of parameters; returns the new state lists."""
     with torch.no_grad():
         _adamw(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False,
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
             capturable=False, differentiable=False, fused=None, grad_scale=None,
             found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
             lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,

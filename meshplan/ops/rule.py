@@ -56,3 +56,7 @@ class OpRule:
     # Selective recompute: "keep" (keep the output), "random" (cannot be
     # replayed), or "" (recompute freely).
     recompute: str = ""
+    # Physical kernels per device type: ((device type, chooser(op, values) ->
+    # kernel name), ...); a device not listed runs `kernel` itself. Asked only
+    # at lowering (see `ops/device_kernels.py`).
+    devices: tuple = ()

@@ -16,6 +16,7 @@ from meshplan.ops import grads_nn as nn
 from meshplan.ops import grads_pointwise as pw
 from meshplan.ops import grads_shape as sh
 from meshplan.ops.canonical import CANONICAL, functionalize
+from meshplan.ops.device_kernels import DEVICES
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
 from meshplan.ops.policy import PRECISION, recompute_class
 from meshplan.ops.resolve import resolve_aten
@@ -182,6 +183,7 @@ def rule_for(kind: str) -> OpRule:
         shape_args=_SHAPE_ARGS.get(kind, ()),
         precision=PRECISION.get(kind, ""),
         recompute=recompute_class(kind),
+        devices=DEVICES.get(kind, ()),
     )
 
 
@@ -194,6 +196,15 @@ def _functional_form(kind: str):
     except CaptureError:
         return None
     return functionalize(functional)
+
+
+def physical_kernel(op, values, device_type: str) -> str:
+    """The kernel `op` runs as on `device_type`: "" for its own kind, else the
+    name the rule's chooser gives (`ops/device_kernels.py`)."""
+    for device, choose in rule_for(op.kind).devices:
+        if device == device_type:
+            return choose(op, values)
+    return ""
 
 
 def exact_kinds() -> frozenset[str]:

@@ -22,7 +22,10 @@ Proves, in order (each failure is one message; `errors` lists them all):
 5. every copy of a parameter takes the same update: each rank reading a
    trained parameter updates it, and copies on several stages (a tied
    weight) run the same optimizer op on one gradient all-reduced across
-   exactly those stages (`plan/check_shared.py`).
+   exactly those stages (`plan/check_shared.py`);
+6. every plan is for one device type, the same on every rank; each task id's
+   device-type field says it; and no task of a non-cpu plan runs a CPU-only
+   kernel (a name containing `_for_cpu`).
 Failures that point at an action come with the schedule grid and
 `<-- ERROR HERE`.
 """
@@ -38,7 +41,7 @@ from meshplan.ir.job import Job
 from meshplan.ir.sbp import box_numel
 from meshplan.plan.check_shared import shared_copies
 from meshplan.plan.cost import action_costs
-from meshplan.plan.ids import TaskId
+from meshplan.plan.ids import DEVICE_TYPES, TaskId
 from meshplan.plan.rankplan import RankPlan, TaskKind
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import format_grid
@@ -64,7 +67,7 @@ def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     """Run every proof over `plans`; never raises for a bad plan."""
     res = CheckResult()
     for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
-                  _stages_agree, _schedule, shared_copies):
+                  _stages_agree, _schedule, shared_copies, _devices):
         res.errors += proof(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
@@ -349,3 +352,26 @@ def _dst_stage(job: Job, t, pp: int) -> int:
 
 def piece_bytes(box, itemsize: int) -> int:
     return box_numel(box) * itemsize
+
+
+def _devices(job: Job, plans) -> list[str]:
+    """One device type for all ranks, in every task id; no CPU-only kernel
+    in a plan for another device."""
+    kinds = sorted({p.device for p in plans.values()})
+    if len(kinds) > 1:
+        return [f"plans are lowered for different device types {kinds}; compile every "
+                "rank with one --device"]
+    errors = []
+    for r, p in sorted(plans.items()):
+        code = DEVICE_TYPES.get(p.device)
+        wrong = next((t for t in p.tasks if TaskId.unpack(t.id).device_type != code), None)
+        if wrong is not None:
+            errors.append(f"rank {r}: task {wrong.id} is not on device type {p.device}; "
+                          "recompile the plans")
+        if p.device != "cpu":
+            bad = next((t for t in p.tasks if "_for_cpu" in p.kernel_of(t, job.graph)), None)
+            if bad is not None:
+                errors.append(f"rank {r}: task {bad.id} runs the CPU-only kernel "
+                              f"{p.kernel_of(bad, job.graph)} in a {p.device} plan; "
+                              "its op rule needs a kernel for this device")
+    return errors

@@ -32,13 +32,18 @@ def plan_name(rank: int) -> str:
     return f"rank_{rank:05d}.plan"
 
 
+def _task_row(t: Task) -> list:
+    row = [t.id, t.kind.value, t.op, t.chunk, t.phase.value, list(t.inputs),
+           list(t.outputs), list(t.local), list(t.group), t.peer, t.peer_task,
+           [list(x) for x in t.box]]
+    return row + [t.kernel] if t.kernel else row  # cpu plans: the rows they always had
+
+
 def plan_to_json(p: RankPlan) -> dict:
-    return {
+    out = {
         "rank": p.rank, "world": p.world, "stage": p.stage, "coord": list(p.coord),
         "job_digest": p.job_digest,
-        "tasks": [[t.id, t.kind.value, t.op, t.chunk, t.phase.value, list(t.inputs),
-                   list(t.outputs), list(t.local), list(t.group), t.peer, t.peer_task,
-                   [list(x) for x in t.box]] for t in p.tasks],
+        "tasks": [_task_row(t) for t in p.tasks],
         "buffers": [[b.id, b.value, list(b.producers), list(b.consumers), list(b.shape),
                      b.dtype.name, b.nbytes, b.copies, b.category] for b in p.buffers],
         "memory": {"chunks": [list(c) for c in p.memory.chunks],
@@ -47,6 +52,9 @@ def plan_to_json(p: RankPlan) -> dict:
                    "peak": [list(x) for x in p.memory.peak]},
         "actions": [str(a) for a in p.actions],
     }
+    if p.device != "cpu":
+        out["device"] = p.device
+    return out
 
 
 def _t(x) -> tuple:
@@ -56,8 +64,9 @@ def _t(x) -> tuple:
 def plan_from_json(d: dict, where: str) -> RankPlan:
     try:
         tasks = tuple(Task(i, TaskKind(k), op, c, Phase(ph), _t(ins), _t(outs), _t(loc),
-                           _t(grp), peer, pt, tuple(_t(b) for b in box))
-                      for i, k, op, c, ph, ins, outs, loc, grp, peer, pt, box in d["tasks"])
+                           _t(grp), peer, pt, tuple(_t(b) for b in box), *kernel)
+                      for i, k, op, c, ph, ins, outs, loc, grp, peer, pt, box, *kernel
+                      in d["tasks"])
         buffers = tuple(Buffer(i, v, _t(pr), _t(co), _t(sh), DType(dt), nb, cp, cat)
                         for i, v, pr, co, sh, dt, nb, cp, cat in d["buffers"])
         m = d["memory"]
@@ -65,7 +74,8 @@ def plan_from_json(d: dict, where: str) -> RankPlan:
                             tuple(Block(i, c, o, s, _t(b)) for i, c, o, s, b in m["blocks"]),
                             tuple(_t(x) for x in m["peak"]))
         return RankPlan(d["rank"], d["world"], d["stage"], _t(d["coord"]), d["job_digest"],
-                        tasks, buffers, memory, tuple(Action.parse(a) for a in d["actions"]))
+                        tasks, buffers, memory, tuple(Action.parse(a) for a in d["actions"]),
+                        d.get("device", "cpu"))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body "
                         f"({type(e).__name__}: {str(e)[:80]}); recompile it") from None

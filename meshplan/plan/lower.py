@@ -7,19 +7,23 @@ Invariants:
   here enumerates the cluster.
 - A peer's task id is derived, never looked up: send/recv tasks are
   numbered by (op, peer's position in its placement) on both sides.
-- Pure function of (Job, rank): central and separate compiles agree byte
-  for byte.
+- Pure function of (Job, rank, device type): central and separate compiles
+  agree byte for byte. The device type only picks each task's physical
+  kernel (the op rule table's per-device chooser) and the device-type field
+  of task ids; the Job stays device-independent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshplan.errors import PlanError
 from meshplan.ir import Phase, Role, TensorMeta
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.ir.sbp import local_box, local_shape
+from meshplan.ops.table import physical_kernel
 from meshplan.passes.boxing import BOXING_KINDS
 from meshplan.plan.actions import rank_actions
 from meshplan.plan.ids import (
@@ -58,6 +62,10 @@ class _Lowering:
         self.place = s.placement(self.stage)
         self.coord = self.place.coord(rank)
         self.dpn = job.mesh.devices_per_node
+        if device_type not in DEVICE_TYPES:
+            raise PlanError(f"no lowering for device type {device_type!r}; use one of "
+                            f"{', '.join(DEVICE_TYPES)}")
+        self.device = device_type
         self.device_type = DEVICE_TYPES[device_type]
         self.counter = 0
         self.bufs: dict[int, _Buf] = {}
@@ -115,7 +123,8 @@ class _Lowering:
         task = Task(self.tid(stream, op.id), kind, op.id, job.chunk[op.id], op.phase,
                     tuple(self.buf(r).id for r in op.refs()),
                     tuple(self.buf(o).id if o >= 0 else -1 for o in op.outputs),
-                    job.local[op.id], group)
+                    job.local[op.id], group,
+                    kernel=physical_kernel(op, job.graph.values, self.device))
         self.add(task, op.refs(), outs)
 
     def group(self, axis: int) -> tuple[int, ...]:
@@ -171,7 +180,8 @@ class _Lowering:
 
 
 def lower(job: Job, rank: int, device_type: str = "cpu", job_digest: str = "") -> RankPlan:
-    """The physical plan of `rank`: tasks, buffers, memory plan and actions.
+    """The physical plan of `rank` on `device_type` (cpu | cuda): tasks (with
+    the device's kernels), buffers, memory plan and actions.
 
     `job_digest` may be passed by a caller lowering many ranks of one Job, so
     the Job is hashed once, not once per rank."""
@@ -183,7 +193,7 @@ def lower(job: Job, rank: int, device_type: str = "cpu", job_digest: str = "") -
     buffers = _buffers(low, inflight)
     memory = plan_memory(low, buffers, actions, inflight)
     return RankPlan(rank, job.mesh.world, low.stage, low.coord, job_digest or job.digest(),
-                    tuple(low.tasks), buffers, memory, tuple(actions))
+                    tuple(low.tasks), buffers, memory, tuple(actions), device_type)
 
 
 def _inflight(actions, pp: int) -> dict[int, int]:

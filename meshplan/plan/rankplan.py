@@ -11,8 +11,10 @@ Invariants:
   micro-batches' instances can be alive at once.
 - Ids: tasks per `ids.task_id`; buffers, memory blocks and memory chunks
   share the rank's `(rank << 48) + counter` space.
-- The plan is a pure function of (Job, rank): its bytes are the same in
-  whatever process computes it.
+- The plan is a pure function of (Job, rank, device type): its bytes are
+  the same in whatever process computes it. The device type picks physical
+  kernels (`Task.kernel`, from the op rule table's per-device choosers); the
+  Job itself names only logical ops.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Task:
     peer: int = -1                  # send/recv: the other rank
     peer_task: int = -1             # send/recv: the matching task on the peer
     box: tuple[tuple[int, int], ...] = ()  # send/recv: logical slice moved
+    kernel: str = ""                # the device's physical kernel ("" = the op's kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +101,8 @@ class RankPlan:
     buffers: tuple[Buffer, ...]
     memory: MemoryPlan
     actions: tuple[Action, ...]
+    device: str = "cpu"             # the device type it was lowered for (cpu | cuda)
+
+    def kernel_of(self, task: Task, graph) -> str:
+        """The kernel `task` runs: its device kernel, else its op's kind."""
+        return task.kernel or graph.ops[task.op].kind

@@ -2,9 +2,9 @@
 
 Invariant: a task gets a callable here only when this rank runs it
 differently from the logical op (a rank-dependent variant, a collective, a
-local slice); every other task runs the op's aten kernel, bound by the
-segment compiler. Everything rank-dependent (boxes, groups, offsets) is
-computed here, once, at load time.
+local slice, the device's own kernel named by `Task.kernel`); every other
+task runs the op's aten kernel, bound by the segment compiler. Everything
+rank-dependent (boxes, groups, offsets) is computed here, once, at load time.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import replace
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import local_box
+from meshplan.ops.device_kernels import adapter
 from meshplan.ops.table import rule_for
 from meshplan.plan.rankplan import Task, TaskKind
 from meshplan.runtime import local_kernels as lk
@@ -57,6 +58,8 @@ def bind_task(task: Task, ctx: RankContext, comm):
         return _collective(op, kw, task, ctx, comm)
     if any(task.local):
         return _variant(op, task, ctx)
+    if task.kernel:  # the device's own kernel, with the logical op's signature
+        return adapter(task.kernel)
     return None
 
 
@@ -101,7 +104,7 @@ def _collective(op, kw, task, ctx: RankContext, comm):
 
 def _variant(op, task, ctx: RankContext):
     """Compose the rank-dependent variants named per axis in `task.local`."""
-    kernel = rule_for(op.kind).kernel
+    kernel = adapter(task.kernel) if task.kernel else rule_for(op.kind).kernel
     seen = set()
     for axis, tag in enumerate(task.local):
         if not tag or (tag == "mean_rescale" and tag in seen):

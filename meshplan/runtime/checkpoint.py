@@ -66,17 +66,19 @@ def _state_values(job) -> dict[str, int]:
             if v.role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)}
 
 
-def state_slices(state: dict, job, ctx, primary_only: bool = False) -> dict[str, torch.Tensor]:
+def state_slices(state: dict, job, ctx, primary_only: bool = False,
+                 host: bool = True) -> dict[str, torch.Tensor]:
     """This rank's saved state (params, buffers, optimizer slots) as
-    `<name>|<box>` -> a CPU copy of its slice; with `primary_only`, only the
-    first of replicas writes (a checkpoint), else every rank does (`verify`
-    checks the replicas agree)."""
+    `<name>|<box>` -> its slice (on the host, or where it lives); with
+    `primary_only`, only the first of replicas writes (a checkpoint), else
+    every rank does (`verify` checks the replicas agree)."""
     values = _state_values(job)
     out = {}
     for name, t in state.items():
         if t is None or name not in values or (primary_only and not _primary(ctx, values[name])):
             continue
-        out[f"{name}|{box_key(ctx.box(values[name]))}"] = t.detach().contiguous().cpu()
+        t = t.detach().contiguous()
+        out[f"{name}|{box_key(ctx.box(values[name]))}"] = t.cpu() if host else t
     return out
 
 
@@ -87,7 +89,8 @@ def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> 
     so a save cut short never leaves a marker over a mix of old and new
     shards. `after_shard()` runs once this rank's shard is written (a fault
     test kills the rank there)."""
-    sd = state_slices(state, job, ctx, primary_only=True)
+    # device tensors as they are: DCP's writer stages GPU tensors to host itself
+    sd = state_slices(state, job, ctx, primary_only=True, host=False)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         sd[STEP_KEY] = torch.tensor(next_step)
@@ -169,6 +172,23 @@ def _saved_name(graph, name: str, saved) -> str:
         if n + at + slot in saved:
             return n + at + slot
     return name
+
+
+def read_slices(path: str) -> dict[str, torch.Tensor]:
+    """Every state slice of a complete checkpoint (`<name>|<box>` -> tensor),
+    read in this one process: what a run saved, for `verify`'s assembly."""
+    root = Path(path)
+    if not (root / COMPLETE).is_file():
+        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker)")
+    meta = read_sealed(root / COMPLETE, KIND, VERSION)
+    if _metadata_hash(path) != meta.get("metadata_sha256"):
+        raise RuntimeFault(f"checkpoint {path}: {METADATA} is not the one saved with it")
+    request = {}
+    for key, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items():
+        if "|" in key:
+            request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    dcp.load(request, checkpoint_id=path)
+    return request
 
 
 def load(path: str, state: dict, job, ctx) -> int:

@@ -12,6 +12,13 @@ Invariants:
 - p2p ops carry a tag derived from (op, micro-batch), so gloo matches them
   whatever order two ranks post them in.
 - Every wait is bounded by the process group's timeout.
+- Host staging (gloo with CUDA tensors: ranks sharing GPUs): every
+  collective and p2p piece is copied to host memory, moved by gloo, and
+  copied back to the rank's GPU; a received piece lands on the GPU when its
+  work is waited. The same numbers, for testing plans, not for speed.
+- With NCCL, ProcessGroupNCCL runs each collective and p2p batch on its own
+  communication stream, ordered against the compute stream by CUDA events
+  (its work objects' `wait()` makes the compute stream wait, not the host).
 """
 
 from __future__ import annotations
@@ -29,11 +36,15 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 class Comm:
     """The process groups of one rank, and its collective kernels."""
 
-    def __init__(self, rank: int, groups: list[tuple[int, ...]], backend: str):
+    def __init__(self, rank: int, groups: list[tuple[int, ...]], backend: str,
+                 device: torch.device | None = None):
         """`groups`: every group of the job, in the same order on every rank
         (each rank takes part in creating each one, as torch requires)."""
         self.rank = rank
         self.backend = backend
+        self.cuda = device is not None and device.type == "cuda"
+        self.host_staged = backend == "gloo" and self.cuda
+        self.p2p = staged_p2p if self.host_staged else None  # None: `p2p` below
         self.groups: dict[tuple[int, ...], object] = {}
         for g in groups:
             if len(g) > 1:
@@ -44,25 +55,36 @@ class Comm:
 
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = x.clone(memory_format=torch.contiguous_format)
+        if self.host_staged:
+            out = x.to("cpu", memory_format=torch.contiguous_format, copy=True)
+        else:
+            out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=_OPS[op], group=self.groups[group])
         self._record(f"all_reduce({op}) {list(group)}", t0)
-        return out
+        return out.to(x.device) if self.host_staged else out
 
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
         """In place over every rank (the fp16 overflow flag)."""
+        if self.host_staged:
+            host = x.cpu()
+            dist.all_reduce(host, op=_OPS[op])
+            x.copy_(host)
+            return
         dist.all_reduce(x, op=_OPS[op])
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         """Gather along `dim`; `shapes` are every member's local shapes."""
         t0 = time.perf_counter()
-        parts = [torch.empty(s, dtype=x.dtype, device=x.device) for s in shapes]
-        dist.all_gather(parts, x.contiguous(), group=self.groups[group])
+        where = "cpu" if self.host_staged else x.device
+        parts = [torch.empty(s, dtype=x.dtype, device=where) for s in shapes]
+        dist.all_gather(parts, x.contiguous().to(where), group=self.groups[group])
         self._record(f"all_gather {list(group)}", t0)
-        return torch.cat(parts, dim=dim)
+        return torch.cat(parts, dim=dim).to(x.device)
 
     def _record(self, name: str, t0: float) -> None:
         if self.spans is not None:
+            if self.cuda:  # traced: the collective's time on the device
+                torch.cuda.synchronize()
             self.spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
 
 
@@ -110,6 +132,29 @@ def p2p(ops: list[tuple[str, torch.Tensor, int, int]]) -> list:
     p2p_ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=tag)
                for kind, t, peer, tag in ops]
     return dist.batch_isend_irecv(p2p_ops)
+
+
+class _Staged:
+    """A host-staged receive: waiting copies the host piece to the GPU."""
+
+    def __init__(self, work, host: torch.Tensor, dst: torch.Tensor):
+        self.work, self.host, self.dst = work, host, dst
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.dst.copy_(self.host)
+
+
+def staged_p2p(ops: list[tuple[str, torch.Tensor, int, int]]) -> list:
+    """`p2p` through host memory: sends copy to the host first, receives land
+    in a host buffer and reach their GPU tensor when waited."""
+    staged, wrap = [], []
+    for kind, t, peer, tag in ops:
+        host = torch.empty(t.shape, dtype=t.dtype) if kind == "recv" else t.cpu()
+        staged.append((kind, host, peer, tag))
+        wrap.append((host, t) if kind == "recv" else None)
+    works = p2p(staged)
+    return [w if r is None else _Staged(w, *r) for w, r in zip(works, wrap)]
 
 
 def tag_of(op_id: int, microbatch: int) -> int:

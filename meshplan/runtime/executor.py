@@ -25,7 +25,8 @@ class Executor:
         strategy = Strategy(global_batch_size=m, precision=meta.get("precision", "fp32"))
         self.job = plan_job(graph, Mesh(1, 1), strategy)
         self.graph = self.job.graph
-        self.rank = RankExecutor(self.job, lower(self.job, 0), device=device)
+        device = torch.device(device)
+        self.rank = RankExecutor(self.job, lower(self.job, 0, device.type), device=device)
         self.mem = self.rank.mem
 
     def init_state(self, module) -> dict:

@@ -14,6 +14,9 @@ Invariants:
   waited before the action that needs them: the checker's simulation uses
   the same semantics, so a plan it proves deadlock-free runs.
 - With one rank and no process group this is the single-process executor.
+- On a GPU, each micro-batch's inputs are sliced on the host, pinned and
+  copied asynchronously (the compute stream orders the copy before use);
+  the plan must have been lowered for the device's type (its kernels).
 - fp16: before the STEP every rank divides its gradient accumulators by the
   loss scale and checks them for inf/nan; one all-reduce (max) of that flag
   over the whole world makes every rank skip, or take, the same step, and
@@ -21,7 +24,8 @@ Invariants:
   overflow, double after `GROWTH_INTERVAL` good steps), as GradScaler does.
 - With `spans` set to a list, a step appends one `Span` per action (and one
   for waiting on the sends) in `time.perf_counter()` seconds; tracing costs
-  two clock reads per action, so it is on only for the traced step.
+  two clock reads per action (and, on a GPU, a synchronize), so it is on
+  only for the traced step.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ class RankExecutor:
     def __init__(self, job: Job, plan: RankPlan, comm=None, device="cpu"):
         self.job, self.plan, self.comm = job, plan, comm
         self.device = torch.device(device)
+        if plan.device != self.device.type:
+            raise ConfigError(f"rank {plan.rank}'s plan was lowered for {plan.device} but "
+                              f"runs on {self.device.type}; compile with --device "
+                              f"{self.device.type}, or run with --device {plan.device}")
         self.ctx = RankContext(job, plan.rank)
         self.mem = LiveBytes()
         self.current = "load"
@@ -174,6 +182,7 @@ class RankExecutor:
                 self.transfers.post_recv(self.plan.actions[ahead])
             self._action(action, envs, state, losses)
             if self.spans is not None:
+                self._sync()
                 self.spans.append(action_span(action, t0, time.perf_counter()))
         self.current = "wait sends"
         t0 = time.perf_counter()
@@ -182,6 +191,12 @@ class RankExecutor:
             self.spans.append(Span("wait sends", Track.COMM, t0, time.perf_counter()))
         self.current = "done"
         return [losses[k] for k in sorted(losses)]
+
+    def _sync(self) -> None:
+        """Traced steps on a GPU: wait for the action's kernels, so its span
+        is its time on the device, not the time to queue it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _unscale(self, state: dict) -> bool:
         """fp16: unscale this rank's gradients; True if no rank overflowed."""
@@ -251,8 +266,12 @@ class RankExecutor:
             for d, (a, b) in enumerate(box):
                 if (a, b) != (0, t.shape[d]):
                     local = local.narrow(d, a, b - a)
-            env[vid] = local.to(self.device)
-            self.mem.add(env[vid])
+            if self.device.type == "cuda":  # pinned host memory: an asynchronous copy
+                local = local.contiguous().pin_memory().to(self.device, non_blocking=True)
+            else:
+                local = local.to(self.device)
+            env[vid] = local
+            self.mem.add(local)
         return env
 
     def _swap(self, state: dict, name: str, new) -> None:

@@ -9,6 +9,10 @@ Invariants:
 - Any exception is written to `<results>/fail_<rank>.json` with the action
   the rank was in, then the process exits non-zero; the launcher reports it.
 - Every collective is bounded by the process group's timeout.
+- On `--device cuda` a rank takes its GPU (`runtime/devices.py`) before it
+  joins; with NCCL the group has two backends, `cpu:gloo,cuda:nccl`, so the
+  few CPU tensors (the Job's bytes, results) still move. Step times are
+  CUDA-event times and the measured peak is the allocator's.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch.distributed as dist
 from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
+from meshplan.ops.device_kernels import FALLBACKS
+from meshplan.runtime.devices import rank_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +48,8 @@ class RunSpec:
     results: str
     threads: int = 1
     timeout_s: float = 60.0
-    device: str = "cpu"
+    device: str = "cpu"              # cpu | cuda (resolved: never auto)
+    backend: str = ""                # gloo | nccl; "" = nccl on cuda, gloo on cpu
     plan_dir: str = ""
     trace: bool = False
     save_dir: str = ""
@@ -78,16 +85,20 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
     try:
         torch.set_num_threads(spec.threads)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        backend = "nccl" if spec.device == "cuda" else "gloo"
+        backend = spec.backend or ("nccl" if spec.device == "cuda" else "gloo")
+        device = rank_device(spec.device, rank, backend)  # before NCCL: it needs the GPU
         if world > 1 or init_method:
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
+            # With NCCL, CPU tensors (the Job's bytes, results, the fp16 flag)
+            # still go through gloo: one process group, two backends.
+            pg = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+            dist.init_process_group(pg, init_method=init_method, rank=rank,
                                     world_size=world, timeout=timeout)
         if job_bytes is None:
             from meshplan.runtime.comm import broadcast_bytes
 
             job_bytes = broadcast_bytes(master() if rank == 0 else None, src=0)
         job = Job.from_bytes(job_bytes)
-        return _train(spec, job, rank, world, progress, steps_done)
+        return _train(spec, job, rank, world, progress, steps_done, device, backend)
     except Exception as e:  # reported, then the launcher ends the others
         ex = _CURRENT.get("executor")
         where = ex.current if ex is not None else "setup"
@@ -109,7 +120,7 @@ _CURRENT: dict = {}
 
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
-           steps_done=None) -> int:
+           steps_done=None, device=None, backend: str = "gloo") -> int:
     from meshplan.plan.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
@@ -119,11 +130,14 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     if world != job.mesh.world:
         raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
                            "started; start as many ranks as the plan's mesh has")
-    plan = _plan(spec, job, rank, lower)
-    comm = Comm(rank, job_groups(job.strategy, job), "gloo") if world > 1 else None
+    device = device if device is not None else torch.device(spec.device)
+    plan = _plan(spec, job, rank, lower, device.type)
+    comm = Comm(rank, job_groups(job.strategy, job), backend, device) if world > 1 else None
+    if backend == "nccl" and world > 1:  # the first NCCL call must involve every rank
+        dist.all_reduce(torch.zeros(1, device=device))   # (batch_isend_irecv's rule)
     missing = set(_groups(plan)) - set(comm.groups if comm else ())
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
-    ex = RankExecutor(job, plan, comm, device=spec.device)
+    ex = RankExecutor(job, plan, comm, device=device)
     _CURRENT["executor"] = ex
     if progress is not None:
         def report(index: int) -> None:
@@ -138,14 +152,15 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         ex.current = "load checkpoint"
         start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
     losses, times, trace = [], [], None
+    clock = StepClock(device)
     for step in range(start, spec.steps):
         mbs = split_microbatches(batch_of(step), s.num_microbatches)
-        t0 = time.perf_counter()
+        clock.start()
         if spec.trace and step == spec.steps - 1:
             out, trace = _traced_step(ex, comm, state, mbs)
         else:
             out = ex.step(state, mbs)
-        times.append(time.perf_counter() - t0)
+        times.append(clock.stop())
         if out:
             losses.append(float(torch.stack(out).mean()))
         if steps_done is not None:
@@ -161,8 +176,10 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
                       checkpoint.state_slices(state, job, ex.ctx))
     result = {"rank": rank, "losses": losses, "step_s": times, "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
-              "planned_peak": dict(plan.memory.peak), "measured_peak_bytes": ex.mem.peak,
-              "trace": trace}
+              "planned_peak": dict(plan.memory.peak),
+              "measured_peak_bytes": measured_peak(device, ex.mem),
+              "live_peak_bytes": ex.mem.peak, "device": str(device),
+              "attention_fallbacks": dict(FALLBACKS), "trace": trace}
     data = json.dumps(result).encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
         from meshplan.runtime.comm import gather_bytes
@@ -220,7 +237,7 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _plan(spec: RunSpec, job: Job, rank: int, lower):
+def _plan(spec: RunSpec, job: Job, rank: int, lower, device_type: str = "cpu"):
     if spec.plan_dir:
         from meshplan.plan.files import read_plan
 
@@ -228,7 +245,38 @@ def _plan(spec: RunSpec, job: Job, rank: int, lower):
         if plan.job_digest != job.digest():
             raise PlanError(f"{spec.plan_dir} holds plans of another Job; recompile it")
         return plan
-    return lower(job, rank)
+    return lower(job, rank, device_type)
+
+
+class StepClock:
+    """Step time: CUDA events on a GPU (recorded on the compute stream, read
+    after the step's last kernel), `perf_counter` on CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.t0
+        self.end.record()
+        self.end.synchronize()
+        return self.begin.elapsed_time(self.end) / 1e3
+
+
+def measured_peak(device, live) -> int:
+    """The measured peak: the CUDA caching allocator's on a GPU (every tensor
+    of the process, workspaces too), else meshplan's own live-bytes count."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return live.peak
 
 
 def spawn_entry(spec_json: str, rank: int, world: int, job_path: str, port: int,

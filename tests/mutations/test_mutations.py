@@ -35,19 +35,22 @@ VICTIM = 4  # a rank of the last stage (dp 0, tp 0)
 
 
 @functools.cache
-def job_of(precision: str):
-    cfg = model_config("gpt", "tiny")
-    s = zoo_strategy("gpt", cfg, precision=precision, **FIELDS)
-    return plan_model("gpt", "tiny", Mesh(1, 8), s).job
+def job_of(precision: str, model: str = "gpt", fields: tuple = tuple(FIELDS.items()),
+           optimizer: str = "sgd"):
+    cfg = model_config(model, "tiny")
+    s = zoo_strategy(model, cfg, precision=precision, **dict(fields))
+    return plan_model(model, "tiny", Mesh(1, s.dp * s.tp * s.pp), s, optimizer).job
 
 
-def train(precision: str, plans_mutation=None, run_mutation=None) -> dict:
+def train(precision: str, plans_mutation=None, run_mutation=None, model: str = "gpt",
+          fields: dict = FIELDS, optimizer: str = "sgd", steps: int = STEPS) -> dict:
     """verify's verdict on one (possibly mutated) local run."""
-    job = job_of(precision)
-    cfg = model_config("gpt", "tiny")
+    job = job_of(precision, model, tuple(fields.items()), optimizer)
+    cfg = model_config(model, "tiny")
     torch.manual_seed(0)
     module = build_model(cfg)
-    batches = [example_batch(cfg, 8, seed=s) for s in range(STEPS)]
+    gbs = job.strategy.global_batch_size
+    batches = [example_batch(cfg, gbs, seed=s) for s in range(steps)]
     plans = {r: lower(job, r) for r in range(job.mesh.world)}
     if plans_mutation is not None:
         plans = plans_mutation(job, plans)
@@ -56,8 +59,8 @@ def train(precision: str, plans_mutation=None, run_mutation=None) -> dict:
         run_mutation(job, hub, ranks)
     run = train_local(job, hub, ranks, batches, timeout_s=30)
     verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
-                               job.strategy.num_microbatches, OptimizerConfig.default("sgd"),
-                               precision)
+                               job.strategy.num_microbatches,
+                               OptimizerConfig.default(optimizer), precision)
     return verdict
 
 
@@ -211,3 +214,23 @@ def test_a_plan_mutation_fails_verify_and_check(name, precision):
 def test_an_execution_mutation_fails_verify(name, precision):
     verdict = train(precision, run_mutation=RUN_MUTATIONS[name])
     assert not verdict["ok"], name
+
+
+def test_receives_of_two_microbatches_swapped_in_the_plan_fail_check():
+    """The plan-level form of the swapped payloads: every rank of the last
+    stage receives micro-batch 1's activation where micro-batch 0's belongs.
+    Statically caught by the schedule validator: micro-batch 0's forward
+    would run before its input arrives (running it could only fail)."""
+    job = job_of("fp32")
+    plans = {r: lower(job, r) for r in range(job.mesh.world)}
+    for r, p in plans.items():
+        if p.stage != plans[VICTIM].stage:
+            continue
+        actions = list(p.actions)
+        a, b = [i for i, x in enumerate(actions) if x.type is ActionType.RECV_F][:2]
+        actions[a], actions[b] = (replace(actions[a], microbatch=actions[b].microbatch),
+                                  replace(actions[b], microbatch=actions[a].microbatch))
+        plans[r] = replace(p, actions=tuple(actions))
+    res = check_plans(job, plans)
+    assert not res.ok
+    assert "ERROR HERE" in res.errors[0] and "1F0" in res.errors[0], res.errors[0]

@@ -5,6 +5,7 @@ bounds and tracks eager fp32 within 1e-2 (mean relative)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -50,8 +51,9 @@ def test_config_name_matches_eager(name):
 def test_two_node_config_as_two_torchrun_launches(name, tmp_path):
     from meshplan.autodiff import OptimizerConfig
     from meshplan.driver.reference import eager_train
-    from meshplan.driver.verify import mean_rel_diff
+    from meshplan.driver.verify import against_eager, mean_rel_diff
     from meshplan.models import build_model, example_batch, model_config
+    from meshplan.runtime.checkpoint import read_slices
 
     f = parse_config_name(name)
     port = free_port()
@@ -59,7 +61,8 @@ def test_two_node_config_as_two_torchrun_launches(name, tmp_path):
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
          "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "meshplan", "run", "--config", name, "--steps", str(STEPS), "--json"],
+         "-m", "meshplan", "run", "--config", name, "--steps", str(STEPS), "--json",
+         "--save-dir", str(tmp_path / "ckpt")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
     outs = [p.communicate(timeout=600) for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outs[0][1][-2000:] + outs[1][1][-2000:]
@@ -70,13 +73,15 @@ def test_two_node_config_as_two_torchrun_launches(name, tmp_path):
     dp = 8 // (f["tp"] * f["pp"])
     m = f["global_batch_size"] // (f["micro_batch_size"] * dp)
     batches = [example_batch(cfg, f["global_batch_size"], seed=s) for s in range(STEPS)]
-    refs = {}
-    for p in {"fp32", f["precision"]}:
-        torch.manual_seed(0)
-        opt = OptimizerConfig.default("sgd")
-        refs[p] = eager_train(build_model(cfg), batches, m, opt, p).losses
-    if f["precision"] == "fp32":
-        assert max(abs(a - b) for a, b in zip(losses, refs["fp32"])) <= 1e-4
-    else:
-        assert mean_rel_diff(losses, refs[f["precision"]]) <= 1e-2
-        assert mean_rel_diff(losses, refs["fp32"]) <= 1e-2
+    torch.manual_seed(0)
+    module = build_model(cfg)
+    # the saved checkpoint holds every parameter and slot the ranks ended with
+    # (one copy of each replica): judged like `verify` judges a local run
+    verdict, _ = against_eager({"0": losses}, {0: read_slices(str(tmp_path / "ckpt"))},
+                               module, batches, m, OptimizerConfig.default("sgd"),
+                               f["precision"])
+    assert verdict["ok"], verdict["problems"]
+    assert len(verdict["params"]) == len(module.state_dict())
+    if f["precision"] != "fp32":
+        fp32 = eager_train(copy.deepcopy(module), batches, m, OptimizerConfig.default("sgd"))
+        assert mean_rel_diff(losses, fp32.losses) <= 1e-2

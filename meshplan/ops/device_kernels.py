@@ -1,0 +1,198 @@
+"""Kernels chosen per device type: the physical kernel a logical op runs as.
+
+The Job is device-independent: its ops are the canonical (logical) kinds
+capture wrote, e.g. attention as `_scaled_dot_product_flash_attention_for_cpu`
+and its backward. Lowering for a device type asks the op's rule
+(`OpRule.devices`) which physical kernel this rank runs; the name goes into
+the task (`Task.kernel`, "" = the logical kind itself), and binding turns it
+into a callable with the *logical* op's arguments and outputs (`adapter`).
+
+Invariants:
+- A chooser is a pure function of the op and the Job's value metas (dtype,
+  shapes, literals), so every rank of a stage picks the same kernel, and a
+  forward and its backward agree (both see the same q, k, v metas).
+- An adapter keeps the logical signature: the attention forward returns
+  `(out, logsumexp)`, the backward takes `(grad, q, k, v, out, lse, dropout_p,
+  is_causal, *, attn_mask, scale)` and returns `(gq, gk, gv)`. The extra
+  outputs of the CUDA kernels (rng state, sequence offsets) are not needed
+  without dropout, which is the only case chosen here.
+- No kernel whose name contains `_for_cpu` is ever chosen for cuda
+  (`tests/plan/test_device_lowering.py` proves it over the zoo).
+
+[Note: which CUDA attention kernel] Eager PyTorch dispatches
+`scaled_dot_product_attention` on CUDA to flash (fp16/bf16, head_dim a
+multiple of 8 up to 256, no mask, no dropout here), else memory-efficient
+(fp32 too; head_dim a multiple of 16 bytes), else math. The choosers below
+follow the same order, so meshplan runs the kernel eager runs and `verify`
+compares like with like. A fused kernel that still refuses an input at run
+time falls back to the math path (counted in `FALLBACKS`, reported by the
+runtime), never to a wrong answer: a forward fallback leaves an empty
+logsumexp, which sends its backward to the math path too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshplan.errors import PlanError
+
+SDPA_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+SDPA_CPU_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+FLASH = "aten._scaled_dot_product_flash_attention.default"
+FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_backward.default"
+EFFICIENT = "aten._scaled_dot_product_efficient_attention.default"
+EFFICIENT_BACKWARD = "aten._scaled_dot_product_efficient_attention_backward.default"
+MATH = "meshplan.sdpa_math"
+MATH_BACKWARD = "meshplan.sdpa_math_backward"
+
+FALLBACKS: dict[str, int] = {}  # physical kernel -> runs that fell back to math
+# The rng-state tensors a fused forward returned, by (kernel, device): without
+# dropout their values are never read, but the backward takes tensors of the
+# very types the forward made, so it gets those (eager's autograd does the same).
+_RNG: dict = {}
+
+
+def _arg(op, i: int, name: str, default=None):
+    if len(op.args) > i:
+        return op.args[i]
+    return dict(op.kwargs).get(name, default)
+
+
+def _attention_kind(op, values, q_pos: int, dropout_pos: int) -> str:
+    """flash, efficient or math, for the q meta at `q_pos` (see the Note)."""
+    q = values[op.args[q_pos].id].meta
+    head_dim = q.shape[-1]
+    dropout = _arg(op, dropout_pos, "dropout_p", 0.0)
+    if dropout:
+        where = op.module_path or f"op {op.id}"
+        raise PlanError(f"attention at '{where}' has dropout_p={dropout}: meshplan's CUDA "
+                        "attention runs without dropout for now; set the model's dropout to "
+                        "0, or run on --device cpu")
+    if dict(op.kwargs).get("attn_mask") is not None:
+        return "math"
+    low = q.dtype.name in ("bfloat16", "float16")
+    if low and head_dim % 8 == 0 and head_dim <= 256:
+        return "flash"
+    if head_dim % (8 if low else 4) == 0:
+        return "efficient"
+    return "math"
+
+
+def cuda_sdpa(op, values) -> str:
+    """The CUDA kernel of the attention forward `op`."""
+    kind = _attention_kind(op, values, 0, 3)
+    return {"flash": FLASH, "efficient": EFFICIENT, "math": MATH}[kind]
+
+
+def cuda_sdpa_backward(op, values) -> str:
+    """The CUDA kernel of the attention backward `op` (same choice as its forward)."""
+    kind = _attention_kind(op, values, 1, 6)
+    return {"flash": FLASH_BACKWARD, "efficient": EFFICIENT_BACKWARD,
+            "math": MATH_BACKWARD}[kind]
+
+
+# ---------------------------------------------------------------- adapters
+def _math_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
+    return out, q.new_empty((0,), dtype=torch.float32)  # empty lse: "no saved statistics"
+
+
+def _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, _ = torch.ops.aten._scaled_dot_product_attention_math(
+            qq, kk, vv, attn_mask, dropout_p, is_causal, scale=scale)
+        return torch.autograd.grad(o, (qq, kk, vv), g)
+
+
+def _fallback(name: str, err: RuntimeError) -> None:
+    FALLBACKS[name] = FALLBACKS.get(name, 0) + 1
+    if FALLBACKS[name] == 1:
+        import logging
+
+        logging.getLogger("meshplan").warning("%s refused its input (%s); using the math "
+                                              "attention", name, str(err).splitlines()[0])
+
+
+def _flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    try:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale)
+    except RuntimeError as err:
+        _fallback(FLASH, err)
+        return _math_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    _RNG[FLASH, q.device] = (r[6], r[7])
+    return r[0], r[1]
+
+
+def _flash_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    if lse.numel() == 0:  # the forward fell back
+        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+    seed, offset = _rng_of(FLASH, q.device)
+    try:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal,
+            seed, offset, scale=scale)
+    except RuntimeError as err:
+        _fallback(FLASH_BACKWARD, err)
+        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+
+
+def _rng_of(forward: str, device) -> tuple:
+    """The rng-state tensors for a backward (see `_RNG`); empty ones when the
+    forward ran in another process (a recomputed or received value)."""
+    got = _RNG.get((forward, device))
+    if got is None:
+        empty = torch.empty((0,), dtype=torch.int64, device=device)
+        return empty, empty
+    return got
+
+
+def _efficient_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    try:
+        r = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)
+    except RuntimeError as err:
+        _fallback(EFFICIENT, err)
+        return _math_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    _RNG[EFFICIENT, q.device] = (r[2], r[3])
+    return r[0], r[1]
+
+
+def _efficient_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None,
+                        scale=None):
+    if lse.numel() == 0:
+        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+    seed, offset = _rng_of(EFFICIENT, q.device)
+    try:
+        gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, attn_mask, out, lse, seed, offset, dropout_p,
+            [True, True, True, False], is_causal, scale=scale)
+    except RuntimeError as err:
+        _fallback(EFFICIENT_BACKWARD, err)
+        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+    return gq, gk, gv
+
+
+_ADAPTERS = {
+    FLASH: _flash_forward, FLASH_BACKWARD: _flash_backward,
+    EFFICIENT: _efficient_forward, EFFICIENT_BACKWARD: _efficient_backward,
+    MATH: _math_forward, MATH_BACKWARD: _math_backward,
+}
+
+
+def adapter(name: str):
+    """The callable running physical kernel `name` with its logical op's signature."""
+    fn = _ADAPTERS.get(name)
+    if fn is None:
+        raise PlanError(f"the plan names kernel {name!r}, which this meshplan does not know; "
+                        "recompile the plans with this version")
+    return fn
+
+
+# logical kind -> ((device type, chooser(op, values) -> physical kernel name), ...)
+DEVICES = {
+    SDPA_CPU: (("cuda", cuda_sdpa),),
+    SDPA_CPU_BACKWARD: (("cuda", cuda_sdpa_backward),),
+}
