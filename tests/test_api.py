@@ -1,6 +1,7 @@
 """meshplan.api: the README's worked example runs as written, and the API's
 argument checks say what to change."""
 
+import os
 import re
 import subprocess
 import sys
@@ -72,3 +73,18 @@ def test_plan_applies_the_strategys_precision_and_recompute():
     assert "aten._to_copy.default" in kinds
     relu = [op for op in job.graph.ops if op.kind == "aten.relu.default"]
     assert len(relu) == 2 and relu[1].phase.value == "backward"  # recomputed
+
+
+@pytest.mark.slow
+def test_readme_transformers_example_runs(tmp_path):
+    pytest.importorskip("transformers")
+    text = README.read_text()
+    section = text[text.index("## A model from transformers"):]
+    script = tmp_path / "hf_model.py"
+    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "layer_pattern auto = 'model\\.transformer\\.h\\.(\\d+)'" in p.stdout
+    m = re.search(r"^ok True: max \|diff\| (\S+), 52 parameter tensors", p.stdout, re.M)
+    assert m and float(m.group(1)) <= 1e-5, p.stdout

@@ -8,6 +8,12 @@ Invariants:
   *targets)` when a `loss_fn` is given.
 - Ops are rewritten into canonical forms (`ops.canonical`) and mutation is
   functionalized: a mutated buffer becomes a fresh value plus an `Update`.
+- A tied parameter (one tensor under several names) is one input; its
+  other names are recorded as aliases (`Graph.aliases`).
+- The module's structure (layer list, declared tp plan, head and vocabulary
+  counts) is recorded for "auto" plans (`capture/structure.py`).
+- A tensor constant that is no parameter or buffer (transformers' attention
+  lifts some) becomes an `aten.full` op when its elements are equal.
 - Shapes are export's own (`node.meta["val"]`); inference runs only for ops
   that capture itself creates.
 """
@@ -16,13 +22,14 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
+from meshplan.capture.structure import auto_facts
 from meshplan.errors import CaptureError
-from meshplan.ir import DType, Graph, GraphBuilder, Ref, Role, TensorMeta, Update, verify
+from meshplan.ir import ALIAS, DType, Graph, GraphBuilder, Ref, Role, TensorMeta, Update, verify
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
@@ -93,9 +100,27 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
                 else "check that the inputs fit the model")
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
                            f"{_first_line(e)}; {hint}") from e
-    graph = _translate(ep, prefix, type(module).__name__)
+    same = _tensor_ids(module)
+    graph = _translate(ep, prefix, type(module).__name__, same)
+    graph = replace(graph, meta=graph.meta + _aliases(same, graph) + auto_facts(module))
     verify(graph)
     return graph
+
+
+def _tensor_ids(module: nn.Module) -> dict[str, int]:
+    """Every name of every parameter and buffer -> the identity of its tensor."""
+    return {name: id(t) for name, t in (*module.named_parameters(remove_duplicate=False),
+                                         *module.named_buffers(remove_duplicate=False))}
+
+
+def _aliases(same: dict[str, int], graph: Graph) -> tuple[tuple[str, str], ...]:
+    """(`alias:<name>`, graph input name) for every other name of a tied
+    parameter or buffer: `named_parameters()` dedups, and export may name a
+    shared tensor once or under each name, so only identity finds them all."""
+    input_of = {same.get(graph.values[v].name): graph.values[v].name for v in graph.inputs}
+    out = [(ALIAS + name, input_of[key]) for name, key in same.items()
+           if key in input_of and input_of[key] != name]
+    return tuple(sorted(out))
 
 
 def _first_line(e: Exception) -> str:
@@ -103,13 +128,24 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _translate(ep, prefix: str, model_name: str) -> Graph:
+def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> Graph:
     ctx = _Ctx(builder=GraphBuilder())
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     loss = None
+    first: dict[int, Ref] = {}  # tensor identity -> the input made for it
     for node in ep.graph.nodes:
         if node.op == "placeholder":
-            _add_input(ctx, node, specs[node.name], prefix)
+            spec = specs[node.name]
+            if spec.kind.name == "CONSTANT_TENSOR" and spec.target not in same:
+                ctx.env[node] = _constant(ctx, ep.constants[spec.target], spec.target, node)
+                continue
+            key = same.get(spec.target.removeprefix(prefix)) if spec.target else None
+            if key is not None and key in first:  # a tied tensor's second name: one input
+                ctx.env[node] = first[key]
+                continue
+            _add_input(ctx, node, spec, prefix)
+            if key is not None:
+                first[key] = ctx.env[node]
         elif node.op == "call_function":
             _add_call(ctx, node, prefix)
         elif node.op == "output":
@@ -118,6 +154,22 @@ def _translate(ep, prefix: str, model_name: str) -> Graph:
     b.updates = [Update(name, vid) for vid, name in ctx.state_name.items()
                  if b.values[vid].role is Role.INTERNAL]
     return b.build(loss.id, meta=(("model_class", model_name),))
+
+
+def _constant(ctx: _Ctx, t: torch.Tensor, name: str, node) -> Ref:
+    """A tensor constant of the forward (not a parameter or buffer: no state
+    holds it) as an op that makes it, when all its elements are equal (empty
+    and scalar constants, as transformers' attention lifts)."""
+    flat = t.detach().flatten()
+    if flat.numel() and not bool((flat == flat[0]).all()):
+        raise CaptureError(f"tensor constant '{name}' ({list(t.shape)}) is not a parameter or "
+                           "buffer, so no rank could load it; register it with "
+                           "register_buffer(...)")
+    value = flat[0].item() if flat.numel() else 0
+    e = Emitter(ctx.builder, module_path=_module_path(node, ""), source="")
+    (out,) = e.emit("aten.full.default", (tuple(t.shape), value), (_meta(t, node),),
+                    (("dtype", DType.of(t.dtype)), ("device", DEVICE)))
+    return Ref(out)
 
 
 def _add_input(ctx: _Ctx, node, spec, prefix: str) -> None:

@@ -15,15 +15,20 @@ from meshplan.ir.mesh import Mesh
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default="gpt", help="gpt, bert or resnet (default gpt)")
+    g.add_argument("--hf", default=None, metavar="MODEL_TYPE",
+                   help="a transformers model built offline from its config instead of a zoo "
+                   "model: gpt2, bert, llama, ... (tp plan and layers derived: 'auto')")
     g.add_argument("--size", default="tiny", help="preset: tiny, small, gpt3-175b, "
                    "bert-large, resnet50 (default tiny)")
     for flag in ("layers", "heads", "hidden", "seq-len", "vocab"):
         g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="the output head shares the token embedding's weight (gpt, --hf)")
 
 
 def overrides(a: argparse.Namespace) -> dict:
-    keys = ("layers", "heads", "hidden", "seq_len", "vocab")
-    return {k: getattr(a, k) for k in keys if getattr(a, k) is not None}
+    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings")
+    return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 
 def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None:
@@ -43,7 +48,11 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
                    help="pipeline schedule (default 1f1b; interleaved when vpp > 1)")
     g.add_argument("--layer-pattern", default=None,
-                   help=r"regex over module paths naming a layer (default: blocks\.(\d+))")
+                   help=r"regex over module paths naming a layer (default: blocks\.(\d+)); "
+                   "'auto': the model's longest list of same-class blocks")
+    g.add_argument("--tp-plan", choices=("auto",), default=None,
+                   help="auto: derive the tensor-parallel plan from the model (transformers' "
+                   "own plan, else its vocabulary embedding and head)")
     g.add_argument("--layer-stages", default=None,
                    help="stage of each layer, comma-separated, e.g. 0,0,1,1")
     g = p.add_argument_group("training step")
@@ -154,6 +163,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
         fields["recompute_pattern"] = a.recompute_pattern
     if a.layer_pattern:
         fields["layer_pattern"] = a.layer_pattern
+    if getattr(a, "tp_plan", None):
+        fields["tp_plan"] = a.tp_plan
     if a.layer_stages:
         try:
             fields["layer_stages"] = tuple(int(x) for x in a.layer_stages.split(","))

@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     args.progress = Progress(quiet=args.quiet)
+    if getattr(args, "hf", None):  # --hf gpt2 is the model hf:gpt2
+        args.model = "hf:" + args.hf
     try:
         apply_config(args)
         if getattr(args, "print_config", False):

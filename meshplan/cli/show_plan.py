@@ -24,6 +24,9 @@ def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) 
     t = r["totals_per_step"]
     print(f"\nper step: {t['comm_ops']} communication ops, {_mib(t['comm_bytes'])} "
           "(logical bytes of the tensors communicated)")
+    for name, stages in r.get("shared", {}).items():
+        print(f"shared: '{name}' has a copy on stages {stages}; its gradient is all-reduced "
+              "across them once per step")
     for note in r["notes"]:
         print(f"note: {note}")
     passes = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in timings.items())

@@ -9,6 +9,7 @@ from meshplan.capture import capture
 from meshplan.ir import Role
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.ops.table import rule_for
+from meshplan.passes.auto_plan import AUTO, auto_layer_pattern
 
 
 def inspect_model(model: str, size: str, batch_size: int = 1, **overrides) -> dict:
@@ -20,7 +21,8 @@ def inspect_model(model: str, size: str, batch_size: int = 1, **overrides) -> di
     graph = capture(module, example_batch(cfg, batch_size, device="meta"))
     t2 = time.perf_counter()
     params = graph.inputs_by_role(Role.PARAM)
-    pattern = re.compile(layer_pattern(cfg))
+    pattern = re.compile(auto_layer_pattern(graph) if layer_pattern(cfg) == AUTO
+                         else layer_pattern(cfg))
     layers = {m.group(0) for op in graph.ops if (m := pattern.match(op.module_path))}
     generic = sorted({op.kind for op in graph.ops if not rule_for(op.kind).exact})
     return {

@@ -18,6 +18,7 @@ from meshplan.ir.job import Job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.ir.sbp import fmt
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
+from meshplan.models.hf import PREFIX as HF
 from meshplan.passes.boxing import BOXING_KINDS
 from meshplan.passes.plan import plan_job
 from meshplan.passes.precision import apply_precision
@@ -38,6 +39,8 @@ def zoo_strategy(model: str, cfg, **fields) -> Strategy:
     fields.setdefault("layer_pattern", layer_pattern(cfg))
     if fields.get("tp", 1) > 1 and model in ("gpt", "bert"):
         fields.setdefault("tp_plan", MEGATRON_PLAN)
+    elif fields.get("tp", 1) > 1 and model.startswith(HF):
+        fields.setdefault("tp_plan", "auto")
     return Strategy(**fields)
 
 
@@ -65,7 +68,8 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     """Capture a zoo model (on the meta device: no weights; cached) and plan it."""
     cfg = model_config(model, size, **overrides)
     strategy = check_strategy(mesh, strategy)
-    check_heads(cfg.heads, strategy.tp, model)
+    if not model.startswith(HF):  # an auto plan checks the heads it splits
+        check_heads(cfg.heads, strategy.tp, model)
     t0 = time.perf_counter()
     forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
     t1 = time.perf_counter()
@@ -126,5 +130,17 @@ def report(job: Job) -> dict:
         "totals_per_step": {"comm_ops": sum(1 if c["phase"] == "optimizer" else m
                                             for c in comms),
                             "comm_bytes": per_step},
+        "layer_pattern": s.layer_pattern, "tp_plan": [list(x) for x in s.tp_plan],
+        "shared": shared_params(job),
         "notes": list(job.notes),
     }
+
+
+def shared_params(job: Job) -> dict[str, list[int]]:
+    """Parameters with a copy on several stages, and those stages."""
+    out = {}
+    for op in job.graph.ops:
+        kw = dict(op.kwargs)
+        if op.kind == "meshplan.all_reduce" and "stages" in kw:
+            out[kw["param"]] = list(kw["stages"])
+    return out

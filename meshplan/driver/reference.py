@@ -37,7 +37,11 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
     """`module`'s parameters and buffers by FQN, its optimizer's slots as
     `<fqn>@<slot>` and GradScaler's scale as `amp@loss_scale`: the names of
     meshplan's state, so a run's final state can be compared tensor by tensor."""
-    out = {k: t.detach().cpu().clone() for k, t in module.state_dict(keep_vars=True).items()}
+    out, seen = {}, set()
+    for k, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:  # a tied tensor once, under its first name (as capture)
+            seen.add(id(t))
+            out[k] = t.detach().cpu().clone()
     name_of = {id(p): k for k, p in module.named_parameters()}
     for p, slots in opt.state.items():
         for slot, t in slots.items():

@@ -11,6 +11,9 @@ Invariants:
 - An op output id of `ABSENT` (-1) is a kernel output left undefined.
 - Forward and backward ops run once per micro-batch; optimizer ops run once
   per step (`Phase`).
+- A parameter or buffer reachable under several names (a tied weight) is
+  one graph input, named as torch.export names it; its other names live in
+  `meta` as `("alias:<name>", "<input name>")` (`Graph.aliases`).
 """
 
 from __future__ import annotations
@@ -166,6 +169,9 @@ class Update:
     value: int
 
 
+ALIAS = "alias:"  # graph meta key prefix: ("alias:head.weight", "wte.weight")
+
+
 @dataclass(frozen=True, slots=True)
 class Graph:
     """A whole program: forward only after capture, the train step after
@@ -204,3 +210,12 @@ class Graph:
 
     def param_bytes(self) -> int:
         return sum(v.meta.nbytes for v in self.inputs_by_role(Role.PARAM))
+
+    def aliases(self) -> dict[str, str]:
+        """Every other name of a shared (tied) parameter or buffer -> the name
+        of its one graph input (`head.weight` -> `wte.weight`)."""
+        return {k[len(ALIAS):]: v for k, v in self.meta if k.startswith(ALIAS)}
+
+    def names_of(self, name: str) -> tuple[str, ...]:
+        """`name` (a graph input's) and all its aliases, the input's first."""
+        return (name, *sorted(a for a, c in self.aliases().items() if c == name))

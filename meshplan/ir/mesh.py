@@ -62,10 +62,10 @@ class Strategy:
     global_batch_size: int = 1
     micro_batch_size: int = 1
     schedule: str = "1f1b"           # gpipe | 1f1b | interleaved
-    layer_pattern: str = ""          # regex over module paths; "" = the model's
+    layer_pattern: str = ""          # regex over module paths; "" = the model's; "auto"
     layer_stages: tuple[int, ...] = ()   # optional user stage per layer
     stage_ranks: tuple[tuple[int, ...], ...] = ()  # optional explicit ranks per stage
-    tp_plan: tuple[tuple[str, str], ...] = ()      # (module-path regex, style)
+    tp_plan: tuple[tuple[str, str], ...] | str = ()  # (module-path regex, style), or "auto"
     precision: str = "fp32"          # fp32 | bf16 | fp16 (mixed, fp32 master weights)
     recompute: str = "none"          # none | full | selective (activation checkpointing)
     recompute_pattern: str = ""      # regex of checkpointed regions; "" = the layer pattern

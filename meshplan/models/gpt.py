@@ -7,8 +7,10 @@ Invariants:
 - The qkv output is laid out head-major, `(heads, 3 * head_dim)`, so a
   contiguous split of `attn.qkv`'s output features hands whole heads (each
   with its own q, k and v) to a tensor-parallel rank.
-- `head` is not tied to `wte`: tying would make one parameter need two
-  different shardings under tensor parallelism.
+- With `tie_embeddings`, `head.weight` is `wte.weight` (one parameter under
+  two names, as in GPT-2); tensor parallelism splits it by vocabulary rows
+  for both uses (`vocab` style, S(0)), and pipelining gives a copy to the
+  first and the last stage (docs/concepts/sbp.md, shared parameters).
 - `forward(tokens, targets)` returns the scalar mean cross-entropy loss and
   has no Python control flow on tensor values, so it captures to one graph.
 """
@@ -81,7 +83,7 @@ class GPT(nn.Module):
     """GPT language model whose forward returns the next-token loss."""
 
     def __init__(self, layers: int, heads: int, hidden: int, seq_len: int,
-                 vocab: int, dropout: float = 0.0):
+                 vocab: int, dropout: float = 0.0, tie_embeddings: bool = False):
         super().__init__()
         self.vocab = vocab
         self.wte = nn.Embedding(vocab, hidden)
@@ -90,6 +92,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
+        if tie_embeddings:
+            self.head.weight = self.wte.weight
         init_weights(self)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ Invariants:
 - `example_batch` is a pure function of (cfg, batch_size, seed): data is
   drawn on CPU from a private `torch.Generator`, so it is the same on every
   rank and device and never touches the global RNG.
+- `hf:<model_type>` names a transformers model (models/hf.py) with the
+  transformer fields; its layer pattern and tp plan are "auto".
 - For resnet, `layers == sum(blocks)` and `hidden == width`; `heads=1`,
   `seq_len=0` and `vocab=0` are placeholders.
 """
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from meshplan.errors import ConfigError
+from meshplan.models import hf
 from meshplan.models.bert import BERT, mlm_batch
 from meshplan.models.data import class_images, markov_tokens
 from meshplan.models.gpt import GPT
@@ -30,6 +33,7 @@ from meshplan.models.resnet import STAGE_STRIDES, ResNet
 
 MODELS = ("gpt", "bert", "resnet")
 LAYER_PATTERN = r"blocks\.(\d+)"
+AUTO = "auto"  # a plan derived from the module itself (passes/auto_plan.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,7 @@ class ModelConfig:
     width: int = 0
     num_classes: int = 0
     blocks: tuple[int, ...] = ()
+    tie_embeddings: bool = False  # gpt: the head's weight is the token embedding's
 
 
 def _transformer(model: str, layers: int, heads: int, hidden: int,
@@ -85,7 +90,8 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
 # be silently meaningless there; reject them instead.
 _TRANSFORMER_KEYS = frozenset({"layers", "heads", "hidden", "seq_len", "vocab", "dropout"})
 _RESNET_KEYS = frozenset({"hidden", "width", "image_size", "num_classes", "blocks"})
-_ALLOWED = {"gpt": _TRANSFORMER_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS}
+_GPT_KEYS = _TRANSFORMER_KEYS | {"tie_embeddings"}
+_ALLOWED = {"gpt": _GPT_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS}
 
 
 def _choices(names) -> str:
@@ -96,12 +102,15 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
     """Return the `size` preset of `model` with `overrides` applied, validated.
 
     Overrides are `ModelConfig` field names (`layers`, `heads`, `hidden`,
-    `seq_len`, `vocab`, `dropout`; for resnet `hidden`/`width`,
+    `seq_len`, `vocab`, `dropout`, for gpt `tie_embeddings`; for resnet `hidden`/`width`,
     `image_size`, `num_classes`, `blocks`); `None` values are ignored so CLI
     flags can be passed straight through. Raises `ConfigError`.
     """
+    if model.startswith(hf.PREFIX):
+        return _hf_config(model, size, overrides)
     if model not in PRESETS:
-        raise ConfigError(f"unknown model {model!r}: choose one of {_choices(MODELS)}")
+        raise ConfigError(f"unknown model {model!r}: choose one of {_choices(MODELS)}, "
+                          "or hf:<model_type> (--hf) for a transformers model")
     presets = PRESETS[model]
     if size not in presets:
         raise ConfigError(
@@ -119,6 +128,18 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
         given = _resnet_overrides(given)
     cfg = replace(presets[size], **given)
     validate(cfg)
+    return cfg
+
+
+def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
+    given = {k: v for k, v in overrides.items() if v is not None}
+    bad = sorted(set(given) - _GPT_KEYS)
+    if bad:
+        raise ConfigError(f"{model}: override {bad[0]!r} does not apply; use only "
+                          f"{_choices(sorted(_GPT_KEYS))}")
+    cfg = ModelConfig(model, **(hf.preset(model.removeprefix(hf.PREFIX), size) | given))
+    validate(cfg)
+    hf.hf_config(cfg)  # an unknown model_type, or no transformers: one line now
     return cfg
 
 
@@ -141,7 +162,7 @@ def _resnet_overrides(given: dict) -> dict:
 
 def validate(cfg: ModelConfig) -> None:
     """Raise `ConfigError` if `cfg` cannot be built; return None otherwise."""
-    if cfg.model not in PRESETS:
+    if cfg.model not in PRESETS and not cfg.model.startswith(hf.PREFIX):
         raise ConfigError(f"unknown model {cfg.model!r}: choose one of {_choices(MODELS)}")
     if cfg.model == "resnet":
         _validate_resnet(cfg)
@@ -187,9 +208,12 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Modu
     validate(cfg)
     with torch.device(device):
         if cfg.model == "gpt":
-            return GPT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
+            return GPT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout,
+                       cfg.tie_embeddings)
         if cfg.model == "bert":
             return BERT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
+        if cfg.model.startswith(hf.PREFIX):
+            return hf.build_hf(cfg)
         return ResNet(cfg.blocks, cfg.width, cfg.image_size, cfg.num_classes)
 
 
@@ -220,6 +244,8 @@ def example_batch(
     elif cfg.model == "bert":
         tokens = markov_tokens(cfg.vocab, batch_size, cfg.seq_len, gen)
         batch = mlm_batch(tokens, gen)
+    elif cfg.model.startswith(hf.PREFIX):
+        batch = hf.hf_batch(cfg, batch_size, gen)
     else:
         batch = class_images(cfg.num_classes, cfg.image_size, batch_size, gen)
     return tuple(t.to(device) for t in batch)
@@ -237,8 +263,9 @@ def batch_spec(
 
 
 def layer_pattern(cfg: ModelConfig) -> str:
-    """Regex over module paths whose group(1) is a layer index (`blocks.3`)."""
-    return LAYER_PATTERN
+    """Regex over module paths whose group(1) is a layer index (`blocks.3`);
+    "auto" (derived from the module at capture) for a transformers model."""
+    return AUTO if cfg.model.startswith(hf.PREFIX) else LAYER_PATTERN
 
 
 def param_count(model: nn.Module) -> int:
@@ -247,4 +274,4 @@ def param_count(model: nn.Module) -> int:
 
 
 # Guard against a field rename drifting away from the override tables.
-assert _TRANSFORMER_KEYS | _RESNET_KEYS <= {f.name for f in fields(ModelConfig)}
+assert _GPT_KEYS | _RESNET_KEYS <= {f.name for f in fields(ModelConfig)}

@@ -8,6 +8,11 @@ Invariants:
     S(d) -> R  all_gather     S(i) -> S(j)  all_to_all
     R -> S(d)  local_slice (no communication)
   Partial axes are reduced first.
+- Across placements: a value Partial across the stages holding copies of a
+  shared parameter (its per-stage gradient) becomes Replicate by one
+  `all_reduce` with `stages=(...)` (and `param`, the name that makes the
+  copies' ops one collective for the checker), over the ranks at this rank's (dp, tp)
+  coordinate on each of those stages, before its own axes are converted.
 - Across stages: Partial axes are reduced on the source stage, then one
   `meshplan.transfer` carries the value to the consumer's stage in the layout
   the consumer needs (lowering cuts it into send/recv pieces). A value
@@ -16,6 +21,8 @@ Invariants:
   (A second transfer in a backward consumer's phase would flow forward in
   the backward pass, where no schedule action carries it: found by the
   random-graph fuzz, tests/fuzz/test_graphs.py.)
+- A value made from no tensor at all (a factory op: a constant) is made
+  again on a consumer's stage instead of crossing to it.
 - A conversion is made once per (value, layout, stage) and shared by every
   consumer that needs it; a hinted value is converted right after its
   producer, and all consumers, state updates and the loss read the
@@ -38,6 +45,9 @@ from meshplan.passes.propagate import SbpPlan
 
 BOXING_KINDS = ("meshplan.all_reduce", "meshplan.reduce_scatter", "meshplan.all_gather",
                 "meshplan.all_to_all", "meshplan.local_slice", "meshplan.transfer")
+
+# Deterministic factories: made again on another stage rather than sent (not rand*).
+_FACTORIES = frozenset({"full", "zeros", "ones", "arange", "empty", "scalar_tensor", "eye"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,8 @@ class _Ctx:
     versions: dict = field(default_factory=dict)   # (value, NdSbp, stage) -> value id
     default: dict = field(default_factory=dict)    # value id -> hinted version
     arrived: dict = field(default_factory=dict)    # (value, stage) -> transferred copy
+    copies: dict = field(default_factory=dict)     # value -> stages it is Partial across
+    factory: dict = field(default_factory=dict)    # value -> its producer, if it reads none
 
     def emit(self, kind, src: int, out_layout: NdSbp, at, module_path: str, **kw) -> int:
         stage, chunk, phase = at
@@ -80,18 +92,24 @@ class _Ctx:
         return out
 
 
-def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
-    """Insert boxing ops; returns the boxed graph with its annotations."""
+def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
+               copies: dict | None = None) -> Boxed:
+    """Insert boxing ops; returns the boxed graph with its annotations.
+
+    `copies` ({value: (stages, parameter name)}) names values that are Partial across the
+    placements of several stages (a shared parameter's per-stage gradient,
+    passes/shared.py): their consumer reads them summed over those stages."""
     b = GraphBuilder(graph)
     b.ops = []
-    ctx = _Ctx(b, plan, naxes)
+    ctx = _Ctx(b, plan, naxes, copies=copies or {})
     ctx.layout.update(plan.produced)
     new_id: dict[int, int] = {}
     for op in graph.ops:
         at = (stage[op.id], chunk[op.id], op.phase)
         refs = op.refs()
         sigs = plan.sigs[op.id]
-        mapping = [_ready(ctx, r, tuple(sig.ins[k] for sig in sigs), at, op.module_path)
+        mapping = [_ready(ctx, _across(ctx, r, at, op.module_path),
+                          tuple(sig.ins[k] for sig in sigs), at, op.module_path)
                    for k, r in enumerate(refs)]
         new_id[op.id] = len(b.ops)
         new_op = _renumbered(op, len(b.ops), new_id.get(op.grad_of, -1),
@@ -101,6 +119,8 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
         ctx.stage.append(at[0])
         ctx.chunk.append(at[1])
         ctx.local.append(tuple(sig.local for sig in plan.sigs[op.id]))
+        if not refs and op.kind.split(".")[1] in _FACTORIES and len(op.outputs) == 1:
+            ctx.factory[op.outputs[0]] = new_op
         for o in op.outputs:
             if o >= 0:
                 ctx.where[o] = at
@@ -111,6 +131,20 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int) -> Boxed:
     boxed = Graph(tuple(b.values), ops, graph.inputs, loss, updates, graph.meta, graph.grads)
     sbp = tuple(ctx.layout.get(v.id, (Replicate(),) * naxes) for v in boxed.values)
     return Boxed(boxed, tuple(ctx.stage), tuple(ctx.chunk), sbp, tuple(ctx.local))
+
+
+def _across(ctx: _Ctx, r: int, at, module_path: str) -> int:
+    """`r` summed over the copies' stages, if it is Partial across them: one
+    all-reduce over this rank's line through those stages' placements."""
+    shared = ctx.copies.get(r)
+    if shared is None:
+        return r
+    stages, param = shared
+    key = (r, "copies", at[0])
+    if key not in ctx.versions:
+        ctx.versions[key] = ctx.emit("meshplan.all_reduce", r, ctx.layout[r], at, module_path,
+                                     op="sum", stages=stages, param=param)
+    return ctx.versions[key]
 
 
 def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:
@@ -137,6 +171,8 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     if key in ctx.versions:
         return ctx.versions[key]
     arrived = ctx.arrived.get((r, at[0]))
+    if arrived is None and src_at[0] != at[0] and r in ctx.factory:
+        arrived = ctx.arrived[(r, at[0])] = _remake(ctx, ctx.factory[r], at)
     if arrived is not None:
         out = _convert_local(ctx, arrived, ctx.layout[arrived], need, at, module_path)
     elif src_at[0] != at[0]:
@@ -145,6 +181,21 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     else:
         out = _convert_local(ctx, base, have, need, at, module_path)
     ctx.versions[key] = out
+    return out
+
+
+def _remake(ctx: _Ctx, op: Op, at) -> int:
+    """A copy of factory `op` (no tensor inputs) on stage `at[0]`: its value is
+    made again there rather than sent (an empty constant has no pieces to send)."""
+    out = ctx.b.new_value(ctx.b.values[op.outputs[0]].meta)
+    new = replace(op, id=len(ctx.b.ops), outputs=(out,), phase=at[2], grad_of=-1)
+    ctx.b.ops.append(new)
+    ctx.ops.append(new)
+    ctx.stage.append(at[0])
+    ctx.chunk.append(at[1])
+    ctx.local.append(("",) * ctx.naxes)
+    ctx.layout[out] = ctx.layout[op.outputs[0]]
+    ctx.where[out] = at
     return out
 
 

@@ -22,8 +22,10 @@ Invariants (of `assign_stages`' result, for a train-step Graph):
   accumulation and optimizer ops with their parameter, i.e. with the first
   forward op that reads it. Any other op (the loss-gradient seed) sits with
   the last producer of its inputs, or else with its first consumer.
-- A parameter is read by forward ops of one stage only (no tying across
-  stages). Graph inputs are not ops and get no entry.
+- A parameter read on several stages (a tied weight) is placed here as if
+  it lived with its first reader; `passes/shared.py` then gives every
+  reading stage its own accumulation and update. Graph inputs are not ops
+  and get no entry.
 """
 
 from __future__ import annotations
@@ -64,8 +66,7 @@ def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
 
     Raises `ConfigError` for a pattern that matches nothing, a layer whose
     ops are not contiguous, a layer count that does not split into
-    `pp * vpp` segments, a bad `layer_stages`, or a parameter tied across
-    stages.
+    `pp * vpp` segments, or a bad `layer_stages`.
     """
     if pp < 1 or vpp < 1:
         raise ConfigError(f"pp={pp} and vpp={vpp} must both be >= 1; pass --pp and --vpp >= 1")
@@ -257,9 +258,7 @@ class _Placer:
         p = self.layer_place[self.op_layer[op.id]]
         for r in op.refs():
             if r in self.params:
-                first = self.reader.setdefault(r, op.id)
-                if first != op.id and self.place[first][0] != p[0]:
-                    self._tied(r, first, op, p[0])
+                self.reader.setdefault(r, op.id)
         return p
 
     def by_forward_op(self, op: Op) -> Place | None:
@@ -294,14 +293,6 @@ class _Placer:
                 users = [c.id for o in self.graph.ops[i].outputs for c in consumers.get(o, ())]
                 p = self.place[min(users)] if users else None
                 self.place[i] = p if p is not None else self.layer_place[0]
-
-    def _tied(self, pid: int, first: int, op: Op, stage: int):
-        a = self.graph.ops[first]
-        raise ConfigError(
-            f"parameter '{self.graph.values[pid].name}' is read on stage "
-            f"{self.place[first][0]} (op #{first} {a.kind} at '{a.module_path}') and on stage "
-            f"{stage} (op #{op.id} {op.kind} at '{op.module_path}'): tied parameters across "
-            f"stages are not supported; untie it")
 
 
 _KIND_RULES = {GRAD_SUM: _Placer.by_last_producer, ACCUMULATE: _Placer.by_param}

@@ -1,7 +1,8 @@
 """plan: the planning passes, in order, from a train-step Graph to a Job.
 
-    check_strategy -> expand_batch_norm (dp > 1) -> expand_log_softmax (vocab tp)
-        -> assign_stages
+    check_strategy -> resolve_auto ("auto" plans) -> expand_batch_norm (dp > 1)
+        -> expand_log_softmax (vocab tp) -> assign_stages
+        -> share_params (a parameter read on several stages)
         -> tensor_parallel -> propagate_sbp -> add_boxing -> recompute -> Job
 
 Each step is a pure function of immutable data; `plan_job` only wires them.
@@ -11,17 +12,20 @@ Each step is a pure function of immutable data; `plan_job` only wires them.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, verify
 from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
+from meshplan.passes.auto_plan import resolve_auto
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import add_boxing
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.propagate import propagate_sbp
 from meshplan.passes.recompute import recompute
+from meshplan.passes.shared import param_readers, share_params
 from meshplan.passes.strategy import check_strategy
 from meshplan.passes.tp_plan import tensor_parallel
 
@@ -41,6 +45,7 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
         t = now
 
     strategy = check_strategy(mesh, strategy)
+    strategy, auto_notes = resolve_auto(graph, strategy)
     if strategy.dp > 1:  # batch statistics must become sums the dp ranks reduce
         graph = expand_batch_norm(graph)
     if strategy.tp > 1 and any(style == "vocab" for _, style in strategy.tp_plan):
@@ -50,12 +55,19 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
     else:
         stages = assign_stages(graph, strategy.pp, strategy.vpp, strategy.layer_pattern,
                                strategy.layer_stages)
+    places = list(zip(stages.stage, stages.chunk))
+    shared = share_params(graph, places, param_readers(graph, places))
+    if shared.copies:
+        graph = shared.graph
+        stages = replace(stages, stage=tuple(p[0] for p in shared.places),
+                         chunk=tuple(p[1] for p in shared.places))
     lap("assign_stages")
     param_tp, hints = tensor_parallel(graph, strategy.tp_plan, TP_AXIS)
     lap("tensor_parallel")
     sbp = propagate_sbp(graph, stages.stage, strategy.grid, param_tp, hints, TP_AXIS)
     lap("propagate_sbp")
-    boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid))
+    boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid),
+                       shared.copies)
     lap("add_boxing")
     if strategy.recompute != "none":
         pattern = strategy.recompute_pattern or strategy.layer_pattern
@@ -67,7 +79,8 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
     job = Job(
         graph=boxed.graph, mesh=mesh, strategy=strategy, stage=boxed.stage,
         chunk=boxed.chunk, sbp=boxed.sbp, local=boxed.local, layers=stages.layers,
-        layer_stage=stages.layer_stage, layer_chunk=stages.layer_chunk, notes=stages.notes,
+        layer_stage=stages.layer_stage, layer_chunk=stages.layer_chunk,
+        notes=auto_notes + stages.notes,
     )
     if checks:
         verify(job.graph)

@@ -76,7 +76,10 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
     if s.recompute not in RECOMPUTE:
         raise ConfigError(f"unknown recompute mode '{s.recompute}': choose one of "
                           f"{', '.join(RECOMPUTE)}")
-    for pattern, style in s.tp_plan:
+    if isinstance(s.tp_plan, str) and s.tp_plan != "auto":
+        raise ConfigError(f"tp_plan '{s.tp_plan}' is unknown: give 'auto' or a list of "
+                          f"(module-path regex, style) pairs, styles {', '.join(STYLES)}")
+    for pattern, style in () if s.tp_plan == "auto" else s.tp_plan:
         if style not in STYLES:
             raise ConfigError(f"tensor-parallel style '{style}' for '{pattern}' is unknown: "
                               f"choose one of {', '.join(STYLES)}")

@@ -11,6 +11,9 @@ The styles are the ones `parallelize_module` users know:
              a Linear head: weight S(0) (vocab columns of the logits), as colwise
   replicate  every parameter R
 
+A tied parameter takes the style of every module that owns it under any of
+its names; styles that split it differently are an error.
+
 Invariant: constraints ("hints") are what make propagation produce exactly
 Megatron's communication: propagation is greedy per op, and without them it
 may prefer a cheaper reduce-scatter now for a dearer gather later.
@@ -46,12 +49,19 @@ def tensor_parallel(graph: Graph, plan, tp_axis: int):
     styles: dict[str, str] = {}
     param_sbp: dict[int, Sbp] = {}
     for v in params.values():
-        module, _, leaf = v.name.rpartition(".")
-        style = _style_of(module, plan)
-        if style is None:
-            continue
-        styles[module] = style
-        param_sbp[v.id] = _PARAM_SBP[style].get(leaf, R)
+        for name in graph.names_of(v.name):  # a tied weight: every module that owns it
+            module, _, leaf = name.rpartition(".")
+            style = _style_of(module, plan)
+            if style is None:
+                continue
+            styles[module] = style
+            sbp = _PARAM_SBP[style].get(leaf, R)
+            if param_sbp.setdefault(v.id, sbp) != sbp:
+                raise ConfigError(
+                    f"tied parameter '{v.name}' (also {', '.join(graph.names_of(v.name)[1:])}) "
+                    f"gets {param_sbp[v.id]} from one module's style and {sbp} from "
+                    f"'{module}' ({style}); give the modules sharing it styles that split it "
+                    "alike (e.g. vocab for both the embedding and the head)")
     if plan and not styles:
         raise ConfigError(
             f"tensor-parallel plan matches no module (patterns: "

@@ -19,7 +19,11 @@ Proves, in order (each failure is one message; `errors` lists them all):
    simulation of the stages (the schedule simulator, with per-action costs
    from the op cost model) finishes with no deadlock; it reports the bubble
    ratio, the predicted step time and each rank's planned peak memory;
-5. every plan is for one device type, the same on every rank; each task id's
+5. every copy of a parameter takes the same update: each rank reading a
+   trained parameter updates it, and copies on several stages (a tied
+   weight) run the same optimizer op on one gradient all-reduced across
+   exactly those stages (`plan/check_shared.py`);
+6. every plan is for one device type, the same on every rank; each task id's
    device-type field says it; and no task of a non-cpu plan runs a CPU-only
    kernel (a name containing `_for_cpu`).
 Failures that point at an action come with the schedule grid and
@@ -35,6 +39,7 @@ from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.sbp import box_numel
+from meshplan.plan.check_shared import shared_copies
 from meshplan.plan.cost import action_costs
 from meshplan.plan.ids import DEVICE_TYPES, TaskId
 from meshplan.plan.rankplan import RankPlan, TaskKind
@@ -62,7 +67,7 @@ def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     """Run every proof over `plans`; never raises for a bad plan."""
     res = CheckResult()
     for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
-                  _stages_agree, _schedule, _devices):
+                  _stages_agree, _schedule, shared_copies, _devices):
         res.errors += proof(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
@@ -118,7 +123,8 @@ def _references(job: Job, plans) -> list[str]:
 def _tasks_match_job(job: Job, plans) -> list[str]:
     """Every op of a rank's stage is exactly one of its tasks (no collective,
     gradient or optimizer update dropped or doubled), and every collective's
-    group is the rank's line along the op's mesh axis in its placement."""
+    group is the rank's line along the op's mesh axis in its placement (for
+    a shared parameter's all-reduce, its line through the copies' stages)."""
     s = job.strategy
     errors = []
     for r, p in sorted(plans.items()):
@@ -136,9 +142,14 @@ def _tasks_match_job(job: Job, plans) -> list[str]:
         for t in p.tasks:
             if t.kind not in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
                 continue
-            axis = dict(job.graph.ops[t.op].kwargs)["axis"]
-            line = tuple(place.rank_at(coord[:axis] + (k,) + coord[axis + 1:])
-                         for k in range(place.grid[axis]))
+            kw = dict(job.graph.ops[t.op].kwargs)
+            if "stages" in kw:  # across the stages holding copies of a shared parameter
+                axis = f"stages {list(kw['stages'])}"
+                line = tuple(s.placement(st).rank_at(coord) for st in kw["stages"])
+            else:
+                axis = kw["axis"]
+                line = tuple(place.rank_at(coord[:axis] + (k,) + coord[axis + 1:])
+                             for k in range(place.grid[axis]))
             if t.group != line:
                 errors.append(f"rank {r}: collective op {t.op} runs over {list(t.group)} but "
                               f"its axis {axis} line is {list(line)}; recompile")
@@ -206,8 +217,9 @@ def _send_peers(p: RankPlan, pp: int) -> dict:
     return out
 
 
-def expand_collectives(p: RankPlan, pp: int) -> dict[tuple, list]:
-    """Per group: the (op, micro-batch) collectives this rank joins, in order."""
+def expand_collectives(p: RankPlan, pp: int, ops=()) -> dict[tuple, list]:
+    """Per group: the (op, micro-batch) collectives this rank joins, in order
+    (given the Job's `ops`, a cross-stage all-reduce is named by its parameter)."""
     by_action = defaultdict(list)
     for t in p.tasks:
         if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
@@ -221,15 +233,23 @@ def expand_collectives(p: RankPlan, pp: int) -> dict[tuple, list]:
         else:
             continue
         for t in by_action.get(key, ()):
-            seq[t.group].append((t.op, a.microbatch))
+            seq[t.group].append((_instance(ops[t.op]) if ops else t.op, a.microbatch))
     return seq
+
+
+def _instance(op):
+    """What names one collective on every member: its op, except for the
+    all-reduce across the stages holding copies of a shared parameter, which
+    is one op per stage (each on its own stage) and is named by the parameter."""
+    kw = dict(op.kwargs)
+    return f"{kw['param']}@copies" if "stages" in kw else op.id
 
 
 def _collectives(job: Job, plans) -> list[str]:
     pp = job.strategy.pp
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     for r, p in plans.items():
-        for group, seq in expand_collectives(p, pp).items():
+        for group, seq in expand_collectives(p, pp, job.graph.ops).items():
             if r not in group:
                 return [f"rank {r} joins a collective of group {group} it is not in"]
             per_group[group][r] = seq

@@ -113,7 +113,9 @@ class _Lowering:
             return
         if op.kind in _COLLECTIVES:
             kind = TaskKind.GRAD_REDUCE if op.phase is Phase.OPTIMIZER else TaskKind.COLLECTIVE
-            stream, group = COLLECTIVE_STREAM, self.group(dict(op.kwargs)["axis"])
+            kw = dict(op.kwargs)
+            group = self.across(kw["stages"]) if "stages" in kw else self.group(kw["axis"])
+            stream = COLLECTIVE_STREAM
         else:
             kind = TaskKind.OPTIMIZER if op.kind in _OPTIMIZERS else TaskKind.COMPUTE
             stream, group = COMPUTE_STREAM, ()
@@ -133,6 +135,10 @@ class _Lowering:
             c[axis] = k
             out.append(self.place.rank_at(tuple(c)))
         return tuple(out)
+
+    def across(self, stages) -> tuple[int, ...]:
+        """The ranks at this rank's grid coordinate on each of `stages`."""
+        return tuple(self.job.strategy.placement(st).rank_at(self.coord) for st in stages)
 
     def transfer(self, op) -> None:
         job, s = self.job, self.job.strategy

@@ -18,6 +18,9 @@ Invariants:
   rank starts. It also holds the sha256 of DCP's `.metadata` file, which
   DCP reads with pickle: `load` checks the hash first, so only the bytes
   this code wrote are ever unpickled.
+- A tied tensor is one state entry, saved once under its graph input's
+  name (each stage's copy is the same slice under the same key, which DCP
+  writes once), and found on load under any of its names.
 - The data position (the next step) is saved with it; data is a pure
   function of the step, so a resumed run sees exactly the batches an
   uninterrupted one would.
@@ -143,6 +146,7 @@ def check_resumable(path: str, job) -> int:
     g = job.graph
     for name, vid in sorted(_state_values(job).items()):
         want = [list(g.values[vid].meta.shape), g.values[vid].meta.dtype.name]
+        name = _saved_name(g, name, saved)
         if name not in saved:
             if "@" in name:
                 continue  # an optimizer slot the saved optimizer lacks: it starts fresh
@@ -158,6 +162,16 @@ def check_resumable(path: str, job) -> int:
         raise RuntimeFault(f"checkpoint {path}: {METADATA} is missing or not the one saved "
                            "with it (edited or corrupted); resume from another checkpoint")
     return step
+
+
+def _saved_name(graph, name: str, saved) -> str:
+    """The name state `name` was saved under: itself, or an alias of a tied
+    tensor (`head.weight@exp_avg` for `wte.weight@exp_avg`)."""
+    fqn, at, slot = name.partition("@")
+    for n in graph.names_of(fqn):
+        if n + at + slot in saved:
+            return n + at + slot
+    return name
 
 
 def read_slices(path: str) -> dict[str, torch.Tensor]:
@@ -191,13 +205,14 @@ def load(path: str, state: dict, job, ctx) -> int:
         if name not in state:
             continue
         want = ctx.box(vid)
-        if name not in saved:
+        key_name = _saved_name(job.graph, name, saved)
+        if key_name not in saved:
             continue  # an optimizer slot not yet created (SGD momentum): start fresh
-        for box in saved[name]:
+        for box in saved[key_name]:
             part = intersect(want, box) if box else ()
             if part is None:
                 continue
-            key = f"{name}|{box_key(box)}"
+            key = f"{key_name}|{box_key(box)}"
             if key not in request:
                 shape = tuple(b - a for a, b in box)
                 request[key] = torch.empty(shape, dtype=job.graph.values[vid].meta.dtype.torch)

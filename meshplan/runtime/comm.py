@@ -88,8 +88,24 @@ class Comm:
             self.spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
 
 
-def job_groups(strategy) -> list[tuple[int, ...]]:
-    """Every collective group of a job: each stage's grid lines along each axis."""
+def job_groups(strategy, job=None) -> list[tuple[int, ...]]:
+    """Every collective group of a job: each stage's grid lines along each
+    axis, then (given the Job) the lines across the stages that hold copies
+    of a shared parameter, in the Job's op order."""
+    out = _grid_lines(strategy)
+    for op in job.graph.ops if job is not None else ():
+        stages = dict(op.kwargs).get("stages") if op.kind == "meshplan.all_reduce" else None
+        if stages is None:
+            continue
+        place = strategy.placement(stages[0])
+        for r in place.ranks:
+            line = tuple(strategy.placement(s).rank_at(place.coord(r)) for s in stages)
+            if line not in out:
+                out.append(line)
+    return out
+
+
+def _grid_lines(strategy) -> list[tuple[int, ...]]:
     out = []
     for stage in range(strategy.pp):
         place = strategy.placement(stage)

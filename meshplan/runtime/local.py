@@ -143,7 +143,7 @@ def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     from meshplan.runtime.rank_executor import RankExecutor
 
     world, hub = job.mesh.world, Hub(timeout_s)
-    groups = job_groups(job.strategy)
+    groups = job_groups(job.strategy, job)
     ranks = []
     for r in range(world):
         comm = LocalComm(r, groups, hub, world) if world > 1 else None

@@ -4,6 +4,7 @@ Invariant: every configuration starts from the same weights as the eager
 reference — each parameter and buffer is the module's tensor cut to the
 slice (`local_box`) this rank holds; optimizer slots start fresh, gradient
 accumulators empty. Only the state this rank's tasks touch is loaded.
+A tied tensor is one state entry, found in the module under any alias.
 """
 
 from __future__ import annotations
@@ -26,11 +27,23 @@ def cut(t: torch.Tensor, box) -> torch.Tensor:
 
 
 def weights_of(module) -> dict[str, torch.Tensor]:
-    """A module's parameters and buffers by FQN (a mapping passes through)."""
+    """A module's parameters and buffers by FQN, every name of a tied tensor
+    included (a mapping passes through)."""
     if isinstance(module, Mapping):
         return dict(module)
     return {k: t.detach() for k, t in
-            (dict(module.named_parameters()) | dict(module.named_buffers())).items()}
+            (dict(module.named_parameters(remove_duplicate=False))
+             | dict(module.named_buffers(remove_duplicate=False))).items()}
+
+
+def own_tensor(own: Mapping, graph, name: str) -> torch.Tensor:
+    """The tensor of graph input `name` in `own`, found under any of its
+    names (a tied weight may be saved or loaded under another alias)."""
+    for n in graph.names_of(name):
+        if n in own:
+            return own[n]
+    raise ConfigError(f"module has no parameter or buffer '{name}'; "
+                      "capture and run the same model")
 
 
 def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict:
@@ -44,10 +57,8 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
         if used is not None and vid not in used:
             continue
         if v.role in (Role.PARAM, Role.BUFFER):
-            if v.name not in own:
-                raise ConfigError(f"module has no parameter or buffer '{v.name}'; "
-                                  "capture and run the same model")
-            state[v.name] = cut(own[v.name].detach(), ctx.box(vid)).to(device, copy=True)
+            t = own_tensor(own, job.graph, v.name)
+            state[v.name] = cut(t.detach(), ctx.box(vid)).to(device, copy=True)
     for vid in job.graph.inputs:
         v = values[vid]
         if used is not None and vid not in used:
@@ -59,7 +70,8 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
             fqn, slot = v.name.rsplit("@", 1)
             like = state.get(fqn)
             if like is None:
-                like = cut(own[fqn].detach(), ctx.box(_value_of(job, fqn))).to(device)
+                like = cut(own_tensor(own, job.graph, fqn).detach(),
+                           ctx.box(_value_of(job, fqn))).to(device)
             state[v.name] = initial_state(slot, like)
         elif v.role is Role.GRAD:
             state[v.name] = None

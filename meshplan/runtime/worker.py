@@ -132,7 +132,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
                            "started; start as many ranks as the plan's mesh has")
     device = device if device is not None else torch.device(spec.device)
     plan = _plan(spec, job, rank, lower, device.type)
-    comm = Comm(rank, job_groups(job.strategy), backend, device) if world > 1 else None
+    comm = Comm(rank, job_groups(job.strategy, job), backend, device) if world > 1 else None
     if backend == "nccl" and world > 1:  # the first NCCL call must involve every rank
         dist.all_reduce(torch.zeros(1, device=device))   # (batch_isend_irecv's rule)
     missing = set(_groups(plan)) - set(comm.groups if comm else ())

@@ -60,14 +60,29 @@ def _capture_targets(tmp):
 
 
 def _plan_tied(tmp):
+    """A tied weight that two tp styles would split differently."""
     from meshplan.autodiff import OptimizerConfig, build_train_step
     from meshplan.capture import capture
     from meshplan.ir.mesh import Mesh, Strategy
     from meshplan.passes.plan import plan_job
 
     graph = build_train_step(capture(models.Tied(), models.example()),
+                             OptimizerConfig.default("sgd"), 1)
+    s = Strategy(tp=2, global_batch_size=4, micro_batch_size=4,
+                 tp_plan=((r"blocks\.0", "colwise"), (r"blocks\.1", "rowwise")))
+    return plan_job(graph, Mesh(1, 2), s)
+
+
+def _auto_no_layers(tmp):
+    """layer_pattern='auto' on a model with no list of blocks, at pp=2."""
+    from meshplan.autodiff import OptimizerConfig, build_train_step
+    from meshplan.capture import capture
+    from meshplan.ir.mesh import Mesh, Strategy
+    from meshplan.passes.plan import plan_job
+
+    graph = build_train_step(capture(models.NoList(), models.example()),
                              OptimizerConfig.default("sgd"), 2)
-    s = Strategy(pp=2, global_batch_size=4, micro_batch_size=2, layer_pattern=r"blocks\.(\d+)")
+    s = Strategy(pp=2, global_batch_size=8, micro_batch_size=4, layer_pattern="auto")
     return plan_job(graph, Mesh(1, 2), s)
 
 
@@ -182,8 +197,19 @@ CASES: list[Case] = [
         "plan", "--devices-per-node", "2", "--pp", "2", "--layer-stages", "0,0,5,5"),
     cli("layer-stages-text", "layers", ConfigError, "is not a comma-separated list",
         "plan", "--devices-per-node", "2", "--pp", "2", "--layer-stages", "0,x"),
-    py("tied-across-stages", "layers", ConfigError, "tied parameters across stages",
+    py("tied-styles", "layers", ConfigError, "give the modules sharing it styles that split",
        _plan_tied),
+    py("auto-no-layers", "layers", ConfigError, "layer_pattern 'auto' found no layer list",
+       _auto_no_layers),
+    # ---- transformers models (--hf) ---------------------------------------------------
+    cli("hf-unknown-type", "model", ConfigError, "has no model_type 'nosuch'",
+        "compile", "--hf", "nosuch", *OUT),
+    cli("hf-not-an-lm", "model", ConfigError, "cannot build hf:vit",
+        "verify", "--hf", "vit"),
+    cli("hf-tp-vocab", "model", ConfigError, "tp=3 does not divide the vocabulary (128)",
+        "compile", "--hf", "gpt2", "--devices-per-node", "3", "--tp", "3", *OUT),
+    cli("hf-tp-heads", "model", ConfigError, "tp=8 does not divide the 4 attention heads",
+        "run", "--hf", "llama", "--devices-per-node", "8", "--tp", "8"),
     # ---- schedules and micro-batch counts ----------------------------------------------
     cli("1f1b-too-few", "schedule", ConfigError, "needs num_microbatches >= pp",
         "plan", "--devices-per-node", "2", "--pp", "2", "--num-microbatches", "1"),

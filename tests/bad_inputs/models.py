@@ -81,3 +81,14 @@ class Tied(nn.Module):
         for b in self.blocks:
             x = torch.relu(b(x))
         return x.sum()
+
+
+class NoList(nn.Module):
+    """Layers as plain attributes: no nn.ModuleList for an "auto" layer list."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(X[1], X[1]), nn.Linear(X[1], X[1])
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).sum()

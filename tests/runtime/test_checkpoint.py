@@ -1,6 +1,8 @@
 """Checkpoints: resume gives the uninterrupted run's losses; a checkpoint
 saved in one layout loads into another; an incomplete one is refused."""
 
+import shutil
+
 import pytest
 
 from meshplan.driver.plan import zoo_strategy
@@ -61,3 +63,26 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     (tmp_path / "COMPLETE").unlink()
     with pytest.raises(RuntimeFault, match="incomplete"):
         run("gpt", "tiny", Mesh(1, 2), s, steps=2, save_dir=str(tmp_path), resume=True)
+
+
+@pytest.mark.slow
+def test_tied_checkpoint_from_pp2_resumes_at_pp1_and_tp2(tmp_path):
+    """The tied weight has a copy on each stage at pp=2; the checkpoint holds
+    it once, and loads into one rank and into a tp=2 split."""
+    tie = dict(tie_embeddings=True)
+
+    def s(**f):
+        f.setdefault("global_batch_size", 8)
+        f.setdefault("micro_batch_size", 4 if f.get("pp", 1) > 1 else 8)
+        return zoo_strategy("gpt", model_config("gpt", "tiny", **tie), **f)
+
+    full = run("gpt", "tiny", Mesh(1, 2), s(pp=2), steps=4, optimizer="adamw", **tie)
+    run("gpt", "tiny", Mesh(1, 2), s(pp=2), steps=2, optimizer="adamw",
+        save_dir=str(tmp_path / "pp2"), **tie)
+    for f, world in ((dict(), 1), (dict(tp=2), 2)):
+        here = tmp_path / f"to{world}"  # a resumed run saves again: each gets its own copy
+        shutil.copytree(tmp_path / "pp2", here)
+        other = run("gpt", "tiny", Mesh(1, world), s(**f), steps=4, optimizer="adamw",
+                    save_dir=str(here), resume=True, **tie)
+        assert other["first_step"] == 2
+        assert max(abs(a - b) for a, b in zip(other["losses"], full["losses"][2:])) <= 1e-5

@@ -1,0 +1,113 @@
+"""What capture records about a module's structure, for "auto" plans.
+
+Invariants:
+- Facts, not decisions: the layer list, the tensor-parallel entries the
+  model itself declares (transformers' `_tp_plan`, or its config's
+  `base_model_tp_plan`) or that its structure shows (the vocabulary
+  embedding and head), and the head, key/value-head and vocabulary counts.
+  `passes/auto_plan.py` turns them into a plan once the tp degree is known.
+- They live in the graph's `meta` under `auto:` keys (strings; lists as
+  JSON), so a captured graph carries them into planning, caches and files.
+- The layer list is transformers' `_pp_plan` ModuleList if declared, else
+  the longest `nn.ModuleList` whose children are all of one class.
+- Module paths are relative to the captured module, as op module paths are.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from torch import nn
+
+KEY = "auto:"
+
+
+def auto_facts(module: nn.Module) -> tuple[tuple[str, str], ...]:
+    """The `auto:` meta entries of `module`."""
+    hf_path, hf = _transformers_model(module)
+    conf = getattr(hf, "config", None)
+    layers, layers_from = _layer_list(module, hf_path, hf)
+    vocab = _int(conf, "vocab_size") or _largest_embedding(module)
+    tp, tp_from = _declared_tp(hf_path, hf)
+    if not tp:
+        tp = [[re.escape(p), "vocab", "structure"]
+              for p in _vocab_modules(module, vocab, layers)]
+        tp_from = "structure: the vocabulary embedding and head only"
+    facts = {
+        "layers": layers, "layers_from": layers_from, "tp": json.dumps(tp), "tp_from": tp_from,
+        "heads": str(_int(conf, "num_attention_heads", "n_head")),
+        "kv_heads": str(_int(conf, "num_key_value_heads") or _int(conf, "num_attention_heads",
+                                                                   "n_head")),
+        "vocab": str(vocab), "model": type(hf if hf is not None else module).__name__,
+    }
+    return tuple((KEY + k, v) for k, v in facts.items())
+
+
+def _int(conf, *names: str) -> int:
+    for n in names:
+        v = getattr(conf, n, None)
+        if isinstance(v, int):
+            return v
+    return 0
+
+
+def _transformers_model(module: nn.Module):
+    """(path, module) of the first transformers PreTrainedModel inside."""
+    for path, m in module.named_modules():
+        if hasattr(m, "config") and hasattr(m, "base_model_prefix"):
+            return path, m
+    return "", None
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _layer_list(module: nn.Module, hf_path: str, hf) -> tuple[str, str]:
+    for key in (getattr(hf, "_pp_plan", None) or {}):
+        path = _join(hf_path, key)
+        if isinstance(module.get_submodule(path), nn.ModuleList):
+            return path, "transformers _pp_plan"
+    best = ""
+    size = 0
+    for path, m in module.named_modules():
+        kinds = {type(c) for c in m.children()} if isinstance(m, nn.ModuleList) else set()
+        if len(kinds) == 1 and len(m) > size:
+            best, size = path, len(m)
+    return best, "structure: the longest nn.ModuleList of one block class" if best else ""
+
+
+def _declared_tp(hf_path: str, hf) -> tuple[list, str]:
+    if hf is None:
+        return [], ""
+    plan = getattr(hf, "_tp_plan", None)
+    where = "transformers _tp_plan"
+    if not plan:
+        base = getattr(hf.config, "base_model_tp_plan", None) or {}
+        prefix = getattr(hf, "base_model_prefix", "")
+        plan = {_join(prefix if hasattr(hf, prefix) else "", k): v for k, v in base.items()}
+        where = "config.base_model_tp_plan"
+    if not plan:
+        return [], ""
+    out = []
+    for key, style in plan.items():
+        parts = (re.escape(p) if p != "*" else r"\d+" for p in _join(hf_path, key).split("."))
+        out.append([r"\.".join(parts), style, style])
+    return out, where
+
+
+def _largest_embedding(module: nn.Module) -> int:
+    sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes, default=0)
+
+
+def _vocab_modules(module: nn.Module, vocab: int, layers: str) -> list[str]:
+    """The embedding and the head over the vocabulary: outside the layers."""
+    if not vocab:
+        return []
+    inside = layers + "." if layers else None
+    return [p for p, m in module.named_modules()
+            if not (inside and p.startswith(inside))
+            and ((isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
+                 or (isinstance(m, nn.Linear) and m.out_features == vocab))]

@@ -1,0 +1,156 @@
+"""Models from Hugging Face `transformers`, built offline from a config.
+
+Invariants:
+- A model is named `hf:<model_type>` (`hf:gpt2`, `hf:bert`, `hf:llama`);
+  it is built from `transformers`' own config class for that type with the
+  `ModelConfig`'s sizes, random weights (the global RNG, as zoo models),
+  dropout off, and nothing downloaded: `transformers` is an optional extra
+  (`pip install -e '.[hf]'`), imported only when such a model is asked for.
+- The module is `HFLoss(model)`: `forward(input_ids, labels)` returns the
+  model's own `.loss`, so it captures like a zoo model. Causal LMs take
+  labels equal to the inputs (transformers shifts them); masked LMs take
+  BERT-style masked inputs with labels -100 where unmasked.
+- Tying follows the config (`tie_word_embeddings`), overridable through
+  `ModelConfig.tie_embeddings`.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from meshplan.errors import ConfigError
+
+PREFIX = "hf:"
+# Model types tested end to end; any other causal-LM or masked-LM type is tried.
+TESTED = ("gpt2", "bert", "llama")
+TIED_BY_DEFAULT = {"gpt2": True, "bert": True}
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
+            "deberta-v2", "camembert", "megatron-bert", "modernbert")
+_DROPOUT = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "summary_first_dropout",
+            "hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout",
+            "hidden_dropout", "dropout", "classifier_dropout", "activation_dropout")
+_SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
+    "tiny": (4, 4, 64, 16, 128),
+    "small": (8, 8, 256, 128, 1024),
+}
+
+
+class HFLoss(nn.Module):
+    """A transformers model whose forward returns its loss."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's own loss of predicting `labels` from `input_ids`."""
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def sizes() -> tuple[str, ...]:
+    return tuple(_SIZES)
+
+
+def preset(model_type: str, size: str) -> dict:
+    """The ModelConfig fields of `size` for `hf:<model_type>`."""
+    if size not in _SIZES:
+        raise ConfigError(f"unknown size {size!r} for {PREFIX}{model_type}: choose one of "
+                          f"{', '.join(_SIZES)}")
+    layers, heads, hidden, seq_len, vocab = _SIZES[size]
+    return dict(layers=layers, heads=heads, hidden=hidden, seq_len=seq_len, vocab=vocab,
+                tie_embeddings=TIED_BY_DEFAULT.get(model_type, False))
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("Hugging Face models need transformers: pip install -e '.[hf]'") \
+            from None
+    transformers.logging.set_verbosity_error()  # its advice on configs would bury our one line
+    return transformers
+
+
+def hf_config(cfg):
+    """The transformers config of `cfg` (a ModelConfig named `hf:<type>`)."""
+    tf = _transformers()
+    model_type = cfg.model.removeprefix(PREFIX)
+    if model_type not in tf.CONFIG_MAPPING:
+        raise ConfigError(f"transformers {tf.__version__} has no model_type {model_type!r}; "
+                          f"tested: {', '.join(TESTED)}")
+    cls = tf.CONFIG_MAPPING[model_type]
+    try:
+        return cls(**_fields(cls(), cfg))
+    except Exception as e:  # noqa: BLE001 - one line for any config that will not take ours
+        raise _unbuildable(cfg, e) from None
+
+
+def _unbuildable(cfg, e: Exception) -> ConfigError:
+    text = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+    return ConfigError(f"cannot build {cfg.model} offline from its config "
+                       f"({type(e).__name__}: {text}); use a causal-LM or masked-LM "
+                       f"model_type, e.g. {', '.join(TESTED)}")
+
+
+def _fields(probe, cfg) -> dict:
+    """Our sizes under the config class's own names."""
+    kw = {}
+    for names, value in ((("num_hidden_layers", "n_layer"), cfg.layers),
+                         (("num_attention_heads", "n_head"), cfg.heads),
+                         (("hidden_size", "n_embd"), cfg.hidden),
+                         (("max_position_embeddings", "n_positions"), cfg.seq_len),
+                         (("vocab_size",), cfg.vocab)):
+        name = next((n for n in names if hasattr(probe, n)), names[0])
+        kw[name] = value
+    if hasattr(probe, "intermediate_size"):
+        kw["intermediate_size"] = 4 * cfg.hidden
+    if hasattr(probe, "num_key_value_heads"):
+        kw["num_key_value_heads"] = max(1, cfg.heads // 2)  # grouped-query attention
+    kw.update({d: 0.0 for d in _DROPOUT if isinstance(getattr(probe, d, None), float)})
+    kw["tie_word_embeddings"] = cfg.tie_embeddings
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(getattr(probe, token, None), int) and getattr(probe, token) >= cfg.vocab:
+            kw[token] = cfg.vocab - 1
+    return kw
+
+
+@lru_cache(maxsize=16)
+def is_masked_lm(cfg) -> bool:
+    """An encoder trained with masked tokens (BERT-like), or a causal LM."""
+    tf = _transformers()
+    model_type = cfg.model.removeprefix(PREFIX)
+    return model_type in ENCODERS or \
+        type(hf_config(cfg)) not in tf.AutoModelForCausalLM._model_mapping
+
+
+def build_hf(cfg) -> nn.Module:
+    """`HFLoss` around a random `cfg` model (on the current default device)."""
+    tf = _transformers()
+    conf = hf_config(cfg)
+    auto = tf.AutoModelForMaskedLM if is_masked_lm(cfg) else tf.AutoModelForCausalLM
+    if type(conf) not in auto._model_mapping:
+        raise ConfigError(f"cannot build {cfg.model}: transformers has no causal-LM or "
+                          f"masked-LM model for it; use e.g. {', '.join(TESTED)}")
+    try:
+        try:
+            model = auto.from_config(conf, attn_implementation="sdpa")
+        except ValueError:  # no sdpa kernel for this type: its own attention
+            model = auto.from_config(conf)
+    except Exception as e:  # noqa: BLE001 - one line for any type that will not build
+        raise _unbuildable(cfg, e) from None
+    return HFLoss(model).train()
+
+
+def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels): next-token data for a causal LM, masked tokens
+    (15%, labels -100 elsewhere) for a masked LM."""
+    ids = torch.randint(1, cfg.vocab, (batch_size, cfg.seq_len), generator=gen)
+    if not is_masked_lm(cfg):
+        return ids, ids.clone()
+    mask = torch.rand(batch_size, cfg.seq_len, generator=gen) < 0.15
+    mask[:, 0] = True  # every row predicts at least one token
+    labels = torch.where(mask, ids, torch.full_like(ids, -100))
+    return torch.where(mask, torch.zeros_like(ids), ids), labels

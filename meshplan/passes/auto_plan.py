@@ -1,0 +1,113 @@
+"""Resolve `Strategy(tp_plan="auto", layer_pattern="auto")` from the facts
+capture recorded about the module (`capture/structure.py`).
+
+Invariants:
+- The result is an ordinary strategy (a regex layer pattern, a tuple tp
+  plan) plus notes saying where each came from and every style mapped to
+  a nearest one; the Job keeps both, so `plan` output shows what was chosen.
+- transformers styles map to meshplan's: colwise, rowwise as themselves;
+  `*_rep` / `*_gather_output` to the plain style (the output stays split and
+  propagation gathers it only where needed; on the vocabulary head that is
+  the `vocab` style, so the loss runs vocab-parallel); `embedding_rowwise`
+  to `vocab`; anything else to `replicate`. Each mapping is one note.
+- Checks, each one `ConfigError` line: a needed layer list that the module
+  lacks; a tp degree that does not divide the vocabulary, or the attention
+  heads a plan splits. Key/value heads (grouped-query attention) that tp
+  does not divide are replicated instead, with a note.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from meshplan.capture.structure import KEY
+from meshplan.errors import ConfigError
+from meshplan.ir import Graph
+from meshplan.ir.mesh import Strategy
+
+AUTO = "auto"
+_EXACT = {"colwise": "colwise", "rowwise": "rowwise", "replicate": "replicate",
+          "vocab": "vocab"}
+_NEAR = {"colwise_rep": "colwise", "colwise_gather_output": "colwise",
+         "rowwise_rep": "rowwise", "embedding_rowwise": "vocab",
+         "local_colwise": "colwise", "local_rowwise": "rowwise"}
+_KV = ("k_proj", "v_proj", "key", "value", "wk", "wv")
+_ATTN = ("q_proj", "query", "wq", "c_attn", "qkv", "Wqkv")
+
+
+def is_auto(strategy: Strategy) -> bool:
+    return strategy.tp_plan == AUTO or strategy.layer_pattern == AUTO
+
+
+def resolve_auto(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str, ...]]:
+    """`strategy` with its "auto" fields derived; returns it and the notes."""
+    if not is_auto(strategy):
+        return strategy, ()
+    facts = {k[len(KEY):]: v for k, v in graph.meta if k.startswith(KEY)}
+    if not facts:
+        raise ConfigError("an 'auto' plan needs a graph captured by this meshplan (it records "
+                          "the module's structure); capture the model again")
+    notes: list[str] = []
+    if strategy.layer_pattern == AUTO:
+        strategy = replace(strategy, layer_pattern=_layer_pattern(facts, strategy, notes))
+    if strategy.tp_plan == AUTO:
+        strategy = replace(strategy, tp_plan=_tp_plan(facts, strategy.tp, notes))
+    return strategy, tuple(notes)
+
+
+def auto_layer_pattern(graph: Graph) -> str:
+    """The layer regex "auto" stands for in `graph` ("" without a layer list)."""
+    return resolve_auto(graph, Strategy(layer_pattern=AUTO))[0].layer_pattern
+
+
+def _layer_pattern(facts: dict, s: Strategy, notes: list[str]) -> str:
+    path = facts.get("layers", "")
+    if not path:
+        if s.pp > 1 or s.vpp > 1 or (s.recompute != "none" and not s.recompute_pattern):
+            raise ConfigError(f"layer_pattern 'auto' found no layer list in {facts['model']} "
+                              "(no nn.ModuleList of blocks of one class); pass --layer-pattern "
+                              "with a regex naming one layer, e.g. 'blocks\\.\\d+'")
+        return ""
+    pattern = path.replace(".", r"\.") + r"\.(\d+)"
+    notes.append(f"layer_pattern auto = '{pattern}' ({facts['layers_from']})")
+    return pattern
+
+
+def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, str], ...]:
+    if tp == 1:
+        return ()
+    entries = json.loads(facts["tp"])
+    vocab, heads, kv = (int(facts[k] or 0) for k in ("vocab", "heads", "kv_heads"))
+    model = facts["model"]
+    if vocab and vocab % tp:
+        raise ConfigError(f"tp={tp} does not divide the vocabulary ({vocab}) of {model}; "
+                          f"choose tp among {_divisors(vocab)}")
+    plan = []
+    for pattern, style, given in entries:
+        leaf = pattern.rsplit("\\.", 1)[-1]
+        mine = _EXACT.get(style) or _NEAR.get(style, "replicate")
+        if mine == "colwise" and given != "structure" and _is_head(pattern):
+            mine = "vocab"
+        if leaf in _ATTN and mine != "replicate" and heads and heads % tp:
+            raise ConfigError(f"tp={tp} does not divide the {heads} attention heads of {model}; "
+                              f"choose tp among {_divisors(heads)}")
+        if leaf in _KV and mine != "replicate" and kv and kv % tp:
+            notes.append(f"'{pattern}': {kv} key/value heads do not split over tp={tp}; "
+                         "replicated (each rank computes all key/value heads)")
+            mine = "replicate"
+        elif mine != style and given != "structure":
+            notes.append(f"'{pattern}': transformers style '{style}' mapped to '{mine}'")
+        plan.append((pattern, mine))
+    notes.append(f"tp_plan auto from {facts['tp_from']}: " +
+                 ", ".join(f"{p}={s}" for p, s in plan))
+    return tuple(plan)
+
+
+def _is_head(pattern: str) -> bool:
+    """A vocabulary head by its module name (its column split is `vocab`)."""
+    return pattern.rsplit("\\.", 1)[-1] in ("lm_head", "head", "decoder", "output")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
