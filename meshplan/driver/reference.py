@@ -32,7 +32,7 @@ class EagerRun(NamedTuple):
     state: dict[str, torch.Tensor]
 
 
-def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
+def eager_state(module: nn.Module, opt: torch.optim.Optimizer | None = None,
                 scaler=None) -> dict[str, torch.Tensor]:
     """`module`'s parameters and buffers by FQN, its optimizer's slots as
     `<fqn>@<slot>` and GradScaler's scale as `amp@loss_scale`: the names of
@@ -43,7 +43,7 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer,
             seen.add(id(t))
             out[k] = t.detach().cpu().clone()
     name_of = {id(p): k for k, p in module.named_parameters()}
-    for p, slots in opt.state.items():
+    for p, slots in (opt.state.items() if opt is not None else ()):
         for slot, t in slots.items():
             if torch.is_tensor(t):
                 out[f"{name_of[id(p)]}@{slot}"] = t.detach().cpu().clone()

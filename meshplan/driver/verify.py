@@ -34,7 +34,7 @@ from meshplan.driver.compare import (
     max_abs,
 )
 from meshplan.driver.plan import train_step
-from meshplan.driver.reference import EagerRun, eager_train, split_microbatches
+from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
 from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
@@ -131,25 +131,29 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
     ref = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale, device)
     twin = eager_train(copy.deepcopy(module), reordered(batches, m), m, opt, precision,
                        init_scale, device)
-    flips = adam_flips(ref.state, opt.lr, len(batches)) if opt.kind == "adamw" else None
-    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips), ref
+    flips = adam_flips(ref.state, opt.lr, len(batches), opt.betas) \
+        if opt.kind == "adamw" else None
+    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,
+                 eager_state(module)), ref
 
 
 def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: EagerRun,
-          bounds: Bounds, twin: EagerRun | None = None, flips: Flips | None = None) -> dict:
+          bounds: Bounds, twin: EagerRun | None = None, flips: Flips | None = None,
+          start: dict | None = None) -> dict:
     """The verdict on a run, from its ranks' losses and final state slices:
     `ok`, `problems` (one line each), `max_abs_diff` (losses), and per tensor
     `params` (parameters and buffers) and `optimizer_state` (slots, the loss
     scale) with `max_abs`, `max_rel`, `ok`. `twin`, the reference trained
     on `reordered` batches, gives each tensor's reordering noise; `flips`,
-    AdamW's rounding-decided elements (`compare.adam_flips`)."""
+    AdamW's rounding-decided elements (`compare.adam_flips`); `start`, the
+    initial state, each tensor's update (`compare.update_rel`)."""
     loss_noise, noise = 0.0, {}
     if twin is not None:
         loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))
         noise = {k: max_abs(t, twin.state[k]) for k, t in ref.state.items() if k in twin.state}
     losses = compare_losses(rank_losses, ref.losses, bounds, loss_noise)
     shapes = {k: tuple(t.shape) for k, t in ref.state.items()}
-    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips)
+    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips, start)
     problems = losses["problems"] + [
         f"{name}: {'held by no rank' if d.get('missing') else _describe(d)}"
         for name, d in state.items() if not d["ok"]]
@@ -164,6 +168,8 @@ def _describe(d: dict) -> str:
     text = f"max_abs {d['max_abs']:.2e}, max_rel {d['max_rel']:.2e}"
     if "replica_spread" in d:
         text += f", replicas differ by {d['replica_spread']:.2e}"
+    if "update_rel" in d:
+        text += f", update {d['update_rel']:.0%} off eager's"
     return text
 
 
