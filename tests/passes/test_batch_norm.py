@@ -17,7 +17,10 @@ def test_expanded_batch_norm_trains_like_the_fused_kernel():
     cfg = model_config("resnet", "tiny")
     module = build_model(cfg)
     ref = copy.deepcopy(module)
-    opt = OptimizerConfig.default("sgd")
+    # lr 0.01: ResNet tiny on the class-prototype task trains chaotically at
+    # 0.05: run-to-run rounding (the same test failed 1 run in 3) grew to 2.7e-4
+    # in one step there, and the verdict (rightly) refused it
+    opt = OptimizerConfig.default("sgd", 0.01)
     step = build_train_step(capture(module, example_batch(cfg, 8)), opt)
     expanded = expand_batch_norm(step)
     assert not [op for op in expanded.ops if op.kind in (FORWARD, BACKWARD)]
