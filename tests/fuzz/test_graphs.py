@@ -160,9 +160,12 @@ def train_both_ways(ex: dict) -> float:
     growth = [max(1.0, abs(b) / max(abs(theirs[0]), 1e-6)) for b in theirs]
     diff = max(abs(a - b) / max(1.0, abs(b)) / g for a, b, g in zip(mine, theirs, growth))
     assert diff <= 1e-5, (mine, theirs)
-    # and every parameter and optimizer slot, to the same growth-scaled bound
+    # and every parameter and optimizer slot, to a growth-scaled 1e-4: a
+    # gradient made by cancellation (a bias before `product, transpose,
+    # layernorm`, pp=2 vpp=2) came out 1.3e-4 with 1.5e-5 of rounding in it;
+    # a planning bug moves a whole tensor (the mutation suite: 3% and more)
     shapes = {k: tuple(t.shape) for k, t in reference.state.items()}
-    bounds = Bounds(loss_atol=1e-5, atol=1e-5 * growth[-1], rtol=1e-5 * growth[-1])
+    bounds = Bounds(loss_atol=1e-5, atol=1e-4 * growth[-1], rtol=1e-4 * growth[-1])
     state = compare_state(assemble(run.slices, shapes), reference.state, bounds)
     bad = {k: d for k, d in state.items() if not d["ok"]}
     assert not bad, bad
