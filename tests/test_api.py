@@ -33,7 +33,7 @@ def test_readme_worked_example_runs(tmp_path):
     assert "plans consistent: True" in p.stdout
     diff = float(re.search(r"max \|diff\| (\S+);", p.stdout).group(1))
     assert diff <= 1e-5
-    assert re.search(r"^ok True: 10 parameter tensors", p.stdout, re.M), p.stdout
+    assert re.search(r"^ok True: \d+ parameter tensors", p.stdout, re.M), p.stdout
     assert len(re.findall(r"^step \d+: eager", p.stdout, re.M)) == 5
     assert (tmp_path / "step.json").is_file() and len(list((tmp_path / "plans").glob("*"))) == 5
 

@@ -105,7 +105,7 @@ def assemble(slices: dict[int, dict[str, torch.Tensor]],
                 spread[name] = 0.0
             region, mask = (cut(full[name], parse_box(box)), cut(seen[name], parse_box(box)))
             if mask.any():
-                gap = (region.double() - t.double()).abs()[mask]
+                gap = gap_of(region, t)[mask]
                 spread[name] = max(spread[name], float(gap.max()) if gap.numel() else 0.0)
             region.copy_(torch.where(mask, region, t))
             mask.fill_(True)
@@ -113,9 +113,17 @@ def assemble(slices: dict[int, dict[str, torch.Tensor]],
     return Assembled(full, spread, uncovered)
 
 
+def gap_of(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise |a - b| in double; equal infinities and two NaNs agree (0),
+    a NaN against a number is infinitely far."""
+    a, b = a.double(), b.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    return torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(float("inf")))
+
+
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest elementwise |a - b| (0 for empty tensors)."""
-    gap = (a.double() - b.double()).abs()
+    gap = gap_of(a, b)
     return float(gap.max()) if gap.numel() else 0.0
 
 
@@ -177,10 +185,11 @@ def tensor_diff(mine: torch.Tensor, ref: torch.Tensor, bounds: Bounds,
     if a.shape != b.shape:
         return {"max_abs": float("inf"), "max_rel": float("inf"), "bound_used": float("inf"),
                 "ok": False}
-    gap = (a - b).abs()
+    gap = gap_of(a, b)
     worst = float(gap.max()) if gap.numel() else 0.0
-    scale = float(b.abs().max()) if b.numel() else 0.0
-    allowed = bounds.atol + bounds.rtol * b.abs() + NOISE_FACTOR * noise
+    mag = b.abs().nan_to_num(0.0, 0.0, 0.0)  # a diverged reference element allows no more
+    scale = float(mag.max()) if b.numel() else 0.0
+    allowed = bounds.atol + bounds.rtol * mag + NOISE_FACTOR * noise
     out = gap > allowed
     d = {"max_abs": worst, "max_rel": worst / scale if scale > 0 else worst}
     if flips is not None and quiet is not None:
