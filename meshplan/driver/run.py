@@ -74,7 +74,7 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
 
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
-        plan_dir: str = "", kill: tuple[int, float] | None = None, save_dir: str = "",
+        plan_dir: str = "", kill: tuple[int, int] | None = None, save_dir: str = "",
         resume: bool = False, lr: float | None = None, trace: str = "", on_step=None,
         kill_in_save: int = -1, report_state: bool = False, device: str = "cpu",
         backend: str = "", **overrides) -> dict:

@@ -63,7 +63,7 @@ def test_a_killed_rank_ends_the_job_naming_it():
     s = zoo_strategy("gpt", cfg, pp=2, global_batch_size=8, micro_batch_size=2)
     t0 = time.monotonic()
     with pytest.raises(RuntimeFault) as e:
-        run("gpt", "tiny", Mesh(1, 2), s, steps=400, kill=(1, 6.0))
+        run("gpt", "tiny", Mesh(1, 2), s, steps=400, kill=(1, 2))  # after its 2nd step
     assert time.monotonic() - t0 < 60
     msg = str(e.value)
     assert "rank 1 died" in msg and "in action" in msg and "\n" not in msg
