@@ -21,15 +21,7 @@ from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.local import run_local
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on one thread: measured 4x faster on the shared 2-core
-    machine (llama tp2*pp2 case: 26.7 s -> 6.6 s), nearly all of it eager."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 TIED = "wte.weight"
