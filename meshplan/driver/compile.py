@@ -2,8 +2,8 @@
 
 Invariants:
 - The master (capture, autodiff, planning passes) runs once and yields the
-  Job's bytes; each worker process rebuilds the Job from those bytes and
-  lowers only the ranks it is given. No process ever holds two ranks' plans
+  Job's bytes; each worker process checks those bytes (one hash), decodes
+  only the stages of the ranks it is given, and lowers those ranks. No process ever holds two ranks' plans
   at once or the whole cluster's physical graph.
 - Rank plans are cached under (job digest, rank, meshplan version, device
   type): a repeated compile checks and copies them (an unreadable entry is
@@ -13,8 +13,10 @@ Invariants:
   staged beside it and moved in at the end. A worker that dies is reported
   by the rank it was lowering (a shared progress slot per worker); a shared
   count of finished ranks per worker drives the progress bar rank by rank.
-- Statistics: seconds per pass and per rank, inference calls and cache hits,
-  tasks and buffers per rank, the compiling processes' peak memory.
+- Statistics: seconds per pass and per rank (split into view, lower,
+  serialize and write), logical inference calls and cache hits, kernel
+  workspace inferences (the master's, one per distinct signature, and the
+  ranks', none), tasks and buffers per rank, the processes' peak memory.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from meshplan import errors
 from meshplan.capture.cache import cache_dir
 from meshplan.errors import ConfigError, MeshplanError, PlanError
 from meshplan.ir.fileio import write_atomic
-from meshplan.ir.job import Job
+from meshplan.ir.job import Job, JobReader, StageView
 from meshplan.ops.infer import InferStats
 from meshplan.ops.temp import TempStats
 from meshplan.plan.files import JOB_FILE, plan_from_bytes, plan_name, plan_to_bytes, write_job
@@ -72,49 +74,62 @@ def _read_cached(path: Path, digest: str, rank: int,
 
 
 def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
-                digest: str = "", progress=None, slot: int = 0, done=None,
-                device: str = "cpu") -> dict:
+                progress=None, slot: int = 0, done=None, device: str = "cpu") -> dict:
     """Worker body: lower `ranks` of the Job in `job_bytes`, write their files.
-    `progress[slot]` says which rank the worker is lowering (for a report if
-    it dies), `done[slot]` how many it has finished."""
-    job = Job.from_bytes(job_bytes)
-    digest = digest or job.digest()
+    The bytes are hashed once (the digest) and only the parts the ranks'
+    stages read are decoded, once per stage. `progress[slot]` says which
+    rank the worker is lowering (for a report if it dies), `done[slot]` how
+    many it has finished. Seconds per rank are split into view (decoding
+    the stage, first rank of a stage only), lower, serialize and write."""
+    t0, temp_calls = time.perf_counter(), TempStats.calls
+    reader = JobReader(job_bytes)
+    open_s = time.perf_counter() - t0
+    views: dict[int, StageView] = {}
     kill_at = os.environ.get(KILL_ENV)
     stats = {}
     for rank in ranks:
         if progress is not None:
             progress[slot] = rank
-        t0 = time.perf_counter()
-        cached = _plan_cache(digest, device) / plan_name(rank)
-        entry = _read_cached(cached, digest, rank, device) if use_cache else None
+        t = [time.perf_counter()]
+        cached = _plan_cache(reader.digest, device) / plan_name(rank)
+        entry = _read_cached(cached, reader.digest, rank, device) if use_cache else None
         if entry is not None:
             (data, plan), hit = entry, True
+            t += [t[0]] * 3
         else:
-            plan = lower(job, rank, device, job_digest=digest)
+            stage = reader.strategy.stage_of_rank(rank)
+            if stage not in views:
+                views[stage] = reader.view(stage)
+            t.append(time.perf_counter())
+            plan = lower(views[stage], rank, device)
+            t.append(time.perf_counter())
             if kill_at == str(rank):  # fault injection: die before writing anything
                 os.kill(os.getpid(), signal.SIGKILL)
             data, hit = plan_to_bytes(plan), False
+            t.append(time.perf_counter())
             if use_cache:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(cached, data)
-        tasks, buffers, peak = len(plan.tasks), len(plan.buffers), plan.memory.peak_bytes()
         write_atomic(Path(out) / plan_name(rank), data)
-        stats[rank] = {"lower_s": time.perf_counter() - t0, "cache_hit": hit, "tasks": tasks,
-                       "buffers": buffers, "planned_peak_bytes": peak}
+        t.append(time.perf_counter())
+        stats[rank] = {"lower_s": t[-1] - t[0], "cache_hit": hit, "tasks": len(plan.tasks),
+                       "buffers": len(plan.buffers),
+                       "planned_peak_bytes": plan.memory.peak_bytes(),
+                       "parts_s": dict(zip(("view", "lower", "serialize", "write"),
+                                           (t[i + 1] - t[i] for i in range(4))))}
         if done is not None:
             done[slot] += 1
     stats["_process"] = {"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-                         * 1024, "temp": TempStats.snapshot()}
+                         * 1024, "temp_calls": TempStats.calls - temp_calls, "open_s": open_s}
     return stats
 
 
-def _worker(job_bytes: bytes, ranks: list[int], stage: str, use_cache: bool, digest: str,
+def _worker(job_bytes: bytes, ranks: list[int], stage: str, use_cache: bool,
             progress, slot: int, done, device: str = "cpu") -> None:
     """A compile worker process: its statistics, or its error, go to a file
     in the staging directory (JSON, never pickle)."""
     try:
-        stats = lower_ranks(job_bytes, ranks, stage, use_cache, digest, progress, slot, done,
-                            device)
+        stats = lower_ranks(job_bytes, ranks, stage, use_cache, progress, slot, done, device)
         write_atomic(Path(stage) / f".stats_{slot}.json", json.dumps(stats).encode())
     except Exception as e:  # reported by the parent, by rank
         name = type(e).__name__ if isinstance(e, MeshplanError) else ""
@@ -139,13 +154,12 @@ def _failure(slot: int, code: int, stage: Path, progress) -> MeshplanError:
 
 
 def _run_workers(batches: list[list[int]], job_bytes: bytes, stage: Path, use_cache: bool,
-                 digest: str, progress_cb, total: int, device: str = "cpu") -> dict:
+                 progress_cb, total: int, device: str = "cpu") -> dict:
     ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
     progress = ctx.Array("i", [-1] * len(batches), lock=False)
     done = ctx.Array("i", [0] * len(batches), lock=False)
     procs = [ctx.Process(target=_worker, name=f"meshplan-compile-{i}",
-                         args=(job_bytes, b, str(stage), use_cache, digest, progress, i, done,
-                               device))
+                         args=(job_bytes, b, str(stage), use_cache, progress, i, done, device))
              for i, b in enumerate(batches)]
     stats: dict = {}
     reported = 0
@@ -227,8 +241,8 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     gc.freeze()
     try:
         write_job(stage, job)
-        stats = _run_workers(batches, job.to_bytes(), stage, use_cache, job.digest(),
-                             progress, len(ranks), device)
+        stats = _run_workers(batches, job.to_bytes(), stage, use_cache, progress, len(ranks),
+                             device)
         _publish(stage, out)
     finally:
         gc.unfreeze()
@@ -236,15 +250,9 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     procs = [stats.pop(k) for k in [k for k in stats if not isinstance(k, int)]]
     return {"ranks": {r: stats[r] for r in sorted(stats)}, "workers": workers,
             "worker_maxrss_bytes": max((p["maxrss_bytes"] for p in procs), default=0),
-            "temp_inference": _sum_stats(p["temp"] for p in procs)}
-
-
-def _sum_stats(items) -> dict:
-    out = {"calls": 0, "cache_hits": 0}
-    for s in items:
-        out["calls"] += s["calls"]
-        out["cache_hits"] += s["cache_hits"]
-    return out
+            "open_s": max((p["open_s"] for p in procs), default=0.0),
+            "temp_inference": {"signatures": len(job.temps),
+                               "rank_calls": sum(p["temp_calls"] for p in procs)}}
 
 
 def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "sgd",
@@ -253,11 +261,13 @@ def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "
     """The whole compile of a zoo model: master once, then ranks in workers."""
     from meshplan.driver.plan import plan_model
 
+    temp_calls = TempStats.calls
     planned = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides)
-    master_s = sum(planned.timings.values())
+    master_s = sum(planned.timings.values())  # autodiff, passes, Job bytes and digest
+    temp_calls = TempStats.calls - temp_calls
     stats = compile_job(planned.job, out, ranks, workers, use_cache, progress, device)
     return {"capture_s": planned.capture_s, "master_s": master_s,
             "passes_s": planned.timings, "job_digest": planned.job.digest(), **stats,
             "inference": {"logical": InferStats.snapshot(),
-                          "temp": stats.pop("temp_inference")},
+                          "temp": {**stats.pop("temp_inference"), "master_calls": temp_calls}},
             "master_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -76,6 +76,9 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     graph = train_step(forward, strategy, OptimizerConfig.default(optimizer, lr))
     timings: dict = {"autodiff": time.perf_counter() - t1}
     job = plan_job(graph, mesh, strategy, timings=timings)
+    t2 = time.perf_counter()
+    job.to_bytes()  # what the ranks receive; its digest comes with it (hashed once)
+    timings["job_bytes"] = time.perf_counter() - t2
     log.info("%s %s: captured in %.2f s, planned in %.2f s (%d ops in the Job)", model, size,
              t1 - t0, sum(timings.values()), len(job.graph.ops))
     return Planned(job, t1 - t0, timings)

@@ -11,6 +11,12 @@ Invariants:
 - `unseal` accepts only the expected format and version, and only a body
   whose canonical bytes still match H. The checksum catches corruption and
   stray edits; it is not a signature.
+- A file in parts (`seal_parts`, for the Job) is the same envelope with an
+  `index` before the body: the body is a JSON object whose members are
+  written one by one, the index gives each member's byte range in the body,
+  and H is the sha256 of the body's raw bytes. A reader checks H with one
+  hash over the bytes (no re-encoding), and may then decode only the parts
+  it needs. The whole file is still one JSON document.
 - Every failure to read is a `PlanError` of one line: what, where, and how
   to fix it. Nothing here uses pickle: reading a file never runs code.
 """
@@ -99,14 +105,7 @@ def unseal(data: bytes, kind: str, version: int, where: str) -> dict:
         raise _unreadable(where)
     got_kind, got_version, digest, body = (env["format"], env["version"], env["sha256"],
                                            env["body"])
-    if got_kind != kind:
-        raise PlanError(f"{where} is a {_short(got_kind)} file, not a {kind!r} file; "
-                        "pass the right file, or recompile it")
-    if type(got_version) is not int:
-        raise _unreadable(where)
-    if got_version != version:
-        raise PlanError(f"{where} was written by format version {got_version}, this meshplan "
-                        f"reads version {version}; recompile it with this version")
+    _check_kind(got_kind, got_version, kind, version, where)
     if not isinstance(body, dict) or not isinstance(digest, str):
         raise _unreadable(where)
     try:
@@ -119,15 +118,97 @@ def unseal(data: bytes, kind: str, version: int, where: str) -> dict:
     return body
 
 
-def read_sealed(path: str | os.PathLike, kind: str, version: int) -> dict:
-    """Read the file at `path` and `unseal` it."""
+_PART_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+_BODY = b',"body":'
+
+
+def encode_part(value) -> bytes:
+    """One part's canonical JSON bytes (as `canonical`, for any JSON value)."""
+    return _PART_ENCODER.encode(value).encode("ascii")
+
+
+def seal_parts(kind: str, version: int, parts: dict[str, bytes]) -> bytes:
+    """An envelope whose body is the object {name: part} of already encoded
+    parts (`encode_part`), with each part's byte range in an index."""
+    body, index, at = [b"{"], {}, 1
+    for i, (name, data) in enumerate(parts.items()):
+        key = (b"," if i else b"") + json.dumps(name).encode("ascii") + b":"
+        index[name] = [at + len(key), at + len(key) + len(data)]
+        body += [key, data]
+        at += len(key) + len(data)
+    body.append(b"}")
+    data = b"".join(body)
+    head = (f'{{"format":{json.dumps(kind)},"version":{int(version)},'
+            f'"sha256":"{hashlib.sha256(data).hexdigest()}",'
+            f'"index":{json.dumps(index, separators=(",", ":"))}')
+    return head.encode("ascii") + _BODY + data + b"}\n"
+
+
+class Parts:
+    """A checked file in parts: its bytes, its digest (the body's sha256)
+    and each part's decoded JSON on demand."""
+
+    def __init__(self, data: bytes, body: bytes, index: dict, digest: str, where: str):
+        self.data, self.body, self.index, self.digest = data, body, index, digest
+        self.where = where
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.index
+
+    def load(self, name: str):
+        start, end = self.index[name]
+        try:
+            return json.loads(self.body[start:end], parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise _unreadable(self.where) from None
+
+
+def open_parts(data: bytes, kind: str, version: int, where: str) -> Parts:
+    """Check an envelope written by `seal_parts`: kind, version, and the
+    body's hash over its raw bytes. Parts are decoded later, on demand."""
+    cut = data.find(_BODY)
+    if cut < 0 or not data.endswith(b"}\n"):
+        raise _unreadable(where)
+    env = _parse(data[:cut] + b"}", where)
+    if not isinstance(env, dict) or not {"format", "version", "sha256"} <= env.keys():
+        raise _unreadable(where)
+    _check_kind(env["format"], env["version"], kind, version, where)
+    body, index = data[cut + len(_BODY):-2], env.get("index")
+    if not isinstance(index, dict) or not all(
+            isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
+            and 0 <= r[0] <= r[1] <= len(body) for r in index.values()):
+        raise _unreadable(where)
+    digest = hashlib.sha256(body).hexdigest()
+    if digest != env["sha256"]:
+        raise PlanError(f"{where}: checksum mismatch: the file was edited or corrupted; "
+                        "recompile it")
+    return Parts(data, body, index, digest, where)
+
+
+def _check_kind(got_kind, got_version, kind: str, version: int, where: str) -> None:
+    if got_kind != kind:
+        raise PlanError(f"{where} is a {_short(got_kind)} file, not a {kind!r} file; "
+                        "pass the right file, or recompile it")
+    if type(got_version) is not int:
+        raise _unreadable(where)
+    if got_version != version:
+        raise PlanError(f"{where} was written by format version {got_version}, this meshplan "
+                        f"reads version {version}; recompile it with this version")
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """The bytes of the file at `path`; a one-line `PlanError` if unreadable."""
     try:
-        data = Path(path).read_bytes()
+        return Path(path).read_bytes()
     except FileNotFoundError:
         raise PlanError(f"{path} does not exist; check the path, or compile it first") from None
     except OSError as e:
         raise PlanError(f"cannot read {path}: {e.strerror or e}; check its permissions") from e
-    return unseal(data, kind, version, str(path))
+
+
+def read_sealed(path: str | os.PathLike, kind: str, version: int) -> dict:
+    """Read the file at `path` and `unseal` it."""
+    return unseal(read_bytes(path), kind, version, str(path))
 
 
 def _reject_constant(name: str):

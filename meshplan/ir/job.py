@@ -3,28 +3,35 @@
 Invariants:
 - Per op: `stage[i]`, `chunk[i]` and `local[i]` (the rank-dependent kernel
   variant per mesh axis, "" if none). Per value: `sbp[v]`, its layout on
-  the (dp, tp) grid of the stage that produces it.
+  the (dp, tp) grid of the stage that produces it. `temps`: the kernel
+  workspace bytes of every distinct local signature of the Job's ops, worked
+  out once by the master (`passes/temps.py`), so that no rank infers them.
 - Every op's inputs are on its own stage in the layout it needs: the only
   cross-stage edges are `meshplan.transfer` ops.
 - The Job is deterministic: the same inputs give byte-identical `to_bytes`
   and the same `digest`, in any process.
+- Bytes (format "meshplan.job" v2, `fileio.seal_parts`): a head (mesh,
+  strategy, graph inputs, temps), the values, each stage's ops, and the
+  transfers, each its own part. `digest` is the sha256 of the body, hashed
+  once: when the Job is written or read. `StageView.from_bytes` decodes only
+  what lowering one stage reads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from meshplan.errors import PlanError
-from meshplan.ir.fileio import seal, unseal
-from meshplan.ir.graph import Graph
+from meshplan.ir.fileio import Parts, encode_part, open_parts, seal_parts
+from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
-from meshplan.ir.serialize import graph_from_json, graph_to_json
+from meshplan.ir.serialize import Malformed, op_from_row, op_to_row
 
 KIND = "meshplan.job"
-VERSION = 1
+VERSION = 2
+TRANSFER = "meshplan.transfer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,17 +47,138 @@ class Job:
     layer_stage: tuple[int, ...] = ()
     layer_chunk: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    temps: tuple[tuple[str, int], ...] = ()
+    # The sealed bytes, once made or read (a memo: the Job is immutable).
+    _sealed: Parts | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_bytes(self) -> bytes:
-        return seal(KIND, VERSION, job_to_json(self))
+        if self._sealed is None:
+            data = _encode(self)
+            object.__setattr__(self, "_sealed", open_parts(data, KIND, VERSION, "<job>"))
+        return self._sealed.data
 
     def digest(self) -> str:
-        """sha256 of the serialized Job: the cache key of every rank's plan."""
-        return hashlib.sha256(self.to_bytes()).hexdigest()
+        """sha256 of the serialized Job's body: the cache key of every rank's plan."""
+        self.to_bytes()
+        return self._sealed.digest
 
     @staticmethod
     def from_bytes(data: bytes, where: str = "<bytes>") -> Job:
-        return job_from_json(unseal(data, KIND, VERSION, where), where)
+        return JobReader(data, where).job()
+
+    def view(self, stage: int) -> StageView:
+        """What lowering a rank of `stage` reads: the same view as
+        `StageView.from_bytes(self.to_bytes(), stage)`."""
+        g = self.graph
+        ids = [op.id for op in g.ops
+               if self.stage[op.id] == stage or op.kind == TRANSFER
+               and dict(op.kwargs)["src_stage"] == stage]
+        return _view(self.mesh, self.strategy, stage, self.digest(), dict(self.temps),
+                     {u.value for u in g.updates},
+                     [(g.ops[i], self.stage[i], self.chunk[i], self.local[i]) for i in ids],
+                     lambda v: (g.values[v], self.sbp[v]))
+
+
+@dataclass(frozen=True)
+class StageView:
+    """The part of a Job that lowering a rank of `stage` reads, by id: the
+    stage's ops and every transfer into or out of it (in Job order), their
+    stage, chunk and kernel variant, the values they read or write with
+    their layouts, which of them update a state in place, and the Job's
+    temps. Read-only mappings."""
+
+    mesh: Mesh
+    strategy: Strategy
+    stage: int
+    digest: str
+    ops: tuple[Op, ...]
+    op_stage: dict[int, int]
+    op_chunk: dict[int, int]
+    op_local: dict[int, tuple[str, ...]]
+    values: dict[int, Value]
+    sbp: dict[int, NdSbp]
+    updates: frozenset[int]
+    temps: dict[str, int]
+
+    @staticmethod
+    def from_bytes(data: bytes, stage: int, where: str = "<bytes>") -> StageView:
+        """Decode only `stage`'s part of the Job in `data`."""
+        return JobReader(data, where).view(stage)
+
+
+class JobReader:
+    """A Job's bytes, checked once (one hash over the raw bytes), then
+    decoded part by part on demand: the head at once, the values and the
+    transfers when a view first needs them, a stage's ops for its view."""
+
+    def __init__(self, data: bytes, where: str = "<bytes>"):
+        self.parts = open_parts(data, KIND, VERSION, where)
+        self.digest, self.where = self.parts.digest, where
+        with self._reading():
+            self.head = self.parts.load("head")
+            self.mesh, self.strategy = Mesh(**self.head["mesh"]), _strategy(self.head["strategy"])
+        self._values: list | None = None
+        self._transfers: list | None = None
+
+    def _reading(self):
+        return _Reading(self.where)
+
+    def view(self, stage: int) -> StageView:
+        """What lowering a rank of `stage` reads (equal to `Job.view(stage)`)."""
+        with self._reading():
+            if self._values is None:
+                self._values = self.parts.load("values")
+                self._transfers = self.parts.load("transfers")
+            own = f"ops/{stage}"
+            rows = [(r, stage) for r in self.parts.load(own)] if own in self.parts else []
+            rows += [(r[:-1], r[-1]) for r in self._transfers
+                     if stage in (r[-1], _src_stage(r))]
+            rows.sort(key=lambda x: x[0][0])
+            values = self._values
+            return _view(self.mesh, self.strategy, stage, self.digest,
+                         dict(_pairs(self.head["temps"])),
+                         {v for _, v in self.head["updates"]},
+                         [(op_from_row(r[:9]), st, r[9], tuple(r[10])) for r, st in rows],
+                         lambda v: _value(v, values[v]))
+
+    def job(self) -> Job:
+        """The whole Job."""
+        with self._reading():
+            job = _decode(self.parts, self.head, self.mesh, self.strategy)
+        object.__setattr__(job, "_sealed", self.parts)
+        return job
+
+
+class _Reading:
+    """Turns any decoding failure into one `PlanError` naming the file."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is not None and issubclass(kind, (Malformed, KeyError, TypeError, ValueError,
+                                                  IndexError, AttributeError)):
+            raise PlanError(f"{self.where} holds a malformed {KIND} v{VERSION} body "
+                            f"({kind.__name__}: {str(e)[:80]}); recompile it") from None
+        return False
+
+
+def _view(mesh, strategy, stage, digest, temps, updates, ops, value_of) -> StageView:
+    """A StageView from (op, stage, chunk, local) in Job order; `value_of(v)`
+    gives (Value, sbp) for each value the ops touch; `updates`: the values
+    that update a state."""
+    values, sbp = {}, {}
+    for op, *_ in ops:
+        for v in op.refs() + op.outputs:
+            if v >= 0 and v not in values:
+                values[v], sbp[v] = value_of(v)
+    return StageView(mesh, strategy, stage, digest, tuple(o[0] for o in ops),
+                     {o[0].id: o[1] for o in ops}, {o[0].id: o[2] for o in ops},
+                     {o[0].id: o[3] for o in ops}, values, sbp,
+                     frozenset(v for v in updates if v in values), temps)
 
 
 _TOKEN = re.compile(r"S\((\d+)\)|P\((\w+)\)|P|R")
@@ -75,35 +203,89 @@ def _fmt(sbp: NdSbp) -> str:
     return "".join(str(s) for s in sbp)
 
 
-def job_to_json(job: Job) -> dict:
-    strategy = asdict(job.strategy)
-    return {
-        "graph": graph_to_json(job.graph), "mesh": asdict(job.mesh), "strategy": strategy,
-        "stage": list(job.stage), "chunk": list(job.chunk),
-        "sbp": [_fmt(s) for s in job.sbp], "local": [list(x) for x in job.local],
-        "layers": list(job.layers), "layer_stage": list(job.layer_stage),
-        "layer_chunk": list(job.layer_chunk), "notes": list(job.notes),
-    }
+_SBP_MEMO: dict[str, NdSbp] = {}
+_ROLES = {r.value: r for r in Role}
+
+
+def _sbp(text: str) -> NdSbp:
+    """`parse_sbp`, memoized: a Job has a handful of distinct layouts."""
+    out = _SBP_MEMO.get(text)
+    if out is None:
+        if not isinstance(text, str):
+            raise Malformed(f"expected a layout, got {text!r:.40}")
+        out = _SBP_MEMO[text] = parse_sbp(text)
+    return out
+
+
+def _value(vid: int, row) -> tuple[Value, NdSbp]:
+    shape, dtype, role, name, sbp = row
+    if not isinstance(name, str) or not all(type(s) is int for s in shape):
+        raise Malformed(f"value {vid}: bad name or shape")
+    return Value(vid, TensorMeta(tuple(shape), DType(dtype)), _ROLES[role], name), _sbp(sbp)
+
+
+def _src_stage(row) -> int:
+    return dict(row[4])["src_stage"]
+
+
+def _pairs(rows) -> tuple:
+    return tuple((a, b) for a, b in rows)
 
 
 def _tuples(x):
     return tuple(_tuples(i) for i in x) if isinstance(x, list) else x
 
 
-def job_from_json(d: dict, where: str = "<json>") -> Job:
-    try:
-        strategy = Strategy(**{k: _tuples(v) for k, v in d["strategy"].items()})
-        return Job(
-            graph=graph_from_json(d["graph"], where), mesh=Mesh(**d["mesh"]),
-            strategy=strategy, stage=tuple(d["stage"]), chunk=tuple(d["chunk"]),
-            sbp=tuple(parse_sbp(s) for s in d["sbp"]),
-            local=tuple(tuple(x) for x in d["local"]), layers=tuple(d["layers"]),
-            layer_stage=tuple(d["layer_stage"]), layer_chunk=tuple(d["layer_chunk"]),
-            notes=tuple(d["notes"]),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body "
-                        f"({type(e).__name__}: {str(e)[:80]}); recompile it") from None
+def _strategy(d: dict) -> Strategy:
+    return Strategy(**{k: _tuples(v) for k, v in d.items()})
+
+
+def _encode(job: Job) -> bytes:
+    g = job.graph
+    head = {"mesh": asdict(job.mesh), "strategy": asdict(job.strategy),
+            "inputs": list(g.inputs), "loss": g.loss,
+            "updates": [[u.name, u.value] for u in g.updates],
+            "meta": [list(m) for m in g.meta], "grads": [list(x) for x in g.grads],
+            "layers": list(job.layers), "layer_stage": list(job.layer_stage),
+            "layer_chunk": list(job.layer_chunk), "notes": list(job.notes),
+            "temps": [list(t) for t in job.temps], "nops": len(g.ops)}
+    values = [[list(v.meta.shape), v.meta.dtype.name, v.role.value, v.name, _fmt(job.sbp[v.id])]
+              for v in g.values]
+    stages: dict[int, list] = {}
+    transfers = []
+    for op in g.ops:
+        row = op_to_row(op) + [job.chunk[op.id], list(job.local[op.id])]
+        if op.kind == TRANSFER:
+            transfers.append(row + [job.stage[op.id]])
+        else:
+            stages.setdefault(job.stage[op.id], []).append(row)
+    parts = {"head": encode_part(head), "values": encode_part(values)}
+    parts.update((f"ops/{s}", encode_part(stages[s])) for s in sorted(stages))
+    parts["transfers"] = encode_part(transfers)
+    return seal_parts(KIND, VERSION, parts)
+
+
+def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
+    ops: list = [None] * head["nops"]
+    for name in parts.index:
+        if name.startswith("ops/") or name == "transfers":
+            fixed = None if name == "transfers" else int(name[4:])
+            for row in parts.load(name):
+                ops[row[0]] = (row, row[-1] if fixed is None else fixed)
+    if any(o is None for o in ops):
+        raise Malformed("an op id is missing")
+    rows = parts.load("values")
+    values, sbp = zip(*(_value(i, r) for i, r in enumerate(rows))) if rows else ((), ())
+    graph = Graph(values=tuple(values), ops=tuple(op_from_row(r[:9]) for r, _ in ops),
+                  inputs=tuple(head["inputs"]), loss=head["loss"],
+                  updates=tuple(Update(a, b) for a, b in head["updates"]),
+                  meta=_pairs(head["meta"]), grads=_pairs(head["grads"]))
+    return Job(graph=graph, mesh=mesh, strategy=strategy,
+               stage=tuple(st for _, st in ops), chunk=tuple(r[9] for r, _ in ops),
+               sbp=tuple(sbp), local=tuple(tuple(r[10]) for r, _ in ops),
+               layers=tuple(head["layers"]), layer_stage=tuple(head["layer_stage"]),
+               layer_chunk=tuple(head["layer_chunk"]), notes=tuple(head["notes"]),
+               temps=_pairs(head["temps"]))
 
 
 def verify_job(job: Job) -> None:
@@ -116,7 +298,7 @@ def verify_job(job: Job) -> None:
     made_on: dict[int, int] = {}
     for op in g.ops:
         here = job.stage[op.id]
-        if op.kind == "meshplan.transfer":
+        if op.kind == TRANSFER:
             here = dict(op.kwargs)["src_stage"]
         for r in op.refs():
             src = made_on.get(r, here)

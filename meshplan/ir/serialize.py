@@ -31,7 +31,7 @@ OP_COLUMNS = ("id", "kind", "args", "outputs", "kwargs", "phase", "module_path",
 _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
-class _Malformed(Exception):
+class Malformed(Exception):
     """A body that passed its checksum but does not decode (a writer bug)."""
 
 
@@ -40,7 +40,7 @@ def graph_to_json(graph: Graph) -> dict:
     return {
         "values": [[v.id, list(v.meta.shape), v.meta.dtype.name, v.role.value, v.name]
                    for v in graph.values],
-        "ops": [_op_to_json(op) for op in graph.ops],
+        "ops": [op_to_row(op) for op in graph.ops],
         "inputs": list(graph.inputs),
         "loss": graph.loss,
         "updates": [[u.name, u.value] for u in graph.updates],
@@ -49,7 +49,8 @@ def graph_to_json(graph: Graph) -> dict:
     }
 
 
-def _op_to_json(op: Op) -> list:
+def op_to_row(op: Op) -> list:
+    """An op as a JSON row, columns `OP_COLUMNS`."""
     try:
         args = [_lit_to_json(a) for a in op.args]
         kwargs = [[k, _lit_to_json(v)] for k, v in op.kwargs]
@@ -84,14 +85,14 @@ def graph_from_json(d: dict, where: str = "<json>") -> Graph:
     try:
         return Graph(
             values=tuple(_value_from_json(row) for row in d["values"]),
-            ops=tuple(_op_from_json(row) for row in d["ops"]),
+            ops=tuple(op_from_row(row) for row in d["ops"]),
             inputs=tuple(_int(i) for i in d["inputs"]),
             loss=_int(d["loss"]),
             updates=tuple(Update(_str(n), _int(v)) for n, v in d["updates"]),
             meta=tuple((_str(k), _str(v)) for k, v in d["meta"]),
             grads=tuple((_int(v), _int(g)) for v, g in d["grads"]),
         )
-    except (_Malformed, KeyError, TypeError, ValueError, RecursionError) as e:
+    except (Malformed, KeyError, TypeError, ValueError, RecursionError) as e:
         raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body ({type(e).__name__}: "
                         f"{str(e)[:80]}); recompile it") from None
 
@@ -102,26 +103,38 @@ def _value_from_json(row) -> Value:
     return Value(_int(vid), meta, Role(role), _str(name))
 
 
-def _op_from_json(row) -> Op:
+def op_from_row(row) -> Op:
+    """The op a row of `op_to_row` encodes (`Malformed` if it is not one)."""
     oid, kind, args, outputs, kwargs, phase, module_path, source, grad_of = row
+    if type(oid) is not int or type(grad_of) is not int:
+        raise Malformed(f"expected int ids, got {oid!r:.20} and {grad_of!r:.20}")
     return Op(
-        id=_int(oid),
+        id=oid,
         kind=_str(kind),
-        args=tuple(_lit_from_json(a) for a in _list(args)),
+        args=_lits(args),
         outputs=tuple(_int(o) for o in outputs),
         kwargs=tuple((_str(k), _lit_from_json(v)) for k, v in _list(kwargs)),
-        phase=Phase(phase),
+        phase=_PHASES[phase],
         module_path=_str(module_path),
         source=_str(source),
-        grad_of=_int(grad_of),
+        grad_of=grad_of,
     )
+
+
+_PHASES = {p.value: p for p in Phase}
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _lits(args) -> tuple:
+    """A row's argument list as a tuple of literals (plain values fast)."""
+    return tuple(a if type(a) in _PLAIN else _lit_from_json(a) for a in _list(args))
 
 
 def _lit_from_json(a):
     if a is None or isinstance(a, (bool, int, float, str)):
         return a
     if isinstance(a, list):
-        return tuple(_lit_from_json(x) for x in a)
+        return _lits(a)
     if isinstance(a, dict) and len(a) == 1:
         (tag, x), = a.items()
         if tag == "$ref":
@@ -130,24 +143,24 @@ def _lit_from_json(a):
             return DType(_str(x))
         if tag == "$float" and x in _NON_FINITE:
             return _NON_FINITE[x]
-    raise _Malformed(f"unknown literal {a!r:.60}")
+    raise Malformed(f"unknown literal {a!r:.60}")
 
 
 def _int(x) -> int:
     if type(x) is not int:
-        raise _Malformed(f"expected an int, got {x!r:.40}")
+        raise Malformed(f"expected an int, got {x!r:.40}")
     return x
 
 
 def _str(x) -> str:
     if not isinstance(x, str):
-        raise _Malformed(f"expected a string, got {x!r:.40}")
+        raise Malformed(f"expected a string, got {x!r:.40}")
     return x
 
 
 def _list(x) -> list:
     if not isinstance(x, list):
-        raise _Malformed(f"expected a list, got {x!r:.40}")
+        raise Malformed(f"expected a list, got {x!r:.40}")
     return x
 
 

@@ -1,35 +1,52 @@
-"""Kernel temp bytes (workspace), asked only by physical lowering.
+"""Kernel temp bytes (workspace): a physical fact of an op on local shapes.
 
-Invariant: computed from the op's argument signature and cached by it, so a
-layer repeated 96 times, or asked by many ranks, is computed once; `TempStats`
-counts calls and cache hits for the compile statistics.
+Invariants:
+- Only kinds whose rule has a `temp_bytes` function take workspace; every
+  other kind takes none, by the table, with nothing to infer.
+- The master works out each distinct (kind, local signature) once for the
+  whole compile (`passes/temps.py`) and the Job carries the answers under
+  `temp_key`; ranks only look them up. `TempStats.calls` counts the rule
+  functions actually run, in this process.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
+from meshplan.ir import DType, TensorMeta
 from meshplan.ops.table import rule_for
 
 
 class TempStats:
     calls = 0
-    misses = 0
 
     @classmethod
     def snapshot(cls) -> dict[str, int]:
-        return {"calls": cls.calls, "cache_hits": cls.calls - cls.misses}
+        return {"calls": cls.calls}
+
+
+def has_temp(kind: str) -> bool:
+    """Whether `kind` takes kernel workspace at all."""
+    return rule_for(kind).temp_bytes is not None
 
 
 def temp_bytes(kind: str, sig_args: tuple) -> int:
     """Workspace bytes of `kind` on arguments with signature `sig_args`."""
-    TempStats.calls += 1
-    return _temp_cached(kind, sig_args)
-
-
-@cache
-def _temp_cached(kind: str, sig_args: tuple) -> int:
-    TempStats.misses += 1
     fn = rule_for(kind).temp_bytes
-    return int(fn(sig_args)) if fn is not None else 0
+    if fn is None:
+        return 0
+    TempStats.calls += 1
+    return int(fn(sig_args))
 
+
+def temp_key(kind: str, sig_args: tuple) -> str:
+    """The Job's key of (kind, local signature): `kind(float32[8,3,32,32],1)`."""
+    return f"{kind}({_fmt(sig_args)[1:-1]})"
+
+
+def _fmt(a) -> str:
+    if isinstance(a, TensorMeta):
+        return f"{a.dtype.name}[{','.join(map(str, a.shape))}]"
+    if isinstance(a, DType):
+        return a.name
+    if isinstance(a, tuple):
+        return "(" + ",".join(_fmt(x) for x in a) + ")"
+    return repr(a)

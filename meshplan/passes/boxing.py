@@ -15,7 +15,8 @@ Invariants:
   coordinate on each of those stages, before its own axes are converted.
 - Across stages: Partial axes are reduced on the source stage, then one
   `meshplan.transfer` carries the value to the consumer's stage in the layout
-  the consumer needs (lowering cuts it into send/recv pieces). A value
+  the consumer needs (lowering cuts it into send/recv pieces); its
+  `src_phase` (the phase that made the value) says which way it flows. A value
   crosses to a stage once, for its first consumer there; a later consumer
   that needs another layout converts the arrived copy on its own stage.
   (A second transfer in a backward consumer's phase would flow forward in
@@ -205,7 +206,8 @@ def _transfer(ctx, vid, have, need, src_at, at, module_path) -> int:
         vid = _convert_local(ctx, vid, have, reduced, src_at, module_path)
     target = tuple(Replicate() if isinstance(s, Partial) else s for s in need)
     vid = ctx.emit("meshplan.transfer", vid, target, at, module_path,
-                   src_stage=src_at[0], src_chunk=src_at[1], dst_stage=at[0])
+                   src_stage=src_at[0], src_chunk=src_at[1], dst_stage=at[0],
+                   src_phase=src_at[2].value)
     if target != need:
         raise AssertionError(f"value {vid} needs {need} after a stage transfer")
     return vid

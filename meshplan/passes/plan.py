@@ -3,7 +3,8 @@
     check_strategy -> resolve_auto ("auto" plans) -> expand_batch_norm (dp > 1)
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
-        -> tensor_parallel -> propagate_sbp -> add_boxing -> recompute -> Job
+        -> tensor_parallel -> propagate_sbp -> add_boxing -> recompute
+        -> kernel_temps -> Job
 
 Each step is a pure function of immutable data; `plan_job` only wires them.
 `timings` (seconds per pass) is filled when given, for the compile report.
@@ -27,6 +28,7 @@ from meshplan.passes.propagate import propagate_sbp
 from meshplan.passes.recompute import recompute
 from meshplan.passes.shared import param_readers, share_params
 from meshplan.passes.strategy import check_strategy
+from meshplan.passes.temps import kernel_temps
 from meshplan.passes.tp_plan import tensor_parallel
 
 TP_AXIS = AXES.index("tp")
@@ -76,11 +78,13 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
                               "--layer-pattern), a regex over module paths like 'blocks\\.\\d+'")
         boxed = recompute(boxed, strategy.recompute, pattern)
         lap("recompute")
+    temps = kernel_temps(boxed.graph, boxed.stage, boxed.sbp, strategy)
+    lap("kernel_temps")
     job = Job(
         graph=boxed.graph, mesh=mesh, strategy=strategy, stage=boxed.stage,
         chunk=boxed.chunk, sbp=boxed.sbp, local=boxed.local, layers=stages.layers,
         layer_stage=stages.layer_stage, layer_chunk=stages.layer_chunk,
-        notes=auto_notes + stages.notes,
+        notes=auto_notes + stages.notes, temps=temps,
     )
     if checks:
         verify(job.graph)

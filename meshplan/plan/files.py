@@ -16,10 +16,8 @@ from pathlib import Path
 
 from meshplan.errors import PlanError
 from meshplan.ir import DType, Phase
-from meshplan.ir.fileio import read_sealed, seal, unseal, write_atomic
-from meshplan.ir.job import KIND as JOB_KIND
-from meshplan.ir.job import VERSION as JOB_VERSION
-from meshplan.ir.job import Job, job_from_json
+from meshplan.ir.fileio import read_bytes, read_sealed, seal, unseal, write_atomic
+from meshplan.ir.job import Job
 from meshplan.plan.rankplan import Block, Buffer, MemoryPlan, RankPlan, Task, TaskKind
 from meshplan.schedules.action import Action
 
@@ -100,7 +98,7 @@ def write_plan(out: Path, plan: RankPlan) -> None:
 
 def read_job(out: Path) -> Job:
     path = Path(out) / JOB_FILE
-    return job_from_json(read_sealed(path, JOB_KIND, JOB_VERSION), str(path))
+    return Job.from_bytes(read_bytes(path), str(path))
 
 
 def read_plan(out: Path, rank: int) -> RankPlan:

@@ -1,14 +1,16 @@
 """lower(job, rank) -> RankPlan: one rank's physical plan, and only its own.
 
 Invariants:
-- Cost is O(ops of the Job + this rank's peers): one scan of the Job's ops
-  (skipping other stages' ops at once), pieces from `ir.pieces` computed
-  for this rank only, collective groups from this rank's grid line. Nothing
-  here enumerates the cluster.
+- Reads only the rank's `StageView` (its stage's ops and the transfers in
+  and out): cost is O(ops of the stage + this rank's peers). Pieces from
+  `ir.pieces` are computed for this rank only, collective groups from this
+  rank's grid line (once per axis). Nothing here enumerates the cluster, and
+  nothing infers: kernel workspace sizes come from the Job's `temps`.
 - A peer's task id is derived, never looked up: send/recv tasks are
   numbered by (op, peer's position in its placement) on both sides.
 - Pure function of (Job, rank, device type): central and separate compiles
-  agree byte for byte. The device type only picks each task's physical
+  agree byte for byte (a view decoded from the Job's bytes equals the view
+  of the decoded Job). The device type only picks each task's physical
   kernel (the op rule table's per-device chooser) and the device-type field
   of task ids; the Job stays device-independent.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from meshplan.errors import PlanError
 from meshplan.ir import Phase, Role, TensorMeta
-from meshplan.ir.job import Job
+from meshplan.ir.job import TRANSFER, Job, StageView
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.ir.sbp import local_box, local_shape
@@ -37,7 +39,7 @@ from meshplan.plan.ids import (
 from meshplan.plan.memory import plan_memory
 from meshplan.plan.rankplan import Buffer, RankPlan, Task, TaskKind
 
-_COLLECTIVES = frozenset(BOXING_KINDS) - {"meshplan.transfer", "meshplan.local_slice"}
+_COLLECTIVES = frozenset(BOXING_KINDS) - {TRANSFER, "meshplan.local_slice"}
 _OPTIMIZERS = frozenset({"meshplan.sgd", "meshplan.adamw"})
 _CATEGORY = {Role.PARAM: "param", Role.BUFFER: "buffer", Role.GRAD: "grad",
              Role.OPT_STATE: "optimizer", Role.DATA: "data"}
@@ -55,13 +57,15 @@ class _Buf:
 
 
 class _Lowering:
-    def __init__(self, job: Job, rank: int, device_type: str):
-        s = job.strategy
-        self.job, self.rank = job, rank
+    def __init__(self, view: StageView, rank: int, device_type: str):
+        s = view.strategy
+        self.view, self.rank = view, rank
         self.stage = s.stage_of_rank(rank)
+        assert view.stage == self.stage, f"rank {rank} is not on stage {view.stage}"
+        self.op_of = {op.id: op for op in view.ops}
         self.place = s.placement(self.stage)
         self.coord = self.place.coord(rank)
-        self.dpn = job.mesh.devices_per_node
+        self.dpn = view.mesh.devices_per_node
         if device_type not in DEVICE_TYPES:
             raise PlanError(f"no lowering for device type {device_type!r}; use one of "
                             f"{', '.join(DEVICE_TYPES)}")
@@ -71,7 +75,8 @@ class _Lowering:
         self.bufs: dict[int, _Buf] = {}
         self.tasks: list[Task] = []
         self.edges: set[tuple[int, int, str]] = set()
-        self.producer_phase: dict[int, Phase] = {}
+        self.shapes: dict[tuple, tuple[int, ...]] = {}
+        self.groups: dict[int, tuple[int, ...]] = {}
 
     def next_id(self) -> int:
         self.counter += 1
@@ -84,8 +89,10 @@ class _Lowering:
     def buf(self, vid: int) -> _Buf:
         b = self.bufs.get(vid)
         if b is None:
-            meta = self.job.graph.values[vid].meta
-            shape = local_shape(meta.shape, self.job.sbp[vid], self.place.grid, self.coord)
+            key = (self.view.values[vid].meta.shape, self.view.sbp[vid])
+            shape = self.shapes.get(key)
+            if shape is None:
+                shape = self.shapes[key] = local_shape(*key, self.place.grid, self.coord)
             b = self.bufs[vid] = _Buf(self.next_id(), vid, shape)
         return b
 
@@ -102,14 +109,11 @@ class _Lowering:
             b.made_in = key
 
     def visit(self, op) -> None:
-        job = self.job
-        for o in op.outputs:
-            if o >= 0:
-                self.producer_phase[o] = op.phase
-        if op.kind == "meshplan.transfer" and job.strategy.pp > 1:
+        view = self.view
+        if op.kind == TRANSFER and view.strategy.pp > 1:
             self.transfer(op)
             return
-        if job.stage[op.id] != self.stage:
+        if view.op_stage[op.id] != self.stage:
             return
         if op.kind in _COLLECTIVES:
             kind = TaskKind.GRAD_REDUCE if op.phase is Phase.OPTIMIZER else TaskKind.COLLECTIVE
@@ -120,41 +124,44 @@ class _Lowering:
             kind = TaskKind.OPTIMIZER if op.kind in _OPTIMIZERS else TaskKind.COMPUTE
             stream, group = COMPUTE_STREAM, ()
         outs = [o for o in op.outputs if o >= 0]
-        task = Task(self.tid(stream, op.id), kind, op.id, job.chunk[op.id], op.phase,
+        task = Task(self.tid(stream, op.id), kind, op.id, view.op_chunk[op.id], op.phase,
                     tuple(self.buf(r).id for r in op.refs()),
                     tuple(self.buf(o).id if o >= 0 else -1 for o in op.outputs),
-                    job.local[op.id], group,
-                    kernel=physical_kernel(op, job.graph.values, self.device))
+                    view.op_local[op.id], group,
+                    kernel=physical_kernel(op, view.values, self.device))
         self.add(task, op.refs(), outs)
 
     def group(self, axis: int) -> tuple[int, ...]:
         """The ranks of this rank's line along `axis`, in grid order."""
-        out = []
-        for k in range(self.place.grid[axis]):
-            c = list(self.coord)
-            c[axis] = k
-            out.append(self.place.rank_at(tuple(c)))
-        return tuple(out)
+        out = self.groups.get(axis)
+        if out is None:
+            line = []
+            for k in range(self.place.grid[axis]):
+                c = list(self.coord)
+                c[axis] = k
+                line.append(self.place.rank_at(tuple(c)))
+            out = self.groups[axis] = tuple(line)
+        return out
 
     def across(self, stages) -> tuple[int, ...]:
         """The ranks at this rank's grid coordinate on each of `stages`."""
-        return tuple(self.job.strategy.placement(st).rank_at(self.coord) for st in stages)
+        return tuple(self.view.strategy.placement(st).rank_at(self.coord) for st in stages)
 
     def transfer(self, op) -> None:
-        job, s = self.job, self.job.strategy
+        view, s = self.view, self.view.strategy
         kw = dict(op.kwargs)
-        src_stage, dst_stage = kw["src_stage"], job.stage[op.id]
+        src_stage, dst_stage = kw["src_stage"], view.op_stage[op.id]
         if self.stage not in (src_stage, dst_stage):
             return
         src, dst = op.args[0].id, op.outputs[0]
-        shape = job.graph.values[src].meta.shape
+        shape = view.values[src].meta.shape
         src_place, dst_place = s.placement(src_stage), s.placement(dst_stage)
-        phase = self.producer_phase.get(src, op.phase)
+        phase = Phase(kw["src_phase"])
         direction = "F" if phase is Phase.FORWARD else "B"
         pp = s.pp
-        self.edges.add((kw["src_chunk"] * pp + src_stage, job.chunk[op.id] * pp + dst_stage,
+        self.edges.add((kw["src_chunk"] * pp + src_stage, view.op_chunk[op.id] * pp + dst_stage,
                         direction))
-        args = (shape, src_place, job.sbp[src], dst_place, job.sbp[dst])
+        args = (shape, src_place, view.sbp[src], dst_place, view.sbp[dst])
         if self.stage == src_stage:
             self.sends(op, args, src, kw["src_chunk"], phase, dst_place)
         else:
@@ -174,25 +181,24 @@ class _Lowering:
         for p in recv_pieces(*args, self.rank):
             k = src_place.ranks.index(p.src)
             task = Task(self.tid(P2P_STREAM + k, op.id), TaskKind.RECV, op.id,
-                        self.job.chunk[op.id], op.phase, (), (self.buf(dst).id,), peer=p.src,
+                        self.view.op_chunk[op.id], op.phase, (), (self.buf(dst).id,), peer=p.src,
                         peer_task=self.tid(P2P_STREAM + me, op.id, p.src), box=p.box)
             self.add(task, (), (dst,))
 
 
-def lower(job: Job, rank: int, device_type: str = "cpu", job_digest: str = "") -> RankPlan:
+def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan:
     """The physical plan of `rank` on `device_type` (cpu | cuda): tasks (with
-    the device's kernels), buffers, memory plan and actions.
-
-    `job_digest` may be passed by a caller lowering many ranks of one Job, so
-    the Job is hashed once, not once per rank."""
-    low = _Lowering(job, rank, device_type)
-    for op in job.graph.ops:
+    the device's kernels), buffers, memory plan and actions. `job` may be the
+    whole Job or the view of `rank`'s stage (`Job.view`, `StageView.from_bytes`)."""
+    view = job if isinstance(job, StageView) else job.view(job.strategy.stage_of_rank(rank))
+    low = _Lowering(view, rank, device_type)
+    for op in view.ops:
         low.visit(op)
-    actions = rank_actions(job.strategy, low.stage, sorted(low.edges))
-    inflight = _inflight(actions, job.strategy.pp)
+    actions = rank_actions(view.strategy, low.stage, sorted(low.edges))
+    inflight = _inflight(actions, view.strategy.pp)
     buffers = _buffers(low, inflight)
     memory = plan_memory(low, buffers, actions, inflight)
-    return RankPlan(rank, job.mesh.world, low.stage, low.coord, job_digest or job.digest(),
+    return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest,
                     tuple(low.tasks), buffers, memory, tuple(actions), device_type)
 
 
@@ -211,14 +217,13 @@ def _inflight(actions, pp: int) -> dict[int, int]:
 
 
 def _category(low: _Lowering, vid: int) -> str:
-    v = low.job.graph.values[vid]
-    return _CATEGORY.get(v.role, "activation")
+    return _CATEGORY.get(low.view.values[vid].role, "activation")
 
 
 def _buffers(low: _Lowering, inflight: dict[int, int]) -> tuple[Buffer, ...]:
     out = []
     for vid, b in low.bufs.items():
-        meta = low.job.graph.values[vid].meta
+        meta = low.view.values[vid].meta
         cat = _category(low, vid)
         crosses = b.made_in is None or any(k != b.made_in for k in b.used_in)
         if cat in ("param", "buffer", "grad", "optimizer"):

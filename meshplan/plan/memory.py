@@ -14,8 +14,8 @@ Gradient accumulators count twice when a step has several micro-batches:
 the first micro-batch's gradient is adopted as the accumulator, and the
 second adds into a fresh tensor while the adopted one lives to the end of
 that action (`ops.kernels.accumulate_grad`).
-Kernel workspace ("temp") is the largest temp of any task, computed from the
-task's physical signature and cached by it (`ops.temp`).
+Kernel workspace ("temp") is the largest temp of any task, looked up by the
+task's physical signature in the Job's `temps` (the master worked them out).
 
 Invariant: `peak` = the sum of the layout's extents, split by category:
 param (incl. module buffers), grad, optimizer, activation, temp.
@@ -28,7 +28,7 @@ import heapq
 
 from meshplan.ir import TensorMeta
 from meshplan.ops.infer import to_sig
-from meshplan.ops.temp import temp_bytes
+from meshplan.ops.temp import has_temp, temp_key
 from meshplan.plan.rankplan import Block, MemoryPlan
 
 _STATE = ("param", "buffer", "grad", "optimizer")
@@ -84,7 +84,7 @@ def _release(holes: list[list[int]], off: int, size: int, top: int) -> int:
 
 def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
     """Blocks for every buffer, and the planned peak by category."""
-    updates = {u.value for u in low.job.graph.updates}
+    updates = low.view.updates
     blocks, peak, chunks = [], {}, []
     state_chunk, act_chunk = low.next_id(), low.next_id()
     off = 0
@@ -94,7 +94,7 @@ def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
             off += b.nbytes
             key = "param" if b.category == "buffer" else b.category
             peak[key] = peak.get(key, 0) + b.nbytes
-    if low.job.strategy.num_microbatches > 1 and "grad" in peak:
+    if low.view.strategy.num_microbatches > 1 and "grad" in peak:
         off += peak["grad"]  # room for the second copy (no buffer of its own)
         peak["grad"] *= 2
     chunks.append((state_chunk, "state", off))
@@ -137,13 +137,11 @@ def _intervals(low, transient) -> list[tuple[int, int, int, int]]:
 
 def _temp(low) -> int:
     """The largest kernel workspace of any task on this rank."""
-    graph, best = low.job.graph, 0
-    local_meta = {b.value: TensorMeta(b.shape, graph.values[b.value].meta.dtype)
-                  for b in low.bufs.values()}
+    values, best = low.view.values, 0
     for t in low.tasks:
-        op = graph.ops[t.op]
-        if t.kind.value != "compute":
+        op = low.op_of[t.op]
+        if t.kind.value != "compute" or not has_temp(op.kind):
             continue
-        sig = to_sig(op.args, lambda i: local_meta.get(i) or graph.values[i].meta)
-        best = max(best, temp_bytes(op.kind, sig))
+        sig = to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
+        best = max(best, low.view.temps[temp_key(op.kind, sig)])
     return best

@@ -57,9 +57,12 @@ def test_compile_reports_its_statistics(runs):
     for v in r["ranks"].values():
         assert v["lower_s"] > 0 and v["cache_hit"] is False
         assert v["tasks"] > 0 and v["buffers"] > 0 and v["planned_peak_bytes"] > 0
-    for kind in ("logical", "temp"):
-        assert r["inference"][kind]["calls"] >= r["inference"][kind]["cache_hits"] >= 0
-    assert r["inference"]["logical"]["calls"] > 0
+    logical, temp = r["inference"]["logical"], r["inference"]["temp"]
+    assert logical["calls"] >= logical["cache_hits"] >= 0 and logical["calls"] > 0
+    # workspace: the master asks once per distinct signature, the ranks never
+    assert temp["master_calls"] == temp["signatures"] and temp["rank_calls"] == 0
+    for v in r["ranks"].values():
+        assert set(v["parts_s"]) == {"view", "lower", "serialize", "write"}
 
 
 def test_a_second_identical_compile_is_all_cache_hits(runs):

@@ -1,0 +1,44 @@
+"""Kernel workspace of the whole compile, worked out once by the master.
+
+`kernel_temps` finds every distinct local signature that an op taking
+workspace (`ops.temp.has_temp`) has on any rank of its stage, and asks the
+op's rule once per signature. Ops are first grouped by everything a local
+signature depends on (kind, logical argument metas and literals, layouts,
+stage grid): a layer repeated 96 times is looked at once, and its grid
+coordinates are enumerated once. The result goes into the Job (`Job.temps`),
+so that lowering a rank infers nothing (`plan/memory.py` looks it up).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from meshplan.ir import Graph, TensorMeta
+from meshplan.ir.mesh import Strategy
+from meshplan.ir.sbp import NdSbp, local_shape
+from meshplan.ops.infer import to_sig
+from meshplan.ops.temp import has_temp, temp_bytes, temp_key
+
+
+def kernel_temps(graph: Graph, stage: tuple[int, ...], sbp: tuple[NdSbp, ...],
+                 strategy: Strategy) -> tuple[tuple[str, int], ...]:
+    """(temp_key, bytes) for every distinct local signature, sorted by key."""
+    values = graph.values
+    seen: set = set()
+    sigs: dict[str, tuple] = {}
+    for op in graph.ops:
+        if not has_temp(op.kind):
+            continue
+        grid = strategy.placement(stage[op.id]).grid
+        refs = op.refs()
+        logical = (op.kind, to_sig(op.args, lambda i: values[i].meta),
+                   tuple(sbp[r] for r in refs), grid)
+        if logical in seen:
+            continue
+        seen.add(logical)
+        for coord in itertools.product(*(range(n) for n in grid)):
+            local = {r: TensorMeta(local_shape(values[r].meta.shape, sbp[r], grid, coord),
+                                   values[r].meta.dtype) for r in refs}
+            sig = to_sig(op.args, local.__getitem__)
+            sigs.setdefault(temp_key(op.kind, sig), (op.kind, sig))
+    return tuple((key, temp_bytes(*sigs[key])) for key in sorted(sigs))
