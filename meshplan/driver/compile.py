@@ -3,8 +3,9 @@
 Invariants:
 - The master (capture, autodiff, planning passes) runs once and yields the
   Job's bytes; each worker process checks those bytes (one hash), decodes
-  only the stages of the ranks it is given, and lowers those ranks. No process ever holds two ranks' plans
-  at once or the whole cluster's physical graph.
+  only the stages of the ranks it is given, and lowers those ranks (once
+  per rank class: `plan.stage_files`). No process holds the whole
+  cluster's physical graph.
 - Rank plans are cached under (job digest, rank, meshplan version, device
   type): a repeated compile checks and copies them (an unreadable entry is
   lowered again and replaced), and a killed worker leaves no partial entry
@@ -38,12 +39,13 @@ from meshplan import errors
 from meshplan.capture.cache import cache_dir
 from meshplan.errors import ConfigError, MeshplanError, PlanError
 from meshplan.ir.fileio import write_atomic
-from meshplan.ir.job import Job, JobReader, StageView
+from meshplan.ir.gc_pause import paused_gc
+from meshplan.ir.job import Job, JobReader
 from meshplan.ops.infer import InferStats
 from meshplan.ops.temp import TempStats
-from meshplan.plan.files import JOB_FILE, plan_from_bytes, plan_name, plan_to_bytes, write_job
-from meshplan.plan.lower import lower
+from meshplan.plan.files import JOB_FILE, plan_from_bytes, plan_name, write_job
 from meshplan.plan.rankplan import RankPlan
+from meshplan.plan.stage_files import StageFiles
 
 log = logging.getLogger("meshplan")
 
@@ -79,12 +81,19 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
     The bytes are hashed once (the digest) and only the parts the ranks'
     stages read are decoded, once per stage. `progress[slot]` says which
     rank the worker is lowering (for a report if it dies), `done[slot]` how
-    many it has finished. Seconds per rank are split into view (decoding
-    the stage, first rank of a stage only), lower, serialize and write."""
+    many it has finished. Ranks of a stage that differ only in their ids
+    are lowered once (`plan.stage_files`). Seconds per rank are split into
+    view (decoding the stage: the first rank of a stage only), plan (lower
+    and serialize, or a shared body's head and hash) and write."""
+    with paused_gc():  # collections were a third of a GPT-3 rank's path
+        return _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
+
+
+def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device) -> dict:
     t0, temp_calls = time.perf_counter(), TempStats.calls
     reader = JobReader(job_bytes)
     open_s = time.perf_counter() - t0
-    views: dict[int, StageView] = {}
+    stages: dict[int, StageFiles] = {}
     kill_at = os.environ.get(KILL_ENV)
     stats = {}
     for rank in ranks:
@@ -94,29 +103,28 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
         cached = _plan_cache(reader.digest, device) / plan_name(rank)
         entry = _read_cached(cached, reader.digest, rank, device) if use_cache else None
         if entry is not None:
-            (data, plan), hit = entry, True
-            t += [t[0]] * 3
+            (data, plan), hit, lowered = entry, True, False
+            t += [t[0]] * 2
         else:
             stage = reader.strategy.stage_of_rank(rank)
-            if stage not in views:
-                views[stage] = reader.view(stage)
+            if stage not in stages:
+                stages[stage] = StageFiles(reader.view(stage), device)
             t.append(time.perf_counter())
-            plan = lower(views[stage], rank, device)
+            data, plan, lowered = stages[stage].plan_bytes(rank)
             t.append(time.perf_counter())
             if kill_at == str(rank):  # fault injection: die before writing anything
                 os.kill(os.getpid(), signal.SIGKILL)
-            data, hit = plan_to_bytes(plan), False
-            t.append(time.perf_counter())
+            hit = False
             if use_cache:
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(cached, data)
         write_atomic(Path(out) / plan_name(rank), data)
         t.append(time.perf_counter())
-        stats[rank] = {"lower_s": t[-1] - t[0], "cache_hit": hit, "tasks": len(plan.tasks),
-                       "buffers": len(plan.buffers),
+        stats[rank] = {"lower_s": t[-1] - t[0], "cache_hit": hit, "lowered": lowered,
+                       "tasks": len(plan.tasks), "buffers": len(plan.buffers),
                        "planned_peak_bytes": plan.memory.peak_bytes(),
-                       "parts_s": dict(zip(("view", "lower", "serialize", "write"),
-                                           (t[i + 1] - t[i] for i in range(4))))}
+                       "parts_s": dict(zip(("view", "plan", "write"),
+                                           (t[i + 1] - t[i] for i in range(3))))}
         if done is not None:
             done[slot] += 1
     stats["_process"] = {"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

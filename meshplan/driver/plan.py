@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.capture import cached, capture, capture_key
 from meshplan.ir import Phase, Role
+from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.ir.sbp import fmt
@@ -73,12 +74,13 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     t0 = time.perf_counter()
     forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
     t1 = time.perf_counter()
-    graph = train_step(forward, strategy, OptimizerConfig.default(optimizer, lr))
-    timings: dict = {"autodiff": time.perf_counter() - t1}
-    job = plan_job(graph, mesh, strategy, timings=timings)
-    t2 = time.perf_counter()
-    job.to_bytes()  # what the ranks receive; its digest comes with it (hashed once)
-    timings["job_bytes"] = time.perf_counter() - t2
+    with paused_gc():  # the master: see ir/gc_pause.py
+        graph = train_step(forward, strategy, OptimizerConfig.default(optimizer, lr))
+        timings: dict = {"autodiff": time.perf_counter() - t1}
+        job = plan_job(graph, mesh, strategy, timings=timings)
+        t2 = time.perf_counter()
+        job.to_bytes()  # what the ranks receive; its digest comes with it (hashed once)
+        timings["job_bytes"] = time.perf_counter() - t2
     log.info("%s %s: captured in %.2f s, planned in %.2f s (%d ops in the Job)", model, size,
              t1 - t0, sum(timings.values()), len(job.graph.ops))
     return Planned(job, t1 - t0, timings)

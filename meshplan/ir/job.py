@@ -11,8 +11,9 @@ Invariants:
 - The Job is deterministic: the same inputs give byte-identical `to_bytes`
   and the same `digest`, in any process.
 - Bytes (format "meshplan.job" v2, `fileio.seal_parts`): a head (mesh,
-  strategy, graph inputs, temps), the values, each stage's ops, and the
-  transfers, each its own part. `digest` is the sha256 of the body, hashed
+  strategy, graph inputs, temps); per stage, its ops and the values its
+  view reads (values on a stage boundary are in both); the transfers; and
+  the values no op touches. `digest` is the sha256 of the body, hashed
   once: when the Job is written or read. `StageView.from_bytes` decodes only
   what lowering one stage reads.
 """
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from meshplan.errors import PlanError
 from meshplan.ir.fileio import Parts, encode_part, open_parts, seal_parts
+from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
@@ -53,7 +55,8 @@ class Job:
 
     def to_bytes(self) -> bytes:
         if self._sealed is None:
-            data = _encode(self)
+            with paused_gc():
+                data = _encode(self)
             object.__setattr__(self, "_sealed", open_parts(data, KIND, VERSION, "<job>"))
         return self._sealed.data
 
@@ -108,8 +111,8 @@ class StageView:
 
 class JobReader:
     """A Job's bytes, checked once (one hash over the raw bytes), then
-    decoded part by part on demand: the head at once, the values and the
-    transfers when a view first needs them, a stage's ops for its view."""
+    decoded part by part on demand: the head at once, the transfers when a
+    view first needs them, a stage's ops and values for its view."""
 
     def __init__(self, data: bytes, where: str = "<bytes>"):
         self.parts = open_parts(data, KIND, VERSION, where)
@@ -117,7 +120,6 @@ class JobReader:
         with self._reading():
             self.head = self.parts.load("head")
             self.mesh, self.strategy = Mesh(**self.head["mesh"]), _strategy(self.head["strategy"])
-        self._values: list | None = None
         self._transfers: list | None = None
 
     def _reading(self):
@@ -126,20 +128,21 @@ class JobReader:
     def view(self, stage: int) -> StageView:
         """What lowering a rank of `stage` reads (equal to `Job.view(stage)`)."""
         with self._reading():
-            if self._values is None:
-                self._values = self.parts.load("values")
+            if self._transfers is None:
                 self._transfers = self.parts.load("transfers")
             own = f"ops/{stage}"
             rows = [(r, stage) for r in self.parts.load(own)] if own in self.parts else []
             rows += [(r[:-1], r[-1]) for r in self._transfers
                      if stage in (r[-1], _src_stage(r))]
             rows.sort(key=lambda x: x[0][0])
-            values = self._values
+            own_values = f"values/{stage}"
+            rows_v = self.parts.load(own_values) if own_values in self.parts else []
+            values = {r[0]: r for r in rows_v}
             return _view(self.mesh, self.strategy, stage, self.digest,
                          dict(_pairs(self.head["temps"])),
                          {v for _, v in self.head["updates"]},
                          [(op_from_row(r[:9]), st, r[9], tuple(r[10])) for r, st in rows],
-                         lambda v: _value(v, values[v]))
+                         lambda v: _value(values[v]))
 
     def job(self) -> Job:
         """The whole Job."""
@@ -150,15 +153,19 @@ class JobReader:
 
 
 class _Reading:
-    """Turns any decoding failure into one `PlanError` naming the file."""
+    """Turns any decoding failure into one `PlanError` naming the file, and
+    pauses the garbage collector meanwhile (`ir.gc_pause`)."""
 
     def __init__(self, where: str):
         self.where = where
+        self.pause = paused_gc()
 
     def __enter__(self):
+        self.pause.__enter__()
         return self
 
     def __exit__(self, kind, e, tb):
+        self.pause.__exit__(None, None, None)
         if kind is not None and issubclass(kind, (Malformed, KeyError, TypeError, ValueError,
                                                   IndexError, AttributeError)):
             raise PlanError(f"{self.where} holds a malformed {KIND} v{VERSION} body "
@@ -217,9 +224,14 @@ def _sbp(text: str) -> NdSbp:
     return out
 
 
-def _value(vid: int, row) -> tuple[Value, NdSbp]:
-    shape, dtype, role, name, sbp = row
-    if not isinstance(name, str) or not all(type(s) is int for s in shape):
+def _value_row(v: Value, sbp: NdSbp) -> list:
+    return [v.id, list(v.meta.shape), v.meta.dtype.name, v.role.value, v.name, _fmt(sbp)]
+
+
+def _value(row) -> tuple[Value, NdSbp]:
+    vid, shape, dtype, role, name, sbp = row
+    if type(vid) is not int or not isinstance(name, str) or \
+            not all(type(s) is int for s in shape):
         raise Malformed(f"value {vid}: bad name or shape")
     return Value(vid, TensorMeta(tuple(shape), DType(dtype)), _ROLES[role], name), _sbp(sbp)
 
@@ -249,18 +261,25 @@ def _encode(job: Job) -> bytes:
             "layers": list(job.layers), "layer_stage": list(job.layer_stage),
             "layer_chunk": list(job.layer_chunk), "notes": list(job.notes),
             "temps": [list(t) for t in job.temps], "nops": len(g.ops)}
-    values = [[list(v.meta.shape), v.meta.dtype.name, v.role.value, v.name, _fmt(job.sbp[v.id])]
-              for v in g.values]
     stages: dict[int, list] = {}
+    touched: dict[int, set] = {}  # stage -> the values its view reads
     transfers = []
     for op in g.ops:
         row = op_to_row(op) + [job.chunk[op.id], list(job.local[op.id])]
+        on = [job.stage[op.id]]
         if op.kind == TRANSFER:
             transfers.append(row + [job.stage[op.id]])
+            on.append(dict(op.kwargs)["src_stage"])
         else:
             stages.setdefault(job.stage[op.id], []).append(row)
-    parts = {"head": encode_part(head), "values": encode_part(values)}
-    parts.update((f"ops/{s}", encode_part(stages[s])) for s in sorted(stages))
+        for st in on:
+            touched.setdefault(st, set()).update(v for v in op.refs() + op.outputs if v >= 0)
+    rest = set(range(len(g.values))).difference(*touched.values())
+    parts = {"head": encode_part(head)}
+    for name, vids in [*((f"values/{st}", touched[st]) for st in sorted(touched)),
+                       ("values/rest", rest)]:
+        parts[name] = encode_part([_value_row(g.values[v], job.sbp[v]) for v in sorted(vids)])
+    parts.update((f"ops/{st}", encode_part(stages[st])) for st in sorted(stages))
     parts["transfers"] = encode_part(transfers)
     return seal_parts(KIND, VERSION, parts)
 
@@ -274,8 +293,13 @@ def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
                 ops[row[0]] = (row, row[-1] if fixed is None else fixed)
     if any(o is None for o in ops):
         raise Malformed("an op id is missing")
-    rows = parts.load("values")
-    values, sbp = zip(*(_value(i, r) for i, r in enumerate(rows))) if rows else ((), ())
+    decoded: dict[int, tuple[Value, NdSbp]] = {}
+    for name in parts.index:
+        if name.startswith("values/"):
+            decoded.update((r[0], _value(r)) for r in parts.load(name) if r[0] not in decoded)
+    if sorted(decoded) != list(range(len(decoded))):
+        raise Malformed("a value id is missing")
+    values, sbp = zip(*(decoded[v] for v in range(len(decoded)))) if decoded else ((), ())
     graph = Graph(values=tuple(values), ops=tuple(op_from_row(r[:9]) for r, _ in ops),
                   inputs=tuple(head["inputs"]), loss=head["loss"],
                   updates=tuple(Update(a, b) for a, b in head["updates"]),

@@ -4,18 +4,17 @@
 workspace (`ops.temp.has_temp`) has on any rank of its stage, and asks the
 op's rule once per signature. Ops are first grouped by everything a local
 signature depends on (kind, logical argument metas and literals, layouts,
-stage grid): a layer repeated 96 times is looked at once, and its grid
-coordinates are enumerated once. The result goes into the Job (`Job.temps`),
+stage grid): a layer repeated 96 times is looked at once, and for it only
+the distinct local shapes of its arguments are enumerated, not every grid
+coordinate (`ir.sbp.distinct_local_shapes`). The result goes into the Job (`Job.temps`),
 so that lowering a rank infers nothing (`plan/memory.py` looks it up).
 """
 
 from __future__ import annotations
 
-import itertools
-
 from meshplan.ir import Graph, TensorMeta
 from meshplan.ir.mesh import Strategy
-from meshplan.ir.sbp import NdSbp, local_shape
+from meshplan.ir.sbp import NdSbp, distinct_local_shapes
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import has_temp, temp_bytes, temp_key
 
@@ -36,9 +35,10 @@ def kernel_temps(graph: Graph, stage: tuple[int, ...], sbp: tuple[NdSbp, ...],
         if logical in seen:
             continue
         seen.add(logical)
-        for coord in itertools.product(*(range(n) for n in grid)):
-            local = {r: TensorMeta(local_shape(values[r].meta.shape, sbp[r], grid, coord),
-                                   values[r].meta.dtype) for r in refs}
+        metas = [values[r].meta for r in refs]
+        for shapes in distinct_local_shapes([(m.shape, sbp[r]) for m, r in zip(metas, refs)],
+                                            grid):
+            local = {r: TensorMeta(sh, m.dtype) for r, sh, m in zip(refs, shapes, metas)}
             sig = to_sig(op.args, local.__getitem__)
             sigs.setdefault(temp_key(op.kind, sig), (op.kind, sig))
     return tuple((key, temp_bytes(*sigs[key])) for key in sorted(sigs))

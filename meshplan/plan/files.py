@@ -3,6 +3,10 @@
 Invariants:
 - Every file is sealed (`ir.fileio`: versioned, checksummed JSON, never
   pickle) and written atomically, so a reader sees a whole file or none.
+- A plan file has two parts: a head (rank, coordinate, Job digest, the
+  base of the rank's task ids) and a body in which the rank's own ids are
+  relative to it, so that data-parallel ranks whose plans differ only in
+  their ids share one body (`driver/compile.py` writes it once).
 - A RankPlan file names the digest of the Job it was lowered from; loading
   a directory checks that all agree, and that the ranks cover the world.
 - Any problem is one `PlanError` line naming the file and how to fix it.
@@ -16,12 +20,13 @@ from pathlib import Path
 
 from meshplan.errors import PlanError
 from meshplan.ir import DType, Phase
-from meshplan.ir.fileio import read_bytes, read_sealed, seal, unseal, write_atomic
+from meshplan.ir.fileio import encode_part, open_parts, read_bytes, seal_parts, write_atomic
 from meshplan.ir.job import Job
+from meshplan.plan.ids import TASK_LOCAL_BITS
 from meshplan.plan.rankplan import Block, Buffer, MemoryPlan, RankPlan, Task, TaskKind
 from meshplan.schedules.action import Action
 
-KIND, VERSION = "meshplan.rankplan", 1
+KIND, VERSION = "meshplan.rankplan", 2
 JOB_FILE = "job.json"
 _PLAN_FILE = re.compile(r"rank_(\d+)\.plan")
 
@@ -30,61 +35,89 @@ def plan_name(rank: int) -> str:
     return f"rank_{rank:05d}.plan"
 
 
-def _task_row(t: Task) -> list:
-    row = [t.id, t.kind.value, t.op, t.chunk, t.phase.value, list(t.inputs),
-           list(t.outputs), list(t.local), list(t.group), t.peer, t.peer_task,
-           [list(x) for x in t.box]]
-    return row + [t.kernel] if t.kernel else row  # cpu plans: the rows they always had
+def plan_head(p: RankPlan, task_base: int) -> dict:
+    """What a plan file says about its rank: who, where, of which Job."""
+    head = {"rank": p.rank, "world": p.world, "stage": p.stage, "coord": list(p.coord),
+            "job_digest": p.job_digest, "task_base": task_base}
+    if p.device != "cpu":
+        head["device"] = p.device
+    return head
 
 
-def plan_to_json(p: RankPlan) -> dict:
-    out = {
-        "rank": p.rank, "world": p.world, "stage": p.stage, "coord": list(p.coord),
-        "job_digest": p.job_digest,
-        "tasks": [_task_row(t) for t in p.tasks],
-        "buffers": [[b.id, b.value, list(b.producers), list(b.consumers), list(b.shape),
-                     b.dtype.name, b.nbytes, b.copies, b.category] for b in p.buffers],
-        "memory": {"chunks": [list(c) for c in p.memory.chunks],
-                   "blocks": [[b.id, b.chunk, b.offset, b.size, list(b.buffers)]
-                              for b in p.memory.blocks],
+def plan_body(p: RankPlan, task_base: int) -> bytes:
+    """The rest of a plan file, with the rank's own ids written relative to
+    it: a task id less `task_base` (its rank and device bits), a buffer,
+    block or chunk id less `rank << 48`. Ranks whose lowering differs only in
+    their own ids (`lower.RankClasses`) therefore share these bytes."""
+    own = p.rank << 48
+
+    def rows_of(t: Task) -> list:
+        row = [t.id - task_base, t.kind.value, t.op, t.chunk, t.phase.value,
+               [i - own for i in t.inputs], [o - own if o >= 0 else o for o in t.outputs],
+               list(t.local), list(t.group), t.peer, t.peer_task, [list(x) for x in t.box]]
+        return row + [t.kernel] if t.kernel else row
+
+    return encode_part({
+        "tasks": [rows_of(t) for t in p.tasks],
+        "buffers": [[b.id - own, b.value, [t - task_base for t in b.producers],
+                     [t - task_base for t in b.consumers], list(b.shape), b.dtype.name,
+                     b.nbytes, b.copies, b.category] for b in p.buffers],
+        "memory": {"chunks": [[c - own, n, sz] for c, n, sz in p.memory.chunks],
+                   "blocks": [[b.id - own, b.chunk - own, b.offset, b.size,
+                               [x - own for x in b.buffers]] for b in p.memory.blocks],
                    "peak": [list(x) for x in p.memory.peak]},
         "actions": [str(a) for a in p.actions],
-    }
-    if p.device != "cpu":
-        out["device"] = p.device
-    return out
+    })
+
+
+def seal_plan(head: dict, body: bytes) -> bytes:
+    return seal_parts(KIND, VERSION, {"head": encode_part(head), "body": body})
+
+
+def plan_to_bytes(p: RankPlan) -> bytes:
+    base = own_task_base(p)
+    return seal_plan(plan_head(p, base), plan_body(p, base))
+
+
+def own_task_base(p: RankPlan) -> int:
+    """The rank and device bits of `p`'s own task ids (any task of the plan has them)."""
+    if not p.tasks:
+        return 0
+    return p.tasks[0].id >> TASK_LOCAL_BITS << TASK_LOCAL_BITS
 
 
 def _t(x) -> tuple:
     return tuple(x)
 
 
-def plan_from_json(d: dict, where: str) -> RankPlan:
+def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
+    parts = open_parts(data, KIND, VERSION, where)
     try:
-        tasks = tuple(Task(i, TaskKind(k), op, c, Phase(ph), _t(ins), _t(outs), _t(loc),
-                           _t(grp), peer, pt, tuple(_t(b) for b in box), *kernel)
+        h, d = parts.load("head"), parts.load("body")
+        base, own = h["task_base"], h["rank"] << 48
+
+        def ids(xs, add):
+            return tuple(x + add for x in xs)
+
+        tasks = tuple(Task(i + base, TaskKind(k), op, c, Phase(ph), ids(ins, own),
+                           tuple(o + own if o >= 0 else o for o in outs), _t(loc), _t(grp),
+                           peer, pt, tuple(_t(b) for b in box), *kernel)
                       for i, k, op, c, ph, ins, outs, loc, grp, peer, pt, box, *kernel
                       in d["tasks"])
-        buffers = tuple(Buffer(i, v, _t(pr), _t(co), _t(sh), DType(dt), nb, cp, cat)
+        buffers = tuple(Buffer(i + own, v, ids(pr, base), ids(co, base), _t(sh), DType(dt), nb,
+                               cp, cat)
                         for i, v, pr, co, sh, dt, nb, cp, cat in d["buffers"])
         m = d["memory"]
-        memory = MemoryPlan(tuple(_t(c) for c in m["chunks"]),
-                            tuple(Block(i, c, o, s, _t(b)) for i, c, o, s, b in m["blocks"]),
+        memory = MemoryPlan(tuple((c + own, n, sz) for c, n, sz in m["chunks"]),
+                            tuple(Block(i + own, c + own, o, s, ids(b, own))
+                                  for i, c, o, s, b in m["blocks"]),
                             tuple(_t(x) for x in m["peak"]))
-        return RankPlan(d["rank"], d["world"], d["stage"], _t(d["coord"]), d["job_digest"],
+        return RankPlan(h["rank"], h["world"], h["stage"], _t(h["coord"]), h["job_digest"],
                         tasks, buffers, memory, tuple(Action.parse(a) for a in d["actions"]),
-                        d.get("device", "cpu"))
+                        h.get("device", "cpu"))
     except (KeyError, TypeError, ValueError) as e:
         raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body "
                         f"({type(e).__name__}: {str(e)[:80]}); recompile it") from None
-
-
-def plan_to_bytes(p: RankPlan) -> bytes:
-    return seal(KIND, VERSION, plan_to_json(p))
-
-
-def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
-    return plan_from_json(unseal(data, KIND, VERSION, where), where)
 
 
 def write_job(out: Path, job: Job) -> None:
@@ -103,7 +136,7 @@ def read_job(out: Path) -> Job:
 
 def read_plan(out: Path, rank: int) -> RankPlan:
     path = Path(out) / plan_name(rank)
-    return plan_from_json(read_sealed(path, KIND, VERSION), str(path))
+    return plan_from_bytes(read_bytes(path), str(path))
 
 
 def read_dir(out: Path) -> tuple[Job, dict[int, RankPlan]]:

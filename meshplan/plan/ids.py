@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 RANK_BITS, DEVICE_TYPE_BITS, DEVICE_INDEX_BITS, STREAM_BITS, INDEX_BITS = 16, 5, 7, 15, 21
 COMPUTE_STREAM, COLLECTIVE_STREAM, P2P_STREAM = 0, 1, 2
+TASK_LOCAL_BITS = STREAM_BITS + INDEX_BITS  # below them: what a task id says besides its device
 DEVICE_TYPES = {"cpu": 0, "cuda": 1}
 
 
@@ -55,8 +56,13 @@ class TaskId:
 
 def task_id(rank: int, devices_per_node: int, stream: int, op_id: int,
             device_type: int = 0) -> int:
-    """The packed id of the task of Job op `op_id` on `rank`'s `stream`."""
-    return TaskId(rank, device_type, rank % devices_per_node, stream, op_id).pack()
+    """The packed id of the task of Job op `op_id` on `rank`'s `stream`
+    (`TaskId.pack`, without building one: lowering asks it for every task)."""
+    assert 0 <= rank < 1 << RANK_BITS and 0 <= device_type < 1 << DEVICE_TYPE_BITS
+    assert 0 <= stream < 1 << STREAM_BITS and 0 <= op_id < 1 << INDEX_BITS
+    assert devices_per_node <= 1 << DEVICE_INDEX_BITS
+    device = (rank << DEVICE_TYPE_BITS | device_type) << DEVICE_INDEX_BITS | rank % devices_per_node
+    return (device << STREAM_BITS | stream) << INDEX_BITS | op_id
 
 
 def local_id(rank: int, counter: int) -> int:

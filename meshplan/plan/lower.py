@@ -124,12 +124,13 @@ class _Lowering:
             kind = TaskKind.OPTIMIZER if op.kind in _OPTIMIZERS else TaskKind.COMPUTE
             stream, group = COMPUTE_STREAM, ()
         outs = [o for o in op.outputs if o >= 0]
+        refs = op.refs()
         task = Task(self.tid(stream, op.id), kind, op.id, view.op_chunk[op.id], op.phase,
-                    tuple(self.buf(r).id for r in op.refs()),
+                    tuple(self.buf(r).id for r in refs),
                     tuple(self.buf(o).id if o >= 0 else -1 for o in op.outputs),
                     view.op_local[op.id], group,
                     kernel=physical_kernel(op, view.values, self.device))
-        self.add(task, op.refs(), outs)
+        self.add(task, refs, outs)
 
     def group(self, axis: int) -> tuple[int, ...]:
         """The ranks of this rank's line along `axis`, in grid order."""
@@ -200,6 +201,38 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     memory = plan_memory(low, buffers, actions, inflight)
     return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest,
                     tuple(low.tasks), buffers, memory, tuple(actions), device_type)
+
+
+class RankClasses:
+    """Which ranks of a stage get the same plan up to their own ids.
+
+    Lowering depends on the rank only through its own ids (which plan files
+    write relative to it, `files.plan_body`) and through its grid coordinate:
+    the local shape of every value, the ranks of each collective's group,
+    and the send/recv pieces. `key(rank)` is built from exactly those
+    results (the line of every axis a collective runs over, the coordinate's
+    ranks on each stage a shared parameter's reduction spans, every
+    distinct local shape), or is the rank
+    itself when the stage sends or receives across stages: ranks with equal
+    keys have equal plan bodies. Checked rank by rank against lowering each
+    one in tests/plan/test_rank_classes.py."""
+
+    def __init__(self, view: StageView):
+        self.view = view
+        self.shapes = sorted({(v.meta.shape, view.sbp[i]) for i, v in view.values.items()},
+                             key=repr)
+        kwargs = [dict(op.kwargs) for op in view.ops if op.kind in _COLLECTIVES]
+        self.axes = sorted({kw["axis"] for kw in kwargs if "stages" not in kw})
+        self.spans = sorted({kw["stages"] for kw in kwargs if "stages" in kw})
+        self.p2p = view.strategy.pp > 1 and any(op.kind == TRANSFER for op in view.ops)
+
+    def key(self, rank: int) -> tuple:
+        if self.p2p:
+            return ("rank", rank)
+        low = _Lowering(self.view, rank, "cpu")
+        return (tuple(low.group(a) for a in self.axes),
+                tuple(low.across(st) for st in self.spans),
+                tuple(local_shape(sh, sbp, low.place.grid, low.coord) for sh, sbp in self.shapes))
 
 
 def _inflight(actions, pp: int) -> dict[int, int]:

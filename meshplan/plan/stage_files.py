@@ -1,0 +1,41 @@
+"""Plan files of the ranks of one stage, each rank class lowered once.
+
+`StageFiles(view, device).plan_bytes(rank)` equals
+`plan_to_bytes(lower(view, rank, device))` byte for byte (tested rank by
+rank), but ranks with the same `RankClasses` key (data-parallel ranks of a
+stage, most often) share one lowering and one encoded body: a rank after
+the first of its class costs a head and a hash, not a lowering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.ir.job import StageView
+from meshplan.plan.files import own_task_base, plan_body, plan_head, seal_plan
+from meshplan.plan.ids import DEVICE_TYPES, task_id
+from meshplan.plan.lower import RankClasses, lower
+from meshplan.plan.rankplan import RankPlan
+
+
+class StageFiles:
+    def __init__(self, view: StageView, device: str = "cpu"):
+        self.view, self.device = view, device
+        self.classes = RankClasses(view)
+        self.bodies: dict[tuple, tuple[bytes, RankPlan, bool]] = {}
+
+    def plan_bytes(self, rank: int) -> tuple[bytes, RankPlan, bool]:
+        """The plan file of `rank`; the plan of its class's first rank (same
+        tasks, buffers and memory up to ids); whether `rank` was lowered."""
+        key = self.classes.key(rank)
+        shared = self.bodies.get(key)
+        if shared is None:
+            plan = lower(self.view, rank, self.device)
+            base = own_task_base(plan)
+            self.bodies[key] = (plan_body(plan, base), plan, bool(plan.tasks))
+            return seal_plan(plan_head(plan, base), self.bodies[key][0]), plan, True
+        body, plan, has_tasks = shared
+        dpn = self.view.mesh.devices_per_node
+        base = task_id(rank, dpn, 0, 0, DEVICE_TYPES[self.device]) if has_tasks else 0
+        coord = self.view.strategy.placement(self.view.stage).coord(rank)
+        return seal_plan(plan_head(replace(plan, rank=rank, coord=coord), base), body), plan, False
