@@ -119,7 +119,7 @@ def unseal(data: bytes, kind: str, version: int, where: str) -> dict:
 
 
 _PART_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
-_BODY = b',"body":'
+_BODY = b'},"body":'
 
 
 def encode_part(value) -> bytes:
@@ -141,7 +141,7 @@ def seal_parts(kind: str, version: int, parts: dict[str, bytes]) -> bytes:
     head = (f'{{"format":{json.dumps(kind)},"version":{int(version)},'
             f'"sha256":"{hashlib.sha256(data).hexdigest()}",'
             f'"index":{json.dumps(index, separators=(",", ":"))}')
-    return head.encode("ascii") + _BODY + data + b"}\n"
+    return head.encode("ascii") + _BODY[1:] + data + b"}\n"
 
 
 class Parts:
@@ -166,14 +166,15 @@ class Parts:
 def open_parts(data: bytes, kind: str, version: int, where: str) -> Parts:
     """Check an envelope written by `seal_parts`: kind, version, and the
     body's hash over its raw bytes. Parts are decoded later, on demand."""
-    cut = data.find(_BODY)
+    cut = data.find(_BODY)  # the index's closing brace, then the body: found only there
     if cut < 0 or not data.endswith(b"}\n"):
         raise _unreadable(where)
+    cut += 1
     env = _parse(data[:cut] + b"}", where)
     if not isinstance(env, dict) or not {"format", "version", "sha256"} <= env.keys():
         raise _unreadable(where)
     _check_kind(env["format"], env["version"], kind, version, where)
-    body, index = data[cut + len(_BODY):-2], env.get("index")
+    body, index = data[cut + len(_BODY) - 1:-2], env.get("index")
     if not isinstance(index, dict) or not all(
             isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)
             and 0 <= r[0] <= r[1] <= len(body) for r in index.values()):

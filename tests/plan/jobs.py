@@ -30,6 +30,16 @@ CONFIGS: dict[str, tuple] = {
     "resnet_1x4": ("resnet", 1, 4, {}, dict(dp=2, pp=2, global_batch_size=8,
                                             micro_batch_size=2)),
 }
+# one stage, so no sends: ranks share plan bodies where their groups and shapes agree
+CONFIGS.update({
+    "gpt_tied_dp4": ("gpt", 1, 4, {"tie_embeddings": True}, dict(dp=4, global_batch_size=8,
+                                                           micro_batch_size=2)),
+    "gpt_uneven_dp2": ("gpt", 1, 8, {"vocab": 130}, dict(dp=2, tp=4, global_batch_size=8,
+                                                         micro_batch_size=2)),
+    "gpt_uneven_tp4": ("gpt", 1, 4, {"vocab": 130}, dict(tp=4, global_batch_size=4,
+                                                         micro_batch_size=2)),
+    "resnet_dp4": ("resnet", 2, 2, {}, dict(dp=4, global_batch_size=8, micro_batch_size=2)),
+})
 for _dp in (1, 2, 4):  # same per-rank work, dp scaled: 4 micro-batches of 2 per replica
     CONFIGS[f"gpt_dp{_dp}"] = ("gpt", 1, 4 * _dp, {}, dict(dp=_dp, tp=2, pp=2,
                                                           global_batch_size=8 * _dp,

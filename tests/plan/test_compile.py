@@ -41,3 +41,25 @@ def test_cache_hits_and_a_damaged_entry(tmp_path, monkeypatch):
 def test_ranks_outside_the_world_are_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="outside 0..1"):
         compile_job(job_of(NAME), tmp_path, ranks=[0, 2], use_cache=False)
+
+
+def test_workspace_is_inferred_once_per_signature_whatever_the_rank_count(tmp_path):
+    """The master asks each distinct (kind, local signature) once and the
+    Job carries the answers: no rank infers, and the count does not grow
+    with the ranks (ResNet's convolutions at dp 2 and dp 8)."""
+    from meshplan.driver.compile import compile_model
+    from meshplan.driver.plan import zoo_strategy
+    from meshplan.ir.mesh import Mesh
+    from meshplan.models import model_config
+
+    seen = []
+    for dp in (2, 8):
+        s = zoo_strategy("resnet", model_config("resnet", "tiny"), dp=dp,
+                         global_batch_size=2 * dp, micro_batch_size=2)
+        r = compile_model("resnet", "tiny", Mesh(1, dp), s, tmp_path / str(dp), workers=2,
+                          use_cache=False)
+        temp = r["inference"]["temp"]
+        assert temp["master_calls"] == temp["signatures"] > 0
+        assert temp["rank_calls"] == 0
+        seen.append(temp["master_calls"])
+    assert seen[0] == seen[1]
