@@ -83,8 +83,9 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
     rank the worker is lowering (for a report if it dies), `done[slot]` how
     many it has finished. Ranks of a stage that differ only in their ids
     are lowered once (`plan.stage_files`). Seconds per rank are split into
-    view (decoding the stage: the first rank of a stage only), plan (lower
-    and serialize, or a shared body's head and hash) and write."""
+    view (decoding the stage: the first rank of a stage only), lower (the
+    first rank of a class only), serialize (for the others: a head and a
+    hash over the shared body) and write."""
     with paused_gc():  # collections were a third of a GPT-3 rank's path
         return _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
 
@@ -104,13 +105,14 @@ def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
         entry = _read_cached(cached, reader.digest, rank, device) if use_cache else None
         if entry is not None:
             (data, plan), hit, lowered = entry, True, False
-            t += [t[0]] * 2
+            t += [t[0]] * 3
         else:
             stage = reader.strategy.stage_of_rank(rank)
             if stage not in stages:
                 stages[stage] = StageFiles(reader.view(stage), device)
             t.append(time.perf_counter())
             data, plan, lowered = stages[stage].plan_bytes(rank)
+            t.append(t[-1] + stages[stage].seconds["lower"])
             t.append(time.perf_counter())
             if kill_at == str(rank):  # fault injection: die before writing anything
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -123,8 +125,8 @@ def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
         stats[rank] = {"lower_s": t[-1] - t[0], "cache_hit": hit, "lowered": lowered,
                        "tasks": len(plan.tasks), "buffers": len(plan.buffers),
                        "planned_peak_bytes": plan.memory.peak_bytes(),
-                       "parts_s": dict(zip(("view", "plan", "write"),
-                                           (t[i + 1] - t[i] for i in range(3))))}
+                       "parts_s": dict(zip(("view", "lower", "serialize", "write"),
+                                           (t[i + 1] - t[i] for i in range(4))))}
         if done is not None:
             done[slot] += 1
     stats["_process"] = {"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -62,7 +62,7 @@ def test_compile_reports_its_statistics(runs):
     # workspace: the master asks once per distinct signature, the ranks never
     assert temp["master_calls"] == temp["signatures"] and temp["rank_calls"] == 0
     for v in r["ranks"].values():
-        assert set(v["parts_s"]) == {"view", "plan", "write"}
+        assert set(v["parts_s"]) == {"view", "lower", "serialize", "write"}
 
 
 def test_a_second_identical_compile_is_all_cache_hits(runs):
