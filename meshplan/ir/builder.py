@@ -6,8 +6,6 @@ twice from the same inputs is identical, value ids included.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from meshplan.ir.graph import ABSENT, Arg, Graph, Op, Phase, Role, TensorMeta, Update, Value
 
 
@@ -72,5 +70,5 @@ def renumber_ops(ops: list[Op]) -> tuple[Op, ...]:
     """Give ops dense ids in list order, remapping `grad_of` links."""
     remap = {op.id: i for i, op in enumerate(ops)}
     return tuple(
-        replace(op, id=i, grad_of=remap.get(op.grad_of, -1)) for i, op in enumerate(ops)
+        op.renumbered(i, remap.get(op.grad_of, -1)) for i, op in enumerate(ops)
     )

@@ -125,10 +125,24 @@ class Op:
     module_path: str = ""
     source: str = ""
     grad_of: int = -1
+    _refs: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def refs(self) -> tuple[int, ...]:
-        """Ids of every value this op reads, in argument order."""
-        return refs_in(self.args, self.kwargs)
+        """Ids of every value this op reads, in argument order (worked out
+        once per op: every pass asks)."""
+        out = self._refs
+        if out is None:
+            out = refs_in(self.args, self.kwargs)
+            object.__setattr__(self, "_refs", out)
+        return out
+
+    def renumbered(self, oid: int, grad_of: int, args: tuple | None = None,
+                   kwargs: tuple | None = None) -> Op:
+        """This op with id `oid`, `grad_of`, and (if given) new args and
+        kwargs: `dataclasses.replace` without its cost (passes renumber every op)."""
+        return Op(oid, self.kind, self.args if args is None else args, self.outputs,
+                  self.kwargs if kwargs is None else kwargs, self.phase, self.module_path,
+                  self.source, grad_of)
 
     def remap(self, fn: Callable[[int], int]) -> tuple[tuple[Arg, ...], tuple]:
         """This op's args and kwargs with each `Ref`'s id replaced by `fn(id)`."""
@@ -138,7 +152,13 @@ class Op:
 def refs_in(args: tuple, kwargs: tuple = ()) -> tuple[int, ...]:
     """Ids of every `Ref` in `args` and `kwargs` (name, arg) pairs, in order."""
     out: list[int] = []
-    for a in args + tuple(v for _, v in kwargs):
+    for a in args:
+        t = type(a)
+        if t is Ref:
+            out.append(a.id)
+        elif t is tuple:
+            _collect_refs(a, out)
+    for _, a in kwargs:
         _collect_refs(a, out)
     return tuple(out)
 

@@ -206,8 +206,15 @@ def parse_sbp(text: str) -> NdSbp:
     return tuple(out)
 
 
+_FMT_MEMO: dict[NdSbp, str] = {}
+
+
 def _fmt(sbp: NdSbp) -> str:
-    return "".join(str(s) for s in sbp)
+    """`sbp` as text (`S(0)R`), memoized: a Job has a handful of layouts."""
+    out = _FMT_MEMO.get(sbp)
+    if out is None:
+        out = _FMT_MEMO[sbp] = "".join(str(s) for s in sbp)
+    return out
 
 
 _SBP_MEMO: dict[str, NdSbp] = {}

@@ -244,7 +244,7 @@ def _renumbered(op: Op, oid: int, grad_of: int, mapping: list[int] | None) -> Op
     if mapping is None:
         if oid == op.id and grad_of == op.grad_of:
             return op
-        return replace(op, id=oid, grad_of=grad_of)
+        return op.renumbered(oid, grad_of)
     it = iter(mapping)
 
     def sub(a):
@@ -256,7 +256,7 @@ def _renumbered(op: Op, oid: int, grad_of: int, mapping: list[int] | None) -> Op
 
     args = tuple(sub(a) for a in op.args)
     kwargs = tuple((k, sub(v)) for k, v in op.kwargs)
-    return replace(op, id=oid, grad_of=grad_of, args=args, kwargs=kwargs)
+    return op.renumbered(oid, grad_of, args, kwargs)
 
 
 def is_boxing(op: Op) -> bool:

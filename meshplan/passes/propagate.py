@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from meshplan.ir import Graph, Role, TensorMeta
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
@@ -109,6 +109,8 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
     value_stage: dict[int, int] = {}
     sigs: dict[int, tuple] = {}
     cache: dict = {}
+    op_cache: dict = {}
+    axes = range(len(grid))
     meta_of = graph.values.__getitem__
     for op in graph.ops:
         stage = op_stage[op.id]
@@ -117,25 +119,18 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
         outs = tuple(None if o < 0 else meta_of(o).meta for o in op.outputs)
         sig_args = to_sig(op.args, lambda i: meta_of(i).meta)
         sig_kw = to_sig(op.kwargs, lambda i: meta_of(i).meta)
-        nbytes = tuple(meta_of(r).meta.nbytes for r in refs)
-        chosen = []
-        for axis, n in enumerate(grid):
-            if n == 1:
-                chosen.append(SbpSig((R,) * len(refs), tuple(None if o is None else R
-                                                             for o in outs)))
-                continue
-            avail = tuple(h[axis] if h is not None else None for h in have)
-            wanted = tuple(hints[o].get(axis) if o in hints else None for o in op.outputs)
-            a_args, a_kw, a_outs = sig_args, sig_kw, outs
-            if any(isinstance(x, Shard) for c in chosen for x in c.ins + c.outs):
-                a_args, a_kw, a_outs = _after_split(op, refs, outs, chosen, grid, meta_of)
-            key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted)
-            best = cache.get(key)
-            if best is None:
-                best = cache[key] = _choose(op.kind, a_args, a_kw, a_outs, n, avail, nbytes,
-                                            wanted)
-            chosen.append(best)
-        sigs[op.id] = tuple(chosen)
+        # The choice is a function of this key: a layer repeated 96 times is chosen once.
+        wanted = tuple(None if o not in hints else tuple(hints[o].get(a) for a in axes)
+                       for o in op.outputs)
+        op_key = (op.kind, sig_args, sig_kw, outs, tuple(have),
+                  tuple(refs.index(r) for r in refs), wanted)
+        known = op_cache.get(op_key)
+        if known is not None:
+            chosen = known
+        else:
+            chosen = op_cache[op_key] = tuple(_choose_axes(
+                op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of))
+        sigs[op.id] = chosen
         for r, h, k in zip(refs, have, range(len(refs))):
             if h is None:  # a lazily laid-out input (gradient accumulator)
                 produced[r] = visible[r] = tuple(s.ins[k] for s in chosen)
@@ -150,6 +145,30 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
     return SbpPlan(sigs, produced, visible)
 
 
+def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of):
+    """The op's signature on each mesh axis in turn, each chosen on the
+    shapes the earlier axes' splits leave."""
+    nbytes = tuple(meta_of(r).meta.nbytes for r in refs)
+    chosen: list[SbpSig] = []
+    for axis, n in enumerate(grid):
+        if n == 1:
+            chosen.append(SbpSig((R,) * len(refs), tuple(None if o is None else R
+                                                         for o in outs)))
+            continue
+        avail = tuple(h[axis] if h is not None else None for h in have)
+        wanted = tuple(hints[o].get(axis) if o in hints else None for o in op.outputs)
+        a_args, a_kw, a_outs = sig_args, sig_kw, outs
+        if any(isinstance(x, Shard) for c in chosen for x in c.ins + c.outs):
+            a_args, a_kw, a_outs = _after_split(op, refs, outs, chosen, grid, meta_of)
+        key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted)
+        best = cache.get(key)
+        if best is None:
+            best = cache[key] = _choose(op.kind, a_args, a_kw, a_outs, n, avail, nbytes,
+                                        wanted)
+        chosen.append(best)
+    return chosen
+
+
 def _split(meta: TensorMeta, layouts, grid) -> TensorMeta:
     """`meta` as one shard of the earlier axes sees it: a dim those axes split
     evenly shrinks; one split unevenly counts as 1 (no axis may split it
@@ -159,7 +178,7 @@ def _split(meta: TensorMeta, layouts, grid) -> TensorMeta:
         if isinstance(sbp, Shard):
             d = sbp.dim % len(shape)
             shape[d] = shape[d] // n if shape[d] % n == 0 else 1
-    return replace(meta, shape=tuple(shape))
+    return TensorMeta(tuple(shape), meta.dtype)
 
 
 def _after_split(op, refs, outs, chosen, grid, meta_of):

@@ -8,7 +8,6 @@ source and (remapped) `grad_of`, so stage assignment treats them as the op.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 from meshplan.ir import Graph, GraphBuilder, Update, verify
@@ -40,8 +39,7 @@ def rewrite_ops(graph: Graph, rewriters: dict[str, Rewriter]) -> Graph:
         if outs is None:
             b.ops[first:] = []
             kwargs = tuple((k, ref(v)) for k, v in op.kwargs)
-            b.ops.append(replace(op, id=first, args=args, kwargs=kwargs,
-                                 grad_of=omap.get(op.grad_of, -1)))
+            b.ops.append(op.renumbered(first, omap.get(op.grad_of, -1), args, kwargs))
             omap[op.id] = first
             continue
         omap[op.id] = len(b.ops) - 1
