@@ -48,17 +48,23 @@ def plan_body(p: RankPlan, task_base: int) -> bytes:
     """The rest of a plan file, with the rank's own ids written relative to
     it: a task id less `task_base` (its rank and device bits), a buffer,
     block or chunk id less `rank << 48`. Ranks whose lowering differs only in
-    their own ids (`lower.RankClasses`) therefore share these bytes."""
+    their own ids (`lower.RankClasses`) therefore share these bytes. Each
+    distinct collective group is written once (`groups`; a task names its
+    index): a data-parallel group of 128 ranks is not repeated per task."""
     own = p.rank << 48
+    groups: dict[tuple[int, ...], int] = {}  # each distinct group written once
 
     def rows_of(t: Task) -> list:
         row = [t.id - task_base, t.kind.value, t.op, t.chunk, t.phase.value,
                [i - own for i in t.inputs], [o - own if o >= 0 else o for o in t.outputs],
-               list(t.local), list(t.group), t.peer, t.peer_task, [list(x) for x in t.box]]
+               list(t.local), groups.setdefault(t.group, len(groups)), t.peer, t.peer_task,
+               [list(x) for x in t.box]]
         return row + [t.kernel] if t.kernel else row
 
+    tasks = [rows_of(t) for t in p.tasks]
     return encode_part({
-        "tasks": [rows_of(t) for t in p.tasks],
+        "groups": [list(g) for g in groups],
+        "tasks": tasks,
         "buffers": [[b.id - own, b.value, [t - task_base for t in b.producers],
                      [t - task_base for t in b.consumers], list(b.shape), b.dtype.name,
                      b.nbytes, b.copies, b.category] for b in p.buffers],
@@ -99,8 +105,9 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
         def ids(xs, add):
             return tuple(x + add for x in xs)
 
+        groups = [_t(g) for g in d["groups"]]
         tasks = tuple(Task(i + base, TaskKind(k), op, c, Phase(ph), ids(ins, own),
-                           tuple(o + own if o >= 0 else o for o in outs), _t(loc), _t(grp),
+                           tuple(o + own if o >= 0 else o for o in outs), _t(loc), groups[grp],
                            peer, pt, tuple(_t(b) for b in box), *kernel)
                       for i, k, op, c, ph, ins, outs, loc, grp, peer, pt, box, *kernel
                       in d["tasks"])
@@ -115,7 +122,7 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
         return RankPlan(h["rank"], h["world"], h["stage"], _t(h["coord"]), h["job_digest"],
                         tasks, buffers, memory, tuple(Action.parse(a) for a in d["actions"]),
                         h.get("device", "cpu"))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body "
                         f"({type(e).__name__}: {str(e)[:80]}); recompile it") from None
 
