@@ -235,7 +235,7 @@ CASES: list[Case] = [
         plans=files.flip_digit),
     cli("plan-hand-edited", "files", PlanError, "was edited or corrupted; recompile it",
         "show", "{plans}", plans=files.edit_rank_field),
-    cli("plan-version", "files", PlanError, "format version 2, this meshplan reads version 1",
+    cli("plan-version", "files", PlanError, "format version 3, this meshplan reads version 2",
         "check", "{plans}", plans=files.other_version),
     cli("plan-missing-rank", "files", PlanError, "lacks the plans of ranks 1 (world 2)",
         "check", "{plans}", plans=files.drop_rank),

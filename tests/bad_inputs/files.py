@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshplan.driver.compile import compile_job
 from meshplan.driver.plan import plan_model, zoo_strategy
-from meshplan.ir.fileio import seal, unseal
+from meshplan.ir.fileio import encode_part, open_parts, seal_parts
 from meshplan.ir.job import KIND as JOB_KIND
 from meshplan.ir.job import VERSION as JOB_VERSION
 from meshplan.ir.mesh import Mesh
@@ -76,7 +76,8 @@ def edit_rank_field(d: Path) -> None:
 
 def other_version(d: Path) -> None:
     data = _plan(d).read_bytes()
-    _plan(d).write_bytes(data.replace(b'"version":1', b'"version":2', 1))
+    old, new = f'"version":{VERSION}', f'"version":{VERSION + 1}'
+    _plan(d).write_bytes(data.replace(old.encode(), new.encode(), 1))
 
 
 def drop_rank(d: Path) -> None:
@@ -87,10 +88,19 @@ def extra_rank(d: Path) -> None:
     shutil.copy(_plan(d), _plan(d, 2))
 
 
+def _reseal(path: Path, kind: str, version: int, name: str, edit) -> None:
+    """Part `name` of a sealed file edited by `edit(decoded)`, the file sealed
+    again (a valid checksum over edited content)."""
+    parts = open_parts(path.read_bytes(), kind, version, str(path))
+    raw = {n: parts.body[a:b] for n, (a, b) in parts.index.items()}
+    part = parts.load(name)
+    edit(part)
+    raw[name] = encode_part(part)
+    path.write_bytes(seal_parts(kind, version, raw))
+
+
 def _reseal_plan(d: Path, edit) -> None:
-    body = unseal(_plan(d).read_bytes(), KIND, VERSION, "x")
-    edit(body)
-    _plan(d).write_bytes(seal(KIND, VERSION, body))
+    _reseal(_plan(d), KIND, VERSION, "body", edit)
 
 
 def reseal_malformed(d: Path) -> None:
@@ -116,9 +126,8 @@ def plan_as_job(d: Path) -> None:
 
 def reseal_job(d: Path) -> None:
     """job.json replaced by another (valid) Job: the plans were lowered from another."""
-    body = unseal((d / JOB_FILE).read_bytes(), JOB_KIND, JOB_VERSION, "x")
-    body["notes"] = body["notes"] + ["edited"]
-    (d / JOB_FILE).write_bytes(seal(JOB_KIND, JOB_VERSION, body))
+    _reseal(d / JOB_FILE, JOB_KIND, JOB_VERSION, "head",
+            lambda head: head.update(notes=head["notes"] + ["edited"]))
 
 
 def drop_complete(d: Path) -> None:

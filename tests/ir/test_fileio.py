@@ -162,3 +162,35 @@ def test_failed_write_leaves_no_temp(tmp_path, monkeypatch):
 def test_write_into_missing_directory(tmp_path):
     with pytest.raises(PlanError, match="check that its directory exists"):
         write_atomic(tmp_path / "no" / "f.bin", b"x")
+
+
+# ---- files in parts (the Job, rank plans) ------------------------------------------------
+
+def _parts_file() -> bytes:
+    from meshplan.ir.fileio import encode_part, seal_parts
+    return seal_parts(KIND, 2, {"head": encode_part({"n": 2}), "body": encode_part([[1, 2], "x"])})
+
+
+def test_parts_round_trip_hash_once_and_stay_one_json_document():
+    from meshplan.ir.fileio import open_parts
+    data = _parts_file()
+    parts = open_parts(data, KIND, 2, "f")
+    assert parts.load("head") == {"n": 2} and parts.load("body") == [[1, 2], "x"]
+    doc = json.loads(data)  # tools can still read it as JSON
+    assert doc["body"] == {"head": {"n": 2}, "body": [[1, 2], "x"]}
+    body = data[data.index(b'},"body":') + len(b'},"body":'):-2]  # the raw body bytes
+    assert parts.body == body
+    assert parts.digest == doc["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+@pytest.mark.parametrize("damage, phrase", [
+    (lambda d: d.replace(b"[1,2]", b"[1,3]"), "checksum mismatch"),
+    (lambda d: d[:-5], "truncated"),
+    (lambda d: d.replace(b'"version":2', b'"version":3'), "format version 3"),
+    (lambda d: d.replace(KIND.encode(), b"other.kind"), "not a"),
+    (lambda d: d.replace(b'"head":[', b'"head":[9999', 1), "truncated"),
+])
+def test_damaged_parts_are_one_line_errors(damage, phrase):
+    from meshplan.ir.fileio import open_parts
+    with pytest.raises(PlanError, match=phrase):
+        open_parts(damage(_parts_file()), KIND, 2, "f")
