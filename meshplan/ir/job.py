@@ -11,9 +11,10 @@ Invariants:
 - The Job is deterministic: the same inputs give byte-identical `to_bytes`
   and the same `digest`, in any process.
 - Bytes (format "meshplan.job" v2, `fileio.seal_parts`): a head (mesh,
-  strategy, graph inputs, temps); per stage, its ops and the values its
-  view reads (values on a stage boundary are in both); the transfers; and
-  the values no op touches. `digest` is the sha256 of the body, hashed
+  strategy, temps, the values that update a state); the rest of the graph
+  (inputs, updates by name, meta, gradient links); per stage, its ops and
+  the values its view reads (values on a stage boundary are in both); the
+  transfers; and the values no op touches. `digest` is the sha256 of the body, hashed
   once: when the Job is written or read. `StageView.from_bytes` decodes only
   what lowering one stage reads.
 """
@@ -140,7 +141,7 @@ class JobReader:
             values = {r[0]: r for r in rows_v}
             return _view(self.mesh, self.strategy, stage, self.digest,
                          dict(_pairs(self.head["temps"])),
-                         {v for _, v in self.head["updates"]},
+                         set(self.head["update_values"]),
                          [(op_from_row(r[:9]), st, r[9], tuple(r[10])) for r, st in rows],
                          lambda v: _value(values[v]))
 
@@ -262,9 +263,7 @@ def _strategy(d: dict) -> Strategy:
 def _encode(job: Job) -> bytes:
     g = job.graph
     head = {"mesh": asdict(job.mesh), "strategy": asdict(job.strategy),
-            "inputs": list(g.inputs), "loss": g.loss,
-            "updates": [[u.name, u.value] for u in g.updates],
-            "meta": [list(m) for m in g.meta], "grads": [list(x) for x in g.grads],
+            "loss": g.loss, "update_values": sorted({u.value for u in g.updates}),
             "layers": list(job.layers), "layer_stage": list(job.layer_stage),
             "layer_chunk": list(job.layer_chunk), "notes": list(job.notes),
             "temps": [list(t) for t in job.temps], "nops": len(g.ops)}
@@ -283,6 +282,11 @@ def _encode(job: Job) -> bytes:
             touched.setdefault(st, set()).update(v for v in op.refs() + op.outputs if v >= 0)
     rest = set(range(len(g.values))).difference(*touched.values())
     parts = {"head": encode_part(head)}
+    # what only a whole decode needs (names of updates run long: 144 KB on GPT-3)
+    parts["graph"] = encode_part({"inputs": list(g.inputs),
+                                  "updates": [[u.name, u.value] for u in g.updates],
+                                  "meta": [list(m) for m in g.meta],
+                                  "grads": [list(x) for x in g.grads]})
     for name, vids in [*((f"values/{st}", touched[st]) for st in sorted(touched)),
                        ("values/rest", rest)]:
         parts[name] = encode_part([_value_row(g.values[v], job.sbp[v]) for v in sorted(vids)])
@@ -293,6 +297,7 @@ def _encode(job: Job) -> bytes:
 
 def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
     ops: list = [None] * head["nops"]
+    rest = parts.load("graph")
     for name in parts.index:
         if name.startswith("ops/") or name == "transfers":
             fixed = None if name == "transfers" else int(name[4:])
@@ -308,9 +313,9 @@ def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
         raise Malformed("a value id is missing")
     values, sbp = zip(*(decoded[v] for v in range(len(decoded)))) if decoded else ((), ())
     graph = Graph(values=tuple(values), ops=tuple(op_from_row(r[:9]) for r, _ in ops),
-                  inputs=tuple(head["inputs"]), loss=head["loss"],
-                  updates=tuple(Update(a, b) for a, b in head["updates"]),
-                  meta=_pairs(head["meta"]), grads=_pairs(head["grads"]))
+                  inputs=tuple(rest["inputs"]), loss=head["loss"],
+                  updates=tuple(Update(a, b) for a, b in rest["updates"]),
+                  meta=_pairs(rest["meta"]), grads=_pairs(rest["grads"]))
     return Job(graph=graph, mesh=mesh, strategy=strategy,
                stage=tuple(st for _, st in ops), chunk=tuple(r[9] for r, _ in ops),
                sbp=tuple(sbp), local=tuple(tuple(r[10]) for r, _ in ops),
