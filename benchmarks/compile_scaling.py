@@ -264,21 +264,36 @@ def table(gpt: list[dict], resnet: list[dict], uneven: list[dict], flat: dict) -
     return "\n".join(lines) + "\n"
 
 
+def speed_index() -> float:
+    """Seconds of a fixed pure-Python loop: this machine's speed at the time
+    (it varies by 1.5x from minute to minute). Figures from runs with
+    different indices compare only after scaling by it."""
+    t0 = time.perf_counter()
+    sum(i * i for i in range(3 * 10**6))
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     sys.path.insert(0, str(HERE.parent))
     from common import machine, write
 
+    speed = [speed_index()]
     with tempfile.TemporaryDirectory() as tmp:
         cache = str(Path(tmp) / "cache")
         gpt = gpt_rows(Path(tmp), cache)
+        speed.append(speed_index())
         resnet = resnet_rows(Path(tmp), cache)
+        speed.append(speed_index())
     uneven = uneven_rows()
     flat = {"max": gpt[-1]["rank_path_max_s"] / gpt[0]["rank_path_max_s"],
             "median": gpt[-1]["rank_path_median_s"] / gpt[0]["rank_path_median_s"]}
     result = {"benchmark": "compile_scaling", "machine": machine(), "targets": TARGETS,
+              "speed_index_s": speed,
               "gpt3_175b": {"rows": gpt, "rank_4096_over_128": flat},
               "resnet50": {"rows": resnet}, "uneven_boxing": uneven}
-    write("compile_scaling", result, table(gpt, resnet, uneven, flat))
+    write("compile_scaling", result, table(gpt, resnet, uneven, flat)
+          + f"\nSpeed index (a fixed Python loop, s) before, between and after: "
+          f"{', '.join(f'{x:.3f}' for x in speed)}; 0.21-0.23 on a quiet machine.\n")
 
 
 if __name__ == "__main__":

@@ -140,9 +140,12 @@ class Op:
                    kwargs: tuple | None = None) -> Op:
         """This op with id `oid`, `grad_of`, and (if given) new args and
         kwargs: `dataclasses.replace` without its cost (passes renumber every op)."""
-        return Op(oid, self.kind, self.args if args is None else args, self.outputs,
-                  self.kwargs if kwargs is None else kwargs, self.phase, self.module_path,
-                  self.source, grad_of)
+        op = Op(oid, self.kind, self.args if args is None else args, self.outputs,
+                self.kwargs if kwargs is None else kwargs, self.phase, self.module_path,
+                self.source, grad_of)
+        if args is None and kwargs is None:
+            object.__setattr__(op, "_refs", self._refs)  # the same references
+        return op
 
     def remap(self, fn: Callable[[int], int]) -> tuple[tuple[Arg, ...], tuple]:
         """This op's args and kwargs with each `Ref`'s id replaced by `fn(id)`."""
