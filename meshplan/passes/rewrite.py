@@ -31,9 +31,15 @@ def rewrite_ops(graph: Graph, rewriters: dict[str, Rewriter]) -> Graph:
         return map_refs(a, lambda i: vmap.get(i, i))
 
     for op in graph.ops:
-        args = tuple(ref(a) for a in op.args)
-        first = len(b.ops)
         fn = rewriters.get(op.kind)
+        first = len(b.ops)
+        if fn is None and not any(r in vmap for r in op.refs()):  # most ops: unchanged
+            grad_of = omap.get(op.grad_of, -1)
+            b.ops.append(op if first == op.id and grad_of == op.grad_of
+                         else op.renumbered(first, grad_of))
+            omap[op.id] = first
+            continue
+        args = tuple(ref(a) for a in op.args)
         e = Emitter(b, op.phase, op.module_path, op.source, omap.get(op.grad_of, -1))
         outs = fn(e, args, op) if fn is not None else None
         if outs is None:
