@@ -130,6 +130,11 @@ def encode_part(value) -> bytes:
 def seal_parts(kind: str, version: int, parts: dict[str, bytes]) -> bytes:
     """An envelope whose body is the object {name: part} of already encoded
     parts (`encode_part`), with each part's byte range in an index."""
+    return sealed_parts(kind, version, parts).data
+
+
+def sealed_parts(kind: str, version: int, parts: dict[str, bytes]) -> Parts:
+    """`seal_parts`, kept open: the bytes, the index and the digest, hashed once."""
     body, index, at = [b"{"], {}, 1
     for i, (name, data) in enumerate(parts.items()):
         key = (b"," if i else b"") + json.dumps(name).encode("ascii") + b":"
@@ -137,11 +142,12 @@ def seal_parts(kind: str, version: int, parts: dict[str, bytes]) -> bytes:
         body += [key, data]
         at += len(key) + len(data)
     body.append(b"}")
-    data = b"".join(body)
-    head = (f'{{"format":{json.dumps(kind)},"version":{int(version)},'
-            f'"sha256":"{hashlib.sha256(data).hexdigest()}",'
+    raw = b"".join(body)
+    digest = hashlib.sha256(raw).hexdigest()
+    head = (f'{{"format":{json.dumps(kind)},"version":{int(version)},"sha256":"{digest}",'
             f'"index":{json.dumps(index, separators=(",", ":"))}')
-    return head.encode("ascii") + _BODY[1:] + data + b"}\n"
+    return Parts(head.encode("ascii") + _BODY[1:] + raw + b"}\n", raw, index, digest,
+                 f"<{kind}>")
 
 
 class Parts:

@@ -14,9 +14,9 @@ Invariants:
   strategy, temps, the values that update a state); the rest of the graph
   (inputs, updates by name, meta, gradient links); per stage, its ops and
   the values its view reads (values on a stage boundary are in both); the
-  transfers; and the values no op touches. `digest` is the sha256 of the body, hashed
-  once: when the Job is written or read. `StageView.from_bytes` decodes only
-  what lowering one stage reads.
+  transfers; and the values no op touches. `digest` is the sha256 of the
+  body, hashed once: when the Job is written or read. `JobReader.view`
+  decodes only what lowering one stage reads.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from meshplan.errors import PlanError
-from meshplan.ir.fileio import Parts, encode_part, open_parts, seal_parts
+from meshplan.ir.fileio import Parts, encode_part, open_parts, sealed_parts
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
 from meshplan.ir.mesh import Mesh, Strategy
@@ -57,8 +57,7 @@ class Job:
     def to_bytes(self) -> bytes:
         if self._sealed is None:
             with paused_gc():
-                data = _encode(self)
-            object.__setattr__(self, "_sealed", open_parts(data, KIND, VERSION, "<job>"))
+                object.__setattr__(self, "_sealed", _encode(self))
         return self._sealed.data
 
     def digest(self) -> str:
@@ -118,17 +117,14 @@ class JobReader:
     def __init__(self, data: bytes, where: str = "<bytes>"):
         self.parts = open_parts(data, KIND, VERSION, where)
         self.digest, self.where = self.parts.digest, where
-        with self._reading():
+        with _Reading(where):
             self.head = self.parts.load("head")
             self.mesh, self.strategy = Mesh(**self.head["mesh"]), _strategy(self.head["strategy"])
         self._transfers: list | None = None
 
-    def _reading(self):
-        return _Reading(self.where)
-
     def view(self, stage: int) -> StageView:
         """What lowering a rank of `stage` reads (equal to `Job.view(stage)`)."""
-        with self._reading():
+        with _Reading(self.where):
             if self._transfers is None:
                 self._transfers = self.parts.load("transfers")
             own = f"ops/{stage}"
@@ -147,7 +143,7 @@ class JobReader:
 
     def job(self) -> Job:
         """The whole Job."""
-        with self._reading():
+        with _Reading(self.where):
             job = _decode(self.parts, self.head, self.mesh, self.strategy)
         object.__setattr__(job, "_sealed", self.parts)
         return job
@@ -260,7 +256,7 @@ def _strategy(d: dict) -> Strategy:
     return Strategy(**{k: _tuples(v) for k, v in d.items()})
 
 
-def _encode(job: Job) -> bytes:
+def _encode(job: Job) -> Parts:
     g = job.graph
     head = {"mesh": asdict(job.mesh), "strategy": asdict(job.strategy),
             "loss": g.loss, "update_values": sorted({u.value for u in g.updates}),
@@ -292,7 +288,7 @@ def _encode(job: Job) -> bytes:
         parts[name] = encode_part([_value_row(g.values[v], job.sbp[v]) for v in sorted(vids)])
     parts.update((f"ops/{st}", encode_part(stages[st])) for st in sorted(stages))
     parts["transfers"] = encode_part(transfers)
-    return seal_parts(KIND, VERSION, parts)
+    return sealed_parts(KIND, VERSION, parts)
 
 
 def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
