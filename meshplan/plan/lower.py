@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from meshplan.errors import PlanError
 from meshplan.ir import Phase, Role, TensorMeta
@@ -62,7 +63,6 @@ class _Lowering:
         self.view, self.rank = view, rank
         self.stage = s.stage_of_rank(rank)
         assert view.stage == self.stage, f"rank {rank} is not on stage {view.stage}"
-        self.op_of = {op.id: op for op in view.ops}
         self.place = s.placement(self.stage)
         self.coord = self.place.coord(rank)
         self.dpn = view.mesh.devices_per_node
@@ -77,6 +77,11 @@ class _Lowering:
         self.edges: set[tuple[int, int, str]] = set()
         self.shapes: dict[tuple, tuple[int, ...]] = {}
         self.groups: dict[int, tuple[int, ...]] = {}
+
+    @cached_property
+    def op_of(self) -> dict:
+        """The view's ops by id (asked by the memory plan, not by `RankClasses`)."""
+        return {op.id: op for op in self.view.ops}
 
     def next_id(self) -> int:
         self.counter += 1
