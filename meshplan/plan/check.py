@@ -89,7 +89,7 @@ def spans(ranks: list[int]) -> str:
 def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     """Run every proof over `plans` (all ranks' or some); never raises for a
     bad plan."""
-    res = CheckResult(missing=sorted(set(range(job.mesh.world)) - set(plans)))
+    res = CheckResult(missing=sorted(_absent(job, plans)))
     res.skipped = _skipped(job, plans, set(res.missing))
     for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
                   _stages_agree, _schedule, shared_copies, _devices):
@@ -195,13 +195,19 @@ def _tasks_match_job(job: Job, plans) -> list[str]:
     return errors
 
 
+def _absent(job: Job, plans) -> set[int]:
+    """The ranks of the world whose plans were not given."""
+    return set(range(job.mesh.world)) - set(plans)
+
+
 def _p2p(job: Job, plans) -> list[str]:
     errors = []
+    absent = _absent(job, plans)
     by_id = {t.id: (r, t) for r, p in plans.items() for t in p.tasks
              if t.kind in (TaskKind.SEND, TaskKind.RECV)}
     bufs = {b.id: b for p in plans.values() for b in p.buffers}
     for tid, (r, t) in sorted(by_id.items()):
-        if t.peer not in plans:
+        if t.peer in absent:
             continue  # a partial set of plans: `skipped` says so
         other = by_id.get(t.peer_task)
         want = TaskKind.RECV if t.kind is TaskKind.SEND else TaskKind.SEND
@@ -231,7 +237,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
         for a in p.actions:
             if a.type in (ActionType.RECV_F, ActionType.RECV_B):
                 recvs.add((r, a.type, a.peer, a.stage, a.microbatch))
-    errors = []
+    errors, absent = [], _absent(job, plans)
     for r, p in plans.items():
         peers_of = _send_peers(p, pp)
         for i, a in enumerate(p.actions):
@@ -239,7 +245,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
                 continue
             want = ActionType.RECV_F if a.type is ActionType.SEND_F else ActionType.RECV_B
             for peer in peers_of.get((a.stage, a.type), ()):
-                if peer in plans and (peer, want, a.stage, a.peer, a.microbatch) not in recvs:
+                if peer not in absent and (peer, want, a.stage, a.peer, a.microbatch) not in recvs:
                     grid = format_grid({q: plans[q].actions for q in (r, peer) if q in plans},
                                        mark=(r, i))
                     errors.append(f"rank {r}: {a} has no {want.value} of micro-batch "

@@ -239,6 +239,11 @@ def test_a_partial_check_still_reports_what_is_wrong(gpt):
     res = check_plans(job, {0: plans[0], 4: replace(p, tasks=without(p.tasks, i))})
     assert not res.ok and res.partial
     assert any("to rank 4 has no matching recv there" in e for e in res.errors)
+    p = plans[0]  # a peer outside the world is wrong, not missing
+    i = next(i for i, t in enumerate(p.tasks) if t.kind is TaskKind.SEND)
+    tasks = p.tasks[:i] + (replace(p.tasks[i], peer=99),) + p.tasks[i + 1:]
+    res = check_plans(job, {0: replace(p, tasks=tasks), 5: plans[5]})
+    assert any("to rank 99 has no matching recv there" in e for e in res.errors)
 
 
 def test_meshplan_check_of_a_partial_directory(plan_dir, capsys):
