@@ -21,8 +21,8 @@ from common import machine, median, write  # noqa: E402
 
 from meshplan.autodiff import OptimizerConfig, build_train_step  # noqa: E402
 from meshplan.capture import capture  # noqa: E402
+from meshplan.driver.executor import Executor  # noqa: E402
 from meshplan.models import build_model, example_batch, model_config  # noqa: E402
-from meshplan.runtime import Executor  # noqa: E402
 
 
 def bench(size: str, batch: int, steps: int, warmup: int) -> dict:

@@ -91,11 +91,13 @@ def check(plans: str | Path | tuple):
     """Prove a plan directory (or a `(job, {rank: RankPlan})` pair) consistent:
     unique ids, matched send/recv, ordered collectives, a deadlock-free
     simulated step. Returns a `CheckResult` (`ok`, `errors`, `bubble_ratio`,
-    `predicted_step_s`, per-rank peaks); never raises for a bad plan."""
+    `predicted_step_s`, per-rank peaks); never raises for a bad plan. Given
+    only some ranks' plans it is `partial`, with the `missing` ranks and the
+    proofs `skipped` for want of them."""
     from meshplan.plan.check import check_plans
     from meshplan.plan.files import read_dir
 
-    job, by_rank = plans if isinstance(plans, tuple) else read_dir(Path(plans))
+    job, by_rank = plans if isinstance(plans, tuple) else read_dir(Path(plans), partial=True)
     return check_plans(job, by_rank)
 
 

@@ -17,9 +17,10 @@ Invariants:
 
 from __future__ import annotations
 
-from meshplan.autodiff.optimizer import LOSS_SCALE, SLOTS, OptimizerConfig, slot_meta_shape
+from meshplan.autodiff.optimizer import SLOTS, OptimizerConfig, slot_meta_shape
 from meshplan.errors import CaptureError
 from meshplan.ir import (
+    LOSS_SCALE,
     DType,
     Graph,
     GraphBuilder,

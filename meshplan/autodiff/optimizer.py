@@ -63,23 +63,3 @@ class OptimizerConfig:
 def slot_meta_shape(slot: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
     return () if slot == "step" else param_shape
 
-
-def initial_state(slot: str, like: torch.Tensor) -> torch.Tensor | None:
-    """The value of a fresh optimizer slot (None: created by the first step)."""
-    if slot == "momentum_buffer":
-        return None
-    if slot == "step":  # on the host, as torch.optim keeps it (not capturable):
-        return torch.zeros((), dtype=torch.float32)  # reading it costs no GPU sync
-    return torch.zeros_like(like, memory_format=torch.preserve_format)
-
-
-# fp16 dynamic loss scaling (torch.amp.GradScaler's rule): the scale is a
-# step-level state every rank holds (and checkpoints); the backward seed is
-# multiplied by it. Its first value is the train step's meta "loss_scale".
-LOSS_SCALE = "amp@loss_scale"
-INIT_SCALE = 2.0 ** 16
-GROWTH_INTERVAL = 2000
-
-
-def initial_loss_scale(graph) -> float:
-    return float(dict(graph.meta).get("loss_scale", INIT_SCALE))

@@ -1,6 +1,6 @@
 """capture: nn.Module -> forward Graph (through torch.export)."""
 
 from meshplan.capture.cache import cached, capture_key
-from meshplan.capture.export import DEVICE, capture
+from meshplan.capture.export import capture
 
-__all__ = ["DEVICE", "capture", "cached", "capture_key"]
+__all__ = ["capture", "cached", "capture_key"]

@@ -29,13 +29,23 @@ from torch import nn
 
 from meshplan.capture.structure import auto_facts
 from meshplan.errors import CaptureError
-from meshplan.ir import ALIAS, DType, Graph, GraphBuilder, Ref, Role, TensorMeta, Update, verify
+from meshplan.ir import (
+    ALIAS,
+    DEVICE,
+    DType,
+    Graph,
+    GraphBuilder,
+    Ref,
+    Role,
+    TensorMeta,
+    Update,
+    verify,
+)
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEVICE = "$device"  # literal standing for "the device this runs on"
 _SKIP = {
     "aten._assert_tensor_metadata.default",
     "aten._assert_scalar.default",

@@ -53,22 +53,26 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 
 def cmd_check(a: argparse.Namespace) -> int:
-    from meshplan.plan.check import check_plans
+    from meshplan.plan.check import check_plans, spans
     from meshplan.plan.files import read_dir
 
-    job, plans = read_dir(a.dir)
+    job, plans = read_dir(a.dir, partial=True)
     res = check_plans(job, plans)
     if a.json:
         print(json.dumps(res.to_json()))
         return 0 if res.ok else 1
+    if res.partial:
+        print(f"PARTIAL: {len(plans)} of {job.mesh.world} rank plans; missing ranks "
+              f"{spans(res.missing)}; skipped: {', '.join(res.skipped) or 'nothing'}")
     if not res.ok:
         for e in res.errors:
             print(f"FAIL: {e}")
         return 1
     peaks = [v["planned_peak_bytes"] for v in res.ranks.values()]
     print(f"OK: {len(plans)} rank plans are consistent: unique ids, matched send/recv, "
-          f"ordered collectives, no deadlock")
-    print(f"predicted step {res.predicted_step_s * 1e3:.2f} ms, bubble ratio "
-          f"{res.bubble_ratio:.3f}, planned peak per rank {min(peaks) / 2**20:.2f}-"
-          f"{max(peaks) / 2**20:.2f} MiB")
+          f"ordered collectives{'' if 'simulation' in res.skipped else ', no deadlock'}")
+    step = "" if res.predicted_step_s is None else \
+        f"predicted step {res.predicted_step_s * 1e3:.2f} ms, bubble ratio " \
+        f"{res.bubble_ratio:.3f}, "
+    print(f"{step}planned peak per rank {min(peaks) / 2**20:.2f}-{max(peaks) / 2**20:.2f} MiB")
     return 0

@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import resource
 import shutil
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -48,10 +47,6 @@ from meshplan.plan.rankplan import RankPlan
 from meshplan.plan.stage_files import StageFiles
 
 log = logging.getLogger("meshplan")
-
-# Fault injection for tests: a worker that lowers this rank kills itself
-# (SIGKILL) after lowering it and before writing anything.
-KILL_ENV = "MESHPLAN_TEST_KILL_COMPILE_RANK"
 
 
 def _plan_cache(digest: str, device: str = "cpu") -> Path:
@@ -95,7 +90,6 @@ def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
     reader = JobReader(job_bytes)
     open_s = time.perf_counter() - t0
     stages: dict[int, StageFiles] = {}
-    kill_at = os.environ.get(KILL_ENV)
     stats = {}
     for rank in ranks:
         if progress is not None:
@@ -114,8 +108,6 @@ def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
             data, plan, lowered = stages[stage].plan_bytes(rank)
             t.append(t[-1] + stages[stage].seconds["lower"])
             t.append(time.perf_counter())
-            if kill_at == str(rank):  # fault injection: die before writing anything
-                os.kill(os.getpid(), signal.SIGKILL)
             hit = False
             if use_cache:
                 cached.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.ir.sbp import fmt
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.models.hf import PREFIX as HF
-from meshplan.passes.boxing import BOXING_KINDS
+from meshplan.ops.table import BOXING_KINDS
 from meshplan.passes.plan import plan_job
 from meshplan.passes.precision import apply_precision
 from meshplan.passes.strategy import MEGATRON_PLAN, check_heads, check_strategy

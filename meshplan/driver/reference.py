@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from meshplan.autodiff import OptimizerConfig
-from meshplan.autodiff.optimizer import GROWTH_INTERVAL, INIT_SCALE, LOSS_SCALE
+from meshplan.ir import LOSS_SCALE
+from meshplan.runtime.amp import GROWTH_INTERVAL, INIT_SCALE
 from meshplan.runtime.data import split_microbatches
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -21,7 +21,6 @@ from dataclasses import asdict
 import torch
 
 from meshplan.autodiff import OptimizerConfig
-from meshplan.autodiff.optimizer import INIT_SCALE
 from meshplan.capture import capture
 from meshplan.driver.compare import (
     BOUNDS,
@@ -33,6 +32,7 @@ from meshplan.driver.compare import (
     compare_state,
     max_abs,
 )
+from meshplan.driver.executor import Executor
 from meshplan.driver.plan import train_step
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
 from meshplan.driver.run import run
@@ -40,7 +40,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops.device_kernels import FALLBACKS
-from meshplan.runtime import Executor
+from meshplan.runtime.amp import INIT_SCALE
 from meshplan.runtime.checkpoint import box_key
 
 

@@ -4,6 +4,8 @@ from meshplan.ir.builder import GraphBuilder
 from meshplan.ir.graph import (
     ABSENT,
     ALIAS,
+    DEVICE,
+    LOSS_SCALE,
     Arg,
     DType,
     Graph,
@@ -20,7 +22,7 @@ from meshplan.ir.serialize import graph_from_bytes, graph_to_bytes, load_graph, 
 from meshplan.ir.verify import verify
 
 __all__ = [
-    "ABSENT", "ALIAS", "Arg", "DType", "Graph", "GraphBuilder", "Lit", "Op", "Phase", "Ref", "Role",
-    "TensorMeta", "Update", "Value", "verify",
+    "ABSENT", "ALIAS", "DEVICE", "LOSS_SCALE", "Arg", "DType", "Graph", "GraphBuilder", "Lit",
+    "Op", "Phase", "Ref", "Role", "TensorMeta", "Update", "Value", "verify",
     "graph_from_bytes", "graph_to_bytes", "load_graph", "save_graph",
 ]

@@ -6,6 +6,7 @@ Invariants:
   `0 .. len(values) - 1`, and `values[i].id == i`.
 - An op argument is either a `Ref` to a value or a literal (`Lit`): None,
   bool, int, float, str, `DType`, or a tuple of these. Nothing opaque.
+  The string `DEVICE` stands for the device the op runs on.
 - Op kinds are strings naming the aten overload (`aten.linear.default`) or a
   meshplan op (`meshplan.grad_sum`); their behaviour lives in `ops/`.
 - An op output id of `ABSENT` (-1) is a kernel output left undefined.
@@ -40,8 +41,8 @@ class Role(enum.Enum):
     PARAM = "param"        # trainable parameter, keyed by FQN
     BUFFER = "buffer"      # module buffer (BatchNorm running stats), by FQN
     DATA = "data"          # one micro-batch of a user input
-    GRAD = "grad"          # accumulated gradient of a parameter, by FQN
-    OPT_STATE = "opt_state"  # optimizer state, "<fqn>:<slot>"
+    GRAD = "grad"          # accumulated gradient of a parameter, "<fqn>@grad"
+    OPT_STATE = "opt_state"  # optimizer state, "<fqn>@<slot>"; the fp16 loss scale
     INTERNAL = "internal"  # produced by an op (never a graph input)
 
 
@@ -99,6 +100,10 @@ class Value:
 
 
 ABSENT = -1  # the output id of an undefined (None) kernel output
+DEVICE = "$device"  # literal standing for "the device this runs on"
+# fp16 dynamic loss scaling: the step-level state holding the scale (its
+# first value is the train step's meta "loss_scale"; runtime/amp.py).
+LOSS_SCALE = "amp@loss_scale"
 
 
 @dataclass(frozen=True, slots=True)

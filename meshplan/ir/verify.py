@@ -1,4 +1,11 @@
-"""Structural checks of a `Graph`, run after every pass when checks are on.
+"""Structural checks of a `Graph` (assertions: internal errors only).
+
+Where it runs, always: on the graph capture makes (and on one read back
+from the capture cache), after the precision pass, after autodiff builds the
+train step and after each rewrite through `passes/rewrite.py` (batch norm,
+log-softmax). The passes of `plan_job` do not call it: only with
+`checks=True` (tests) does `plan_job` verify the finished Job's graph, once,
+with `verify_job`.
 
 Invariant checked: SSA (each value defined once, before use), dense ids,
 the loss is a scalar, and updates name real values.

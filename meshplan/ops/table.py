@@ -150,10 +150,13 @@ _MESHPLAN_KINDS = {
 }
 
 
-for _kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "local_slice",
-              "transfer"):
-    _MESHPLAN_KINDS[f"meshplan.{_kind}"] = OpRule(
-        f"meshplan.{_kind}", kernels.boxing_identity, differentiable=False,
+# The ops the boxing pass inserts (collectives, slices, stage transfers).
+BOXING_KINDS = ("meshplan.all_reduce", "meshplan.reduce_scatter", "meshplan.all_gather",
+                "meshplan.all_to_all", "meshplan.local_slice", "meshplan.transfer")
+
+for _kind in BOXING_KINDS:
+    _MESHPLAN_KINDS[_kind] = OpRule(
+        _kind, kernels.boxing_identity, differentiable=False,
         infer=lambda a, k: (a[0],), recompute="keep",  # communication is not redone
     )
 

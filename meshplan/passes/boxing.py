@@ -44,9 +44,6 @@ from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
 from meshplan.ops.emit import Emitter
 from meshplan.passes.propagate import SbpPlan
 
-BOXING_KINDS = ("meshplan.all_reduce", "meshplan.reduce_scatter", "meshplan.all_gather",
-                "meshplan.all_to_all", "meshplan.local_slice", "meshplan.transfer")
-
 # Deterministic factories: made again on another stage rather than sent (not rand*).
 _FACTORIES = frozenset({"full", "zeros", "ones", "arange", "empty", "scalar_tensor", "eye"})
 
@@ -257,7 +254,3 @@ def _renumbered(op: Op, oid: int, grad_of: int, mapping: list[int] | None) -> Op
     args = tuple(sub(a) for a in op.args)
     kwargs = tuple((k, sub(v)) for k, v in op.kwargs)
     return op.renumbered(oid, grad_of, args, kwargs)
-
-
-def is_boxing(op: Op) -> bool:
-    return op.kind in BOXING_KINDS

@@ -28,6 +28,11 @@ Proves, in order (each failure is one message; `errors` lists them all):
    kernel (a name containing `_for_cpu`).
 Failures that point at an action come with the schedule grid and
 `<-- ERROR HERE`.
+
+Given only some ranks' plans, the result is `partial` and names the `missing`
+ranks and the proofs `skipped` for want of them: transfers and collectives
+are matched among the plans given, and with a whole stage missing there is
+no schedule proof and no simulation (no bubble ratio, no step time).
 """
 
 from __future__ import annotations
@@ -56,16 +61,36 @@ class CheckResult:
     bubble_ratio: float | None = None
     predicted_step_s: float | None = None
     ranks: dict = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)  # ranks of the world without a plan
+    skipped: list[str] = field(default_factory=list)  # proofs that needed them
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.missing)
 
     def to_json(self) -> dict:
-        return {"ok": self.ok, "errors": self.errors, "bubble_ratio": self.bubble_ratio,
-                "predicted_step_s": self.predicted_step_s,
+        return {"ok": self.ok, "partial": self.partial, "missing": spans(self.missing),
+                "skipped": self.skipped, "errors": self.errors,
+                "bubble_ratio": self.bubble_ratio, "predicted_step_s": self.predicted_step_s,
                 "ranks": {str(r): v for r, v in sorted(self.ranks.items())}}
 
 
+def spans(ranks: list[int]) -> str:
+    """[1, 2, 3, 4, 6, 7] -> "1-4, 6-7"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
-    """Run every proof over `plans`; never raises for a bad plan."""
-    res = CheckResult()
+    """Run every proof over `plans` (all ranks' or some); never raises for a
+    bad plan."""
+    res = CheckResult(missing=sorted(_absent(job, plans)))
+    res.skipped = _skipped(job, plans, set(res.missing))
     for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
                   _stages_agree, _schedule, shared_copies, _devices):
         res.errors += proof(job, plans)
@@ -77,6 +102,19 @@ def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
                         "peak_by_category": dict(p.memory.peak[:-1]),
                         "tasks": len(p.tasks), "buffers": len(p.buffers), "stage": p.stage}
     return res
+
+
+def _skipped(job: Job, plans, missing: set[int]) -> list[str]:
+    """The proofs a partial set of plans cannot make."""
+    tasks = [t for p in plans.values() for t in p.tasks]
+    out = []
+    if any(t.peer in missing for t in tasks if t.kind in (TaskKind.SEND, TaskKind.RECV)):
+        out.append("send/recv with the missing ranks")
+    if any(missing.intersection(t.group) for t in tasks):
+        out.append("collective order on the missing ranks")
+    if _stage_plans(job, plans) is None:
+        out += ["schedule", "simulation"]
+    return out
 
 
 def _unique_ids(job: Job, plans) -> list[str]:
@@ -157,12 +195,20 @@ def _tasks_match_job(job: Job, plans) -> list[str]:
     return errors
 
 
+def _absent(job: Job, plans) -> set[int]:
+    """The ranks of the world whose plans were not given."""
+    return set(range(job.mesh.world)) - set(plans)
+
+
 def _p2p(job: Job, plans) -> list[str]:
     errors = []
+    absent = _absent(job, plans)
     by_id = {t.id: (r, t) for r, p in plans.items() for t in p.tasks
              if t.kind in (TaskKind.SEND, TaskKind.RECV)}
     bufs = {b.id: b for p in plans.values() for b in p.buffers}
     for tid, (r, t) in sorted(by_id.items()):
+        if t.peer in absent:
+            continue  # a partial set of plans: `skipped` says so
         other = by_id.get(t.peer_task)
         want = TaskKind.RECV if t.kind is TaskKind.SEND else TaskKind.SEND
         if other is None or other[0] != t.peer or other[1].kind is not want:
@@ -191,7 +237,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
         for a in p.actions:
             if a.type in (ActionType.RECV_F, ActionType.RECV_B):
                 recvs.add((r, a.type, a.peer, a.stage, a.microbatch))
-    errors = []
+    errors, absent = [], _absent(job, plans)
     for r, p in plans.items():
         peers_of = _send_peers(p, pp)
         for i, a in enumerate(p.actions):
@@ -199,7 +245,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
                 continue
             want = ActionType.RECV_F if a.type is ActionType.SEND_F else ActionType.RECV_B
             for peer in peers_of.get((a.stage, a.type), ()):
-                if (peer, want, a.stage, a.peer, a.microbatch) not in recvs:
+                if peer not in absent and (peer, want, a.stage, a.peer, a.microbatch) not in recvs:
                     grid = format_grid({q: plans[q].actions for q in (r, peer) if q in plans},
                                        mark=(r, i))
                     errors.append(f"rank {r}: {a} has no {want.value} of micro-batch "

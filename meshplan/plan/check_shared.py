@@ -15,7 +15,7 @@ copy on each. Proven on the rank plans, per (parameter, grid coordinate):
 from __future__ import annotations
 
 from meshplan.ir import Role
-from meshplan.passes.boxing import is_boxing
+from meshplan.ops.table import BOXING_KINDS
 from meshplan.plan.rankplan import TaskKind
 
 
@@ -74,7 +74,7 @@ def _alike(job, pid: int, coord, held, producer, tasks) -> list[str]:
 def _reduction(vid: int, producer):
     """The cross-stage all-reduce `vid` comes from through boxing ops, if any."""
     op = producer.get(vid)
-    while op is not None and is_boxing(op):
+    while op is not None and op.kind in BOXING_KINDS:
         if "stages" in dict(op.kwargs):
             return op
         op = producer.get(op.args[0].id)

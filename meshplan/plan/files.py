@@ -146,8 +146,9 @@ def read_plan(out: Path, rank: int) -> RankPlan:
     return plan_from_bytes(read_bytes(path), str(path))
 
 
-def read_dir(out: Path) -> tuple[Job, dict[int, RankPlan]]:
-    """The Job and every rank's plan of a plan directory, cross-checked."""
+def read_dir(out: Path, partial: bool = False) -> tuple[Job, dict[int, RankPlan]]:
+    """The Job and every rank's plan of a plan directory, cross-checked;
+    with `partial`, the plans of the ranks it holds (at least one)."""
     out = Path(out)
     if not out.is_dir():
         raise PlanError(f"plan directory {out} does not exist; run `meshplan compile --out {out}`")
@@ -168,7 +169,7 @@ def read_dir(out: Path) -> tuple[Job, dict[int, RankPlan]]:
                             f"{digest[:12]}); recompile the whole directory")
         plans[p.rank] = p
     missing = sorted(set(range(job.mesh.world)) - set(plans))
-    if missing:
+    if missing and not (partial and plans):
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         raise PlanError(f"{out} lacks the plans of ranks {shown} (world {job.mesh.world}); "
                         "compile them, or check a directory compiled for all ranks")

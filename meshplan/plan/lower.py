@@ -26,8 +26,7 @@ from meshplan.ir.job import TRANSFER, Job, StageView
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.ir.sbp import local_box, local_shape
-from meshplan.ops.table import physical_kernel
-from meshplan.passes.boxing import BOXING_KINDS
+from meshplan.ops.table import BOXING_KINDS, physical_kernel
 from meshplan.plan.actions import rank_actions
 from meshplan.plan.ids import (
     COLLECTIVE_STREAM,

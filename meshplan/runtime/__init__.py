@@ -1,5 +1,1 @@
 """runtime: execute plans with torch kernels."""
-
-from meshplan.runtime.executor import Executor
-
-__all__ = ["Executor"]

@@ -18,8 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from meshplan.capture import DEVICE
-from meshplan.ir import ABSENT, DType, Graph, Op, Ref
+from meshplan.ir import ABSENT, DEVICE, DType, Graph, Op, Ref
 from meshplan.ops.table import rule_for
 
 

@@ -1,6 +1,7 @@
 """Communication on torch.distributed: collectives on sub-groups, and
-point-to-point pieces. The only module (with `launch.py`) that imports
-`torch.distributed`.
+point-to-point pieces. The other modules that import `torch.distributed`
+are `worker.py` (the process group: set up, warmed up, a closing barrier,
+torn down) and `checkpoint.py` (barriers around `torch.distributed.checkpoint`).
 
 Invariants:
 - Sub-groups are made once, at load time, by every rank in one order

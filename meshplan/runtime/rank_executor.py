@@ -20,8 +20,8 @@ Invariants:
 - fp16: before the STEP every rank divides its gradient accumulators by the
   loss scale and checks them for inf/nan; one all-reduce (max) of that flag
   over the whole world makes every rank skip, or take, the same step, and
-  every rank moves its own copy of the scale the same way (halve on
-  overflow, double after `GROWTH_INTERVAL` good steps), as GradScaler does.
+  every rank moves its own copy of the scale the same way (`amp.py`), as
+  GradScaler does.
 - With `spans` set to a list, a step appends one `Span` per action (and one
   for waiting on the sends) in `time.perf_counter()` seconds; tracing costs
   two clock reads per action (and, on a GPU, a synchronize), so it is on
@@ -35,11 +35,11 @@ from collections import defaultdict
 
 import torch
 
-from meshplan.autodiff.optimizer import GROWTH_INTERVAL, LOSS_SCALE, initial_loss_scale
 from meshplan.errors import ConfigError
-from meshplan.ir import Phase, Role
+from meshplan.ir import LOSS_SCALE, Phase, Role
 from meshplan.ir.job import Job
 from meshplan.plan.rankplan import RankPlan, TaskKind
+from meshplan.runtime.amp import initial_loss_scale, next_scale
 from meshplan.runtime.bind import RankContext, bind_task, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.memory import LiveBytes
@@ -212,11 +212,8 @@ class RankExecutor:
             self.mem.add(g)
             self._swap(state, n, g)
         overflow = bool(found.item())
-        self.good_steps = 0 if overflow else self.good_steps + 1
         self.skipped += overflow
-        if overflow or self.good_steps == GROWTH_INTERVAL:
-            self.loss_scale *= 0.5 if overflow else 2.0
-            self.good_steps = 0
+        self.loss_scale, self.good_steps = next_scale(self.loss_scale, self.good_steps, overflow)
         if LOSS_SCALE in state:
             state[LOSS_SCALE].fill_(self.loss_scale)
         return not overflow

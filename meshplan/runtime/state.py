@@ -13,9 +13,9 @@ from collections.abc import Mapping
 
 import torch
 
-from meshplan.autodiff.optimizer import LOSS_SCALE, initial_loss_scale, initial_state
 from meshplan.errors import ConfigError
-from meshplan.ir import Role
+from meshplan.ir import LOSS_SCALE, Role
+from meshplan.runtime.amp import initial_loss_scale
 
 
 def cut(t: torch.Tensor, box) -> torch.Tensor:
@@ -44,6 +44,15 @@ def own_tensor(own: Mapping, graph, name: str) -> torch.Tensor:
             return own[n]
     raise ConfigError(f"module has no parameter or buffer '{name}'; "
                       "capture and run the same model")
+
+
+def initial_state(slot: str, like: torch.Tensor) -> torch.Tensor | None:
+    """The value of a fresh optimizer slot (None: created by the first step)."""
+    if slot == "momentum_buffer":
+        return None
+    if slot == "step":  # on the host, as torch.optim keeps it (not capturable):
+        return torch.zeros((), dtype=torch.float32)  # reading it costs no GPU sync
+    return torch.zeros_like(like, memory_format=torch.preserve_format)
 
 
 def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict:

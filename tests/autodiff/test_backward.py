@@ -17,10 +17,10 @@ from torch import nn
 from meshplan.autodiff.backward import build_train_step
 from meshplan.autodiff.optimizer import OptimizerConfig
 from meshplan.capture import capture
+from meshplan.driver.executor import Executor
 from meshplan.ir import ABSENT, Phase, Ref, Role
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops.table import rule_for
-from meshplan.runtime.executor import Executor
 
 SEED_KINDS = {"aten.ones_like.default", "aten.full_like.default"}
 

@@ -238,7 +238,7 @@ CASES: list[Case] = [
     cli("plan-version", "files", PlanError, "format version 3, this meshplan reads version 2",
         "check", "{plans}", plans=files.other_version),
     cli("plan-missing-rank", "files", PlanError, "lacks the plans of ranks 1 (world 2)",
-        "check", "{plans}", plans=files.drop_rank),
+        "show", "{plans}", plans=files.drop_rank),  # `check` says partial (exit 0)
     cli("plan-extra-rank", "files", PlanError, "outside world 2; recompile",
         "check", "{plans}", plans=files.extra_rank),
     cli("plan-resealed-malformed", "files", PlanError, "malformed meshplan.rankplan",

@@ -8,26 +8,31 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from meshplan.driver.compile import KILL_ENV, _plan_cache, compile_job
+from meshplan.driver.compile import _plan_cache, compile_job
 from meshplan.driver.plan import zoo_strategy
 from meshplan.driver.run import run
 from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.mesh import Mesh
 from meshplan.models import model_config
 from meshplan.plan.files import plan_from_bytes, plan_name, read_dir
+from meshplan.plan.stage_files import StageFiles
 from tests.bad_inputs.files import PLAN_FLAGS
+from tests.faults.kill import CLI_KILLING_RANK_1, dying_plan_bytes
 from tests.plan.jobs import job_of
 
 NAME = "gpt_interleaved"  # 2 ranks, 2 stages
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(300)
 def test_a_killed_compile_worker_is_named_and_leaves_nothing_partial(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv(KILL_ENV, "1")
+    lower = StageFiles.plan_bytes
+    monkeypatch.setattr(StageFiles, "plan_bytes", dying_plan_bytes(1))
     job = job_of(NAME)
     with pytest.raises(PlanError) as e:
         compile_job(job, tmp_path / "out", workers=2)
@@ -40,7 +45,7 @@ def test_a_killed_compile_worker_is_named_and_leaves_nothing_partial(tmp_path, m
     for p in entries:  # whatever the other worker cached is whole
         assert plan_from_bytes(p.read_bytes(), str(p)).rank == int(p.name[5:10])
 
-    monkeypatch.delenv(KILL_ENV)
+    monkeypatch.setattr(StageFiles, "plan_bytes", lower)
     compile_job(job, tmp_path / "out", workers=2)  # compiling again is safe
     assert sorted(read_dir(tmp_path / "out")[1]) == [0, 1]
 
@@ -48,10 +53,10 @@ def test_a_killed_compile_worker_is_named_and_leaves_nothing_partial(tmp_path, m
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_cli_names_the_killed_worker_rank(tmp_path):
-    env = os.environ | {KILL_ENV: "1", "MESHPLAN_CACHE_DIR": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-m", "meshplan", "compile", *PLAN_FLAGS, "--workers",
-                        "2", "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                       timeout=240, env=env)
+    env = os.environ | {"MESHPLAN_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-c", CLI_KILLING_RANK_1, "compile", *PLAN_FLAGS,
+                        "--workers", "2", "--out", str(tmp_path / "out")], capture_output=True,
+                       text=True, timeout=240, env=env, cwd=ROOT)
     lines = p.stderr.strip().splitlines()  # plain progress lines may come first
     errors = [x for x in lines if x.startswith("meshplan: error:")]
     assert p.returncode == 2 and errors == lines[-1:] and "Traceback" not in p.stderr, p.stderr

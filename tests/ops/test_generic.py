@@ -14,9 +14,9 @@ from torch import nn
 from meshplan.autodiff.backward import build_train_step
 from meshplan.autodiff.optimizer import OptimizerConfig
 from meshplan.capture import capture
+from meshplan.driver.executor import Executor
 from meshplan.errors import CaptureError
 from meshplan.ops.table import exact_kinds
-from meshplan.runtime.executor import Executor
 
 GENERIC_KINDS = {
     "aten.erf.default", "aten.cumsum.default", "aten.atan2.default", "aten.softplus.default",

@@ -21,9 +21,9 @@ from torch import nn
 from meshplan.autodiff.backward import build_train_step
 from meshplan.autodiff.optimizer import OptimizerConfig
 from meshplan.capture import capture
+from meshplan.driver.executor import Executor
 from meshplan.ir import Phase
 from meshplan.ops.table import exact_kinds
-from meshplan.runtime.executor import Executor
 
 F64, F32 = torch.float64, torch.float32
 SGD = OptimizerConfig("sgd", lr=1.0, momentum=0.0, weight_decay=0.0)

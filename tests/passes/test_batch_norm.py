@@ -5,12 +5,12 @@ import copy
 
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.capture import capture
+from meshplan.driver.executor import Executor
 from meshplan.driver.plan import comm_ops, plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager, whole_slices
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.passes.batch_norm import BACKWARD, FORWARD, expand_batch_norm
-from meshplan.runtime import Executor
 
 
 def test_expanded_batch_norm_trains_like_the_fused_kernel():

@@ -13,6 +13,7 @@ import torch
 
 from meshplan.autodiff import build_train_step
 from meshplan.capture import capture
+from meshplan.driver.executor import Executor
 from meshplan.driver.plan import comm_ops, plan_model, zoo_strategy
 from meshplan.driver.reference import split_microbatches
 from meshplan.driver.verify import against_eager, whole_slices
@@ -21,7 +22,6 @@ from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.passes.plan import plan_job
-from meshplan.runtime import Executor
 
 GOLDENS = Path(__file__).resolve().parent.parent / "goldens"
 

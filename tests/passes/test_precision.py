@@ -9,6 +9,7 @@ from torch import nn
 
 from meshplan.autodiff import build_train_step
 from meshplan.capture import capture
+from meshplan.driver.executor import Executor
 from meshplan.driver.plan import capture_zoo, plan_model, zoo_strategy
 from meshplan.driver.verify import mean_rel_diff, verify
 from meshplan.errors import ConfigError
@@ -18,7 +19,6 @@ from meshplan.models import model_config
 from meshplan.ops.policy import PRECISION
 from meshplan.passes.precision import CAST, apply_precision
 from meshplan.plan.lower import lower
-from meshplan.runtime import Executor
 
 TOL = 1e-2  # mean relative loss difference, to eager autocast and to eager fp32
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from meshplan.cli.main import main
 from meshplan.errors import PlanError
 from meshplan.plan.check import check_plans
 from meshplan.plan.files import (
@@ -42,7 +43,9 @@ def test_good_plans_pass(name):
         assert v["planned_peak_bytes"] == plans[r].memory.peak_bytes() > 0
         assert v["tasks"] == len(plans[r].tasks) and v["stage"] == plans[r].stage
     js = res.to_json()
-    assert set(js) == {"ok", "errors", "bubble_ratio", "predicted_step_s", "ranks"}
+    assert set(js) == {"ok", "partial", "missing", "skipped", "errors", "bubble_ratio",
+                       "predicted_step_s", "ranks"}
+    assert (js["partial"], js["missing"], js["skipped"]) == (False, "", [])
 
 
 # ---- corrupted plans ---------------------------------------------------------------------
@@ -213,6 +216,44 @@ def test_a_missing_rank_file(plan_dir):
     (plan_dir / plan_name(3)).unlink()
     (plan_dir / plan_name(6)).unlink()
     one_line_error(plan_dir, str(plan_dir), "lacks the plans of ranks 3, 6 (world 8)")
+
+
+def test_check_of_some_ranks_says_it_is_partial(gpt):
+    job, plans = gpt  # dp2 tp2 pp2: ranks 0-3 stage 0, 4-7 stage 1
+    res = check_plans(job, {r: plans[r] for r in (0, 5)})
+    assert res.ok and res.errors == [] and res.partial and res.missing == [1, 2, 3, 4, 6, 7]
+    assert res.skipped == ["send/recv with the missing ranks",
+                           "collective order on the missing ranks"]
+    assert res.predicted_step_s > 0  # each stage has a plan: schedule and simulation run
+    js = res.to_json()
+    assert (js["partial"], js["missing"]) == (True, "1-4, 6-7")
+    one_stage = check_plans(job, {r: plans[r] for r in (0, 1)})
+    assert one_stage.ok and one_stage.skipped[-2:] == ["schedule", "simulation"]
+    assert one_stage.predicted_step_s is None and one_stage.bubble_ratio is None
+
+
+def test_a_partial_check_still_reports_what_is_wrong(gpt):
+    job, plans = gpt
+    p = plans[4]
+    i = next(i for i, t in enumerate(p.tasks) if t.kind is TaskKind.RECV and t.peer == 0)
+    res = check_plans(job, {0: plans[0], 4: replace(p, tasks=without(p.tasks, i))})
+    assert not res.ok and res.partial
+    assert any("to rank 4 has no matching recv there" in e for e in res.errors)
+    p = plans[0]  # a peer outside the world is wrong, not missing
+    i = next(i for i, t in enumerate(p.tasks) if t.kind is TaskKind.SEND)
+    tasks = p.tasks[:i] + (replace(p.tasks[i], peer=99),) + p.tasks[i + 1:]
+    res = check_plans(job, {0: replace(p, tasks=tasks), 5: plans[5]})
+    assert any("to rank 99 has no matching recv there" in e for e in res.errors)
+
+
+def test_meshplan_check_of_a_partial_directory(plan_dir, capsys):
+    for r in (3, 6, 7):
+        (plan_dir / plan_name(r)).unlink()
+    assert sorted(read_dir(plan_dir, partial=True)[1]) == [0, 1, 2, 4, 5]
+    assert main(["check", str(plan_dir)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("PARTIAL: 5 of 8 rank plans; missing ranks 3, 6-7; skipped: send/recv "
+                     "with the missing ranks, collective order on the missing ranks")
 
 
 def test_a_missing_job_file(plan_dir):

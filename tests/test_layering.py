@@ -1,0 +1,105 @@
+"""Imports go down the layers: a module of `meshplan/` may import its own
+package and the packages below it, never one above. Function-level imports
+count as much as module-level ones.
+
+The compile runs capture -> autodiff -> passes -> Job -> lower -> check ->
+runtime. The Job (`ir/job.py`) is the one thing the two halves share: the
+compiler (capture, autodiff, passes) builds it, lowering, checking and the
+runtime read it. So in the one order below the runtime half sits under the
+compiler: lowering or running a plan never imports the code that made it
+(the runtime does not depend on the compiler), while the driver, the CLI and
+the API, above both, tie them together.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Bottom first. "meshplan" is the root package (`__version__` only).
+LAYERS = [
+    "meshplan", "errors",
+    "models",  # plain nn.Modules: import only errors
+    "ir",  # Graph, Job, SBP, Mesh: pure data
+    "ops",
+    "schedules",
+    "plan",  # lower and check a Job
+    "runtime",
+    "capture", "autodiff", "passes",  # the compiler, up to the Job
+    "driver", "cli", "api", "__main__",
+]
+
+
+def layer_of(module: str) -> str:
+    """"meshplan.ir.graph" -> "ir"; "meshplan" -> "meshplan"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def module_of(path: str) -> str:
+    """"meshplan/ir/graph.py" -> "meshplan.ir.graph" (a package: its name)."""
+    parts = Path(path).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: str, tree: ast.AST) -> list[str]:
+    """The meshplan modules `tree` imports, anywhere in it."""
+    package = module_of(path).split(".")
+    if not path.endswith("__init__.py"):
+        package = package[:-1]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importer's package
+                up = package[:len(package) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            names = [a.name for a in node.names]
+            out += [f"{base}.{n}" for n in names] if base == "meshplan" else [base]
+    return [m for m in out if m == "meshplan" or m.startswith("meshplan.")]
+
+
+def violations(path: str, source: str) -> list[str]:
+    """One line per import of a layer above the one of `path`."""
+    mine = layer_of(module_of(path))
+    found = []
+    for module in imported(path, ast.parse(source)):
+        theirs = layer_of(module)
+        if LAYERS.index(theirs) > LAYERS.index(mine):
+            found.append(f"{path} imports {module} ({theirs} is above {mine})")
+    return found
+
+
+def sources() -> list[Path]:
+    return sorted((ROOT / "meshplan").rglob("*.py"))
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    found = [v for p in sources()
+             for v in violations(p.relative_to(ROOT).as_posix(), p.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_every_package_has_a_layer():
+    names = {layer_of(module_of(p.relative_to(ROOT).as_posix())) for p in sources()}
+    assert names == set(LAYERS), names ^ set(LAYERS)
+
+
+def test_an_upward_import_is_reported_wherever_it_is():
+    source = ("import meshplan.ir\n"
+              "from meshplan import errors, driver\n"
+              "def plan(graph):\n"
+              "    from meshplan.passes.plan import plan_job\n"
+              "    return plan_job(graph)\n")
+    assert violations("meshplan/runtime/x.py", source) == [
+        "meshplan/runtime/x.py imports meshplan.driver (driver is above runtime)",
+        "meshplan/runtime/x.py imports meshplan.passes.plan (passes is above runtime)",
+    ]
+
+
+def test_a_relative_upward_import_is_reported():
+    assert violations("meshplan/plan/x.py", "from ..passes import boxing\n") == [
+        "meshplan/plan/x.py imports meshplan.passes (passes is above plan)"]
+    assert violations("meshplan/plan/x.py", "from . import lower\n") == []
