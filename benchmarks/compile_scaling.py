@@ -7,10 +7,11 @@ measured in a fresh process, as `meshplan compile` and a rank run it.
    - The master, in a fresh process with the capture cached on disk (a first
      process per world captures; capture is excluded): autodiff, the passes,
      the Job's bytes and digest, as `driver.plan.plan_model` runs them for
-     `meshplan compile`. Median of 3 processes. Target <= 0.5 s.
+     `meshplan compile`. Median of 3 processes, the worlds alternating.
+     Target <= 0.5 s.
    - The per-rank path, in a fresh process per sampled rank and run (8 ranks
      over the 16 stages, each at a different grid position; 3 runs each,
-     its median kept): read the Job's
+     its median kept; the worlds alternating): read the Job's
      bytes from the file the master wrote, check them (the digest), decode
      the rank's stage, lower, serialize, write the plan file: the worker body
      `driver.compile.lower_ranks` with no cache. Target <= 0.15 s (median and
@@ -155,33 +156,42 @@ def _sample(pp_ranks: list[list[int]]) -> list[int]:
 
 
 def gpt_rows(tmp: Path, cache: str) -> list[dict]:
-    rows = []
-    for dp in GPT_DPS:
-        job = tmp / f"gpt_dp{dp}.job"
-        first = run_part("master", str(dp), str(job), cache=cache)  # captures (excluded)
-        masters = sorted((run_part("master", str(dp), str(job), cache=cache)
-                          for _ in range(REPEATS)), key=lambda m: m["master_s"])
-        master = masters[len(masters) // 2]
-        ranks: dict[int, list[dict]] = {r: [] for r in _sample(master["pp_ranks"])}
-        for _ in range(REPEATS):  # rank by rank, then again: noise spreads over all
-            for r in ranks:
-                ranks[r].append(run_part("rank", str(job), str(r), str(tmp), cache=cache))
-        per_rank = {r: sorted(v, key=lambda x: x["path_s"])[len(v) // 2]
-                    for r, v in ranks.items()}  # each rank's median run
-        paths = sorted(v["path_s"] for v in per_rank.values())
-        rows.append({"world": dp * 128, "dp": dp, "ops": master["ops"],
-                     "job_bytes": master["job_bytes"], "capture_s": first["capture_s"],
-                     "master_s": master["master_s"], "master_parts_s": master["timings"],
-                     "master_runs_s": [m["master_s"] for m in masters],
-                     "torch_warmup_s": master["torch_warmup_s"],
-                     "rank_path_median_s": statistics.median(paths), "rank_path_max_s": paths[-1],
-                     "rank_parts_median_s": {k: statistics.median(v[k] for v in per_rank.values())
-                                             for k in ("read_s", "open_s", "view", "lower",
-                                                       "serialize", "write")},
-                     "import_median_s": statistics.median(v["import_s"]
-                                                          for v in per_rank.values()),
-                     "ranks": {str(r): v for r, v in ranks.items()}})
-    return rows
+    """Masters and rank paths of every world, measured in alternation (world
+    after world, then again), so the machine's drift falls on all alike."""
+    jobs = {dp: tmp / f"gpt_dp{dp}.job" for dp in GPT_DPS}
+    first = {dp: run_part("master", str(dp), str(jobs[dp]), cache=cache)  # captures
+             for dp in GPT_DPS}
+    masters: dict[int, list[dict]] = {dp: [] for dp in GPT_DPS}
+    for _ in range(REPEATS):
+        for dp in GPT_DPS:
+            masters[dp].append(run_part("master", str(dp), str(jobs[dp]), cache=cache))
+    sampled = {dp: _sample(first[dp]["pp_ranks"]) for dp in GPT_DPS}
+    runs: dict[int, dict[int, list[dict]]] = {dp: {r: [] for r in sampled[dp]} for dp in GPT_DPS}
+    for _ in range(REPEATS):
+        for dp in GPT_DPS:
+            for r in sampled[dp]:
+                runs[dp][r].append(run_part("rank", str(jobs[dp]), str(r), str(tmp),
+                                            cache=cache))
+    return [_gpt_row(dp, first[dp], masters[dp], runs[dp]) for dp in GPT_DPS]
+
+
+def _gpt_row(dp: int, first: dict, masters: list[dict], ranks: dict[int, list[dict]]) -> dict:
+    masters = sorted(masters, key=lambda m: m["master_s"])
+    master = masters[len(masters) // 2]
+    per_rank = {r: sorted(v, key=lambda x: x["path_s"])[len(v) // 2]
+                for r, v in ranks.items()}  # each rank's median run
+    paths = sorted(v["path_s"] for v in per_rank.values())
+    return {"world": dp * 128, "dp": dp, "ops": master["ops"],
+            "job_bytes": master["job_bytes"], "capture_s": first["capture_s"],
+            "master_s": master["master_s"], "master_parts_s": master["timings"],
+            "master_runs_s": [m["master_s"] for m in masters],
+            "torch_warmup_s": master["torch_warmup_s"],
+            "rank_path_median_s": statistics.median(paths), "rank_path_max_s": paths[-1],
+            "rank_parts_median_s": {k: statistics.median(v[k] for v in per_rank.values())
+                                    for k in ("read_s", "open_s", "view", "lower",
+                                              "serialize", "write")},
+            "import_median_s": statistics.median(v["import_s"] for v in per_rank.values()),
+            "ranks": {str(r): v for r, v in ranks.items()}}
 
 
 def resnet_rows(tmp: Path, cache: str) -> list[dict]:
