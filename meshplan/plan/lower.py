@@ -216,10 +216,10 @@ class RankClasses:
     and the send/recv pieces. `key(rank)` is built from exactly those
     results (the line of every axis a collective runs over, the coordinate's
     ranks on each stage a shared parameter's reduction spans, every
-    distinct local shape), or is the rank
-    itself when the stage sends or receives across stages: ranks with equal
-    keys have equal plan bodies. Checked rank by rank against lowering each
-    one in tests/plan/test_rank_classes.py."""
+    distinct local shape), or is the rank itself when the stage sends or
+    receives across stages: ranks with equal keys have equal plan bodies.
+    Checked rank by rank against lowering each one in
+    tests/plan/test_rank_classes.py."""
 
     def __init__(self, view: StageView):
         self.view = view
