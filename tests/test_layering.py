@@ -2,13 +2,13 @@
 package and the packages below it, never one above. Function-level imports
 count as much as module-level ones.
 
-The compile runs capture -> autodiff -> passes -> Job -> lower -> check ->
-runtime. The Job (`ir/job.py`) is the one thing the two halves share: the
-compiler (capture, autodiff, passes) builds it, lowering, checking and the
-runtime read it. So in the one order below the runtime half sits under the
-compiler: lowering or running a plan never imports the code that made it
-(the runtime does not depend on the compiler), while the driver, the CLI and
-the API, above both, tie them together.
+The layers follow the data: capture -> autodiff -> passes -> Job -> lower ->
+check -> runtime -> driver -> cli/api (`ir` and `ops` below all). One more
+rule: the Job (`ir/job.py`) is the one thing the compiler (capture,
+autodiff, passes) and the runtime half (schedules, plan, runtime) share, so
+lowering, checking or running a plan never imports the code that made it
+(the runtime does not depend on the compiler; the driver, the CLI and the
+API, above both, tie them together).
 """
 
 import ast
@@ -22,12 +22,14 @@ LAYERS = [
     "models",  # plain nn.Modules: import only errors
     "ir",  # Graph, Job, SBP, Mesh: pure data
     "ops",
+    "capture", "autodiff", "passes",  # the compiler, up to the Job
     "schedules",
     "plan",  # lower and check a Job
     "runtime",
-    "capture", "autodiff", "passes",  # the compiler, up to the Job
     "driver", "cli", "api", "__main__",
 ]
+COMPILER = {"capture", "autodiff", "passes"}
+READS_THE_JOB = {"schedules", "plan", "runtime"}  # below the compiler, yet never import it
 
 
 def layer_of(module: str) -> str:
@@ -69,6 +71,8 @@ def violations(path: str, source: str) -> list[str]:
         theirs = layer_of(module)
         if LAYERS.index(theirs) > LAYERS.index(mine):
             found.append(f"{path} imports {module} ({theirs} is above {mine})")
+        elif mine in READS_THE_JOB and theirs in COMPILER:
+            found.append(f"{path} imports {module} ({theirs} made the Job {mine} reads)")
     return found
 
 
@@ -95,11 +99,16 @@ def test_an_upward_import_is_reported_wherever_it_is():
               "    return plan_job(graph)\n")
     assert violations("meshplan/runtime/x.py", source) == [
         "meshplan/runtime/x.py imports meshplan.driver (driver is above runtime)",
-        "meshplan/runtime/x.py imports meshplan.passes.plan (passes is above runtime)",
+        "meshplan/runtime/x.py imports meshplan.passes.plan (passes made the Job runtime reads)",
     ]
 
 
 def test_a_relative_upward_import_is_reported():
     assert violations("meshplan/plan/x.py", "from ..passes import boxing\n") == [
-        "meshplan/plan/x.py imports meshplan.passes (passes is above plan)"]
+        "meshplan/plan/x.py imports meshplan.passes (passes made the Job plan reads)"]
     assert violations("meshplan/plan/x.py", "from . import lower\n") == []
+
+
+def test_the_compiler_importing_the_runtime_is_reported():
+    assert violations("meshplan/passes/x.py", "from meshplan.runtime import comm\n") == [
+        "meshplan/passes/x.py imports meshplan.runtime (runtime is above passes)"]
