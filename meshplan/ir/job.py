@@ -29,7 +29,7 @@ from meshplan.ir.fileio import Parts, encode_part, open_parts, sealed_parts
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
 from meshplan.ir.mesh import Mesh, Strategy
-from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
+from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard, fmt
 from meshplan.ir.serialize import Malformed, op_from_row, op_to_row
 
 KIND = "meshplan.job"
@@ -210,7 +210,7 @@ def _fmt(sbp: NdSbp) -> str:
     """`sbp` as text (`S(0)R`), memoized: a Job has a handful of layouts."""
     out = _FMT_MEMO.get(sbp)
     if out is None:
-        out = _FMT_MEMO[sbp] = "".join(str(s) for s in sbp)
+        out = _FMT_MEMO[sbp] = fmt(sbp)
     return out
 
 
