@@ -73,7 +73,8 @@ def _verify_result(res: Result, r: dict, judged: str) -> None:
     parameter and optimizer slot against eager on the same device)."""
     keep = ("device", "losses", "ref_losses", "max_abs_diff", "loss_noise", "loss_bound_used",
             "vs_fp32", "step_s", "ref_step_s", "measured_peak_bytes", "planned_peak_bytes",
-            "live_peak_bytes", "ref_measured_peak_bytes", "attention_kernels", "mode")
+            "live_peak_bytes", "ref_measured_peak_bytes", "attention_kernels", "attention_ran",
+            "mode")
     out = {k: r[k] for k in keep if k in r}
     if "ranks" in r:
         out["ranks"] = r["ranks"]
@@ -249,7 +250,7 @@ def _reset_peak(dev) -> None:
 
 
 def part_speed_meshplan(res: Result, a) -> None:
-    from meshplan.ops.device_kernels import FALLBACKS
+    from meshplan.ops.device_kernels import FALLBACKS, RAN
 
     dev = torch.device(a.device)
     cfg, batch, over = speed_config(a.dry)
@@ -257,7 +258,7 @@ def part_speed_meshplan(res: Result, a) -> None:
     times = timed_steps(step, dev, a.warmup, a.iters, res, "meshplan")
     _speed_record(res, a, cfg, params, batch, times, dev, live_peak_bytes=ex.mem.peak,
                   planned_peak_bytes=ex.plan.memory.peak_bytes(),
-                  attention_fallbacks=dict(FALLBACKS))
+                  attention_fallbacks=dict(FALLBACKS), attention_ran=dict(RAN))
 
 
 def _eager_step(cfg, batch: int, dev, compiled: bool, backend: str):
@@ -303,18 +304,50 @@ def part_speed_compile(res: Result, a) -> None:
     _speed_record(res, a, cfg, params, batch, times, dev, compile_backend=backend)
 
 
-def _top(prof, n: int = 15) -> dict:
-    """The profile's top ops by self device time (GPU) and by self CPU time."""
-    def dev_time(e):
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+# Device activities CUPTI records that are not kernels or copies: waiting for
+# room in the launch queue spans the GPU's work and must not count as busy.
+_NOT_WORK = ("Command Buffer Full", "Activity Buffer Request", "Lazy Function Loading")
+_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
+          ("attention", ("flash", "fmha", "cudnn", "sdpa", "attention")),
+          ("copy and cast", ("copy", "memcpy", "memset", "cast")),
+          ("optimizer", ("multi_tensor", "adam", "foreach")))
 
-    events = list(prof.key_averages())
-    by_dev = sorted(events, key=dev_time, reverse=True)[:n]
-    by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in _KINDS if any(x in low for x in keys)), "other")
+
+
+def _top(prof, n: int = 15) -> dict:
+    """Where one profiled step's device time goes: the kernels and copies that
+    ran on the GPU (busy = the union of their intervals, so overlap counts
+    once), the top kernels and kinds by device time, and the top host ops."""
+    from torch.autograd import DeviceType
+
+    work = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+            and not any(e.name.startswith(x) for x in _NOT_WORK)]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in work)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by_name: dict = {}
+    by_kind: dict = {}
+    for e in work:
+        us = e.time_range.end - e.time_range.start
+        calls, total = by_name.get(e.name, (0, 0.0))
+        by_name[e.name] = (calls + 1, total + us)
+        by_kind[_kind(e.name)] = by_kind.get(_kind(e.name), 0.0) + us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:n]
+    cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total),
+                 key=lambda e: -e.self_cpu_time_total)[:n]
     return {
-        "device_busy_ms": sum(dev_time(e) for e in events) / 1e3,
-        "top_device": [[e.key, e.count, dev_time(e) / 1e3] for e in by_dev if dev_time(e)],
-        "top_cpu": [[e.key, e.count, e.self_cpu_time_total / 1e3] for e in by_cpu],
+        "device_busy_ms": busy / 1e3,
+        "kernels": len(work),
+        "device_by_kind_ms": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_device": [[k, c, us / 1e3] for k, (c, us) in top],
+        "top_cpu": [[e.key, e.count, e.self_cpu_time_total / 1e3] for e in cpu],
     }
 
 
@@ -338,7 +371,8 @@ def part_speed_profile(res: Result, a) -> None:
             _sync(dev)
             wall = time.perf_counter() - t0
         top = _top(prof)
-        say(f"{name}: wall {wall * 1e3:.1f} ms, device busy {top['device_busy_ms']:.1f} ms")
+        say(f"{name}: wall {wall * 1e3:.1f} ms, device busy {top['device_busy_ms']:.1f} ms "
+            f"({top['kernels']} kernels and copies); by kind {top['device_by_kind_ms']}")
         res.set(**{name: {"wall_ms": wall * 1e3, **top}})
         del step
         _reset_peak(dev)

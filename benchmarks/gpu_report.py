@@ -44,6 +44,9 @@ def _summary(part: dict) -> str:
     if r.get("attention_kernels"):
         bits.append("attention: " + ", ".join(k.split(".")[1] for k in
                                               r["attention_kernels"]))
+    if r.get("attention_ran"):
+        bits.append("ran: " + ", ".join(f"{k.split('.')[1]} x{n}"
+                                        for k, n in sorted(r["attention_ran"].items())))
     if r.get("attention_fallbacks"):
         bits.append(f"fallbacks {r['attention_fallbacks']}")
     return "; ".join(bits)
@@ -103,10 +106,13 @@ def _profile(parts: dict) -> list[str]:
         x = r[name]
         if not out:
             out += ["", "## Where the time goes (one profiled step)", ""]
-        out.append(f"**{name}**: wall {x['wall_ms']:.1f} ms, device busy "
-                   f"{x['device_busy_ms']:.1f} ms (a large gap: the host, not the GPU, "
-                   "sets the pace)")
-        out += ["", "| top device ops | calls | ms |", "|---|---:|---:|"]
+        busy = x["device_busy_ms"] / x["wall_ms"] if x["wall_ms"] else 0.0
+        pace = ("the GPU sets the pace" if busy >= 0.9 else
+                "the host leaves the GPU idle for part of the step")
+        out.append(f"**{name}**: wall {x['wall_ms']:.1f} ms, GPU busy "
+                   f"{x['device_busy_ms']:.1f} ms ({busy:.0%}: {pace}); device time by kind: "
+                   + ", ".join(f"{k} {v:.1f} ms" for k, v in x.get("device_by_kind_ms", {}).items()))
+        out += ["", "| top kernels | calls | ms |", "|---|---:|---:|"]
         out += [f"| `{k[:70]}` | {n} | {ms:.2f} |" for k, n, ms in x["top_device"][:10]]
         out += ["", "| top host ops | calls | ms |", "|---|---:|---:|"]
         out += [f"| `{k[:70]}` | {n} | {ms:.2f} |" for k, n, ms in x["top_cpu"][:8]]

@@ -196,6 +196,7 @@ def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> dic
                            "live_peak_bytes": v.get("live_peak_bytes"),
                            "device": v.get("device", "cpu"),
                            "attention_fallbacks": v.get("attention_fallbacks", {}),
+                           "attention_ran": v.get("attention_ran", {}),
                            "planned_peak": v["planned_peak"]}
                   for r, v in sorted(per_rank.items())},
         "job_digest": job.digest() if job is not None else None, "wall_s": wall_s,

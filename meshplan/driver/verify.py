@@ -39,7 +39,7 @@ from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
-from meshplan.ops.device_kernels import FALLBACKS
+from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.runtime.amp import INIT_SCALE
 from meshplan.runtime.checkpoint import box_key
 
@@ -235,7 +235,7 @@ def _single(module, batches, opt, m: int, precision: str = "fp32",
             "measured_peak_bytes": peak_of(device) or ex.mem.peak,
             "live_peak_bytes": ex.mem.peak,
             "planned_peak_bytes": ex.rank.plan.memory.peak_bytes(),
-            "attention_fallbacks": dict(FALLBACKS),
+            "attention_fallbacks": dict(FALLBACKS), "attention_ran": dict(RAN),
             "attention_kernels": sorted({ex.rank.plan.kernel_of(t, ex.graph)
                                          for t in ex.rank.plan.tasks
                                          if "attention" in ex.rank.plan.kernel_of(t, ex.graph)})}

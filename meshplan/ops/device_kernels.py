@@ -24,8 +24,16 @@ Invariants:
 multiple of 8 up to 256, no mask, no dropout here), else memory-efficient
 (fp32 too; head_dim a multiple of 16 bytes), else math. The choosers below
 follow the same order, so meshplan runs the kernel eager runs and `verify`
-compares like with like. A fused kernel that still refuses an input at run
-time falls back to the math path (counted in `FALLBACKS`, reported by the
+compares like with like. Where eager's dispatcher prefers cuDNN attention
+(torch 2.10 and later on sm90/sm100 with a recent cuDNN: the H100 and H200),
+the flash adapters run cuDNN's kernels instead, on the same inputs, because
+eager does: the choice between them is asked of torch's own dispatcher
+(`torch._fused_sdp_choice`) on the device at run time, since a plan lowered
+on a CPU cannot know the card or its cuDNN. The forward and its backward ask
+the same question of the same q, k, v, so they agree; both kernels share the
+logical signature (cuDNN's logsumexp is (B, H, S, 1), flash's (B, H, S): the
+same bytes). `RAN` counts the physical kernels that ran. A fused kernel that
+still refuses an input at run time falls back to the math path (counted in `FALLBACKS`, reported by the
 runtime), never to a wrong answer: a forward fallback leaves an empty
 logsumexp, which sends its backward to the math path too.
 """
@@ -42,10 +50,13 @@ FLASH = "aten._scaled_dot_product_flash_attention.default"
 FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_backward.default"
 EFFICIENT = "aten._scaled_dot_product_efficient_attention.default"
 EFFICIENT_BACKWARD = "aten._scaled_dot_product_efficient_attention_backward.default"
+CUDNN = "aten._scaled_dot_product_cudnn_attention.default"
+CUDNN_BACKWARD = "aten._scaled_dot_product_cudnn_attention_backward.default"
 MATH = "meshplan.sdpa_math"
 MATH_BACKWARD = "meshplan.sdpa_math_backward"
 
 FALLBACKS: dict[str, int] = {}  # physical kernel -> runs that fell back to math
+RAN: dict[str, int] = {}  # physical attention kernel -> runs (cuDNN where it stood in for flash)
 # The rng-state tensors a fused forward returned, by (kernel, device): without
 # dropout their values are never read, but the backward takes tensors of the
 # very types the forward made, so it gets those (eager's autograd does the same).
@@ -115,37 +126,68 @@ def _fallback(name: str, err: RuntimeError) -> None:
                                               "attention", name, str(err).splitlines()[0])
 
 
+def _ran(name: str) -> None:
+    RAN[name] = RAN.get(name, 0) + 1
+
+
+_CUDNN_BACKEND = torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value
+
+
+def _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale) -> bool:
+    """Whether eager's SDPA would run cuDNN attention on these inputs (see the
+    Note); never without a CUDA device (fake CUDA tensors on a CPU-only torch)."""
+    return q.is_cuda and torch.cuda.is_available() and torch._fused_sdp_choice(
+        q, k, v, None, dropout_p, is_causal, scale=scale) == _CUDNN_BACKEND
+
+
 def _flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    name = CUDNN if _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale) else FLASH
     try:
-        r = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p, is_causal, False, scale=scale)
+        if name == CUDNN:
+            r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, dropout_p, is_causal, False, scale=scale)
+            _RNG[CUDNN, q.device] = (r[6], r[7], r[2], r[3])
+        else:
+            r = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale)
+            _RNG[FLASH, q.device] = (r[6], r[7])
     except RuntimeError as err:
-        _fallback(FLASH, err)
+        _fallback(name, err)
         return _math_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    _RNG[FLASH, q.device] = (r[6], r[7])
+    _ran(name)
     return r[0], r[1]
 
 
 def _flash_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
     if lse.numel() == 0:  # the forward fell back
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
-    seed, offset = _rng_of(FLASH, q.device)
+    cudnn = _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale)
+    name = CUDNN_BACKWARD if cudnn else FLASH_BACKWARD
     try:
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal,
-            seed, offset, scale=scale)
+        if cudnn:
+            seed, offset, cum_q, cum_k = _rng_of(CUDNN, q.device, 4)
+            got = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                g, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, q.shape[-2],
+                k.shape[-2], dropout_p, is_causal, scale=scale)
+        else:
+            seed, offset = _rng_of(FLASH, q.device, 2)
+            got = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                g, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], dropout_p,
+                is_causal, seed, offset, scale=scale)
     except RuntimeError as err:
-        _fallback(FLASH_BACKWARD, err)
+        _fallback(name, err)
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+    _ran(name)
+    return got
 
 
-def _rng_of(forward: str, device) -> tuple:
-    """The rng-state tensors for a backward (see `_RNG`); empty ones when the
-    forward ran in another process (a recomputed or received value)."""
+def _rng_of(forward: str, device, n: int) -> tuple:
+    """The `n` rng-state (and, for cuDNN, sequence-offset) tensors for a
+    backward (see `_RNG`); empty ones when the forward ran in another process
+    (a recomputed or received value)."""
     got = _RNG.get((forward, device))
     if got is None:
-        empty = torch.empty((0,), dtype=torch.int64, device=device)
-        return empty, empty
+        return (torch.empty((0,), dtype=torch.int64, device=device),) * n
     return got
 
 
@@ -157,6 +199,7 @@ def _efficient_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=Non
         _fallback(EFFICIENT, err)
         return _math_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     _RNG[EFFICIENT, q.device] = (r[2], r[3])
+    _ran(EFFICIENT)
     return r[0], r[1]
 
 
@@ -164,7 +207,7 @@ def _efficient_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask
                         scale=None):
     if lse.numel() == 0:
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
-    seed, offset = _rng_of(EFFICIENT, q.device)
+    seed, offset = _rng_of(EFFICIENT, q.device, 2)
     try:
         gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             g, q, k, v, attn_mask, out, lse, seed, offset, dropout_p,
@@ -172,6 +215,7 @@ def _efficient_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask
     except RuntimeError as err:
         _fallback(EFFICIENT_BACKWARD, err)
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+    _ran(EFFICIENT_BACKWARD)
     return gq, gk, gv
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
-from meshplan.ops.device_kernels import FALLBACKS
+from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.runtime.devices import rank_device
 
 
@@ -179,7 +179,8 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
               "planned_peak": dict(plan.memory.peak),
               "measured_peak_bytes": measured_peak(device, ex.mem),
               "live_peak_bytes": ex.mem.peak, "device": str(device),
-              "attention_fallbacks": dict(FALLBACKS), "trace": trace}
+              "attention_fallbacks": dict(FALLBACKS), "attention_ran": dict(RAN),
+              "trace": trace}
     data = json.dumps(result).encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
         from meshplan.runtime.comm import gather_bytes

@@ -27,11 +27,17 @@ def test_cuda_attention_adapters_match_eager(dtype, forward, backward):
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), g)
     dk.FALLBACKS.clear()
+    dk.RAN.clear()
     with torch.no_grad():
         out, lse = dk.adapter(forward)(q, k, v, 0.0, True, scale=None)
         grads = dk.adapter(backward)(g, q, k, v, out, lse, 0.0, True, attn_mask=None,
                                      scale=None)
     assert dk.FALLBACKS == {}, "a fused kernel refused its input"
+    if forward == dk.FLASH:  # the kernel eager runs here: cuDNN's where it prefers that
+        eager_cudnn = torch._fused_sdp_choice(q, k, v, None, 0.0, True) == \
+            torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value
+        want = {dk.CUDNN, dk.CUDNN_BACKWARD} if eager_cudnn else {forward, backward}
+        assert set(dk.RAN) == want, dk.RAN
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out, ref, **tol)
     for a, b in zip(grads, ref_grads):

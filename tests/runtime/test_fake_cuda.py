@@ -20,13 +20,21 @@ from meshplan.runtime.memory import LiveBytes
 from meshplan.runtime.rank_executor import RankExecutor
 from meshplan.runtime.state import weights_of
 
-CASES = [("gpt", "fp32"), ("gpt", "bf16"),
-         pytest.param("bert", "bf16", marks=pytest.mark.slow),
-         pytest.param("resnet", "fp32", marks=pytest.mark.slow)]
+CASES = [("gpt", "fp32", False), ("gpt", "bf16", False), ("gpt", "bf16", True),
+         pytest.param("bert", "bf16", False, marks=pytest.mark.slow),
+         pytest.param("resnet", "fp32", False, marks=pytest.mark.slow)]
+ATTENTION_RAN = {("gpt", "fp32", False): {dk.EFFICIENT, dk.EFFICIENT_BACKWARD},
+                 ("gpt", "bf16", False): {dk.FLASH, dk.FLASH_BACKWARD},
+                 ("gpt", "bf16", True): {dk.CUDNN, dk.CUDNN_BACKWARD}}
 
 
-@pytest.mark.parametrize("model,precision", CASES)
-def test_cuda_plan_steps_on_fake_cuda_tensors(model, precision, monkeypatch):
+@pytest.mark.parametrize("model,precision,cudnn", CASES)
+def test_cuda_plan_steps_on_fake_cuda_tensors(model, precision, cudnn, monkeypatch):
+    """`cudnn`: as on an H100/H200, where eager's dispatcher prefers cuDNN
+    attention, the flash adapters run cuDNN's kernels (their meta kernels check
+    the calls: arguments, logsumexp shape, the backward's sequence offsets)."""
+    if cudnn:
+        monkeypatch.setattr(dk, "_eager_runs_cudnn", lambda *a: True)
     monkeypatch.setattr(LiveBytes, "add", lambda self, t: None)  # fake tensors have no
     monkeypatch.setattr(LiveBytes, "drop", lambda self, t: None)  # storage pointers
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
@@ -38,6 +46,7 @@ def test_cuda_plan_steps_on_fake_cuda_tensors(model, precision, monkeypatch):
     shapes = weights_of(build_model(cfg, device="meta"))
     batch = example_batch(cfg, 4)
     dk.FALLBACKS.clear()
+    dk.RAN.clear()
     with FakeTensorMode() as mode:
         weights = {k: torch.empty(t.shape, dtype=t.dtype, device="cuda:0")
                    for k, t in shapes.items()}
@@ -49,3 +58,6 @@ def test_cuda_plan_steps_on_fake_cuda_tensors(model, precision, monkeypatch):
     assert len(losses) == 2 and all(x.device.type == "cuda" for x in losses)
     assert all(t.device.type == "cuda" for t in state.values() if t is not None)
     assert dk.FALLBACKS == {}  # the fused kernels accepted their (fake) inputs
+    want = ATTENTION_RAN.get((model, precision, cudnn))
+    if want:
+        assert set(dk.RAN) == want, dk.RAN
