@@ -27,6 +27,7 @@ from pathlib import Path
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.errors import ConfigError
+from meshplan.ir.kinds import ADAMW
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.state import weights_of
 
@@ -149,11 +150,13 @@ def verify(job, module, batches: Sequence[tuple], bounds=None, **run_options) ->
 
 def optimizer_of(job):
     """The `OptimizerConfig` the Job's optimizer ops were built with."""
+    from meshplan.ops.rule import Category
+    from meshplan.ops.table import rule_for
+
     for op in job.graph.ops:
-        kind = op.kind.removeprefix("meshplan.")
-        if kind in ("sgd", "adamw"):
+        if rule_for(op.kind).category is Category.OPTIMIZER:
             kw = dict(op.kwargs)
-            if kind == "adamw":
+            if op.kind == ADAMW:
                 return OptimizerConfig("adamw", lr=kw["lr"], weight_decay=kw["weight_decay"],
                                        betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"])
             return OptimizerConfig("sgd", lr=kw["lr"], momentum=kw["momentum"],

@@ -33,6 +33,7 @@ from meshplan.ir import (
     verify,
 )
 from meshplan.ir.builder import renumber_ops
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM, optimizer_kind
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
@@ -67,7 +68,7 @@ def _accumulate_early(ops: list[Op]) -> tuple[Op, ...]:
     after: dict[int, list[Op]] = {}
     rest = []
     for op in ops:
-        if op.kind == "meshplan.accumulate_grad":
+        if op.kind == ACCUMULATE_GRAD:
             after.setdefault(made_by[op.args[1].id], []).append(op)
         else:
             rest.append(op)
@@ -137,7 +138,7 @@ def _total(b: GraphBuilder, contribs, fwd: Op | None) -> Ref | None:
     path = contribs[-1][1]
     e = Emitter(b, phase=Phase.BACKWARD, module_path=path,
                 grad_of=fwd.id if fwd is not None else -1)
-    return e.call("meshplan.grad_sum", *(g for g, _ in contribs))
+    return e.call(GRAD_SUM, *(g for g, _ in contribs))
 
 
 def _check_grad(b: GraphBuilder, x: Ref, g: Ref, op: Op) -> None:
@@ -157,7 +158,7 @@ def _emit_accumulate(b: GraphBuilder, graph: Graph, grads: dict[int, Ref]) -> di
             continue
         acc_in = b.add_input(p.meta, Role.GRAD, f"{p.name}@grad")
         e = Emitter(b, phase=Phase.BACKWARD, module_path=_owner(p.name))
-        acc = e.call("meshplan.accumulate_grad", Ref(acc_in), grads[p.id])
+        acc = e.call(ACCUMULATE_GRAD, Ref(acc_in), grads[p.id])
         b.updates.append(Update(f"{p.name}@grad", acc.id))
         accs[p.id] = acc
     return accs
@@ -175,7 +176,7 @@ def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: Op
                                          f"{p.name}@{slot}")))
         e = Emitter(b, phase=Phase.OPTIMIZER, module_path=_owner(p.name))
         kw = dict(opt.kwargs())
-        outs = e.call_multi(f"meshplan.{opt.kind}", Ref(p.id), accs[p.id], *slots, **kw)
+        outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *slots, **kw)
         b.updates.append(Update(p.name, outs[0].id))
         for slot, out in zip(SLOTS[opt.kind], outs[1:]):
             b.updates.append(Update(f"{p.name}@{slot}", out.id))

@@ -17,11 +17,12 @@ from meshplan.capture import cached, capture, capture_key
 from meshplan.ir import Phase, Role
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job
+from meshplan.ir.kinds import ALL_REDUCE, short
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.ir.sbp import fmt
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.models.hf import PREFIX as HF
-from meshplan.ops.table import BOXING_KINDS
+from meshplan.ops.table import rule_for
 from meshplan.passes.plan import plan_job
 from meshplan.passes.precision import apply_precision
 from meshplan.passes.strategy import MEGATRON_PLAN, check_heads, check_strategy
@@ -98,12 +99,12 @@ def comm_ops(job: Job) -> list[dict]:
     """Every communication op: kind, axis, phase, stage, bytes per micro-batch."""
     out = []
     for op in job.graph.ops:
-        if op.kind not in BOXING_KINDS or op.kind == "meshplan.local_slice":
+        if not rule_for(op.kind).category.communicates:
             continue
         kw = dict(op.kwargs)
         src = op.args[0].id
         out.append({
-            "op": op.id, "kind": op.kind.removeprefix("meshplan."),
+            "op": op.id, "kind": short(op.kind),
             "axis": AXES[kw["axis"]] if "axis" in kw else "pp",
             "phase": op.phase.value, "stage": job.stage[op.id], "chunk": job.chunk[op.id],
             "module": op.module_path, "bytes": job.graph.values[src].meta.nbytes,
@@ -154,6 +155,6 @@ def shared_params(job: Job) -> dict[str, list[int]]:
     out = {}
     for op in job.graph.ops:
         kw = dict(op.kwargs)
-        if op.kind == "meshplan.all_reduce" and "stages" in kw:
+        if op.kind == ALL_REDUCE and "stages" in kw:
             out[kw["param"]] = list(kw["stages"])
     return out

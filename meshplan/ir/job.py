@@ -28,13 +28,13 @@ from meshplan.errors import PlanError
 from meshplan.ir.fileio import Parts, encode_part, open_parts, sealed_parts
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
+from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard, fmt
 from meshplan.ir.serialize import Malformed, op_from_row, op_to_row
 
 KIND = "meshplan.job"
 VERSION = 2
-TRANSFER = "meshplan.transfer"
 
 
 @dataclass(frozen=True, slots=True)

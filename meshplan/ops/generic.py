@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from meshplan.ir import Ref, TensorMeta
+from meshplan.ir.kinds import VJP
 from meshplan.ops.resolve import resolve_aten
 
 
@@ -26,7 +27,7 @@ def vjp_grad(e, op, gouts, needs):
     if not wrt:
         return []
     outs = e.call_multi(
-        "meshplan.vjp", op.kind, op.args, op.kwargs, tuple(gouts), wrt
+        VJP, op.kind, op.args, op.kwargs, tuple(gouts), wrt
     )
     return [(slots[i], g) for i, g in zip(wrt, outs)]
 

@@ -3,39 +3,80 @@
 Invariants:
 - One `OpRule` per kind, looked up with `rule_for(kind)` (see `table.py`).
 - `infer` gives output metas only (None: run the kernel on meta tensors).
-- `grad` emits backward ops through an `Emitter`; it never runs kernels.
+- `grad` emits backward ops through an `Emits`; it never runs kernels.
 - `canonical` rewrites a captured op into the form the other fields describe
   (for example `layer_norm` into `native_layer_norm`, whose saved mean and
   rstd the gradient needs). It runs once, at capture.
 - `temp_bytes` is physical: it is asked only at lowering, cached by signature.
+- `category` is the one answer to "is this op a collective, an optimizer
+  step, a transfer...": lowering, checking and reports ask it, never a list
+  of kinds.
+- This module imports nothing of `ops`: gradient and canonical rules see the
+  emitter as the `Emits` protocol, not as `ops.emit.Emitter`, whose
+  inference asks the table that holds those rules (no import cycle).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from enum import Enum
+from typing import Any, Callable, Optional, Protocol
 
-from meshplan.ir import Op, Ref
+from meshplan.ir import Arg, Op, Ref, TensorMeta
 
-if TYPE_CHECKING:
-    from meshplan.ops.emit import Emitter
+
+class Emits(Protocol):
+    """What a rule may do with the emitter (`ops.emit.Emitter`): read a
+    value's meta and add ops, their outputs inferred."""
+
+    def meta(self, r: Ref) -> TensorMeta: ...
+
+    def call(self, kind: str, *args: Arg, **kwargs: Arg) -> Ref: ...
+
+    def call_multi(self, kind: str, *args: Arg, **kwargs: Arg) -> tuple[Ref, ...]: ...
+
+
+class Category(Enum):
+    """What an op is, for lowering: which stream runs it, and how."""
+
+    COMPUTE = "compute"          # a kernel on this rank's tensors
+    OPTIMIZER = "optimizer"      # a parameter update (batched by the executor)
+    COLLECTIVE = "collective"    # boxing: communication along a mesh axis
+    TRANSFER = "transfer"        # boxing: a value sent from one stage to another
+    LOCAL_SLICE = "local_slice"  # boxing: a rank keeps its part, no communication
+
+    @property
+    def boxing(self) -> bool:
+        """Inserted by the boxing pass to change a value's layout."""
+        return self in (Category.COLLECTIVE, Category.TRANSFER, Category.LOCAL_SLICE)
+
+    @property
+    def communicates(self) -> bool:
+        """Moves bytes between ranks."""
+        return self in (Category.COLLECTIVE, Category.TRANSFER)
+
 
 # grad(e, op, gouts, needs) -> [(input ref, gradient ref), ...]
 #   gouts: one Ref (or None: zero gradient) per op output
 #   needs(ref): whether that input wants a gradient
-GradFn = Callable[["Emitter", Op, tuple[Optional[Ref], ...], Callable[[Ref], bool]], list]
-# canonical(e, args, kwargs) -> the Refs standing for the captured node's outputs
-CanonicalFn = Callable[["Emitter", tuple, dict], tuple]
+GradFn = Callable[[Emits, Op, tuple[Optional[Ref], ...], Callable[[Ref], bool]],
+                  list[tuple[Ref, Ref]]]
+# canonical(e, args, kwargs, ctx) -> the Refs standing for the captured node's
+# outputs; ctx.rebind(old, new) (capture's context) moves a mutated value.
+CanonicalFn = Callable[[Emits, tuple, dict, Any], tuple]
+# infer(signature args, signature kwargs) -> output metas (see `ops/infer.py`)
+InferFn = Callable[[tuple, dict], tuple[Optional[TensorMeta], ...]]
 
 
 @dataclass(frozen=True, slots=True)
 class OpRule:
-    """Logical inference, kernel, gradient, temp bytes and cost of one op kind."""
+    """Logical inference, kernel, category, gradient, temp bytes and cost of one op kind."""
 
     kind: str
     kernel: Callable
+    category: Category = Category.COMPUTE
     grad: Optional[GradFn] = None
-    infer: Optional[Callable] = None
+    infer: Optional[InferFn] = None
     canonical: Optional[CanonicalFn] = None
     flops: Optional[Callable] = None       # (arg signature) -> float
     temp_bytes: Optional[Callable] = None  # (arg signature) -> int

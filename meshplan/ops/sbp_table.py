@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshplan.ir.kinds import ACCUMULATE_GRAD, ADAMW, GRAD_SUM, SGD
 from meshplan.ops import sbp_nn as nn
 from meshplan.ops import sbp_rules as r
 from meshplan.ops.sbp_sig import replicated, tensors
@@ -78,10 +79,10 @@ SBP = {
         "aten.max_pool2d_with_indices.default", "aten.max_pool2d_with_indices_backward.default",
         "aten.avg_pool2d.default", "aten.avg_pool2d_backward.default",
         "aten._adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d_backward.default")},
-    "meshplan.grad_sum": nn.grad_sum,
-    "meshplan.accumulate_grad": nn.accumulate,
-    "meshplan.sgd": nn.optimizer,
-    "meshplan.adamw": nn.optimizer,
+    GRAD_SUM: nn.grad_sum,
+    ACCUMULATE_GRAD: nn.accumulate,
+    SGD: nn.optimizer,
+    ADAMW: nn.optimizer,
 }
 
 

@@ -1,16 +1,20 @@
 """The op rule table: kind -> `OpRule`, with the generic rule as default.
 
-Invariant: `rule_for(kind)` always answers for any aten kind; kinds listed
+Invariants: `rule_for(kind)` always answers for any aten kind; kinds listed
 here are exact (hand-written gradient, cost), every other aten op gets the
-generic rule (meta-kernel inference, `torch.func.vjp` gradient).
+generic rule (meta-kernel inference, `torch.func.vjp` gradient). Every
+meshplan kind (`ir/kinds.py`) has its own rule here, with its category;
+any other kind is refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from functools import cache
+from typing import Any, Callable
 
 from meshplan.errors import CaptureError
+from meshplan.ir import kinds as k
 from meshplan.ops import cost, kernels
 from meshplan.ops import grads_nn as nn
 from meshplan.ops import grads_pointwise as pw
@@ -20,7 +24,7 @@ from meshplan.ops.device_kernels import DEVICES
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
 from meshplan.ops.policy import PRECISION, recompute_class
 from meshplan.ops.resolve import resolve_aten
-from meshplan.ops.rule import OpRule
+from meshplan.ops.rule import Category, OpRule
 from meshplan.ops.sbp_table import SBP, replicated_rule
 
 _GRADS = {
@@ -112,7 +116,6 @@ _TEMP = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": cost.sdpa_temp,
 }
 
-# Ops whose outputs carry no gradient (integer results, statistics).
 # Shape-carrying arguments, localized per rank (see `OpRule.shape_args`).
 _SHAPE_ARGS = {
     "aten.view.default": ((1, 0),),
@@ -126,39 +129,43 @@ _SHAPE_ARGS = {
     "aten.full.default": ((0, 0),),
 }
 
+# Ops whose outputs carry no gradient (integer results, statistics).
 _NONDIFF = {
     "aten.arange.start", "aten.arange.default", "aten.zeros_like.default",
     "aten.ones_like.default", "aten.full_like.default", "aten.eq.Tensor",
     "aten.argmax.default", "aten.detach.default", "aten.lift_fresh_copy.default",
 }
 
-_MESHPLAN_KINDS = {
-    "meshplan.grad_sum": OpRule("meshplan.grad_sum", kernels.grad_sum, differentiable=False),
-    "meshplan.accumulate_grad": OpRule(
-        "meshplan.accumulate_grad", kernels.accumulate_grad, differentiable=False,
-        infer=lambda a, k: (a[1],),
-    ),
-    "meshplan.vjp": OpRule("meshplan.vjp", vjp_kernel, infer=vjp_infer, differentiable=False),
-    "meshplan.sgd": OpRule(
-        "meshplan.sgd", kernels.sgd_step, differentiable=False,
-        infer=lambda a, k: (a[0], a[0]), batched=kernels.sgd_multi,
-    ),
-    "meshplan.adamw": OpRule(
-        "meshplan.adamw", kernels.adamw_step, differentiable=False,
-        infer=lambda a, k: (a[0], a[2], a[3], a[4]), batched=kernels.adamw_multi,
-    ),
-}
+
+def _meshplan_rule(kind: str, kernel: Callable, category: Category = Category.COMPUTE,
+                   **facts: Any) -> OpRule:
+    """A meshplan op: no gradient of its own (autodiff never differentiates it)."""
+    return OpRule(kind, kernel, category, differentiable=False, **facts)
 
 
-# The ops the boxing pass inserts (collectives, slices, stage transfers).
-BOXING_KINDS = ("meshplan.all_reduce", "meshplan.reduce_scatter", "meshplan.all_gather",
-                "meshplan.all_to_all", "meshplan.local_slice", "meshplan.transfer")
+def _boxing_rule(kind: str, category: Category) -> OpRule:
+    """A boxing op: on the logical tensor, the identity; its distributed
+    kernel is chosen by lowering and bound by the runtime. Its output is
+    kept, never recomputed: communication is not redone."""
+    return _meshplan_rule(kind, kernels.boxing_identity, category,
+                          infer=lambda a, kw: (a[0],), recompute="keep")
 
-for _kind in BOXING_KINDS:
-    _MESHPLAN_KINDS[_kind] = OpRule(
-        _kind, kernels.boxing_identity, differentiable=False,
-        infer=lambda a, k: (a[0],), recompute="keep",  # communication is not redone
-    )
+
+_MESHPLAN_KINDS = {rule.kind: rule for rule in (
+    _meshplan_rule(k.GRAD_SUM, kernels.grad_sum),
+    _meshplan_rule(k.ACCUMULATE_GRAD, kernels.accumulate_grad, infer=lambda a, kw: (a[1],)),
+    _meshplan_rule(k.VJP, vjp_kernel, infer=vjp_infer),
+    _meshplan_rule(k.SGD, kernels.sgd_step, Category.OPTIMIZER,
+                   infer=lambda a, kw: (a[0], a[0]), batched=kernels.sgd_multi),
+    _meshplan_rule(k.ADAMW, kernels.adamw_step, Category.OPTIMIZER,
+                   infer=lambda a, kw: (a[0], a[2], a[3], a[4]), batched=kernels.adamw_multi),
+    _boxing_rule(k.ALL_REDUCE, Category.COLLECTIVE),
+    _boxing_rule(k.REDUCE_SCATTER, Category.COLLECTIVE),
+    _boxing_rule(k.ALL_GATHER, Category.COLLECTIVE),
+    _boxing_rule(k.ALL_TO_ALL, Category.COLLECTIVE),
+    _boxing_rule(k.LOCAL_SLICE, Category.LOCAL_SLICE),
+    _boxing_rule(k.TRANSFER, Category.TRANSFER),
+)}
 
 
 @cache
@@ -213,3 +220,8 @@ def physical_kernel(op, values, device_type: str) -> str:
 def exact_kinds() -> frozenset[str]:
     """Kinds with exact (hand-written) gradient rules."""
     return frozenset(_GRADS)
+
+
+def meshplan_kinds() -> frozenset[str]:
+    """The kinds of meshplan's own ops (every other kind is an aten op)."""
+    return frozenset(_MESHPLAN_KINDS)

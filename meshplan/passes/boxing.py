@@ -40,6 +40,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from meshplan.ir import Graph, GraphBuilder, Op, Ref
+from meshplan.ir.kinds import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    LOCAL_SLICE,
+    REDUCE_SCATTER,
+    TRANSFER,
+)
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
 from meshplan.ops.emit import Emitter
 from meshplan.passes.propagate import SbpPlan
@@ -140,7 +148,7 @@ def _across(ctx: _Ctx, r: int, at, module_path: str) -> int:
     stages, param = shared
     key = (r, "copies", at[0])
     if key not in ctx.versions:
-        ctx.versions[key] = ctx.emit("meshplan.all_reduce", r, ctx.layout[r], at, module_path,
+        ctx.versions[key] = ctx.emit(ALL_REDUCE, r, ctx.layout[r], at, module_path,
                                      op="sum", stages=stages, param=param)
     return ctx.versions[key]
 
@@ -202,7 +210,7 @@ def _transfer(ctx, vid, have, need, src_at, at, module_path) -> int:
     if reduced != have:
         vid = _convert_local(ctx, vid, have, reduced, src_at, module_path)
     target = tuple(Replicate() if isinstance(s, Partial) else s for s in need)
-    vid = ctx.emit("meshplan.transfer", vid, target, at, module_path,
+    vid = ctx.emit(TRANSFER, vid, target, at, module_path,
                    src_stage=src_at[0], src_chunk=src_at[1], dst_stage=at[0],
                    src_phase=src_at[2].value)
     if target != need:
@@ -226,13 +234,13 @@ def _step(src, dst) -> tuple[str, dict]:
     assert not isinstance(dst, Partial), f"cannot make {dst} from {src}"
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
-            return "meshplan.all_reduce", {"op": src.op}
-        return "meshplan.reduce_scatter", {"dim": dst.dim}
+            return ALL_REDUCE, {"op": src.op}
+        return REDUCE_SCATTER, {"dim": dst.dim}
     if isinstance(src, Shard):
         if isinstance(dst, Replicate):
-            return "meshplan.all_gather", {"dim": src.dim}
-        return "meshplan.all_to_all", {"src_dim": src.dim, "dst_dim": dst.dim}
-    return "meshplan.local_slice", {"dim": dst.dim}
+            return ALL_GATHER, {"dim": src.dim}
+        return ALL_TO_ALL, {"src_dim": src.dim, "dst_dim": dst.dim}
+    return LOCAL_SLICE, {"dim": dst.dim}
 
 
 def _renumbered(op: Op, oid: int, grad_of: int, mapping: list[int] | None) -> Op:

@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Op, Phase, Ref, Role
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM
 
-GRAD_SUM = "meshplan.grad_sum"
-ACCUMULATE = "meshplan.accumulate_grad"
 GRAD_SUFFIX = "@grad"  # accumulator `<fqn>@grad` of parameter `<fqn>`
 MAX_EXAMPLES = 5       # module paths shown when the layer pattern matches nothing
 
@@ -295,7 +294,7 @@ class _Placer:
                 self.place[i] = p if p is not None else self.layer_place[0]
 
 
-_KIND_RULES = {GRAD_SUM: _Placer.by_last_producer, ACCUMULATE: _Placer.by_param}
+_KIND_RULES = {GRAD_SUM: _Placer.by_last_producer, ACCUMULATE_GRAD: _Placer.by_param}
 
 
 def _rule_of(op: Op):

@@ -31,6 +31,7 @@ from functools import partial
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, GraphBuilder, Op, Phase
+from meshplan.ir.kinds import TRANSFER
 from meshplan.ops.table import rule_for
 from meshplan.passes.boxing import Boxed
 
@@ -103,7 +104,7 @@ def _regions(g: Graph, pattern: str, mode: str) -> dict[int, str]:
                           f"({err}); fix --recompute-pattern, e.g. 'blocks\\.\\d+'") from err
     out: dict[int, str] = {}
     for op in g.ops:
-        if op.phase is not Phase.FORWARD or op.kind == "meshplan.transfer":
+        if op.phase is not Phase.FORWARD or op.kind == TRANSFER:
             continue
         where = _region_of(rx, op.module_path)
         policy = rule_for(op.kind).recompute

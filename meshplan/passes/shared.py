@@ -37,9 +37,8 @@ from dataclasses import dataclass, replace
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, GraphBuilder, Op, Phase, Ref, Role, Update
 from meshplan.ir.builder import renumber_ops
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM
 
-GRAD_SUM = "meshplan.grad_sum"
-ACCUMULATE = "meshplan.accumulate_grad"
 Place = tuple[int, int]
 
 
@@ -81,7 +80,7 @@ class _Rewrite:
 
     def split(self, pid: int, stages: dict[int, int]) -> None:
         g, name = self.graph, self.graph.values[pid].name
-        acc_op = next((op for op in g.ops if op.kind == ACCUMULATE
+        acc_op = next((op for op in g.ops if op.kind == ACCUMULATE_GRAD
                        and g.values[op.args[0].id].name == f"{name}@grad"), None)
         if acc_op is None:
             return  # not trained: each copy stays as loaded

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
 from meshplan.ir.job import Job
+from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.sbp import box_numel
 from meshplan.plan.check_shared import shared_copies
 from meshplan.plan.cost import action_costs
@@ -167,7 +168,7 @@ def _tasks_match_job(job: Job, plans) -> list[str]:
     errors = []
     for r, p in sorted(plans.items()):
         want = Counter(op.id for op in job.graph.ops if job.stage[op.id] == p.stage
-                       and op.kind != "meshplan.transfer")
+                       and op.kind != TRANSFER)
         have = Counter(t.op for t in p.tasks if t.kind not in (TaskKind.SEND, TaskKind.RECV))
         for op_id in sorted(set(want) | set(have)):
             if want[op_id] != have[op_id]:

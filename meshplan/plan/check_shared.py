@@ -15,7 +15,8 @@ copy on each. Proven on the rank plans, per (parameter, grid coordinate):
 from __future__ import annotations
 
 from meshplan.ir import Role
-from meshplan.ops.table import BOXING_KINDS
+from meshplan.ops.rule import Category
+from meshplan.ops.table import rule_for
 from meshplan.plan.rankplan import TaskKind
 
 
@@ -23,7 +24,8 @@ def shared_copies(job, plans) -> list[str]:
     """Errors of proof 5 (empty when every copy is updated alike)."""
     g = job.graph
     producer = {o: op for op in g.ops for o in op.outputs if o >= 0}
-    trained = {op.args[0].id for op in g.ops if op.kind in ("meshplan.sgd", "meshplan.adamw")}
+    trained = {op.args[0].id for op in g.ops
+               if rule_for(op.kind).category is Category.OPTIMIZER}
     errors: list[str] = []
     copies: dict[tuple[int, tuple], list] = {}  # (param, coord) -> [(stage, rank, task)]
     for r, p in sorted(plans.items()):
@@ -74,7 +76,7 @@ def _alike(job, pid: int, coord, held, producer, tasks) -> list[str]:
 def _reduction(vid: int, producer):
     """The cross-stage all-reduce `vid` comes from through boxing ops, if any."""
     op = producer.get(vid)
-    while op is not None and op.kind in BOXING_KINDS:
+    while op is not None and rule_for(op.kind).category.boxing:
         if "stages" in dict(op.kwargs):
             return op
         op = producer.get(op.args[0].id)

@@ -22,11 +22,13 @@ from functools import cached_property
 
 from meshplan.errors import PlanError
 from meshplan.ir import Phase, Role, TensorMeta
-from meshplan.ir.job import TRANSFER, Job, StageView
+from meshplan.ir.job import Job, StageView
+from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.ir.sbp import local_box, local_shape
-from meshplan.ops.table import BOXING_KINDS, physical_kernel
+from meshplan.ops.rule import Category
+from meshplan.ops.table import physical_kernel, rule_for
 from meshplan.plan.actions import rank_actions
 from meshplan.plan.ids import (
     COLLECTIVE_STREAM,
@@ -39,8 +41,6 @@ from meshplan.plan.ids import (
 from meshplan.plan.memory import plan_memory
 from meshplan.plan.rankplan import Buffer, RankPlan, Task, TaskKind
 
-_COLLECTIVES = frozenset(BOXING_KINDS) - {TRANSFER, "meshplan.local_slice"}
-_OPTIMIZERS = frozenset({"meshplan.sgd", "meshplan.adamw"})
 _CATEGORY = {Role.PARAM: "param", Role.BUFFER: "buffer", Role.GRAD: "grad",
              Role.OPT_STATE: "optimizer", Role.DATA: "data"}
 
@@ -119,13 +119,14 @@ class _Lowering:
             return
         if view.op_stage[op.id] != self.stage:
             return
-        if op.kind in _COLLECTIVES:
+        category = rule_for(op.kind).category
+        if category is Category.COLLECTIVE:
             kind = TaskKind.GRAD_REDUCE if op.phase is Phase.OPTIMIZER else TaskKind.COLLECTIVE
             kw = dict(op.kwargs)
             group = self.across(kw["stages"]) if "stages" in kw else self.group(kw["axis"])
             stream = COLLECTIVE_STREAM
         else:
-            kind = TaskKind.OPTIMIZER if op.kind in _OPTIMIZERS else TaskKind.COMPUTE
+            kind = TaskKind.OPTIMIZER if category is Category.OPTIMIZER else TaskKind.COMPUTE
             stream, group = COMPUTE_STREAM, ()
         outs = [o for o in op.outputs if o >= 0]
         refs = op.refs()
@@ -225,7 +226,8 @@ class RankClasses:
         self.view = view
         self.shapes = sorted({(v.meta.shape, view.sbp[i]) for i, v in view.values.items()},
                              key=repr)
-        kwargs = [dict(op.kwargs) for op in view.ops if op.kind in _COLLECTIVES]
+        kwargs = [dict(op.kwargs) for op in view.ops
+                  if rule_for(op.kind).category is Category.COLLECTIVE]
         self.axes = sorted({kw["axis"] for kw in kwargs if "stages" not in kw})
         self.spans = sorted({kw["stages"] for kw in kwargs if "stages" in kw})
         self.p2p = view.strategy.pp > 1 and any(op.kind == TRANSFER for op in view.ops)

@@ -10,14 +10,23 @@ rank-dependent (boxes, groups, offsets) is computed here, once, at load time.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
 
+from meshplan.ir import Op
 from meshplan.ir.job import Job
+from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
-from meshplan.ir.sbp import local_box
+from meshplan.ir.sbp import Box, local_box
 from meshplan.ops.device_kernels import adapter
+from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.plan.rankplan import Task, TaskKind
 from meshplan.runtime import local_kernels as lk
+
+if TYPE_CHECKING:  # torch.distributed is loaded only where a rank talks (comm.py)
+    from meshplan.runtime.comm import Comm
+
+Group = tuple[int, ...]
 
 
 class RankContext:
@@ -31,7 +40,7 @@ class RankContext:
         self.place: Placement = s.placement(self.stage)
         self.coord = self.place.coord(rank)
 
-    def box(self, vid: int, coord=None):
+    def box(self, vid: int, coord: tuple[int, ...] | None = None) -> Box:
         meta = self.job.graph.values[vid].meta
         return local_box(meta.shape, self.job.sbp[vid], self.place.grid,
                          self.coord if coord is None else coord)
@@ -46,16 +55,15 @@ class RankContext:
         return out
 
 
-def bind_task(task: Task, ctx: RankContext, comm):
+def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
     """The callable for `task`, or None to run the op's own kernel."""
     op = ctx.job.graph.ops[task.op]
-    kw = dict(op.kwargs)
-    if op.kind == "meshplan.local_slice":
+    if rule_for(op.kind).category is Category.LOCAL_SLICE:
         return _narrower(ctx, op.args[0].id, op.outputs[0])
     if task.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
         if len(task.group) <= 1:
             return None  # a group of one: the logical kernel (the identity) is exact
-        return _collective(op, kw, task, ctx, comm)
+        return _COLLECTIVES[op.kind](op, dict(op.kwargs), task.group, ctx, comm)
     if any(task.local):
         return _variant(op, task, ctx)
     if task.kernel:  # the device's own kernel, with the logical op's signature
@@ -63,7 +71,7 @@ def bind_task(task: Task, ctx: RankContext, comm):
     return None
 
 
-def _narrower(ctx: RankContext, src: int, dst: int, have=None):
+def _narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> Callable:
     """x (holding box `have`, default src's box) -> the part that is dst's box."""
     have = have or ctx.box(src)
     want = ctx.box(dst)
@@ -78,55 +86,80 @@ def _narrower(ctx: RankContext, src: int, dst: int, have=None):
     return narrow
 
 
-def _collective(op, kw, task, ctx: RankContext, comm):
-    src, dst = op.args[0].id, op.outputs[0]
-    group = task.group
-    kind = op.kind.removeprefix("meshplan.")
-    if kind == "all_reduce":
-        return lambda x, **_: comm.all_reduce(x, group, kw["op"])
-    line = ctx.along(kw["axis"])
-    if kind == "all_gather":
-        shapes = [tuple(b - a for a, b in ctx.box(src, c)) for c in line]
-        return lambda x, **_: comm.all_gather(x, group, kw["dim"], shapes)
-    if kind == "reduce_scatter":
-        narrow = _narrower(ctx, src, dst)
-        return lambda x, **_: narrow(comm.all_reduce(x, group, "sum"))
-    if kind == "all_to_all":
-        shapes = [tuple(b - a for a, b in ctx.box(src, c)) for c in line]
-        gathered = list(ctx.box(src))
-        lo = ctx.box(src, line[0])[kw["src_dim"]][0]
-        hi = ctx.box(src, line[-1])[kw["src_dim"]][1]
-        gathered[kw["src_dim"]] = (lo, hi)
-        narrow = _narrower(ctx, src, dst, tuple(gathered))
-        return lambda x, **_: narrow(comm.all_gather(x, group, kw["src_dim"], shapes))
-    raise AssertionError(f"no runtime collective for {op.kind}")
+# ------------------------------------------------------------- collectives
+# kind -> factory(op, kwargs, group, ctx, comm) -> the rank's callable
+def _all_reduce(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
+    return lambda x, **_: comm.all_reduce(x, group, kw["op"])
 
 
-def _variant(op, task, ctx: RankContext):
+def _all_gather(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
+    src = op.args[0].id
+    shapes = [tuple(b - a for a, b in ctx.box(src, c)) for c in ctx.along(kw["axis"])]
+    return lambda x, **_: comm.all_gather(x, group, kw["dim"], shapes)
+
+
+def _reduce_scatter(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
+    narrow = _narrower(ctx, op.args[0].id, op.outputs[0])
+    return lambda x, **_: narrow(comm.all_reduce(x, group, "sum"))
+
+
+def _all_to_all(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
+    src, line = op.args[0].id, ctx.along(kw["axis"])
+    shapes = [tuple(b - a for a, b in ctx.box(src, c)) for c in line]
+    gathered = list(ctx.box(src))
+    lo = ctx.box(src, line[0])[kw["src_dim"]][0]
+    hi = ctx.box(src, line[-1])[kw["src_dim"]][1]
+    gathered[kw["src_dim"]] = (lo, hi)
+    narrow = _narrower(ctx, src, op.outputs[0], tuple(gathered))
+    return lambda x, **_: narrow(comm.all_gather(x, group, kw["src_dim"], shapes))
+
+
+_COLLECTIVES = {ALL_REDUCE: _all_reduce, ALL_GATHER: _all_gather,
+                REDUCE_SCATTER: _reduce_scatter, ALL_TO_ALL: _all_to_all}
+
+
+# ---------------------------------------------------------- kernel variants
+# tag -> factory(kernel, op, axis, ctx) -> the rank's kernel (see local_kernels.py)
+def _bias_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
+    return lk.bias_first(kernel, ctx.coord[axis] == 0)
+
+
+def _vocab_offset(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
+    if op.kind == "aten.embedding.default":
+        return lk.vocab_embedding(*ctx.box(op.args[0].id)[0])
+    return lk.vocab_embedding_backward(*ctx.box(op.outputs[0])[0])
+
+
+def _class_offset(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
+    if op.kind == "aten.nll_loss_forward.default":
+        return lk.class_nll(*ctx.box(op.args[0].id)[1])
+    return lk.class_nll_backward(*ctx.box(op.args[1].id)[1])
+
+
+def _mean_rescale(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
+    x = op.args[0].id
+    local = tuple(b - a for a, b in ctx.box(x))
+    dims = op.args[1] if len(op.args) > 1 else dict(op.kwargs).get("dim")
+    return lk.mean_rescale(kernel, local, ctx.job.graph.values[x].meta.shape, dims)
+
+
+_VARIANTS = {"bias_first": _bias_first, "vocab_offset": _vocab_offset,
+             "class_offset": _class_offset, "mean_rescale": _mean_rescale}
+# Applied once however many axes name them: the rescale uses the full local shape.
+_ONCE = {"mean_rescale"}
+
+
+def _variant(op: Op, task: Task, ctx: RankContext) -> Callable:
     """Compose the rank-dependent variants named per axis in `task.local`."""
     kernel = adapter(task.kernel) if task.kernel else rule_for(op.kind).kernel
     seen = set()
     for axis, tag in enumerate(task.local):
-        if not tag or (tag == "mean_rescale" and tag in seen):
-            continue  # one rescale covers every axis: it uses the full local shape
+        if not tag or (tag in _ONCE and tag in seen):
+            continue
         seen.add(tag)
-        if tag == "bias_first":
-            kernel = lk.bias_first(kernel, ctx.coord[axis] == 0)
-        elif tag == "vocab_offset" and op.kind == "aten.embedding.default":
-            kernel = lk.vocab_embedding(*ctx.box(op.args[0].id)[0])
-        elif tag == "vocab_offset":
-            kernel = lk.vocab_embedding_backward(*ctx.box(op.outputs[0])[0])
-        elif tag == "class_offset" and op.kind == "aten.nll_loss_forward.default":
-            kernel = lk.class_nll(*ctx.box(op.args[0].id)[1])
-        elif tag == "class_offset":
-            kernel = lk.class_nll_backward(*ctx.box(op.args[1].id)[1])
-        elif tag == "mean_rescale":
-            x = op.args[0].id
-            local = tuple(b - a for a, b in ctx.box(x))
-            dims = op.args[1] if len(op.args) > 1 else dict(op.kwargs).get("dim")
-            kernel = lk.mean_rescale(kernel, local, ctx.job.graph.values[x].meta.shape, dims)
-        else:
-            raise AssertionError(f"unknown local variant {tag!r} of {op.kind}")
+        factory = _VARIANTS.get(tag)
+        assert factory is not None, f"unknown local variant {tag!r} of {op.kind}"
+        kernel = factory(kernel, op, axis, ctx)
     return kernel
 
 

@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from meshplan.ir.kinds import ALL_REDUCE
 from meshplan.schedules.trace import Span, Track
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -95,7 +96,7 @@ def job_groups(strategy, job=None) -> list[tuple[int, ...]]:
     of a shared parameter, in the Job's op order."""
     out = _grid_lines(strategy)
     for op in job.graph.ops if job is not None else ():
-        stages = dict(op.kwargs).get("stages") if op.kind == "meshplan.all_reduce" else None
+        stages = dict(op.kwargs).get("stages") if op.kind == ALL_REDUCE else None
         if stages is None:
             continue
         place = strategy.placement(stages[0])

@@ -14,8 +14,9 @@ from meshplan.autodiff import build_train_step
 from meshplan.capture import capture
 from meshplan.errors import ConfigError
 from meshplan.ir import Phase, Ref, Role
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM, SGD
 from meshplan.models import build_model, example_batch, model_config
-from meshplan.passes.pipeline import ACCUMULATE, GRAD_SUM, StageAssignment, assign_stages
+from meshplan.passes.pipeline import StageAssignment, assign_stages
 
 PATTERN = r"blocks\.(\d+)"
 
@@ -163,8 +164,8 @@ def test_every_op_follows_its_rule(gpt, pp, vpp):
         elif op.phase is Phase.BACKWARD and op.grad_of >= 0:
             checked["bwd"] += 1
             assert place == _place(a, op.grad_of)
-        elif op.kind == ACCUMULATE or op.phase is Phase.OPTIMIZER:
-            checked["acc" if op.kind == ACCUMULATE else "opt"] += 1
+        elif op.kind == ACCUMULATE_GRAD or op.phase is Phase.OPTIMIZER:
+            checked["acc" if op.kind == ACCUMULATE_GRAD else "opt"] += 1
             assert place == _place(a, reader[_param_of(g, op)])
         else:
             checked["seed"] += 1
@@ -211,7 +212,7 @@ def test_accumulate_and_optimizer_follow_the_parameter_not_the_producer(gpt):
     g2 = dataclasses.replace(g, ops=tuple(rewire(op) for op in g.ops))
     a = assign_stages(g2, 2, 2, PATTERN)
     moved = [op for op in g2.ops if op is not g.ops[op.id]]
-    assert {op.kind for op in moved} == {ACCUMULATE, "meshplan.sgd"}
+    assert {op.kind for op in moved} == {ACCUMULATE_GRAD, SGD}
     assert _place(a, next(op.id for op in g.ops if op.module_path == "head")) == (1, 1)
     assert all(_place(a, op.id) == (0, 0) for op in moved)
 

@@ -1,0 +1,36 @@
+"""The op kinds meshplan itself emits; every other kind is an aten op
+(`aten.<name>.<overload>`).
+
+Names only: what each kind does (kernel, inference, category: compute,
+collective, optimizer, transfer, local slice) is its rule in `ops/table.py`.
+
+Invariant: each kind string is written here and nowhere else in meshplan
+(tests/ops/test_table.py checks both).
+"""
+
+PREFIX = "meshplan."
+
+# autodiff
+GRAD_SUM = "meshplan.grad_sum"  # the sum of a value's gradient contributions
+ACCUMULATE_GRAD = "meshplan.accumulate_grad"  # a micro-batch's gradient into the step's total
+VJP = "meshplan.vjp"  # the generic gradient (ops/generic.py)
+# optimizers
+SGD = "meshplan.sgd"
+ADAMW = "meshplan.adamw"
+# boxing: collectives along a mesh axis, a rank keeping its part, a stage transfer
+ALL_REDUCE = "meshplan.all_reduce"
+REDUCE_SCATTER = "meshplan.reduce_scatter"
+ALL_GATHER = "meshplan.all_gather"
+ALL_TO_ALL = "meshplan.all_to_all"
+LOCAL_SLICE = "meshplan.local_slice"
+TRANSFER = "meshplan.transfer"
+
+
+def optimizer_kind(name: str) -> str:
+    """The op kind of the optimizer named `name` in `OptimizerConfig` ("sgd")."""
+    return {"sgd": SGD, "adamw": ADAMW}[name]
+
+
+def short(kind: str) -> str:
+    """"meshplan.all_reduce" -> "all_reduce" (an aten kind unchanged)."""
+    return kind.removeprefix(PREFIX)
