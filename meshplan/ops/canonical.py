@@ -12,14 +12,17 @@ attention), and SSA needs mutation turned into fresh values.
 
 from __future__ import annotations
 
+from typing import Any
+
 from meshplan.ir import Ref
+from meshplan.ops.rule import CanonicalFn, Emits
 
 
-def _first(refs):
+def _first(refs: tuple[Ref, ...]) -> tuple[Ref]:
     return (refs[0],)
 
 
-def layer_norm(e, args, kw, ctx):
+def layer_norm(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     x, shape = args[0], args[1]
     w = args[2] if len(args) > 2 else kw.get("weight")
     b = args[3] if len(args) > 3 else kw.get("bias")
@@ -27,15 +30,15 @@ def layer_norm(e, args, kw, ctx):
     return _first(e.call_multi("aten.native_layer_norm.default", x, shape, w, b, eps))
 
 
-def softmax(e, args, kw, ctx):
+def softmax(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return (e.call("aten._softmax.default", args[0], args[1], False),)
 
 
-def log_softmax(e, args, kw, ctx):
+def log_softmax(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return (e.call("aten._log_softmax.default", args[0], args[1], False),)
 
 
-def cross_entropy(e, args, kw, ctx):
+def cross_entropy(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     x, target = args[0], args[1]
     rest = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), args[2:]))
     rest.update(kw)
@@ -57,7 +60,7 @@ def cross_entropy(e, args, kw, ctx):
     return (loss,)
 
 
-def dropout(e, args, kw, ctx):
+def dropout(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     x = args[0]
     p = args[1] if len(args) > 1 else kw.get("p", 0.5)
     train = args[2] if len(args) > 2 else kw.get("train", True)
@@ -66,7 +69,7 @@ def dropout(e, args, kw, ctx):
     return _first(e.call_multi("aten.native_dropout.default", x, p, train))
 
 
-def sdpa(e, args, kw, ctx):
+def sdpa(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     opts = dict(zip(names, args[3:]))
     opts.update(kw)
@@ -79,7 +82,7 @@ def sdpa(e, args, kw, ctx):
     return _first(out)
 
 
-def batch_norm(e, args, kw, ctx):
+def batch_norm(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     x, w, b, rm, rv, training, momentum, eps = args[:8]
     if not training or not isinstance(rm, Ref):
         return (e.call("aten.batch_norm.default", *args, **kw),)
@@ -92,18 +95,18 @@ def batch_norm(e, args, kw, ctx):
     return (out,)
 
 
-def max_pool2d(e, args, kw, ctx):
+def max_pool2d(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return _first(e.call_multi("aten.max_pool2d_with_indices.default", *args, **kw))
 
 
-def adaptive_avg_pool2d(e, args, kw, ctx):
+def adaptive_avg_pool2d(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return (e.call("aten._adaptive_avg_pool2d.default", *args, **kw),)
 
 
-def functionalize(functional_kind: str):
+def functionalize(functional_kind: str) -> CanonicalFn:
     """Rewrite an in-place op `x.f_(...)` as `y = f(x, ...)`, rebinding x to y."""
 
-    def rewrite(e, args, kw, ctx):
+    def rewrite(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
         out = e.call(functional_kind, *args, **kw)
         ctx.rebind(args[0], out)
         return (out,)
@@ -111,7 +114,7 @@ def functionalize(functional_kind: str):
     return rewrite
 
 
-CANONICAL = {
+CANONICAL: dict[str, CanonicalFn] = {
     "aten.layer_norm.default": layer_norm,
     "aten.softmax.int": softmax,
     "aten.log_softmax.int": log_softmax,

@@ -8,20 +8,23 @@ without running anything and can be cached by signature.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 from meshplan.ir import TensorMeta
 
+FlopsFn = Callable[[tuple], float]  # (argument signature) -> flops
 
-def _shape(m) -> tuple[int, ...]:
+
+def _shape(m: Any) -> tuple[int, ...]:
     return m.shape if isinstance(m, TensorMeta) else ()
 
 
-def linear_flops(args) -> float:
+def linear_flops(args: tuple) -> float:
     x, w = args[0], args[1]
     return 2.0 * math.prod(_shape(x)) * _shape(w)[0]
 
 
-def mm_flops(args) -> float:
+def mm_flops(args: tuple) -> float:
     a, b = _shape(args[0]), _shape(args[1])
     if len(a) < 1 or len(b) < 1:
         return 0.0
@@ -30,11 +33,11 @@ def mm_flops(args) -> float:
     return 2.0 * batch * rows * a[-1] * (b[-1] if len(b) > 1 else 1)
 
 
-def addmm_flops(args) -> float:
+def addmm_flops(args: tuple) -> float:
     return mm_flops(args[1:])
 
 
-def conv2d_flops(args) -> float:
+def conv2d_flops(args: tuple) -> float:
     x, w = _shape(args[0]), _shape(args[1])
     stride = args[3] if len(args) > 3 else 1
     padding = args[4] if len(args) > 4 else 0
@@ -47,7 +50,7 @@ def conv2d_flops(args) -> float:
     return 2.0 * x[0] * w[0] * h_out * w_out * w[1] * w[2] * w[3]
 
 
-def sdpa_flops(args) -> float:
+def sdpa_flops(args: tuple) -> float:
     q, k = _shape(args[0]), _shape(args[1])
     *batch, t, d = q
     causal = args[4] if len(args) > 4 else False
@@ -55,12 +58,12 @@ def sdpa_flops(args) -> float:
     return full / 2 if causal else full
 
 
-def backward_of(fwd, factor: float = 2.0):
+def backward_of(fwd: FlopsFn, factor: float = 2.0) -> FlopsFn:
     """The flops of a backward op that costs `factor` x its forward."""
     return lambda args: factor * fwd(args[1:])
 
 
-def bytes_moved(sig_args, outs) -> int:
+def bytes_moved(sig_args: tuple, outs: tuple[TensorMeta | None, ...]) -> int:
     """Bytes read and written: every tensor argument plus every output."""
     total = sum(m.nbytes for m in outs if m is not None)
     stack = list(sig_args)
@@ -73,7 +76,7 @@ def bytes_moved(sig_args, outs) -> int:
     return total
 
 
-def conv2d_temp(args) -> int:
+def conv2d_temp(args: tuple) -> int:
     """im2col column buffer of one image: C_in*kh*kw x H_out*W_out."""
     x, w = args[0].shape, args[1].shape
     stride = args[3] if len(args) > 3 else 1
@@ -82,7 +85,7 @@ def conv2d_temp(args) -> int:
     return w[1] * w[2] * w[3] * h_out * w_out * args[0].dtype.itemsize
 
 
-def sdpa_temp(args) -> int:
+def sdpa_temp(args: tuple) -> int:
     """Flash attention on CPU keeps one block of scores per thread: q_block x kv_block."""
     q = args[0].shape
     return min(q[-2], 256) * min(q[-2], 512) * 4 * 2

@@ -41,9 +41,18 @@ path too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, Callable
+
 import torch
+from torch import Tensor
 
 from meshplan.errors import PlanError
+from meshplan.ir import Op, Ref, Value
+
+Values = Mapping[int, Value]  # the Job's values by id
+Grads3 = tuple[Tensor, ...]  # (gq, gk, gv)
+Chooser = Callable[[Op, Values], str]  # (op, values) -> physical kernel name
 
 SDPA_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 SDPA_CPU_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
@@ -64,15 +73,17 @@ RAN: dict[str, int] = {}  # physical attention kernel -> runs (cuDNN where it st
 _RNG: dict = {}
 
 
-def _arg(op, i: int, name: str, default=None):
+def _arg(op: Op, i: int, name: str, default: Any = None) -> Any:
     if len(op.args) > i:
         return op.args[i]
     return dict(op.kwargs).get(name, default)
 
 
-def _attention_kind(op, values, q_pos: int, dropout_pos: int) -> str:
+def _attention_kind(op: Op, values: Values, q_pos: int, dropout_pos: int) -> str:
     """flash, efficient or math, for the q meta at `q_pos` (see the Note)."""
-    q = values[op.args[q_pos].id].meta
+    q_ref = op.args[q_pos]
+    assert isinstance(q_ref, Ref), f"argument {q_pos} of {op.kind} is not a tensor"
+    q = values[q_ref.id].meta
     head_dim = q.shape[-1]
     dropout = _arg(op, dropout_pos, "dropout_p", 0.0)
     if dropout:
@@ -90,13 +101,13 @@ def _attention_kind(op, values, q_pos: int, dropout_pos: int) -> str:
     return "math"
 
 
-def cuda_sdpa(op, values) -> str:
+def cuda_sdpa(op: Op, values: Values) -> str:
     """The CUDA kernel of the attention forward `op`."""
     kind = _attention_kind(op, values, 0, 3)
     return {"flash": FLASH, "efficient": EFFICIENT, "math": MATH}[kind]
 
 
-def cuda_sdpa_backward(op, values) -> str:
+def cuda_sdpa_backward(op: Op, values: Values) -> str:
     """The CUDA kernel of the attention backward `op` (same choice as its forward)."""
     kind = _attention_kind(op, values, 1, 6)
     return {"flash": FLASH_BACKWARD, "efficient": EFFICIENT_BACKWARD,
@@ -104,13 +115,17 @@ def cuda_sdpa_backward(op, values) -> str:
 
 
 # ---------------------------------------------------------------- adapters
-def _math_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+def _math_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                 is_causal: bool = False, *, attn_mask: Tensor | None = None,
+                 scale: float | None = None) -> tuple[Tensor, Tensor]:
     out, _ = torch.ops.aten._scaled_dot_product_attention_math(
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
     return out, q.new_empty((0,), dtype=torch.float32)  # empty lse: "no saved statistics"
 
 
-def _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+def _math_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
+                   scale: float | None = None) -> Grads3:
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
         o, _ = torch.ops.aten._scaled_dot_product_attention_math(
@@ -134,14 +149,17 @@ def _ran(name: str) -> None:
 _CUDNN_BACKEND = torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value
 
 
-def _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale) -> bool:
+def _eager_runs_cudnn(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, is_causal: bool,
+                      scale: float | None) -> bool:
     """Whether eager's SDPA would run cuDNN attention on these inputs (see the
     Note); never without a CUDA device (fake CUDA tensors on a CPU-only torch)."""
     return q.is_cuda and torch.cuda.is_available() and torch._fused_sdp_choice(
         q, k, v, None, dropout_p, is_causal, scale=scale) == _CUDNN_BACKEND
 
 
-def _flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                  is_causal: bool = False, *, attn_mask: Tensor | None = None,
+                  scale: float | None = None) -> tuple[Tensor, Tensor]:
     name = CUDNN if _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale) else FLASH
     try:
         if name == CUDNN:
@@ -159,7 +177,9 @@ def _flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     return r[0], r[1]
 
 
-def _flash_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+def _flash_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
+                    scale: float | None = None) -> Grads3:
     if lse.numel() == 0:  # the forward fell back
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
     cudnn = _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale)
@@ -182,7 +202,7 @@ def _flash_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=Non
     return got
 
 
-def _rng_of(forward: str, device, n: int) -> tuple:
+def _rng_of(forward: str, device: torch.device, n: int) -> tuple[Tensor, ...]:
     """The `n` rng-state (and, for cuDNN, sequence-offset) tensors for a
     backward (see `_RNG`); empty ones when the forward ran in another process
     (a recomputed or received value)."""
@@ -192,7 +212,9 @@ def _rng_of(forward: str, device, n: int) -> tuple:
     return got
 
 
-def _efficient_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
+                      is_causal: bool = False, *, attn_mask: Tensor | None = None,
+                      scale: float | None = None) -> tuple[Tensor, Tensor]:
     try:
         r = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)
@@ -204,8 +226,9 @@ def _efficient_forward(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=Non
     return r[0], r[1]
 
 
-def _efficient_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None,
-                        scale=None):
+def _efficient_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
+                        scale: float | None = None) -> Grads3:
     if lse.numel() == 0:
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
     seed, offset = _rng_of(EFFICIENT, q.device, 2)
@@ -220,14 +243,14 @@ def _efficient_backward(g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask
     return gq, gk, gv
 
 
-_ADAPTERS = {
+_ADAPTERS: dict[str, Callable] = {
     FLASH: _flash_forward, FLASH_BACKWARD: _flash_backward,
     EFFICIENT: _efficient_forward, EFFICIENT_BACKWARD: _efficient_backward,
     MATH: _math_forward, MATH_BACKWARD: _math_backward,
 }
 
 
-def adapter(name: str):
+def adapter(name: str) -> Callable:
     """The callable running physical kernel `name` with its logical op's signature."""
     fn = _ADAPTERS.get(name)
     if fn is None:
@@ -237,7 +260,7 @@ def adapter(name: str):
 
 
 # logical kind -> ((device type, chooser(op, values) -> physical kernel name), ...)
-DEVICES = {
+DEVICES: dict[str, tuple[tuple[str, Chooser], ...]] = {
     SDPA_CPU: (("cuda", cuda_sdpa),),
     SDPA_CPU_BACKWARD: (("cuda", cuda_sdpa_backward),),
 }

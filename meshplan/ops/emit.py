@@ -7,6 +7,7 @@ Invariant: every emitted op gets its outputs from logical inference
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshplan.ir import Arg, GraphBuilder, Phase, Ref, TensorMeta
@@ -38,7 +39,8 @@ class Emitter:
         (out,) = self.call_multi(kind, *args, **kwargs)
         return out
 
-    def emit(self, kind, args, metas, kwargs=()) -> tuple[int, ...]:
+    def emit(self, kind: str, args: Sequence[Arg], metas: Sequence[TensorMeta | None],
+             kwargs: Sequence[tuple[str, Arg]] = ()) -> tuple[int, ...]:
         """Emit with known output metas (no inference)."""
         return self.builder.add_op(
             kind, tuple(args), tuple(metas), kwargs=tuple(kwargs), phase=self.phase,

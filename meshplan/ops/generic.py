@@ -9,18 +9,21 @@ indexes the forward op's tensor arguments in traversal order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from meshplan.ir import Ref, TensorMeta
+from meshplan.ir import Op, Ref, TensorMeta
 from meshplan.ir.kinds import VJP
 from meshplan.ops.resolve import resolve_aten
+from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 
 
-def _tensor_slots(op) -> list[Ref]:
+def _tensor_slots(op: Op) -> list[Ref]:
     return [Ref(r) for r in op.refs()]
 
 
-def vjp_grad(e, op, gouts, needs):
+def vjp_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     """Emit one `meshplan.vjp` op computing every needed input gradient."""
     slots = _tensor_slots(op)
     wrt = tuple(i for i, r in enumerate(slots) if needs(r))
@@ -32,7 +35,7 @@ def vjp_grad(e, op, gouts, needs):
     return [(slots[i], g) for i, g in zip(wrt, outs)]
 
 
-def vjp_infer(sig_args, sig_kwargs) -> tuple[TensorMeta, ...]:
+def vjp_infer(sig_args: tuple, sig_kwargs: dict) -> tuple[TensorMeta, ...]:
     _kind, fwd_args, fwd_kwargs, _gouts, wrt = sig_args
     metas: list[TensorMeta] = []
     _collect(fwd_args, metas)
@@ -40,7 +43,7 @@ def vjp_infer(sig_args, sig_kwargs) -> tuple[TensorMeta, ...]:
     return tuple(metas[i] for i in wrt)
 
 
-def _collect(sig, out: list) -> None:
+def _collect(sig: Any, out: list[TensorMeta]) -> None:
     if isinstance(sig, TensorMeta):
         out.append(sig)
     elif isinstance(sig, (tuple, list)):
@@ -48,7 +51,7 @@ def _collect(sig, out: list) -> None:
             _collect(x, out)
 
 
-def _substitute(structure, tensors: dict[int, torch.Tensor], counter: list[int]):
+def _substitute(structure: Any, tensors: dict[int, torch.Tensor], counter: list[int]) -> Any:
     """Rebuild `structure`, replacing the k-th tensor by `tensors[k]` if given."""
     if isinstance(structure, torch.Tensor):
         k = counter[0]
@@ -59,7 +62,8 @@ def _substitute(structure, tensors: dict[int, torch.Tensor], counter: list[int])
     return structure
 
 
-def vjp_kernel(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt):
+def vjp_kernel(fwd_kind: str, fwd_args: tuple, fwd_kwargs: tuple, gouts: tuple,
+               wrt: tuple[int, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Run the forward under `torch.func.vjp` and pull back `gouts`."""
     fn = resolve_aten(fwd_kind)
     kw_names = [k for k, _ in fwd_kwargs]
@@ -68,14 +72,14 @@ def vjp_kernel(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt):
     _flatten([v for _, v in fwd_kwargs], flat)
     primals = [flat[i] for i in wrt]
 
-    def f(*ps):
+    def f(*ps: torch.Tensor) -> Any:
         subs = dict(zip(wrt, ps))
         counter = [0]
         args = _substitute(list(fwd_args), subs, counter)
         kwargs = _substitute([v for _, v in fwd_kwargs], subs, counter)
         return fn(*args, **dict(zip(kw_names, kwargs)))
 
-    out, pullback = torch.func.vjp(f, *primals)
+    out, pullback = torch.func.vjp(f, *primals)  # type: ignore[misc]  # stub: has_aux form
     outs = out if isinstance(out, (tuple, list)) else (out,)
     cot = [g if g is not None else torch.zeros_like(o) for g, o in zip(gouts, outs)]
     grads = pullback(type(out)(cot) if isinstance(out, (tuple, list)) else cot[0])
@@ -83,7 +87,7 @@ def vjp_kernel(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt):
     return grads[0] if len(grads) == 1 else tuple(grads)
 
 
-def _flatten(structure, out: list) -> None:
+def _flatten(structure: Any, out: list[torch.Tensor]) -> None:
     if isinstance(structure, torch.Tensor):
         out.append(structure)
     elif isinstance(structure, (tuple, list)):

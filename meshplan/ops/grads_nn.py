@@ -8,17 +8,21 @@ kernels as eager autograd.
 
 from __future__ import annotations
 
-from meshplan.ir import Ref
-from meshplan.ops.grad_util import arg, is_ref, out_ref, sum_to
+from typing import Any
+
+from meshplan.ir import Op, Ref
+from meshplan.ops.generic import vjp_grad
+from meshplan.ops.grad_util import arg, is_ref, only, out_ref, sum_to, tensor
+from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 
 
-def _t(e, x):
+def _t(e: Emits, x: Ref) -> Ref:
     return e.call("aten.transpose.int", x, -1, -2)
 
 
-def linear_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x, w = op.args[0], op.args[1]
+def linear_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x, w = tensor(op, 0), tensor(op, 1)
     b = arg(op, 2, "bias")
     out = []
     if needs(x):
@@ -34,9 +38,9 @@ def linear_grad(e, op, gouts, needs):
     return out
 
 
-def mm_grad(e, op, gouts, needs):
-    (g,) = gouts
-    a, b = op.args[0], op.args[1]
+def mm_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    a, b = tensor(op, 0), tensor(op, 1)
     kind = "aten.bmm.default" if op.kind == "aten.bmm.default" else "aten.mm.default"
     out = []
     if needs(a):
@@ -46,13 +50,11 @@ def mm_grad(e, op, gouts, needs):
     return out
 
 
-def matmul_grad(e, op, gouts, needs):
-    a, b = op.args[0], op.args[1]
+def matmul_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    a, b = tensor(op, 0), tensor(op, 1)
     if len(e.meta(a).shape) < 2 or len(e.meta(b).shape) < 2:
-        from meshplan.ops.generic import vjp_grad
-
         return vjp_grad(e, op, gouts, needs)
-    (g,) = gouts
+    g = only(gouts)
     out = []
     if needs(a):
         out.append((a, sum_to(e, e.call("aten.matmul.default", g, _t(e, b)), e.meta(a).shape)))
@@ -61,9 +63,9 @@ def matmul_grad(e, op, gouts, needs):
     return out
 
 
-def addmm_grad(e, op, gouts, needs):
-    (g,) = gouts
-    bias, a, b = op.args[:3]
+def addmm_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    bias, a, b = op.args[0], tensor(op, 1), tensor(op, 2)
     beta, alpha = dict(op.kwargs).get("beta", 1), dict(op.kwargs).get("alpha", 1)
     out = []
     if is_ref(bias) and needs(bias):
@@ -77,14 +79,15 @@ def addmm_grad(e, op, gouts, needs):
     return out
 
 
-def _masked(pairs, needs):
+def _masked(pairs: list[tuple[Any, Ref | None]], needs: Needs) -> Grads:
     """Keep (input, grad) pairs whose input wants a gradient."""
     return [(x, g) for x, g in pairs if is_ref(x) and needs(x) and g is not None]
 
 
-def layer_norm_grad(e, op, gouts, needs):
+def layer_norm_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = gouts[0]
-    x, shape, w, b, _eps = op.args
+    _x, shape, w, b, _eps = op.args
+    x = tensor(op, 0)
     mean, rstd = out_ref(op, 1), out_ref(op, 2)
     mask = (True, is_ref(w), is_ref(b))
     gx, gw, gb = e.call_multi(
@@ -93,9 +96,9 @@ def layer_norm_grad(e, op, gouts, needs):
     return _masked([(x, gx), (w, gw), (b, gb)], needs)
 
 
-def softmax_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x, dim = op.args[0], op.args[1]
+def softmax_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x, dim = tensor(op, 0), op.args[1]
     kind = {
         "aten._softmax.default": "aten._softmax_backward_data.default",
         "aten._log_softmax.default": "aten._log_softmax_backward_data.default",
@@ -103,9 +106,9 @@ def softmax_grad(e, op, gouts, needs):
     return [(x, e.call(kind, g, out_ref(op), dim, e.meta(x).dtype))] if needs(x) else []
 
 
-def embedding_grad(e, op, gouts, needs):
-    (g,) = gouts
-    w, idx = op.args[0], op.args[1]
+def embedding_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    w, idx = tensor(op, 0), op.args[1]
     if not needs(w):
         return []
     padding_idx = arg(op, 2, "padding_idx", -1)
@@ -114,9 +117,10 @@ def embedding_grad(e, op, gouts, needs):
     return [(w, e.call("aten.embedding_dense_backward.default", g, idx, num, padding_idx, scale))]
 
 
-def nll_loss_grad(e, op, gouts, needs):
+def nll_loss_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = gouts[0]
-    x, target, weight, reduction, ignore = op.args
+    _x, target, weight, reduction, ignore = op.args
+    x = tensor(op, 0)
     if not needs(x):
         return []
     gx = e.call(
@@ -125,18 +129,18 @@ def nll_loss_grad(e, op, gouts, needs):
     return [(x, gx)]
 
 
-def dropout_grad(e, op, gouts, needs):
+def dropout_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = gouts[0]
-    x, p = op.args[0], op.args[1]
+    x, p = tensor(op, 0), arg(op, 1, "p")
     if not needs(x):
         return []
     scale = 1.0 / (1.0 - p) if p < 1 else 0.0
     return [(x, e.call("aten.native_dropout_backward.default", g, out_ref(op, 1), scale))]
 
 
-def sdpa_cpu_grad(e, op, gouts, needs):
+def sdpa_cpu_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = gouts[0]
-    q, k, v = op.args[:3]
+    q, k, v = tensor(op, 0), tensor(op, 1), tensor(op, 2)
     dropout_p = arg(op, 3, "dropout_p", 0.0)
     causal = arg(op, 4, "is_causal", False)
     kw = dict(op.kwargs)
@@ -148,13 +152,13 @@ def sdpa_cpu_grad(e, op, gouts, needs):
     return _masked([(q, gq), (k, gk), (v, gv)], needs)
 
 
-def _pair2(v) -> tuple[int, int]:
+def _pair2(v: Any) -> tuple[int, ...]:
     return (v, v) if isinstance(v, int) else tuple(v) * (2 if len(v) == 1 else 1)
 
 
-def conv2d_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x, w = op.args[0], op.args[1]
+def conv2d_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x, w = tensor(op, 0), tensor(op, 1)
     b = arg(op, 2, "bias")
     stride = _pair2(arg(op, 3, "stride", 1))
     padding = _pair2(arg(op, 4, "padding", 0))
@@ -169,9 +173,10 @@ def conv2d_grad(e, op, gouts, needs):
     return _masked([(x, gx), (w, gw), (b, gb)], needs)
 
 
-def batch_norm_grad(e, op, gouts, needs):
+def batch_norm_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = gouts[0]
-    x, w, b, rm, rv, training, _momentum, eps = op.args
+    _x, w, b, rm, rv, training, _momentum, eps = op.args
+    x = tensor(op, 0)
     mask = (needs(x), is_ref(w) and needs(w), is_ref(b) and needs(b))
     gx, gw, gb = e.call_multi(
         "aten.native_batch_norm_backward.default", g, x, w, rm, rv,
@@ -180,9 +185,9 @@ def batch_norm_grad(e, op, gouts, needs):
     return _masked([(x, gx), (w, gw), (b, gb)], needs)
 
 
-def max_pool2d_grad(e, op, gouts, needs):
+def max_pool2d_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = gouts[0]
-    x = op.args[0]
+    x = tensor(op, 0)
     if not needs(x):
         return []
     ks = arg(op, 1, "kernel_size")
@@ -197,9 +202,9 @@ def max_pool2d_grad(e, op, gouts, needs):
     return [(x, gx)]
 
 
-def avg_pool2d_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def avg_pool2d_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     gx = e.call(
@@ -210,9 +215,9 @@ def avg_pool2d_grad(e, op, gouts, needs):
     return [(x, gx)]
 
 
-def adaptive_avg_pool2d_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def adaptive_avg_pool2d_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     return [(x, e.call("aten._adaptive_avg_pool2d_backward.default", g, x))]

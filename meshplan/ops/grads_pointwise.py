@@ -5,10 +5,18 @@ Each rule returns [(input ref, gradient ref)] for the inputs that need one.
 
 from __future__ import annotations
 
-from meshplan.ops.grad_util import arg, is_ref, out_ref, sum_to
+from typing import Any, Callable
+
+from meshplan.ir import Op, Ref
+from meshplan.ops.grad_util import arg, first, is_ref, only, out_ref, sum_to, tensor
+from meshplan.ops.rule import Emits, Gouts, Grads, Needs
+
+# fn(e, g, x, out, op) -> the gradient of a one-input op's input x
+UnaryFn = Callable[[Emits, Ref, Ref, Ref, Op], Ref]
 
 
-def _pair(e, op, needs, ga_fn, gb_fn):
+def _pair(e: Emits, op: Op, needs: Needs, ga_fn: Callable[[], Ref],
+          gb_fn: Callable[[], Ref]) -> Grads:
     a, b = op.args[0], op.args[1]
     out = []
     if is_ref(a) and needs(a):
@@ -18,31 +26,31 @@ def _pair(e, op, needs, ga_fn, gb_fn):
     return out
 
 
-def _scaled(e, g, alpha):
+def _scaled(e: Emits, g: Ref, alpha: Any) -> Ref:
     return g if alpha == 1 else e.call("aten.mul.Tensor", g, alpha)
 
 
-def add_grad(e, op, gouts, needs):
-    (g,) = gouts
-    alpha = dict(op.kwargs).get("alpha", 1)
+def add_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    alpha: Any = dict(op.kwargs).get("alpha", 1)
     return _pair(e, op, needs, lambda: g, lambda: _scaled(e, g, alpha))
 
 
-def sub_grad(e, op, gouts, needs):
-    (g,) = gouts
-    alpha = dict(op.kwargs).get("alpha", 1)
+def sub_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    alpha: Any = dict(op.kwargs).get("alpha", 1)
     return _pair(e, op, needs, lambda: g, lambda: _scaled(e, g, -alpha))
 
 
-def rsub_grad(e, op, gouts, needs):
+def rsub_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     # rsub(a, b, alpha) = b - alpha * a; rsub.Scalar takes alpha positionally
-    (g,) = gouts
+    g = only(gouts)
     alpha = arg(op, 2, "alpha", 1)
     return _pair(e, op, needs, lambda: _scaled(e, g, -alpha), lambda: g)
 
 
-def mul_grad(e, op, gouts, needs):
-    (g,) = gouts
+def mul_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
     a, b = op.args[0], op.args[1]
     return _pair(
         e, op, needs,
@@ -51,8 +59,8 @@ def mul_grad(e, op, gouts, needs):
     )
 
 
-def div_grad(e, op, gouts, needs):
-    (g,) = gouts
+def div_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
     b = op.args[1]
     ga = e.call("aten.div.Tensor", g, b)
     out = out_ref(op, 0)
@@ -63,20 +71,19 @@ def div_grad(e, op, gouts, needs):
     )
 
 
-def _unary(fn):
+def _unary(fn: UnaryFn) -> Callable[[Emits, Op, Gouts, Needs], Grads]:
     """Rule for a one-input op whose gradient is fn(e, g, x, out)."""
 
-    def rule(e, op, gouts, needs):
-        (g,) = gouts[:1]
-        x = op.args[0]
+    def rule(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+        x = tensor(op, 0)
         if not needs(x):
             return []
-        return [(x, fn(e, g, x, out_ref(op, 0), op))]
+        return [(x, fn(e, first(gouts), x, out_ref(op, 0), op))]
 
     return rule
 
 
-def _mul(e, *xs):
+def _mul(e: Emits, *xs: Any) -> Ref:
     acc = xs[0]
     for x in xs[1:]:
         acc = e.call("aten.mul.Tensor", acc, x)
@@ -95,7 +102,7 @@ silu_grad = _unary(lambda e, g, x, y, op: e.call("aten.silu_backward.default", g
 identity_grad = _unary(lambda e, g, x, y, op: g)
 
 
-def _gelu(e, g, x, y, op):
+def _gelu(e: Emits, g: Ref, x: Ref, y: Ref, op: Op) -> Ref:
     approx = arg(op, 1, "approximate", "none")
     return e.call("aten.gelu_backward.default", g, x, approximate=approx)
 
@@ -103,8 +110,8 @@ def _gelu(e, g, x, y, op):
 gelu_grad = _unary(_gelu)
 
 
-def _pow_scalar(e, g, x, y, op):
-    p = op.args[1]
+def _pow_scalar(e: Emits, g: Ref, x: Ref, y: Ref, op: Op) -> Ref:
+    p = arg(op, 1, "exponent")
     if p == 2:
         return _mul(e, g, x, 2.0)
     return _mul(e, g, e.call("aten.pow.Tensor_Scalar", x, p - 1), float(p))
@@ -113,9 +120,9 @@ def _pow_scalar(e, g, x, y, op):
 pow_scalar_grad = _unary(_pow_scalar)
 
 
-def to_copy_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def to_copy_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     return [(x, e.call("aten._to_copy.default", g, dtype=e.meta(x).dtype))]

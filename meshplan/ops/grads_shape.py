@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 
-from meshplan.ir import ABSENT, Ref
-from meshplan.ops.grad_util import arg, zeros_like
+from meshplan.ir import ABSENT, Op, Ref
+from meshplan.ops.grad_util import arg, only, sum_to, tensor, zeros_like
+from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 
 
-def _reshape_back(e, op, gouts, needs):
+def _reshape_back(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     """For every op whose output is its input re-viewed (view, reshape, ...)."""
-    (g,) = gouts
-    x = op.args[0]
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     return [(x, e.call("aten.reshape.default", g, e.meta(x).shape))]
@@ -20,44 +21,42 @@ def _reshape_back(e, op, gouts, needs):
 view_grad = _reshape_back
 
 
-def transpose_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def transpose_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     return [(x, e.call("aten.transpose.int", g, op.args[1], op.args[2]))] if needs(x) else []
 
 
-def t_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def t_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     return [(x, e.call("aten.t.default", g))] if needs(x) else []
 
 
-def permute_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def permute_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     n = len(e.meta(x).shape)
-    dims = [d % n for d in op.args[1]]
+    dims = [d % n for d in arg(op, 1, "dims")]
     inverse = tuple(sorted(range(n), key=lambda i: dims[i]))
     return [(x, e.call("aten.permute.default", g, inverse))]
 
 
-def expand_grad(e, op, gouts, needs):
-    from meshplan.ops.grad_util import sum_to
-
-    (g,) = gouts
-    x = op.args[0]
+def expand_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     return [(x, sum_to(e, g, e.meta(x).shape))] if needs(x) else []
 
 
-def split_grad(e, op, gouts, needs):
+def split_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     """split / split_with_sizes / chunk / unbind: concatenate the pieces."""
-    x = op.args[0]
+    x = tensor(op, 0)
     if not needs(x):
         return []
     dim = arg(op, 2, "dim", 0) if op.kind != "aten.unbind.int" else arg(op, 1, "dim", 0)
-    pieces = []
+    pieces: list[Ref] = []
     for o, g in zip(op.outputs, gouts):
         if o == ABSENT:
             continue
@@ -67,9 +66,9 @@ def split_grad(e, op, gouts, needs):
     return [(x, e.call("aten.cat.default", tuple(pieces), dim))]
 
 
-def cat_grad(e, op, gouts, needs):
-    (g,) = gouts
-    tensors = op.args[0]
+def cat_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    tensors: tuple[Ref, ...] = arg(op, 0, "tensors")
     n = len(e.meta(tensors[0]).shape)
     dim = arg(op, 1, "dim", 0) % n
     out, off = [], 0
@@ -81,9 +80,9 @@ def cat_grad(e, op, gouts, needs):
     return out
 
 
-def slice_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def slice_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     shape = e.meta(x).shape
@@ -95,18 +94,18 @@ def slice_grad(e, op, gouts, needs):
     return [(x, e.call("aten.slice_backward.default", g, shape, dim, start, end, step))]
 
 
-def select_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def select_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     shape = e.meta(x).shape
     return [(x, e.call("aten.select_backward.default", g, shape, op.args[1], op.args[2]))]
 
 
-def _expand_reduced(e, op, g, keepdim_index):
+def _expand_reduced(e: Emits, op: Op, g: Ref, keepdim_index: int) -> Ref:
     """Broadcast a reduction's gradient back to its input's shape."""
-    x = op.args[0]
+    x = tensor(op, 0)
     shape = e.meta(x).shape
     dims = arg(op, 1, "dim", None)
     if dims == ():
@@ -121,8 +120,8 @@ def _expand_reduced(e, op, g, keepdim_index):
     return e.call("aten.expand.default", g, shape)
 
 
-def _reduced_count(e, op) -> int:
-    shape = e.meta(op.args[0]).shape
+def _reduced_count(e: Emits, op: Op) -> int:
+    shape = e.meta(tensor(op, 0)).shape
     dims = arg(op, 1, "dim", None)
     if dims is None or (isinstance(dims, tuple) and len(dims) == 0):
         return math.prod(shape)
@@ -130,15 +129,15 @@ def _reduced_count(e, op) -> int:
     return math.prod(shape[d % len(shape)] for d in dims)
 
 
-def sum_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def sum_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     return [(x, _expand_reduced(e, op, g, 2))] if needs(x) else []
 
 
-def mean_grad(e, op, gouts, needs):
-    (g,) = gouts
-    x = op.args[0]
+def mean_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    g = only(gouts)
+    x = tensor(op, 0)
     if not needs(x):
         return []
     scaled = e.call("aten.div.Tensor", g, float(_reduced_count(e, op)))

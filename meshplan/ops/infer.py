@@ -12,12 +12,15 @@ Invariants:
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from meshplan.errors import CaptureError
-from meshplan.ir import Arg, DType, Ref, TensorMeta
+from meshplan.ir import DType, Ref, TensorMeta
+from meshplan.ops.table import rule_for
+
+Metas = tuple[Optional[TensorMeta], ...]  # an op's output metas (None: an absent output)
 
 
 class InferStats:
@@ -31,7 +34,7 @@ class InferStats:
         return {"calls": cls.calls, "cache_hits": cls.calls - cls.misses}
 
 
-def to_sig(a: Arg, meta_of: Callable[[int], TensorMeta]) -> Any:
+def to_sig(a: Any, meta_of: Callable[[int], TensorMeta]) -> Any:
     """Replace each `Ref` by its `TensorMeta`, giving a hashable signature."""
     t = type(a)
     if t is tuple:  # the hot path: flat argument tuples (exact type checks are cheaper)
@@ -53,16 +56,15 @@ def materialize(sig: Any, device: str = "meta") -> Any:
     return sig
 
 
-def infer_outputs(kind: str, args: tuple, kwargs: tuple, meta_of) -> tuple[TensorMeta, ...]:
+def infer_outputs(kind: str, args: tuple, kwargs: tuple,
+                  meta_of: Callable[[int], TensorMeta]) -> Metas:
     """Output metas of `kind` applied to `args`/`kwargs` (Refs resolved by `meta_of`)."""
     InferStats.calls += 1
     return _infer_cached(kind, to_sig(args, meta_of), to_sig(kwargs, meta_of))
 
 
 @cache
-def _infer_cached(kind: str, sig_args: tuple, sig_kwargs: tuple) -> tuple[TensorMeta, ...]:
-    from meshplan.ops.table import rule_for  # the table imports this module
-
+def _infer_cached(kind: str, sig_args: tuple, sig_kwargs: tuple) -> Metas:
     InferStats.misses += 1
     rule = rule_for(kind)
     if rule.infer is not None:

@@ -13,7 +13,10 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import Tensor
 from torch.optim.adamw import adamw as _adamw
 from torch.optim.sgd import sgd as _sgd
 
@@ -39,11 +42,13 @@ def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     if getattr(acc, "_meshplan_owned", False):
         return acc.add_(g)
     out = acc + g
-    out._meshplan_owned = True
+    out._meshplan_owned = True  # type: ignore[attr-defined]  # a mark on the tensor object
     return out
 
 
-def sgd_multi(params, grads, bufs, lr, momentum, weight_decay, dampening, nesterov):
+def sgd_multi(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None],
+              lr: float, momentum: float, weight_decay: float, dampening: float,
+              nesterov: bool) -> tuple[list[Tensor], list[Tensor | None]]:
     """`torch.optim.SGD` steps on lists of parameters; returns (params, bufs)."""
     bufs = list(bufs)
     with torch.no_grad():
@@ -54,14 +59,16 @@ def sgd_multi(params, grads, bufs, lr, momentum, weight_decay, dampening, nester
     return params, bufs
 
 
-def sgd_step(param, grad, buf, **hp):
+def sgd_step(param: Tensor, grad: Tensor, buf: Tensor | None,
+             **hp: Any) -> tuple[Tensor, Tensor | None]:
     """One SGD step on one parameter; returns (param, buf)."""
     (p,), (b,) = sgd_multi([param], [grad], [buf], **hp)
     return p, b
 
 
-def adamw_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps,
-                weight_decay):
+def adamw_multi(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: float, beta1: float,
+                beta2: float, eps: float, weight_decay: float) -> tuple[list[Tensor], ...]:
     """`torch.optim.AdamW` steps on lists of parameters; returns the new state lists."""
     with torch.no_grad():
         _adamw(
@@ -73,13 +80,14 @@ def adamw_multi(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, e
     return params, exp_avgs, exp_avg_sqs, steps
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, step, **hp):
+def adamw_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+               step: Tensor, **hp: Any) -> tuple[Tensor, ...]:
     """One AdamW step on one parameter; returns its new state."""
     out = adamw_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], **hp)
     return tuple(x[0] for x in out)
 
 
-def boxing_identity(x: torch.Tensor, **_layout) -> torch.Tensor:
+def boxing_identity(x: Tensor, **_layout: Any) -> Tensor:
     """A boxing op on the logical (single-process) tensor: the identity.
     Its distributed kernels live in the runtime, chosen by lowering."""
     return x

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from typing import Callable
 
 import torch
 
@@ -10,7 +11,7 @@ from meshplan.errors import CaptureError
 
 
 @cache
-def resolve_aten(kind: str):
+def resolve_aten(kind: str) -> Callable:
     """`aten.linear.default` -> `torch.ops.aten.linear.default`."""
     parts = kind.split(".")
     if len(parts) != 3:
@@ -22,6 +23,6 @@ def resolve_aten(kind: str):
         raise CaptureError(f"unknown torch op {kind!r}: {e}") from e
 
 
-def kind_of(target) -> str:
+def kind_of(target: object) -> str:
     """The kind string of an fx call target (an `OpOverload`)."""
     return str(target)

@@ -11,9 +11,11 @@ Invariants:
 - `category` is the one answer to "is this op a collective, an optimizer
   step, a transfer...": lowering, checking and reports ask it, never a list
   of kinds.
-- This module imports nothing of `ops`: gradient and canonical rules see the
-  emitter as the `Emits` protocol, not as `ops.emit.Emitter`, whose
-  inference asks the table that holds those rules (no import cycle).
+- This module imports nothing of `ops` that emits or infers (only the SBP
+  signature types): gradient and canonical rules see the emitter as the
+  `Emits` protocol, not as `ops.emit.Emitter`, whose inference asks the
+  table that holds those rules. So `ops` imports in one direction:
+  rule <- rules (grads_*, canonical, generic) <- table <- infer <- emit.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from enum import Enum
 from typing import Any, Callable, Optional, Protocol
 
 from meshplan.ir import Arg, Op, Ref, TensorMeta
+from meshplan.ops.sbp_sig import SbpRule
 
 
 class Emits(Protocol):
@@ -57,13 +60,13 @@ class Category(Enum):
 
 
 # grad(e, op, gouts, needs) -> [(input ref, gradient ref), ...]
-#   gouts: one Ref (or None: zero gradient) per op output
-#   needs(ref): whether that input wants a gradient
-GradFn = Callable[[Emits, Op, tuple[Optional[Ref], ...], Callable[[Ref], bool]],
-                  list[tuple[Ref, Ref]]]
+Gouts = tuple[Optional[Ref], ...]  # one Ref (or None: zero gradient) per op output
+Needs = Callable[[Ref], bool]  # whether that input wants a gradient
+Grads = list[tuple[Ref, Ref]]
+GradFn = Callable[[Emits, Op, Gouts, Needs], Grads]
 # canonical(e, args, kwargs, ctx) -> the Refs standing for the captured node's
 # outputs; ctx.rebind(old, new) (capture's context) moves a mutated value.
-CanonicalFn = Callable[[Emits, tuple, dict, Any], tuple]
+CanonicalFn = Callable[[Emits, tuple, dict, Any], tuple[Ref, ...]]
 # infer(signature args, signature kwargs) -> output metas (see `ops/infer.py`)
 InferFn = Callable[[tuple, dict], tuple[Optional[TensorMeta], ...]]
 
@@ -78,8 +81,8 @@ class OpRule:
     grad: Optional[GradFn] = None
     infer: Optional[InferFn] = None
     canonical: Optional[CanonicalFn] = None
-    flops: Optional[Callable] = None       # (arg signature) -> float
-    temp_bytes: Optional[Callable] = None  # (arg signature) -> int
+    flops: Optional[Callable[[tuple], float]] = None     # (arg signature) -> flops
+    temp_bytes: Optional[Callable[[tuple], int]] = None  # (arg signature) -> bytes
     exact: bool = True
     differentiable: bool = True
     # Kernel over lists: one list per tensor argument, the literal kwargs
@@ -87,7 +90,7 @@ class OpRule:
     # such ops (one per parameter) as a single call.
     batched: Optional[Callable] = None
     # SBP signatures along one mesh axis (see `sbp_sig.py`); default: replicated.
-    sbp: Optional[Callable] = None
+    sbp: Optional[SbpRule] = None
     # (argument position, output index): the argument is a shape that must
     # equal that output's shape; lowering puts the rank's local shape there.
     shape_args: tuple[tuple[int, int], ...] = ()
@@ -100,4 +103,4 @@ class OpRule:
     # Physical kernels per device type: ((device type, chooser(op, values) ->
     # kernel name), ...); a device not listed runs `kernel` itself. Asked only
     # at lowering (see `ops/device_kernels.py`).
-    devices: tuple = ()
+    devices: tuple[tuple[str, Callable[[Op, Any], str]], ...] = ()

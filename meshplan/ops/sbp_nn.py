@@ -9,11 +9,11 @@ a vocab-parallel embedding is `w S(0), idx R -> P` ("vocab_offset").
 
 from __future__ import annotations
 
-from meshplan.ir.sbp import Shard
-from meshplan.ops.sbp_sig import P, R, SbpSig, replicated, same, tensors
+from meshplan.ir.sbp import Sbp, Shard
+from meshplan.ops.sbp_sig import Outs, P, R, SbpSig, out_meta, replicated, same, tensors
 
 
-def linear(args, kwargs, outs, n):
+def linear(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     ts = tensors((args, kwargs))
     x = ts[0]
     nb = len(x.shape)
@@ -27,12 +27,12 @@ def linear(args, kwargs, outs, n):
     return sigs + [replicated(len(ts), 1)]
 
 
-def matmul(args, kwargs, outs, n):
+def matmul(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """mm / bmm / matmul with broadcast batch dims (both operands >= 2-D)."""
     a, b = tensors((args, kwargs))[:2]
     if len(a.shape) < 2 or len(b.shape) < 2:
         return [replicated(2, 1)]
-    out = outs[0].shape
+    out = out_meta(outs).shape
     nd = len(out)
     sigs = []
     for d in range(nd - 2):  # batch dims
@@ -52,11 +52,11 @@ def matmul(args, kwargs, outs, n):
     return sigs + [replicated(2, 1)]
 
 
-def addmm(args, kwargs, outs, n):
+def addmm(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     return [SbpSig((R, Shard(0), R), (Shard(0),)), replicated(3, 1)]
 
 
-def layer_norm(args, kwargs, outs, n):
+def layer_norm(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     ts = tensors((args, kwargs))
     x = ts[0]
     axis = len(x.shape) - len(args[1])
@@ -66,7 +66,7 @@ def layer_norm(args, kwargs, outs, n):
     return sigs + [replicated(len(ts), 3)]
 
 
-def layer_norm_backward(args, kwargs, outs, n):
+def layer_norm_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """(g, x, mean, rstd, w, b) -> (gx, gw, gb): a batch shard makes gw, gb Partial."""
     ts = tensors((args, kwargs))
     x = ts[1]
@@ -78,7 +78,7 @@ def layer_norm_backward(args, kwargs, outs, n):
     return sigs + [SbpSig((R,) * len(ts), tuple(None if o is None else R for o in outs))]
 
 
-def embedding(args, kwargs, outs, n):
+def embedding(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     w, idx = tensors(args[:2])
     nd = len(idx.shape)
     sigs = [SbpSig((R, Shard(d)), (Shard(d),)) for d in range(nd) if idx.shape[d] > 1]
@@ -87,7 +87,7 @@ def embedding(args, kwargs, outs, n):
     return sigs + [replicated(2, 1)]
 
 
-def embedding_backward(args, kwargs, outs, n):
+def embedding_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     g, idx = tensors(args[:2])
     nd = len(idx.shape)
     sigs = [SbpSig((Shard(d), Shard(d)), (P,)) for d in range(nd) if idx.shape[d] > 1]
@@ -97,7 +97,7 @@ def embedding_backward(args, kwargs, outs, n):
     return sigs + [replicated(2, 1), SbpSig((R, R), (Shard(0),), "vocab_offset")]
 
 
-def nll_loss(args, kwargs, outs, n):
+def nll_loss(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """(x[N, C], target[N], weight?) -> (loss, total_weight), reduction sum."""
     ts = tensors((args, kwargs))
     reduction = args[3]
@@ -109,7 +109,7 @@ def nll_loss(args, kwargs, outs, n):
     return sigs + [replicated(len(ts), 2)]
 
 
-def nll_loss_backward(args, kwargs, outs, n):
+def nll_loss_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """(g, x, target, weight?, total_weight) -> gx, reduction sum."""
     ts = tensors((args, kwargs))
     reduction = args[4]
@@ -121,7 +121,7 @@ def nll_loss_backward(args, kwargs, outs, n):
     return sigs + [replicated(len(ts), 1)]
 
 
-def attention(args, kwargs, outs, n):
+def attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """Flash attention and its backward: batch or head shards pass through."""
     ts = tensors((args, kwargs))
     q = ts[0] if len(ts[0].shape) == 4 else ts[1]
@@ -129,7 +129,7 @@ def attention(args, kwargs, outs, n):
     return sigs + [replicated(len(ts), len(outs))]
 
 
-def conv2d(args, kwargs, outs, n):
+def conv2d(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     ts = tensors((args, kwargs))
     has_b = len(ts) == 3
     groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
@@ -141,34 +141,35 @@ def conv2d(args, kwargs, outs, n):
     return sigs + [replicated(len(ts), 1)]
 
 
-def conv2d_backward(args, kwargs, outs, n):
+def conv2d_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """(g, x, w) -> (gx, gw, gb): a batch shard makes the weight grads Partial."""
     ts = tensors((args, kwargs))
-    sig_outs = tuple(None if o is None else s for o, s in zip(outs, (Shard(0), P, P)))
+    layouts: tuple[Sbp, ...] = (Shard(0), P, P)
+    sig_outs = tuple(None if o is None else s for o, s in zip(outs, layouts))
     return [SbpSig((Shard(0), Shard(0), R), sig_outs),
             SbpSig((R,) * len(ts), tuple(None if o is None else R for o in outs))]
 
 
-def batch_passthrough(args, kwargs, outs, n):
+def batch_passthrough(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """Pooling and friends (and their backward): batch and channel shards pass."""
     ts = tensors((args, kwargs))
     sigs = [same(len(ts), len(outs), Shard(d)) for d in (0, 1) if ts[0].shape[d] > 1]
     return sigs + [replicated(len(ts), len(outs))]
 
 
-def grad_sum(args, kwargs, outs, n):
+def grad_sum(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     ts = tensors((args, kwargs))
     nd = len(ts[0].shape)
     sigs = [same(len(ts), 1, Shard(d)) for d in range(nd) if ts[0].shape[d] > 1]
     return sigs + [same(len(ts), 1, P), replicated(len(ts), 1)]
 
 
-def accumulate(args, kwargs, outs, n):
+def accumulate(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """accumulate_grad(acc, g): the accumulator keeps g's layout, Partial included."""
     return grad_sum(args, kwargs, outs, n)
 
 
-def optimizer(args, kwargs, outs, n):
+def optimizer(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """sgd / adamw: every tensor in the parameter's layout (never Partial);
     AdamW's scalar step counter is replicated."""
     ts = tensors((args, kwargs))

@@ -6,13 +6,27 @@ divide by the axis size, so the split lines up before and after the view.
 
 from __future__ import annotations
 
+from typing import Callable
+
+from meshplan.ir import TensorMeta
 from meshplan.ir.sbp import Partial, Shard
-from meshplan.ops.sbp_sig import P, R, SbpSig, divisible, norm_dim, replicated, tensors
+from meshplan.ops.sbp_sig import (
+    Outs,
+    P,
+    R,
+    SbpRule,
+    SbpSig,
+    divisible,
+    norm_dim,
+    out_meta,
+    replicated,
+    tensors,
+)
 
 PMAX = Partial("max")
 
 
-def _out_shape(ts) -> tuple[int, ...]:
+def _out_shape(ts: list[TensorMeta]) -> tuple[int, ...]:
     nd = max(len(t.shape) for t in ts)
     shape = [1] * nd
     for t in ts:
@@ -22,7 +36,7 @@ def _out_shape(ts) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _broadcast_shards(ts, n_out: int) -> list[SbpSig]:
+def _broadcast_shards(ts: list[TensorMeta], n_out: int) -> list[SbpSig]:
     """S(d) on the outputs <- S(d') on inputs that have dim d, R where broadcast."""
     out = _out_shape(ts)
     sigs = []
@@ -37,11 +51,11 @@ def _broadcast_shards(ts, n_out: int) -> list[SbpSig]:
     return sigs
 
 
-def pointwise(linear_in: tuple[int, ...] = ()):
+def pointwise(linear_in: tuple[int, ...] = ()) -> SbpRule:
     """Elementwise ops. `linear_in`: input positions the op is linear in alone
     (a Partial there, Replicate elsewhere, gives a Partial output)."""
 
-    def rule(args, kwargs, outs, n):
+    def rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
         ts = tensors((args, kwargs))
         sigs = _broadcast_shards(ts, len(outs))
         for i in linear_in:
@@ -52,7 +66,7 @@ def pointwise(linear_in: tuple[int, ...] = ()):
     return rule
 
 
-def additive(args, kwargs, outs, n):
+def additive(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """add / sub / rsub: Partial + Partial is Partial. Not with a number
     operand: each rank would add it, so the sum would hold it n times."""
     ts = tensors((args, kwargs))
@@ -62,14 +76,14 @@ def additive(args, kwargs, outs, n):
     return sigs + [replicated(len(ts), 1)]
 
 
-def like(args, kwargs, outs, n):
+def like(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """zeros_like / ones_like / full_like: the output follows the input's layout."""
     (t,) = tensors((args, kwargs))
     sigs = [SbpSig((Shard(d),), (Shard(d),)) for d in range(len(t.shape)) if t.shape[d] > 1]
     return sigs + [SbpSig((P,), (R,)), replicated(1, 1)]
 
 
-def _groups(a: tuple[int, ...], b: tuple[int, ...]):
+def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
     """Pair up runs of dims of `a` and `b` with equal products (a view's dim map)."""
     i = j = 0
     out = []
@@ -91,10 +105,10 @@ def _groups(a: tuple[int, ...], b: tuple[int, ...]):
     return out
 
 
-def view(args, kwargs, outs, n):
+def view(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """view / reshape / flatten / squeeze / unsqueeze: track the split dim."""
     (t,) = tensors(args[:1])
-    out_shape = outs[0].shape
+    out_shape = out_meta(outs).shape
     a = [(d, s) for d, s in enumerate(t.shape) if s != 1]
     b = [(d, s) for d, s in enumerate(out_shape) if s != 1]
     sigs = []
@@ -108,10 +122,10 @@ def view(args, kwargs, outs, n):
     return sigs + [SbpSig((P,), (P,)), replicated(1, 1)]
 
 
-def permuting(perm_of):
+def permuting(perm_of: Callable[[tuple, int], list[int]]) -> SbpRule:
     """transpose / t / permute: S(d) -> S(perm(d))."""
 
-    def rule(args, kwargs, outs, n):
+    def rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
         (t,) = tensors(args[:1])
         perm = perm_of(args, len(t.shape))
         sigs = [SbpSig((Shard(perm[j]),), (Shard(j),)) for j in range(len(perm))
@@ -121,7 +135,7 @@ def permuting(perm_of):
     return rule
 
 
-def _transpose_perm(args, nd):
+def _transpose_perm(args: tuple, nd: int) -> list[int]:
     a, b = norm_dim(args[1], nd), norm_dim(args[2], nd)
     perm = list(range(nd))
     perm[a], perm[b] = perm[b], perm[a]
@@ -133,7 +147,7 @@ t = permuting(lambda args, nd: list(reversed(range(nd))))
 permute = permuting(lambda args, nd: [norm_dim(d, nd) for d in args[1]])
 
 
-def expand(args, kwargs, outs, n):
+def expand(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     (t,) = tensors(args[:1])
     size = args[1]
     lead = len(size) - len(t.shape)
@@ -143,12 +157,12 @@ def expand(args, kwargs, outs, n):
 
 
 def along_dim(dim_index: int, removes_dim: bool = False, default_dim: int = 0,
-              linear: bool = True):
+              linear: bool = True) -> SbpRule:
     """Ops acting along one dim (split, cat, slice, select, softmax...): any
     other dim may be sharded; the output keeps it. `linear` ops also pass
     Partial through."""
 
-    def rule(args, kwargs, outs, n):
+    def rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
         ts = tensors((args, kwargs))
         outs_count = len(outs)
         nd = len(ts[0].shape)
@@ -167,11 +181,11 @@ def along_dim(dim_index: int, removes_dim: bool = False, default_dim: int = 0,
     return rule
 
 
-def reduction(kind: str):
+def reduction(kind: str) -> SbpRule:
     """sum / mean / amax over `dim` (None: all): a sharded reduced dim gives a
     Partial ("mean" rescales locally, "max" reduces by max)."""
 
-    def rule(args, kwargs, outs, n):
+    def rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
         (x,) = tensors(args[:1])
         nd = len(x.shape)
         dims = args[1] if len(args) > 1 else kwargs.get("dim")

@@ -16,12 +16,16 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from meshplan.ir import TensorMeta
 from meshplan.ir.sbp import Partial, Replicate, Sbp
 
 R = Replicate()
 P = Partial()
+
+
+Outs = tuple[Optional[TensorMeta], ...]  # an op's output metas (None: absent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +35,11 @@ class SbpSig:
     local: str = ""
 
 
-def tensors(sig) -> list[TensorMeta]:
+# sbp(signature args, signature kwargs, outs, axis size) -> signatures, preferred first
+SbpRule = Callable[[tuple, dict, Outs, int], list[SbpSig]]
+
+
+def tensors(sig: Any) -> list[TensorMeta]:
     """The TensorMetas of an argument signature, in traversal order."""
     out: list[TensorMeta] = []
     stack = [sig]
@@ -42,6 +50,13 @@ def tensors(sig) -> list[TensorMeta]:
         elif isinstance(a, (tuple, list)):
             stack.extend(reversed(a))
     return out
+
+
+def out_meta(outs: Outs, i: int = 0) -> TensorMeta:
+    """Output `i`'s meta, which the rule asking needs present."""
+    meta = outs[i]
+    assert meta is not None, f"output {i} is absent"
+    return meta
 
 
 def replicated(n_in: int, n_out: int) -> SbpSig:

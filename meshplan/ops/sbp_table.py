@@ -5,11 +5,11 @@ from __future__ import annotations
 from meshplan.ir.kinds import ACCUMULATE_GRAD, ADAMW, GRAD_SUM, SGD
 from meshplan.ops import sbp_nn as nn
 from meshplan.ops import sbp_rules as r
-from meshplan.ops.sbp_sig import replicated, tensors
+from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
 
 _LINEAR_IN_0 = r.pointwise((0,))
 
-SBP = {
+SBP: dict[str, SbpRule] = {
     "aten.add.Tensor": r.additive,
     "aten.sub.Tensor": r.additive,
     "aten.rsub.Tensor": r.additive,
@@ -86,6 +86,6 @@ SBP = {
 }
 
 
-def replicated_rule(args, kwargs, outs, n):
+def replicated_rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """The default: every tensor replicated (correct for any op)."""
     return [replicated(len(tensors((args, kwargs))), len(outs))]

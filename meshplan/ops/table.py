@@ -14,17 +14,18 @@ from functools import cache
 from typing import Any, Callable
 
 from meshplan.errors import CaptureError
+from meshplan.ir import Op
 from meshplan.ir import kinds as k
 from meshplan.ops import cost, kernels
 from meshplan.ops import grads_nn as nn
 from meshplan.ops import grads_pointwise as pw
 from meshplan.ops import grads_shape as sh
 from meshplan.ops.canonical import CANONICAL, functionalize
-from meshplan.ops.device_kernels import DEVICES
+from meshplan.ops.device_kernels import DEVICES, Values
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
 from meshplan.ops.policy import PRECISION, recompute_class
 from meshplan.ops.resolve import resolve_aten
-from meshplan.ops.rule import Category, OpRule
+from meshplan.ops.rule import CanonicalFn, Category, OpRule
 from meshplan.ops.sbp_table import SBP, replicated_rule
 
 _GRADS = {
@@ -197,7 +198,7 @@ def rule_for(kind: str) -> OpRule:
     )
 
 
-def _functional_form(kind: str):
+def _functional_form(kind: str) -> CanonicalFn | None:
     """`aten.relu_.default` -> a rewrite to `aten.relu.default`, if it exists."""
     _ns, name, overload = kind.split(".")
     functional = f"aten.{name[:-1]}.{overload}"
@@ -208,7 +209,7 @@ def _functional_form(kind: str):
     return functionalize(functional)
 
 
-def physical_kernel(op, values, device_type: str) -> str:
+def physical_kernel(op: Op, values: Values, device_type: str) -> str:
     """The kernel `op` runs as on `device_type`: "" for its own kind, else the
     name the rule's chooser gives (`ops/device_kernels.py`)."""
     for device, choose in rule_for(op.kind).devices:

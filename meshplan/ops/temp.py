@@ -11,6 +11,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 from meshplan.ir import DType, TensorMeta
 from meshplan.ops.table import rule_for
 
@@ -42,7 +44,7 @@ def temp_key(kind: str, sig_args: tuple) -> str:
     return f"{kind}({_fmt(sig_args)[1:-1]})"
 
 
-def _fmt(a) -> str:
+def _fmt(a: Any) -> str:
     if isinstance(a, TensorMeta):
         return f"{a.dtype.name}[{','.join(map(str, a.shape))}]"
     if isinstance(a, DType):
