@@ -41,6 +41,7 @@ path too.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -136,8 +137,6 @@ def _math_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
 def _fallback(name: str, err: RuntimeError) -> None:
     FALLBACKS[name] = FALLBACKS.get(name, 0) + 1
     if FALLBACKS[name] == 1:
-        import logging
-
         logging.getLogger("meshplan").warning("%s refused its input (%s); using the math "
                                               "attention", name, str(err).splitlines()[0])
 
