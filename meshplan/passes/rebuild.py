@@ -65,11 +65,15 @@ class Rebuild:
             it = iter(refs)
             args, kwargs = op.remap(lambda _: next(it))
             new = op.renumbered(oid, grad_of, args, kwargs)
-        if place is None and self.source is not None:
-            s = self.source
-            place = (s.stage[op.id], s.chunk[op.id], s.local[op.id])
         self.omap[op.id] = oid
-        self.append(new, place)
+        self.b.ops.append(new)
+        if self.annotate:  # inline of `placed`: boxing keeps every op of a large graph
+            if place is None:
+                s = self.source
+                place = (s.stage[op.id], s.chunk[op.id], s.local[op.id])
+            self.stage.append(place[0])
+            self.chunk.append(place[1])
+            self.local.append(place[2])
         return new
 
     def replaced(self, op: Op) -> None:
