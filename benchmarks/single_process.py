@@ -19,10 +19,12 @@ import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from common import machine, median, write  # noqa: E402
 
-from meshplan.autodiff import OptimizerConfig, build_train_step  # noqa: E402
+from meshplan.autodiff import OptimizerConfig  # noqa: E402
 from meshplan.capture import capture  # noqa: E402
 from meshplan.driver.executor import Executor  # noqa: E402
+from meshplan.ir.mesh import Mesh, Strategy  # noqa: E402
 from meshplan.models import build_model, example_batch, model_config  # noqa: E402
+from meshplan.passes.plan import PASSES, Compilation  # noqa: E402
 
 
 def bench(size: str, batch: int, steps: int, warmup: int) -> dict:
@@ -32,7 +34,9 @@ def bench(size: str, batch: int, steps: int, warmup: int) -> dict:
     ref = copy.deepcopy(module)
     opt_cfg = OptimizerConfig.default("adamw")
     data = example_batch(cfg, batch)
-    ex = Executor(build_train_step(capture(module, data), opt_cfg))
+    step = PASSES.run(Compilation(capture(module, data), Mesh(1, 1), Strategy(), opt_cfg),
+                      stop_after="autodiff").graph
+    ex = Executor(step)
     state = ex.init_state(module)
     opt = opt_cfg.torch_optimizer(ref.parameters())
 

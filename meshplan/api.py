@@ -10,7 +10,7 @@
 
 Invariants:
 - Each function is a thin, documented entry over the layer that does the
-  work (capture/export.py, passes/plan.py, driver/compile.py,
+  work (capture/export.py, passes/plan.py (the passes), driver/compile.py,
   plan/check.py, driver/run.py, driver/reference.py); none adds behaviour
   of its own besides argument checks.
 - `run` and `verify` start the ranks from a fork server: call them under
@@ -55,9 +55,8 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
     its learning rate."""
     from dataclasses import replace
 
-    from meshplan.driver.plan import train_step
     from meshplan.ir import Role
-    from meshplan.passes.plan import plan_job
+    from meshplan.passes.plan import PASSES, Compilation
     from meshplan.passes.strategy import check_strategy
 
     strategy = check_strategy(mesh, strategy)
@@ -72,8 +71,7 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
         opt = OptimizerConfig.default(optimizer, lr)
     else:
         opt = optimizer if lr is None else replace(optimizer, lr=lr)
-    step = train_step(graph, strategy, opt)
-    return plan_job(step, mesh, strategy)
+    return PASSES.run(Compilation(graph, mesh, strategy, opt)).job
 
 
 def compile(job, out: str | Path, ranks: Sequence[int] | None = None,

@@ -1,8 +1,9 @@
 """The single-process executor: the one-rank case of `RankExecutor`.
 
-`Executor(graph)` plans the train step for one rank (no boxing, one stage),
-lowers rank 0 and runs it with the same executor every rank of a cluster
-uses: there is one executor, not two.
+`Executor(graph)` plans the train step for one rank (one stage, no boxing)
+with `plan_job` (the pass list, from a train step), lowers rank 0 and runs
+it with the same executor every rank of a cluster uses: there is one
+executor, not two.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from meshplan.autodiff import OptimizerConfig, build_train_step
+from meshplan.autodiff import OptimizerConfig
 from meshplan.capture import cached, capture, capture_key
 from meshplan.ir import Phase, Role
 from meshplan.ir.gc_pause import paused_gc
@@ -23,8 +23,7 @@ from meshplan.ir.sbp import fmt
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.models.hf import PREFIX as HF
 from meshplan.ops.table import rule_for
-from meshplan.passes.plan import plan_job
-from meshplan.passes.precision import apply_precision
+from meshplan.passes.plan import PASSES, Compilation
 from meshplan.passes.strategy import MEGATRON_PLAN, check_heads, check_strategy
 
 log = logging.getLogger("meshplan")
@@ -59,13 +58,6 @@ def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
     return cached(key, make, enabled=use_cache)[0]
 
 
-def train_step(forward, strategy: Strategy, optimizer: OptimizerConfig):
-    """A forward Graph -> the strategy's precision casts -> its train step."""
-    forward = apply_precision(forward, strategy.precision)
-    scale = strategy.initial_loss_scale if strategy.precision == "fp16" else None
-    return build_train_step(forward, optimizer, strategy.num_microbatches, loss_scale=scale)
-
-
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
                optimizer: str = "sgd", lr: float | None = None, **overrides) -> Planned:
     """Capture a zoo model (on the meta device: no weights; cached) and plan it."""
@@ -76,10 +68,11 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     t0 = time.perf_counter()
     forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
     t1 = time.perf_counter()
+    timings: dict = {}  # seconds per pass (the pass manager's), then the Job's bytes
     with paused_gc():  # the master: see ir/gc_pause.py
-        graph = train_step(forward, strategy, OptimizerConfig.default(optimizer, lr))
-        timings: dict = {"autodiff": time.perf_counter() - t1}
-        job = plan_job(graph, mesh, strategy, timings=timings)
+        job = PASSES.run(Compilation(forward, mesh, strategy,
+                                     OptimizerConfig.default(optimizer, lr)),
+                         timings=timings).job
         t2 = time.perf_counter()
         job.to_bytes()  # what the ranks receive; its digest comes with it (hashed once)
         timings["job_bytes"] = time.perf_counter() - t2
@@ -87,7 +80,7 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     # a random later allocation: the young generations only (what the master
     # made), not the process's old objects (torch's import alone is ~1M).
     t3 = time.perf_counter()
-    del forward, graph
+    del forward
     gc.collect(1)
     timings["collect"] = time.perf_counter() - t3
     log.info("%s %s: captured in %.2f s, planned in %.2f s (%d ops in the Job)", model, size,

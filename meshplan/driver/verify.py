@@ -33,13 +33,13 @@ from meshplan.driver.compare import (
     max_abs,
 )
 from meshplan.driver.executor import Executor
-from meshplan.driver.plan import train_step
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
 from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops.device_kernels import FALLBACKS, RAN
+from meshplan.passes.plan import PASSES, Compilation
 from meshplan.runtime.amp import INIT_SCALE
 from meshplan.runtime.checkpoint import box_key
 
@@ -217,8 +217,9 @@ def _single(module, batches, opt, m: int, precision: str = "fp32",
     t0 = time.perf_counter()
     forward = capture(module, micro[0][0])
     t1 = time.perf_counter()
-    graph = train_step(forward, Strategy(global_batch_size=m, precision=precision,
-                                         initial_loss_scale=init_scale), opt)
+    strategy = Strategy(global_batch_size=m, precision=precision, initial_loss_scale=init_scale)
+    graph = PASSES.run(Compilation(forward, Mesh(1, 1), strategy, opt),
+                       stop_after="autodiff").graph
     t2 = time.perf_counter()
     reset_peak(device)
     ex = Executor(graph, device)

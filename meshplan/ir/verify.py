@@ -1,11 +1,11 @@
 """Structural checks of a `Graph` (assertions: internal errors only).
 
 Where it runs, always: on the graph capture makes (and on one read back
-from the capture cache), after the precision pass, after autodiff builds the
-train step and after each rewrite through `passes/rewrite.py` (batch norm,
-log-softmax). The passes of `plan_job` do not call it: only with
-`checks=True` (tests) does `plan_job` verify the finished Job's graph, once,
-with `verify_job`.
+from the capture cache) and on the train step autodiff builds. With checks
+on (`checks=True`, as the tests pass it, or `MESHPLAN_CHECKS=1`), the pass
+manager (`passes/manager.py`) runs it after every pass of the compile, and
+`verify_job` on the Job once made; a failure names the pass. With checks
+off the passes do not call it.
 
 Invariant checked: SSA (each value defined once, before use), dense ids,
 the loss is a scalar, and updates name real values.

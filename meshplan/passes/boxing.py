@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from meshplan.ir import Graph, GraphBuilder, Op, Ref
+from meshplan.ir import Graph, Op, Ref
 from meshplan.ir.kinds import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -51,6 +51,7 @@ from meshplan.ir.kinds import (
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
 from meshplan.ops.emit import Emitter
 from meshplan.passes.propagate import SbpPlan
+from meshplan.passes.rebuild import Rebuild
 
 # Deterministic factories: made again on another stage rather than sent (not rand*).
 _FACTORIES = frozenset({"full", "zeros", "ones", "arange", "empty", "scalar_tensor", "eye"})
@@ -69,13 +70,9 @@ class Boxed:
 
 @dataclass
 class _Ctx:
-    b: GraphBuilder
+    rb: Rebuild
     plan: SbpPlan
     naxes: int
-    ops: list = field(default_factory=list)
-    stage: list = field(default_factory=list)
-    chunk: list = field(default_factory=list)
-    local: list = field(default_factory=list)
     layout: dict = field(default_factory=dict)     # value id -> NdSbp
     where: dict = field(default_factory=dict)      # value id -> (stage, chunk, phase)
     versions: dict = field(default_factory=dict)   # (value, NdSbp, stage) -> value id
@@ -86,13 +83,8 @@ class _Ctx:
 
     def emit(self, kind, src: int, out_layout: NdSbp, at, module_path: str, **kw) -> int:
         stage, chunk, phase = at
-        e = Emitter(self.b, phase=phase, module_path=module_path)
-        n_before = len(self.b.ops)
-        out = e.call(kind, Ref(src), **kw).id
-        self.ops.append(self.b.ops[n_before])
-        self.stage.append(stage)
-        self.chunk.append(chunk)
-        self.local.append(("",) * self.naxes)
+        out = Emitter(self.rb.b, phase=phase, module_path=module_path).call(kind, Ref(src), **kw).id
+        self.rb.placed((stage, chunk, ("",) * self.naxes))
         self.layout[out] = out_layout
         self.where[out] = at
         return out
@@ -105,11 +97,9 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
     `copies` ({value: (stages, parameter name)}) names values that are Partial across the
     placements of several stages (a shared parameter's per-stage gradient,
     passes/shared.py): their consumer reads them summed over those stages."""
-    b = GraphBuilder(graph)
-    b.ops = []
-    ctx = _Ctx(b, plan, naxes, copies=copies or {})
+    rb = Rebuild(graph, annotate=True)
+    ctx = _Ctx(rb, plan, naxes, copies=copies or {})
     ctx.layout.update(plan.produced)
-    new_id: dict[int, int] = {}
     for op in graph.ops:
         at = (stage[op.id], chunk[op.id], op.phase)
         refs = op.refs()
@@ -117,26 +107,20 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
         mapping = [_ready(ctx, _across(ctx, r, at, op.module_path),
                           tuple(sig.ins[k] for sig in sigs), at, op.module_path)
                    for k, r in enumerate(refs)]
-        new_id[op.id] = len(b.ops)
-        new_op = _renumbered(op, len(b.ops), new_id.get(op.grad_of, -1),
-                             None if list(refs) == mapping else mapping)
-        b.ops.append(new_op)
-        ctx.ops.append(new_op)
-        ctx.stage.append(at[0])
-        ctx.chunk.append(at[1])
-        ctx.local.append(tuple(sig.local for sig in plan.sigs[op.id]))
+        new_op = rb.keep(op, mapping, (at[0], at[1], tuple(sig.local for sig in sigs)))
         if not refs and op.kind.split(".")[1] in _FACTORIES and len(op.outputs) == 1:
             ctx.factory[op.outputs[0]] = new_op
         for o in op.outputs:
             if o >= 0:
                 ctx.where[o] = at
                 _apply_hint(ctx, o, op.module_path)
-    ops = tuple(ctx.ops)
     updates = tuple(replace(u, value=ctx.default.get(u.value, u.value)) for u in graph.updates)
     loss = ctx.default.get(graph.loss, graph.loss)
-    boxed = Graph(tuple(b.values), ops, graph.inputs, loss, updates, graph.meta, graph.grads)
+    boxed = Graph(tuple(rb.b.values), tuple(rb.b.ops), graph.inputs, loss, updates, graph.meta,
+                  graph.grads)
     sbp = tuple(ctx.layout.get(v.id, (Replicate(),) * naxes) for v in boxed.values)
-    return Boxed(boxed, tuple(ctx.stage), tuple(ctx.chunk), sbp, tuple(ctx.local))
+    stage, chunk, local = rb.annotations()
+    return Boxed(boxed, stage, chunk, sbp, local)
 
 
 def _across(ctx: _Ctx, r: int, at, module_path: str) -> int:
@@ -193,13 +177,9 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
 def _remake(ctx: _Ctx, op: Op, at) -> int:
     """A copy of factory `op` (no tensor inputs) on stage `at[0]`: its value is
     made again there rather than sent (an empty constant has no pieces to send)."""
-    out = ctx.b.new_value(ctx.b.values[op.outputs[0]].meta)
-    new = replace(op, id=len(ctx.b.ops), outputs=(out,), phase=at[2], grad_of=-1)
-    ctx.b.ops.append(new)
-    ctx.ops.append(new)
-    ctx.stage.append(at[0])
-    ctx.chunk.append(at[1])
-    ctx.local.append(("",) * ctx.naxes)
+    out = ctx.rb.new_value_like(op.outputs[0])
+    ctx.rb.append(replace(op, id=len(ctx.rb.b.ops), outputs=(out,), phase=at[2], grad_of=-1),
+                  (at[0], at[1], ("",) * ctx.naxes))
     ctx.layout[out] = ctx.layout[op.outputs[0]]
     ctx.where[out] = at
     return out
@@ -241,24 +221,3 @@ def _step(src, dst) -> tuple[str, dict]:
             return ALL_GATHER, {"dim": src.dim}
         return ALL_TO_ALL, {"src_dim": src.dim, "dst_dim": dst.dim}
     return LOCAL_SLICE, {"dim": dst.dim}
-
-
-def _renumbered(op: Op, oid: int, grad_of: int, mapping: list[int] | None) -> Op:
-    """`op` with id `oid`, `grad_of` remapped, and (if given) its k-th Ref (in
-    `refs()` order) replaced by `mapping[k]`."""
-    if mapping is None:
-        if oid == op.id and grad_of == op.grad_of:
-            return op
-        return op.renumbered(oid, grad_of)
-    it = iter(mapping)
-
-    def sub(a):
-        if isinstance(a, Ref):
-            return Ref(next(it))
-        if isinstance(a, tuple):
-            return tuple(sub(x) for x in a)
-        return a
-
-    args = tuple(sub(a) for a in op.args)
-    kwargs = tuple((k, sub(v)) for k, v in op.kwargs)
-    return op.renumbered(oid, grad_of, args, kwargs)

@@ -1,30 +1,42 @@
-"""plan: the planning passes, in order, from a train-step Graph to a Job.
+"""plan: the compile, from a forward Graph to the Job, as one list of passes.
 
-    check_strategy -> resolve_auto ("auto" plans) -> expand_batch_norm (dp > 1)
+    PASSES (in order; `docs/architecture.md` has the table of what each
+    requires and ensures):
+    check_strategy -> apply_precision (bf16, fp16) -> autodiff
+        -> resolve_auto ("auto" plans) -> expand_batch_norm (dp > 1)
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
-        -> tensor_parallel -> propagate_sbp -> add_boxing -> recompute
-        -> kernel_temps -> Job
+        -> tensor_parallel -> propagate_sbp -> add_boxing
+        -> recompute (full, selective) -> kernel_temps -> make_job
 
-Each step is a pure function of immutable data; `plan_job` only wires them.
-`timings` (seconds per pass) is filled when given, for the compile report.
+Each pass wraps a pure function of immutable data (in its own module); the
+wrappers here only move its inputs and results in and out of the
+`Compilation`. Every caller (the API, the driver, the single-process
+executor, the tests) runs `PASSES`, whole or with options: a train step made
+by hand enters through `plan_job`, which skips precision and autodiff.
+
+Invariant: `Compilation.graph` is always the current graph (forward, then
+the train step, then the boxed graph), which the checks verify after every
+pass when they are on (`passes/manager.py`).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
+from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, verify
 from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.auto_plan import resolve_auto
 from meshplan.passes.batch_norm import expand_batch_norm
-from meshplan.passes.boxing import add_boxing
+from meshplan.passes.boxing import Boxed, add_boxing
 from meshplan.passes.log_softmax import expand_log_softmax
+from meshplan.passes.manager import Pass, PassManager
 from meshplan.passes.pipeline import StageAssignment, assign_stages
-from meshplan.passes.propagate import propagate_sbp
+from meshplan.passes.precision import apply_precision
+from meshplan.passes.propagate import SbpPlan, propagate_sbp
 from meshplan.passes.recompute import recompute
 from meshplan.passes.shared import param_readers, share_params
 from meshplan.passes.strategy import check_strategy
@@ -34,59 +46,145 @@ from meshplan.passes.tp_plan import tensor_parallel
 TP_AXIS = AXES.index("tp")
 
 
-def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
-             timings: dict | None = None) -> Job:
-    """Place, lay out, box and stage `graph` (a train step) for `strategy` on `mesh`."""
-    timings = {} if timings is None else timings
-    t = time.perf_counter()
+@dataclass(slots=True)
+class Compilation:
+    """The compile in progress: what the passes read and write."""
 
-    def lap(name: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        timings[name] = now - t
-        t = now
+    graph: Graph  # the current graph
+    mesh: Mesh
+    strategy: Strategy
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    notes: tuple[str, ...] = ()
+    stages: StageAssignment | None = None
+    copies: dict = field(default_factory=dict)  # shared parameters' per-stage gradients
+    param_tp: dict = field(default_factory=dict)
+    hints: dict = field(default_factory=dict)
+    sbp: SbpPlan | None = None
+    boxed: Boxed | None = None
+    temps: tuple = ()
+    job: Job | None = None
 
-    strategy = check_strategy(mesh, strategy)
-    strategy, auto_notes = resolve_auto(graph, strategy)
-    if strategy.dp > 1:  # batch statistics must become sums the dp ranks reduce
-        graph = expand_batch_norm(graph)
-    if strategy.tp > 1 and any(style == "vocab" for _, style in strategy.tp_plan):
-        graph = expand_log_softmax(graph)  # the class reductions become Partials
-    if strategy.pp == strategy.vpp == 1 and not strategy.layer_pattern:
-        stages = StageAssignment((0,) * len(graph.ops), (0,) * len(graph.ops), (), (), (), ())
+
+def _check_strategy(c: Compilation) -> None:
+    c.strategy = check_strategy(c.mesh, c.strategy)
+
+
+def _apply_precision(c: Compilation) -> None:
+    c.graph = apply_precision(c.graph, c.strategy.precision)
+
+
+def _autodiff(c: Compilation) -> None:
+    s = c.strategy
+    scale = s.initial_loss_scale if s.precision == "fp16" else None
+    c.graph = build_train_step(c.graph, c.optimizer, s.num_microbatches, loss_scale=scale)
+
+
+def _resolve_auto(c: Compilation) -> None:
+    c.strategy, c.notes = resolve_auto(c.graph, c.strategy)
+
+
+def _expand_batch_norm(c: Compilation) -> None:
+    c.graph = expand_batch_norm(c.graph)
+
+
+def _expand_log_softmax(c: Compilation) -> None:
+    c.graph = expand_log_softmax(c.graph)
+
+
+def _assign_stages(c: Compilation) -> None:
+    s, n = c.strategy, len(c.graph.ops)
+    if s.pp == s.vpp == 1 and not s.layer_pattern:
+        c.stages = StageAssignment((0,) * n, (0,) * n, (), (), (), ())
     else:
-        stages = assign_stages(graph, strategy.pp, strategy.vpp, strategy.layer_pattern,
-                               strategy.layer_stages)
-    places = list(zip(stages.stage, stages.chunk))
-    shared = share_params(graph, places, param_readers(graph, places))
+        c.stages = assign_stages(c.graph, s.pp, s.vpp, s.layer_pattern, s.layer_stages)
+
+
+def _share_params(c: Compilation) -> None:
+    places = list(zip(c.stages.stage, c.stages.chunk))
+    shared = share_params(c.graph, places, param_readers(c.graph, places))
     if shared.copies:
-        graph = shared.graph
-        stages = replace(stages, stage=tuple(p[0] for p in shared.places),
-                         chunk=tuple(p[1] for p in shared.places))
-    lap("assign_stages")
-    param_tp, hints = tensor_parallel(graph, strategy.tp_plan, TP_AXIS)
-    lap("tensor_parallel")
-    sbp = propagate_sbp(graph, stages.stage, strategy.grid, param_tp, hints, TP_AXIS)
-    lap("propagate_sbp")
-    boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid),
-                       shared.copies)
-    lap("add_boxing")
-    if strategy.recompute != "none":
-        pattern = strategy.recompute_pattern or strategy.layer_pattern
-        if not pattern:
-            raise ConfigError("--recompute needs regions: give --recompute-pattern (or "
-                              "--layer-pattern), a regex over module paths like 'blocks\\.\\d+'")
-        boxed = recompute(boxed, strategy.recompute, pattern)
-        lap("recompute")
-    temps = kernel_temps(boxed.graph, boxed.stage, boxed.sbp, strategy)
-    lap("kernel_temps")
-    job = Job(
-        graph=boxed.graph, mesh=mesh, strategy=strategy, stage=boxed.stage,
-        chunk=boxed.chunk, sbp=boxed.sbp, local=boxed.local, layers=stages.layers,
-        layer_stage=stages.layer_stage, layer_chunk=stages.layer_chunk,
-        notes=auto_notes + stages.notes, temps=temps,
-    )
-    if checks:
-        verify(job.graph)
-        verify_job(job)
-    return job
+        c.graph, c.copies = shared.graph, shared.copies
+        c.stages = replace(c.stages, stage=tuple(p[0] for p in shared.places),
+                           chunk=tuple(p[1] for p in shared.places))
+
+
+def _tensor_parallel(c: Compilation) -> None:
+    c.param_tp, c.hints = tensor_parallel(c.graph, c.strategy.tp_plan, TP_AXIS)
+
+
+def _propagate_sbp(c: Compilation) -> None:
+    c.sbp = propagate_sbp(c.graph, c.stages.stage, c.strategy.grid, c.param_tp, c.hints,
+                          TP_AXIS)
+
+
+def _add_boxing(c: Compilation) -> None:
+    c.boxed = add_boxing(c.graph, c.sbp, c.stages.stage, c.stages.chunk, len(c.strategy.grid),
+                         c.copies)
+    c.graph = c.boxed.graph
+
+
+def _recompute(c: Compilation) -> None:
+    pattern = c.strategy.recompute_pattern or c.strategy.layer_pattern
+    if not pattern:
+        raise ConfigError("--recompute needs regions: give --recompute-pattern (or "
+                          "--layer-pattern), a regex over module paths like 'blocks\\.\\d+'")
+    c.boxed = recompute(c.boxed, c.strategy.recompute, pattern)
+    c.graph = c.boxed.graph
+
+
+def _kernel_temps(c: Compilation) -> None:
+    c.temps = kernel_temps(c.graph, c.boxed.stage, c.boxed.sbp, c.strategy)
+
+
+def _make_job(c: Compilation) -> None:
+    b, st = c.boxed, c.stages
+    c.job = Job(graph=b.graph, mesh=c.mesh, strategy=c.strategy, stage=b.stage, chunk=b.chunk,
+                sbp=b.sbp, local=b.local, layers=st.layers, layer_stage=st.layer_stage,
+                layer_chunk=st.layer_chunk, notes=c.notes + st.notes, temps=c.temps)
+
+
+def _check(c: Compilation) -> None:
+    """The IR verifier on the current graph, and on the Job once made."""
+    verify(c.graph)
+    if c.job is not None:
+        verify_job(c.job)
+
+
+def _vocab_tp(c: Compilation) -> bool:
+    return c.strategy.tp > 1 and any(style == "vocab" for _, style in c.strategy.tp_plan)
+
+
+F = frozenset
+PASSES = PassManager([
+    Pass("check_strategy", _check_strategy, F(), F({"valid_strategy"})),
+    Pass("apply_precision", _apply_precision, F({"valid_strategy"}), F({"casts"}),
+         when=lambda c: c.strategy.precision != "fp32"),
+    Pass("autodiff", _autodiff, F({"valid_strategy", "casts"}), F({"train_step"})),
+    Pass("resolve_auto", _resolve_auto, F({"valid_strategy", "train_step"}),
+         F({"concrete_strategy"})),
+    Pass("expand_batch_norm", _expand_batch_norm, F({"train_step", "concrete_strategy"}),
+         F({"batch_sums"}), when=lambda c: c.strategy.dp > 1),
+    Pass("expand_log_softmax", _expand_log_softmax, F({"train_step", "concrete_strategy"}),
+         F({"class_sums"}), when=_vocab_tp),
+    Pass("assign_stages", _assign_stages, F({"concrete_strategy", "batch_sums", "class_sums"}),
+         F({"stages"})),
+    Pass("share_params", _share_params, F({"stages"}), F({"stage_copies"})),
+    Pass("tensor_parallel", _tensor_parallel, F({"concrete_strategy", "stage_copies"}),
+         F({"param_layouts"})),
+    Pass("propagate_sbp", _propagate_sbp, F({"stages", "stage_copies", "param_layouts"}),
+         F({"sbp"})),
+    Pass("add_boxing", _add_boxing, F({"sbp"}), F({"boxed"})),
+    Pass("recompute", _recompute, F({"boxed"}), F({"recompute_clones"}),
+         when=lambda c: c.strategy.recompute != "none"),
+    Pass("kernel_temps", _kernel_temps, F({"boxed", "recompute_clones"}), F({"temps"})),
+    Pass("make_job", _make_job, F({"boxed", "temps"}), F({"job"})),
+], check=_check)
+
+TRAIN_STEP_PASSES = ("apply_precision", "autodiff")  # what a train step made by hand has had
+
+
+def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool | None = None) -> Job:
+    """The Job of `graph` (a train step, precision and autodiff already
+    applied) for `strategy` on `mesh`: `PASSES` without those two."""
+    c = PASSES.run(Compilation(graph, mesh, strategy), skip=TRAIN_STEP_PASSES, checks=checks)
+    return c.job

@@ -23,10 +23,11 @@ One cast is made per (value, dtype) and shared by its readers.
 
 from __future__ import annotations
 
-from meshplan.ir import DType, Graph, GraphBuilder, Phase, Ref, Update, verify
+from meshplan.ir import DType, Graph, Phase, Ref
 from meshplan.ir.graph import refs_in
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
+from meshplan.passes.rebuild import Rebuild
 
 DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16")}
 FP32 = DType("float32")
@@ -38,11 +39,8 @@ def apply_precision(graph: Graph, precision: str) -> Graph:
         return graph
     assert all(op.phase is Phase.FORWARD for op in graph.ops), "runs before autodiff"
     low = DTYPES[precision]
-    b = GraphBuilder()
-    vmap: dict[int, int] = {}
-    for vid in graph.inputs:
-        v = graph.values[vid]
-        vmap[vid] = b.add_input(v.meta, v.role, v.name)
+    rb = Rebuild(graph, fresh=True)  # every value made again: casts sit beside their readers
+    b, vmap = rb.b, rb.vmap
     casts: dict[tuple[int, DType], Ref] = {}
     casts_of: set[int] = set()  # ids of cast outputs
 
@@ -66,7 +64,7 @@ def apply_precision(graph: Graph, precision: str) -> Graph:
         return a
 
     for op in graph.ops:
-        e = Emitter(b, op.phase, op.module_path, op.source)
+        e = rb.emitter(op)
         policy = rule_for(op.kind).precision
         want = low if policy == "low" else FP32 if policy == "fp32" else None
         args = tuple(arg(e, a, want) for a in op.args)
@@ -78,14 +76,12 @@ def apply_precision(graph: Graph, precision: str) -> Graph:
                                           for o in op.outputs], kwargs)
         else:
             outs = tuple(r.id for r in e.call_multi(op.kind, *args, **dict(kwargs)))
+        rb.replaced(op)
         for old, new in zip(op.outputs, outs):
             if old >= 0:
                 vmap[old] = new
     loss = Ref(vmap[graph.loss])
     if b.meta(loss.id).dtype != FP32:
         loss = Emitter(b, Phase.FORWARD, graph.ops[-1].module_path).call(CAST, loss, dtype=FP32)
-    b.updates = [Update(u.name, vmap[u.value]) for u in graph.updates]
-    out = b.build(loss.id, graph.meta + (("precision", precision),))
-    verify(out)
-    return out
+    return rb.build(graph, loss.id, graph.meta + (("precision", precision),))
 

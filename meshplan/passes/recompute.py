@@ -30,10 +30,11 @@ from dataclasses import replace
 from functools import partial
 
 from meshplan.errors import ConfigError
-from meshplan.ir import Graph, GraphBuilder, Op, Phase
+from meshplan.ir import Graph, Phase
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ops.table import rule_for
 from meshplan.passes.boxing import Boxed
+from meshplan.passes.rebuild import Rebuild
 
 
 def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
@@ -46,17 +47,8 @@ def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
     if not region:
         return boxed
     producer = g.producers()
-    b = GraphBuilder(g)
-    b.ops = []
-    stage, chunk, local, sbp = [], [], [], list(boxed.sbp)
-    omap: dict[int, int] = {}
+    rb = Rebuild(g, source=boxed)
     clones: dict[tuple[str, int], int] = {}
-
-    def append(op: Op, src: Op) -> None:
-        b.ops.append(op)
-        stage.append(boxed.stage[src.id])
-        chunk.append(boxed.chunk[src.id])
-        local.append(boxed.local[src.id])
 
     def value_for(vid: int, where: str) -> int:
         """The id a backward op of region `where` reads for forward value `vid`."""
@@ -71,23 +63,20 @@ def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
                 if o < 0:
                     outs.append(o)
                     continue
-                outs.append(b.new_value(g.values[o].meta))
-                sbp.append(boxed.sbp[o])
+                outs.append(rb.new_value_like(o))
                 clones[(where, o)] = outs[-1]
-            append(replace(p, id=len(b.ops), args=args, kwargs=kwargs, outputs=tuple(outs),
-                           phase=Phase.BACKWARD, grad_of=omap[p.id]), p)
+            rb.append(replace(p, id=len(rb.b.ops), args=args, kwargs=kwargs,
+                              outputs=tuple(outs), phase=Phase.BACKWARD,
+                              grad_of=rb.omap[p.id]),
+                      (boxed.stage[p.id], boxed.chunk[p.id], boxed.local[p.id]))
         return clones[key]
 
     rx = re.compile(pattern)
     for op in g.ops:
         where = _region_of(rx, op.module_path) if op.phase is Phase.BACKWARD else None
-        if where is not None:
-            args, kwargs = op.remap(partial(value_for, where=where))
-            op = replace(op, args=args, kwargs=kwargs)
-        omap[op.id] = len(b.ops)
-        append(replace(op, id=len(b.ops), grad_of=omap.get(op.grad_of, -1)), op)
-    graph = b.build(g.loss, g.meta)
-    return Boxed(graph, tuple(stage), tuple(chunk), tuple(sbp), tuple(local))
+        rb.keep(op, None if where is None else [value_for(r, where) for r in op.refs()])
+    stage, chunk, local = rb.annotations()
+    return Boxed(rb.build(g), stage, chunk, tuple(rb.sbp), local)
 
 
 def _region_of(rx: re.Pattern[str], path: str) -> str | None:
