@@ -33,8 +33,8 @@ on a CPU cannot know the card or its cuDNN. The forward and its backward ask
 the same question of the same q, k, v, so they agree; both kernels share the
 logical signature (cuDNN's logsumexp is (B, H, S, 1), flash's (B, H, S): the
 same bytes). `RAN` counts the physical kernels that ran. A fused kernel that
-still refuses an input at run time falls back to the math path (counted in `FALLBACKS`, reported by the
-runtime), never to a wrong answer: a forward fallback leaves an empty
+still refuses an input at run time falls back to the math path (counted in
+`FALLBACKS`, reported by the runtime), never to a wrong answer: a forward fallback leaves an empty
 logsumexp, which sends its backward to the math path too.
 """
 
