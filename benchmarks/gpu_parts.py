@@ -345,7 +345,8 @@ def _top(prof, n: int = 15) -> dict:
     return {
         "device_busy_ms": busy / 1e3,
         "kernels": len(work),
-        "device_by_kind_ms": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "device_by_kind_ms": {k: v / 1e3 for k, v in
+                              sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_device": [[k, c, us / 1e3] for k, (c, us) in top],
         "top_cpu": [[e.key, e.count, e.self_cpu_time_total / 1e3] for e in cpu],
     }

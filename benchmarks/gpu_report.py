@@ -109,9 +109,10 @@ def _profile(parts: dict) -> list[str]:
         busy = x["device_busy_ms"] / x["wall_ms"] if x["wall_ms"] else 0.0
         pace = ("the GPU sets the pace" if busy >= 0.9 else
                 "the host leaves the GPU idle for part of the step")
+        kinds = x.get("device_by_kind_ms", {})
         out.append(f"**{name}**: wall {x['wall_ms']:.1f} ms, GPU busy "
                    f"{x['device_busy_ms']:.1f} ms ({busy:.0%}: {pace}); device time by kind: "
-                   + ", ".join(f"{k} {v:.1f} ms" for k, v in x.get("device_by_kind_ms", {}).items()))
+                   + ", ".join(f"{k} {v:.1f} ms" for k, v in kinds.items()))
         out += ["", "| top kernels | calls | ms |", "|---|---:|---:|"]
         out += [f"| `{k[:70]}` | {n} | {ms:.2f} |" for k, n, ms in x["top_device"][:10]]
         out += ["", "| top host ops | calls | ms |", "|---|---:|---:|"]
