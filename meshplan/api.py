@@ -27,6 +27,7 @@ from pathlib import Path
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.errors import ConfigError
+from meshplan.ir.choices import OptimizerKind, names
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.state import weights_of
 
@@ -151,12 +152,13 @@ def optimizer_of(job):
     """The `OptimizerConfig` the Job's optimizer ops were built with."""
     for op in job.graph.ops:
         kind = op.kind.removeprefix("meshplan.")
-        if kind in ("sgd", "adamw"):
+        if kind in names(OptimizerKind):
             kw = dict(op.kwargs)
-            if kind == "adamw":
-                return OptimizerConfig("adamw", lr=kw["lr"], weight_decay=kw["weight_decay"],
+            if kind == OptimizerKind.ADAMW:
+                return OptimizerConfig(OptimizerKind.ADAMW, lr=kw["lr"],
+                                       weight_decay=kw["weight_decay"],
                                        betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"])
-            return OptimizerConfig("sgd", lr=kw["lr"], momentum=kw["momentum"],
+            return OptimizerConfig(OptimizerKind.SGD, lr=kw["lr"], momentum=kw["momentum"],
                                    weight_decay=kw["weight_decay"])
     raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
 

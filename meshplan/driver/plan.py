@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.capture import cached, capture, capture_key
 from meshplan.ir import Phase, Role
+from meshplan.ir.choices import Precision
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
@@ -61,7 +62,7 @@ def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
 def train_step(forward, strategy: Strategy, optimizer: OptimizerConfig):
     """A forward Graph -> the strategy's precision casts -> its train step."""
     forward = apply_precision(forward, strategy.precision)
-    scale = strategy.initial_loss_scale if strategy.precision == "fp16" else None
+    scale = strategy.initial_loss_scale if strategy.precision == Precision.FP16 else None
     return build_train_step(forward, optimizer, strategy.num_microbatches, loss_scale=scale)
 
 

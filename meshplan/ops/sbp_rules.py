@@ -6,6 +6,7 @@ divide by the axis size, so the split lines up before and after the view.
 
 from __future__ import annotations
 
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.sbp import Partial, Shard
 from meshplan.ops.sbp_sig import P, R, SbpSig, divisible, norm_dim, replicated, tensors
 
@@ -185,7 +186,8 @@ def reduction(kind: str):
                 continue
             if d in dims:
                 out = PMAX if kind == "max" else P
-                sigs.append(SbpSig((Shard(d),), (out,), "mean_rescale" if kind == "mean" else ""))
+                rescale = KernelVariant.MEAN_RESCALE if kind == "mean" else KernelVariant.NONE
+                sigs.append(SbpSig((Shard(d),), (out,), rescale))
             else:
                 od = d if keep else d - sum(1 for r in dims if r < d)
                 sigs.append(SbpSig((Shard(d),), (Shard(od),)))

@@ -10,7 +10,8 @@ Invariants:
 - The list is in order of preference: propagation breaks cost ties by it.
   Every list holds the all-Replicate signature, which is always correct.
 - `local` names a rank-dependent variant of the kernel that lowering applies
-  (e.g. "bias_first": only the axis's first rank adds the bias), "" if none.
+  (e.g. `KernelVariant.BIAS_FIRST`: only the axis's first rank adds the
+  bias), `KernelVariant.NONE` ("") if none.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.ir import TensorMeta
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.sbp import Partial, Replicate, Sbp
 
 R = Replicate()
@@ -28,7 +30,7 @@ P = Partial()
 class SbpSig:
     ins: tuple[Sbp, ...]
     outs: tuple[Sbp | None, ...]
-    local: str = ""
+    local: KernelVariant = KernelVariant.NONE
 
 
 def tensors(sig) -> list[TensorMeta]:

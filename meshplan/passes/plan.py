@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, verify
+from meshplan.ir.choices import Recompute, TpStyle
 from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.auto_plan import resolve_auto
@@ -50,7 +51,8 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
     strategy, auto_notes = resolve_auto(graph, strategy)
     if strategy.dp > 1:  # batch statistics must become sums the dp ranks reduce
         graph = expand_batch_norm(graph)
-    if strategy.tp > 1 and any(style == "vocab" for _, style in strategy.tp_plan):
+    assert not isinstance(strategy.tp_plan, str), "resolve_auto replaced 'auto'"
+    if strategy.tp > 1 and any(style == TpStyle.VOCAB for _, style in strategy.tp_plan):
         graph = expand_log_softmax(graph)  # the class reductions become Partials
     if strategy.pp == strategy.vpp == 1 and not strategy.layer_pattern:
         stages = StageAssignment((0,) * len(graph.ops), (0,) * len(graph.ops), (), (), (), ())
@@ -71,7 +73,7 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool = False,
     boxed = add_boxing(graph, sbp, stages.stage, stages.chunk, len(strategy.grid),
                        shared.copies)
     lap("add_boxing")
-    if strategy.recompute != "none":
+    if strategy.recompute != Recompute.NONE:
         pattern = strategy.recompute_pattern or strategy.layer_pattern
         if not pattern:
             raise ConfigError("--recompute needs regions: give --recompute-pattern (or "

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from meshplan.errors import PlanError
 from meshplan.ir import Phase, Role, TensorMeta
 from meshplan.ir.job import TRANSFER, Job, StageView
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
-from meshplan.ir.sbp import local_box, local_shape
+from meshplan.ir.sbp import NdSbp, local_box, local_shape
 from meshplan.ops.table import BOXING_KINDS, physical_kernel
 from meshplan.plan.actions import rank_actions
 from meshplan.plan.ids import (
@@ -39,6 +40,8 @@ from meshplan.plan.ids import (
 from meshplan.plan.memory import plan_memory
 from meshplan.plan.rankplan import Buffer, RankPlan, Task, TaskKind
 
+# what `ir.pieces` needs of a transfer: (shape, src placement, src SBP, dst placement, dst SBP)
+PieceArgs = tuple[tuple[int, ...], Placement, NdSbp, Placement, NdSbp]
 _COLLECTIVES = frozenset(BOXING_KINDS) - {TRANSFER, "meshplan.local_slice"}
 _OPTIMIZERS = frozenset({"meshplan.sgd", "meshplan.adamw"})
 _CATEGORY = {Role.PARAM: "param", Role.BUFFER: "buffer", Role.GRAD: "grad",
@@ -172,7 +175,7 @@ class _Lowering:
         else:
             self.recvs(op, args, dst, src_place, dst_place)
 
-    def sends(self, op, args, src, chunk, phase, dst_place: Placement) -> None:
+    def sends(self, op, args: PieceArgs, src, chunk, phase, dst_place: Placement) -> None:
         me = self.place.ranks.index(self.rank)
         for p in send_pieces(*args, self.rank):
             k = dst_place.ranks.index(p.dst)
@@ -181,7 +184,7 @@ class _Lowering:
                         peer_task=self.tid(P2P_STREAM + me, op.id, p.dst), box=p.box)
             self.add(task, (src,), ())
 
-    def recvs(self, op, args, dst, src_place: Placement, dst_place: Placement) -> None:
+    def recvs(self, op, args: PieceArgs, dst, src_place: Placement, dst_place: Placement) -> None:
         me = dst_place.ranks.index(self.rank)
         for p in recv_pieces(*args, self.rank):
             k = src_place.ranks.index(p.src)
@@ -225,7 +228,8 @@ class RankClasses:
         self.view = view
         self.shapes = sorted({(v.meta.shape, view.sbp[i]) for i, v in view.values.items()},
                              key=repr)
-        kwargs = [dict(op.kwargs) for op in view.ops if op.kind in _COLLECTIVES]
+        kwargs: list[dict[str, Any]] = [dict(op.kwargs) for op in view.ops
+                                        if op.kind in _COLLECTIVES]
         self.axes = sorted({kw["axis"] for kw in kwargs if "stages" not in kw})
         self.spans = sorted({kw["stages"] for kw in kwargs if "stages" in kw})
         self.p2p = view.strategy.pp > 1 and any(op.kind == TRANSFER for op in view.ops)

@@ -46,11 +46,13 @@ def _first_fit(intervals: list[tuple[int, int, int, int]]) -> tuple[dict[int, in
     offsets, top = {}, 0
     for key, start, end, size in sorted(intervals, key=lambda x: (x[1], -x[3], x[0])):
         while frees and frees[0][0] <= start:
-            _, off, sz = heapq.heappop(frees)
-            top = _release(holes, off, sz, top)
-        off = _take(holes, size)
-        if off is None:
+            _, freed, sz = heapq.heappop(frees)
+            top = _release(holes, freed, sz, top)
+        hole = _take(holes, size)
+        if hole is None:
             off, top = top, top + size
+        else:
+            off = hole
         offsets[key] = off
         heapq.heappush(frees, (end, off, size))
     extent = max((offsets[k] + sz for k, _, _, sz in intervals), default=0)
@@ -85,7 +87,8 @@ def _release(holes: list[list[int]], off: int, size: int, top: int) -> int:
 def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
     """Blocks for every buffer, and the planned peak by category."""
     updates = low.view.updates
-    blocks, peak, chunks = [], {}, []
+    blocks, chunks = [], []
+    peak: dict[str, int] = {}
     state_chunk, act_chunk = low.next_id(), low.next_id()
     off = 0
     for b in buffers:
