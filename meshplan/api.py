@@ -24,12 +24,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import OptimizerKind, names
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.state import weights_of
+
+if TYPE_CHECKING:
+    from meshplan.driver.results import LowerResult, RunResult
 
 __all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile", "plan", "run",
            "verify"]
@@ -77,7 +81,7 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
 
 
 def compile(job, out: str | Path, ranks: Sequence[int] | None = None,
-            workers: int | None = None, progress=None, device: str = "cpu") -> dict:
+            workers: int | None = None, progress=None, device: str = "cpu") -> LowerResult:
     """Write `out/job.json` and one plan file per rank (default: all ranks),
     each rank lowered in a worker process for `device` (cpu | cuda: it picks
     each task's kernel; no GPU needed); returns timings per rank.
@@ -104,7 +108,7 @@ def check(plans: str | Path | tuple):
 
 def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = "",
         timeout_s: float = 60.0, threads: int = 1, report_state: bool = False,
-        device: str = "cpu", backend: str = "") -> dict:
+        device: str = "cpu", backend: str = "") -> RunResult:
     """Train `module` (its current weights) for `len(batches)` steps on
     `job.mesh.world` local gloo processes, one per rank; `batches[k]` is the
     global batch of step k (a tuple like the captured inputs, with
@@ -142,10 +146,10 @@ def verify(job, module, batches: Sequence[tuple], bounds=None, **run_options) ->
     device = resolve_device(run_options.get("device", "cpu"))
     mine = run(job, module, batches, report_state=True, **(run_options | {"device": device}))
     s = job.strategy
-    verdict, ref = against_eager(mine["rank_losses"], mine.pop("state_slices"), module,
+    verdict, ref = against_eager(mine.rank_losses, mine.state_slices, module,
                                  list(batches), s.num_microbatches, optimizer_of(job),
                                  s.precision, s.initial_loss_scale, bounds, device)
-    return mine | verdict | {"ref_losses": ref.losses}
+    return mine.to_json() | verdict | {"ref_losses": ref.losses}
 
 
 def optimizer_of(job):

@@ -96,12 +96,12 @@ def verify(
         mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
         result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr,
                      report_state=True, device=device, **(run_options or {}), **overrides)
-        mine = {"mode": "distributed", "losses": result["losses"],
-                "rank_losses": result["rank_losses"], "slices": result["state_slices"],
-                "trace": result["trace"], "step_s": result["median_step_s"],
-                "ranks": result["ranks"], "ops": None, "capture_s": None, "autodiff_s": None,
+        mine = {"mode": "distributed", "losses": result.losses,
+                "rank_losses": result.rank_losses, "slices": result.state_slices,
+                "trace": result.trace, "step_s": result.median_step_s,
+                "ranks": result.ranks, "ops": None, "capture_s": None, "autodiff_s": None,
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
-                                           for r in result["ranks"].values())}
+                                           for r in result.ranks.values())}
     else:
         mine = _single(module, batches, opt, num_microbatches, precision, init_scale, device)
     reset_peak(device)

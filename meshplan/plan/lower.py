@@ -38,14 +38,22 @@ from meshplan.plan.ids import (
     task_id,
 )
 from meshplan.plan.memory import plan_memory
-from meshplan.plan.rankplan import Buffer, RankPlan, Task, TaskKind
+from meshplan.plan.rankplan import (
+    STATE_CATEGORIES,
+    Buffer,
+    BufferCategory,
+    RankPlan,
+    Task,
+    TaskKind,
+)
 
 # what `ir.pieces` needs of a transfer: (shape, src placement, src SBP, dst placement, dst SBP)
 PieceArgs = tuple[tuple[int, ...], Placement, NdSbp, Placement, NdSbp]
 _COLLECTIVES = frozenset(BOXING_KINDS) - {TRANSFER, "meshplan.local_slice"}
 _OPTIMIZERS = frozenset({"meshplan.sgd", "meshplan.adamw"})
-_CATEGORY = {Role.PARAM: "param", Role.BUFFER: "buffer", Role.GRAD: "grad",
-             Role.OPT_STATE: "optimizer", Role.DATA: "data"}
+_CATEGORY = {Role.PARAM: BufferCategory.PARAM, Role.BUFFER: BufferCategory.BUFFER,
+             Role.GRAD: BufferCategory.GRAD, Role.OPT_STATE: BufferCategory.OPTIMIZER,
+             Role.DATA: BufferCategory.DATA}
 
 
 @dataclass
@@ -257,8 +265,8 @@ def _inflight(actions, pp: int) -> dict[int, int]:
     return peak
 
 
-def _category(low: _Lowering, vid: int) -> str:
-    return _CATEGORY.get(low.view.values[vid].role, "activation")
+def _category(low: _Lowering, vid: int) -> BufferCategory:
+    return _CATEGORY.get(low.view.values[vid].role, BufferCategory.ACTIVATION)
 
 
 def _buffers(low: _Lowering, inflight: dict[int, int]) -> tuple[Buffer, ...]:
@@ -267,7 +275,7 @@ def _buffers(low: _Lowering, inflight: dict[int, int]) -> tuple[Buffer, ...]:
         meta = low.view.values[vid].meta
         cat = _category(low, vid)
         crosses = b.made_in is None or any(k != b.made_in for k in b.used_in)
-        if cat in ("param", "buffer", "grad", "optimizer"):
+        if cat in STATE_CATEGORIES:
             copies = 1
         elif crosses:
             chunks = {k[0] for k in b.used_in} | ({b.made_in[0]} if b.made_in else set())
