@@ -24,12 +24,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.errors import ConfigError
+from meshplan.ir.choices import OptimizerKind
 from meshplan.ir.kinds import ADAMW
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.state import weights_of
+
+if TYPE_CHECKING:
+    from meshplan.driver.results import LowerResult, RunResult
 
 __all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile", "plan", "run",
            "verify"]
@@ -75,7 +80,7 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
 
 
 def compile(job, out: str | Path, ranks: Sequence[int] | None = None,
-            workers: int | None = None, progress=None, device: str = "cpu") -> dict:
+            workers: int | None = None, progress=None, device: str = "cpu") -> LowerResult:
     """Write `out/job.json` and one plan file per rank (default: all ranks),
     each rank lowered in a worker process for `device` (cpu | cuda: it picks
     each task's kernel; no GPU needed); returns timings per rank.
@@ -102,7 +107,7 @@ def check(plans: str | Path | tuple):
 
 def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = "",
         timeout_s: float = 60.0, threads: int = 1, report_state: bool = False,
-        device: str = "cpu", backend: str = "") -> dict:
+        device: str = "cpu", backend: str = "") -> RunResult:
     """Train `module` (its current weights) for `len(batches)` steps on
     `job.mesh.world` local gloo processes, one per rank; `batches[k]` is the
     global batch of step k (a tuple like the captured inputs, with
@@ -140,10 +145,10 @@ def verify(job, module, batches: Sequence[tuple], bounds=None, **run_options) ->
     device = resolve_device(run_options.get("device", "cpu"))
     mine = run(job, module, batches, report_state=True, **(run_options | {"device": device}))
     s = job.strategy
-    verdict, ref = against_eager(mine["rank_losses"], mine.pop("state_slices"), module,
+    verdict, ref = against_eager(mine.rank_losses, mine.state_slices, module,
                                  list(batches), s.num_microbatches, optimizer_of(job),
                                  s.precision, s.initial_loss_scale, bounds, device)
-    return mine | verdict | {"ref_losses": ref.losses}
+    return mine.to_json() | verdict | {"ref_losses": ref.losses}
 
 
 def optimizer_of(job):
@@ -155,9 +160,10 @@ def optimizer_of(job):
         if rule_for(op.kind).category is Category.OPTIMIZER:
             kw = dict(op.kwargs)
             if op.kind == ADAMW:
-                return OptimizerConfig("adamw", lr=kw["lr"], weight_decay=kw["weight_decay"],
+                return OptimizerConfig(OptimizerKind.ADAMW, lr=kw["lr"],
+                                       weight_decay=kw["weight_decay"],
                                        betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"])
-            return OptimizerConfig("sgd", lr=kw["lr"], momentum=kw["momentum"],
+            return OptimizerConfig(OptimizerKind.SGD, lr=kw["lr"], momentum=kw["momentum"],
                                    weight_decay=kw["weight_decay"])
     raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
 

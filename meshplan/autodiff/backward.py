@@ -34,6 +34,7 @@ from meshplan.ir import (
 )
 from meshplan.ir.builder import renumber_ops
 from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM, optimizer_kind
+from meshplan.ir.state_name import StateName
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
@@ -156,10 +157,10 @@ def _emit_accumulate(b: GraphBuilder, graph: Graph, grads: dict[int, Ref]) -> di
     for p in graph.inputs_by_role(Role.PARAM):
         if p.id not in grads:
             continue
-        acc_in = b.add_input(p.meta, Role.GRAD, f"{p.name}@grad")
+        acc_in = b.add_input(p.meta, Role.GRAD, str(StateName.grad(p.name)))
         e = Emitter(b, phase=Phase.BACKWARD, module_path=_owner(p.name))
         acc = e.call(ACCUMULATE_GRAD, Ref(acc_in), grads[p.id])
-        b.updates.append(Update(f"{p.name}@grad", acc.id))
+        b.updates.append(Update(str(StateName.grad(p.name)), acc.id))
         accs[p.id] = acc
     return accs
 
@@ -173,10 +174,10 @@ def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: Op
             shape = slot_meta_shape(slot, p.meta.shape)
             dtype = DType("float32") if slot == "step" else p.meta.dtype
             slots.append(Ref(b.add_input(TensorMeta(shape, dtype), Role.OPT_STATE,
-                                         f"{p.name}@{slot}")))
+                                         str(StateName(p.name, slot)))))
         e = Emitter(b, phase=Phase.OPTIMIZER, module_path=_owner(p.name))
         kw = dict(opt.kwargs())
         outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *slots, **kw)
         b.updates.append(Update(p.name, outs[0].id))
         for slot, out in zip(SLOTS[opt.kind], outs[1:]):
-            b.updates.append(Update(f"{p.name}@{slot}", out.id))
+            b.updates.append(Update(str(StateName(p.name, slot)), out.id))

@@ -11,40 +11,40 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from meshplan.errors import ConfigError
+from meshplan.ir.choices import OptimizerKind, choose
 
-SLOTS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
+SLOTS = {OptimizerKind.SGD: ("momentum_buffer",),
+         OptimizerKind.ADAMW: ("exp_avg", "exp_avg_sq", "step")}
 
 
 @dataclass(frozen=True, slots=True)
 class OptimizerConfig:
     """Hyperparameters, with torch.optim's names and meanings."""
 
-    kind: str = "sgd"
+    kind: OptimizerKind = OptimizerKind.SGD
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
-    def __post_init__(self):
-        if self.kind not in SLOTS:
-            raise ConfigError(f"unknown optimizer '{self.kind}': choose sgd or adamw")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", choose(OptimizerKind, self.kind, "optimizer"))
 
     @staticmethod
-    def default(kind: str, lr: float | None = None) -> OptimizerConfig:
+    def default(kind: OptimizerKind | str, lr: float | None = None) -> OptimizerConfig:
         """Defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(3e-3, wd 0.01) (the rates at
         which the zoo's synthetic tasks learn in 10 steps: models/data.py);
         `lr` overrides the learning rate."""
-        if kind == "adamw":
-            cfg = OptimizerConfig("adamw", lr=3e-3, weight_decay=0.01)
+        if kind == OptimizerKind.ADAMW:
+            cfg = OptimizerConfig(OptimizerKind.ADAMW, lr=3e-3, weight_decay=0.01)
         else:
             cfg = OptimizerConfig(kind)
         return cfg if lr is None else replace(cfg, lr=lr)
 
     def kwargs(self) -> tuple[tuple[str, object], ...]:
         """The literal arguments of this optimizer's op, after its tensors."""
-        if self.kind == "sgd":
+        if self.kind == OptimizerKind.SGD:
             return (("lr", self.lr), ("momentum", self.momentum),
                     ("weight_decay", self.weight_decay), ("dampening", 0.0),
                     ("nesterov", False))
@@ -53,7 +53,7 @@ class OptimizerConfig:
 
     def torch_optimizer(self, params) -> torch.optim.Optimizer:
         """The eager equivalent, for reference runs."""
-        if self.kind == "sgd":
+        if self.kind == OptimizerKind.SGD:
             return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
                                    weight_decay=self.weight_decay, foreach=None)
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,

@@ -41,12 +41,13 @@ def cmd_compile(a: argparse.Namespace) -> int:
                               use_cache=not a.no_cache, progress=lambda done, _: update(done),
                               device=device, **overrides(a))
     if a.json:
-        print(json.dumps(stats | {"ranks": {str(r): v for r, v in stats["ranks"].items()}}))
+        print(json.dumps(stats.to_json()))
         return 0
-    lows = [v["lower_s"] for v in stats["ranks"].values()]
-    hits = sum(1 for v in stats["ranks"].values() if v["cache_hit"])
-    print(f"compiled {len(lows)} rank plans into {a.out} with {stats['workers']} workers: "
-          f"capture {stats['capture_s']:.2f} s, master {stats['master_s']:.2f} s, lowering "
+    ranks = stats.lowering.ranks
+    lows = [v["lower_s"] for v in ranks.values()]
+    hits = sum(1 for v in ranks.values() if v["cache_hit"])
+    print(f"compiled {len(lows)} rank plans into {a.out} with {stats.lowering.workers} workers: "
+          f"capture {stats.capture_s:.2f} s, master {stats.master_s:.2f} s, lowering "
           f"median {sorted(lows)[len(lows) // 2] * 1e3:.1f} ms, max {max(lows) * 1e3:.1f} ms "
           f"per rank ({hits} from cache){'' if device == 'cpu' else ', for ' + device}")
     return 0
@@ -68,7 +69,7 @@ def cmd_check(a: argparse.Namespace) -> int:
         for e in res.errors:
             print(f"FAIL: {e}")
         return 1
-    peaks = [v["planned_peak_bytes"] for v in res.ranks.values()]
+    peaks = [v.planned_peak_bytes for v in res.ranks.values()]
     print(f"OK: {len(plans)} rank plans are consistent: unique ids, matched send/recv, "
           f"ordered collectives{'' if 'simulation' in res.skipped else ', no deadlock'}")
     step = "" if res.predicted_step_s is None else \

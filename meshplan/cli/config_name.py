@@ -19,8 +19,9 @@ from __future__ import annotations
 import re
 
 from meshplan.errors import ConfigError
+from meshplan.ir.choices import Precision, Recompute
 
-PRECISIONS = {"FP32": "fp32", "BF16": "bf16", "FP16": "fp16"}
+PRECISIONS = {p.value.upper(): p for p in Precision}  # FP32 -> fp32, ...
 GRAMMAR = ("{model}_nl{L}_nah{H}_hs{D}_{FP16|BF16|FP32}_ac{true|false}_mp{tp}_pp{pp}"
            "[_vpp{v}]_mb{micro}_gb{global}_{N}n{G}g")
 EXAMPLE = "bert_nl24_nah16_hs1024_FP16_actrue_mp2_pp1_mb32_gb256_1n4g"
@@ -68,7 +69,7 @@ def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resn
     ac = next(it)
     if ac not in ("actrue", "acfalse"):
         raise _bad(name, ac, "should be actrue or acfalse (activation checkpointing)")
-    out["recompute"] = "full" if ac == "actrue" else "none"
+    out["recompute"] = Recompute.FULL if ac == "actrue" else Recompute.NONE
     for dest, prefix, what in _PARALLEL:
         out[dest] = _int(name, next(it), prefix, what)
     field = next(it)
@@ -90,7 +91,7 @@ def format_config_name(f: dict) -> str:
     """The configuration name of flag values (the inverse of `parse_config_name`)."""
     inv = {v: k for k, v in PRECISIONS.items()}
     parts = [f["model"], *(f"{p}{f[d]}" for d, p, _ in _INT_FIELDS), inv[f["precision"]],
-             "actrue" if f["recompute"] != "none" else "acfalse",
+             "actrue" if f["recompute"] != Recompute.NONE else "acfalse",
              *(f"{p}{f[d]}" for d, p, _ in _PARALLEL)]
     if f.get("vpp", 1) > 1:
         parts.append(f"vpp{f['vpp']}")

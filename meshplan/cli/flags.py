@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from meshplan.errors import ConfigError
+from meshplan.ir.choices import OptimizerKind, Precision, Recompute, Schedule, names
 from meshplan.ir.mesh import Mesh
 
 
@@ -45,7 +46,7 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="samples per micro-batch per dp rank")
     g.add_argument("--num-microbatches", type=int, default=None,
                    help="shorthand: global batch = this x micro-batch x dp")
-    g.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
+    g.add_argument("--schedule", choices=names(Schedule), default=None,
                    help="pipeline schedule (default 1f1b; interleaved when vpp > 1)")
     g.add_argument("--layer-pattern", default=None,
                    help=r"regex over module paths naming a layer (default: blocks\.(\d+)); "
@@ -56,12 +57,12 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--layer-stages", default=None,
                    help="stage of each layer, comma-separated, e.g. 0,0,1,1")
     g = p.add_argument_group("training step")
-    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    g.add_argument("--precision", choices=names(Precision), default="fp32",
                    help="compute precision: bf16/fp16 run matmul, linear, attention and conv "
                    "in low precision with fp32 master weights (fp16 adds loss scaling)")
     g.add_argument("--initial-loss-scale", type=float, default=65536.0,
                    help="fp16: the dynamic loss scale to start from (default 2^16)")
-    g.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
+    g.add_argument("--recompute", choices=names(Recompute), default="none",
                    help="activation checkpointing: full keeps only each region's input, "
                    "selective also keeps matmul/attention outputs")
     g.add_argument("--recompute-pattern", default=None,
@@ -78,7 +79,7 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
 
 def add_optimizer_flags(g) -> None:
     """The optimizer the train step is built with (it is part of the Job)."""
-    g.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    g.add_argument("--optimizer", choices=names(OptimizerKind), default="sgd")
     g.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: sgd 0.05, adamw 3e-3)")
 
@@ -154,9 +155,9 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     else:
         gbs = a.global_batch_size or a.default_gbs
         mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if a.vpp > 1 else 1)))
+    default_schedule = Schedule.INTERLEAVED if a.vpp > 1 else Schedule.ONE_F_ONE_B
     fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": a.vpp, "global_batch_size": gbs,
-              "micro_batch_size": mbs,
-              "schedule": a.schedule or ("interleaved" if a.vpp > 1 else "1f1b"),
+              "micro_batch_size": mbs, "schedule": a.schedule or default_schedule,
               "precision": a.precision, "recompute": a.recompute,
               "initial_loss_scale": a.initial_loss_scale}
     if a.recompute_pattern:

@@ -31,6 +31,7 @@ from meshplan.cli.run_cmd import cmd_run, loss_table
 from meshplan.cli.show_cmd import cmd_show
 from meshplan.cli.verdict import add_tolerance_flag, bounds_of, verdict_lines
 from meshplan.errors import ConfigError, MeshplanError
+from meshplan.ir.choices import Precision, Recompute
 
 EPILOG_INSPECT = """examples:
   meshplan inspect --model gpt --size gpt3-175b
@@ -168,7 +169,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
     fields = strategy_fields(a)
     parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1 or \
-        (a.precision, a.recompute) != ("fp32", "none")
+        (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE)
     if parallel:
         cfg = model_config(a.model, a.size, **overrides(a))
         strategy = zoo_strategy(a.model, cfg, **fields)

@@ -27,18 +27,18 @@ def cmd_run(a: argparse.Namespace) -> int:
             r = run(a.model, a.size, mesh_of(a), strategy, plan_dir=a.plan_dir,
                     save_dir=a.save_dir, resume=a.resume, on_step=update, **common)
     if a.json:
-        print(json.dumps({"losses": r["losses"], "step_s": r["step_s"], "ranks": r["ranks"],
-                          "trace": r["trace"]}))
+        print(json.dumps({"losses": r.losses, "step_s": r.step_s, "ranks": r.ranks,
+                          "trace": r.trace}))
         return 0
     print(f"{'step':>4}  {'loss':>10}  {'step (ms)':>9}")
-    for i, (loss, t) in enumerate(zip(r["losses"], r["step_s"])):
+    for i, (loss, t) in enumerate(zip(r.losses, r.step_s)):
         print(f"{i:>4}  {loss:>10.6f}  {t * 1e3:>9.1f}")
-    peaks = [(v["planned_peak_bytes"], v["measured_peak_bytes"]) for v in r["ranks"].values()]
+    peaks = [(v["planned_peak_bytes"], v["measured_peak_bytes"]) for v in r.ranks.values()]
     print(f"{len(peaks)} ranks; peak memory per rank planned "
           f"{max(p for p, _ in peaks) / 2**20:.2f} MiB, measured "
           f"{max(m for _, m in peaks) / 2**20:.2f} MiB")
-    if r["trace"]:
-        print(trace_line(r["trace"]))
+    if r.trace:
+        print(trace_line(r.trace))
     return 0
 
 

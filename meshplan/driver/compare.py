@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshplan.ir.choices import Precision
 from meshplan.runtime.checkpoint import parse_box
 from meshplan.runtime.state import cut
 
@@ -73,9 +74,9 @@ class Bounds:
 
 NOISE_FACTOR = 4.0
 BOUNDS = {
-    "fp32": Bounds(loss_atol=1e-5, atol=1e-5, rtol=1e-5),
-    "bf16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3, update_rtol=0.25),
-    "fp16": Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3, update_rtol=0.25),
+    Precision.FP32: Bounds(loss_atol=1e-5, atol=1e-5, rtol=1e-5),
+    Precision.BF16: Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3, update_rtol=0.25),
+    Precision.FP16: Bounds(loss_atol=5e-3, atol=3e-3, rtol=2e-2, chaos=5e-3, update_rtol=0.25),
 }
 
 

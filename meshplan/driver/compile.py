@@ -36,6 +36,7 @@ from pathlib import Path
 import meshplan
 from meshplan import errors
 from meshplan.capture.cache import cache_dir
+from meshplan.driver.results import CompileResult, LowerResult
 from meshplan.errors import ConfigError, MeshplanError, PlanError
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.gc_pause import paused_gc
@@ -220,7 +221,7 @@ def _publish(stage: Path, out: Path) -> None:
 
 def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
                 workers: int | None = None, use_cache: bool = True,
-                progress=None, device: str = "cpu") -> dict:
+                progress=None, device: str = "cpu") -> LowerResult:
     """Write `out/job.json` and the plans of `ranks` (default: all) for
     `device` (cpu | cuda: the device type picks each task's kernel), lowered by
     `workers` processes (default: the number of cores). Files are staged in a
@@ -250,16 +251,16 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
         gc.unfreeze()
         shutil.rmtree(stage, ignore_errors=True)
     procs = [stats.pop(k) for k in [k for k in stats if not isinstance(k, int)]]
-    return {"ranks": {r: stats[r] for r in sorted(stats)}, "workers": workers,
-            "worker_maxrss_bytes": max((p["maxrss_bytes"] for p in procs), default=0),
-            "open_s": max((p["open_s"] for p in procs), default=0.0),
-            "temp_inference": {"signatures": len(job.temps),
-                               "rank_calls": sum(p["temp_calls"] for p in procs)}}
+    return LowerResult(ranks={r: stats[r] for r in sorted(stats)}, workers=workers,
+                       worker_maxrss_bytes=max((p["maxrss_bytes"] for p in procs), default=0),
+                       open_s=max((p["open_s"] for p in procs), default=0.0),
+                       temp_signatures=len(job.temps),
+                       temp_rank_calls=sum(p["temp_calls"] for p in procs))
 
 
 def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "sgd",
                   lr: float | None = None, ranks=None, workers=None, use_cache: bool = True,
-                  progress=None, device: str = "cpu", **overrides) -> dict:
+                  progress=None, device: str = "cpu", **overrides) -> CompileResult:
     """The whole compile of a zoo model: master once, then ranks in workers."""
     from meshplan.driver.plan import plan_model
 
@@ -267,9 +268,9 @@ def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "
     planned = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides)
     master_s = sum(planned.timings.values())  # autodiff, passes, Job bytes and digest
     temp_calls = TempStats.calls - temp_calls
-    stats = compile_job(planned.job, out, ranks, workers, use_cache, progress, device)
-    return {"capture_s": planned.capture_s, "master_s": master_s,
-            "passes_s": planned.timings, "job_digest": planned.job.digest(), **stats,
-            "inference": {"logical": InferStats.snapshot(),
-                          "temp": {**stats.pop("temp_inference"), "master_calls": temp_calls}},
-            "master_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    lowering = compile_job(planned.job, out, ranks, workers, use_cache, progress, device)
+    return CompileResult(
+        capture_s=planned.capture_s, master_s=master_s, passes_s=planned.timings,
+        job_digest=planned.job.digest(), lowering=lowering,
+        logical_inference=InferStats.snapshot(), master_temp_calls=temp_calls,
+        master_maxrss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

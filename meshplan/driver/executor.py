@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshplan.ir import Graph
+from meshplan.ir.choices import Precision
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.passes.plan import plan_job
 from meshplan.plan.lower import lower
@@ -23,7 +24,7 @@ class Executor:
     def __init__(self, graph: Graph, device: str | torch.device = "cpu"):
         meta = dict(graph.meta)
         m = int(meta.get("num_microbatches", "1"))
-        strategy = Strategy(global_batch_size=m, precision=meta.get("precision", "fp32"))
+        strategy = Strategy(global_batch_size=m, precision=meta.get("precision", Precision.FP32))
         self.job = plan_job(graph, Mesh(1, 1), strategy)
         self.graph = self.job.graph
         device = torch.device(device)

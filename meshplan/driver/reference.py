@@ -18,10 +18,12 @@ from torch import nn
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.ir import LOSS_SCALE
+from meshplan.ir.choices import Precision
+from meshplan.ir.state_name import StateName
 from meshplan.runtime.amp import GROWTH_INTERVAL, INIT_SCALE
 from meshplan.runtime.data import split_microbatches
 
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+LOW = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 class EagerRun(NamedTuple):
@@ -47,7 +49,7 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer | None = None,
     for p, slots in (opt.state.items() if opt is not None else ()):
         for slot, t in slots.items():
             if torch.is_tensor(t):
-                out[f"{name_of[id(p)]}@{slot}"] = t.detach().cpu().clone()
+                out[str(StateName(name_of[id(p)], slot))] = t.detach().cpu().clone()
     if scaler is not None:
         out[LOSS_SCALE] = scaler.get_scale() * torch.ones((), dtype=torch.float32)
     return out
@@ -55,7 +57,7 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer | None = None,
 
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
-    precision: str = "fp32", init_scale: float = INIT_SCALE, device: str = "cpu",
+    precision: Precision = Precision.FP32, init_scale: float = INIT_SCALE, device: str = "cpu",
 ) -> EagerRun:
     """Train `module` in place on `batches`; returns losses, step seconds and
     the final state (on the CPU). On `device` cuda the module moves there,
@@ -66,7 +68,7 @@ def eager_train(
     opt = optimizer.torch_optimizer(module.parameters())
     scaler = torch.amp.GradScaler(dev.type, init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
-        if precision == "fp16" else None
+        if precision == Precision.FP16 else None
     losses, times = [], []
     for batch in batches:
         t0 = time.perf_counter()

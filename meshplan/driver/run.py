@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshplan.driver.plan import plan_model
+from meshplan.driver.results import RunResult
 from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
 from meshplan.ir.fileio import write_atomic
@@ -77,7 +78,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         plan_dir: str = "", kill: tuple[int, int] | None = None, save_dir: str = "",
         resume: bool = False, lr: float | None = None, trace: str = "", on_step=None,
         kill_in_save: int = -1, report_state: bool = False, device: str = "cpu",
-        backend: str = "", **overrides) -> dict:
+        backend: str = "", **overrides) -> RunResult:
     """Train on `mesh.world` local processes; returns losses, step times, memory.
 
     With `trace` (a path), the last step is timed on every rank and written
@@ -114,7 +115,7 @@ def run_devices(device: str, backend: str, ranks_here: int) -> tuple[str, str]:
 
 
 def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None,
-           on_step=None) -> dict:
+           on_step=None) -> RunResult:
     """Run `spec` on `job.mesh.world` local processes (results in a temporary
     folder; `saved`, weights and batches, if given, go there as the ranks'
     `module_file`, tensors only)
@@ -133,7 +134,8 @@ def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None
         slices = {r: read_tensors(Path(results) / f"state_{r}.bin", STATE)[0]
                   for r in range(job.mesh.world)} if spec.report_state else None
     out = merge(per_rank, job, time.perf_counter() - t0, trace)
-    return out if slices is None else out | {"state_slices": slices}
+    out.state_slices = slices
+    return out
 
 
 def under_torchrun() -> bool:
@@ -145,7 +147,7 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
                  optimizer: str = "sgd", seed: int = 0, threads: int = 1,
                  timeout_s: float = 60.0, lr: float | None = None, trace: str = "",
                  save_dir: str = "", device: str = "cpu", backend: str = "",
-                 **overrides) -> dict | None:
+                 **overrides) -> RunResult | None:
     """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
     every rank lowers and runs itself. Returns the merged result on rank 0.
     With `save_dir` (on storage every rank reaches) the ranks save a DCP
@@ -180,29 +182,29 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
     return merge(per_rank, None, time.perf_counter() - t0, trace)
 
 
-def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> dict:
+def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> RunResult:
     """One result from every rank's: the losses, the slowest rank's step
     times, memory per rank; with `trace`, the merged trace written there."""
     holders = [r for r, v in sorted(per_rank.items()) if v["losses"]]
     losses = per_rank[holders[0]]["losses"] if holders else []
     steps = [max(v["step_s"][i] for v in per_rank.values())
              for i in range(len(next(iter(per_rank.values()))["step_s"]))]
-    return {
-        "losses": losses, "step_s": steps,
-        "rank_losses": {str(r): per_rank[r]["losses"] for r in holders},
-        "median_step_s": statistics.median(steps) if steps else None,
-        "ranks": {str(r): {"planned_peak_bytes": v["planned_peak_bytes"],
-                           "measured_peak_bytes": v["measured_peak_bytes"],
-                           "live_peak_bytes": v.get("live_peak_bytes"),
-                           "device": v.get("device", "cpu"),
-                           "attention_fallbacks": v.get("attention_fallbacks", {}),
-                           "attention_ran": v.get("attention_ran", {}),
-                           "planned_peak": v["planned_peak"]}
-                  for r, v in sorted(per_rank.items())},
-        "job_digest": job.digest() if job is not None else None, "wall_s": wall_s,
-        "first_step": next(iter(per_rank.values())).get("first_step", 0),
-        "trace": write_trace(per_rank, trace) if trace else None,
-    }
+    return RunResult(
+        losses=losses, step_s=steps,
+        rank_losses={str(r): per_rank[r]["losses"] for r in holders},
+        median_step_s=statistics.median(steps) if steps else None,
+        ranks={str(r): {"planned_peak_bytes": v["planned_peak_bytes"],
+                        "measured_peak_bytes": v["measured_peak_bytes"],
+                        "live_peak_bytes": v.get("live_peak_bytes"),
+                        "device": v.get("device", "cpu"),
+                        "attention_fallbacks": v.get("attention_fallbacks", {}),
+                        "attention_ran": v.get("attention_ran", {}),
+                        "planned_peak": v["planned_peak"]}
+               for r, v in sorted(per_rank.items())},
+        job_digest=job.digest() if job is not None else None, wall_s=wall_s,
+        first_step=next(iter(per_rank.values())).get("first_step", 0),
+        trace=write_trace(per_rank, trace) if trace else None,
+    )
 
 
 def write_trace(per_rank: dict[int, dict], path: str) -> dict:

@@ -36,7 +36,9 @@ from meshplan.driver.executor import Executor
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
 from meshplan.driver.run import run
 from meshplan.errors import ConfigError
+from meshplan.ir.choices import OptimizerKind, Precision, Recompute
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.ir.state_name import is_state
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.passes.plan import PASSES, Compilation
@@ -85,20 +87,21 @@ def verify(
     module = build_model(cfg)
     reference = copy.deepcopy(module)
     fp32_reference = copy.deepcopy(module)
-    precision = strategy.precision if strategy is not None else "fp32"
+    precision = strategy.precision if strategy is not None else Precision.FP32
     init_scale = strategy.initial_loss_scale if strategy is not None else INIT_SCALE
     opt = OptimizerConfig.default(optimizer, lr)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
-    if strategy is not None and (mesh is None or mesh.world > 1 or strategy.recompute != "none"):
+    if strategy is not None and (mesh is None or mesh.world > 1
+                                 or strategy.recompute != Recompute.NONE):
         mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
         result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr,
                      report_state=True, device=device, **(run_options or {}), **overrides)
-        mine = {"mode": "distributed", "losses": result["losses"],
-                "rank_losses": result["rank_losses"], "slices": result["state_slices"],
-                "trace": result["trace"], "step_s": result["median_step_s"],
-                "ranks": result["ranks"], "ops": None, "capture_s": None, "autodiff_s": None,
+        mine = {"mode": "distributed", "losses": result.losses,
+                "rank_losses": result.rank_losses, "slices": result.state_slices,
+                "trace": result.trace, "step_s": result.median_step_s,
+                "ranks": result.ranks, "ops": None, "capture_s": None, "autodiff_s": None,
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
-                                           for r in result["ranks"].values())}
+                                           for r in result.ranks.values())}
     else:
         mine = _single(module, batches, opt, num_microbatches, precision, init_scale, device)
     reset_peak(device)
@@ -106,7 +109,7 @@ def verify(
                                  num_microbatches, opt, precision, init_scale, bounds, device)
     ref_peak = peak_of(device)
     extra = {"precision": precision, "device": device, "ref_measured_peak_bytes": ref_peak}
-    if precision != "fp32":  # the second judge, for information: full-precision eager
+    if precision != Precision.FP32:  # the second judge, for information: full-precision eager
         fp32 = eager_train(fp32_reference, batches, num_microbatches, opt,
                            device=device).losses
         extra |= {"ref_fp32_losses": fp32,
@@ -121,7 +124,8 @@ def verify(
 
 
 def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], module,
-                  batches: list[tuple], m: int, opt: OptimizerConfig, precision: str = "fp32",
+                  batches: list[tuple], m: int, opt: OptimizerConfig,
+                  precision: Precision = Precision.FP32,
                   init_scale: float = INIT_SCALE, bounds: Bounds | None = None,
                   device: str = "cpu"):
     """Train `module` (its starting weights; not changed) eagerly on `batches`
@@ -132,7 +136,7 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
     twin = eager_train(copy.deepcopy(module), reordered(batches, m), m, opt, precision,
                        init_scale, device)
     flips = adam_flips(ref.state, opt.lr, len(batches), opt.betas) \
-        if opt.kind == "adamw" else None
+        if opt.kind == OptimizerKind.ADAMW else None
     return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,
                  eager_state(module)), ref
 
@@ -160,8 +164,8 @@ def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: Eag
     return {"ok": not problems, "problems": problems, "bounds": asdict(bounds),
             "max_abs_diff": losses["max_abs_diff"], "loss_noise": loss_noise,
             "loss_bound_used": losses["bound_used"],
-            "params": {k: d for k, d in state.items() if "@" not in k},
-            "optimizer_state": {k: d for k, d in state.items() if "@" in k}}
+            "params": {k: d for k, d in state.items() if not is_state(k)},
+            "optimizer_state": {k: d for k, d in state.items() if is_state(k)}}
 
 
 def _describe(d: dict) -> str:
@@ -210,7 +214,7 @@ def mean_rel_diff(a: list[float], b: list[float]) -> float:
     return statistics.fmean(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-def _single(module, batches, opt, m: int, precision: str = "fp32",
+def _single(module, batches, opt, m: int, precision: Precision = Precision.FP32,
             init_scale: float = INIT_SCALE, device: str = "cpu") -> dict:
     """meshplan on this one process: capture, autodiff, the one-rank executor."""
     micro = [split_microbatches(b, m) for b in batches]

@@ -154,7 +154,20 @@ class Op:
 
     def remap(self, fn: Callable[[int], int]) -> tuple[tuple[Arg, ...], tuple]:
         """This op's args and kwargs with each `Ref`'s id replaced by `fn(id)`."""
-        return map_refs(self.args, fn), tuple((k, map_refs(v, fn)) for k, v in self.kwargs)
+        return (tuple(map_refs(a, fn) for a in self.args),
+                tuple((k, map_refs(v, fn)) for k, v in self.kwargs))
+
+    def ref(self, i: int) -> Ref:
+        """Argument `i`, which this op's kind makes a `Ref`."""
+        a = self.args[i]
+        assert isinstance(a, Ref), f"{self.kind} argument {i} is {a!r}, not a Ref"
+        return a
+
+    def int_kwarg(self, name: str) -> int:
+        """Keyword argument `name`, which this op's kind makes an int."""
+        a = dict(self.kwargs)[name]
+        assert isinstance(a, int), f"{self.kind} keyword {name} is {a!r}, not an int"
+        return a
 
 
 def refs_in(args: tuple, kwargs: tuple = ()) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Mesh, Strategy
-from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard, fmt
+from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard, fmt
 from meshplan.ir.serialize import Malformed, op_from_row, op_to_row
 
 KIND = "meshplan.job"
@@ -54,16 +54,20 @@ class Job:
     # The sealed bytes, once made or read (a memo: the Job is immutable).
     _sealed: Parts | None = field(default=None, init=False, repr=False, compare=False)
 
-    def to_bytes(self) -> bytes:
+    def _parts(self) -> Parts:
+        """The serialized Job, encoded once."""
         if self._sealed is None:
             with paused_gc():
                 object.__setattr__(self, "_sealed", _encode(self))
-        return self._sealed.data
+        assert self._sealed is not None
+        return self._sealed
+
+    def to_bytes(self) -> bytes:
+        return self._parts().data
 
     def digest(self) -> str:
         """sha256 of the serialized Job's body: the cache key of every rank's plan."""
-        self.to_bytes()
-        return self._sealed.digest
+        return self._parts().digest
 
     @staticmethod
     def from_bytes(data: bytes, where: str = "<bytes>") -> Job:
@@ -190,7 +194,7 @@ _TOKEN = re.compile(r"S\((\d+)\)|P\((\w+)\)|P|R")
 
 def parse_sbp(text: str) -> NdSbp:
     """`S(0)R` -> (Shard(0), Replicate()); the inverse of `sbp.fmt`."""
-    out = []
+    out: list[Sbp] = []
     for m in _TOKEN.finditer(text):
         if m.group(1) is not None:
             out.append(Shard(int(m.group(1))))
@@ -271,7 +275,7 @@ def _encode(job: Job) -> Parts:
         on = [job.stage[op.id]]
         if op.kind == TRANSFER:
             transfers.append(row + [job.stage[op.id]])
-            on.append(dict(op.kwargs)["src_stage"])
+            on.append(op.int_kwarg("src_stage"))
         else:
             stages.setdefault(job.stage[op.id], []).append(row)
         for st in on:
@@ -331,7 +335,7 @@ def verify_job(job: Job) -> None:
     for op in g.ops:
         here = job.stage[op.id]
         if op.kind == TRANSFER:
-            here = dict(op.kwargs)["src_stage"]
+            here = op.int_kwarg("src_stage")
         for r in op.refs():
             src = made_on.get(r, here)
             assert src == here, (

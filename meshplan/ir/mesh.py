@@ -6,12 +6,17 @@ Invariants:
   innermost: rank of grid coordinate `(d, t)` is `stage_ranks[s][d * tp + t]`.
   By default stage `s` owns the contiguous block `[s*dp*tp, (s+1)*dp*tp)`,
   so a tp group stays inside one node whenever `tp <= devices_per_node`.
-- Plain data: validation with user-facing errors lives in `passes/strategy.py`.
+- Plain data. The named choices (schedule, precision, recompute, tp styles)
+  become `ir/choices` members on construction, so a bad name fails there in
+  one `ConfigError` line; every other check lives in `passes/strategy.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from meshplan.errors import ConfigError
+from meshplan.ir.choices import Precision, Recompute, Schedule, TpStyle, choose
 
 AXES = ("dp", "tp")  # names of the placement grid's axes, outermost first
 
@@ -61,15 +66,30 @@ class Strategy:
     vpp: int = 1
     global_batch_size: int = 1
     micro_batch_size: int = 1
-    schedule: str = "1f1b"           # gpipe | 1f1b | interleaved
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     layer_pattern: str = ""          # regex over module paths; "" = the model's; "auto"
     layer_stages: tuple[int, ...] = ()   # optional user stage per layer
     stage_ranks: tuple[tuple[int, ...], ...] = ()  # optional explicit ranks per stage
-    tp_plan: tuple[tuple[str, str], ...] | str = ()  # (module-path regex, style), or "auto"
-    precision: str = "fp32"          # fp32 | bf16 | fp16 (mixed, fp32 master weights)
-    recompute: str = "none"          # none | full | selective (activation checkpointing)
+    tp_plan: tuple[tuple[str, TpStyle], ...] | str = ()  # (module-path regex, style), or "auto"
+    precision: Precision = Precision.FP32
+    recompute: Recompute = Recompute.NONE
     recompute_pattern: str = ""      # regex of checkpointed regions; "" = the layer pattern
     initial_loss_scale: float = 65536.0  # fp16 dynamic loss scaling starts here
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: parse the names once, here
+        set_(self, "schedule", choose(Schedule, self.schedule, "schedule"))
+        set_(self, "precision", choose(Precision, self.precision, "precision"))
+        set_(self, "recompute", choose(Recompute, self.recompute, "recompute mode"))
+        if isinstance(self.tp_plan, str):
+            if self.tp_plan != "auto":
+                raise ConfigError(f"tp_plan '{self.tp_plan}' is unknown: give 'auto' or a list "
+                                  "of (module-path regex, style) pairs, styles "
+                                  f"{', '.join(TpStyle)}")
+            return
+        set_(self, "tp_plan", tuple(
+            (pattern, choose(TpStyle, style, "tensor-parallel style", f" for '{pattern}'"))
+            for pattern, style in self.tp_plan))
 
     @property
     def num_microbatches(self) -> int:

@@ -3,12 +3,13 @@ pooling and meshplan's own ops (one mesh axis; contract in `sbp_sig.py`).
 
 The Megatron patterns come from these rows: a column-parallel linear is
 `x R, w S(0), b S(0) -> S(-1)`; a row-parallel one is
-`x S(-1), w S(1), b R -> P` (the bias added by one rank: "bias_first");
-a vocab-parallel embedding is `w S(0), idx R -> P` ("vocab_offset").
+`x S(-1), w S(1), b R -> P` (the bias added by one rank: BIAS_FIRST);
+a vocab-parallel embedding is `w S(0), idx R -> P` (VOCAB_OFFSET).
 """
 
 from __future__ import annotations
 
+from meshplan.ir.choices import KernelVariant as KV
 from meshplan.ir.sbp import Sbp, Shard
 from meshplan.ops.sbp_sig import Outs, P, R, SbpSig, out_meta, replicated, same, tensors
 
@@ -21,7 +22,7 @@ def linear(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     b = (R,) if has_b else ()
     sigs = [SbpSig((Shard(i), R) + b, (Shard(i),)) for i in range(nb - 1) if x.shape[i] > 1]
     sigs.append(SbpSig((R, Shard(0)) + ((Shard(0),) if has_b else ()), (Shard(nb - 1),)))
-    first = "bias_first" if has_b else ""
+    first = KV.BIAS_FIRST if has_b else KV.NONE
     sigs.append(SbpSig((Shard(nb - 1), Shard(1)) + b, (P,), first))
     sigs.append(SbpSig((P, R) + b, (P,), first))
     return sigs + [replicated(len(ts), 1)]
@@ -83,7 +84,7 @@ def embedding(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     nd = len(idx.shape)
     sigs = [SbpSig((R, Shard(d)), (Shard(d),)) for d in range(nd) if idx.shape[d] > 1]
     sigs.append(SbpSig((Shard(1), R), (Shard(nd),)))
-    sigs.append(SbpSig((Shard(0), R), (P,), "vocab_offset"))
+    sigs.append(SbpSig((Shard(0), R), (P,), KV.VOCAB_OFFSET))
     return sigs + [replicated(2, 1)]
 
 
@@ -94,7 +95,7 @@ def embedding_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[Sb
     sigs.append(SbpSig((Shard(nd), R), (Shard(1),)))
     sigs.append(SbpSig((P, R), (P,)))
     # Each rank computing only its own vocab rows: for a vocab-sharded table.
-    return sigs + [replicated(2, 1), SbpSig((R, R), (Shard(0),), "vocab_offset")]
+    return sigs + [replicated(2, 1), SbpSig((R, R), (Shard(0),), KV.VOCAB_OFFSET)]
 
 
 def nll_loss(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
@@ -105,7 +106,7 @@ def nll_loss(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     sigs = []
     if reduction == 2 and len(ts[0].shape) == 2:
         sigs.append(SbpSig((Shard(0), Shard(0)) + w, (P, P)))
-        sigs.append(SbpSig((Shard(1), R) + w, (P, R), "class_offset"))
+        sigs.append(SbpSig((Shard(1), R) + w, (P, R), KV.CLASS_OFFSET))
     return sigs + [replicated(len(ts), 2)]
 
 
@@ -117,7 +118,7 @@ def nll_loss_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[Sbp
     sigs = []
     if reduction == 2 and len(ts[1].shape) == 2:
         sigs.append(SbpSig((R, Shard(0), Shard(0)) + (R,) * k, (Shard(0),)))
-        sigs.append(SbpSig((R, Shard(1), R) + (R,) * k, (Shard(1),), "class_offset"))
+        sigs.append(SbpSig((R, Shard(1), R) + (R,) * k, (Shard(1),), KV.CLASS_OFFSET))
     return sigs + [replicated(len(ts), 1)]
 
 
@@ -137,7 +138,7 @@ def conv2d(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     sigs = [SbpSig((Shard(0), R) + b, (Shard(0),))]
     if groups == 1:
         sigs.append(SbpSig((R, Shard(0)) + ((Shard(0),) if has_b else ()), (Shard(1),)))
-        sigs.append(SbpSig((Shard(1), Shard(1)) + b, (P,), "bias_first" if has_b else ""))
+        sigs.append(SbpSig((Shard(1), Shard(1)) + b, (P,), KV.BIAS_FIRST if has_b else KV.NONE))
     return sigs + [replicated(len(ts), 1)]
 
 

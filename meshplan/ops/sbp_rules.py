@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from meshplan.ir import TensorMeta
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.sbp import Partial, Shard
 from meshplan.ops.sbp_sig import (
     Outs,
@@ -199,7 +200,8 @@ def reduction(kind: str) -> SbpRule:
                 continue
             if d in dims:
                 out = PMAX if kind == "max" else P
-                sigs.append(SbpSig((Shard(d),), (out,), "mean_rescale" if kind == "mean" else ""))
+                rescale = KernelVariant.MEAN_RESCALE if kind == "mean" else KernelVariant.NONE
+                sigs.append(SbpSig((Shard(d),), (out,), rescale))
             else:
                 od = d if keep else d - sum(1 for r in dims if r < d)
                 sigs.append(SbpSig((Shard(d),), (Shard(od),)))

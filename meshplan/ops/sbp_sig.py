@@ -10,7 +10,8 @@ Invariants:
 - The list is in order of preference: propagation breaks cost ties by it.
   Every list holds the all-Replicate signature, which is always correct.
 - `local` names a rank-dependent variant of the kernel that lowering applies
-  (e.g. "bias_first": only the axis's first rank adds the bias), "" if none.
+  (e.g. `KernelVariant.BIAS_FIRST`: only the axis's first rank adds the
+  bias), `KernelVariant.NONE` ("") if none.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from meshplan.ir import TensorMeta
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.sbp import Partial, Replicate, Sbp
 
 R = Replicate()
@@ -32,7 +34,7 @@ Outs = tuple[Optional[TensorMeta], ...]  # an op's output metas (None: absent)
 class SbpSig:
     ins: tuple[Sbp, ...]
     outs: tuple[Sbp | None, ...]
-    local: str = ""
+    local: KernelVariant = KernelVariant.NONE
 
 
 # sbp(signature args, signature kwargs, outs, axis size) -> signatures, preferred first

@@ -24,14 +24,14 @@ from dataclasses import replace
 from meshplan.capture.structure import KEY
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph
+from meshplan.ir.choices import Recompute, TpStyle
 from meshplan.ir.mesh import Strategy
 
 AUTO = "auto"
-_EXACT = {"colwise": "colwise", "rowwise": "rowwise", "replicate": "replicate",
-          "vocab": "vocab"}
-_NEAR = {"colwise_rep": "colwise", "colwise_gather_output": "colwise",
-         "rowwise_rep": "rowwise", "embedding_rowwise": "vocab",
-         "local_colwise": "colwise", "local_rowwise": "rowwise"}
+# transformers' tp-plan styles -> ours: the same name, or the nearest
+_NEAR = {"colwise_rep": TpStyle.COLWISE, "colwise_gather_output": TpStyle.COLWISE,
+         "rowwise_rep": TpStyle.ROWWISE, "embedding_rowwise": TpStyle.VOCAB,
+         "local_colwise": TpStyle.COLWISE, "local_rowwise": TpStyle.ROWWISE}
 _KV = ("k_proj", "v_proj", "key", "value", "wk", "wv")
 _ATTN = ("q_proj", "query", "wq", "c_attn", "qkv", "Wqkv")
 
@@ -64,7 +64,7 @@ def auto_layer_pattern(graph: Graph) -> str:
 def _layer_pattern(facts: dict, s: Strategy, notes: list[str]) -> str:
     path = facts.get("layers", "")
     if not path:
-        if s.pp > 1 or s.vpp > 1 or (s.recompute != "none" and not s.recompute_pattern):
+        if s.pp > 1 or s.vpp > 1 or (s.recompute != Recompute.NONE and not s.recompute_pattern):
             raise ConfigError(f"layer_pattern 'auto' found no layer list in {facts['model']} "
                               "(no nn.ModuleList of blocks of one class); pass --layer-pattern "
                               "with a regex naming one layer, e.g. 'blocks\\.\\d+'")
@@ -74,7 +74,7 @@ def _layer_pattern(facts: dict, s: Strategy, notes: list[str]) -> str:
     return pattern
 
 
-def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, str], ...]:
+def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, TpStyle], ...]:
     if tp == 1:
         return ()
     entries = json.loads(facts["tp"])
@@ -83,25 +83,33 @@ def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, str], .
     if vocab and vocab % tp:
         raise ConfigError(f"tp={tp} does not divide the vocabulary ({vocab}) of {model}; "
                           f"choose tp among {_divisors(vocab)}")
-    plan = []
+    plan: list[tuple[str, TpStyle]] = []
     for pattern, style, given in entries:
         leaf = pattern.rsplit("\\.", 1)[-1]
-        mine = _EXACT.get(style) or _NEAR.get(style, "replicate")
-        if mine == "colwise" and given != "structure" and _is_head(pattern):
-            mine = "vocab"
-        if leaf in _ATTN and mine != "replicate" and heads and heads % tp:
+        mine = _ours(style)
+        if mine == TpStyle.COLWISE and given != "structure" and _is_head(pattern):
+            mine = TpStyle.VOCAB
+        if leaf in _ATTN and mine != TpStyle.REPLICATE and heads and heads % tp:
             raise ConfigError(f"tp={tp} does not divide the {heads} attention heads of {model}; "
                               f"choose tp among {_divisors(heads)}")
-        if leaf in _KV and mine != "replicate" and kv and kv % tp:
+        if leaf in _KV and mine != TpStyle.REPLICATE and kv and kv % tp:
             notes.append(f"'{pattern}': {kv} key/value heads do not split over tp={tp}; "
                          "replicated (each rank computes all key/value heads)")
-            mine = "replicate"
+            mine = TpStyle.REPLICATE
         elif mine != style and given != "structure":
             notes.append(f"'{pattern}': transformers style '{style}' mapped to '{mine}'")
         plan.append((pattern, mine))
     notes.append(f"tp_plan auto from {facts['tp_from']}: " +
                  ", ".join(f"{p}={s}" for p, s in plan))
     return tuple(plan)
+
+
+def _ours(style: str) -> TpStyle:
+    """transformers' tp-plan `style` as ours (replicate where we have no near one)."""
+    try:
+        return TpStyle(style)
+    except ValueError:
+        return _NEAR.get(style, TpStyle.REPLICATE)
 
 
 def _is_head(pattern: str) -> bool:

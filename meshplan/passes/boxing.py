@@ -142,6 +142,7 @@ def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:
     have = ctx.plan.produced.get(o)
     if want is None or want == have:
         return
+    assert have is not None, f"value {o} is hinted before it is produced"
     at = ctx.where[o]
     ctx.default[o] = _convert_local(ctx, o, have, want, at, module_path)
     ctx.versions[(o, want, at[0])] = ctx.default[o]

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Op, Phase, Ref, Role
 from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM
+from meshplan.ir.state_name import StateName
 
-GRAD_SUFFIX = "@grad"  # accumulator `<fqn>@grad` of parameter `<fqn>`
 MAX_EXAMPLES = 5       # module paths shown when the layer pattern matches nothing
 
 Place = tuple[int, int]  # (stage, chunk)
@@ -273,7 +273,7 @@ class _Placer:
                 continue
             v = self.graph.values[a.id]
             pid = a.id if v.role is Role.PARAM else \
-                self.by_name.get(v.name.removesuffix(GRAD_SUFFIX)) if v.role is Role.GRAD \
+                self.by_name.get(StateName.parse(v.name).fqn) if v.role is Role.GRAD \
                 else None
             if pid is not None and pid in self.reader:
                 return self.place[self.reader[pid]]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, verify
+from meshplan.ir.choices import Precision, Recompute, TpStyle
 from meshplan.ir.job import Job, verify_job
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.auto_plan import resolve_auto
@@ -75,7 +76,7 @@ def _apply_precision(c: Compilation) -> None:
 
 def _autodiff(c: Compilation) -> None:
     s = c.strategy
-    scale = s.initial_loss_scale if s.precision == "fp16" else None
+    scale = s.initial_loss_scale if s.precision == Precision.FP16 else None
     c.graph = build_train_step(c.graph, c.optimizer, s.num_microbatches, loss_scale=scale)
 
 
@@ -151,14 +152,14 @@ def _check(c: Compilation) -> None:
 
 
 def _vocab_tp(c: Compilation) -> bool:
-    return c.strategy.tp > 1 and any(style == "vocab" for _, style in c.strategy.tp_plan)
+    return c.strategy.tp > 1 and any(style == TpStyle.VOCAB for _, style in c.strategy.tp_plan)
 
 
 F = frozenset
 PASSES = PassManager([
     Pass("check_strategy", _check_strategy, F(), F({"valid_strategy"})),
     Pass("apply_precision", _apply_precision, F({"valid_strategy"}), F({"casts"}),
-         when=lambda c: c.strategy.precision != "fp32"),
+         when=lambda c: c.strategy.precision != Precision.FP32),
     Pass("autodiff", _autodiff, F({"valid_strategy", "casts"}), F({"train_step"})),
     Pass("resolve_auto", _resolve_auto, F({"valid_strategy", "train_step"}),
          F({"concrete_strategy"})),
@@ -175,7 +176,7 @@ PASSES = PassManager([
          F({"sbp"})),
     Pass("add_boxing", _add_boxing, F({"sbp"}), F({"boxed"})),
     Pass("recompute", _recompute, F({"boxed"}), F({"recompute_clones"}),
-         when=lambda c: c.strategy.recompute != "none"),
+         when=lambda c: c.strategy.recompute != Recompute.NONE),
     Pass("kernel_temps", _kernel_temps, F({"boxed", "recompute_clones"}), F({"temps"})),
     Pass("make_job", _make_job, F({"boxed", "temps"}), F({"job"})),
 ], check=_check)

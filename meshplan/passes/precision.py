@@ -24,18 +24,19 @@ One cast is made per (value, dtype) and shared by its readers.
 from __future__ import annotations
 
 from meshplan.ir import DType, Graph, Phase, Ref
+from meshplan.ir.choices import Precision
 from meshplan.ir.graph import refs_in
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 from meshplan.passes.rebuild import Rebuild
 
-DTYPES = {"bf16": DType("bfloat16"), "fp16": DType("float16")}
+DTYPES = {Precision.BF16: DType("bfloat16"), Precision.FP16: DType("float16")}
 FP32 = DType("float32")
 CAST = "aten._to_copy.default"
 
-def apply_precision(graph: Graph, precision: str) -> Graph:
+def apply_precision(graph: Graph, precision: Precision) -> Graph:
     """`graph` (a forward Graph) with casts for `precision` (fp32, bf16, fp16)."""
-    if precision == "fp32":
+    if precision == Precision.FP32:
         return graph
     assert all(op.phase is Phase.FORWARD for op in graph.ops), "runs before autodiff"
     low = DTYPES[precision]

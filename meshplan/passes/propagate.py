@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import Graph, Role, TensorMeta
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
+from meshplan.ir.state_name import StateName
 from meshplan.ops.infer import to_sig
 from meshplan.ops.sbp_sig import SbpSig
 from meshplan.ops.table import rule_for
@@ -79,10 +80,10 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int) -> dict[int
             layouts[vid] = (R,) * len(grid)
     for vid in graph.inputs:
         v = graph.values[vid]
-        if v.role is Role.OPT_STATE and v.name.rsplit("@", 1)[0] not in params:
+        if v.role is Role.OPT_STATE and StateName.parse(v.name).fqn not in params:
             layouts[vid] = (R,) * len(grid)  # a step-level scalar (the loss scale)
         elif v.role is Role.OPT_STATE:
-            p, layout = params[v.name.rsplit("@", 1)[0]]
+            p, layout = params[StateName.parse(v.name).fqn]
             layouts[vid] = layout if v.meta.shape == p.meta.shape else (R,) * len(grid)
     return layouts
 
@@ -202,7 +203,9 @@ def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:
 
 def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted) -> SbpSig:
     """The cheapest signature: boxing its inputs in, and its hinted outputs out."""
-    candidates = rule_for(kind).sbp(sig_args, dict(sig_kw), outs, n)
+    rule = rule_for(kind).sbp
+    assert rule is not None, f"{kind} has no SBP rule"
+    candidates = rule(sig_args, dict(sig_kw), outs, n)
     best, best_cost = candidates[-1], INF
     for cand in candidates:
         cost = 0.0

@@ -31,16 +31,17 @@ from functools import partial
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Phase
+from meshplan.ir.choices import Recompute
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ops.table import rule_for
 from meshplan.passes.boxing import Boxed
 from meshplan.passes.rebuild import Rebuild
 
 
-def recompute(boxed: Boxed, mode: str, pattern: str) -> Boxed:
+def recompute(boxed: Boxed, mode: Recompute, pattern: str) -> Boxed:
     """`boxed` with the regions matching `pattern` checkpointed (`mode` full
     or selective); unchanged for mode none."""
-    if mode == "none":
+    if mode == Recompute.NONE:
         return boxed
     g = boxed.graph
     region = _regions(g, pattern, mode)
@@ -84,7 +85,7 @@ def _region_of(rx: re.Pattern[str], path: str) -> str | None:
     return m.group(0) if m and m.group(0) else None
 
 
-def _regions(g: Graph, pattern: str, mode: str) -> dict[int, str]:
+def _regions(g: Graph, pattern: str, mode: Recompute) -> dict[int, str]:
     """Region of each recomputable forward op."""
     try:
         rx = re.compile(pattern)
@@ -97,14 +98,14 @@ def _regions(g: Graph, pattern: str, mode: str) -> dict[int, str]:
             continue
         where = _region_of(rx, op.module_path)
         policy = rule_for(op.kind).recompute
-        if where is None or (mode == "selective" and policy == "keep"):
+        if where is None or (mode == Recompute.SELECTIVE and policy == "keep"):
             continue
         if policy == "random":
             raise ConfigError(f"cannot recompute {op.kind} at '{op.module_path}': replaying a "
                               "random op needs its RNG state; set its probability to 0 or "
                               "exclude it with --recompute-pattern")
         out[op.id] = where
-    if not out and mode == "full":
+    if not out and mode == Recompute.FULL:
         raise ConfigError(f"recompute pattern '{pattern}' matches no forward module path; "
                           "give --recompute-pattern a regex like 'blocks\\.\\d+'")
     return out

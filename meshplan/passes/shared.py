@@ -38,6 +38,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir import Graph, GraphBuilder, Op, Phase, Ref, Role, Update
 from meshplan.ir.builder import renumber_ops
 from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM
+from meshplan.ir.state_name import StateName
 
 Place = tuple[int, int]
 
@@ -81,13 +82,14 @@ class _Rewrite:
     def split(self, pid: int, stages: dict[int, int]) -> None:
         g, name = self.graph, self.graph.values[pid].name
         acc_op = next((op for op in g.ops if op.kind == ACCUMULATE_GRAD
-                       and g.values[op.args[0].id].name == f"{name}@grad"), None)
+                       and g.values[op.ref(0).id].name == str(StateName.grad(name))), None)
         if acc_op is None:
             return  # not trained: each copy stays as loaded
         opt_op = next(op for op in g.ops if op.phase is Phase.OPTIMIZER
                       and op.args and op.args[0] == Ref(pid))
-        total = self.producer[acc_op.args[1].id]
-        contribs = list(total.args) if total.kind == GRAD_SUM else [acc_op.args[1]]
+        total = self.producer[acc_op.ref(1).id]
+        contribs = [total.ref(i) for i in range(len(total.args))] if total.kind == GRAD_SUM \
+            else [acc_op.ref(1)]
         self.drop |= {acc_op.id} | ({total.id} if total.kind == GRAD_SUM else set())
         by_stage: dict[int, list[Ref]] = {}
         for c in contribs:
@@ -126,7 +128,7 @@ class _Rewrite:
         new.append((replace(acc_op, id=next(self.fresh), args=(acc_op.args[0], grad),
                             outputs=(acc,)), at))
         self.after.setdefault(last.id, []).extend(new)
-        self.updates.append(Update(self.graph.values[acc_op.args[0].id].name, acc))
+        self.updates.append(Update(self.graph.values[acc_op.ref(0).id].name, acc))
         return acc
 
     def build(self) -> Shared:

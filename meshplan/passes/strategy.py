@@ -10,23 +10,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.errors import ConfigError
+from meshplan.ir.choices import Schedule, TpStyle
 from meshplan.ir.mesh import Mesh, Strategy
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-PRECISIONS = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "full", "selective")
 
 # The Megatron plan for the zoo's transformers: qkv and fc1 column-parallel,
 # proj and fc2 row-parallel, embedding and head vocab-parallel.
 MEGATRON_PLAN = (
-    (r"blocks\.\d+\.attn\.qkv", "colwise"),
-    (r"blocks\.\d+\.attn\.proj", "rowwise"),
-    (r"blocks\.\d+\.mlp\.fc1", "colwise"),
-    (r"blocks\.\d+\.mlp\.fc2", "rowwise"),
-    (r"wte", "vocab"),
-    (r"head", "vocab"),
+    (r"blocks\.\d+\.attn\.qkv", TpStyle.COLWISE),
+    (r"blocks\.\d+\.attn\.proj", TpStyle.ROWWISE),
+    (r"blocks\.\d+\.mlp\.fc1", TpStyle.COLWISE),
+    (r"blocks\.\d+\.mlp\.fc2", TpStyle.ROWWISE),
+    (r"wte", TpStyle.VOCAB),
+    (r"head", TpStyle.VOCAB),
 )
-STYLES = ("colwise", "rowwise", "vocab", "replicate")
 
 
 def _divisors(n: int) -> list[int]:
@@ -48,10 +44,8 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
             f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose dp, tp, pp "
             f"whose product is {mesh.world}")
-    if s.schedule not in SCHEDULES:
-        raise ConfigError(f"unknown schedule '{s.schedule}': choose one of {', '.join(SCHEDULES)}")
-    if s.vpp > 1 and s.schedule != "interleaved":
-        s = replace(s, schedule="interleaved")
+    if s.vpp > 1 and s.schedule != Schedule.INTERLEAVED:
+        s = replace(s, schedule=Schedule.INTERLEAVED)
     per_step = s.micro_batch_size * s.dp
     if s.global_batch_size % per_step:
         raise ConfigError(
@@ -60,29 +54,16 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"{per_step * max(1, s.global_batch_size // per_step)} or "
             f"{per_step * (s.global_batch_size // per_step + 1)}")
     m = s.num_microbatches
-    if s.schedule in ("1f1b", "interleaved") and m < s.pp:
+    if s.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED) and m < s.pp:
         raise ConfigError(
             f"{s.schedule} needs num_microbatches >= pp, got {m} < {s.pp}; raise the global "
             f"batch to {s.pp * per_step} or use --schedule gpipe")
-    if s.schedule == "interleaved" and m % s.pp:
+    if s.schedule == Schedule.INTERLEAVED and m % s.pp:
         lo, hi = (m // s.pp) * s.pp, (m // s.pp + 1) * s.pp
         raise ConfigError(
             f"interleaved needs num_microbatches to be a multiple of pp, got {m} for pp={s.pp}; "
             f"use --num-microbatches {f'{lo} or {hi}' if lo else hi}")
     _check_stage_ranks(mesh, s)
-    if s.precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision '{s.precision}': choose one of "
-                          f"{', '.join(PRECISIONS)}")
-    if s.recompute not in RECOMPUTE:
-        raise ConfigError(f"unknown recompute mode '{s.recompute}': choose one of "
-                          f"{', '.join(RECOMPUTE)}")
-    if isinstance(s.tp_plan, str) and s.tp_plan != "auto":
-        raise ConfigError(f"tp_plan '{s.tp_plan}' is unknown: give 'auto' or a list of "
-                          f"(module-path regex, style) pairs, styles {', '.join(STYLES)}")
-    for pattern, style in () if s.tp_plan == "auto" else s.tp_plan:
-        if style not in STYLES:
-            raise ConfigError(f"tensor-parallel style '{style}' for '{pattern}' is unknown: "
-                              f"choose one of {', '.join(STYLES)}")
     return s
 
 

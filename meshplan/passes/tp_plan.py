@@ -25,18 +25,19 @@ import re
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Phase, Role
+from meshplan.ir.choices import TpStyle
 from meshplan.ir.sbp import Replicate, Sbp, Shard
 
 R = Replicate()
-_PARAM_SBP = {
-    "colwise": {"weight": Shard(0), "bias": Shard(0)},
-    "rowwise": {"weight": Shard(1), "bias": R},
-    "vocab": {"weight": Shard(0), "bias": Shard(0)},
-    "replicate": {},
+_PARAM_SBP: dict[TpStyle, dict[str, Sbp]] = {
+    TpStyle.COLWISE: {"weight": Shard(0), "bias": Shard(0)},
+    TpStyle.ROWWISE: {"weight": Shard(1), "bias": R},
+    TpStyle.VOCAB: {"weight": Shard(0), "bias": Shard(0)},
+    TpStyle.REPLICATE: {},
 }
 
 
-def _style_of(module: str, plan) -> str | None:
+def _style_of(module: str, plan) -> TpStyle | None:
     for pattern, style in plan:
         if re.fullmatch(pattern, module):
             return style
@@ -46,7 +47,7 @@ def _style_of(module: str, plan) -> str | None:
 def tensor_parallel(graph: Graph, plan, tp_axis: int):
     """(param SBP on the tp axis by value id, hints {value id: {axis: Sbp}})."""
     params = {v.id: v for v in graph.inputs_by_role(Role.PARAM)}
-    styles: dict[str, str] = {}
+    styles: dict[str, TpStyle] = {}
     param_sbp: dict[int, Sbp] = {}
     for v in params.values():
         for name in graph.names_of(v.name):  # a tied weight: every module that owns it
@@ -72,10 +73,10 @@ def tensor_parallel(graph: Graph, plan, tp_axis: int):
     grads = dict(graph.grads)
     for module, style in styles.items():
         is_embedding = "aten.embedding.default" in kinds.get(module, ())
-        if style == "rowwise" or (style == "vocab" and is_embedding):
+        if style == TpStyle.ROWWISE or (style == TpStyle.VOCAB and is_embedding):
             for vid in outputs.get(module, ()):
                 hints.setdefault(vid, {})[tp_axis] = R
-        elif style in ("colwise", "vocab"):
+        elif style in (TpStyle.COLWISE, TpStyle.VOCAB):
             for vid in inputs.get(module, ()):
                 if vid in grads:
                     hints.setdefault(grads[vid], {})[tp_axis] = R

@@ -4,6 +4,7 @@ lowering for the Job's stage-crossing transfers, and one STEP at the end
 
 from __future__ import annotations
 
+from meshplan.ir.choices import Schedule
 from meshplan.ir.mesh import Strategy
 from meshplan.schedules import compute_actions
 from meshplan.schedules.action import Action, ActionType
@@ -15,7 +16,7 @@ def rank_actions(strategy: Strategy, stage: int, edges) -> list[Action]:
     s = strategy
     # One stage: 1F1B degenerates to F0 B0 F1 B1 ..., each micro-batch's
     # activations freed before the next starts.
-    schedule = s.schedule if s.pp > 1 or s.vpp > 1 else "1f1b"
+    schedule = s.schedule if s.pp > 1 or s.vpp > 1 else Schedule.ONE_F_ONE_B
     compute = compute_actions(schedule, s.pp, s.vpp, s.num_microbatches, stage)
     lowered = add_comm({stage: compute}, s.pp, edges=list(edges))[stage]
     return list(lowered) + [Action(-1, ActionType.STEP, -1)]

@@ -38,7 +38,7 @@ no schedule proof and no simulation (no bubble ratio, no step time).
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
@@ -55,13 +55,24 @@ from meshplan.schedules.simulate import simulate
 from meshplan.schedules.validate import validate
 
 
+@dataclass(frozen=True)
+class RankCheck:
+    """One checked rank's plan, in numbers."""
+
+    planned_peak_bytes: int
+    peak_by_category: dict[str, int]
+    tasks: int
+    buffers: int
+    stage: int
+
+
 @dataclass
 class CheckResult:
     ok: bool = True
     errors: list[str] = field(default_factory=list)
     bubble_ratio: float | None = None
     predicted_step_s: float | None = None
-    ranks: dict = field(default_factory=dict)
+    ranks: dict[int, RankCheck] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)  # ranks of the world without a plan
     skipped: list[str] = field(default_factory=list)  # proofs that needed them
 
@@ -73,7 +84,7 @@ class CheckResult:
         return {"ok": self.ok, "partial": self.partial, "missing": spans(self.missing),
                 "skipped": self.skipped, "errors": self.errors,
                 "bubble_ratio": self.bubble_ratio, "predicted_step_s": self.predicted_step_s,
-                "ranks": {str(r): v for r, v in sorted(self.ranks.items())}}
+                "ranks": {str(r): asdict(v) for r, v in sorted(self.ranks.items())}}
 
 
 def spans(ranks: list[int]) -> str:
@@ -99,9 +110,8 @@ def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
         _simulate(job, plans, res)
     res.ok = not res.errors
     for r, p in sorted(plans.items()):
-        res.ranks[r] = {"planned_peak_bytes": p.memory.peak_bytes(),
-                        "peak_by_category": dict(p.memory.peak[:-1]),
-                        "tasks": len(p.tasks), "buffers": len(p.buffers), "stage": p.stage}
+        res.ranks[r] = RankCheck(p.memory.peak_bytes(), dict(p.memory.peak[:-1]),
+                                 len(p.tasks), len(p.buffers), p.stage)
     return res
 
 

@@ -23,7 +23,15 @@ from meshplan.ir import DType, Phase
 from meshplan.ir.fileio import encode_part, open_parts, read_bytes, seal_parts, write_atomic
 from meshplan.ir.job import Job
 from meshplan.plan.ids import TASK_LOCAL_BITS
-from meshplan.plan.rankplan import Block, Buffer, MemoryPlan, RankPlan, Task, TaskKind
+from meshplan.plan.rankplan import (
+    Block,
+    Buffer,
+    BufferCategory,
+    MemoryPlan,
+    RankPlan,
+    Task,
+    TaskKind,
+)
 from meshplan.schedules.action import Action
 
 KIND, VERSION = "meshplan.rankplan", 2
@@ -112,7 +120,7 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
                       for i, k, op, c, ph, ins, outs, loc, grp, peer, pt, box, *kernel
                       in d["tasks"])
         buffers = tuple(Buffer(i + own, v, ids(pr, base), ids(co, base), _t(sh), DType(dt), nb,
-                               cp, cat)
+                               cp, BufferCategory(cat))
                         for i, v, pr, co, sh, dt, nb, cp, cat in d["buffers"])
         m = d["memory"]
         memory = MemoryPlan(tuple((c + own, n, sz) for c, n, sz in m["chunks"]),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from meshplan.errors import PlanError
 from meshplan.ir import Phase, Role, TensorMeta
@@ -26,7 +27,7 @@ from meshplan.ir.job import Job, StageView
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
-from meshplan.ir.sbp import local_box, local_shape
+from meshplan.ir.sbp import NdSbp, local_box, local_shape
 from meshplan.ops.rule import Category
 from meshplan.ops.table import physical_kernel, rule_for
 from meshplan.plan.actions import rank_actions
@@ -39,10 +40,20 @@ from meshplan.plan.ids import (
     task_id,
 )
 from meshplan.plan.memory import plan_memory
-from meshplan.plan.rankplan import Buffer, RankPlan, Task, TaskKind
+from meshplan.plan.rankplan import (
+    STATE_CATEGORIES,
+    Buffer,
+    BufferCategory,
+    RankPlan,
+    Task,
+    TaskKind,
+)
 
-_CATEGORY = {Role.PARAM: "param", Role.BUFFER: "buffer", Role.GRAD: "grad",
-             Role.OPT_STATE: "optimizer", Role.DATA: "data"}
+# what `ir.pieces` needs of a transfer: (shape, src placement, src SBP, dst placement, dst SBP)
+PieceArgs = tuple[tuple[int, ...], Placement, NdSbp, Placement, NdSbp]
+_CATEGORY = {Role.PARAM: BufferCategory.PARAM, Role.BUFFER: BufferCategory.BUFFER,
+             Role.GRAD: BufferCategory.GRAD, Role.OPT_STATE: BufferCategory.OPTIMIZER,
+             Role.DATA: BufferCategory.DATA}
 
 
 @dataclass
@@ -173,7 +184,7 @@ class _Lowering:
         else:
             self.recvs(op, args, dst, src_place, dst_place)
 
-    def sends(self, op, args, src, chunk, phase, dst_place: Placement) -> None:
+    def sends(self, op, args: PieceArgs, src, chunk, phase, dst_place: Placement) -> None:
         me = self.place.ranks.index(self.rank)
         for p in send_pieces(*args, self.rank):
             k = dst_place.ranks.index(p.dst)
@@ -182,7 +193,7 @@ class _Lowering:
                         peer_task=self.tid(P2P_STREAM + me, op.id, p.dst), box=p.box)
             self.add(task, (src,), ())
 
-    def recvs(self, op, args, dst, src_place: Placement, dst_place: Placement) -> None:
+    def recvs(self, op, args: PieceArgs, dst, src_place: Placement, dst_place: Placement) -> None:
         me = dst_place.ranks.index(self.rank)
         for p in recv_pieces(*args, self.rank):
             k = src_place.ranks.index(p.src)
@@ -226,8 +237,8 @@ class RankClasses:
         self.view = view
         self.shapes = sorted({(v.meta.shape, view.sbp[i]) for i, v in view.values.items()},
                              key=repr)
-        kwargs = [dict(op.kwargs) for op in view.ops
-                  if rule_for(op.kind).category is Category.COLLECTIVE]
+        kwargs: list[dict[str, Any]] = [dict(op.kwargs) for op in view.ops
+                                        if rule_for(op.kind).category is Category.COLLECTIVE]
         self.axes = sorted({kw["axis"] for kw in kwargs if "stages" not in kw})
         self.spans = sorted({kw["stages"] for kw in kwargs if "stages" in kw})
         self.p2p = view.strategy.pp > 1 and any(op.kind == TRANSFER for op in view.ops)
@@ -255,8 +266,8 @@ def _inflight(actions, pp: int) -> dict[int, int]:
     return peak
 
 
-def _category(low: _Lowering, vid: int) -> str:
-    return _CATEGORY.get(low.view.values[vid].role, "activation")
+def _category(low: _Lowering, vid: int) -> BufferCategory:
+    return _CATEGORY.get(low.view.values[vid].role, BufferCategory.ACTIVATION)
 
 
 def _buffers(low: _Lowering, inflight: dict[int, int]) -> tuple[Buffer, ...]:
@@ -265,7 +276,7 @@ def _buffers(low: _Lowering, inflight: dict[int, int]) -> tuple[Buffer, ...]:
         meta = low.view.values[vid].meta
         cat = _category(low, vid)
         crosses = b.made_in is None or any(k != b.made_in for k in b.used_in)
-        if cat in ("param", "buffer", "grad", "optimizer"):
+        if cat in STATE_CATEGORIES:
             copies = 1
         elif crosses:
             chunks = {k[0] for k in b.used_in} | ({b.made_in[0]} if b.made_in else set())

@@ -29,9 +29,7 @@ import heapq
 from meshplan.ir import TensorMeta
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import has_temp, temp_key
-from meshplan.plan.rankplan import Block, MemoryPlan
-
-_STATE = ("param", "buffer", "grad", "optimizer")
+from meshplan.plan.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
 
 
 def _first_fit(intervals: list[tuple[int, int, int, int]]) -> tuple[dict[int, int], int]:
@@ -46,11 +44,13 @@ def _first_fit(intervals: list[tuple[int, int, int, int]]) -> tuple[dict[int, in
     offsets, top = {}, 0
     for key, start, end, size in sorted(intervals, key=lambda x: (x[1], -x[3], x[0])):
         while frees and frees[0][0] <= start:
-            _, off, sz = heapq.heappop(frees)
-            top = _release(holes, off, sz, top)
-        off = _take(holes, size)
-        if off is None:
+            _, freed, sz = heapq.heappop(frees)
+            top = _release(holes, freed, sz, top)
+        hole = _take(holes, size)
+        if hole is None:
             off, top = top, top + size
+        else:
+            off = hole
         offsets[key] = off
         heapq.heappush(frees, (end, off, size))
     extent = max((offsets[k] + sz for k, _, _, sz in intervals), default=0)
@@ -85,21 +85,22 @@ def _release(holes: list[list[int]], off: int, size: int, top: int) -> int:
 def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
     """Blocks for every buffer, and the planned peak by category."""
     updates = low.view.updates
-    blocks, peak, chunks = [], {}, []
+    blocks, chunks = [], []
+    peak: dict[str, int] = {}
     state_chunk, act_chunk = low.next_id(), low.next_id()
     off = 0
     for b in buffers:
-        if b.category in _STATE:
+        if b.category in STATE_CATEGORIES:
             blocks.append(Block(low.next_id(), state_chunk, off, b.nbytes, (b.id,)))
             off += b.nbytes
-            key = "param" if b.category == "buffer" else b.category
+            key = BufferCategory.PARAM if b.category == BufferCategory.BUFFER else b.category
             peak[key] = peak.get(key, 0) + b.nbytes
     if low.view.strategy.num_microbatches > 1 and "grad" in peak:
         off += peak["grad"]  # room for the second copy (no buffer of its own)
         peak["grad"] *= 2
     chunks.append((state_chunk, "state", off))
-    saved = [b for b in buffers if b.category == "data" or (
-        b.category not in _STATE and b.value not in updates and b.copies > 1)]
+    saved = [b for b in buffers if b.category == BufferCategory.DATA or (
+        b.category not in STATE_CATEGORIES and b.value not in updates and b.copies > 1)]
     saved_ids = {b.id for b in saved}
     off = 0
     for b in sorted(saved, key=lambda x: x.id):
@@ -107,8 +108,8 @@ def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
         blocks.append(Block(low.next_id(), act_chunk, off, size, (b.id,)))
         off += size
     saved_extent = off
-    transient = [b for b in buffers if b.category == "activation" and b.id not in saved_ids
-                 and b.value not in updates]
+    transient = [b for b in buffers if b.category == BufferCategory.ACTIVATION
+                 and b.id not in saved_ids and b.value not in updates]
     offsets, extent = _first_fit(_intervals(low, transient))
     for b in transient:
         blocks.append(Block(low.next_id(), act_chunk, saved_extent + offsets[b.id], b.nbytes,

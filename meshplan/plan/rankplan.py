@@ -66,7 +66,22 @@ class Buffer:
     dtype: DType
     nbytes: int
     copies: int
-    category: str                   # param | grad | optimizer | buffer | data | activation
+    category: BufferCategory
+
+
+class BufferCategory(enum.StrEnum):
+    """What a buffer holds; state (the first four) lives for the whole run."""
+
+    PARAM = "param"
+    BUFFER = "buffer"        # a module buffer (BatchNorm running stats)
+    GRAD = "grad"
+    OPTIMIZER = "optimizer"
+    DATA = "data"            # a micro-batch of a user input
+    ACTIVATION = "activation"
+
+
+STATE_CATEGORIES = (BufferCategory.PARAM, BufferCategory.BUFFER, BufferCategory.GRAD,
+                    BufferCategory.OPTIMIZER)
 
 
 @dataclass(frozen=True, slots=True)

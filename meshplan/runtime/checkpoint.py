@@ -39,6 +39,7 @@ from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
 from meshplan.ir.fileio import read_sealed, seal, write_atomic
 from meshplan.ir.sbp import Shard, intersect
+from meshplan.ir.state_name import StateName, is_state
 
 COMPLETE = "COMPLETE"
 METADATA = ".metadata"  # DCP's index of the saved keys (a pickle)
@@ -148,7 +149,7 @@ def check_resumable(path: str, job) -> int:
         want = [list(g.values[vid].meta.shape), g.values[vid].meta.dtype.name]
         name = _saved_name(g, name, saved)
         if name not in saved:
-            if "@" in name:
+            if is_state(name):
                 continue  # an optimizer slot the saved optimizer lacks: it starts fresh
             raise RuntimeFault(f"checkpoint {path} has no '{name}': it was saved from another "
                                "model; resume with the model and size it was saved from")
@@ -167,10 +168,11 @@ def check_resumable(path: str, job) -> int:
 def _saved_name(graph, name: str, saved) -> str:
     """The name state `name` was saved under: itself, or an alias of a tied
     tensor (`head.weight@exp_avg` for `wte.weight@exp_avg`)."""
-    fqn, at, slot = name.partition("@")
-    for n in graph.names_of(fqn):
-        if n + at + slot in saved:
-            return n + at + slot
+    state = StateName.parse(name) if is_state(name) else None
+    for n in graph.names_of(state.fqn if state else name):
+        alias = str(StateName(n, state.slot)) if state else n
+        if alias in saved:
+            return alias
     return name
 
 

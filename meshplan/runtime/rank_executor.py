@@ -37,6 +37,7 @@ import torch
 
 from meshplan.errors import ConfigError
 from meshplan.ir import LOSS_SCALE, Phase, Role
+from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
 from meshplan.plan.rankplan import RankPlan, TaskKind
 from meshplan.runtime.amp import initial_loss_scale, next_scale
@@ -77,7 +78,7 @@ class RankExecutor:
         self.data_ids = [v.id for v in g.inputs_by_role(Role.DATA)]
         self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
         self.pp = job.strategy.pp
-        self.fp16 = job.strategy.precision == "fp16"
+        self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self._build(plan)
         self.transfers = Transfers(job, plan, self.ctx, self.device,
@@ -302,7 +303,7 @@ def _kernel_error(graph, ops: tuple[int, ...], err: RuntimeError, device) -> Exc
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
     if any(m in text for m in _LOW_DTYPE_ERRORS):
         low = "float16" if "Half" in text else "bfloat16"
-        other = "bf16" if low == "float16" else "fp32"
+        other = Precision.BF16 if low == "float16" else Precision.FP32
         return ConfigError(f"{where} has no {low} kernel on {device.type} ({text}); "
                            f"use --precision {other}")
     return RuntimeError(f"{where} failed: {text}")

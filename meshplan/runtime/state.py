@@ -15,6 +15,7 @@ import torch
 
 from meshplan.errors import ConfigError
 from meshplan.ir import LOSS_SCALE, Role
+from meshplan.ir.state_name import StateName
 from meshplan.runtime.amp import initial_loss_scale
 
 
@@ -76,12 +77,12 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
             state[v.name] = torch.tensor(initial_loss_scale(job.graph), dtype=torch.float32,
                                          device=device)
         elif v.role is Role.OPT_STATE:
-            fqn, slot = v.name.rsplit("@", 1)
-            like = state.get(fqn)
+            name = StateName.parse(v.name)
+            like = state.get(name.fqn)
             if like is None:
-                like = cut(own_tensor(own, job.graph, fqn).detach(),
-                           ctx.box(_value_of(job, fqn))).to(device)
-            state[v.name] = initial_state(slot, like)
+                like = cut(own_tensor(own, job.graph, name.fqn).detach(),
+                           ctx.box(_value_of(job, name.fqn))).to(device)
+            state[v.name] = initial_state(name.slot, like)
         elif v.role is Role.GRAD:
             state[v.name] = None
     return state

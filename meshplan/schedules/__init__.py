@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.choices import Schedule
 from meshplan.schedules.action import Action, ActionType, chunk_of, rank_of
 from meshplan.schedules.comm import Transfer, add_comm, chain_edges
 from meshplan.schedules.gpipe import schedule_gpipe
@@ -25,12 +26,12 @@ from meshplan.schedules.one_f_one_b import schedule_1f1b
 from meshplan.schedules.simulate import SimResult, chrome_trace, simulate
 from meshplan.schedules.validate import validate
 
-Schedule = Callable[[int, int, int, int], list[Action]]
+ScheduleFn = Callable[[int, int, int, int], list[Action]]
 
-SCHEDULES: dict[str, Schedule] = {
-    "gpipe": schedule_gpipe,
-    "1f1b": schedule_1f1b,
-    "interleaved": schedule_interleaved,
+SCHEDULES: dict[Schedule, ScheduleFn] = {
+    Schedule.GPIPE: schedule_gpipe,
+    Schedule.ONE_F_ONE_B: schedule_1f1b,
+    Schedule.INTERLEAVED: schedule_interleaved,
 }
 
 __all__ = [
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-def compute_actions(name: str, pp: int, vpp: int, num_microbatches: int,
+def compute_actions(name: Schedule | str, pp: int, vpp: int, num_microbatches: int,
                     rank: int) -> list[Action]:
     """Rank `rank`'s compute actions under schedule `name`, after checking the counts.
 
@@ -58,7 +59,7 @@ def compute_actions(name: str, pp: int, vpp: int, num_microbatches: int,
     if not isinstance(rank, int) or not 0 <= rank < pp:
         raise ScheduleError(f"schedule {name}: rank must be in 0..{pp - 1} for pp={pp}, "
                             f"got {rank!r}")
-    if name == "interleaved" and vpp == 1:
+    if name == Schedule.INTERLEAVED and vpp == 1:
         schedule_interleaved(pp, vpp, num_microbatches, rank)  # same counts check
         return schedule_1f1b(pp, vpp, num_microbatches, rank)
-    return SCHEDULES[name](pp, vpp, num_microbatches, rank)
+    return SCHEDULES[Schedule(name)](pp, vpp, num_microbatches, rank)

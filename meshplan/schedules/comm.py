@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -49,7 +49,7 @@ def chain_edges(num_stages: int) -> list[Transfer]:
     return out
 
 
-def num_stages_of(actions: dict[int, Sequence[Action]]) -> int:
+def num_stages_of(actions: Mapping[int, Sequence[Action]]) -> int:
     """Number of virtual stages the actions mention (max stage + 1)."""
     stages = [a.stage for acts in actions.values() for a in acts if a.stage >= 0]
     peers = [a.peer for acts in actions.values() for a in acts if a.peer >= 0]

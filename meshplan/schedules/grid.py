@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from meshplan.schedules.action import Action
 
@@ -21,10 +22,10 @@ Mark = tuple[int, int]  # (rank, index into that rank's action list)
 def _marks(mark: Mark | Iterable[Mark] | None) -> list[Mark]:
     if mark is None:
         return []
-    mark = tuple(mark)
-    if len(mark) == 2 and all(isinstance(x, int) for x in mark):
-        return [mark]  # a single (rank, index) pair
-    return [tuple(m) for m in mark]
+    items: tuple[Any, ...] = tuple(mark)
+    if len(items) == 2 and all(isinstance(x, int) for x in items):
+        return [(items[0], items[1])]  # a single (rank, index) pair
+    return [(r, i) for r, i in items]
 
 
 def _row_ranges(marks: list[Mark], n_rows: int, context: int, max_rows: int) -> list[range]:

@@ -103,6 +103,7 @@ class _Sim:
         """Run `a` on `rank` now that its inputs exist; record its event."""
         start = max([self.free[rank]] + [self.times[e] for e in self.needs(a)])
         kind = a.type.kind if a.type is not ActionType.STEP else None
+        event: Event | None
         if a.type.is_recv:
             sent = self.times[("S", kind, a.peer, a.stage, a.microbatch)]
             start = self.free[rank]

@@ -48,7 +48,8 @@ def validate(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: int,
         inputs[(t.kind, t.dst)].append(t)
     cross = {t for t in transfers if t.cross_rank(pp)}
     try:
-        sends, recvs = {}, {}
+        sends: dict[tuple, tuple[int, int]] = {}  # (kind, src, dst, mb) -> (rank, index)
+        recvs: dict[tuple, tuple[int, int]] = {}
         for rank in sorted(actions):
             _scan_rank(rank, actions[rank], pp, vpp, m, (inputs, cross), sends, recvs)
         _check_complete(actions, pp, vpp, m)

@@ -40,8 +40,8 @@ def test_good_plans_pass(name):
         assert res.bubble_ratio == pytest.approx(0, abs=1e-9)
     assert sorted(res.ranks) == list(range(job.mesh.world))
     for r, v in res.ranks.items():
-        assert v["planned_peak_bytes"] == plans[r].memory.peak_bytes() > 0
-        assert v["tasks"] == len(plans[r].tasks) and v["stage"] == plans[r].stage
+        assert v.planned_peak_bytes == plans[r].memory.peak_bytes() > 0
+        assert v.tasks == len(plans[r].tasks) and v.stage == plans[r].stage
     js = res.to_json()
     assert set(js) == {"ok", "partial", "missing", "skipped", "errors", "bubble_ratio",
                        "predicted_step_s", "ranks"}

@@ -1,0 +1,99 @@
+"""Typed results of the driver's verbs, and their JSON.
+
+Invariants:
+- A result is a dataclass; code reads its attributes. `to_json()` is the
+  object the CLI prints with `--json`, with the keys it always had.
+- For callers written against the old dicts, a result is also a read-only
+  `Mapping` over `to_json()` (`r["losses"]`); it holds no data of its own
+  beyond the attributes, so the two views cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class JsonResult(Mapping):
+    """The read-only Mapping view of a result's `to_json()`."""
+
+    __slots__ = ()
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_json()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_json())
+
+    def __len__(self) -> int:
+        return len(self.to_json())
+
+
+@dataclass(eq=False)
+class RunResult(JsonResult):
+    """What `run` reports: the losses (the last stage's), the slowest rank's
+    step times, memory and kernels per rank, and with `report_state` every
+    rank's final state slices (tensors: not part of the JSON)."""
+
+    losses: list[float]
+    step_s: list[float]
+    rank_losses: dict[str, list[float]]
+    median_step_s: float | None
+    ranks: dict[str, dict[str, Any]]
+    job_digest: str | None
+    wall_s: float
+    first_step: int
+    trace: dict[str, Any] | None
+    state_slices: dict[int, dict] | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"losses": self.losses, "step_s": self.step_s, "rank_losses": self.rank_losses,
+                "median_step_s": self.median_step_s, "ranks": self.ranks,
+                "job_digest": self.job_digest, "wall_s": self.wall_s,
+                "first_step": self.first_step, "trace": self.trace}
+
+
+@dataclass(eq=False)
+class LowerResult(JsonResult):
+    """What `compile_job` reports: per-rank lowering statistics, the workers
+    and their peak memory, and the kernel-workspace inference counts."""
+
+    ranks: dict[int, dict[str, Any]]
+    workers: int
+    worker_maxrss_bytes: int
+    open_s: float
+    temp_signatures: int
+    temp_rank_calls: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": self.ranks, "workers": self.workers,
+                "worker_maxrss_bytes": self.worker_maxrss_bytes, "open_s": self.open_s,
+                "temp_inference": {"signatures": self.temp_signatures,
+                                   "rank_calls": self.temp_rank_calls}}
+
+
+@dataclass(eq=False)
+class CompileResult(JsonResult):
+    """What `compile_model` reports: the master's times, then `lowering`."""
+
+    capture_s: float
+    master_s: float
+    passes_s: dict[str, float]
+    job_digest: str
+    lowering: LowerResult
+    logical_inference: dict[str, Any]
+    master_temp_calls: int
+    master_maxrss_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        low = self.lowering.to_json()
+        return {"capture_s": self.capture_s, "master_s": self.master_s,
+                "passes_s": self.passes_s, "job_digest": self.job_digest, **low,
+                "inference": {"logical": self.logical_inference,
+                              "temp": {**low["temp_inference"],
+                                       "master_calls": self.master_temp_calls}},
+                "master_maxrss_bytes": self.master_maxrss_bytes}

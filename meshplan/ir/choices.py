@@ -1,0 +1,87 @@
+"""The closed sets a user or a rule picks from by name.
+
+Invariants:
+- Each member's value is the string users write (`--schedule 1f1b`, config
+  names, plan files). A `StrEnum` member *is* that string: it compares,
+  hashes, formats and encodes to JSON as it, so plans stay byte for byte
+  what they were with bare strings.
+- `choose` is the one way a user's string becomes a member: a bad value is
+  one `ConfigError` line naming the choices.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+from meshplan.errors import ConfigError
+
+
+class Schedule(enum.StrEnum):
+    """A pipeline schedule (`schedules/`)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Precision(enum.StrEnum):
+    """Compute precision; bf16 and fp16 keep fp32 master weights (fp16 adds loss scaling)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class Recompute(enum.StrEnum):
+    """Activation checkpointing: full keeps only each region's input, selective
+    also keeps matmul/attention outputs."""
+
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+class TpStyle(enum.StrEnum):
+    """How a tensor-parallel plan splits one module (`passes/tp_plan.py`)."""
+
+    COLWISE = "colwise"
+    ROWWISE = "rowwise"
+    VOCAB = "vocab"
+    REPLICATE = "replicate"
+
+
+class OptimizerKind(enum.StrEnum):
+    """The optimizer of the train step; its op is `meshplan.<kind>`."""
+
+    SGD = "sgd"
+    ADAMW = "adamw"
+
+
+class KernelVariant(enum.StrEnum):
+    """A rank-dependent variant of an op's kernel along one mesh axis (`Job.local`)."""
+
+    NONE = ""
+    BIAS_FIRST = "bias_first"      # only the axis's first rank adds the bias
+    VOCAB_OFFSET = "vocab_offset"  # embedding rows [lo, hi) of the vocabulary
+    CLASS_OFFSET = "class_offset"  # nll_loss over classes [lo, hi)
+    MEAN_RESCALE = "mean_rescale"  # a mean over a sharded dim, rescaled to the global count
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def names(kind: type[enum.StrEnum]) -> tuple[str, ...]:
+    """The values of `kind`'s members as plain strings (argparse `choices`)."""
+    return tuple(m.value for m in kind)
+
+
+def choose(kind: type[E], value: str, what: str, where: str = "") -> E:
+    """`value` as a member of `kind`; a bad value is one ConfigError line
+    (`what` names the setting: "schedule", "precision", ...; `where`, if
+    given, says where the value was written)."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"unknown {what} '{value}'{where}: choose one of "
+                          f"{', '.join(names(kind))}") from None
