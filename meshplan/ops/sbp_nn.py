@@ -105,7 +105,8 @@ def nll_loss(args, kwargs, outs, n):
     sigs = []
     if reduction == 2 and len(ts[0].shape) == 2:
         sigs.append(SbpSig((Shard(0), Shard(0)) + w, (P, P)))
-        sigs.append(SbpSig((Shard(1), R) + w, (P, R), "class_offset"))
+        if not w:  # class_offset's kernel is unweighted (`runtime/local_kernels.py`)
+            sigs.append(SbpSig((Shard(1), R), (P, R), "class_offset"))
     return sigs + [replicated(len(ts), 2)]
 
 
@@ -117,7 +118,8 @@ def nll_loss_backward(args, kwargs, outs, n):
     sigs = []
     if reduction == 2 and len(ts[1].shape) == 2:
         sigs.append(SbpSig((R, Shard(0), Shard(0)) + (R,) * k, (Shard(0),)))
-        sigs.append(SbpSig((R, Shard(1), R) + (R,) * k, (Shard(1),), "class_offset"))
+        if k == 1:  # no weight: class_offset's kernel is unweighted
+            sigs.append(SbpSig((R, Shard(1), R, R), (Shard(1),), "class_offset"))
     return sigs + [replicated(len(ts), 1)]
 
 
