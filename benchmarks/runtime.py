@@ -14,9 +14,9 @@ Ratios of the median step (target):
 - meshplan single rank / eager, one micro-batch of 16 (<= 1.05)
 Both pipelines' losses are checked against each other and against eager
 training with the same 8 micro-batches (`reference.eager_train`).
-If a pp target is missed, meshplan pp runs with timers around each rank
-executor's phases, as it is and with every receive of a step posted at its
-start (a what-if patched onto the executor instance here), say where the
+If a pp target is missed, meshplan pp runs with each rank executor's own
+timing spans on (`harness.py`), as it is and with every receive of a step
+posted at its start (a what-if run before each step), to say where the
 time goes.
 
 Run: python benchmarks/runtime.py [--steps K] [--rounds R]
@@ -31,7 +31,6 @@ import os
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -42,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, write  # noqa: E402
+from harness import phase_seconds, profiled_step  # noqa: E402
 
 from meshplan.autodiff import OptimizerConfig  # noqa: E402
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
@@ -174,44 +174,20 @@ def torch_pp(steps: int) -> dict:
 
 
 # ------------------------------------------------------------------ profile
-def _timed(fn, acc: dict, name_of):
-    def wrapper(*args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        acc[name_of(*args)] += time.perf_counter() - t0
-        return out
-    return wrapper
-
-
-def _instrument(ex, acc: dict) -> None:
-    """Wrap one RankExecutor's phases (instance attributes; meshplan untouched)."""
-    from meshplan.runtime.rank_executor import STEP_KEY
-
-    ex._run = _timed(ex._run, acc, lambda key, *_: (
-        "optimizer" if key == STEP_KEY else f"{key[1].value}"))
-    tr = ex.transfers
-    tr.recv = _timed(tr.recv, acc, lambda *_: "recv (wait)")
-    tr.send = _timed(tr.send, acc, lambda *_: "send (post)")
-    tr.wait_sends = _timed(tr.wait_sends, acc, lambda *_: "wait sends")
-
-
-def _prepost_recvs(ex) -> None:
-    """Diagnostic what-if: post every receive of a step when the step starts,
-    through the executor's own `post_recv` (which the executor's `recv` then
-    finds posted), instead of one action ahead. Patches this one executor
-    instance in this process."""
+def _prepost_recvs(ex):
+    """Diagnostic what-if, run before each step: post every receive of the
+    step through the executor's own `post_recv` (which the executor's `recv`
+    then finds posted), instead of one action ahead."""
     from meshplan.schedules.action import ActionType
 
-    tr, step = ex.transfers, ex.step
     kinds = (ActionType.RECV_F, ActionType.RECV_B)
     actions = [a for a in ex.plan.actions if a.type in kinds]
 
-    def post_then_step(state, mbs):
+    def post_all() -> None:
         for a in actions:
-            tr.post_recv(a)
-        return step(state, mbs)
+            ex.transfers.post_recv(a)
 
-    ex.step = post_then_step
+    return post_all
 
 
 def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
@@ -228,28 +204,21 @@ def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
     ex = RankExecutor(job, lower(job, rank), Comm(rank, job_groups(job.strategy), "gloo"))
     torch.manual_seed(0)
     state = ex.init_state(build_model(cfg()))
-    if prepost:
-        _prepost_recvs(ex)
-    acc: dict = defaultdict(float)
-    _instrument(ex, acc)
-    total = 0.0
+    before_step = _prepost_recvs(ex) if prepost else (lambda: None)
+    timed = []
     for i, batch in enumerate(batches(steps)):
-        if i == WARMUP:
-            acc.clear()
-            total = 0.0
         mbs = split_microbatches(batch, M)
-        t0 = time.perf_counter()  # no barrier: as meshplan's worker times its steps
-        try:
-            ex.step(state, mbs)
+        before_step()
+        try:  # no barrier: as meshplan's worker times its steps
+            step = profiled_step(ex, state, mbs)
         except RuntimeError as e:  # a timed-out wait: say where, keep the benchmark going
             fail = {"step": i, "action": ex.current, "error": str(e).splitlines()[0][:300]}
             Path(out, f"{rank}.json").write_text(json.dumps({"failed": fail}))
             return
-        total += time.perf_counter() - t0
-    n = steps - WARMUP
-    phases = {k: v / n for k, v in acc.items()}
-    phases["other"] = total / n - sum(phases.values())
-    result = {"step_s": total / n, "phases_s": phases}
+        if i >= WARMUP:
+            timed.append(step)
+    result = {"step_s": sum(wall for wall, _ in timed) / len(timed),
+              "phases_s": phase_seconds(timed)}
     Path(out, f"{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -75,10 +75,10 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
 
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
-        plan_dir: str = "", kill: tuple[int, int] | None = None, save_dir: str = "",
-        resume: bool = False, lr: float | None = None, trace: str = "", on_step=None,
-        kill_in_save: int = -1, report_state: bool = False, device: str = "cpu",
-        backend: str = "", **overrides) -> RunResult:
+        plan_dir: str = "", save_dir: str = "", resume: bool = False,
+        lr: float | None = None, trace: str = "", on_step=None,
+        report_state: bool = False, device: str = "cpu", backend: str = "",
+        **overrides) -> RunResult:
     """Train on `mesh.world` local processes; returns losses, step times, memory.
 
     With `trace` (a path), the last step is timed on every rank and written
@@ -86,8 +86,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
     measured bubble ratio. `on_step(k)` is called as the ranks finish step k.
     With `report_state`, "state_slices" holds every rank's final state
     (rank -> `<name>|<box>` -> tensor) for `verify`.
-    `kill` and `kill_in_save` inject faults for tests (see `launch_local`,
-    `RunSpec`). `device` is cpu, cuda or auto; `backend` gloo or nccl (""
+    `device` is cpu, cuda or auto; `backend` gloo or nccl (""
     picks: nccl on cuda, gloo on cpu; see runtime/devices.py)."""
     t0 = time.perf_counter()
     check_run_args(steps, threads, timeout_s)
@@ -100,9 +99,9 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         check_resumable(save_dir, job)
     spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, "", threads,
                    timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
-                   trace=bool(trace), kill_in_save=kill_in_save, report_state=report_state,
-                   device=device, backend=backend)
-    return launch(job, spec, t0, trace, kill=kill, on_step=on_step)
+                   trace=bool(trace), report_state=report_state, device=device,
+                   backend=backend)
+    return launch(job, spec, t0, trace, on_step=on_step)
 
 
 def run_devices(device: str, backend: str, ranks_here: int) -> tuple[str, str]:
@@ -114,7 +113,7 @@ def run_devices(device: str, backend: str, ranks_here: int) -> tuple[str, str]:
     return device, resolve_backend(device, backend, ranks_here)
 
 
-def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None,
+def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None,
            on_step=None) -> RunResult:
     """Run `spec` on `job.mesh.world` local processes (results in a temporary
     folder; `saved`, weights and batches, if given, go there as the ranks'
@@ -130,7 +129,7 @@ def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None, kill=None
         log.info("starting %d rank processes for %d steps (plans: %s)", job.mesh.world,
                  spec.steps, spec.plan_dir or "each rank lowers its own")
         per_rank = launch_local(spec, job.mesh.world, job.to_bytes(),
-                                deadline_s=60 + spec.steps * 60, kill=kill, on_step=on_step)
+                                deadline_s=60 + spec.steps * 60, on_step=on_step)
         slices = {r: read_tensors(Path(results) / f"state_{r}.bin", STATE)[0]
                   for r in range(job.mesh.world)} if spec.report_state else None
     out = merge(per_rank, job, time.perf_counter() - t0, trace)

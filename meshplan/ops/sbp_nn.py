@@ -106,7 +106,8 @@ def nll_loss(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     sigs = []
     if reduction == 2 and len(ts[0].shape) == 2:
         sigs.append(SbpSig((Shard(0), Shard(0)) + w, (P, P)))
-        sigs.append(SbpSig((Shard(1), R) + w, (P, R), KV.CLASS_OFFSET))
+        if not w:  # class_offset's kernel is unweighted (`runtime/local_kernels.py`)
+            sigs.append(SbpSig((Shard(1), R), (P, R), KV.CLASS_OFFSET))
     return sigs + [replicated(len(ts), 2)]
 
 
@@ -118,7 +119,8 @@ def nll_loss_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[Sbp
     sigs = []
     if reduction == 2 and len(ts[1].shape) == 2:
         sigs.append(SbpSig((R, Shard(0), Shard(0)) + (R,) * k, (Shard(0),)))
-        sigs.append(SbpSig((R, Shard(1), R) + (R,) * k, (Shard(1),), KV.CLASS_OFFSET))
+        if k == 1:  # no weight: class_offset's kernel is unweighted
+            sigs.append(SbpSig((R, Shard(1), R, R), (Shard(1),), KV.CLASS_OFFSET))
     return sigs + [replicated(len(ts), 1)]
 
 

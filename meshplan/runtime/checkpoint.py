@@ -83,13 +83,12 @@ def state_slices(state: dict, job, ctx, primary_only: bool = False,
     return out
 
 
-def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> None:
+def save(path: str, state: dict, job, ctx, next_step: int) -> None:
     """Write this rank's shard; rank 0 marks the checkpoint complete.
 
     An older `COMPLETE` in `path` is removed before any shard is overwritten,
     so a save cut short never leaves a marker over a mix of old and new
-    shards. `after_shard()` runs once this rank's shard is written (a fault
-    test kills the rank there)."""
+    shards."""
     # device tensors as they are: DCP's writer stages GPU tensors to host itself
     sd = state_slices(state, job, ctx, primary_only=True, host=False)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -99,8 +98,6 @@ def save(path: str, state: dict, job, ctx, next_step: int, after_shard=None) -> 
     if dist.is_initialized():
         dist.barrier()
     dcp.save(sd, checkpoint_id=path)
-    if after_shard is not None:
-        after_shard()
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:

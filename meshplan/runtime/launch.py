@@ -35,10 +35,8 @@ def _context():
 
 
 def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float = 600.0,
-                 kill: tuple[int, int] | None = None, on_step=None) -> dict[int, dict]:
-    """Run `world` ranks locally; returns each rank's result. `kill` =
-    (rank, steps): kill that rank once it has finished that many steps (a
-    fault test, triggered by an event, not a clock).
+                 on_step=None) -> dict[int, dict]:
+    """Run `world` ranks locally; returns each rank's result.
     `on_step(k)` is called whenever every rank has finished k steps."""
     results = Path(spec.results)
     results.mkdir(parents=True, exist_ok=True)
@@ -55,8 +53,8 @@ def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float 
     for p in procs:
         p.start()
     try:
-        _watch(procs, results, deadline_s, kill, progress, job_bytes,
-               _step_reporter(steps_done, on_step), steps_done)
+        _watch(procs, results, deadline_s, progress, job_bytes,
+               _step_reporter(steps_done, on_step))
     finally:
         for p in procs:
             if p.is_alive():
@@ -79,16 +77,12 @@ def _step_reporter(steps_done, on_step):
     return poll
 
 
-def _watch(procs, results: Path, deadline_s: float, kill, progress, job_bytes,
-           poll=lambda: None, steps_done=None) -> None:
+def _watch(procs, results: Path, deadline_s: float, progress, job_bytes,
+           poll=lambda: None) -> None:
     start = time.monotonic()
-    killed = False
     while any(p.is_alive() for p in procs):
         time.sleep(0.05)
         poll()
-        if kill is not None and not killed and steps_done[kill[0]] >= kill[1]:
-            procs[kill[0]].kill()
-            killed = True
         _raise_if_failed(procs, results, progress, job_bytes)
         if time.monotonic() - start > deadline_s:
             raise RuntimeFault(f"the run exceeded its {deadline_s:.0f} s deadline; ranks still "

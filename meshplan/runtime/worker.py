@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -56,7 +55,6 @@ class RunSpec:
     resume: bool = False
     gather: bool = False
     module_file: str = ""  # a user's weights and batches (tensors only), not a zoo model
-    kill_in_save: int = -1  # fault test: this rank kills itself once its shard is saved
     report_state: bool = False  # write the final state's slices (verify compares them)
 
     def to_json(self) -> str:
@@ -167,8 +165,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
             steps_done[rank] = step + 1
     if spec.save_dir:
         ex.current = "save checkpoint"
-        die = _kill_self if spec.kill_in_save == rank else None
-        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps), die)
+        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
     if spec.report_state and not spec.gather:
         from meshplan.runtime.tensor_file import STATE, write_tensors
 
@@ -232,10 +229,6 @@ def _traced_step(ex, comm, state: dict, mbs) -> tuple[list, list]:
             comm.spans = None
     return out, [replace(s, start=s.start - origin, end=s.end - origin).to_json()
                  for s in spans]
-
-
-def _kill_self() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _plan(spec: RunSpec, job: Job, rank: int, lower, device_type: str = "cpu"):

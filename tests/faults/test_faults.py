@@ -20,8 +20,9 @@ from meshplan.ir.mesh import Mesh
 from meshplan.models import model_config
 from meshplan.plan.files import plan_from_bytes, plan_name, read_dir
 from meshplan.plan.stage_files import StageFiles
+from meshplan.runtime import launch
 from tests.bad_inputs.files import PLAN_FLAGS
-from tests.faults.kill import CLI_KILLING_RANK_1, dying_plan_bytes
+from tests.faults.kill import CLI_KILLING_RANK_1, dying_plan_bytes, rank_entry_killing
 from tests.plan.jobs import job_of
 
 NAME = "gpt_interleaved"  # 2 ranks, 2 stages
@@ -66,15 +67,16 @@ def test_the_cli_names_the_killed_worker_rank(tmp_path):
 
 @pytest.mark.slow  # three local runs: ~15 s
 @pytest.mark.timeout(300)
-def test_a_checkpoint_cut_by_a_killed_rank_is_never_resumed(tmp_path):
+def test_a_checkpoint_cut_by_a_killed_rank_is_never_resumed(tmp_path, monkeypatch):
     s = zoo_strategy("gpt", model_config("gpt", "tiny"), tp=2, global_batch_size=8,
                      micro_batch_size=8)
     ckpt = str(tmp_path / "ckpt")
     run("gpt", "tiny", Mesh(1, 2), s, steps=1, save_dir=ckpt)  # a whole one first
     assert (tmp_path / "ckpt" / "COMPLETE").is_file()
     t0 = time.monotonic()
-    with pytest.raises(RuntimeFault, match="rank 1 died"):
-        run("gpt", "tiny", Mesh(1, 2), s, steps=2, save_dir=ckpt, kill_in_save=1)
+    with monkeypatch.context() as m, pytest.raises(RuntimeFault, match="rank 1 died"):
+        m.setattr(launch, "spawn_entry", rank_entry_killing(1, in_save=True))
+        run("gpt", "tiny", Mesh(1, 2), s, steps=2, save_dir=ckpt)
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "ckpt" / "COMPLETE").exists()  # the old marker went first
     with pytest.raises(RuntimeFault, match="is incomplete"):

@@ -15,8 +15,10 @@ from meshplan.driver.run import run
 from meshplan.errors import RuntimeFault
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
+from meshplan.runtime import launch
 from meshplan.runtime.launch import free_port
 from tests.cli.test_cli import assert_user_error
+from tests.faults.kill import rank_entry_killing
 
 
 def _eager(model, steps, gbs, m):
@@ -58,12 +60,13 @@ def test_two_torchrun_node_launches_match_eager(tmp_path):
     assert r["trace"]["bubble_ratio"] >= 0
 
 
-def test_a_killed_rank_ends_the_job_naming_it():
+def test_a_killed_rank_ends_the_job_naming_it(monkeypatch):
     cfg = model_config("gpt", "tiny")
     s = zoo_strategy("gpt", cfg, pp=2, global_batch_size=8, micro_batch_size=2)
+    monkeypatch.setattr(launch, "spawn_entry", rank_entry_killing(1, after_steps=2))
     t0 = time.monotonic()
     with pytest.raises(RuntimeFault) as e:
-        run("gpt", "tiny", Mesh(1, 2), s, steps=400, kill=(1, 2))  # after its 2nd step
+        run("gpt", "tiny", Mesh(1, 2), s, steps=4)  # rank 1 dies as its 3rd step starts
     assert time.monotonic() - t0 < 60
     msg = str(e.value)
     assert "rank 1 died" in msg and "in action" in msg and "\n" not in msg

@@ -1,0 +1,382 @@
+"""Every SBP signature of every op rule (`ops/sbp_table.py` `SBP`), run.
+
+For each case (an op kind with small random inputs) and each mesh-axis size
+n in (2, 3), the rule's signatures are asked for as propagation asks, and each
+one is executed: the inputs are cut per `sig.ins` (S(d): contiguous parts
+along d, as `ir.sbp.split_range` cuts them; R: the whole tensor; P: random
+addends summing to it), the op runs once per rank (shape arguments localized,
+the rank-dependent variant `sig.local` applied), and the per-rank outputs,
+combined per `sig.outs` (S: concatenated, P: summed, P(max): maxed, R: each
+rank equal), must equal the op applied to the whole inputs.
+
+The variants are applied here from `runtime/local_kernels.py`, picking each
+rank's slice from the signature itself: an independent reading of what
+`runtime/bind.py` does with the plan's boxes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+from meshplan.ir import TensorMeta
+from meshplan.ir.sbp import Partial, Shard, split_range
+from meshplan.ops.sbp_sig import P, R, SbpSig
+from meshplan.ops.sbp_table import SBP
+from meshplan.ops.table import rule_for
+from meshplan.runtime import local_kernels as lk
+
+F64, F32 = torch.float64, torch.float32
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op applied to small random float64 inputs (sizes divisible by 2 and 3)."""
+
+    kind: str
+    make: Callable[[], tuple]   # the op's arguments (tensors, literals)
+    kw: tuple = ()              # its literal keyword arguments, as pairs
+    tol: float = 1e-9
+
+
+def f(*shape):
+    return torch.randn(shape, dtype=F64)
+
+
+def pos(*shape):
+    return torch.rand(shape, dtype=F64) + 0.5
+
+
+def ints(high, *shape):
+    return torch.randint(0, high, shape)
+
+
+def targets(classes, n):
+    t = ints(classes, n)
+    t[1] = -100  # an ignored sample
+    return t
+
+
+def mask(*shape):
+    return torch.rand(shape) > 0.3
+
+
+def _c(kind, make, tol=1e-9, **kw):
+    return Case(kind, make, tuple(kw.items()), tol)
+
+
+def _flash(b=6, h=6, L=4, e=4):
+    q, k, v = f(b, h, L, e), f(b, h, L, e), f(b, h, L, e)
+    return q, k, v
+
+
+def _flash_backward():
+    q, k, v = _flash()
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)
+    return (f(*out.shape), q, k, v, out, lse, 0.0, True)
+
+
+_UNARY = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu")
+_LINEAR_BACKWARD = {
+    "gelu_backward": lambda: (f(6, 6), f(6, 6)),
+    "tanh_backward": lambda: (f(6, 6), f(6, 6)),
+    "sigmoid_backward": lambda: (f(6, 6), f(6, 6)),
+    "threshold_backward": lambda: (f(6, 6), f(6, 6), 0.0),
+    "silu_backward": lambda: (f(6, 6), f(6, 6)),
+    "native_dropout_backward": lambda: (f(6, 6), mask(6, 6), 2.0),
+}
+_POOL = {
+    "max_pool2d_with_indices": lambda: (f(6, 6, 4, 4), (2, 2), (2, 2)),
+    "avg_pool2d": lambda: (f(6, 6, 4, 4), (2, 2), (2, 2)),
+    "_adaptive_avg_pool2d": lambda: (f(6, 6, 4, 4), (2, 2)),
+    "avg_pool2d_backward": lambda: (f(6, 6, 2, 2), f(6, 6, 4, 4), (2, 2), (2, 2), (0, 0),
+                                    False, True, None),
+    "_adaptive_avg_pool2d_backward": lambda: (f(6, 6, 2, 2), f(6, 6, 4, 4)),
+}
+
+
+def _max_pool_backward():
+    x = f(6, 6, 4, 4)
+    out, idx = aten.max_pool2d_with_indices.default(x, (2, 2), (2, 2))
+    return (f(*out.shape), x, (2, 2), (2, 2), (0, 0), (1, 1), False, idx)
+
+
+SGD_KW = dict(lr=0.1, momentum=0.9, weight_decay=0.01, dampening=0.0, nesterov=False)
+ADAMW_KW = dict(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+CASES: dict[str, Case] = {
+    "add": _c("aten.add.Tensor", lambda: (f(6, 6), f(6, 6))),
+    "add_bcast": _c("aten.add.Tensor", lambda: (f(6, 6), f(6)), alpha=0.5),
+    "add_bcast_both": _c("aten.add.Tensor", lambda: (f(6, 1), f(1, 6))),
+    "add_number": _c("aten.add.Tensor", lambda: (f(6, 6), 2.5)),
+    "sub": _c("aten.sub.Tensor", lambda: (f(6, 6), f(6, 6)), alpha=3),
+    "sub_number": _c("aten.sub.Tensor", lambda: (f(6, 6), 1.5)),
+    "rsub": _c("aten.rsub.Tensor", lambda: (f(6, 6), f(6, 6)), alpha=2),
+    "rsub_scalar": _c("aten.rsub.Scalar", lambda: (f(6, 6), 2.0, 3)),
+    "mul": _c("aten.mul.Tensor", lambda: (f(6, 6), f(6, 6))),
+    "mul_bcast": _c("aten.mul.Tensor", lambda: (f(6, 1), f(6, 1, 6))),
+    "mul_number": _c("aten.mul.Tensor", lambda: (f(6, 6), 2.0)),
+    "div": _c("aten.div.Tensor", lambda: (f(6, 6), pos(6))),
+    "div_number": _c("aten.div.Tensor", lambda: (f(6, 6), 4.0)),
+    "neg": _c("aten.neg.default", lambda: (f(6, 6),)),
+    "clone": _c("aten.clone.default", lambda: (f(6, 6),)),
+    "contiguous": _c("aten.contiguous.default", lambda: (f(6, 6),)),
+    "alias": _c("aten.alias.default", lambda: (f(6, 6),)),
+    "to_copy": _c("aten._to_copy.default", lambda: (f(6, 6),), 1e-5, dtype=F32),
+    "to_dtype": _c("aten.to.dtype", lambda: (f(6, 6), F32), 1e-5),
+    **{k: _c(f"aten.{k}.default", make) for k, make in _LINEAR_BACKWARD.items()},
+    **{k: _c(f"aten.{k}.default", lambda: (pos(6, 6),)) for k in _UNARY},
+    "gelu_tanh": _c("aten.gelu.default", lambda: (f(6, 6),), approximate="tanh"),
+    "native_dropout": _c("aten.native_dropout.default", lambda: (f(6, 6), 0.0, True)),
+    "pow": _c("aten.pow.Tensor_Scalar", lambda: (f(6, 6), 2.0)),
+    "zeros_like": _c("aten.zeros_like.default", lambda: (f(6, 6),)),
+    "ones_like": _c("aten.ones_like.default", lambda: (f(6, 6),)),
+    "full_like": _c("aten.full_like.default", lambda: (f(6, 6), 3.0)),
+    # views
+    "view": _c("aten.view.default", lambda: (f(6, 4, 6), (6, 24))),
+    "view_merge_lead": _c("aten.view.default", lambda: (f(6, 6, 4), (36, 4))),
+    "reshape": _c("aten.reshape.default", lambda: (f(6, 4, 6), (24, 6))),
+    "unsafe_view": _c("aten._unsafe_view.default", lambda: (f(6, 12), (6, 2, 6))),
+    "unsqueeze": _c("aten.unsqueeze.default", lambda: (f(6, 6), 1)),
+    "squeeze_dim": _c("aten.squeeze.dim", lambda: (f(6, 1, 6), 1)),
+    "squeeze_dims": _c("aten.squeeze.dims", lambda: (f(6, 1, 6, 1), (1, 3))),
+    "squeeze": _c("aten.squeeze.default", lambda: (f(6, 1, 6),)),
+    "flatten": _c("aten.flatten.using_ints", lambda: (f(6, 4, 6), 1, 2)),
+    "transpose": _c("aten.transpose.int", lambda: (f(6, 4, 6), 0, 2)),
+    "t": _c("aten.t.default", lambda: (f(6, 12),)),
+    "permute": _c("aten.permute.default", lambda: (f(6, 4, 6), (2, 0, 1))),
+    "expand": _c("aten.expand.default", lambda: (f(6, 1, 6), (6, 12, 6))),
+    "expand_lead": _c("aten.expand.default", lambda: (f(6, 1), (6, -1, 12))),
+    # along one dim
+    "split": _c("aten.split.Tensor", lambda: (f(6, 12), 4, 1)),
+    "split_with_sizes": _c("aten.split_with_sizes.default", lambda: (f(6, 12), (5, 7), 1)),
+    "chunk": _c("aten.chunk.default", lambda: (f(12, 6), 3, 0)),
+    "unbind": _c("aten.unbind.int", lambda: (f(6, 3, 6), 1)),
+    "cat": _c("aten.cat.default", lambda: ((f(6, 4), f(6, 2)), 1)),
+    "cat_dim0": _c("aten.cat.default", lambda: ((f(6, 6, 6), f(6, 6, 6)),)),
+    "slice": _c("aten.slice.Tensor", lambda: (f(6, 12), 1, 2, 10, 2)),
+    "select": _c("aten.select.int", lambda: (f(6, 4, 6), 1, 2)),
+    "slice_backward": _c("aten.slice_backward.default",
+                         lambda: (f(6, 4), (6, 12), 1, 2, 10, 2)),
+    "softmax": _c("aten._softmax.default", lambda: (f(6, 4, 6), -1, False)),
+    "log_softmax": _c("aten._log_softmax.default", lambda: (f(6, 4, 6), 1, False)),
+    "softmax_backward": _c("aten._softmax_backward_data.default",
+                           lambda: (f(6, 4, 6), f(6, 4, 6), 2, F64)),
+    "log_softmax_backward": _c("aten._log_softmax_backward_data.default",
+                               lambda: (f(6, 4, 6), f(6, 4, 6), 0, F64)),
+    # reductions
+    "sum": _c("aten.sum.default", lambda: (f(6, 4, 6),)),
+    "sum_dim": _c("aten.sum.dim_IntList", lambda: (f(6, 4, 6), (1,))),
+    "sum_dims_keep": _c("aten.sum.dim_IntList", lambda: (f(6, 4, 6), (0, 2), True)),
+    "mean": _c("aten.mean.default", lambda: (f(6, 4, 6),)),
+    "mean_dim": _c("aten.mean.dim", lambda: (f(6, 4, 6), (-1,), True)),
+    "mean_dims": _c("aten.mean.dim", lambda: (f(6, 4, 6), (0, 2))),
+    "amax": _c("aten.amax.default", lambda: (f(6, 4, 6), (1,))),
+    "amax_all": _c("aten.amax.default", lambda: (f(6, 4, 6), (), True)),
+    # neural-network ops
+    "linear": _c("aten.linear.default", lambda: (f(6, 4, 6), f(12, 6), f(12))),
+    "linear_no_bias": _c("aten.linear.default", lambda: (f(6, 6), f(12, 6))),
+    "mm": _c("aten.mm.default", lambda: (f(6, 12), f(12, 6))),
+    "bmm": _c("aten.bmm.default", lambda: (f(6, 6, 12), f(6, 12, 6))),
+    "matmul_bcast": _c("aten.matmul.default", lambda: (f(6, 6, 12), f(12, 6))),
+    "matmul_bcast_left": _c("aten.matmul.default", lambda: (f(6, 12), f(6, 12, 6))),
+    "matmul_vector": _c("aten.matmul.default", lambda: (f(6, 12), f(12))),
+    "addmm": _c("aten.addmm.default", lambda: (f(6), f(6, 12), f(12, 6))),
+    "layer_norm": _c("aten.native_layer_norm.default",
+                     lambda: (f(6, 4, 6), (6,), pos(6), f(6), 1e-5)),
+    "layer_norm_backward": _c("aten.native_layer_norm_backward.default", lambda: (
+        f(6, 4, 6), f(6, 4, 6), (6,), f(6, 4, 1), pos(6, 4, 1), pos(6), f(6),
+        (True, True, True))),
+    "embedding": _c("aten.embedding.default", lambda: (f(12, 6), ints(12, 6, 4))),
+    "embedding_padding": _c("aten.embedding.default", lambda: (f(12, 6), ints(12, 6), 3)),
+    "embedding_backward": _c("aten.embedding_dense_backward.default",
+                             lambda: (f(6, 4, 6), ints(12, 6, 4), 12, -1, False)),
+    "nll_loss": _c("aten.nll_loss_forward.default",
+                   lambda: (f(6, 12), targets(12, 6), None, 2, -100)),
+    "nll_loss_weight": _c("aten.nll_loss_forward.default",
+                          lambda: (f(6, 12), targets(12, 6), pos(12), 2, -100)),
+    "nll_loss_mean": _c("aten.nll_loss_forward.default",
+                        lambda: (f(6, 12), targets(12, 6), None, 1, -100)),
+    "nll_loss_backward": _c("aten.nll_loss_backward.default", lambda: (
+        f(), f(6, 12), targets(12, 6), None, 2, -100, torch.tensor(5.0, dtype=F64))),
+    "nll_loss_backward_weight": _c("aten.nll_loss_backward.default", lambda: (
+        f(), f(6, 12), targets(12, 6), pos(12), 2, -100, torch.tensor(5.0, dtype=F64))),
+    "flash": _c("aten._scaled_dot_product_flash_attention_for_cpu.default",
+                lambda: (*_flash(), 0.0, True)),
+    "flash_backward": _c("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+                         _flash_backward),
+    "conv2d": _c("aten.conv2d.default",
+                 lambda: (f(6, 6, 5, 5), f(12, 6, 3, 3), f(12), (1, 1), (1, 1), (1, 1), 1)),
+    "conv2d_groups": _c("aten.conv2d.default",
+                        lambda: (f(6, 6, 5, 5), f(12, 3, 3, 3), f(12), (1, 1), (0, 0), (1, 1), 2)),
+    "conv2d_backward": _c("aten.convolution_backward.default", lambda: (
+        f(6, 12, 5, 5), f(6, 6, 5, 5), f(12, 6, 3, 3), (12,), (1, 1), (1, 1), (1, 1), False,
+        (0, 0), 1, (True, True, True))),
+    **{k: _c(f"aten.{k}.default", make) for k, make in _POOL.items()},
+    "max_pool2d_with_indices_backward": _c("aten.max_pool2d_with_indices_backward.default",
+                                           _max_pool_backward),
+    # meshplan's own ops
+    "grad_sum": _c("meshplan.grad_sum", lambda: (f(6, 6), f(6, 6), f(6, 6))),
+    "accumulate_grad": _c("meshplan.accumulate_grad", lambda: (f(6, 6), f(6, 6))),
+    "sgd": _c("meshplan.sgd", lambda: (f(6, 12), f(6, 12), f(6, 12)), **SGD_KW),
+    "adamw": _c("meshplan.adamw", lambda: (
+        f(6, 12), f(6, 12), f(6, 12), pos(6, 12), torch.tensor(3.0, dtype=F64)), **ADAMW_KW),
+}
+
+
+def _walk(a, fn):
+    """`a` with each tensor `t` replaced by `fn(t)`, in the traversal order
+    of `sbp_sig.tensors` (depth first, left to right)."""
+    if isinstance(a, torch.Tensor):
+        return fn(a)
+    if isinstance(a, (tuple, list)):
+        return tuple(_walk(x, fn) for x in a)
+    return a
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    _walk(args, lambda t: found.append(t) or t)
+    return found
+
+
+def _with(args, tensors: list[torch.Tensor]):
+    """`args` with its tensors replaced, in order, by `tensors`."""
+    it = iter(tensors)
+    return _walk(args, lambda _t: next(it))
+
+
+def _outputs(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _part(shape, s, n: int, i: int) -> tuple[slice, ...]:
+    """Rank i's index into a tensor of `shape` laid out as `s` (the whole if not S)."""
+    index = [slice(None)] * len(shape)
+    if isinstance(s, Shard):
+        index[s.dim] = slice(*split_range(shape[s.dim], n, i))
+    return tuple(index)
+
+
+def _pieces(t: torch.Tensor, s, n: int) -> list[torch.Tensor]:
+    """The n local tensors of `t` laid out as `s` (own copies: optimizers write)."""
+    if isinstance(s, Partial):
+        assert s.op == "sum", f"no input is {s}"
+        addends = [torch.randn_like(t) if t.is_floating_point()
+                   else torch.randint_like(t, -5, 5) for _ in range(n - 1)]
+        return addends + [t - sum(addends)]
+    return [t[_part(t.shape, s, n, i)].clone() for i in range(n)]
+
+
+def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
+    """The rank's kernel: the rule's, wrapped per `sig.local`."""
+    kernel = rule_for(kind).kernel
+    ts = _tensors(args)
+    if sig.local == "bias_first":
+        return lk.bias_first(kernel, i == 0)
+    if sig.local == "vocab_offset" and kind == "aten.embedding.default":
+        return lk.vocab_embedding(*split_range(ts[0].shape[0], n, i))
+    if sig.local == "vocab_offset":
+        return lk.vocab_embedding_backward(*split_range(whole[0].shape[0], n, i))
+    if sig.local == "class_offset" and kind == "aten.nll_loss_forward.default":
+        return lk.class_nll(*split_range(ts[0].shape[1], n, i))
+    if sig.local == "class_offset":
+        return lk.class_nll_backward(*split_range(ts[1].shape[1], n, i))
+    if sig.local == "mean_rescale":
+        x = ts[0]
+        local = x[_part(x.shape, sig.ins[0], n, i)].shape
+        return lk.mean_rescale(kernel, tuple(local), tuple(x.shape), args[1] if len(args) > 1
+                               else None)
+    assert not sig.local, f"unknown local variant {sig.local!r} of {kind}"
+    return kernel
+
+
+def _localize(kind, args, whole, sig: SbpSig, n: int, i: int) -> tuple:
+    """`args` with the rule's shape arguments set to rank i's output shapes."""
+    args = list(args)
+    for pos_, out in rule_for(kind).shape_args:
+        shape = whole[out].shape
+        args[pos_] = tuple(whole[out][_part(shape, sig.outs[out], n, i)].shape)
+    return tuple(args)
+
+
+def _combine(parts, s):
+    if isinstance(s, Shard):
+        return torch.cat(parts, s.dim)
+    if isinstance(s, Partial) and s.op == "max":
+        return torch.stack(parts).amax(0)
+    if isinstance(s, Partial):
+        return sum(parts[1:], parts[0])
+    for p in parts[1:]:
+        torch.testing.assert_close(p, parts[0], rtol=0, atol=0, msg="R output differs by rank")
+    return parts[0]
+
+
+def check_signature(case: Case, args, whole, sig: SbpSig, n: int) -> None:
+    """Run `case`'s op per rank under `sig`; the combined outputs must be `whole`."""
+    ts = _tensors(args)
+    assert len(sig.ins) == len(ts) and len(sig.outs) == len(whole), sig
+    pieces = [_pieces(t, s, n) for t, s in zip(ts, sig.ins)]
+    kw = dict(case.kw)
+    per_rank = []
+    for i in range(n):
+        local = _localize(case.kind, _with(args, [p[i] for p in pieces]), whole, sig, n, i)
+        per_rank.append(_outputs(_variant(case.kind, sig, args, whole, n, i)(*local, **kw)))
+    for k, (want, s) in enumerate(zip(whole, sig.outs)):
+        where = f"{case.kind} {_fmt(sig)} n={n} output {k}"
+        if want is None:
+            assert s is None, f"{where}: absent but laid out as {s}"
+            continue
+        got = _combine([r[k] for r in per_rank], s)
+        torch.testing.assert_close(got, want, rtol=case.tol, atol=case.tol,
+                                   msg=lambda m, where=where: f"{where}: {m}")
+
+
+def _fmt(sig: SbpSig) -> str:
+    ins = ", ".join(str(s) for s in sig.ins)
+    outs = ", ".join(str(s) for s in sig.outs)
+    return f"({ins}) -> ({outs})" + (f" [{sig.local}]" if sig.local else "")
+
+
+def _signatures(case: Case, n: int):
+    """(args, whole outputs, the rule's signatures) as propagation asks for them."""
+    torch.manual_seed(zlib.crc32(case.kind.encode()))
+    args = case.make()
+    whole = _outputs(rule_for(case.kind).kernel(*_walk(args, torch.clone), **dict(case.kw)))
+    outs = tuple(None if o is None else TensorMeta.of(o) for o in whole)
+    sigs = rule_for(case.kind).sbp(_walk(args, TensorMeta.of), dict(case.kw), outs, n)
+    return args, whole, sigs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_signature_gives_the_logical_result(name, n):
+    case = CASES[name]
+    args, whole, sigs = _signatures(case, n)
+    replicated = SbpSig((R,) * len(sigs[-1].ins),
+                        tuple(None if o is None else R for o in whole))
+    assert replicated in sigs, f"{case.kind}: no all-Replicate signature"
+    for sig in sigs:
+        check_signature(case, args, whole, sig, n)
+
+
+def test_every_rule_has_a_case():
+    covered = {c.kind for c in CASES.values()}
+    assert set(SBP) <= covered, sorted(set(SBP) - covered)
+
+
+def test_a_wrong_signature_is_caught():
+    """The check itself: exp is not linear, and a batch shard is not a class shard."""
+    exp = CASES["exp"]
+    args, whole, _ = _signatures(exp, 2)
+    with pytest.raises(AssertionError, match=r"aten.exp.default \(P\) -> \(P\) n=2"):
+        check_signature(exp, args, whole, SbpSig((P,), (P,)), 2)
+    mm = CASES["mm"]
+    args, whole, _ = _signatures(mm, 2)
+    with pytest.raises(AssertionError, match="aten.mm.default"):
+        check_signature(mm, args, whole, SbpSig((Shard(0), R), (Shard(1),)), 2)
