@@ -19,11 +19,23 @@ Invariants:
   * cool-down: r times (I down, I up); pp - r times (I down, W down); then
     the W's left, up's before down's;
   * the actions of micro-batches m..n-1 are dropped (m < 2*pp - 1).
-- Bubble with unit F, I and W costs and free comm: see test_zero_bubble.py.
+- Bubble ratio with unit F, I and W costs and free comm: (pp-1)/(6m), the
+  least possible (rank pp-1 waits pp-1 units for its first input, then
+  never idles), for m >= 3*pp // 2; above it for fewer micro-batches.
+  Measured exactly on pp in 1..8, m in 1..4pp+2
+  (tests/schedules/test_zero_bubble.py). So at unit costs ZB-V is no
+  better than zb1p at vpp=2; its gain is memory (1F1B's) and a V whose
+  turn, stages pp-1 and pp, needs no transfer.
 
 Diagram, pp=2 m=4, unit costs per F, I, W, free comm (simulated; `.` = idle):
 
-DIAGRAM
+    time     0   1   2   3   4   5   6   7   8   9  10  11  12
+    rank 0 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2
+    rank 1   . 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1
+
+    time    13  14  15  16  17  18  19  20  21  22  23  24
+    rank 0 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3   .
+    rank 1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3
 """
 
 from __future__ import annotations
