@@ -74,10 +74,6 @@ class StagePlacement:
         """The stages `rank` runs, chunk 0 first."""
         return tuple(s for s, r in enumerate(self.ranks) if r == rank)
 
-    def chunk_of(self, stage: int) -> int:
-        """The chunk (position among its rank's stages) of `stage`."""
-        return self.stages_of(self.rank_of(stage)).index(stage)
-
     def same_rank(self, a: int, b: int) -> bool:
         return self.rank_of(a) == self.rank_of(b)
 
