@@ -1,20 +1,21 @@
 """Schedule actions: one record per thing a rank does in a pipeline step.
 
 Invariants:
-- `stage` is a VIRTUAL stage index, `chunk * pp + rank` (the numbering of
-  torch.distributed.pipelining); under the default (interleaved) placement
-  `rank_of(stage, pp)` is the rank that runs it, and a schedule's own
-  placement is a `stage_placement.StagePlacement`. STEP has `stage == microbatch == -1`.
+- `stage` is a VIRTUAL stage index, the model's pieces in order
+  0..pp*vpp-1 (the numbering of torch.distributed.pipelining). The rank
+  that runs it is the schedule's `stage_placement.StagePlacement`: by
+  default (interleaved) stage `chunk * pp + rank`, so `rank_of(stage, pp)`.
+  STEP has `stage == microbatch == -1`.
 - Compute actions have `peer == -1`: F (forward), B (the whole backward),
   or the backward split in two, I (gradients of the stage's inputs, which
   the previous stage waits for) and W (gradients of the stage's weights,
   which nobody waits for); B = I + W. A (stage, micro-batch) runs B, or I
-  then W, never both. SEND/RECV actions always carry a
-  concrete `peer` (the virtual stage on the other side); leaving it out means
-  the chain neighbour (SEND_F: stage+1, RECV_F: stage-1, SEND_B: stage-1,
-  RECV_B: stage+1), filled in at construction.
-- `str(a)` is `0F3`, `2B1`, `2I0`, `2W0`, `0SEND_F3`, `1RECV_B0`, `STEP`; a non-default
-  peer is written as `@<peer>` (`0SEND_F3@2`). `Action.parse(str(a)) == a`
+  then W, never both. SEND/RECV actions always carry a concrete `peer`
+  (the virtual stage on the other side); leaving it out means the chain
+  neighbour (SEND_F: stage+1, RECV_F: stage-1, SEND_B: stage-1, RECV_B:
+  stage+1), filled in at construction.
+- `str(a)` is `0F3`, `2B1`, `2I0`, `2W0`, `0SEND_F3`, `1RECV_B0`, `STEP`; a
+  non-default peer is written as `@<peer>` (`0SEND_F3@2`). `Action.parse(str(a)) == a`
   for every valid action. F, B, I, W and the SEND/RECV forms without a peer
   are torch.distributed.pipelining's `_Action` text.
 """
@@ -170,10 +171,10 @@ class Action:
 
 
 def chunk_of(stage: int, pp: int) -> int:
-    """The chunk (virtual pipeline index) of a virtual stage."""
+    """The chunk (virtual pipeline index) of a virtual stage, interleaved placement."""
     return stage // pp
 
 
 def rank_of(stage: int, pp: int) -> int:
-    """The pipeline rank that runs a virtual stage."""
+    """The pipeline rank that runs a virtual stage, interleaved placement."""
     return stage % pp

@@ -21,7 +21,8 @@ Invariants:
   event happens), not through a global clock. Results are deterministic.
 - A schedule where no rank can move while some have actions left is a
   deadlock: `ok=False`, `deadlock` names each stuck rank, its action and
-  what it waits for, with the grid; nothing is raised. Then `step_time` and
+  what it waits for, with the grid, and `stuck` maps each stuck rank to
+  that action's index; nothing is raised. Then `step_time` and
   `bubble_ratio` are inf and the other fields cover finished actions only.
 - bubble ratio of a rank = (step_time - busy) / busy; `bubble_ratio` is the
   max over ranks.
