@@ -2,13 +2,16 @@
 
 Invariants:
 - A schedule is a pure function `(pp, vpp, num_microbatches, rank) ->
-  list[Action]` of compute actions (F, B) only; every rank's order is built
-  the same way on every rank, with no communication between them.
+  list[Action]` of compute actions (F, B, I, W) only; every rank's order is
+  built the same way on every rank, with no communication between them.
+  Its stage-to-rank placement is `placement_of(name, pp, vpp)`.
 - `comm.add_comm` is the only place SEND/RECV actions are made.
 - `validate.validate` and `simulate.simulate` check a lowered schedule
   without processes or torch.distributed.
 - `compute_actions` is the checked entry point; `SCHEDULES` maps the
-  `--schedule` names to the raw functions.
+  `--schedule` names to the raw functions. `ZERO_BUBBLE_SCHEDULES` (I/W
+  split) are refused there unless `split_backward=True`, until the runtime
+  runs I and W.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from meshplan.schedules.grid import format_grid
 from meshplan.schedules.interleaved import schedule_interleaved
 from meshplan.schedules.one_f_one_b import schedule_1f1b
 from meshplan.schedules.simulate import SimResult, chrome_trace, simulate
+from meshplan.schedules.stage_placement import StagePlacement, placement_of
 from meshplan.schedules.validate import validate
+from meshplan.schedules.zb1p import schedule_zb1p
+from meshplan.schedules.zbv import schedule_zbv
 
 ScheduleFn = Callable[[int, int, int, int], list[Action]]
 
@@ -33,23 +39,31 @@ SCHEDULES: dict[Schedule, ScheduleFn] = {
     Schedule.ONE_F_ONE_B: schedule_1f1b,
     Schedule.INTERLEAVED: schedule_interleaved,
 }
+ZERO_BUBBLE_SCHEDULES: dict[str, ScheduleFn] = {
+    "zb1p": schedule_zb1p,
+    "zbv": schedule_zbv,
+}
 
 __all__ = [
-    "SCHEDULES", "Action", "ActionType", "SimResult", "Transfer", "add_comm",
-    "chain_edges", "chrome_trace", "chunk_of", "compute_actions", "format_grid",
-    "rank_of", "simulate", "validate",
+    "SCHEDULES", "ZERO_BUBBLE_SCHEDULES", "Action", "ActionType", "SimResult",
+    "StagePlacement", "Transfer", "add_comm", "chain_edges", "chrome_trace", "chunk_of",
+    "compute_actions", "format_grid", "placement_of", "rank_of", "simulate", "validate",
 ]
 
 
 def compute_actions(name: Schedule | str, pp: int, vpp: int, num_microbatches: int,
-                    rank: int) -> list[Action]:
+                    rank: int, *, split_backward: bool = False) -> list[Action]:
     """Rank `rank`'s compute actions under schedule `name`, after checking the counts.
 
     `interleaved` with vpp == 1 returns the 1F1B order: torch's interleaved
     formula warms up 2*(pp-rank-1) forwards there instead of pp-rank-1 (see
-    [Note: interleaved at vpp=1] in interleaved.py).
+    [Note: interleaved at vpp=1] in interleaved.py). A zero-bubble schedule
+    needs `split_backward=True` (its caller runs I and W).
     """
-    if name not in SCHEDULES:
+    if name in ZERO_BUBBLE_SCHEDULES and not split_backward:
+        raise ScheduleError(f"schedule {name} needs the I/W split, not yet in the runtime")
+    schedules = {**SCHEDULES, **ZERO_BUBBLE_SCHEDULES}
+    if name not in schedules:
         raise ScheduleError(f"unknown schedule {name!r}; use --schedule one of "
                             f"{', '.join(sorted(SCHEDULES))}")
     for label, value in (("pp", pp), ("vpp", vpp), ("num_microbatches", num_microbatches)):
@@ -62,4 +76,4 @@ def compute_actions(name: Schedule | str, pp: int, vpp: int, num_microbatches: i
     if name == Schedule.INTERLEAVED and vpp == 1:
         schedule_interleaved(pp, vpp, num_microbatches, rank)  # same counts check
         return schedule_1f1b(pp, vpp, num_microbatches, rank)
-    return SCHEDULES[Schedule(name)](pp, vpp, num_microbatches, rank)
+    return schedules[name](pp, vpp, num_microbatches, rank)

@@ -1,16 +1,23 @@
 """Schedule actions: one record per thing a rank does in a pipeline step.
 
 Invariants:
-- `stage` is a VIRTUAL stage index, `chunk * pp + rank` (the numbering of
-  torch.distributed.pipelining), so `rank_of(stage, pp)` is the rank that
-  runs the action. STEP has `stage == microbatch == -1`.
-- Compute actions (F, B) have `peer == -1`. SEND/RECV actions always carry a
-  concrete `peer` (the virtual stage on the other side); leaving it out means
-  the chain neighbour (SEND_F: stage+1, RECV_F: stage-1, SEND_B: stage-1,
-  RECV_B: stage+1), filled in at construction.
-- `str(a)` is `0F3`, `2B1`, `0SEND_F3`, `1RECV_B0`, `STEP`; a non-default
-  peer is written as `@<peer>` (`0SEND_F3@2`). `Action.parse(str(a)) == a`
-  for every valid action.
+- `stage` is a VIRTUAL stage index, the model's pieces in order
+  0..pp*vpp-1 (the numbering of torch.distributed.pipelining). The rank
+  that runs it is the schedule's `stage_placement.StagePlacement`: by
+  default (interleaved) stage `chunk * pp + rank`, so `rank_of(stage, pp)`.
+  STEP has `stage == microbatch == -1`.
+- Compute actions have `peer == -1`: F (forward), B (the whole backward),
+  or the backward split in two, I (gradients of the stage's inputs, which
+  the previous stage waits for) and W (gradients of the stage's weights,
+  which nobody waits for); B = I + W. A (stage, micro-batch) runs B, or I
+  then W, never both. SEND/RECV actions always carry a concrete `peer`
+  (the virtual stage on the other side); leaving it out means the chain
+  neighbour (SEND_F: stage+1, RECV_F: stage-1, SEND_B: stage-1, RECV_B:
+  stage+1), filled in at construction.
+- `str(a)` is `0F3`, `2B1`, `2I0`, `2W0`, `0SEND_F3`, `1RECV_B0`, `STEP`; a
+  non-default peer is written as `@<peer>` (`0SEND_F3@2`). `Action.parse(str(a)) == a`
+  for every valid action. F, B, I, W and the SEND/RECV forms without a peer
+  are torch.distributed.pipelining's `_Action` text.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ from meshplan.errors import ScheduleError
 
 
 class ActionType(Enum):
-    """What an action does; F/B compute, SEND/RECV move one transfer."""
+    """What an action does; F/B/I/W compute, SEND/RECV move one transfer."""
 
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 (torch's letter for the backward of the inputs)
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -35,7 +44,7 @@ class ActionType(Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionType.F, ActionType.B)
+        return self in (ActionType.F, ActionType.B, ActionType.I, ActionType.W)
 
     @property
     def is_send(self) -> bool:
@@ -51,12 +60,21 @@ class ActionType(Enum):
 
     @property
     def kind(self) -> ActionType:
-        """The compute kind (F or B) this action computes or moves."""
-        if self in (ActionType.F, ActionType.SEND_F, ActionType.RECV_F):
+        """The transfer kind (F or B) this action moves, or the compute kind it runs."""
+        if self in (ActionType.SEND_F, ActionType.RECV_F):
             return ActionType.F
-        if self in (ActionType.B, ActionType.SEND_B, ActionType.RECV_B):
+        if self in (ActionType.SEND_B, ActionType.RECV_B):
             return ActionType.B
+        if self.is_compute:
+            return self
         raise ValueError("STEP has no compute kind")
+
+    @property
+    def transfer(self) -> ActionType | None:
+        """The transfer kind a compute action produces and consumes: F for F;
+        B (the input gradient) for B and I; None for W, which moves nothing."""
+        return {ActionType.F: ActionType.F, ActionType.B: ActionType.B,
+                ActionType.I: ActionType.B}.get(self)
 
 
 # The chain neighbour each SEND/RECV talks to by default (peer = stage + offset).
@@ -67,7 +85,7 @@ _DEFAULT_PEER_OFFSET = {
     ActionType.RECV_B: +1,
 }
 
-_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)(?:@(\d+))?")
+_PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@(\d+))?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +160,8 @@ class Action:
         match = _PATTERN.fullmatch(s)
         if match is None:
             raise ScheduleError(
-                f"cannot parse action {text!r}; expected <stage><F|B|SEND_F|RECV_F|SEND_B|"
-                f"RECV_B><microbatch>[@<peer>] (e.g. 0F3, 0SEND_F3@2) or STEP"
+                f"cannot parse action {text!r}; expected <stage><F|B|I|W|SEND_F|RECV_F|"
+                f"SEND_B|RECV_B><microbatch>[@<peer>] (e.g. 0F3, 2I0, 0SEND_F3@2) or STEP"
             )
         stage, kind, mb, peer = match.groups()
         atype = ActionType(kind)
@@ -153,10 +171,10 @@ class Action:
 
 
 def chunk_of(stage: int, pp: int) -> int:
-    """The chunk (virtual pipeline index) of a virtual stage."""
+    """The chunk (virtual pipeline index) of a virtual stage, interleaved placement."""
     return stage // pp
 
 
 def rank_of(stage: int, pp: int) -> int:
-    """The pipeline rank that runs a virtual stage."""
+    """The pipeline rank that runs a virtual stage, interleaved placement."""
     return stage % pp

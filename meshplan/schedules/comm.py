@@ -3,13 +3,17 @@
 Invariants:
 - No schedule writes its own communication; `add_comm` is the only maker
   of SEND/RECV actions.
-- A transfer `Transfer(kind, src, dst)` means compute `kind` (F or B) of
-  virtual stage `src` produces what compute `kind` of stage `dst` consumes,
-  for the same micro-batch. The default transfers are the chain: F from v to
-  v+1 and B from v+1 to v.
-- A transfer between stages on the same rank needs no action. Across ranks:
-  the producer's rank gets SEND right after the producing compute action;
-  the consumer's rank gets RECV right before the consuming one.
+- A transfer `Transfer(kind, src, dst)` means the compute actions of
+  transfer kind `kind` (`ActionType.transfer`: F for F; B for B and I) of
+  virtual stage `src` produce what those of stage `dst` consume, for the
+  same micro-batch. So the input gradient (SEND_B/RECV_B) leaves with I (or
+  B) and arrives before I (or B) of the stage before; W moves nothing. The
+  default transfers are the chain: F from v to v+1 and B from v+1 to v.
+- A transfer between stages on the same rank of the `StagePlacement`
+  (interleaved by default) needs no action: with the V placement, stages
+  pp-1 and pp. Across ranks: the producer's rank gets SEND right after the
+  producing compute action; the consumer's rank gets RECV right before the
+  consuming one.
 - Output is deterministic: ranks keep their key order, several SENDs after
   one action (or RECVs before one) follow the order of `edges`.
 """
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 from typing import Union
 
 from meshplan.errors import ScheduleError
-from meshplan.schedules.action import Action, ActionType, rank_of
+from meshplan.schedules.action import Action, ActionType
+from meshplan.schedules.stage_placement import StagePlacement, placement_for
 
 _SEND = {ActionType.F: ActionType.SEND_F, ActionType.B: ActionType.SEND_B}
 _RECV = {ActionType.F: ActionType.RECV_F, ActionType.B: ActionType.RECV_B}
@@ -35,8 +40,8 @@ class Transfer:
     src: int
     dst: int
 
-    def cross_rank(self, pp: int) -> bool:
-        return rank_of(self.src, pp) != rank_of(self.dst, pp)
+    def cross_rank(self, placement: StagePlacement) -> bool:
+        return not placement.same_rank(self.src, self.dst)
 
 
 EdgeLike = Union[Transfer, tuple[int, int, Union[str, ActionType]]]
@@ -79,18 +84,23 @@ def normalize_edges(edges: Iterable[EdgeLike] | None, num_stages: int) -> list[T
 
 
 def add_comm(compute: dict[int, list[Action]], pp: int,
-             edges: Iterable[EdgeLike] | None = None) -> dict[int, list[Action]]:
+             edges: Iterable[EdgeLike] | None = None,
+             placement: StagePlacement | None = None) -> dict[int, list[Action]]:
     """Each rank's actions with SEND/RECV added for every cross-rank transfer.
 
-    `compute` maps rank -> its compute actions (F, B, STEP); `edges` lists
-    `(src_stage, dst_stage, "F"|"B")` transfers, the chain by default.
+    `compute` maps rank -> its compute actions (F, B, I, W, STEP); `edges`
+    lists `(src_stage, dst_stage, "F"|"B")` transfers, the chain by default;
+    `placement` says which stages share a rank (interleaved by default).
     """
     for rank, acts in compute.items():
         for a in acts:
             if a.type.is_comm:
                 raise ScheduleError(f"add_comm takes compute actions only; rank {rank} "
                                     f"already has {a}")
-    transfers = [t for t in normalize_edges(edges, num_stages_of(compute)) if t.cross_rank(pp)]
+    transfers = normalize_edges(edges, num_stages_of(compute))
+    stages = max([num_stages_of(compute)] + [max(t.src, t.dst) + 1 for t in transfers])
+    where = placement_for(pp, stages, placement)
+    transfers = [t for t in transfers if t.cross_rank(where)]
     sends: dict[tuple[ActionType, int], list[int]] = defaultdict(list)
     recvs: dict[tuple[ActionType, int], list[int]] = defaultdict(list)
     for t in transfers:
@@ -102,11 +112,12 @@ def add_comm(compute: dict[int, list[Action]], pp: int,
 def _lower_rank(acts: Sequence[Action], sends: dict, recvs: dict) -> list[Action]:
     out: list[Action] = []
     for a in acts:
-        if not a.type.is_compute:
+        kind = a.type.transfer if a.type.is_compute else None
+        if kind is None:  # STEP or W
             out.append(a)
             continue
-        key = (a.type, a.stage)
-        out.extend(Action(a.stage, _RECV[a.type], a.microbatch, src) for src in recvs.get(key, ()))
+        key = (kind, a.stage)
+        out.extend(Action(a.stage, _RECV[kind], a.microbatch, src) for src in recvs.get(key, ()))
         out.append(a)
-        out.extend(Action(a.stage, _SEND[a.type], a.microbatch, dst) for dst in sends.get(key, ()))
+        out.extend(Action(a.stage, _SEND[kind], a.microbatch, dst) for dst in sends.get(key, ()))
     return out

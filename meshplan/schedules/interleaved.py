@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from meshplan.errors import ScheduleError
 from meshplan.schedules.action import Action
-from meshplan.schedules.one_f_one_b import order_1f1b
+from meshplan.schedules.one_f_one_b import OpMap, order_1f1b
 
 
 def interleaved_warmup(pp: int, vpp: int, num_microbatches: int, rank: int) -> int:
@@ -56,14 +56,24 @@ def schedule_interleaved(pp: int, vpp: int, num_microbatches: int, rank: int) ->
             f"num_microbatches={m} pp={pp}; use --num-microbatches {valid}"
         )
 
+    warmup = interleaved_warmup(pp, vpp, m, rank)
+    return order_1f1b(vpp * m, warmup, *rounds_of(pp, vpp, pp, rank))
+
+
+def rounds_of(pp: int, vpp: int, per_round: int, rank: int) -> tuple[OpMap, OpMap]:
+    """The k-th forward / backward of `rank` -> (stage, microbatch), depth first.
+
+    Micro-batches go in rounds of `per_round`: forwards run a round on chunk
+    0, the same round on chunk 1, ..., then the next round; backwards mirror
+    it from the last chunk down.
+    """
     def mb_of(k: int) -> int:
-        return (k // (pp * vpp)) * pp + k % pp
+        return (k // (per_round * vpp)) * per_round + k % per_round
 
     def fwd(k: int) -> tuple[int, int]:
-        return ((k // pp) % vpp) * pp + rank, mb_of(k)
+        return ((k // per_round) % vpp) * pp + rank, mb_of(k)
 
     def bwd(j: int) -> tuple[int, int]:
-        return (vpp - 1 - (j // pp) % vpp) * pp + rank, mb_of(j)
+        return (vpp - 1 - (j // per_round) % vpp) * pp + rank, mb_of(j)
 
-    warmup = interleaved_warmup(pp, vpp, m, rank)
-    return order_1f1b(vpp * m, warmup, fwd, bwd)
+    return fwd, bwd

@@ -2,11 +2,16 @@
 
 Invariants:
 - Each rank runs its actions in list order, one at a time.
-- F/B (and STEP) occupy the rank for their cost; an action starts when the
-  rank is free and its inputs exist: F(v, mb) needs the F output of its
-  producer stages, B(v, mb) needs F(v, mb) and the B output of its
-  producers. A producer on another rank is read through this rank's RECV;
-  one on the same rank (pp == 1, or custom edges) is waited for directly.
+- F, B, I, W (and STEP) occupy the rank for their cost; an action starts
+  when the rank is free and its inputs exist: F(v, mb) needs the F output
+  of its producer stages; B(v, mb) and I(v, mb) need F(v, mb) and the input
+  gradient (made by B or I) of their producers; W(v, mb) needs I(v, mb). A
+  producer on another rank of the `StagePlacement` (interleaved by
+  default) is read through this rank's RECV; one on the same rank (pp == 1,
+  custom edges, stages pp-1 and pp of the V) is waited for directly.
+- Costs per compute kind, per virtual stage, with B = I + W: give cost_b
+  (then I and W cost half of it each), or cost_i and cost_w (then B costs
+  their sum).
 - SEND is asynchronous: it takes no time, and is posted once its producing
   compute action has finished. RECV blocks its rank until
   max(its own start, SEND time + cost_comm(kind, src, dst)).
@@ -16,7 +21,8 @@ Invariants:
   event happens), not through a global clock. Results are deterministic.
 - A schedule where no rank can move while some have actions left is a
   deadlock: `ok=False`, `deadlock` names each stuck rank, its action and
-  what it waits for, with the grid; nothing is raised. Then `step_time` and
+  what it waits for, with the grid, and `stuck` maps each stuck rank to
+  that action's index; nothing is raised. Then `step_time` and
   `bubble_ratio` are inf and the other fields cover finished actions only.
 - bubble ratio of a rank = (step_time - busy) / busy; `bubble_ratio` is the
   max over ranks.
@@ -29,13 +35,19 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from meshplan.errors import ScheduleError
 from meshplan.schedules import trace
-from meshplan.schedules.action import Action, ActionType, rank_of
+from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.comm import EdgeLike, Transfer, normalize_edges, num_stages_of
 from meshplan.schedules.grid import format_grid
+from meshplan.schedules.stage_placement import StagePlacement, placement_for
 
-Event = tuple  # ("C", kind, stage, mb) compute done; ("S"|"R", kind, src, dst, mb) send / recv
+# ("C", kind, stage, mb): output of kind F or B (from B or I) made, or W done;
+# ("S"|"R", kind, src, dst, mb): send posted / recv done.
+Event = tuple
 Span = tuple[Action, float, float]
+Cost = Callable[[int], float]
+F, B, I, W = ActionType.F, ActionType.B, ActionType.I, ActionType.W  # noqa: E741
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,28 +62,48 @@ class SimResult:
     bubble_ratio: float
     per_rank_bubble: dict[int, float]
     timeline: dict[int, list[Span]] = field(repr=False)
+    stuck: dict[int, int] = field(default_factory=dict)  # rank -> index it is stuck at
 
 
 def simulate(actions: Mapping[int, Sequence[Action]], pp: int,
-             cost_f: Callable[[int], float] = lambda stage: 1.0,
-             cost_b: Callable[[int], float] = lambda stage: 1.0,
+             cost_f: Cost = lambda stage: 1.0, cost_b: Cost | None = None,
              cost_comm: Callable[[ActionType, int, int], float] = lambda kind, src, dst: 0.0,
-             *, cost_step: float = 0.0, edges: Iterable[EdgeLike] | None = None) -> SimResult:
+             *, cost_i: Cost | None = None, cost_w: Cost | None = None,
+             cost_step: float = 0.0, edges: Iterable[EdgeLike] | None = None,
+             placement: StagePlacement | None = None) -> SimResult:
     """Simulate `actions` (rank -> lowered list) and predict the step.
 
-    `cost_f(stage)` / `cost_b(stage)` are per virtual stage; `cost_comm(kind,
-    src_stage, dst_stage)` gets kind ActionType.F or ActionType.B; `edges`
-    are the transfers given to `add_comm` (the chain by default).
+    `cost_f(stage)`, `cost_b(stage)` (1 by default), `cost_i`, `cost_w` are
+    per virtual stage (see the module docstring for B = I + W);
+    `cost_comm(kind, src_stage, dst_stage)` gets kind ActionType.F or
+    ActionType.B; `edges` and `placement` are those given to `add_comm`.
     """
-    sim = _Sim(actions, pp, normalize_edges(edges, num_stages_of(actions)),
-               {ActionType.F: cost_f, ActionType.B: cost_b}, cost_comm, cost_step)
+    transfers = normalize_edges(edges, num_stages_of(actions))
+    stages = max([num_stages_of(actions)] + [max(t.src, t.dst) + 1 for t in transfers])
+    sim = _Sim(actions, placement_for(pp, stages, placement), transfers,
+               kind_costs(cost_f, cost_b, cost_i, cost_w), cost_comm, cost_step)
     sim.run()
     return sim.result()
 
 
+def kind_costs(cost_f: Cost, cost_b: Cost | None, cost_i: Cost | None,
+               cost_w: Cost | None) -> dict[ActionType, Cost]:
+    """The cost of each compute kind, with B = I + W (see the module docstring)."""
+    if (cost_i is None) != (cost_w is None):
+        raise ScheduleError("simulate: give cost_i and cost_w together (B = I + W)")
+    if cost_i is None or cost_w is None:
+        full = cost_b or (lambda stage: 1.0)
+        return {F: cost_f, B: full, I: lambda s: full(s) / 2, W: lambda s: full(s) / 2}
+    if cost_b is not None:
+        raise ScheduleError("simulate: give cost_b, or cost_i and cost_w (B = I + W), not both")
+    split_i, split_w = cost_i, cost_w
+    return {F: cost_f, B: lambda s: split_i(s) + split_w(s), I: split_i, W: split_w}
+
+
 class _Sim:
-    def __init__(self, actions, pp, transfers: list[Transfer], cost, cost_comm, cost_step):
-        self.actions, self.pp = actions, pp
+    def __init__(self, actions, placement: StagePlacement, transfers: list[Transfer], cost,
+                 cost_comm, cost_step):
+        self.actions, self.placement = actions, placement
         self.cost, self.cost_comm, self.cost_step = cost, cost_comm, cost_step
         self.inputs: dict[tuple[ActionType, int], list[Transfer]] = defaultdict(list)
         for t in transfers:
@@ -93,10 +125,12 @@ class _Sim:
             return [("C", kind, a.stage, mb)]
         if a.type.is_recv:
             return [("S", kind, a.peer, a.stage, mb)]
-        out: list[Event] = [("C", ActionType.F, a.stage, mb)] if kind is ActionType.B else []
-        for t in self.inputs.get((kind, a.stage), ()):
-            cross = rank_of(t.src, self.pp) != rank_of(t.dst, self.pp)
-            out.append(("R", kind, t.src, t.dst, mb) if cross else ("C", kind, t.src, mb))
+        own = {F: [], B: [F], I: [F], W: [B]}[kind]  # W waits for its I's input gradient
+        out: list[Event] = [("C", k, a.stage, mb) for k in own]
+        xfer = a.type.transfer
+        for t in self.inputs.get((xfer, a.stage), ()):
+            cross = not self.placement.same_rank(t.src, t.dst)
+            out.append(("R", xfer, t.src, t.dst, mb) if cross else ("C", xfer, t.src, mb))
         return out
 
     def fire(self, rank: int, a: Action) -> None:
@@ -113,7 +147,8 @@ class _Sim:
             end, event = start, ("S", kind, a.stage, a.peer, a.microbatch)
         else:
             dur = self.cost_step if kind is None else self.cost[kind](a.stage)
-            end, event = start + dur, None if kind is None else ("C", kind, a.stage, a.microbatch)
+            made = None if kind is None else a.type.transfer or kind
+            end, event = start + dur, None if made is None else ("C", made, a.stage, a.microbatch)
             self.busy[rank] += dur
         self.free[rank] = end
         self.timeline[rank].append((a, start, end))
@@ -142,7 +177,8 @@ class _Sim:
         stuck = self.stuck()
         if stuck:
             return SimResult(False, self.explain(stuck), math.inf, dict(self.busy), finish,
-                             math.inf, {r: math.inf for r in self.actions}, self.timeline)
+                             math.inf, {r: math.inf for r in self.actions}, self.timeline,
+                             {r: self.pc[r] for r in stuck})
         step = max(finish.values(), default=0.0)
         per_rank = {r: trace.ratio(step - b, b) for r, b in self.busy.items()}
         return SimResult(True, None, step, dict(self.busy), finish,
@@ -168,11 +204,14 @@ class _Sim:
         tag, kind = e[0], e[1]
         if tag == "C":
             want, stage = Action(e[2], kind, e[3]), e[2]
+            split = Action(e[2], I, e[3])  # B's input gradient may come from I
+            if kind is B and split in self.actions.get(self.placement.rank_of(stage), ()):
+                want = split
         elif tag == "S":
             want, stage = Action(e[2], _SEND[kind], e[4], e[3]), e[2]
         else:
             want, stage = Action(e[3], _RECV[kind], e[4], e[2]), e[3]
-        rank = rank_of(stage, self.pp)
+        rank = self.placement.rank_of(stage)
         acts = self.actions.get(rank, ())
         if want not in acts:
             return f"{want} on rank {rank}, which rank {rank} never runs"

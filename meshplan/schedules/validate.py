@@ -1,114 +1,181 @@
-"""Static checks of a lowered schedule (compute + SEND/RECV), no processes.
+"""Static checks of a schedule's per-rank action lists, no processes.
 
-Invariants a valid schedule keeps (each failure is one ScheduleError whose
-message has the bounded grid with `<-- ERROR HERE` on the offending action):
-- every action of rank r names a virtual stage of rank r (`stage % pp == r`,
-  `stage < pp * vpp`) and a micro-batch in 0..m-1;
-- every rank runs exactly one F and one B per (own stage, micro-batch), and
-  B(v, mb) comes after F(v, mb);
-- a compute action that consumes a transfer comes after its producer (same
-  rank) or after its RECV (other rank); a SEND comes after its producer;
-- every SEND has exactly one matching RECV (same kind, micro-batch, stages
-  swapped as stage/peer, on the peer's rank) and vice versa, and each names a
-  cross-rank transfer of `edges` (the chain by default).
+Invariants a valid schedule keeps (`validate` raises one ScheduleError whose
+message has the bounded grid with `<-- ERROR HERE` on the offending action;
+`find_fault` returns the same fault as data). Each message names the rank,
+the action and the rule:
+1. every action of rank r names a virtual stage that the `StagePlacement`
+   (interleaved by default) gives rank r, so each stage has one owner rank,
+   and a micro-batch in 0..m-1;
+2. for each (stage, micro-batch) the rank runs one F, then either one B or
+   one I followed by one W: B and I come after F, W after I, B never
+   beside I or W, nothing twice;
+3. every (stage, micro-batch) of the rank is complete: F and B, or F, I
+   and W (so as many I as W);
+4. a compute action that consumes a transfer (F: the forward input; B and
+   I: the input gradient; W: none) comes after its producer (same rank) or
+   after its RECV (other rank); a SEND comes after its producer;
+5. every SEND has exactly one matching RECV (same kind, micro-batch, stages
+   swapped as stage/peer, on the peer's rank) and vice versa, and each names
+   a cross-rank transfer of `edges` (the chain by default).
+With `lowered=False` the lists are compute orders (a CSV): no SEND/RECV may
+appear and rule 4 checks same-rank producers only; a cross-rank wait cycle
+is the simulator's to find.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from meshplan.errors import ScheduleError
-from meshplan.schedules.action import Action, ActionType, rank_of
+from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.comm import EdgeLike, Transfer, normalize_edges
 from meshplan.schedules.grid import format_grid
+from meshplan.schedules.stage_placement import StagePlacement
 
-__all__ = ["format_grid", "validate"]
+__all__ = ["Fault", "find_fault", "format_grid", "validate"]
 
 _RECV = {ActionType.F: ActionType.RECV_F, ActionType.B: ActionType.RECV_B}
+F, B, I, W = ActionType.F, ActionType.B, ActionType.I, ActionType.W  # noqa: E741
 Key = tuple[ActionType, int, int, int]  # (kind, src stage, dst stage, microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """The first broken rule: its message and where (rank, index in its list)."""
+
+    message: str
+    rank: int
+    index: int
 
 
 class _Fail(Exception):
     def __init__(self, message: str, mark: tuple[int, int]):
         super().__init__(message)
-        self.message, self.mark = message, mark
+        self.fault = Fault(message, *mark)
+
+
+@dataclass
+class _Ctx:
+    placement: StagePlacement
+    m: int
+    lowered: bool
+    inputs: dict[tuple[ActionType, int], list[Transfer]]
+    cross: set[Transfer]
+    sends: dict[Key, tuple[int, int]] = field(default_factory=dict)
+    recvs: dict[Key, tuple[int, int]] = field(default_factory=dict)
 
 
 def validate(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: int,
-             edges: Iterable[EdgeLike] | None = None) -> None:
-    """Raise ScheduleError unless `actions` (rank -> list) is a valid schedule."""
+             edges: Iterable[EdgeLike] | None = None, *,
+             placement: StagePlacement | None = None) -> None:
+    """Raise ScheduleError unless `actions` (rank -> lowered list) is a valid schedule."""
     head = f"invalid schedule (pp={pp} vpp={vpp} num_microbatches={m})"
     bad = [r for r in actions if not (isinstance(r, int) and 0 <= r < pp)]
     if bad:
         raise ScheduleError(f"{head}: ranks {bad} are outside 0..{pp - 1}")
+    fault = find_fault(actions, pp, vpp, m, edges, placement=placement)
+    if fault is not None:
+        grid = format_grid(actions, (fault.rank, fault.index))
+        raise ScheduleError(f"{head}: {fault.message}\n{grid}")
+
+
+def find_fault(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: int,
+               edges: Iterable[EdgeLike] | None = None, *,
+               placement: StagePlacement | None = None, lowered: bool = True) -> Fault | None:
+    """The first rule `actions` breaks (see the module docstring), or None.
+
+    The keys of `actions` must be ranks in 0..pp-1."""
+    where = placement or StagePlacement.interleaved(pp, vpp)
+    if (where.pp, where.vpp) != (pp, vpp):
+        raise ScheduleError(f"stage placement is for pp={where.pp} vpp={where.vpp}, the "
+                            f"schedule for pp={pp} vpp={vpp}")
     transfers = normalize_edges(edges, pp * vpp)
     inputs: dict[tuple[ActionType, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         inputs[(t.kind, t.dst)].append(t)
-    cross = {t for t in transfers if t.cross_rank(pp)}
+    cross = {t for t in transfers if t.cross_rank(where)}
+    ctx = _Ctx(where, m, lowered, inputs, cross)
     try:
-        sends: dict[tuple, tuple[int, int]] = {}  # (kind, src, dst, mb) -> (rank, index)
-        recvs: dict[tuple, tuple[int, int]] = {}
         for rank in sorted(actions):
-            _scan_rank(rank, actions[rank], pp, vpp, m, (inputs, cross), sends, recvs)
-        _check_complete(actions, pp, vpp, m)
-        _check_matching(sends, recvs)
+            _scan_rank(rank, actions[rank], ctx)
+        _check_complete(actions, ctx)
+        _check_matching(ctx.sends, ctx.recvs)
     except _Fail as fail:
-        grid = format_grid(actions, fail.mark)
-        raise ScheduleError(f"{head}: {fail.message}\n{grid}") from None
+        return fail.fault
+    return None
 
 
-def _scan_rank(rank: int, acts: Sequence[Action], pp: int, vpp: int, m: int,
-               edges: tuple[dict, set[Transfer]], sends: dict, recvs: dict) -> None:
-    inputs, cross = edges
-    done: set[tuple[ActionType, int, int]] = set()  # computed (kind, stage, mb)
+def _scan_rank(rank: int, acts: Sequence[Action], ctx: _Ctx) -> None:
+    ran: set[tuple[ActionType, int, int]] = set()  # compute actions run (type, stage, mb)
     for i, a in enumerate(acts):
         where = (rank, i)
         if a.type is ActionType.STEP:
             continue
-        _check_place(a, rank, pp, vpp, m, where)
+        _check_place(a, rank, ctx, where)
         if a.type.is_compute:
-            _check_compute(a, pp, inputs, done, recvs, where)
-            done.add((a.type, a.stage, a.microbatch))
+            _check_order(a, ran, where)
+            _check_inputs(a, ctx, ran, where)
+            ran.add((a.type, a.stage, a.microbatch))
+        elif not ctx.lowered:
+            raise _Fail(f"rank {rank} has {a}, but a compute order holds F, B, I and W only; "
+                        f"the lowering (comm.add_comm) adds SEND/RECV", where)
         elif a.type.is_send:
             key = (a.type.kind, a.stage, a.peer, a.microbatch)
-            _check_comm(a, key, cross, sends, where)
-            if (a.type.kind, a.stage, a.microbatch) not in done:
+            _check_comm(a, key, ctx.cross, ctx.sends, where)
+            if not _produced(ran, a.type.kind, a.stage, a.microbatch):
                 raise _Fail(f"rank {rank} sends {a} before computing "
                             f"{a.stage}{a.type.kind.value}{a.microbatch}; move the SEND "
                             f"after it", where)
-            sends[key] = where
+            ctx.sends[key] = where
         else:
             key = (a.type.kind, a.peer, a.stage, a.microbatch)
-            _check_comm(a, key, cross, recvs, where)
-            recvs[key] = where
+            _check_comm(a, key, ctx.cross, ctx.recvs, where)
+            ctx.recvs[key] = where
 
 
-def _check_place(a: Action, rank: int, pp: int, vpp: int, m: int, where) -> None:
-    if not 0 <= a.stage < pp * vpp or rank_of(a.stage, pp) != rank:
-        own = ", ".join(str(c * pp + rank) for c in range(vpp))
+def _produced(ran: set, kind: ActionType, stage: int, mb: int) -> bool:
+    """Whether transfer `kind` of (stage, mb) exists: F after F, B after B or I."""
+    makers = (F,) if kind is F else (B, I)
+    return any((t, stage, mb) in ran for t in makers)
+
+
+def _check_place(a: Action, rank: int, ctx: _Ctx, where) -> None:
+    own = ctx.placement.stages_of(rank)
+    if a.stage not in own:
         raise _Fail(f"rank {rank} runs {a} but stage {a.stage} is not one of its "
-                    f"stages ({own})", where)
-    if not 0 <= a.microbatch < m:
-        raise _Fail(f"rank {rank} runs {a} but micro-batches are 0..{m - 1}", where)
+                    f"stages ({', '.join(map(str, own))}); each stage has one owner rank", where)
+    if not 0 <= a.microbatch < ctx.m:
+        raise _Fail(f"rank {rank} runs {a} but micro-batches are 0..{ctx.m - 1}", where)
 
 
-def _check_compute(a: Action, pp: int, inputs: dict[tuple[ActionType, int], list[Transfer]],
-                   done: set, recvs: dict, where) -> None:
-    rank, mb = where[0], a.microbatch
-    if (a.type, a.stage, mb) in done:
+def _check_order(a: Action, ran: set, where) -> None:
+    rank, s, mb, t = where[0], a.stage, a.microbatch, a.type
+    if (t, s, mb) in ran:
         raise _Fail(f"rank {rank} runs {a} twice; each (stage, micro-batch) runs one "
-                    f"{a.type.value}", where)
-    if a.type is ActionType.B and (ActionType.F, a.stage, mb) not in done:
-        raise _Fail(f"rank {rank} runs {a} before its forward {a.stage}F{mb}; "
-                    f"B(v, mb) must follow F(v, mb)", where)
-    for t in inputs.get((a.type, a.stage), ()):
-        if not t.cross_rank(pp):
-            if (t.kind, t.src, mb) not in done:
+                    f"{t.value}", where)
+    other = [o for o in ((I, W) if t is B else (B,) if t in (I, W) else ()) if (o, s, mb) in ran]
+    if other:
+        raise _Fail(f"rank {rank} runs {a} after {s}{other[0].value}{mb}; a (stage, "
+                    f"micro-batch) runs B, or I then W, not both", where)
+    if t in (B, I) and (F, s, mb) not in ran:
+        raise _Fail(f"rank {rank} runs {a} before its forward {s}F{mb}; "
+                    f"{t.value}(v, mb) must follow F(v, mb)", where)
+    if t is W and (I, s, mb) not in ran:
+        raise _Fail(f"rank {rank} runs {a} before {s}I{mb}; W(v, mb) must follow "
+                    f"I(v, mb)", where)
+
+
+def _check_inputs(a: Action, ctx: _Ctx, ran: set, where) -> None:
+    rank, mb = where[0], a.microbatch
+    for t in ctx.inputs.get((a.type.transfer, a.stage), ()):
+        if t not in ctx.cross:
+            if not _produced(ran, t.kind, t.src, mb):
                 raise _Fail(f"rank {rank} runs {a} before {t.src}{t.kind.value}{mb}, whose "
                             f"output it consumes; run that first", where)
-        elif (t.kind, t.src, t.dst, mb) not in recvs:
+        elif ctx.lowered and (t.kind, t.src, t.dst, mb) not in ctx.recvs:
             recv = Action(a.stage, _RECV[t.kind], mb, t.src)
             raise _Fail(f"rank {rank} runs {a} before receiving its input {recv}; "
                         f"put {recv} before it (comm.add_comm does)", where)
@@ -123,18 +190,27 @@ def _check_comm(a: Action, key: Key, cross: set[Transfer], seen: dict, where) ->
         raise _Fail(f"rank {where[0]} has {a} twice (first at step {seen[key][1]})", where)
 
 
-def _check_complete(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: int) -> None:
-    for rank in range(pp):
+def _check_complete(actions: Mapping[int, Sequence[Action]], ctx: _Ctx) -> None:
+    for rank in range(ctx.placement.pp):
         acts = actions.get(rank, ())
-        have = {(a.type, a.stage, a.microbatch) for a in acts if a.type.is_compute}
-        for chunk in range(vpp):
-            stage = chunk * pp + rank
-            for mb in range(m):
-                for kind in (ActionType.F, ActionType.B):
-                    if (kind, stage, mb) not in have:
-                        raise _Fail(f"rank {rank} never runs {stage}{kind.value}{mb}; every "
-                                    f"(stage, micro-batch) needs one F and one B",
-                                    (rank, len(acts)))
+        ran = {(a.type, a.stage, a.microbatch) for a in acts if a.type.is_compute}
+        for stage in ctx.placement.stages_of(rank):
+            for mb in range(ctx.m):
+                missing = _missing(rank, ran, stage, mb)
+                if missing:
+                    raise _Fail(missing, (rank, len(acts)))
+
+
+def _missing(rank: int, ran: set, s: int, mb: int) -> str | None:
+    if (F, s, mb) not in ran:
+        return f"rank {rank} never runs {s}F{mb}; every (stage, micro-batch) needs one F"
+    if (B, s, mb) not in ran and (I, s, mb) not in ran:
+        return (f"rank {rank} never runs {s}B{mb} (nor {s}I{mb} and {s}W{mb}); every "
+                f"(stage, micro-batch) needs one backward: B, or I then W")
+    if (I, s, mb) in ran and (W, s, mb) not in ran:
+        return (f"rank {rank} runs {s}I{mb} but never {s}W{mb}; every I needs its W "
+                f"(as many I as W)")
+    return None
 
 
 def _check_matching(sends: dict[Key, tuple[int, int]], recvs: dict[Key, tuple[int, int]]) -> None:

@@ -1,6 +1,7 @@
 """Fuzz: random schedule parameters, and random corruptions.
 
-- Any (schedule, pp, vpp, num_microbatches) either is refused with a
+- Any (schedule, pp, vpp, num_microbatches), zero-bubble ones (I/W split,
+  their own stage placement) included, either is refused with a
   ScheduleError, or lowers to a schedule that validates and simulates with
   no deadlock.
 - A corruption of a valid schedule (drop, duplicate or swap an action,
@@ -25,6 +26,7 @@ from meshplan.plan.check import check_plans, simulate_plans
 from meshplan.plan.rankplan import TaskKind
 from meshplan.schedules import add_comm, compute_actions, simulate, validate
 from meshplan.schedules.action import ActionType
+from meshplan.schedules.stage_placement import placement_of
 from tests.plan.jobs import job_of, plans_of
 
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -36,20 +38,26 @@ COMM = (ActionType.SEND_F, ActionType.SEND_B, ActionType.RECV_F, ActionType.RECV
 
 @st.composite
 def params(draw):
-    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved"]))
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb1p", "zbv"]))
     pp = draw(st.integers(1, 6))
-    vpp = draw(st.integers(1, 3)) if name == "interleaved" else draw(st.sampled_from([1, 1, 2]))
+    if name in ("interleaved", "zb1p"):
+        vpp = draw(st.integers(1, 3))
+    else:
+        vpp = draw(st.sampled_from([1, 2, 2] if name == "zbv" else [1, 1, 2]))
     return name, pp, vpp, draw(st.integers(1, 12))
 
 
 def lowered(name: str, pp: int, vpp: int, m: int):
     """The lowered schedule, or None when the counts are refused (one line)."""
+    split = name in ("zb1p", "zbv")
     try:
-        compute = {r: compute_actions(name, pp, vpp, m, r) for r in range(pp)}
+        compute = {r: compute_actions(name, pp, vpp, m, r, split_backward=split)
+                   for r in range(pp)}
+        where = placement_of(name, pp, vpp)
     except ScheduleError as e:
         assert "\n" not in str(e)
         return None
-    return add_comm(compute, pp)
+    return add_comm(compute, pp, placement=where)
 
 
 def mutate(acts: list, kind: str, data, stages: int) -> bool:
@@ -87,19 +95,20 @@ def schedule_case(p, kind, data) -> None:
     if acts is None:
         event("refused")
         return
-    validate(acts, pp, vpp, m)
-    assert simulate(acts, pp).ok
+    where = placement_of(name, pp, vpp)
+    validate(acts, pp, vpp, m, placement=where)
+    assert simulate(acts, pp, placement=where).ok
     rank = data.draw(st.integers(0, pp - 1))
     bad = {r: list(a) for r, a in acts.items()}
     if not mutate(bad[rank], kind, data, pp * vpp):
         return
     try:
-        validate(bad, pp, vpp, m)
+        validate(bad, pp, vpp, m, placement=where)
     except ScheduleError as e:
         assert "<-- ERROR HERE" in str(e)
         event(f"{kind}: caught by validate")
         return
-    sim = simulate(bad, pp)
+    sim = simulate(bad, pp, placement=where)
     if not sim.ok:
         assert "cannot make progress" in sim.deadlock
         event(f"{kind}: caught by simulate")

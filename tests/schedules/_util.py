@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from meshplan.schedules import SCHEDULES, add_comm, compute_actions, simulate
+from meshplan.schedules import SCHEDULES, ZERO_BUBBLE_SCHEDULES, add_comm, compute_actions
 from meshplan.schedules.action import Action
+from meshplan.schedules.simulate import simulate
+from meshplan.schedules.stage_placement import placement_of
 
 # The (schedule, pp, vpp, num_microbatches) grid every schedule is checked on.
 GRID = [
@@ -14,6 +16,15 @@ GRID = [
     for k in (1, 2, 4)
 ]
 
+# The same grid for the zero-bubble schedules (I/W split; zbv takes vpp 2 only).
+ZB_GRID = [
+    (name, pp, vpp, k * pp)
+    for name in ZERO_BUBBLE_SCHEDULES
+    for pp in (1, 2, 3, 4, 8)
+    for vpp in ((1, 2, 3) if name == "zb1p" else (2,))
+    for k in (1, 2, 4)
+]
+
 
 def grid_id(case: tuple[str, int, int, int]) -> str:
     name, pp, vpp, m = case
@@ -21,11 +32,12 @@ def grid_id(case: tuple[str, int, int, int]) -> str:
 
 
 def compute(name: str, pp: int, vpp: int, m: int) -> dict[int, list[Action]]:
-    return {r: compute_actions(name, pp, vpp, m, r) for r in range(pp)}
+    split = name in ZERO_BUBBLE_SCHEDULES
+    return {r: compute_actions(name, pp, vpp, m, r, split_backward=split) for r in range(pp)}
 
 
 def lowered(name: str, pp: int, vpp: int, m: int) -> dict[int, list[Action]]:
-    return add_comm(compute(name, pp, vpp, m), pp)
+    return add_comm(compute(name, pp, vpp, m), pp, placement=placement_of(name, pp, vpp))
 
 
 def parse_lists(text: dict[int, str]) -> dict[int, list[Action]]:
@@ -34,4 +46,4 @@ def parse_lists(text: dict[int, str]) -> dict[int, list[Action]]:
 
 
 def run(name: str, pp: int, vpp: int, m: int, **costs):
-    return simulate(lowered(name, pp, vpp, m), pp, **costs)
+    return simulate(lowered(name, pp, vpp, m), pp, placement=placement_of(name, pp, vpp), **costs)

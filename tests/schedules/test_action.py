@@ -33,7 +33,7 @@ def test_round_trip(a):
 
 
 @pytest.mark.parametrize("text", ["0F3", "2B1", "0SEND_F3", "1RECV_B0", "STEP", "0SEND_F3@2",
-                                  "5RECV_F12@1", "12B0"])
+                                  "5RECV_F12@1", "12B0", "2I0", "2W0", "13I7", "0W12"])
 def test_canonical_strings(text):
     assert str(Action.parse(text)) == text
 
@@ -54,7 +54,8 @@ def test_non_default_peer_written():
 
 
 @pytest.mark.parametrize("text", ["", "F3", "0F", "0X3", "0F3@1", "-1F0", "0send_f3", "STEP0",
-                                  "0SEND_F3@", "0RECV_F0", "0SEND_F3@0", "1 F 2"])
+                                  "0SEND_F3@", "0RECV_F0", "0SEND_F3@0", "1 F 2",
+                                  "2I0@1", "2W", "0i0", "0UNSHARD"])
 def test_parse_rejects_garbage(text):
     with pytest.raises(ScheduleError):
         Action.parse(text)
@@ -80,3 +81,15 @@ def test_kinds_and_helpers():
     assert ActionType.RECV_B.is_recv and ActionType.SEND_F.is_send
     assert [chunk_of(s, 4) for s in (0, 3, 4, 9)] == [0, 0, 1, 2]
     assert [rank_of(s, 4) for s in (0, 3, 4, 9)] == [0, 3, 0, 1]
+
+
+def test_split_backward_kinds():
+    i, w = ActionType.I, ActionType.W
+    assert i.is_compute and w.is_compute and not i.is_comm
+    assert (i.kind, w.kind) == (i, w)
+    # the input gradient travels with B or I, W moves nothing
+    assert [t.transfer for t in (ActionType.F, ActionType.B, i, w)] == \
+        [ActionType.F, ActionType.B, ActionType.B, None]
+    assert Action.parse("2I0") == Action(2, i, 0) and str(Action(2, w, 0)) == "2W0"
+    with pytest.raises(ScheduleError):
+        Action(2, i, 0, peer=1)

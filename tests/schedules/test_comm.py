@@ -72,3 +72,19 @@ def test_rejects_lowered_input_and_bad_edges():
 def test_deterministic():
     assert lowered("interleaved", 4, 2, 8) == lowered("interleaved", 4, 2, 8)
     assert parse_lists(strs(lowered("1f1b", 4, 1, 4))) == lowered("1f1b", 4, 1, 4)
+
+
+def test_input_gradient_leaves_with_i_and_w_moves_nothing():
+    got = strs(lowered("zb1p", 2, 1, 2))
+    assert got == {
+        0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0I0 0W0 0RECV_B1 0I1 0W1",
+        1: "1RECV_F0 1F0 1I0 1SEND_B0 1RECV_F1 1F1 1I1 1SEND_B1 1W0 1W1",
+    }
+
+
+def test_b_and_i_mixed_on_one_rank():
+    acts = add_comm(parse_lists({0: "0F0 0F1 0B0 0I1 0W1", 1: "1F0 1B0 1F1 1I1 1W1"}), 2)
+    assert strs(acts) == {
+        0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0I1 0W1",
+        1: "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1I1 1SEND_B1 1W1",
+    }

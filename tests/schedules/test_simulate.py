@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from meshplan.errors import ScheduleError
 from meshplan.schedules import chrome_trace, simulate
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import ascii_timeline
@@ -99,3 +100,39 @@ def _short(a):
     ("interleaved", "interleaved", 2, 2, 4, str)])
 def test_docstring_diagrams_are_simulated(module, name, pp, vpp, m, label):
     assert _docstring_diagram(module) == ascii_timeline(run(name, pp, vpp, m).timeline, label)
+
+
+def test_split_costs_by_hand():
+    # zb1p pp=2 m=1, F=1 I=2 W=3: rank0 F [0,1]; rank1 F [1,2], I [2,4], W [4,7];
+    # rank0 I [4,6], W [6,9]. The W's fill nothing here: one micro-batch.
+    res = run("zb1p", 2, 1, 1, cost_i=lambda s: 2.0, cost_w=lambda s: 3.0)
+    spans = {str(a): (s, e) for r in res.timeline.values() for a, s, e in r}
+    assert spans["1I0"] == (2.0, 4.0) and spans["1W0"] == (4.0, 7.0)
+    assert spans["0I0"] == (4.0, 6.0) and spans["0W0"] == (6.0, 9.0)
+    assert res.step_time == 9.0 and res.busy == {0: 6.0, 1: 6.0}
+
+
+def test_b_costs_i_plus_w():
+    costs = dict(cost_i=lambda s: 2.0, cost_w=lambda s: 3.0)
+    res = run("gpipe", 2, 1, 1, **costs)
+    spans = {str(a): (s, e) for r in res.timeline.values() for a, s, e in r}
+    assert spans["1B0"] == (2.0, 7.0)
+
+
+def test_i_and_w_default_to_half_of_b():
+    res = run("zb1p", 2, 1, 2, cost_b=lambda s: 4.0)
+    assert all(e - s == 2.0 for r in res.timeline.values() for a, s, e in r
+               if a.type in (ActionType.I, ActionType.W))
+
+
+def test_w_waits_for_i_same_rank():
+    res = simulate(parse_lists({0: "0F0 0W0 0I0"}), 1)
+    assert not res.ok and "waiting for 0I0 on rank 0 (step 2, not reached)" in res.deadlock
+    assert res.stuck == {0: 1}
+
+
+def test_bad_cost_arguments():
+    with pytest.raises(ScheduleError, match="give cost_i and cost_w together"):
+        run("zb1p", 2, 1, 2, cost_i=lambda s: 1.0)
+    with pytest.raises(ScheduleError, match="not both"):
+        run("zb1p", 2, 1, 2, cost_b=lambda s: 1.0, cost_i=lambda s: 1.0, cost_w=lambda s: 1.0)

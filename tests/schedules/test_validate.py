@@ -5,8 +5,10 @@ import pytest
 from meshplan.errors import ScheduleError
 from meshplan.schedules import format_grid, validate
 from meshplan.schedules.action import Action
+from meshplan.schedules.stage_placement import placement_of
+from meshplan.schedules.validate import find_fault
 
-from ._util import GRID, grid_id, lowered
+from ._util import GRID, compute, grid_id, lowered
 
 
 @pytest.mark.parametrize("case", GRID, ids=grid_id)
@@ -94,3 +96,89 @@ def test_grid_without_mark_shows_start():
     text = format_grid(lowered("gpipe", 2, 1, 1))
     assert text.splitlines()[1].split() == ["0", "0F0", "1RECV_F0"]
     assert "ERROR" not in text
+
+
+def broken_split(edit, m=2):
+    """zb1p pp=2 vpp=1 lowered, edited, must fail validate; returns the message."""
+    acts = {r: list(a) for r, a in lowered("zb1p", 2, 1, m).items()}
+    edit(acts)
+    with pytest.raises(ScheduleError) as info:
+        validate(acts, 2, 1, m)
+    return str(info.value)
+
+
+def test_split_grid_passes_unedited():
+    validate(lowered("zb1p", 2, 1, 2), 2, 1, 2)
+
+
+def swap(rank: int, x: str, y: str):
+    def edit(acts):
+        i, j = acts[rank].index(Action.parse(x)), acts[rank].index(Action.parse(y))
+        acts[rank][i], acts[rank][j] = acts[rank][j], acts[rank][i]
+    return edit
+
+
+def test_w_before_i():
+    msg = broken_split(swap(1, "1I0", "1W0"))
+    assert "rank 1 runs 1W0 before 1I0; W(v, mb) must follow I(v, mb)" in msg
+    assert "<-- ERROR HERE (rank 1: 1W0)" in msg
+
+
+def test_i_before_f():
+    msg = broken_split(swap(1, "1F1", "1I1"))
+    assert "rank 1 runs 1I1 before its forward 1F1; I(v, mb) must follow F(v, mb)" in msg
+
+
+def test_w_never_runs():
+    msg = broken_split(lambda a: a[0].remove(Action.parse("0W1")))
+    assert "rank 0 runs 0I1 but never 0W1; every I needs its W (as many I as W)" in msg
+    assert "(rank 0: end of list)" in msg
+
+
+def test_w_without_i():
+    def drop_i(acts):
+        i = acts[1].index(Action.parse("1I0"))
+        acts[1][i] = Action.parse("1B0")  # B in place of I: its W is then not allowed
+    msg = broken_split(drop_i)
+    assert "rank 1 runs 1W0 after 1B0; a (stage, micro-batch) runs B, or I then W, not both" in msg
+
+
+def test_b_beside_i():
+    msg = broken_split(lambda a: a[0].append(Action.parse("0B1")))
+    assert "rank 0 runs 0B1 after 0I1; a (stage, micro-batch) runs B, or I then W" in msg
+
+
+def test_duplicated_w():
+    msg = broken_split(lambda a: a[1].append(Action.parse("1W1")))
+    assert "rank 1 runs 1W1 twice" in msg
+
+
+def test_no_backward_at_all():
+    def drop(acts):
+        acts[0].remove(Action.parse("0I1"))
+        acts[0].remove(Action.parse("0W1"))
+        acts[0].remove(Action.parse("0RECV_B1"))
+        acts[1].remove(Action.parse("1SEND_B1"))
+    msg = broken_split(drop)
+    assert "rank 0 never runs 0B1 (nor 0I1 and 0W1); every (stage, micro-batch) needs one " \
+           "backward: B, or I then W" in msg
+
+
+def test_input_gradient_needs_i_not_w():
+    # rank 0's RECV_B waits for rank 1's SEND_B, which must follow 1I0 (not 1W0)
+    def move(acts):
+        acts[1].remove(Action.parse("1SEND_B0"))
+        acts[1].insert(acts[1].index(Action.parse("1F0")) + 1, Action.parse("1SEND_B0"))
+    assert "sends 1SEND_B0 before computing 1B0" in broken_split(move)
+
+
+def test_compute_only_order_checks_same_rank_only():
+    orders = compute("zbv", 2, 2, 2)
+    v = placement_of("zbv", 2, 2)
+    assert find_fault(orders, 2, 2, 2, placement=v, lowered=False) is None
+    orders[1] = [a for a in orders[1] if str(a) != "2F0"] + [Action.parse("2F0")]
+    fault = find_fault(orders, 2, 2, 2, placement=v, lowered=False)
+    assert fault.rank == 1 and "rank 1 runs 2I0 before its forward 2F0" in fault.message
+    lowered_acts = lowered("zbv", 2, 2, 2)
+    fault = find_fault(lowered_acts, 2, 2, 2, placement=v, lowered=False)
+    assert fault.index == 1 and "a compute order holds F, B, I and W only" in fault.message

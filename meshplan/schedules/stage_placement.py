@@ -1,0 +1,97 @@
+"""Which pipeline rank runs each virtual stage: data derived from the schedule.
+
+Invariants:
+- A `StagePlacement` lists the rank of every virtual stage 0..pp*vpp-1;
+  each rank holds exactly vpp stages, and its chunk c is its c-th stage in
+  ascending order (the order its layers come in the model).
+- Interleaved (the default, torch's "loop" style and Paddle's): stage
+  `chunk * pp + rank`, so rank r holds r, r+pp, r+2pp, ...
+- V (`zbv`, vpp = 2): rank r holds stages r and 2*pp-1-r, so the model goes
+  down the ranks and back up; stages pp-1 and pp share rank pp-1, and the
+  last stage is on rank 0, beside the first.
+
+        stage   0  1  2  3 | 4  5  6  7        (pp = 4, vpp = 2)
+        V       0  1  2  3 | 3  2  1  0        interleaved  0 1 2 3 | 0 1 2 3
+
+- `placement_of(schedule, pp, vpp)` is the one place that knows which
+  schedule uses which placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.errors import ScheduleError
+from meshplan.schedules.action import rank_of
+
+V_SCHEDULES = frozenset({"zbv"})  # schedules that place their stages in a V
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlacement:
+    """`ranks[stage]` is the rank that runs virtual stage `stage`."""
+
+    pp: int
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        held = [self.ranks.count(r) for r in range(self.pp)]
+        if not self.ranks or len(set(held)) != 1 or sum(held) != len(self.ranks):
+            raise ScheduleError(f"a stage placement gives every rank 0..{self.pp - 1} the same "
+                                f"number of stages; got ranks {list(self.ranks)} by stage")
+
+    @staticmethod
+    def interleaved(pp: int, vpp: int) -> StagePlacement:
+        """Stage `chunk * pp + rank` on `rank` (the default)."""
+        return StagePlacement(pp, tuple(rank_of(s, pp) for s in range(pp * vpp)))
+
+    @staticmethod
+    def v(pp: int, vpp: int = 2) -> StagePlacement:
+        """Rank r holds stages r and 2*pp-1-r; ScheduleError unless vpp == 2."""
+        if vpp != 2:
+            raise ScheduleError(f"the V placement (schedule zbv) puts two stages on each rank, "
+                                f"got vpp={vpp}; use --vpp 2")
+        return StagePlacement(pp, tuple(range(pp)) + tuple(reversed(range(pp))))
+
+    @staticmethod
+    def covering(pp: int, num_stages: int) -> StagePlacement:
+        """The interleaved placement with enough chunks for `num_stages` stages."""
+        return StagePlacement.interleaved(pp, max(1, -(-num_stages // pp)))
+
+    @property
+    def vpp(self) -> int:
+        return len(self.ranks) // self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs `stage` (0 <= stage < num_stages)."""
+        return self.ranks[stage]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages `rank` runs, chunk 0 first."""
+        return tuple(s for s, r in enumerate(self.ranks) if r == rank)
+
+    def same_rank(self, a: int, b: int) -> bool:
+        return self.rank_of(a) == self.rank_of(b)
+
+
+def placement_for(pp: int, num_stages: int,
+                  placement: StagePlacement | None) -> StagePlacement:
+    """`placement`, checked against pp, or the interleaved one covering `num_stages`."""
+    if placement is None:
+        return StagePlacement.covering(pp, num_stages)
+    if placement.pp != pp or placement.num_stages < num_stages:
+        raise ScheduleError(f"stage placement for pp={placement.pp} with "
+                            f"{placement.num_stages} stages does not fit pp={pp} with "
+                            f"{num_stages} stages; derive it with placement_of(schedule, pp, vpp)")
+    return placement
+
+
+def placement_of(schedule: str, pp: int, vpp: int) -> StagePlacement:
+    """The placement schedule `schedule` runs its stages in."""
+    if schedule in V_SCHEDULES:
+        return StagePlacement.v(pp, vpp)
+    return StagePlacement.interleaved(pp, vpp)
