@@ -65,6 +65,20 @@ class Compilation:
     temps: tuple = ()
     job: Job | None = None
 
+    # What a pass reads of an earlier pass's output; the manager's requires
+    # guarantee it is there.
+    def staged(self) -> StageAssignment:
+        assert self.stages is not None, "assign_stages has not run"
+        return self.stages
+
+    def laid_out(self) -> SbpPlan:
+        assert self.sbp is not None, "propagate_sbp has not run"
+        return self.sbp
+
+    def boxed_graph(self) -> Boxed:
+        assert self.boxed is not None, "add_boxing has not run"
+        return self.boxed
+
 
 def _check_strategy(c: Compilation) -> None:
     c.strategy = check_strategy(c.mesh, c.strategy)
@@ -101,11 +115,11 @@ def _assign_stages(c: Compilation) -> None:
 
 
 def _share_params(c: Compilation) -> None:
-    places = list(zip(c.stages.stage, c.stages.chunk))
+    places = list(zip(c.staged().stage, c.staged().chunk))
     shared = share_params(c.graph, places, param_readers(c.graph, places))
     if shared.copies:
         c.graph, c.copies = shared.graph, shared.copies
-        c.stages = replace(c.stages, stage=tuple(p[0] for p in shared.places),
+        c.stages = replace(c.staged(), stage=tuple(p[0] for p in shared.places),
                            chunk=tuple(p[1] for p in shared.places))
 
 
@@ -114,12 +128,13 @@ def _tensor_parallel(c: Compilation) -> None:
 
 
 def _propagate_sbp(c: Compilation) -> None:
-    c.sbp = propagate_sbp(c.graph, c.stages.stage, c.strategy.grid, c.param_tp, c.hints,
+    c.sbp = propagate_sbp(c.graph, c.staged().stage, c.strategy.grid, c.param_tp, c.hints,
                           TP_AXIS)
 
 
 def _add_boxing(c: Compilation) -> None:
-    c.boxed = add_boxing(c.graph, c.sbp, c.stages.stage, c.stages.chunk, len(c.strategy.grid),
+    st = c.staged()
+    c.boxed = add_boxing(c.graph, c.laid_out(), st.stage, st.chunk, len(c.strategy.grid),
                          c.copies)
     c.graph = c.boxed.graph
 
@@ -129,16 +144,16 @@ def _recompute(c: Compilation) -> None:
     if not pattern:
         raise ConfigError("--recompute needs regions: give --recompute-pattern (or "
                           "--layer-pattern), a regex over module paths like 'blocks\\.\\d+'")
-    c.boxed = recompute(c.boxed, c.strategy.recompute, pattern)
+    c.boxed = recompute(c.boxed_graph(), c.strategy.recompute, pattern)
     c.graph = c.boxed.graph
 
 
 def _kernel_temps(c: Compilation) -> None:
-    c.temps = kernel_temps(c.graph, c.boxed.stage, c.boxed.sbp, c.strategy)
+    c.temps = kernel_temps(c.graph, c.boxed_graph().stage, c.boxed_graph().sbp, c.strategy)
 
 
 def _make_job(c: Compilation) -> None:
-    b, st = c.boxed, c.stages
+    b, st = c.boxed_graph(), c.staged()
     c.job = Job(graph=b.graph, mesh=c.mesh, strategy=c.strategy, stage=b.stage, chunk=b.chunk,
                 sbp=b.sbp, local=b.local, layers=st.layers, layer_stage=st.layer_stage,
                 layer_chunk=st.layer_chunk, notes=c.notes + st.notes, temps=c.temps)
@@ -152,7 +167,9 @@ def _check(c: Compilation) -> None:
 
 
 def _vocab_tp(c: Compilation) -> bool:
-    return c.strategy.tp > 1 and any(style == TpStyle.VOCAB for _, style in c.strategy.tp_plan)
+    plan = c.strategy.tp_plan
+    assert not isinstance(plan, str), "resolve_auto replaced 'auto'"
+    return c.strategy.tp > 1 and any(style == TpStyle.VOCAB for _, style in plan)
 
 
 F = frozenset

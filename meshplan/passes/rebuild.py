@@ -34,6 +34,7 @@ class Rebuild:
     """A graph being rebuilt from `graph`, op by op (see the module's invariants)."""
 
     def __init__(self, graph: Graph, annotate: bool = False, source=None, fresh: bool = False):
+        self.vmap: dict[int, int]
         if fresh:
             self.b = GraphBuilder()
             self.vmap = {vid: self.b.add_input(graph.values[vid].meta, graph.values[vid].role,
@@ -41,7 +42,7 @@ class Rebuild:
         else:
             self.b = GraphBuilder(graph)
             self.b.ops = []
-            self.vmap: dict[int, int] = {}
+            self.vmap = {}
         self.omap: dict[int, int] = {}
         self.source = source  # a Boxed (or anything with stage, chunk, local, sbp)
         self.annotate = annotate or source is not None

@@ -77,6 +77,7 @@ def recompute(boxed: Boxed, mode: Recompute, pattern: str) -> Boxed:
         where = _region_of(rx, op.module_path) if op.phase is Phase.BACKWARD else None
         rb.keep(op, None if where is None else [value_for(r, where) for r in op.refs()])
     stage, chunk, local = rb.annotations()
+    assert rb.sbp is not None  # a Rebuild with a source carries the SBP
     return Boxed(rb.build(g), stage, chunk, tuple(rb.sbp), local)
 
 

@@ -62,7 +62,7 @@ def compute_actions(name: Schedule | str, pp: int, vpp: int, num_microbatches: i
     """
     if name in ZERO_BUBBLE_SCHEDULES and not split_backward:
         raise ScheduleError(f"schedule {name} needs the I/W split, not yet in the runtime")
-    schedules = {**SCHEDULES, **ZERO_BUBBLE_SCHEDULES}
+    schedules = {str(k): f for k, f in SCHEDULES.items()} | ZERO_BUBBLE_SCHEDULES
     if name not in schedules:
         raise ScheduleError(f"unknown schedule {name!r}; use --schedule one of "
                             f"{', '.join(sorted(SCHEDULES))}")

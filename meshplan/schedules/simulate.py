@@ -128,6 +128,8 @@ class _Sim:
         own = {F: [], B: [F], I: [F], W: [B]}[kind]  # W waits for its I's input gradient
         out: list[Event] = [("C", k, a.stage, mb) for k in own]
         xfer = a.type.transfer
+        if xfer is None:  # W: no transfer in
+            return out
         for t in self.inputs.get((xfer, a.stage), ()):
             cross = not self.placement.same_rank(t.src, t.dst)
             out.append(("R", xfer, t.src, t.dst, mb) if cross else ("C", xfer, t.src, mb))

@@ -170,7 +170,10 @@ def _check_order(a: Action, ran: set, where) -> None:
 
 def _check_inputs(a: Action, ctx: _Ctx, ran: set, where) -> None:
     rank, mb = where[0], a.microbatch
-    for t in ctx.inputs.get((a.type.transfer, a.stage), ()):
+    xfer = a.type.transfer
+    if xfer is None:  # W: no transfer in
+        return
+    for t in ctx.inputs.get((xfer, a.stage), ()):
         if t not in ctx.cross:
             if not _produced(ran, t.kind, t.src, mb):
                 raise _Fail(f"rank {rank} runs {a} before {t.src}{t.kind.value}{mb}, whose "
