@@ -34,7 +34,7 @@ from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.state import weights_of
 
 if TYPE_CHECKING:
-    from meshplan.driver.results import LowerResult, RunResult
+    from meshplan.driver.results import LowerResult, RunResult, VerifyResult
 
 __all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile", "plan", "run",
            "verify"]
@@ -132,13 +132,15 @@ def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = 
                   saved={"weights": weights_of(module), "batches": list(batches)})
 
 
-def verify(job, module, batches: Sequence[tuple], bounds=None, **run_options) -> dict:
+def verify(job, module, batches: Sequence[tuple], bounds=None,
+           **run_options) -> VerifyResult:
     """`run`, then the same steps with eager PyTorch on one process from the
     same weights (micro-batches and optimizer alike), on the same device
     (`run_options["device"]`); returns both loss curves, every parameter's
     and optimizer slot's difference after the last step (`params`,
     `optimizer_state`), and the verdict `ok` with its `problems`
     (`driver/compare.py`; `bounds` defaults to the Job's precision's)."""
+    from meshplan.driver.results import VerifyResult
     from meshplan.driver.verify import against_eager
     from meshplan.runtime.devices import resolve_device
 
@@ -148,7 +150,8 @@ def verify(job, module, batches: Sequence[tuple], bounds=None, **run_options) ->
     verdict, ref = against_eager(mine.rank_losses, mine.state_slices, module,
                                  list(batches), s.num_microbatches, optimizer_of(job),
                                  s.precision, s.initial_loss_scale, bounds, device)
-    return mine.to_json() | verdict | {"ref_losses": ref.losses}
+    rest = {k: v for k, v in mine.to_json().items() if k not in ("losses", "rank_losses")}
+    return VerifyResult.of(verdict, mine.losses, ref.losses, mine.rank_losses, **rest)
 
 
 def optimizer_of(job):

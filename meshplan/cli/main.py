@@ -183,15 +183,16 @@ def _cmd_verify(a: argparse.Namespace) -> int:
                    num_microbatches=m, seed=a.seed, lr=a.lr, bounds=bounds_of(a),
                    device=a.device, **overrides(a))
     if a.json:
-        print(json.dumps(r))
-        return 0 if r["ok"] else 1
-    print(loss_table(r["ref_losses"], r["losses"]))
-    if r["mode"] == "distributed":
-        n = len(r["ranks"])
+        print(json.dumps(r.to_json()))
+        return 0 if r.ok else 1
+    print(loss_table(r.ref_losses, r.losses))
+    if r.details["mode"] == "distributed":
+        n = len(r.details["ranks"])
         print(f"(meshplan ran on {n} local process{'es' if n > 1 else ''}, one per rank)")
     print(verdict_lines(r))
-    print(f"step {r['step_s'] * 1e3:.1f} ms vs eager {r['ref_step_s'] * 1e3:.1f} ms")
-    return 0 if r["ok"] else 1
+    print(f"step {r.details['step_s'] * 1e3:.1f} ms vs eager "
+          f"{r.details['ref_step_s'] * 1e3:.1f} ms")
+    return 0 if r.ok else 1
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:

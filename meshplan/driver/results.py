@@ -97,3 +97,38 @@ class CompileResult(JsonResult):
                               "temp": {**low["temp_inference"],
                                        "master_calls": self.master_temp_calls}},
                 "master_maxrss_bytes": self.master_maxrss_bytes}
+
+
+@dataclass(eq=False)
+class VerifyResult(JsonResult):
+    """What `verify` reports: the verdict (`ok`, one line per problem), both
+    loss curves, every parameter's and optimizer slot's comparison after the
+    last step, and `details`: the rest, which depends on the mode (single
+    process or distributed) and the precision (the fp32 second judge)."""
+
+    ok: bool
+    problems: list[str]
+    losses: list[float]
+    ref_losses: list[float]
+    rank_losses: dict[str, list[float]]
+    max_abs_diff: float
+    params: dict[str, dict[str, Any]]
+    optimizer_state: dict[str, dict[str, Any]]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, verdict: dict[str, Any], losses: list[float], ref_losses: list[float],
+           rank_losses: dict[str, list[float]], **details: Any) -> VerifyResult:
+        """From `driver.verify.judge`'s verdict and the run's own figures."""
+        v = dict(verdict)
+        core = {k: v.pop(k) for k in ("ok", "problems", "max_abs_diff", "params",
+                                      "optimizer_state")}
+        return cls(losses=losses, ref_losses=ref_losses, rank_losses=rank_losses,
+                   details=v | details, **core)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.details | {
+            "ok": self.ok, "problems": self.problems, "losses": self.losses,
+            "ref_losses": self.ref_losses, "rank_losses": self.rank_losses,
+            "max_abs_diff": self.max_abs_diff, "params": self.params,
+            "optimizer_state": self.optimizer_state}

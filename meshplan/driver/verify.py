@@ -34,6 +34,7 @@ from meshplan.driver.compare import (
 )
 from meshplan.driver.executor import Executor
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
+from meshplan.driver.results import VerifyResult
 from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import OptimizerKind, Precision, Recompute
@@ -61,7 +62,7 @@ def verify(
     bounds: Bounds | None = None,
     device: str = "cpu",
     **overrides,
-) -> dict:
+) -> VerifyResult:
     """Train `steps` steps both ways; returns losses, per-tensor state
     differences, the verdict `ok` (with `problems`) and timings.
 
@@ -115,12 +116,12 @@ def verify(
         extra |= {"ref_fp32_losses": fp32,
                   "vs_fp32": {"mean_rel_diff": mean_rel_diff(mine["losses"], fp32),
                               "autocast_mean_rel_diff": mean_rel_diff(ref.losses, fp32)}}
-    return extra | verdict | {
-        "model": model, "size": size, "config": asdict(cfg), "steps": steps,
-        "optimizer": optimizer, "global_batch_size": global_batch_size,
-        "num_microbatches": num_microbatches, **mine, "ref_losses": ref.losses,
-        "ref_step_s": statistics.median(ref.step_s),
-    }
+    losses, rank_losses = mine.pop("losses"), mine.pop("rank_losses")
+    return VerifyResult.of(
+        verdict, losses, ref.losses, rank_losses, **extra, model=model, size=size,
+        config=asdict(cfg), steps=steps, optimizer=optimizer,
+        global_batch_size=global_batch_size, num_microbatches=num_microbatches, **mine,
+        ref_step_s=statistics.median(ref.step_s))
 
 
 def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], module,
