@@ -210,8 +210,8 @@ def _meshplan_step(cfg, batch: int, over: dict, dev, res: Result):
     """A ready meshplan step on `dev` (plan, lowering, state); its facts go to `res`."""
     from meshplan.driver.plan import plan_model, zoo_strategy
     from meshplan.ir.mesh import Mesh
+    from meshplan.lowering.lower import lower
     from meshplan.models import build_model, example_batch, param_count
-    from meshplan.plan.lower import lower
     from meshplan.runtime.data import split_microbatches
     from meshplan.runtime.rank_executor import RankExecutor
 

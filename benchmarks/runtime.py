@@ -193,7 +193,7 @@ def _prepost_recvs(ex):
 def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
                   prepost: bool) -> None:
     from meshplan.ir.job import Job
-    from meshplan.plan.lower import lower
+    from meshplan.lowering.lower import lower
     from meshplan.runtime.comm import Comm, job_groups
     from meshplan.runtime.rank_executor import RankExecutor
 

@@ -22,8 +22,8 @@ from benchmarks.common import machine, write  # noqa: E402
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
 from meshplan.driver.run import run  # noqa: E402
 from meshplan.ir.mesh import Mesh  # noqa: E402
+from meshplan.lowering.lower import lower  # noqa: E402
 from meshplan.models import model_config  # noqa: E402
-from meshplan.plan.lower import lower  # noqa: E402
 
 CONFIGS = [("fp32", "none"), ("fp32", "selective"), ("fp32", "full"), ("bf16", "none"),
            ("bf16", "full")]

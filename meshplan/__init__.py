@@ -2,7 +2,7 @@
 
 The Python API is `meshplan.api` (capture, plan, compile, check, run,
 verify; with Mesh, Strategy, OptimizerConfig). It is not re-exported here:
-`meshplan.capture` and `meshplan.plan` are subpackages, and importing one
+`meshplan.capture` and `meshplan.lowering` are subpackages, and importing one
 would replace a same-named function on this package.
 """
 

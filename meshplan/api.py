@@ -11,7 +11,7 @@
 Invariants:
 - Each function is a thin, documented entry over the layer that does the
   work (capture/export.py, passes/plan.py (the passes), driver/compile.py,
-  plan/check.py, driver/run.py, driver/reference.py); none adds behaviour
+  lowering/check.py, driver/run.py, driver/reference.py); none adds behaviour
   of its own besides argument checks.
 - `run` and `verify` start the ranks from a fork server: call them under
   `if __name__ == "__main__":`. The ranks get the module's weights and the
@@ -98,8 +98,8 @@ def check(plans: str | Path | tuple):
     `predicted_step_s`, per-rank peaks); never raises for a bad plan. Given
     only some ranks' plans it is `partial`, with the `missing` ranks and the
     proofs `skipped` for want of them."""
-    from meshplan.plan.check import check_plans
-    from meshplan.plan.files import read_dir
+    from meshplan.lowering.check import check_plans
+    from meshplan.lowering.files import read_dir
 
     job, by_rank = plans if isinstance(plans, tuple) else read_dir(Path(plans), partial=True)
     return check_plans(job, by_rank)

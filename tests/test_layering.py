@@ -5,7 +5,7 @@ count as much as module-level ones.
 The layers follow the data: capture -> autodiff -> passes -> Job -> lower ->
 check -> runtime -> driver -> cli/api (`ir` and `ops` below all). One more
 rule: the Job (`ir/job.py`) is the one thing the compiler (capture,
-autodiff, passes) and the runtime half (schedules, plan, runtime) share, so
+autodiff, passes) and the runtime half (schedules, lowering, runtime) share, so
 lowering, checking or running a plan never imports the code that made it
 (the runtime does not depend on the compiler; the driver, the CLI and the
 API, above both, tie them together).
@@ -24,12 +24,12 @@ LAYERS = [
     "ops",
     "capture", "autodiff", "passes",  # the compiler, up to the Job
     "schedules",
-    "plan",  # lower and check a Job
+    "lowering",  # lower a Job to RankPlans, and check them
     "runtime",
     "driver", "cli", "api", "__main__",
 ]
 COMPILER = {"capture", "autodiff", "passes"}
-READS_THE_JOB = {"schedules", "plan", "runtime"}  # below the compiler, yet never import it
+READS_THE_JOB = {"schedules", "lowering", "runtime"}  # below the compiler, yet never import it
 
 
 def layer_of(module: str) -> str:
@@ -104,9 +104,9 @@ def test_an_upward_import_is_reported_wherever_it_is():
 
 
 def test_a_relative_upward_import_is_reported():
-    assert violations("meshplan/plan/x.py", "from ..passes import boxing\n") == [
-        "meshplan/plan/x.py imports meshplan.passes (passes made the Job plan reads)"]
-    assert violations("meshplan/plan/x.py", "from . import lower\n") == []
+    assert violations("meshplan/lowering/x.py", "from ..passes import boxing\n") == [
+        "meshplan/lowering/x.py imports meshplan.passes (passes made the Job plan reads)"]
+    assert violations("meshplan/lowering/x.py", "from . import lower\n") == []
 
 
 def test_the_compiler_importing_the_runtime_is_reported():

@@ -30,7 +30,7 @@ from meshplan.ir import (
     Role,
     TensorMeta,
     Update,
-    verify,
+    check_well_formed,
 )
 from meshplan.ir.builder import renumber_ops
 from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM, optimizer_kind
@@ -58,7 +58,7 @@ def build_train_step(
         meta += (("loss_scale", repr(float(loss_scale))),)
     b.ops = list(_accumulate_early(b.ops))
     step = b.build(graph.loss, meta=meta)
-    verify(step)
+    check_well_formed(step)
     return step
 
 

@@ -30,7 +30,7 @@ import torch
 
 import meshplan
 from meshplan.errors import MeshplanError
-from meshplan.ir import Graph, verify
+from meshplan.ir import Graph, check_well_formed
 from meshplan.ir.serialize import load_graph, save_graph
 
 log = logging.getLogger("meshplan")
@@ -107,7 +107,7 @@ def cached(key: str, make: Callable[[], Graph], enabled: bool = True) -> tuple[G
     if path.exists():
         try:
             graph = load_graph(path)
-            verify(graph)
+            check_well_formed(graph)
             return graph, True
         except (MeshplanError, AssertionError) as e:  # verify asserts
             log.warning("capture cache: ignoring bad entry (%s); capturing again", e)

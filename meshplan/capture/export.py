@@ -39,7 +39,7 @@ from meshplan.ir import (
     Role,
     TensorMeta,
     Update,
-    verify,
+    check_well_formed,
 )
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
@@ -113,7 +113,7 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
     same = _tensor_ids(module)
     graph = _translate(ep, prefix, type(module).__name__, same)
     graph = replace(graph, meta=graph.meta + _aliases(same, graph) + auto_facts(module))
-    verify(graph)
+    check_well_formed(graph)
     return graph
 
 

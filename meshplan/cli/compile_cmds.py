@@ -54,8 +54,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 
 def cmd_check(a: argparse.Namespace) -> int:
-    from meshplan.plan.check import check_plans, spans
-    from meshplan.plan.files import read_dir
+    from meshplan.lowering.check import check_plans, spans
+    from meshplan.lowering.files import read_dir
 
     job, plans = read_dir(a.dir, partial=True)
     res = check_plans(job, plans)

@@ -99,9 +99,9 @@ def demo(out: Path, steps: int = 10, workers: int | None = None, progress=None,
     from meshplan.driver.compile import compile_job
     from meshplan.driver.plan import plan_model, zoo_strategy
     from meshplan.driver.verify import verify
+    from meshplan.lowering.check import check_plans
+    from meshplan.lowering.files import read_dir
     from meshplan.models import model_config
-    from meshplan.plan.check import check_plans
-    from meshplan.plan.files import read_dir
 
     progress = progress or Progress(quiet=True)
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ def summary(plan) -> dict:
 
 def simulated(job, plans):
     """The step simulated on the cost model; a user error when it cannot be."""
-    from meshplan.plan.check import simulate_plans
+    from meshplan.lowering.check import simulate_plans
 
     sim = simulate_plans(job, plans)
     if sim is None:
@@ -57,7 +57,7 @@ def schedule_png(job, plans, path: str | Path) -> dict:
 
 def cmd_show(a: argparse.Namespace) -> int:
     from meshplan.ir.fileio import write_atomic
-    from meshplan.plan.files import read_dir
+    from meshplan.lowering.files import read_dir
     from meshplan.schedules.grid import format_grid
     from meshplan.schedules.simulate import chrome_trace
 

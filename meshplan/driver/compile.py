@@ -41,11 +41,11 @@ from meshplan.errors import ConfigError, MeshplanError, PlanError
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job, JobReader
+from meshplan.lowering.files import JOB_FILE, plan_from_bytes, plan_name, write_job
+from meshplan.lowering.rankplan import RankPlan
+from meshplan.lowering.stage_files import StageFiles
 from meshplan.ops.infer import InferStats
 from meshplan.ops.temp import TempStats
-from meshplan.plan.files import JOB_FILE, plan_from_bytes, plan_name, write_job
-from meshplan.plan.rankplan import RankPlan
-from meshplan.plan.stage_files import StageFiles
 
 log = logging.getLogger("meshplan")
 

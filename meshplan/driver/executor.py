@@ -13,8 +13,8 @@ import torch
 from meshplan.ir import Graph
 from meshplan.ir.choices import Precision
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.lowering.lower import lower
 from meshplan.passes.plan import plan_job
-from meshplan.plan.lower import lower
 from meshplan.runtime.rank_executor import RankExecutor
 
 

@@ -45,9 +45,9 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
                 device: str = "cpu"):
     """The Job of a compiled plan directory, proved consistent, for this mesh
     and this model (a rank would otherwise die slicing the wrong weights)."""
+    from meshplan.lowering.check import check_plans
+    from meshplan.lowering.files import read_dir
     from meshplan.models import build_model, model_config
-    from meshplan.plan.check import check_plans
-    from meshplan.plan.files import read_dir
 
     job, plans = read_dir(Path(plan_dir))
     if job.mesh.world != mesh.world:

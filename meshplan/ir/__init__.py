@@ -19,10 +19,10 @@ from meshplan.ir.graph import (
     Value,
 )
 from meshplan.ir.serialize import graph_from_bytes, graph_to_bytes, load_graph, save_graph
-from meshplan.ir.verify import verify
+from meshplan.ir.well_formed import check_well_formed
 
 __all__ = [
     "ABSENT", "ALIAS", "DEVICE", "LOSS_SCALE", "Arg", "DType", "Graph", "GraphBuilder", "Lit",
-    "Op", "Phase", "Ref", "Role", "TensorMeta", "Update", "Value", "verify",
+    "Op", "Phase", "Ref", "Role", "TensorMeta", "Update", "Value", "check_well_formed",
     "graph_from_bytes", "graph_to_bytes", "load_graph", "save_graph",
 ]

@@ -59,7 +59,7 @@ class OptimizerKind(enum.StrEnum):
 
 
 class KernelVariant(enum.StrEnum):
-    """A rank-dependent variant of an op's kernel along one mesh axis (`Job.local`)."""
+    """A rank-dependent variant of an op's kernel along one mesh axis (`Job.variant`)."""
 
     NONE = ""
     BIAS_FIRST = "bias_first"      # only the axis's first rank adds the bias

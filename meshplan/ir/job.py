@@ -1,7 +1,7 @@
 """The Job: the logical train step, placed, laid out, boxed and staged.
 
 Invariants:
-- Per op: `stage[i]`, `chunk[i]` and `local[i]` (the rank-dependent kernel
+- Per op: `stage[i]`, `chunk[i]` and `variant[i]` (the rank-dependent kernel
   variant per mesh axis, "" if none). Per value: `sbp[v]`, its layout on
   the (dp, tp) grid of the stage that produces it. `temps`: the kernel
   workspace bytes of every distinct local signature of the Job's ops, worked
@@ -45,7 +45,7 @@ class Job:
     stage: tuple[int, ...]
     chunk: tuple[int, ...]
     sbp: tuple[NdSbp, ...]
-    local: tuple[tuple[str, ...], ...]
+    variant: tuple[tuple[str, ...], ...]
     layers: tuple[str, ...] = ()
     layer_stage: tuple[int, ...] = ()
     layer_chunk: tuple[int, ...] = ()
@@ -82,7 +82,7 @@ class Job:
                and dict(op.kwargs)["src_stage"] == stage]
         return _view(self.mesh, self.strategy, stage, self.digest(), dict(self.temps),
                      {u.value for u in g.updates},
-                     [(g.ops[i], self.stage[i], self.chunk[i], self.local[i]) for i in ids],
+                     [(g.ops[i], self.stage[i], self.chunk[i], self.variant[i]) for i in ids],
                      lambda v: (g.values[v], self.sbp[v]))
 
 
@@ -101,7 +101,7 @@ class StageView:
     ops: tuple[Op, ...]
     op_stage: dict[int, int]
     op_chunk: dict[int, int]
-    op_local: dict[int, tuple[str, ...]]
+    op_variant: dict[int, tuple[str, ...]]
     values: dict[int, Value]
     sbp: dict[int, NdSbp]
     updates: frozenset[int]
@@ -175,7 +175,7 @@ class _Reading:
 
 
 def _view(mesh, strategy, stage, digest, temps, updates, ops, value_of) -> StageView:
-    """A StageView from (op, stage, chunk, local) in Job order; `value_of(v)`
+    """A StageView from (op, stage, chunk, variant) in Job order; `value_of(v)`
     gives (Value, sbp) for each value the ops touch; `updates`: the values
     that update a state."""
     values, sbp = {}, {}
@@ -271,7 +271,7 @@ def _encode(job: Job) -> Parts:
     touched: dict[int, set] = {}  # stage -> the values its view reads
     transfers = []
     for op in g.ops:
-        row = op_to_row(op) + [job.chunk[op.id], list(job.local[op.id])]
+        row = op_to_row(op) + [job.chunk[op.id], list(job.variant[op.id])]
         on = [job.stage[op.id]]
         if op.kind == TRANSFER:
             transfers.append(row + [job.stage[op.id]])
@@ -318,18 +318,18 @@ def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
                   meta=_pairs(rest["meta"]), grads=_pairs(rest["grads"]))
     return Job(graph=graph, mesh=mesh, strategy=strategy,
                stage=tuple(st for _, st in ops), chunk=tuple(r[9] for r, _ in ops),
-               sbp=tuple(sbp), local=tuple(tuple(r[10]) for r, _ in ops),
+               sbp=tuple(sbp), variant=tuple(tuple(r[10]) for r, _ in ops),
                layers=tuple(head["layers"]), layer_stage=tuple(head["layer_stage"]),
                layer_chunk=tuple(head["layer_chunk"]), notes=tuple(head["notes"]),
                temps=_pairs(head["temps"]))
 
 
-def verify_job(job: Job) -> None:
+def check_job_well_formed(job: Job) -> None:
     """Assert the Job's placement invariants (internal errors only): every op
     reads values made on its own stage (or graph inputs), except a transfer,
     which reads on its source stage; annotations cover every op and value."""
     g = job.graph
-    assert len(job.stage) == len(job.chunk) == len(job.local) == len(g.ops)
+    assert len(job.stage) == len(job.chunk) == len(job.variant) == len(g.ops)
     assert len(job.sbp) == len(g.values)
     made_on: dict[int, int] = {}
     for op in g.ops:

@@ -17,7 +17,7 @@ Invariants:
   outputs of the CUDA kernels (rng state, sequence offsets) are not needed
   without dropout, which is the only case chosen here.
 - No kernel whose name contains `_for_cpu` is ever chosen for cuda
-  (`tests/plan/test_device_lowering.py` proves it over the zoo).
+  (`tests/lowering/test_device_lowering.py` proves it over the zoo).
 
 [Note: which CUDA attention kernel] Eager PyTorch dispatches
 `scaled_dot_product_attention` on CUDA to flash (fp16/bf16, head_dim a

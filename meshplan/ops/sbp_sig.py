@@ -9,7 +9,7 @@ Invariants:
   the op's outputs (None for an absent output).
 - The list is in order of preference: propagation breaks cost ties by it.
   Every list holds the all-Replicate signature, which is always correct.
-- `local` names a rank-dependent variant of the kernel that lowering applies
+- `variant` names a rank-dependent variant of the kernel that lowering applies
   (e.g. `KernelVariant.BIAS_FIRST`: only the axis's first rank adds the
   bias), `KernelVariant.NONE` ("") if none.
 """
@@ -34,7 +34,7 @@ Outs = tuple[Optional[TensorMeta], ...]  # an op's output metas (None: absent)
 class SbpSig:
     ins: tuple[Sbp, ...]
     outs: tuple[Sbp | None, ...]
-    local: KernelVariant = KernelVariant.NONE
+    variant: KernelVariant = KernelVariant.NONE
 
 
 # sbp(signature args, signature kwargs, outs, axis size) -> signatures, preferred first

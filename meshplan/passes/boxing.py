@@ -65,7 +65,7 @@ class Boxed:
     stage: tuple[int, ...]
     chunk: tuple[int, ...]
     sbp: tuple[NdSbp, ...]
-    local: tuple[tuple[str, ...], ...]
+    variant: tuple[tuple[str, ...], ...]
 
 
 @dataclass
@@ -107,7 +107,7 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
         mapping = [_ready(ctx, _across(ctx, r, at, op.module_path),
                           tuple(sig.ins[k] for sig in sigs), at, op.module_path)
                    for k, r in enumerate(refs)]
-        new_op = rb.keep(op, mapping, (at[0], at[1], tuple(sig.local for sig in sigs)))
+        new_op = rb.keep(op, mapping, (at[0], at[1], tuple(sig.variant for sig in sigs)))
         if not refs and op.kind.split(".")[1] in _FACTORIES and len(op.outputs) == 1:
             ctx.factory[op.outputs[0]] = new_op
         for o in op.outputs:
@@ -119,8 +119,8 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
     boxed = Graph(tuple(rb.b.values), tuple(rb.b.ops), graph.inputs, loss, updates, graph.meta,
                   graph.grads)
     sbp = tuple(ctx.layout.get(v.id, (Replicate(),) * naxes) for v in boxed.values)
-    stage, chunk, local = rb.annotations()
-    return Boxed(boxed, stage, chunk, sbp, local)
+    stage, chunk, variant = rb.annotations()
+    return Boxed(boxed, stage, chunk, sbp, variant)
 
 
 def _across(ctx: _Ctx, r: int, at, module_path: str) -> int:

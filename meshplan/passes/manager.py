@@ -14,7 +14,7 @@ Invariants:
   run; its facts still hold.
 - `timings` gets the seconds of each pass that ran, under its name.
 - With checks on (`checks=True`, or `MESHPLAN_CHECKS=1` in the environment)
-  the manager's `check` (the IR verifier) runs after every pass that ran; a
+  the manager's `check` (the IR invariant check) runs after every pass that ran; a
   failure names the pass. With checks off the run costs two clock reads a
   pass.
 """

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field, replace
 
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.errors import ConfigError
-from meshplan.ir import Graph, verify
+from meshplan.ir import Graph, check_well_formed
 from meshplan.ir.choices import Precision, Recompute, TpStyle
-from meshplan.ir.job import Job, verify_job
+from meshplan.ir.job import Job, check_job_well_formed
 from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.auto_plan import resolve_auto
 from meshplan.passes.batch_norm import expand_batch_norm
@@ -155,15 +155,15 @@ def _kernel_temps(c: Compilation) -> None:
 def _make_job(c: Compilation) -> None:
     b, st = c.boxed_graph(), c.staged()
     c.job = Job(graph=b.graph, mesh=c.mesh, strategy=c.strategy, stage=b.stage, chunk=b.chunk,
-                sbp=b.sbp, local=b.local, layers=st.layers, layer_stage=st.layer_stage,
+                sbp=b.sbp, variant=b.variant, layers=st.layers, layer_stage=st.layer_stage,
                 layer_chunk=st.layer_chunk, notes=c.notes + st.notes, temps=c.temps)
 
 
 def _check(c: Compilation) -> None:
-    """The IR verifier on the current graph, and on the Job once made."""
-    verify(c.graph)
+    """The IR invariant check on the current graph, and on the Job once made."""
+    check_well_formed(c.graph)
     if c.job is not None:
-        verify_job(c.job)
+        check_job_well_formed(c.job)
 
 
 def _vocab_tp(c: Compilation) -> bool:

@@ -44,11 +44,11 @@ class Rebuild:
             self.b.ops = []
             self.vmap = {}
         self.omap: dict[int, int] = {}
-        self.source = source  # a Boxed (or anything with stage, chunk, local, sbp)
+        self.source = source  # a Boxed (or anything with stage, chunk, variant, sbp)
         self.annotate = annotate or source is not None
         self.stage: list[int] = []
         self.chunk: list[int] = []
-        self.local: list[tuple[str, ...]] = []
+        self.variant: list[tuple[str, ...]] = []
         self.sbp = list(source.sbp) if source is not None else None
 
     def emitter(self, op: Op) -> Emitter:
@@ -71,10 +71,10 @@ class Rebuild:
         if self.annotate:  # inline of `placed`: boxing keeps every op of a large graph
             if place is None:
                 s = self.source
-                place = (s.stage[op.id], s.chunk[op.id], s.local[op.id])
+                place = (s.stage[op.id], s.chunk[op.id], s.variant[op.id])
             self.stage.append(place[0])
             self.chunk.append(place[1])
-            self.local.append(place[2])
+            self.variant.append(place[2])
         return new
 
     def replaced(self, op: Op) -> None:
@@ -94,7 +94,7 @@ class Rebuild:
         for _ in range(len(self.stage), len(self.b.ops)):
             self.stage.append(place[0])
             self.chunk.append(place[1])
-            self.local.append(place[2])
+            self.variant.append(place[2])
 
     def new_value_like(self, vid: int) -> int:
         """A new value with old value `vid`'s meta (and layout, if carried)."""
@@ -122,4 +122,4 @@ class Rebuild:
 
     def annotations(self) -> tuple[tuple, tuple, tuple]:
         """The new ops' stages, chunks and kernel variants."""
-        return tuple(self.stage), tuple(self.chunk), tuple(self.local)
+        return tuple(self.stage), tuple(self.chunk), tuple(self.variant)

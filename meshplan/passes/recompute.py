@@ -69,16 +69,16 @@ def recompute(boxed: Boxed, mode: Recompute, pattern: str) -> Boxed:
             rb.append(replace(p, id=len(rb.b.ops), args=args, kwargs=kwargs,
                               outputs=tuple(outs), phase=Phase.BACKWARD,
                               grad_of=rb.omap[p.id]),
-                      (boxed.stage[p.id], boxed.chunk[p.id], boxed.local[p.id]))
+                      (boxed.stage[p.id], boxed.chunk[p.id], boxed.variant[p.id]))
         return clones[key]
 
     rx = re.compile(pattern)
     for op in g.ops:
         where = _region_of(rx, op.module_path) if op.phase is Phase.BACKWARD else None
         rb.keep(op, None if where is None else [value_for(r, where) for r in op.refs()])
-    stage, chunk, local = rb.annotations()
+    stage, chunk, variant = rb.annotations()
     assert rb.sbp is not None  # a Rebuild with a source carries the SBP
-    return Boxed(rb.build(g), stage, chunk, tuple(rb.sbp), local)
+    return Boxed(rb.build(g), stage, chunk, tuple(rb.sbp), variant)
 
 
 def _region_of(rx: re.Pattern[str], path: str) -> str | None:

@@ -21,7 +21,7 @@ Invariants:
   stages once per step, not once per micro-batch.
 - Every copy's optimizer op is the original op (same kind, same
   hyper-parameters) on the reduced gradient and its own slots, so copies
-  that start equal stay equal; `plan/check.py` proves both facts on the
+  that start equal stay equal; `lowering/check.py` proves both facts on the
   rank plans (proof 5).
 - A stage's accumulation runs right after the last op on that stage that
   makes one of its contributions, in that op's chunk; the copy's optimizer

@@ -7,7 +7,7 @@ signature depends on (kind, logical argument metas and literals, layouts,
 stage grid): a layer repeated 96 times is looked at once, and for it only
 the distinct local shapes of its arguments are enumerated, not every grid
 coordinate (`ir.sbp.distinct_local_shapes`). The result goes into the Job (`Job.temps`),
-so that lowering a rank infers nothing (`plan/memory.py` looks it up).
+so that lowering a rank infers nothing (`lowering/memory.py` looks it up).
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import Box, local_box
+from meshplan.lowering.rankplan import Task, TaskKind
 from meshplan.ops.device_kernels import adapter
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
-from meshplan.plan.rankplan import Task, TaskKind
 from meshplan.runtime import local_kernels as lk
 
 if TYPE_CHECKING:  # torch.distributed is loaded only where a rank talks (comm.py)
@@ -64,7 +64,7 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
         if len(task.group) <= 1:
             return None  # a group of one: the logical kernel (the identity) is exact
         return _COLLECTIVES[op.kind](op, dict(op.kwargs), task.group, ctx, comm)
-    if any(task.local):
+    if any(task.variant):
         return _variant(op, task, ctx)
     if task.kernel:  # the device's own kernel, with the logical op's signature
         return adapter(task.kernel)
@@ -150,15 +150,15 @@ _ONCE = {"mean_rescale"}
 
 
 def _variant(op: Op, task: Task, ctx: RankContext) -> Callable:
-    """Compose the rank-dependent variants named per axis in `task.local`."""
+    """Compose the rank-dependent variants named per axis in `task.variant`."""
     kernel = adapter(task.kernel) if task.kernel else rule_for(op.kind).kernel
     seen = set()
-    for axis, tag in enumerate(task.local):
+    for axis, tag in enumerate(task.variant):
         if not tag or (tag in _ONCE and tag in seen):
             continue
         seen.add(tag)
         factory = _VARIANTS.get(tag)
-        assert factory is not None, f"unknown local variant {tag!r} of {op.kind}"
+        assert factory is not None, f"unknown kernel variant {tag!r} of {op.kind}"
         kernel = factory(kernel, op, axis, ctx)
     return kernel
 

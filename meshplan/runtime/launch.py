@@ -105,7 +105,7 @@ def _raise_if_failed(procs, results: Path, progress, job_bytes) -> None:
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:
     """The action a rank was in when it died (its plan, lowered here)."""
     from meshplan.ir.job import Job
-    from meshplan.plan.lower import lower
+    from meshplan.lowering.lower import lower
 
     index = progress[rank]
     if index < 0:

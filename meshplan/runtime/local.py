@@ -138,7 +138,7 @@ class LocalRun:
 def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     """(hub, [(executor, state)] per rank) for `job` from `module`'s weights;
     `plans` (rank -> RankPlan) replaces lowering, e.g. plans read from files."""
-    from meshplan.plan.lower import lower
+    from meshplan.lowering.lower import lower
     from meshplan.runtime.comm import job_groups
     from meshplan.runtime.rank_executor import RankExecutor
 

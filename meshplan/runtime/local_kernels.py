@@ -1,4 +1,4 @@
-"""Rank-dependent kernel variants (`Job.local`), bound at load time.
+"""Rank-dependent kernel variants (`Job.variant`), bound at load time.
 
 Each variant wraps the op's aten kernel for one rank, given the slices it
 holds. Invariant: summed (Partial) or concatenated (Shard) over the ranks of

@@ -39,11 +39,11 @@ from meshplan.errors import ConfigError
 from meshplan.ir import LOSS_SCALE, Phase, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
-from meshplan.plan.rankplan import RankPlan, TaskKind
+from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.runtime.amp import initial_loss_scale, next_scale
 from meshplan.runtime.bind import RankContext, bind_task, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
-from meshplan.runtime.memory import LiveBytes
+from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.transfers import Transfers
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.trace import Span, Track, action_span

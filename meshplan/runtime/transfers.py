@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 
 from meshplan.ir import Phase
-from meshplan.plan.rankplan import TaskKind
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules.action import ActionType
 
 

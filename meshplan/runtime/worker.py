@@ -119,7 +119,7 @@ _CURRENT: dict = {}
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
            steps_done=None, device=None, backend: str = "gloo") -> int:
-    from meshplan.plan.lower import lower
+    from meshplan.lowering.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
     from meshplan.runtime.data import split_microbatches
@@ -233,7 +233,7 @@ def _traced_step(ex, comm, state: dict, mbs) -> tuple[list, list]:
 
 def _plan(spec: RunSpec, job: Job, rank: int, lower, device_type: str = "cpu"):
     if spec.plan_dir:
-        from meshplan.plan.files import read_plan
+        from meshplan.lowering.files import read_plan
 
         plan = read_plan(Path(spec.plan_dir), rank)
         if plan.job_digest != job.digest():

@@ -5,7 +5,7 @@ Invariants:
   list[Action]` of compute actions (F, B, I, W) only; every rank's order is
   built the same way on every rank, with no communication between them.
   Its stage-to-rank placement is `placement_of(name, pp, vpp)`.
-- `comm.add_comm` is the only place SEND/RECV actions are made.
+- `sendrecv.add_comm` is the only place SEND/RECV actions are made.
 - `validate.validate` and `simulate.simulate` check a lowered schedule
   without processes or torch.distributed.
 - `compute_actions` is the checked entry point; `SCHEDULES` maps the
@@ -21,11 +21,11 @@ from collections.abc import Callable
 from meshplan.errors import ScheduleError
 from meshplan.ir.choices import Schedule
 from meshplan.schedules.action import Action, ActionType, chunk_of, rank_of
-from meshplan.schedules.comm import Transfer, add_comm, chain_edges
 from meshplan.schedules.gpipe import schedule_gpipe
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.interleaved import schedule_interleaved
 from meshplan.schedules.one_f_one_b import schedule_1f1b
+from meshplan.schedules.sendrecv import Transfer, add_comm, chain_edges
 from meshplan.schedules.simulate import SimResult, chrome_trace, simulate
 from meshplan.schedules.stage_placement import StagePlacement, placement_of
 from meshplan.schedules.validate import validate

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from meshplan.errors import ScheduleError
 from meshplan.schedules.action import Action, ActionType
-from meshplan.schedules.comm import add_comm
+from meshplan.schedules.sendrecv import add_comm
 from meshplan.schedules.simulate import simulate
 from meshplan.schedules.stage_placement import StagePlacement
 from meshplan.schedules.validate import find_fault

@@ -1,7 +1,7 @@
 """GPipe: every forward of the step, then every backward.
 
 Invariants:
-- Compute actions only (F, B); `comm.add_comm` adds SEND/RECV.
+- Compute actions only (F, B); `sendrecv.add_comm` adds SEND/RECV.
 - vpp == 1: rank r runs only virtual stage r.
 - Backwards run in micro-batch order 0..m-1, like the forwards.
 - Peak activation memory is m micro-batches on every rank (the price of the

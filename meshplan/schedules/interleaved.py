@@ -1,7 +1,7 @@
 """Interleaved 1F1B (virtual pipeline, VPP): vpp chunks per rank.
 
 Invariants:
-- Compute actions only (F, B); `comm.add_comm` adds SEND/RECV.
+- Compute actions only (F, B); `sendrecv.add_comm` adds SEND/RECV.
 - Rank r runs virtual stages `chunk * pp + r` for chunk in 0..vpp-1.
 - num_microbatches % pp == 0; micro-batches go in rounds of pp.
 - Reproduces torch.distributed.pipelining's ScheduleInterleaved1F1B order

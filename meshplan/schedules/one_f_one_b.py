@@ -1,7 +1,7 @@
 """1F1B: a short forward warmup, then one forward / one backward in turn.
 
 Invariants:
-- Compute actions only (F, B); `comm.add_comm` adds SEND/RECV.
+- Compute actions only (F, B); `sendrecv.add_comm` adds SEND/RECV.
 - vpp == 1 and num_microbatches >= pp.
 - Rank r runs `min(pp - r - 1, m)` warmup forwards, then pairs (F, B) while
   forwards remain, then the remaining backwards. So rank r holds at most

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from meshplan.errors import ScheduleError
 from meshplan.schedules import trace
 from meshplan.schedules.action import Action, ActionType
-from meshplan.schedules.comm import EdgeLike, Transfer, normalize_edges, num_stages_of
 from meshplan.schedules.grid import format_grid
+from meshplan.schedules.sendrecv import EdgeLike, Transfer, normalize_edges, num_stages_of
 from meshplan.schedules.stage_placement import StagePlacement, placement_for
 
 # ("C", kind, stage, mb): output of kind F or B (from B or I) made, or W done;
@@ -197,7 +197,7 @@ class _Sim:
         if len(stuck) > 8:
             lines.append(f"  ... and {len(stuck) - 8} more stuck ranks")
         lines.append("fix: reorder so every RECV's SEND is posted before the receiver needs it "
-                     "(comm.add_comm on a valid compute order does this)")
+                     "(sendrecv.add_comm on a valid compute order does this)")
         marks = [(r, self.pc[r]) for r in stuck]
         return "\n".join(lines) + "\n" + format_grid(self.actions, marks)
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from meshplan.errors import ScheduleError
 from meshplan.schedules.action import Action, ActionType
-from meshplan.schedules.comm import EdgeLike, Transfer, normalize_edges
 from meshplan.schedules.grid import format_grid
+from meshplan.schedules.sendrecv import EdgeLike, Transfer, normalize_edges
 from meshplan.schedules.stage_placement import StagePlacement
 
 __all__ = ["Fault", "find_fault", "format_grid", "validate"]
@@ -121,7 +121,7 @@ def _scan_rank(rank: int, acts: Sequence[Action], ctx: _Ctx) -> None:
             ran.add((a.type, a.stage, a.microbatch))
         elif not ctx.lowered:
             raise _Fail(f"rank {rank} has {a}, but a compute order holds F, B, I and W only; "
-                        f"the lowering (comm.add_comm) adds SEND/RECV", where)
+                        f"the lowering (sendrecv.add_comm) adds SEND/RECV", where)
         elif a.type.is_send:
             key = (a.type.kind, a.stage, a.peer, a.microbatch)
             _check_comm(a, key, ctx.cross, ctx.sends, where)
@@ -181,7 +181,7 @@ def _check_inputs(a: Action, ctx: _Ctx, ran: set, where) -> None:
         elif ctx.lowered and (t.kind, t.src, t.dst, mb) not in ctx.recvs:
             recv = Action(a.stage, _RECV[t.kind], mb, t.src)
             raise _Fail(f"rank {rank} runs {a} before receiving its input {recv}; "
-                        f"put {recv} before it (comm.add_comm does)", where)
+                        f"put {recv} before it (sendrecv.add_comm does)", where)
 
 
 def _check_comm(a: Action, key: Key, cross: set[Transfer], seen: dict, where) -> None:

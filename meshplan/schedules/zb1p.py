@@ -1,7 +1,7 @@
 """ZB1P: zero-bubble ZB-H1, interleaved (Qi et al., ICLR 2024).
 
 Invariants:
-- Compute actions only (F, I, W); `comm.add_comm` adds SEND/RECV. The
+- Compute actions only (F, I, W); `sendrecv.add_comm` adds SEND/RECV. The
   backward is split: I (input gradients, which the previous stage waits
   for) runs where interleaved 1F1B runs B, and W (weight gradients, which
   nobody waits for) is deferred to fill the bubble.

@@ -1,7 +1,7 @@
 """ZB-V: zero bubble with two chunks per rank in a V (Qi et al., ICLR 2024, §6).
 
 Invariants:
-- Compute actions only (F, I, W); `comm.add_comm` adds SEND/RECV, given
+- Compute actions only (F, I, W); `sendrecv.add_comm` adds SEND/RECV, given
   `stage_placement.StagePlacement.v(pp)`.
 - vpp == 2, V placement: rank r runs stage r on the way down ("down") and
   stage 2*pp-1-r on the way back up ("up"). Rank pp-1 runs the turn

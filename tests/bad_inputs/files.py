@@ -13,8 +13,8 @@ from meshplan.ir.fileio import encode_part, open_parts, seal_parts
 from meshplan.ir.job import KIND as JOB_KIND
 from meshplan.ir.job import VERSION as JOB_VERSION
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.files import JOB_FILE, KIND, VERSION, plan_name
 from meshplan.models import build_model, model_config
-from meshplan.plan.files import JOB_FILE, KIND, VERSION, plan_name
 
 # The good plan directory: gpt tiny on 2 ranks, pp=2 (so it has send/recv).
 PLAN_FLAGS = ("--model", "gpt", "--devices-per-node", "2", "--pp", "2",
@@ -29,7 +29,7 @@ def make_plans(out: Path) -> None:
 
 def make_checkpoint(out: Path) -> None:
     """A checkpoint of gpt tiny on one rank (SGD), saved in this process."""
-    from meshplan.plan.lower import lower
+    from meshplan.lowering.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.rank_executor import RankExecutor
 

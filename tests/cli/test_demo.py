@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from meshplan.lowering.files import read_dir
 from meshplan.models import build_model, model_config
-from meshplan.plan.files import read_dir
 from tests.cli.test_pictures import assert_real_png
 from tests.runtime.test_trace import assert_trace_covers_plans
 

@@ -8,8 +8,8 @@ from meshplan.cli.show_cmd import schedule_png
 from meshplan.driver.compile import compile_job
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.files import read_dir
 from meshplan.models import model_config
-from meshplan.plan.files import read_dir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -2,7 +2,7 @@
 the read-only Mapping view agrees with it."""
 
 from meshplan.driver.results import CompileResult, LowerResult, RunResult
-from meshplan.plan.check import CheckResult, RankCheck
+from meshplan.lowering.check import CheckResult, RankCheck
 
 RANKS = {"0": {"planned_peak_bytes": 10, "measured_peak_bytes": 12}}
 

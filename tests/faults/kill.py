@@ -16,7 +16,7 @@ import functools
 import os
 import signal
 
-from meshplan.plan.stage_files import StageFiles
+from meshplan.lowering.stage_files import StageFiles
 
 
 def _die() -> None:
@@ -38,7 +38,7 @@ def dying_plan_bytes(rank: int):
 
 # `python -c CLI_KILLING_RANK_1 compile ...`: the `meshplan` command with the fault.
 CLI_KILLING_RANK_1 = (
-    "import sys; from meshplan.plan.stage_files import StageFiles; "
+    "import sys; from meshplan.lowering.stage_files import StageFiles; "
     "from tests.faults.kill import dying_plan_bytes; "
     "StageFiles.plan_bytes = dying_plan_bytes(1); "
     "from meshplan.cli.main import main; sys.exit(main())")

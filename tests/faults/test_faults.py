@@ -17,9 +17,9 @@ from meshplan.driver.plan import zoo_strategy
 from meshplan.driver.run import run
 from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.files import plan_from_bytes, plan_name, read_dir
+from meshplan.lowering.stage_files import StageFiles
 from meshplan.models import model_config
-from meshplan.plan.files import plan_from_bytes, plan_name, read_dir
-from meshplan.plan.stage_files import StageFiles
 from meshplan.runtime import launch
 from tests.bad_inputs.files import PLAN_FLAGS
 from tests.faults.kill import CLI_KILLING_RANK_1, dying_plan_bytes, rank_entry_killing

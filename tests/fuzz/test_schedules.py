@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import ScheduleError
-from meshplan.plan.check import check_plans, simulate_plans
-from meshplan.plan.rankplan import TaskKind
+from meshplan.lowering.check import check_plans, simulate_plans
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules import add_comm, compute_actions, simulate, validate
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.stage_placement import placement_of

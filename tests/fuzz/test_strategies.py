@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.lower import lower
 from meshplan.models import model_config
-from meshplan.plan.check import check_plans
-from meshplan.plan.lower import lower
 
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 FAST = settings(max_examples=8, derandomize=True, **COMMON)

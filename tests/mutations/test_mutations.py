@@ -21,10 +21,10 @@ from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
 from meshplan.ir import Phase, Role
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.lower import lower
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.models import build_model, example_batch, model_config
-from meshplan.plan.check import check_plans
-from meshplan.plan.lower import lower
-from meshplan.plan.rankplan import TaskKind
 from meshplan.runtime.comm import tag_of
 from meshplan.runtime.local import local_ranks, train_local
 from meshplan.schedules.action import ActionType

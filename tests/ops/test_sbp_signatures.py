@@ -5,7 +5,7 @@ n in (2, 3), the rule's signatures are asked for as propagation asks, and each
 one is executed: the inputs are cut per `sig.ins` (S(d): contiguous parts
 along d, as `ir.sbp.split_range` cuts them; R: the whole tensor; P: random
 addends summing to it), the op runs once per rank (shape arguments localized,
-the rank-dependent variant `sig.local` applied), and the per-rank outputs,
+the rank-dependent variant `sig.variant` applied), and the per-rank outputs,
 combined per `sig.outs` (S: concatenated, P: summed, P(max): maxed, R: each
 rank equal), must equal the op applied to the whole inputs.
 
@@ -274,25 +274,25 @@ def _pieces(t: torch.Tensor, s, n: int) -> list[torch.Tensor]:
 
 
 def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
-    """The rank's kernel: the rule's, wrapped per `sig.local`."""
+    """The rank's kernel: the rule's, wrapped per `sig.variant`."""
     kernel = rule_for(kind).kernel
     ts = _tensors(args)
-    if sig.local == "bias_first":
+    if sig.variant == "bias_first":
         return lk.bias_first(kernel, i == 0)
-    if sig.local == "vocab_offset" and kind == "aten.embedding.default":
+    if sig.variant == "vocab_offset" and kind == "aten.embedding.default":
         return lk.vocab_embedding(*split_range(ts[0].shape[0], n, i))
-    if sig.local == "vocab_offset":
+    if sig.variant == "vocab_offset":
         return lk.vocab_embedding_backward(*split_range(whole[0].shape[0], n, i))
-    if sig.local == "class_offset" and kind == "aten.nll_loss_forward.default":
+    if sig.variant == "class_offset" and kind == "aten.nll_loss_forward.default":
         return lk.class_nll(*split_range(ts[0].shape[1], n, i))
-    if sig.local == "class_offset":
+    if sig.variant == "class_offset":
         return lk.class_nll_backward(*split_range(ts[1].shape[1], n, i))
-    if sig.local == "mean_rescale":
+    if sig.variant == "mean_rescale":
         x = ts[0]
         local = x[_part(x.shape, sig.ins[0], n, i)].shape
         return lk.mean_rescale(kernel, tuple(local), tuple(x.shape), args[1] if len(args) > 1
                                else None)
-    assert not sig.local, f"unknown local variant {sig.local!r} of {kind}"
+    assert not sig.variant, f"unknown kernel variant {sig.variant!r} of {kind}"
     return kernel
 
 
@@ -340,7 +340,7 @@ def check_signature(case: Case, args, whole, sig: SbpSig, n: int) -> None:
 def _fmt(sig: SbpSig) -> str:
     ins = ", ".join(str(s) for s in sig.ins)
     outs = ", ".join(str(s) for s in sig.outs)
-    return f"({ins}) -> ({outs})" + (f" [{sig.local}]" if sig.local else "")
+    return f"({ins}) -> ({outs})" + (f" [{sig.variant}]" if sig.variant else "")
 
 
 def _signatures(case: Case, n: int):

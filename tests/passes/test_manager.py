@@ -1,5 +1,5 @@
 """The pass manager: the list's order is checked when it is built, and with
-checks on the IR verifier runs after every pass, naming the one that broke
+checks on the IR invariant check runs after every pass, naming the one that broke
 the graph."""
 
 from dataclasses import replace

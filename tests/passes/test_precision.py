@@ -15,10 +15,10 @@ from meshplan.driver.verify import mean_rel_diff, verify
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.lower import lower
 from meshplan.models import model_config
 from meshplan.ops.policy import PRECISION
 from meshplan.passes.precision import CAST, apply_precision
-from meshplan.plan.lower import lower
 
 TOL = 1e-2  # mean relative loss difference, to eager autocast and to eager fp32
 

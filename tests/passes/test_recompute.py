@@ -10,8 +10,8 @@ from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError
 from meshplan.ir import Phase
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.lower import lower
 from meshplan.models import model_config
-from meshplan.plan.lower import lower
 
 
 def _job(recompute: str, size: str = "tiny", mesh=(1, 4), **fields):

@@ -85,8 +85,8 @@ def test_a_cpu_plan_is_refused_on_cuda():
     from meshplan.driver.plan import plan_model, zoo_strategy
     from meshplan.errors import ConfigError
     from meshplan.ir.mesh import Mesh
+    from meshplan.lowering.lower import lower
     from meshplan.models import model_config
-    from meshplan.plan.lower import lower
     from meshplan.runtime.rank_executor import RankExecutor
 
     strategy = zoo_strategy("gpt", model_config("gpt", "tiny"), global_batch_size=8,

@@ -12,11 +12,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.lower import lower
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops import device_kernels as dk
-from meshplan.plan.lower import lower
 from meshplan.runtime.data import split_microbatches
-from meshplan.runtime.memory import LiveBytes
+from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.rank_executor import RankExecutor
 from meshplan.runtime.state import weights_of
 

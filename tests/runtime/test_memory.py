@@ -1,4 +1,4 @@
-"""runtime/memory.py against plan/memory.py: the bytes a rank holds while it
+"""runtime/live_bytes.py against lowering/memory.py: the bytes a rank holds while it
 trains (LiveBytes, every tensor the executor holds, counted by storage) never
 exceed the peak its plan promised."""
 

@@ -6,8 +6,8 @@ import json
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.run import run
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.lower import lower
 from meshplan.models import model_config
-from meshplan.plan.lower import lower
 from meshplan.schedules.trace import Span, Track, bubble, chrome_events
 
 

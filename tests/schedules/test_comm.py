@@ -5,7 +5,7 @@ import pytest
 from meshplan.errors import ScheduleError
 from meshplan.schedules import add_comm, chain_edges, validate
 from meshplan.schedules.action import Action, ActionType
-from meshplan.schedules.comm import Transfer
+from meshplan.schedules.sendrecv import Transfer
 
 from ._util import compute, lowered, parse_lists
 

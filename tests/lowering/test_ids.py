@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshplan.plan.ids import (
+from meshplan.lowering.ids import (
     DEVICE_INDEX_BITS,
     DEVICE_TYPE_BITS,
     INDEX_BITS,

@@ -9,7 +9,7 @@ Invariants:
 - Buffers hold physical (local) shapes, derived from the logical shape and
   the N-D SBP at the rank's grid coordinate. `copies` is how many
   micro-batches' instances can be alive at once.
-- Ids: tasks per `ids.task_id`; buffers, memory blocks and memory chunks
+- Ids: tasks per `ids.task_id`; buffers, memory blocks and memory arenas
   share the rank's `(rank << 48) + counter` space.
 - The plan is a pure function of (Job, rank, device type): its bytes are
   the same in whatever process computes it. The device type picks physical
@@ -46,7 +46,7 @@ class Task:
     phase: Phase
     inputs: tuple[int, ...]         # buffer ids, in the op's `refs()` order
     outputs: tuple[int, ...]        # buffer ids (-1: absent output)
-    local: tuple[str, ...] = ()     # rank-dependent kernel variant per mesh axis
+    variant: tuple[str, ...] = ()     # rank-dependent kernel variant per mesh axis
     group: tuple[int, ...] = ()     # collective participants, in group order
     peer: int = -1                  # send/recv: the other rank
     peer_task: int = -1             # send/recv: the matching task on the peer
@@ -86,10 +86,10 @@ STATE_CATEGORIES = (BufferCategory.PARAM, BufferCategory.BUFFER, BufferCategory.
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """A buffer's (or a buffer group's) place in a memory chunk."""
+    """A buffer's (or a buffer group's) place in a memory arena."""
 
     id: int
-    chunk: int                      # memory chunk id
+    arena: int                      # memory arena id
     offset: int
     size: int
     buffers: tuple[int, ...]
@@ -97,7 +97,7 @@ class Block:
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    chunks: tuple[tuple[int, str, int], ...]   # (id, name, size)
+    arenas: tuple[tuple[int, str, int], ...]   # (id, name, size)
     blocks: tuple[Block, ...]
     peak: tuple[tuple[str, int], ...]          # category -> bytes, and "total"
 

@@ -13,10 +13,10 @@ import time
 from dataclasses import replace
 
 from meshplan.ir.job import StageView
-from meshplan.plan.files import own_task_base, plan_body, plan_head, seal_plan
-from meshplan.plan.ids import DEVICE_TYPES, task_id
-from meshplan.plan.lower import RankClasses, lower
-from meshplan.plan.rankplan import RankPlan
+from meshplan.lowering.files import own_task_base, plan_body, plan_head, seal_plan
+from meshplan.lowering.ids import DEVICE_TYPES, task_id
+from meshplan.lowering.lower import RankClasses, lower
+from meshplan.lowering.rankplan import RankPlan
 
 
 class StageFiles:

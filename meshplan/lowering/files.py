@@ -22,8 +22,8 @@ from meshplan.errors import PlanError
 from meshplan.ir import DType, Phase
 from meshplan.ir.fileio import encode_part, open_parts, read_bytes, seal_parts, write_atomic
 from meshplan.ir.job import Job
-from meshplan.plan.ids import TASK_LOCAL_BITS
-from meshplan.plan.rankplan import (
+from meshplan.lowering.ids import TASK_LOCAL_BITS
+from meshplan.lowering.rankplan import (
     Block,
     Buffer,
     BufferCategory,
@@ -55,7 +55,7 @@ def plan_head(p: RankPlan, task_base: int) -> dict:
 def plan_body(p: RankPlan, task_base: int) -> bytes:
     """The rest of a plan file, with the rank's own ids written relative to
     it: a task id less `task_base` (its rank and device bits), a buffer,
-    block or chunk id less `rank << 48`. Ranks whose lowering differs only in
+    block or arena id less `rank << 48`. Ranks whose lowering differs only in
     their own ids (`lower.RankClasses`) therefore share these bytes. Each
     distinct collective group is written once (`groups`; a task names its
     index): a data-parallel group of 128 ranks is not repeated per task."""
@@ -65,7 +65,7 @@ def plan_body(p: RankPlan, task_base: int) -> bytes:
     def rows_of(t: Task) -> list:
         row = [t.id - task_base, t.kind.value, t.op, t.chunk, t.phase.value,
                [i - own for i in t.inputs], [o - own if o >= 0 else o for o in t.outputs],
-               list(t.local), groups.setdefault(t.group, len(groups)), t.peer, t.peer_task,
+               list(t.variant), groups.setdefault(t.group, len(groups)), t.peer, t.peer_task,
                [list(x) for x in t.box]]
         return row + [t.kernel] if t.kernel else row
 
@@ -76,8 +76,8 @@ def plan_body(p: RankPlan, task_base: int) -> bytes:
         "buffers": [[b.id - own, b.value, [t - task_base for t in b.producers],
                      [t - task_base for t in b.consumers], list(b.shape), b.dtype.name,
                      b.nbytes, b.copies, b.category] for b in p.buffers],
-        "memory": {"chunks": [[c - own, n, sz] for c, n, sz in p.memory.chunks],
-                   "blocks": [[b.id - own, b.chunk - own, b.offset, b.size,
+        "memory": {"arenas": [[c - own, n, sz] for c, n, sz in p.memory.arenas],
+                   "blocks": [[b.id - own, b.arena - own, b.offset, b.size,
                                [x - own for x in b.buffers]] for b in p.memory.blocks],
                    "peak": [list(x) for x in p.memory.peak]},
         "actions": [str(a) for a in p.actions],
@@ -123,7 +123,7 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
                                cp, BufferCategory(cat))
                         for i, v, pr, co, sh, dt, nb, cp, cat in d["buffers"])
         m = d["memory"]
-        memory = MemoryPlan(tuple((c + own, n, sz) for c, n, sz in m["chunks"]),
+        memory = MemoryPlan(tuple((c + own, n, sz) for c, n, sz in m["arenas"]),
                             tuple(Block(i + own, c + own, o, s, ids(b, own))
                                   for i, c, o, s, b in m["blocks"]),
                             tuple(_t(x) for x in m["peak"]))

@@ -14,9 +14,9 @@ import pytest
 from meshplan.driver.compile import compile_job
 from meshplan.ir import Phase
 from meshplan.ir.sbp import Shard
-from meshplan.plan.files import JOB_FILE, plan_name, plan_to_bytes
-from meshplan.plan.ids import TaskId
-from meshplan.plan.rankplan import TaskKind
+from meshplan.lowering.files import JOB_FILE, plan_name, plan_to_bytes
+from meshplan.lowering.ids import TaskId
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules.action import ActionType
 from tests.plan.jobs import job_of, plans_of
 
@@ -41,8 +41,8 @@ _LOWER_ONE = textwrap.dedent("""
     import hashlib, sys
     from pathlib import Path
     from meshplan.ir.job import Job
-    from meshplan.plan.files import plan_to_bytes
-    from meshplan.plan.lower import lower
+    from meshplan.lowering.files import plan_to_bytes
+    from meshplan.lowering.lower import lower
     job = Job.from_bytes(Path(sys.argv[1]).read_bytes(), sys.argv[1])
     print(hashlib.sha256(plan_to_bytes(lower(job, int(sys.argv[2])))).hexdigest())
 """)
@@ -147,7 +147,7 @@ def test_task_count_does_not_depend_on_dp():
 
 
 def plans_of_rank0(name: str):
-    from meshplan.plan.lower import lower
+    from meshplan.lowering.lower import lower
     return lower(job_of(name), 0)
 
 

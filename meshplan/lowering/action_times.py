@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from functools import cache
 
 from meshplan.ir import Phase, TensorMeta
+from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.ops.cost import bytes_moved
 from meshplan.ops.infer import to_sig
 from meshplan.ops.table import rule_for
-from meshplan.plan.rankplan import RankPlan, TaskKind
 
 
 @dataclass(frozen=True, slots=True)

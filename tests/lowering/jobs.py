@@ -7,9 +7,9 @@ from functools import cache
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.lower import lower
+from meshplan.lowering.rankplan import RankPlan
 from meshplan.models import model_config
-from meshplan.plan.lower import lower
-from meshplan.plan.rankplan import RankPlan
 
 # name -> (model, nodes, devices_per_node, config overrides, strategy fields)
 CONFIGS: dict[str, tuple] = {

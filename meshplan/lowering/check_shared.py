@@ -1,4 +1,4 @@
-"""Proof 5 of `plan/check.py`: every copy of a parameter takes the same update.
+"""Proof 5 of `lowering/check.py`: every copy of a parameter takes the same update.
 
 A parameter read on several stages (a tied weight, passes/shared.py) has a
 copy on each. Proven on the rank plans, per (parameter, grid coordinate):
@@ -15,9 +15,9 @@ copy on each. Proven on the rank plans, per (parameter, grid coordinate):
 from __future__ import annotations
 
 from meshplan.ir import Role
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
-from meshplan.plan.rankplan import TaskKind
 
 
 def shared_copies(job, plans) -> list[str]:

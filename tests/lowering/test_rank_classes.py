@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshplan.plan import lower as lowering
-from meshplan.plan.files import plan_from_bytes, plan_to_bytes
-from meshplan.plan.stage_files import StageFiles
+from meshplan.lowering import lower as lowering
+from meshplan.lowering.files import plan_from_bytes, plan_to_bytes
+from meshplan.lowering.stage_files import StageFiles
 from tests.plan.jobs import job_of, plans_of
 
 # name -> how many ranks are lowered (one per class)

@@ -4,7 +4,7 @@ Where it runs, always: on the graph capture makes (and on one read back
 from the capture cache) and on the train step autodiff builds. With checks
 on (`checks=True`, as the tests pass it, or `MESHPLAN_CHECKS=1`), the pass
 manager (`passes/manager.py`) runs it after every pass of the compile, and
-`verify_job` on the Job once made; a failure names the pass. With checks
+`check_job_well_formed` on the Job once made; a failure names the pass. With checks
 off the passes do not call it.
 
 Invariant checked: SSA (each value defined once, before use), dense ids,
@@ -16,7 +16,7 @@ from __future__ import annotations
 from meshplan.ir.graph import ABSENT, Graph, Role
 
 
-def verify(graph: Graph) -> None:
+def check_well_formed(graph: Graph) -> None:
     """Assert the graph's structural invariants (internal errors only)."""
     for i, v in enumerate(graph.values):
         assert v.id == i, f"value id {v.id} at position {i}"

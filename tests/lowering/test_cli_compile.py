@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshplan.plan.files import plan_name
+from meshplan.lowering.files import plan_name
 from tests.cli.test_cli import assert_user_error
 
 MESH = ("--model", "gpt", "--size", "tiny", "--nodes", "2", "--devices-per-node", "4",

@@ -22,7 +22,7 @@ Proves, in order (each failure is one message; `errors` lists them all):
 5. every copy of a parameter takes the same update: each rank reading a
    trained parameter updates it, and copies on several stages (a tied
    weight) run the same optimizer op on one gradient all-reduced across
-   exactly those stages (`plan/check_shared.py`);
+   exactly those stages (`lowering/check_shared.py`);
 6. every plan is for one device type, the same on every rank; each task id's
    device-type field says it; and no task of a non-cpu plan runs a CPU-only
    kernel (a name containing `_for_cpu`).
@@ -45,10 +45,10 @@ from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.sbp import box_numel
-from meshplan.plan.check_shared import shared_copies
-from meshplan.plan.cost import action_costs
-from meshplan.plan.ids import DEVICE_TYPES, TaskId
-from meshplan.plan.rankplan import RankPlan, TaskKind
+from meshplan.lowering.action_times import action_costs
+from meshplan.lowering.check_shared import shared_copies
+from meshplan.lowering.ids import DEVICE_TYPES, TaskId
+from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.simulate import simulate
@@ -129,7 +129,7 @@ def _skipped(job: Job, plans, missing: set[int]) -> list[str]:
 
 
 def _unique_ids(job: Job, plans) -> list[str]:
-    """Task ids, and the (rank << 48) ids of buffers, blocks and memory chunks,
+    """Task ids, and the (rank << 48) ids of buffers, blocks and memory arenas,
     are each unique across all ranks."""
     errors = []
     tasks: Counter = Counter()
@@ -137,7 +137,7 @@ def _unique_ids(job: Job, plans) -> list[str]:
     for r, p in plans.items():
         tasks.update(t.id for t in p.tasks)
         local.update([b.id for b in p.buffers] + [b.id for b in p.memory.blocks]
-                     + [c[0] for c in p.memory.chunks])
+                     + [c[0] for c in p.memory.arenas])
         wrong = next((t for t in p.tasks if TaskId.unpack(t.id).rank != r), None)
         if wrong is not None:
             errors.append(f"rank {r}: task {wrong.id:#x} (op {wrong.op}) decodes to rank "

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshplan.ir import Phase
-from meshplan.plan.memory import _first_fit
-from meshplan.plan.rankplan import RankPlan, TaskKind
+from meshplan.lowering.memory import _first_fit
+from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.schedules.action import ActionType
 from tests.plan.jobs import job_of, plans_of
 

@@ -1,6 +1,6 @@
 """The memory plan: where each buffer lives, and the rank's planned peak.
 
-Layout (two memory chunks):
+Layout (two memory arenas):
 - "state": parameters, module buffers, gradient accumulators and optimizer
   state, one block each, for the whole run. Values that update a state in
   place alias it and take no memory of their own.
@@ -27,9 +27,9 @@ import bisect
 import heapq
 
 from meshplan.ir import TensorMeta
+from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import has_temp, temp_key
-from meshplan.plan.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
 
 
 def _first_fit(intervals: list[tuple[int, int, int, int]]) -> tuple[dict[int, int], int]:
@@ -85,43 +85,43 @@ def _release(holes: list[list[int]], off: int, size: int, top: int) -> int:
 def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
     """Blocks for every buffer, and the planned peak by category."""
     updates = low.view.updates
-    blocks, chunks = [], []
+    blocks, arenas = [], []
     peak: dict[str, int] = {}
-    state_chunk, act_chunk = low.next_id(), low.next_id()
+    state_arena, act_arena = low.next_id(), low.next_id()
     off = 0
     for b in buffers:
         if b.category in STATE_CATEGORIES:
-            blocks.append(Block(low.next_id(), state_chunk, off, b.nbytes, (b.id,)))
+            blocks.append(Block(low.next_id(), state_arena, off, b.nbytes, (b.id,)))
             off += b.nbytes
             key = BufferCategory.PARAM if b.category == BufferCategory.BUFFER else b.category
             peak[key] = peak.get(key, 0) + b.nbytes
     if low.view.strategy.num_microbatches > 1 and "grad" in peak:
         off += peak["grad"]  # room for the second copy (no buffer of its own)
         peak["grad"] *= 2
-    chunks.append((state_chunk, "state", off))
+    arenas.append((state_arena, "state", off))
     saved = [b for b in buffers if b.category == BufferCategory.DATA or (
         b.category not in STATE_CATEGORIES and b.value not in updates and b.copies > 1)]
     saved_ids = {b.id for b in saved}
     off = 0
     for b in sorted(saved, key=lambda x: x.id):
         size = b.nbytes * b.copies
-        blocks.append(Block(low.next_id(), act_chunk, off, size, (b.id,)))
+        blocks.append(Block(low.next_id(), act_arena, off, size, (b.id,)))
         off += size
     saved_extent = off
     transient = [b for b in buffers if b.category == BufferCategory.ACTIVATION
                  and b.id not in saved_ids and b.value not in updates]
     offsets, extent = _first_fit(_intervals(low, transient))
     for b in transient:
-        blocks.append(Block(low.next_id(), act_chunk, saved_extent + offsets[b.id], b.nbytes,
+        blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[b.id], b.nbytes,
                             (b.id,)))
     peak["activation"] = saved_extent + extent
-    chunks.append((act_chunk, "activations", saved_extent + extent))
+    arenas.append((act_arena, "activations", saved_extent + extent))
     peak["temp"] = _temp(low)
     for k in ("param", "grad", "optimizer", "activation", "temp"):
         peak.setdefault(k, 0)
     total = sum(peak.values())
     order = ("param", "grad", "optimizer", "activation", "temp")
-    return MemoryPlan(tuple(chunks), tuple(blocks),
+    return MemoryPlan(tuple(arenas), tuple(blocks),
                       tuple((k, peak[k]) for k in order) + (("total", total),))
 
 

@@ -28,10 +28,8 @@ from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.ir.sbp import NdSbp, local_box, local_shape
-from meshplan.ops.rule import Category
-from meshplan.ops.table import physical_kernel, rule_for
-from meshplan.plan.actions import rank_actions
-from meshplan.plan.ids import (
+from meshplan.lowering.actions import rank_actions
+from meshplan.lowering.ids import (
     COLLECTIVE_STREAM,
     COMPUTE_STREAM,
     DEVICE_TYPES,
@@ -39,8 +37,8 @@ from meshplan.plan.ids import (
     local_id,
     task_id,
 )
-from meshplan.plan.memory import plan_memory
-from meshplan.plan.rankplan import (
+from meshplan.lowering.memory import plan_memory
+from meshplan.lowering.rankplan import (
     STATE_CATEGORIES,
     Buffer,
     BufferCategory,
@@ -48,6 +46,8 @@ from meshplan.plan.rankplan import (
     Task,
     TaskKind,
 )
+from meshplan.ops.rule import Category
+from meshplan.ops.table import physical_kernel, rule_for
 
 # what `ir.pieces` needs of a transfer: (shape, src placement, src SBP, dst placement, dst SBP)
 PieceArgs = tuple[tuple[int, ...], Placement, NdSbp, Placement, NdSbp]
@@ -144,7 +144,7 @@ class _Lowering:
         task = Task(self.tid(stream, op.id), kind, op.id, view.op_chunk[op.id], op.phase,
                     tuple(self.buf(r).id for r in refs),
                     tuple(self.buf(o).id if o >= 0 else -1 for o in op.outputs),
-                    view.op_local[op.id], group,
+                    view.op_variant[op.id], group,
                     kernel=physical_kernel(op, view.values, self.device))
         self.add(task, refs, outs)
 
@@ -231,7 +231,7 @@ class RankClasses:
     distinct local shape), or is the rank itself when the stage sends or
     receives across stages: ranks with equal keys have equal plan bodies.
     Checked rank by rank against lowering each one in
-    tests/plan/test_rank_classes.py."""
+    tests/lowering/test_rank_classes.py."""
 
     def __init__(self, view: StageView):
         self.view = view

@@ -1,4 +1,4 @@
-"""Proof 5 (plan/check_shared.py): every copy of a tied weight takes the same
+"""Proof 5 (lowering/check_shared.py): every copy of a tied weight takes the same
 update. A tied GPT at tp=2 pp=2 passes; plans that leave a copy stale, give
 copies different optimizer ops, or skip the cross-stage all-reduce fail."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.lower import lower
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.models import model_config
-from meshplan.plan.check import check_plans
-from meshplan.plan.lower import lower
-from meshplan.plan.rankplan import TaskKind
 
 TIED = "wte.weight"
 

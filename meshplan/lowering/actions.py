@@ -8,7 +8,7 @@ from meshplan.ir.choices import Schedule
 from meshplan.ir.mesh import Strategy
 from meshplan.schedules import compute_actions
 from meshplan.schedules.action import Action, ActionType
-from meshplan.schedules.comm import add_comm
+from meshplan.schedules.sendrecv import add_comm
 
 
 def rank_actions(strategy: Strategy, stage: int, edges) -> list[Action]:

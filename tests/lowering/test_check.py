@@ -10,8 +10,8 @@ import pytest
 
 from meshplan.cli.main import main
 from meshplan.errors import PlanError
-from meshplan.plan.check import check_plans
-from meshplan.plan.files import (
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.files import (
     JOB_FILE,
     plan_from_bytes,
     plan_name,
@@ -20,7 +20,7 @@ from meshplan.plan.files import (
     write_job,
     write_plan,
 )
-from meshplan.plan.rankplan import TaskKind
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules.action import ActionType
 from tests.plan.jobs import job_of, plans_of
 

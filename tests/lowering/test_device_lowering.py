@@ -11,12 +11,12 @@ import pytest
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.errors import PlanError
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.files import plan_from_bytes, plan_to_bytes
+from meshplan.lowering.ids import DEVICE_TYPES, TaskId
+from meshplan.lowering.lower import lower
 from meshplan.models import model_config
 from meshplan.ops import device_kernels as dk
-from meshplan.plan.check import check_plans
-from meshplan.plan.files import plan_from_bytes, plan_to_bytes
-from meshplan.plan.ids import DEVICE_TYPES, TaskId
-from meshplan.plan.lower import lower
 
 # model -> (devices, strategy fields): one parallel layout each, so boxing,
 # transfers and collectives are in the plans too
