@@ -34,7 +34,7 @@ from meshplan.lowering.rankplan import (
 )
 from meshplan.schedules.action import Action
 
-KIND, VERSION = "meshplan.rankplan", 2
+KIND, VERSION = "meshplan.rankplan", 3
 JOB_FILE = "job.json"
 _PLAN_FILE = re.compile(r"rank_(\d+)\.plan")
 
