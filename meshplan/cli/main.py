@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from meshplan.cli.compile_cmds import cmd_check, cmd_compile
@@ -79,7 +80,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="meshplan", description="A distributed-training compiler for PyTorch.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks on errors, and check the IR's invariants after "
+                        "every compile pass")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="errors only: no progress bars, no logging below ERROR")
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     args.progress = Progress(quiet=args.quiet)
+    if args.debug:  # the pass manager's checks, here and in every rank it starts
+        os.environ["MESHPLAN_CHECKS"] = "1"
     if getattr(args, "hf", None):  # --hf gpt2 is the model hf:gpt2
         args.model = "hf:" + args.hf
     try:

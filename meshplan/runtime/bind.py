@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from meshplan.ir import Op
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
@@ -143,10 +144,11 @@ def _mean_rescale(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Call
     return lk.mean_rescale(kernel, local, ctx.job.graph.values[x].meta.shape, dims)
 
 
-_VARIANTS = {"bias_first": _bias_first, "vocab_offset": _vocab_offset,
-             "class_offset": _class_offset, "mean_rescale": _mean_rescale}
+_VARIANTS = {KernelVariant.BIAS_FIRST: _bias_first, KernelVariant.VOCAB_OFFSET: _vocab_offset,
+             KernelVariant.CLASS_OFFSET: _class_offset,
+             KernelVariant.MEAN_RESCALE: _mean_rescale}
 # Applied once however many axes name them: the rescale uses the full local shape.
-_ONCE = {"mean_rescale"}
+_ONCE = {KernelVariant.MEAN_RESCALE}
 
 
 def _variant(op: Op, task: Task, ctx: RankContext) -> Callable:

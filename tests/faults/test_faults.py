@@ -23,7 +23,7 @@ from meshplan.models import model_config
 from meshplan.runtime import launch
 from tests.bad_inputs.files import PLAN_FLAGS
 from tests.faults.kill import CLI_KILLING_RANK_1, dying_plan_bytes, rank_entry_killing
-from tests.plan.jobs import job_of
+from tests.lowering.jobs import job_of
 
 NAME = "gpt_interleaved"  # 2 ranks, 2 stages
 ROOT = Path(__file__).resolve().parents[2]

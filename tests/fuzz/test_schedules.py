@@ -27,7 +27,7 @@ from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules import add_comm, compute_actions, simulate, validate
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.stage_placement import placement_of
-from tests.plan.jobs import job_of, plans_of
+from tests.lowering.jobs import job_of, plans_of
 
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 FAST = settings(max_examples=60, derandomize=True, **COMMON)

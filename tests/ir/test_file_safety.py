@@ -73,12 +73,11 @@ def test_every_write_is_atomic():
 def test_files_read_back_are_sealed(tmp_path):
     """Jobs, rank plans, graphs (the capture cache) and the checkpoint marker
     are sealed envelopes: format, version, sha256 of the body."""
-    from tests.plan.jobs import job_of, plans_of
-
     from meshplan.ir.serialize import graph_to_bytes
     from meshplan.lowering.files import plan_to_bytes
     from meshplan.runtime.checkpoint import COMPLETE
     from tests.bad_inputs.files import make_checkpoint
+    from tests.lowering.jobs import job_of, plans_of
 
     job = job_of("gpt_interleaved")
     make_checkpoint(tmp_path / "ckpt")

@@ -27,7 +27,7 @@ from meshplan.ir import (
     TensorMeta,
     Update,
     Value,
-    verify,
+    check_well_formed,
 )
 from meshplan.ir.fileio import seal
 from meshplan.ir.serialize import (
@@ -81,7 +81,7 @@ def same(a, b) -> bool:
 
 def test_small_graph_round_trips_with_types():
     g = small_graph()
-    verify(g)
+    check_well_formed(g)
     back = graph_from_bytes(graph_to_bytes(g))
     assert same(back.ops[0].args, g.ops[0].args)
     assert same(back.ops[0].kwargs, g.ops[0].kwargs)

@@ -22,7 +22,7 @@ from meshplan.lowering.files import (
 )
 from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules.action import ActionType
-from tests.plan.jobs import job_of, plans_of
+from tests.lowering.jobs import job_of, plans_of
 
 GOOD = ["gpt_2x4", "bert_2x4", "resnet_1x4", "gpt_gpipe", "gpt_pp1", "gpt_1f1b",
         "gpt_uneven", "gpt_interleaved"]

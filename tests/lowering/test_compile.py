@@ -8,7 +8,7 @@ import pytest
 from meshplan.driver.compile import _plan_cache, compile_job
 from meshplan.errors import ConfigError
 from meshplan.lowering.files import plan_name, plan_to_bytes, read_dir
-from tests.plan.jobs import job_of, plans_of
+from tests.lowering.jobs import job_of, plans_of
 
 NAME = "gpt_interleaved"  # 2 ranks
 

@@ -18,7 +18,7 @@ from meshplan.lowering.files import JOB_FILE, plan_name, plan_to_bytes
 from meshplan.lowering.ids import TaskId
 from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules.action import ActionType
-from tests.plan.jobs import job_of, plans_of
+from tests.lowering.jobs import job_of, plans_of
 
 PEAK_KEYS = ("param", "grad", "optimizer", "activation", "temp")
 

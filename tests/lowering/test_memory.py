@@ -13,7 +13,7 @@ from meshplan.ir import Phase
 from meshplan.lowering.memory import _first_fit
 from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.schedules.action import ActionType
-from tests.plan.jobs import job_of, plans_of
+from tests.lowering.jobs import job_of, plans_of
 
 _STATE = ("param", "buffer", "grad", "optimizer")
 

@@ -9,7 +9,7 @@ import pytest
 from meshplan.lowering import lower as lowering
 from meshplan.lowering.files import plan_from_bytes, plan_to_bytes
 from meshplan.lowering.stage_files import StageFiles
-from tests.plan.jobs import job_of, plans_of
+from tests.lowering.jobs import job_of, plans_of
 
 # name -> how many ranks are lowered (one per class)
 SHARED = {"gpt_tied_dp4": 1, "resnet_dp4": 1, "gpt_pp1": 4, "gpt_uneven_dp2": 8,

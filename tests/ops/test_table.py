@@ -6,7 +6,6 @@ import ast
 from pathlib import Path
 
 import pytest
-from tests.plan.jobs import job_of, plans_of
 
 from meshplan.errors import CaptureError
 from meshplan.ir import kinds
@@ -26,6 +25,7 @@ from meshplan.ir.kinds import (
 from meshplan.lowering.rankplan import TaskKind
 from meshplan.ops.rule import Category
 from meshplan.ops.table import meshplan_kinds, rule_for
+from tests.lowering.jobs import job_of, plans_of
 
 ROOT = Path(__file__).resolve().parents[2]
 KINDS = {v for k, v in vars(kinds).items() if k.isupper() and k != "PREFIX"}

@@ -88,3 +88,26 @@ def test_with_checks_a_pass_that_breaks_the_graph_is_named_right_after_it(forwar
     with pytest.raises(AssertionError, match="after pass 'drop_an_op': "):
         manager.run(_state(forward, recompute="full"), checks=True, timings=timings)
     assert list(timings)[-1] == "drop_an_op"  # caught before the next pass ran
+
+
+def test_the_cli_debug_flag_turns_the_checks_on(monkeypatch, capsys):
+    """`meshplan --debug ...` runs the invariant check after every pass (the
+    manager reads MESHPLAN_CHECKS, which the ranks it starts inherit too)."""
+    from meshplan.cli.main import main
+
+    seen = []
+    real = PassManager.run
+
+    def spy(self, state, *a, checks=None, **k):
+        import os
+        seen.append(checks if checks is not None else os.environ.get("MESHPLAN_CHECKS") == "1")
+        return real(self, state, *a, checks=checks, **k)
+
+    monkeypatch.delenv("MESHPLAN_CHECKS", raising=False)
+    monkeypatch.setattr(PassManager, "run", spy)
+    assert main(["plan", "--model", "gpt", "--size", "tiny", "--devices-per-node", "1"]) == 0
+    monkeypatch.delenv("MESHPLAN_CHECKS", raising=False)
+    assert main(["--debug", "plan", "--model", "gpt", "--size", "tiny",
+                 "--devices-per-node", "1"]) == 0
+    capsys.readouterr()
+    assert seen == [False, True]
