@@ -105,7 +105,7 @@ def test_an_upward_import_is_reported_wherever_it_is():
 
 def test_a_relative_upward_import_is_reported():
     assert violations("meshplan/lowering/x.py", "from ..passes import boxing\n") == [
-        "meshplan/lowering/x.py imports meshplan.passes (passes made the Job plan reads)"]
+        "meshplan/lowering/x.py imports meshplan.passes (passes made the Job lowering reads)"]
     assert violations("meshplan/lowering/x.py", "from . import lower\n") == []
 
 

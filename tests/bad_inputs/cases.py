@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from meshplan.errors import CaptureError, ConfigError, PlanError, RuntimeFault, ScheduleError
 from tests.bad_inputs import files, models
-from tests.bad_inputs.files import PLAN_FLAGS
+from tests.bad_inputs.files import PLAN_FLAGS, VERSION
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,8 @@ CASES: list[Case] = [
         plans=files.flip_digit),
     cli("plan-hand-edited", "files", PlanError, "was edited or corrupted; recompile it",
         "show", "{plans}", plans=files.edit_rank_field),
-    cli("plan-version", "files", PlanError, "format version 3, this meshplan reads version 2",
+    cli("plan-version", "files", PlanError,
+        f"format version {VERSION + 1}, this meshplan reads version {VERSION}",
         "check", "{plans}", plans=files.other_version),
     cli("plan-missing-rank", "files", PlanError, "lacks the plans of ranks 1 (world 2)",
         "show", "{plans}", plans=files.drop_rank),  # `check` says partial (exit 0)

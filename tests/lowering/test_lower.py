@@ -241,7 +241,7 @@ def test_peak_is_the_sum_of_its_categories(name):
         assert peak["total"] == sum(peak[k] for k in PEAK_KEYS) == plan.memory.peak_bytes()
         assert peak["param"] > 0 and peak["grad"] > 0 and peak["activation"] > 0
         assert all(v >= 0 for v in peak.values())
-        sizes = {name: size for _, name, size in plan.memory.chunks}
+        sizes = {name: size for _, name, size in plan.memory.arenas}
         assert sizes["state"] == peak["param"] + peak["grad"] + peak["optimizer"]
         assert sizes["activations"] == peak["activation"]
 
@@ -261,20 +261,20 @@ def test_blocks_never_overlap_while_both_are_live(name):
     for r, plan in plans.items():
         index = {t.id: i for i, t in enumerate(plan.tasks)}
         bufs = {b.id: b for b in plan.buffers}
-        chunk_size = {cid: size for cid, _, size in plan.memory.chunks}
+        arena_size = {cid: size for cid, _, size in plan.memory.arenas}
         placed = Counter(i for blk in plan.memory.blocks for i in blk.buffers)
         assert set(placed.values()) == {1}
         assert set(placed) == {b.id for b in plan.buffers if b.value not in updates}
         spans = []
         for blk in plan.memory.blocks:
-            assert 0 <= blk.offset and blk.offset + blk.size <= chunk_size[blk.chunk]
+            assert 0 <= blk.offset and blk.offset + blk.size <= arena_size[blk.arena]
             (bid,) = blk.buffers
             b = bufs[bid]
             assert blk.size == b.nbytes * b.copies
             uses = [index[t] for t in b.producers + b.consumers]
             transient = b.category == "activation" and b.copies == 1 and uses
             life = (min(uses), max(uses) + 1) if transient else (0, len(plan.tasks) + 1)
-            spans.append((blk.chunk, blk.offset, blk.offset + blk.size, life, bid))
+            spans.append((blk.arena, blk.offset, blk.offset + blk.size, life, bid))
         spans.sort()
         for i, (c, _, hi, life, bid) in enumerate(spans):
             for c2, lo2, _, life2, bid2 in spans[i + 1:]:

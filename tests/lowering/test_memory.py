@@ -98,7 +98,7 @@ def test_memory_plan_is_safe_in_execution_order(name):
                 assert max_live(inst) <= b.copies, (
                     f"rank {r}: {job.graph.values[b.value].name or b.value} has "
                     f"{max_live(inst)} micro-batches live but {b.copies} copies")
-        shared = sorted((blk.chunk, blk.offset, blk.offset + blk.size, blk.buffers[0])
+        shared = sorted((blk.arena, blk.offset, blk.offset + blk.size, blk.buffers[0])
                         for blk in plan.memory.blocks
                         if bufs[blk.buffers[0]].category == "activation"
                         and bufs[blk.buffers[0]].copies == 1)
