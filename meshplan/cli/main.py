@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from contextlib import contextmanager
 
 from meshplan.cli.compile_cmds import cmd_check, cmd_compile
 from meshplan.cli.demo_cmd import EPILOG as EPILOG_DEMO
@@ -215,6 +216,22 @@ def _cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def _checks_when(debug: bool):
+    """With --debug, the pass manager's invariant checks (MESHPLAN_CHECKS=1)
+    for this command and every rank it starts; the environment as it was after."""
+    old = os.environ.get("MESHPLAN_CHECKS")
+    if debug:
+        os.environ["MESHPLAN_CHECKS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MESHPLAN_CHECKS", None)
+        else:
+            os.environ["MESHPLAN_CHECKS"] = old
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `meshplan` command."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -229,31 +246,30 @@ def main(argv: list[str] | None = None) -> int:
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     args.progress = Progress(quiet=args.quiet)
-    if args.debug:  # the pass manager's checks, here and in every rank it starts
-        os.environ["MESHPLAN_CHECKS"] = "1"
-    if getattr(args, "hf", None):  # --hf gpt2 is the model hf:gpt2
-        args.model = "hf:" + args.hf
-    try:
-        apply_config(args)
-        if getattr(args, "print_config", False):
-            print(config_name_of(args))
-            return 0
-        return args.run(args)
-    except MeshplanError as e:
-        if args.debug:
-            raise
-        print(f"meshplan: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:  # a path that cannot be read or written: the user's to fix
-        if args.debug:
-            raise
-        where = f" {e.filename}" if e.filename else ""
-        print(f"meshplan: error: cannot use{where}: {e.strerror or e}; check the path and "
-              "its permissions", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("meshplan: interrupted", file=sys.stderr)
-        return 130
+    with _checks_when(args.debug):
+        if getattr(args, "hf", None):  # --hf gpt2 is the model hf:gpt2
+            args.model = "hf:" + args.hf
+        try:
+            apply_config(args)
+            if getattr(args, "print_config", False):
+                print(config_name_of(args))
+                return 0
+            return args.run(args)
+        except MeshplanError as e:
+            if args.debug:
+                raise
+            print(f"meshplan: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except OSError as e:  # a path that cannot be read or written: the user's to fix
+            if args.debug:
+                raise
+            where = f" {e.filename}" if e.filename else ""
+            print(f"meshplan: error: cannot use{where}: {e.strerror or e}; check the path and "
+                  "its permissions", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("meshplan: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

@@ -103,10 +103,12 @@ def test_the_cli_debug_flag_turns_the_checks_on(monkeypatch, capsys):
         seen.append(checks if checks is not None else os.environ.get("MESHPLAN_CHECKS") == "1")
         return real(self, state, *a, checks=checks, **k)
 
-    monkeypatch.setenv("MESHPLAN_CHECKS", "0")  # and unset again after the test
+    monkeypatch.setenv("MESHPLAN_CHECKS", "0")
     monkeypatch.setattr(PassManager, "run", spy)
     assert main(["plan", "--model", "gpt", "--size", "tiny", "--devices-per-node", "1"]) == 0
     assert main(["--debug", "plan", "--model", "gpt", "--size", "tiny",
                  "--devices-per-node", "1"]) == 0
     capsys.readouterr()
     assert seen == [False, True]
+    import os
+    assert os.environ["MESHPLAN_CHECKS"] == "0"  # as it was: in-process callers keep theirs
