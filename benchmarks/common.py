@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -20,16 +19,6 @@ def machine() -> dict:
         "python": platform.python_version(), "threads": torch.get_num_threads(),
         "platform": platform.platform(),
     }
-
-
-def timed(fn, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls of `fn`."""
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def median(xs: list[float]) -> float:
