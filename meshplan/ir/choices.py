@@ -23,6 +23,18 @@ class Schedule(enum.StrEnum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
+    ZB1P = "zb1p"        # zero bubble ZB-H1, interleaved (backward split into I and W)
+    ZBV = "zbv"          # zero bubble with two chunks per rank in a V
+
+    @property
+    def splits_backward(self) -> bool:
+        """True for the zero-bubble schedules, which run I and W apart."""
+        return self in (Schedule.ZB1P, Schedule.ZBV)
+
+    @property
+    def interleaves(self) -> bool:
+        """True for the schedules that run several chunks per rank."""
+        return self in (Schedule.INTERLEAVED, Schedule.ZB1P, Schedule.ZBV)
 
 
 class Precision(enum.StrEnum):

@@ -28,10 +28,15 @@ import torch
 
 
 class Phase(enum.Enum):
-    """When an op runs: per micro-batch (forward, backward) or per step."""
+    """When an op runs: per micro-batch (forward, backward, weight) or per step.
+
+    WEIGHT marks the backward ops a zero-bubble schedule defers: those its
+    stage's input gradients do not need (`autodiff/split.py`). Only a Job for
+    such a schedule has them; there BACKWARD is the input-gradient part (I)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
+    WEIGHT = "weight"
     OPTIMIZER = "optimizer"
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import Precision, Recompute, Schedule, TpStyle, choose
+from meshplan.ir.stage_placement import StagePlacement, placement_of
 
 AXES = ("dp", "tp")  # names of the placement grid's axes, outermost first
 
@@ -94,6 +95,12 @@ class Strategy:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def stage_placement(self) -> StagePlacement:
+        """Which pipeline stage (rank position) runs each virtual stage: the
+        V for zbv, else interleaved (`ir/stage_placement.py`)."""
+        return placement_of(self.schedule, self.pp, self.vpp)
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from meshplan.ir import Phase, TensorMeta
+from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.ops.cost import bytes_moved
 from meshplan.ops.infer import to_sig
@@ -36,37 +37,43 @@ def _op_seconds(kind: str, sig_args: tuple, outs: tuple, dev: DeviceModel) -> fl
 
 
 def action_costs(job, reps: dict[int, RankPlan], dev: DeviceModel = DeviceModel()) -> dict:
-    """{(virtual stage, "F"|"B"): s, ("comm", src, dst): s, ("step", stage): s}."""
-    pp = job.strategy.pp
+    """{(virtual stage, "F"|"I"|"W"): s, ("comm", src, dst): s, ("step", stage): s}.
+
+    I is the backward phase's tasks, W the weight phase's: in a Job without
+    the split every backward task is I, W costs 0, and B = I + W."""
+    where = job.strategy.stage_placement
     out: dict = {}
     for stage, p in reps.items():
         metas = {b.id: TensorMeta(b.shape, b.dtype) for b in p.buffers}
         value_meta = {b.value: metas[b.id] for b in p.buffers}
         for t in p.tasks:
-            key = _key(t, stage, pp)
-            out[key] = out.get(key, 0.0) + _task_seconds(job, t, value_meta, metas, dev, pp,
-                                                         stage, out)
-    for v in range(pp * job.strategy.vpp):
-        out.setdefault((v, "F"), 0.0)
-        out.setdefault((v, "B"), 0.0)
+            key = _key(t, stage, where)
+            out[key] = out.get(key, 0.0) + _task_seconds(job, t, value_meta, metas, dev,
+                                                         where, stage, out)
+    for v in range(where.num_stages):
+        for kind in _KIND.values():
+            out.setdefault((v, kind), 0.0)
     return out
 
 
-def _key(t, stage: int, pp: int):
+_KIND = {Phase.FORWARD: "F", Phase.BACKWARD: "I", Phase.WEIGHT: "W"}
+
+
+def _key(t, stage: int, where: StagePlacement):
     if t.phase is Phase.OPTIMIZER:
         return ("step", stage)
-    return (t.chunk * pp + stage, "F" if t.phase is Phase.FORWARD else "B")
+    return (where.stage_at(stage, t.chunk), _KIND[t.phase])
 
 
-def _task_seconds(job, t, value_meta, metas, dev, pp, stage, out) -> float:
+def _task_seconds(job, t, value_meta, metas, dev, where, stage, out) -> float:
     op = job.graph.ops[t.op]
     if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
         n = len(t.group)
         nbytes = metas[t.inputs[0]].nbytes
         return dev.latency + 2 * (n - 1) / max(n, 1) * nbytes / dev.link_bw
     if t.kind is TaskKind.SEND:
-        src = t.chunk * pp + stage
-        dst = job.chunk[op.id] * pp + job.stage[op.id]
+        src = where.stage_at(stage, t.chunk)
+        dst = where.stage_at(job.stage[op.id], job.chunk[op.id])
         nbytes = metas[t.inputs[0]].dtype.itemsize
         for a, b in t.box:
             nbytes *= b - a

@@ -18,5 +18,6 @@ def rank_actions(strategy: Strategy, stage: int, edges) -> list[Action]:
     # activations freed before the next starts.
     schedule = s.schedule if s.pp > 1 or s.vpp > 1 else Schedule.ONE_F_ONE_B
     compute = compute_actions(schedule, s.pp, s.vpp, s.num_microbatches, stage)
-    lowered = add_comm({stage: compute}, s.pp, edges=list(edges))[stage]
+    lowered = add_comm({stage: compute}, s.pp, edges=list(edges),
+                       placement=s.stage_placement)[stage]
     return list(lowered) + [Action(-1, ActionType.STEP, -1)]

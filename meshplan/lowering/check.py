@@ -45,10 +45,11 @@ from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.sbp import box_numel
+from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.action_times import action_costs
 from meshplan.lowering.check_shared import shared_copies
 from meshplan.lowering.ids import DEVICE_TYPES, TaskId
-from meshplan.lowering.rankplan import RankPlan, TaskKind
+from meshplan.lowering.rankplan import RankPlan, TaskKind, action_templates, template_of
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.simulate import simulate
@@ -242,7 +243,7 @@ def _p2p(job: Job, plans) -> list[str]:
 
 def _p2p_actions(job: Job, plans) -> list[str]:
     """Every SEND action instance has its peer's RECV action instance."""
-    pp = job.strategy.pp
+    where = job.strategy.stage_placement
     recvs = set()
     for r, p in plans.items():
         for a in p.actions:
@@ -250,7 +251,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
                 recvs.add((r, a.type, a.peer, a.stage, a.microbatch))
     errors, absent = [], _absent(job, plans)
     for r, p in plans.items():
-        peers_of = _send_peers(p, pp)
+        peers_of = _send_peers(p, where)
         for i, a in enumerate(p.actions):
             if a.type not in (ActionType.SEND_F, ActionType.SEND_B):
                 continue
@@ -265,32 +266,27 @@ def _p2p_actions(job: Job, plans) -> list[str]:
     return errors
 
 
-def _send_peers(p: RankPlan, pp: int) -> dict:
+def _send_peers(p: RankPlan, where: StagePlacement) -> dict:
     out = defaultdict(set)
     for t in p.tasks:
         if t.kind is TaskKind.SEND:
             kind = ActionType.SEND_F if t.phase is Phase.FORWARD else ActionType.SEND_B
-            out[(t.chunk * pp + p.stage, kind)].add(t.peer)
+            out[(where.stage_at(p.stage, t.chunk), kind)].add(t.peer)
     return out
 
 
-def expand_collectives(p: RankPlan, pp: int, ops=()) -> dict[tuple, list]:
+def expand_collectives(p: RankPlan, where: StagePlacement, ops=()) -> dict[tuple, list]:
     """Per group: the (op, micro-batch) collectives this rank joins, in order
     (given the Job's `ops`, a cross-stage all-reduce is named by its parameter)."""
-    by_action = defaultdict(list)
+    by_template = defaultdict(list)
     for t in p.tasks:
         if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
-            by_action[(t.chunk if t.phase is not Phase.OPTIMIZER else -1, t.phase)].append(t)
+            by_template[template_of(t)].append(t)
     seq = defaultdict(list)
     for a in p.actions:
-        if a.type is ActionType.STEP:
-            key = (-1, Phase.OPTIMIZER)
-        elif a.type in (ActionType.F, ActionType.B):
-            key = (a.stage // pp, Phase.FORWARD if a.type is ActionType.F else Phase.BACKWARD)
-        else:
-            continue
-        for t in by_action.get(key, ()):
-            seq[t.group].append((_instance(ops[t.op]) if ops else t.op, a.microbatch))
+        for key in action_templates(a, where):
+            for t in by_template.get(key, ()):
+                seq[t.group].append((_instance(ops[t.op]) if ops else t.op, a.microbatch))
     return seq
 
 
@@ -303,10 +299,10 @@ def _instance(op):
 
 
 def _collectives(job: Job, plans) -> list[str]:
-    pp = job.strategy.pp
+    where = job.strategy.stage_placement
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     for r, p in plans.items():
-        for group, seq in expand_collectives(p, pp, job.graph.ops).items():
+        for group, seq in expand_collectives(p, where, job.graph.ops).items():
             if r not in group:
                 return [f"rank {r} joins a collective of group {group} it is not in"]
             per_group[group][r] = seq
@@ -350,8 +346,8 @@ def _stage_plans(job: Job, plans) -> dict[int, RankPlan] | None:
 
 def _edges(job: Job, reps: dict[int, RankPlan]) -> list[tuple[int, int, str]]:
     """The stage-crossing transfers the plans send: (src, dst virtual stage, F|B)."""
-    pp = job.strategy.pp
-    return sorted({(t.chunk * pp + p.stage, _dst_stage(job, t, pp),
+    where = job.strategy.stage_placement
+    return sorted({(where.stage_at(p.stage, t.chunk), _dst_stage(job, t),
                     "F" if t.phase is Phase.FORWARD else "B")
                    for p in reps.values() for t in p.tasks if t.kind is TaskKind.SEND})
 
@@ -368,7 +364,7 @@ def _schedule(job: Job, plans) -> list[str]:
     s = job.strategy
     try:
         validate({st: list(p.actions) for st, p in reps.items()}, s.pp, s.vpp,
-                 s.num_microbatches, edges=_edges(job, reps))
+                 s.num_microbatches, edges=_edges(job, reps), placement=s.stage_placement)
     except ScheduleError as e:
         return [str(e)]
     return []
@@ -376,19 +372,18 @@ def _schedule(job: Job, plans) -> list[str]:
 
 def simulate_plans(job: Job, plans):
     """The step simulated on one plan per stage (all ranks of a stage run the
-    same actions), with per-action costs from the op cost model; None when
-    `plans` lacks a stage."""
-    pp = job.strategy.pp
+    same actions), with per-action costs from the op cost model (F, I and W
+    each their own; B = I + W); None when `plans` lacks a stage."""
     reps = _stage_plans(job, plans)
     if reps is None:
         return None
     cost = action_costs(job, reps)
     actions = {s: list(p.actions) for s, p in reps.items()}
-    edges = _edges(job, reps)
-    return simulate(actions, pp, cost_f=lambda v: cost[(v, "F")],
-                    cost_b=lambda v: cost[(v, "B")],
+    return simulate(actions, job.strategy.pp, cost_f=lambda v: cost[(v, "F")],
+                    cost_i=lambda v: cost[(v, "I")], cost_w=lambda v: cost[(v, "W")],
                     cost_comm=lambda kind, src, dst: cost.get(("comm", src, dst), 0.0),
-                    cost_step=max(cost.get(("step", s), 0.0) for s in reps), edges=edges)
+                    cost_step=max(cost.get(("step", s), 0.0) for s in reps),
+                    edges=_edges(job, reps), placement=job.strategy.stage_placement)
 
 
 def _simulate(job: Job, plans, res: CheckResult) -> None:
@@ -402,9 +397,9 @@ def _simulate(job: Job, plans, res: CheckResult) -> None:
     res.predicted_step_s = sim.step_time
 
 
-def _dst_stage(job: Job, t, pp: int) -> int:
+def _dst_stage(job: Job, t) -> int:
     op = job.graph.ops[t.op]
-    return job.chunk[op.id] * pp + job.stage[op.id]
+    return job.strategy.stage_placement.stage_at(job.stage[op.id], job.chunk[op.id])
 
 
 def piece_bytes(box, itemsize: int) -> int:

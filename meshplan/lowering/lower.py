@@ -48,6 +48,7 @@ from meshplan.lowering.rankplan import (
 )
 from meshplan.ops.rule import Category
 from meshplan.ops.table import physical_kernel, rule_for
+from meshplan.schedules.action import ActionType
 
 # what `ir.pieces` needs of a transfer: (shape, src placement, src SBP, dst placement, dst SBP)
 PieceArgs = tuple[tuple[int, ...], Placement, NdSbp, Placement, NdSbp]
@@ -175,9 +176,9 @@ class _Lowering:
         src_place, dst_place = s.placement(src_stage), s.placement(dst_stage)
         phase = Phase(kw["src_phase"])
         direction = "F" if phase is Phase.FORWARD else "B"
-        pp = s.pp
-        self.edges.add((kw["src_chunk"] * pp + src_stage, view.op_chunk[op.id] * pp + dst_stage,
-                        direction))
+        where = s.stage_placement
+        self.edges.add((where.stage_at(src_stage, kw["src_chunk"]),
+                        where.stage_at(dst_stage, view.op_chunk[op.id]), direction))
         args = (shape, src_place, view.sbp[src], dst_place, view.sbp[dst])
         if self.stage == src_stage:
             self.sends(op, args, src, kw["src_chunk"], phase, dst_place)
@@ -209,10 +210,10 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     whole Job or the view of `rank`'s stage (`Job.view`, `StageView.from_bytes`)."""
     view = job if isinstance(job, StageView) else job.view(job.strategy.stage_of_rank(rank))
     low = _Lowering(view, rank, device_type)
-    for op in view.ops:
+    for op in sorted(view.ops, key=_run_order):
         low.visit(op)
     actions = rank_actions(view.strategy, low.stage, sorted(low.edges))
-    inflight = _inflight(actions, view.strategy.pp)
+    inflight = _inflight(actions, view.strategy.stage_placement)
     buffers = _buffers(low, inflight)
     memory = plan_memory(low, buffers, actions, inflight)
     return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest,
@@ -252,16 +253,29 @@ class RankClasses:
                 tuple(local_shape(sh, sbp, low.place.grid, low.coord) for sh, sbp in self.shapes))
 
 
-def _inflight(actions, pp: int) -> dict[int, int]:
-    """Most micro-batches of each chunk between their F and their B at once."""
+_RUN_ORDER = {Phase.WEIGHT: 1, Phase.OPTIMIZER: 2}
+
+
+def _run_order(op) -> int:
+    """Tasks in the order one micro-batch runs them when its B runs I then
+    W: the weight phase after the rest of the backward (a stable sort keeps
+    the Job's order within each), the optimizer last."""
+    return _RUN_ORDER.get(op.phase, 0)
+
+
+def _inflight(actions, where) -> dict[int, int]:
+    """Most micro-batches of each chunk between their F and their last
+    backward action (B, or W once I and W are apart) at once."""
     live: dict[int, int] = {}
     peak: dict[int, int] = {}
     for a in actions:
-        c = a.stage // pp if a.stage >= 0 else -1
-        if a.type.value == "F":
+        if not a.type.is_compute:
+            continue
+        c = where.chunk_of(a.stage)
+        if a.type is ActionType.F:
             live[c] = live.get(c, 0) + 1
             peak[c] = max(peak.get(c, 0), live[c])
-        elif a.type.value == "B":
+        elif a.type in (ActionType.B, ActionType.W):
             live[c] = live.get(c, 0) - 1
     return peak
 

@@ -1,11 +1,15 @@
 """RankPlan: everything one rank executes, and nothing any other rank does.
 
 Invariants:
-- Tasks are static: each runs once per micro-batch (forward/backward phase)
-  or once per step (optimizer phase), as the rank's `actions` order them.
-  An action `F(v, mb)` runs, in order, the forward tasks of virtual stage
-  `v`'s chunk; `B` the backward ones; `STEP` the optimizer-phase tasks;
-  SEND/RECV actions run the send/recv tasks of that virtual stage.
+- Tasks are static: each runs once per micro-batch (forward, backward,
+  weight phase) or once per step (optimizer phase), as the rank's `actions`
+  order them. An action on virtual stage `v` runs, in order, the tasks of
+  `v`'s chunk (its place in `Strategy.stage_placement`) that
+  `action_templates` names: F the forward ones; I the backward ones (the
+  input gradients); W the weight phase's (weight gradients, only in a Job
+  for a zero-bubble schedule); B both, I then W; `STEP` the
+  optimizer-phase tasks. SEND/RECV actions run the send/recv tasks of that
+  virtual stage.
 - Buffers hold physical (local) shapes, derived from the logical shape and
   the N-D SBP at the rank's grid coordinate. `copies` is how many
   micro-batches' instances can be alive at once.
@@ -23,7 +27,27 @@ import enum
 from dataclasses import dataclass
 
 from meshplan.ir import DType, Phase
-from meshplan.schedules.action import Action
+from meshplan.ir.stage_placement import StagePlacement
+from meshplan.schedules.action import Action, ActionType
+
+STEP_TEMPLATE = (-1, Phase.OPTIMIZER)
+_PHASES = {ActionType.F: (Phase.FORWARD,), ActionType.I: (Phase.BACKWARD,),
+           ActionType.W: (Phase.WEIGHT,), ActionType.B: (Phase.BACKWARD, Phase.WEIGHT)}
+
+
+def template_of(task: Task) -> tuple[int, Phase]:
+    """The (chunk, phase) group of tasks that `task` runs in (STEP_TEMPLATE
+    for the optimizer's)."""
+    return STEP_TEMPLATE if task.phase is Phase.OPTIMIZER else (task.chunk, task.phase)
+
+
+def action_templates(action: Action, placement: StagePlacement) -> tuple[tuple[int, Phase], ...]:
+    """The task groups a compute action or STEP runs, in order; () for SEND/RECV."""
+    if action.type is ActionType.STEP:
+        return (STEP_TEMPLATE,)
+    phases = _PHASES.get(action.type, ())
+    chunk = placement.chunk_of(action.stage) if phases else -1
+    return tuple((chunk, ph) for ph in phases)
 
 
 class TaskKind(enum.Enum):

@@ -8,10 +8,12 @@ Invariants (of `assign_stages`' result, for a train-step Graph):
 - Forward ops that match no layer belong to the preceding layer; those
   before the first layer belong to the first one.
 - By default the L layers form `pp * vpp` equal segments in model order and
-  segment `i` goes to stage `i % pp`, chunk `i // pp` (Megatron interleaving):
+  segment `i` is virtual stage `i`, run where the schedule's stage placement
+  (`Strategy.stage_placement`) puts it: interleaved (Megatron), stage
+  `i % pp`, chunk `i // pp`; the V of zbv, stage `i` then `2pp-1-i`:
 
       L = 8, pp = 2, vpp = 2        segment:  0     1     2     3
-      layers 0-1 2-3 4-5 6-7        stage:    0     1     0     1
+      layers 0-1 2-3 4-5 6-7        stage:    0     1     0     1   (V: 0 1 1 0)
                                     chunk:    0     0     1     1
 
 - A user layout (`layer_stages`) is used as given when it is non-decreasing
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Op, Phase, Ref, Role
 from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM
+from meshplan.ir.stage_placement import StagePlacement
 from meshplan.ir.state_name import StateName
 
 MAX_EXAMPLES = 5       # module paths shown when the layer pattern matches nothing
@@ -60,8 +63,10 @@ class StageAssignment:
 
 
 def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
-                  layer_stages: tuple[int, ...] = ()) -> StageAssignment:
-    """Place every op of the train step `graph` on a (stage, chunk).
+                  layer_stages: tuple[int, ...] = (),
+                  placement: StagePlacement | None = None) -> StageAssignment:
+    """Place every op of the train step `graph` on a (stage, chunk); the
+    default layout follows `placement` (interleaved when None).
 
     Raises `ConfigError` for a pattern that matches nothing, a layer whose
     ops are not contiguous, a layer count that does not split into
@@ -70,7 +75,8 @@ def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
     if pp < 1 or vpp < 1:
         raise ConfigError(f"pp={pp} and vpp={vpp} must both be >= 1; pass --pp and --vpp >= 1")
     layers, op_layer = find_layers(graph, layer_pattern)
-    stages, chunks, notes = _layout(len(layers), pp, vpp, tuple(layer_stages), layer_pattern)
+    where = placement or StagePlacement.interleaved(pp, vpp)
+    stages, chunks, notes = _layout(len(layers), where, tuple(layer_stages), layer_pattern)
     places = _Placer(graph, op_layer, list(zip(stages, chunks))).run()
     return StageAssignment(
         stage=tuple(p[0] for p in places), chunk=tuple(p[1] for p in places),
@@ -148,11 +154,12 @@ def _no_layers(graph: Graph, pattern: str):
 # ---------------------------------------------------------------- layout
 
 
-def _layout(n: int, pp: int, vpp: int, user: tuple[int, ...], pattern: str):
+def _layout(n: int, where: StagePlacement, user: tuple[int, ...], pattern: str):
     """(stage per layer, chunk per layer, notes)."""
+    pp, vpp = where.pp, where.vpp
     if not user:
         _check_divisible(n, pp, vpp, pattern)
-        return (*_round_robin(n, pp, vpp), [])
+        return (*_by_placement(n, where), [])
     _check_user(user, n, pp)
     if any(a > b for a, b in zip(user, user[1:])):
         return _chunks_by_runs(user, pp, vpp)
@@ -161,15 +168,15 @@ def _layout(n: int, pp: int, vpp: int, user: tuple[int, ...], pattern: str):
         return list(user), [0] * n, []
     _check_divisible(n, pp, vpp, pattern)
     note = (f"layer_stages {list(user)} is non-decreasing and vpp={vpp} > 1, so it is "
-            f"replaced by the interleaved layout: segment i of {pp * vpp} goes to stage "
-            f"i % {pp}, chunk i // {pp}")
-    return (*_round_robin(n, pp, vpp), [note])
+            f"replaced by the schedule's layout: segment i of {pp * vpp} is virtual stage i "
+            f"(stages {list(where.ranks)}, by virtual stage)")
+    return (*_by_placement(n, where), [note])
 
 
-def _round_robin(n: int, pp: int, vpp: int) -> tuple[list[int], list[int]]:
-    per = n // (pp * vpp)
+def _by_placement(n: int, where: StagePlacement) -> tuple[list[int], list[int]]:
+    per = n // where.num_stages
     segs = [i // per for i in range(n)]
-    return [s % pp for s in segs], [s // pp for s in segs]
+    return [where.rank_of(s) for s in segs], [where.chunk_of(s) for s in segs]
 
 
 def _check_divisible(n: int, pp: int, vpp: int, pattern: str) -> None:

@@ -7,7 +7,8 @@
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
         -> tensor_parallel -> propagate_sbp -> add_boxing
-        -> recompute (full, selective) -> kernel_temps -> make_job
+        -> recompute (full, selective)
+        -> split_backward (zero-bubble schedules: I and W) -> kernel_temps -> make_job
 
 Each pass wraps a pure function of immutable data (in its own module); the
 wrappers here only move its inputs and results in and out of the
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from meshplan.autodiff import OptimizerConfig, build_train_step
+from meshplan.autodiff.split import split_backward
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, check_well_formed
 from meshplan.ir.choices import Precision, Recompute, TpStyle
@@ -111,7 +113,8 @@ def _assign_stages(c: Compilation) -> None:
     if s.pp == s.vpp == 1 and not s.layer_pattern:
         c.stages = StageAssignment((0,) * n, (0,) * n, (), (), (), ())
     else:
-        c.stages = assign_stages(c.graph, s.pp, s.vpp, s.layer_pattern, s.layer_stages)
+        c.stages = assign_stages(c.graph, s.pp, s.vpp, s.layer_pattern, s.layer_stages,
+                                 s.stage_placement)
 
 
 def _share_params(c: Compilation) -> None:
@@ -145,6 +148,12 @@ def _recompute(c: Compilation) -> None:
         raise ConfigError("--recompute needs regions: give --recompute-pattern (or "
                           "--layer-pattern), a regex over module paths like 'blocks\\.\\d+'")
     c.boxed = recompute(c.boxed_graph(), c.strategy.recompute, pattern)
+    c.graph = c.boxed.graph
+
+
+def _split_backward(c: Compilation) -> None:
+    b = c.boxed_graph()
+    c.boxed = replace(b, graph=split_backward(b.graph, list(zip(b.stage, b.chunk))))
     c.graph = c.boxed.graph
 
 
@@ -194,7 +203,10 @@ PASSES = PassManager([
     Pass("add_boxing", _add_boxing, F({"sbp"}), F({"boxed"})),
     Pass("recompute", _recompute, F({"boxed"}), F({"recompute_clones"}),
          when=lambda c: c.strategy.recompute != Recompute.NONE),
-    Pass("kernel_temps", _kernel_temps, F({"boxed", "recompute_clones"}), F({"temps"})),
+    Pass("split_backward", _split_backward, F({"boxed", "recompute_clones"}),
+         F({"weight_split"}), when=lambda c: c.strategy.schedule.splits_backward),
+    Pass("kernel_temps", _kernel_temps, F({"boxed", "recompute_clones", "weight_split"}),
+         F({"temps"})),
     Pass("make_job", _make_job, F({"boxed", "temps"}), F({"job"})),
 ], check=_check)
 

@@ -44,8 +44,11 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
             f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose dp, tp, pp "
             f"whose product is {mesh.world}")
-    if s.vpp > 1 and s.schedule != Schedule.INTERLEAVED:
+    if s.vpp > 1 and not s.schedule.interleaves:
         s = replace(s, schedule=Schedule.INTERLEAVED)
+    if s.schedule == Schedule.ZBV and s.vpp != 2:
+        raise ConfigError(f"schedule zbv places two stages on each rank in a V (rank r runs "
+                          f"stages r and 2*pp-1-r), got vpp={s.vpp}; pass --vpp 2")
     per_step = s.micro_batch_size * s.dp
     if s.global_batch_size % per_step:
         raise ConfigError(
@@ -54,14 +57,15 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"{per_step * max(1, s.global_batch_size // per_step)} or "
             f"{per_step * (s.global_batch_size // per_step + 1)}")
     m = s.num_microbatches
-    if s.schedule in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED) and m < s.pp:
+    rounds = (Schedule.INTERLEAVED, Schedule.ZB1P)  # micro-batches in rounds of pp
+    if s.schedule in (Schedule.ONE_F_ONE_B, *rounds) and m < s.pp:
         raise ConfigError(
             f"{s.schedule} needs num_microbatches >= pp, got {m} < {s.pp}; raise the global "
             f"batch to {s.pp * per_step} or use --schedule gpipe")
-    if s.schedule == Schedule.INTERLEAVED and m % s.pp:
+    if s.schedule in rounds and m % s.pp:
         lo, hi = (m // s.pp) * s.pp, (m // s.pp + 1) * s.pp
         raise ConfigError(
-            f"interleaved needs num_microbatches to be a multiple of pp, got {m} for pp={s.pp}; "
+            f"{s.schedule} needs num_microbatches to be a multiple of pp, got {m} for pp={s.pp}; "
             f"use --num-microbatches {f'{lo} or {hi}' if lo else hi}")
     _check_stage_ranks(mesh, s)
     return s

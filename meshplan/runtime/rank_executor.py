@@ -36,10 +36,16 @@ from collections import defaultdict
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.ir import LOSS_SCALE, Phase, Role
+from meshplan.ir import LOSS_SCALE, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
-from meshplan.lowering.rankplan import RankPlan, TaskKind
+from meshplan.lowering.rankplan import (
+    STEP_TEMPLATE,
+    RankPlan,
+    TaskKind,
+    action_templates,
+    template_of,
+)
 from meshplan.runtime.amp import initial_loss_scale, next_scale
 from meshplan.runtime.bind import RankContext, bind_task, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
@@ -49,11 +55,6 @@ from meshplan.schedules.action import ActionType
 from meshplan.schedules.trace import Span, Track, action_span
 
 _PER_MICROBATCH = (Role.BUFFER, Role.GRAD)
-STEP_KEY = (-1, Phase.OPTIMIZER)
-
-
-def template_of(task) -> tuple[int, Phase]:
-    return STEP_KEY if task.phase is Phase.OPTIMIZER else (task.chunk, task.phase)
 
 
 class RankExecutor:
@@ -77,14 +78,13 @@ class RankExecutor:
         self.updates = {u.value: (u.name, roles.get(u.name)) for u in g.updates}
         self.data_ids = [v.id for v in g.inputs_by_role(Role.DATA)]
         self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
-        self.pp = job.strategy.pp
+        self.placement = job.strategy.stage_placement
         self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self._build(plan)
         self.transfers = Transfers(job, plan, self.ctx, self.device,
                                    p2p=getattr(comm, "p2p", None))
         self.next_recv = _next_recv(plan.actions)
-        self.transfers.drop_after_send = self.drop_after_send
 
     # ------------------------------------------------------------ load time
     def _build(self, plan: RankPlan) -> None:
@@ -93,44 +93,38 @@ class RankExecutor:
         for t in plan.tasks:
             if t.kind not in (TaskKind.SEND, TaskKind.RECV):
                 by_tmpl[template_of(t)].append(t)
-        nchunks = self.job.strategy.vpp
-
-        def pos(key) -> int:
-            chunk, phase = key
-            if key == STEP_KEY:
-                return 2 * nchunks
-            return chunk if phase is Phase.FORWARD else 2 * nchunks - 1 - chunk
-
-        last: dict[int, int] = {}
+        # Who uses each per-micro-batch value after it is made: the task
+        # groups that read it, and the SEND actions that send it. The order
+        # of a micro-batch's groups is the schedule's (a W may run before or
+        # after another chunk's I), so a value leaves its micro-batch's env
+        # when its last user has run, counted down at run time.
+        made_in: dict[int, tuple] = {}
+        users: dict[int, set] = defaultdict(set)
         for key, tasks in by_tmpl.items():
             for t in tasks:
+                op = g.ops[t.op]
+                made_in.update((o, key) for o in op.outputs if o >= 0)
+        for key, tasks in by_tmpl.items():
+            if key == STEP_TEMPLATE:
+                continue
+            for t in tasks:
                 for r in g.ops[t.op].refs():
-                    last[r] = max(last.get(r, -1), pos(key))
-        sent: dict[int, int] = {}
+                    if r not in self.names and made_in.get(r) != key:
+                        users[r].add(key)
         for t in plan.tasks:
             if t.kind is TaskKind.SEND:
-                vid = g.ops[t.op].args[0].id
-                sent[vid] = max(sent.get(vid, -1), pos(template_of(t)))
-        self.used = set(last) | set(sent)
-        self.sent = set(sent)
-        self.segments = {}
-        self.drops: dict[int, list[int]] = {}
-        for key, tasks in by_tmpl.items():
-            self.segments[key] = self._segment(key, tasks, pos, last)
-        self.drop_after_send = {v for v, p in sent.items() if last.get(v, -1) <= p}
-        for vid, p in last.items():
-            if vid not in self.names and vid not in self.drop_after_send:
-                self.drops.setdefault(p, []).append(vid)
+                users[g.ops[t.op].args[0].id].add(("send", t.chunk, t.phase))
+        self.uses = {v: len(u) for v, u in users.items()}
+        self.used = set(users)
+        self.segments = {key: self._segment(key, tasks) for key, tasks in by_tmpl.items()}
 
-    def _segment(self, key, tasks, pos, last):
+    def _segment(self, key, tasks):
         g = self.job.graph
         ops = [localize(g.ops[t.op], self.ctx) for t in tasks]
         produced = {o for op in ops for o in op.outputs if o >= 0}
         reads = list(dict.fromkeys(r for op in ops for r in op.refs() if r not in produced))
-        here = pos(key)
-        keeps = [o for o in produced if last.get(o, -1) > here or o in self.updates
-                 or o == g.loss or o in self.sent]
-        keeps += [r for r in reads if last.get(r, -1) > here or r in self.sent]
+        keeps = [o for o in produced if o in self.uses or o in self.updates or o == g.loss]
+        shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
         kernels = {}
         for t in tasks:
             k = bind_task(t, self.ctx, self.comm)
@@ -138,15 +132,15 @@ class RankExecutor:
                 kernels[t.op] = k
         state_reads = [(r, self.names[r]) for r in reads if r in self.names]
         state_reads += [(r, self.updates[r][0]) for r in reads
-                        if r in self.updates and r not in self.names and key == STEP_KEY]
-        name = "step" if key == STEP_KEY else f"chunk{key[0]}_{key[1].value}"
-        fn = compile_segment(g, ops, reads=reads, keeps=keeps, device=self.device, name=name,
-                             kernels=kernels, borrowed=[r for r, _ in state_reads])
+                        if r in self.updates and r not in self.names and key == STEP_TEMPLATE]
+        name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
+        fn = compile_segment(g, ops, reads=reads, keeps=keeps + shared, device=self.device,
+                             name=name, kernels=kernels, borrowed=[r for r, _ in state_reads])
         mb_updates = [(o, n) for o in keeps if o in self.updates
                       for n, role in [self.updates[o]] if role in _PER_MICROBATCH]
         step_updates = [(o, n) for o in keeps if o in self.updates
                         for n, role in [self.updates[o]] if role not in _PER_MICROBATCH]
-        return fn, state_reads, mb_updates, step_updates, here
+        return fn, state_reads, mb_updates, step_updates, shared
 
     # ------------------------------------------------------------ state
     def init_state(self, module) -> dict:
@@ -172,6 +166,7 @@ class RankExecutor:
         if LOSS_SCALE in state:  # the state is the truth: a checkpoint may have set it
             self.loss_scale = float(state[LOSS_SCALE])
         envs = [self._data_env(mb) for mb in microbatches]
+        self.left: list[dict[int, int]] = [{} for _ in microbatches]
         losses: dict[int, torch.Tensor] = {}
         for index, action in enumerate(self.plan.actions):
             self.current = str(action)
@@ -223,23 +218,25 @@ class RankExecutor:
         t = action.type
         if t is ActionType.STEP:
             if not self.fp16 or self._unscale(state):
-                self._run(STEP_KEY, {}, state)
-        elif t in (ActionType.F, ActionType.B):
-            env = envs[action.microbatch]
-            phase = Phase.FORWARD if t is ActionType.F else Phase.BACKWARD
-            self._run((action.stage // self.pp, phase), env, state)
+                self._run(STEP_TEMPLATE, {}, state)
+        elif t.is_compute:
+            env, left = envs[action.microbatch], self.left[action.microbatch]
+            for key in action_templates(action, self.placement):
+                self._run(key, env, state, left)
             if self.job.graph.loss in env and action.microbatch not in losses:
                 losses[action.microbatch] = env[self.job.graph.loss].detach()
         elif t in (ActionType.SEND_F, ActionType.SEND_B):
-            self.transfers.send(action, envs[action.microbatch], self.mem)
+            env, left = envs[action.microbatch], self.left[action.microbatch]
+            for vid in self.transfers.send(action, env):
+                self._release(env, left, vid)
         else:
             self.transfers.recv(action, envs[action.microbatch], self.mem)
 
-    def _run(self, key, env: dict, state: dict) -> None:
+    def _run(self, key, env: dict, state: dict, left: dict | None = None) -> None:
         seg = self.segments.get(key)
         if seg is None:
             return
-        fn, state_reads, mb_updates, step_updates, here = seg
+        fn, state_reads, mb_updates, step_updates, shared = seg
         for vid, name in state_reads:
             env[vid] = state[name]
         try:
@@ -250,9 +247,17 @@ class RankExecutor:
             self._swap(state, name, env.pop(vid))
         for vid, _ in state_reads:
             env.pop(vid, None)
-        for vid in self.drops.get(here, ()):
-            if vid in env:
-                self.mem.drop(env.pop(vid))
+        for vid in shared:
+            self._release(env, left, vid)
+
+    def _release(self, env: dict, left: dict, vid: int) -> None:
+        """One user of `vid` in this micro-batch is done (`left` counts the
+        users still to come); the last one drops it."""
+        n = left.pop(vid, self.uses[vid]) - 1
+        if n > 0:
+            left[vid] = n
+        elif vid in env:
+            self.mem.drop(env.pop(vid))
 
     def _data_env(self, batch) -> dict:
         env = {}

@@ -27,7 +27,7 @@ def _slices(box, base) -> tuple[slice, ...]:
 class Transfers:
     def __init__(self, job, plan, ctx, device, p2p=None):
         """`p2p`: how to post pieces (default `runtime.comm.p2p`, i.e. gloo)."""
-        pp = job.strategy.pp
+        where = job.strategy.stage_placement
         self.device = device
         self._p2p = p2p
         self.sends = defaultdict(list)   # (stage, type) -> [(vid, slices, peer, op)]
@@ -35,18 +35,17 @@ class Transfers:
         self.shapes = {}                 # received vid -> (local shape, dtype)
         self.pending: list = []
         self.posted: dict = {}           # (stage, type, mb) -> (works, places, bufs)
-        self.drop_after_send: set[int] = set()
         for t in plan.tasks:
             op = job.graph.ops[t.op]
             forward = t.phase is Phase.FORWARD
             if t.kind is TaskKind.SEND:
                 vid = op.args[0].id
-                key = (t.chunk * pp + plan.stage, ActionType.SEND_F if forward else
+                key = (where.stage_at(plan.stage, t.chunk), ActionType.SEND_F if forward else
                        ActionType.SEND_B)
                 self.sends[key].append((vid, _slices(t.box, ctx.box(vid)), t.peer, t.op))
             elif t.kind is TaskKind.RECV:
                 vid = op.outputs[0]
-                key = (job.chunk[op.id] * pp + job.stage[op.id],
+                key = (where.stage_at(job.stage[op.id], job.chunk[op.id]),
                        ActionType.RECV_F if forward else ActionType.RECV_B)
                 box = ctx.box(vid)
                 piece = tuple(b - a for a, b in t.box)
@@ -61,18 +60,18 @@ class Transfers:
 
         return p2p(ops)
 
-    def send(self, action, env: dict, mem) -> None:
+    def send(self, action, env: dict) -> list[int]:
+        """Post `action`'s sends; returns the values it sent (each once)."""
         from meshplan.runtime.comm import tag_of
 
         ops, keep = [], []
-        for vid, sl, peer, op_id in self.sends.get((action.stage, action.type), ()):
+        sent = self.sends.get((action.stage, action.type), ())
+        for vid, sl, peer, op_id in sent:
             piece = env[vid][sl].contiguous()
             ops.append(("send", piece, peer, tag_of(op_id, action.microbatch)))
             keep.append(piece)
         self.pending.append((self.p2p(ops), keep))
-        for vid, *_ in self.sends.get((action.stage, action.type), ()):
-            if vid in self.drop_after_send and vid in env:
-                mem.drop(env.pop(vid))
+        return list(dict.fromkeys(vid for vid, *_ in sent))
 
     def post_recv(self, action) -> None:
         """Post the receives of `action` now (before it runs), unless posted."""

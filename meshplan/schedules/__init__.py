@@ -9,9 +9,8 @@ Invariants:
 - `validate.validate` and `simulate.simulate` check a lowered schedule
   without processes or torch.distributed.
 - `compute_actions` is the checked entry point; `SCHEDULES` maps the
-  `--schedule` names to the raw functions. `ZERO_BUBBLE_SCHEDULES` (I/W
-  split) are refused there unless `split_backward=True`, until the runtime
-  runs I and W.
+  `--schedule` names to the raw functions. The zero-bubble ones
+  (`Schedule.splits_backward`) run I and W; the others B.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from collections.abc import Callable
 
 from meshplan.errors import ScheduleError
 from meshplan.ir.choices import Schedule
+from meshplan.ir.stage_placement import StagePlacement, placement_of
 from meshplan.schedules.action import Action, ActionType, chunk_of, rank_of
 from meshplan.schedules.gpipe import schedule_gpipe
 from meshplan.schedules.grid import format_grid
@@ -27,7 +27,6 @@ from meshplan.schedules.interleaved import schedule_interleaved
 from meshplan.schedules.one_f_one_b import schedule_1f1b
 from meshplan.schedules.sendrecv import Transfer, add_comm, chain_edges
 from meshplan.schedules.simulate import SimResult, chrome_trace, simulate
-from meshplan.schedules.stage_placement import StagePlacement, placement_of
 from meshplan.schedules.validate import validate
 from meshplan.schedules.zb1p import schedule_zb1p
 from meshplan.schedules.zbv import schedule_zbv
@@ -38,31 +37,26 @@ SCHEDULES: dict[Schedule, ScheduleFn] = {
     Schedule.GPIPE: schedule_gpipe,
     Schedule.ONE_F_ONE_B: schedule_1f1b,
     Schedule.INTERLEAVED: schedule_interleaved,
-}
-ZERO_BUBBLE_SCHEDULES: dict[str, ScheduleFn] = {
-    "zb1p": schedule_zb1p,
-    "zbv": schedule_zbv,
+    Schedule.ZB1P: schedule_zb1p,
+    Schedule.ZBV: schedule_zbv,
 }
 
 __all__ = [
-    "SCHEDULES", "ZERO_BUBBLE_SCHEDULES", "Action", "ActionType", "SimResult",
+    "SCHEDULES", "Action", "ActionType", "SimResult",
     "StagePlacement", "Transfer", "add_comm", "chain_edges", "chrome_trace", "chunk_of",
     "compute_actions", "format_grid", "placement_of", "rank_of", "simulate", "validate",
 ]
 
 
 def compute_actions(name: Schedule | str, pp: int, vpp: int, num_microbatches: int,
-                    rank: int, *, split_backward: bool = False) -> list[Action]:
+                    rank: int) -> list[Action]:
     """Rank `rank`'s compute actions under schedule `name`, after checking the counts.
 
     `interleaved` with vpp == 1 returns the 1F1B order: torch's interleaved
     formula warms up 2*(pp-rank-1) forwards there instead of pp-rank-1 (see
-    [Note: interleaved at vpp=1] in interleaved.py). A zero-bubble schedule
-    needs `split_backward=True` (its caller runs I and W).
+    [Note: interleaved at vpp=1] in interleaved.py).
     """
-    if name in ZERO_BUBBLE_SCHEDULES and not split_backward:
-        raise ScheduleError(f"schedule {name} needs the I/W split, not yet in the runtime")
-    schedules = {str(k): f for k, f in SCHEDULES.items()} | ZERO_BUBBLE_SCHEDULES
+    schedules = {str(k): f for k, f in SCHEDULES.items()}
     if name not in schedules:
         raise ScheduleError(f"unknown schedule {name!r}; use --schedule one of "
                             f"{', '.join(sorted(SCHEDULES))}")

@@ -26,10 +26,10 @@ import io
 from collections.abc import Mapping, Sequence
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.stage_placement import StagePlacement
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.sendrecv import add_comm
 from meshplan.schedules.simulate import simulate
-from meshplan.schedules.stage_placement import StagePlacement
 from meshplan.schedules.validate import find_fault
 
 Cells = dict[int, list[tuple[int, Action]]]  # rank -> (1-based column, action) per non-empty cell

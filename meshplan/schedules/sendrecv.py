@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Union
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.stage_placement import StagePlacement, placement_for
 from meshplan.schedules.action import Action, ActionType
-from meshplan.schedules.stage_placement import StagePlacement, placement_for
 
 _SEND = {ActionType.F: ActionType.SEND_F, ActionType.B: ActionType.SEND_B}
 _RECV = {ActionType.F: ActionType.RECV_F, ActionType.B: ActionType.RECV_B}

@@ -36,11 +36,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.stage_placement import StagePlacement, placement_for
 from meshplan.schedules import trace
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.sendrecv import EdgeLike, Transfer, normalize_edges, num_stages_of
-from meshplan.schedules.stage_placement import StagePlacement, placement_for
 
 # ("C", kind, stage, mb): output of kind F or B (from B or I) made, or W done;
 # ("S"|"R", kind, src, dst, mb): send posted / recv done.

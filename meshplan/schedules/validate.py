@@ -30,10 +30,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.stage_placement import StagePlacement
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.sendrecv import EdgeLike, Transfer, normalize_edges
-from meshplan.schedules.stage_placement import StagePlacement
 
 __all__ = ["Fault", "find_fault", "format_grid", "validate"]
 

@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.stage_placement import placement_of
 from meshplan.lowering.check import check_plans, simulate_plans
 from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules import add_comm, compute_actions, simulate, validate
 from meshplan.schedules.action import ActionType
-from meshplan.schedules.stage_placement import placement_of
 from tests.lowering.jobs import job_of, plans_of
 
 COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -49,9 +49,8 @@ def params(draw):
 
 def lowered(name: str, pp: int, vpp: int, m: int):
     """The lowered schedule, or None when the counts are refused (one line)."""
-    split = name in ("zb1p", "zbv")
     try:
-        compute = {r: compute_actions(name, pp, vpp, m, r, split_backward=split)
+        compute = {r: compute_actions(name, pp, vpp, m, r)
                    for r in range(pp)}
         where = placement_of(name, pp, vpp)
     except ScheduleError as e:

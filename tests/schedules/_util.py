@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from meshplan.schedules import SCHEDULES, ZERO_BUBBLE_SCHEDULES, add_comm, compute_actions
+from meshplan.ir.stage_placement import placement_of
+from meshplan.schedules import SCHEDULES, add_comm, compute_actions
 from meshplan.schedules.action import Action
 from meshplan.schedules.simulate import simulate
-from meshplan.schedules.stage_placement import placement_of
 
-# The (schedule, pp, vpp, num_microbatches) grid every schedule is checked on.
+ZERO_BUBBLE_SCHEDULES = [name for name in SCHEDULES if name.splits_backward]
+
+# The (schedule, pp, vpp, num_microbatches) grid every B schedule is checked on.
 GRID = [
     (name, pp, vpp, k * pp)
-    for name in SCHEDULES
+    for name in SCHEDULES if not name.splits_backward
     for pp in (1, 2, 3, 4, 8)
     for vpp in ((1, 2, 3) if name == "interleaved" else (1,))
     for k in (1, 2, 4)
@@ -32,8 +34,7 @@ def grid_id(case: tuple[str, int, int, int]) -> str:
 
 
 def compute(name: str, pp: int, vpp: int, m: int) -> dict[int, list[Action]]:
-    split = name in ZERO_BUBBLE_SCHEDULES
-    return {r: compute_actions(name, pp, vpp, m, r, split_backward=split) for r in range(pp)}
+    return {r: compute_actions(name, pp, vpp, m, r) for r in range(pp)}
 
 
 def lowered(name: str, pp: int, vpp: int, m: int) -> dict[int, list[Action]]:

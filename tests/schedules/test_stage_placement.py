@@ -3,9 +3,9 @@
 import pytest
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.stage_placement import StagePlacement, placement_of
 from meshplan.schedules import SCHEDULES, add_comm, validate
 from meshplan.schedules.action import ActionType, rank_of
-from meshplan.schedules.stage_placement import StagePlacement, placement_of
 
 from ._util import compute, lowered, parse_lists
 
@@ -27,7 +27,7 @@ def test_v_holds_r_and_2pp_minus_1_minus_r():
 
 def test_placement_is_derived_from_the_schedule():
     assert placement_of("zbv", 3, 2) == StagePlacement.v(3)
-    for name in [*SCHEDULES, "zb1p"]:
+    for name in [s for s in SCHEDULES if s != "zbv"]:
         assert placement_of(name, 3, 2) == StagePlacement.interleaved(3, 2)
 
 

@@ -3,9 +3,9 @@
 import pytest
 
 from meshplan.errors import ScheduleError
+from meshplan.ir.stage_placement import placement_of
 from meshplan.schedules import format_grid, validate
 from meshplan.schedules.action import Action
-from meshplan.schedules.stage_placement import placement_of
 from meshplan.schedules.validate import find_fault
 
 from ._util import GRID, compute, grid_id, lowered

@@ -14,22 +14,15 @@ import re
 import pytest
 
 from meshplan.errors import ScheduleError
-from meshplan.schedules import ZERO_BUBBLE_SCHEDULES, compute_actions, validate
+from meshplan.ir.stage_placement import placement_of
+from meshplan.schedules import compute_actions, validate
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.grid import ascii_timeline
-from meshplan.schedules.stage_placement import placement_of
 from meshplan.schedules.zb1p import split_backward
 
-from ._util import ZB_GRID, compute, grid_id, lowered, parse_lists, run
+from ._util import ZB_GRID, ZERO_BUBBLE_SCHEDULES, compute, grid_id, lowered, parse_lists, run
 
 UNIT = dict(cost_i=lambda stage: 1.0, cost_w=lambda stage: 1.0)
-
-
-@pytest.mark.parametrize("name", sorted(ZERO_BUBBLE_SCHEDULES))
-def test_compute_actions_refuses_until_the_runtime_splits(name):
-    with pytest.raises(ScheduleError) as info:
-        compute_actions(name, 2, 2, 4, 0)
-    assert str(info.value) == f"schedule {name} needs the I/W split, not yet in the runtime"
 
 
 @pytest.mark.parametrize("case", ZB_GRID, ids=grid_id)
@@ -93,7 +86,7 @@ def test_split_backward_lags_w():
 def test_zb1p_counts():
     with pytest.raises(ScheduleError, match=r"multiple of 2.*num_microbatches=5 pp=2.*"
                                             r"--num-microbatches 4 or 6"):
-        compute_actions("zb1p", 2, 2, 5, 0, split_backward=True)
+        compute_actions("zb1p", 2, 2, 5, 0)
     # fewer micro-batches than ranks run as one round, as in torch
     acts = compute("zb1p", 4, 2, 2)
     validate(lowered("zb1p", 4, 2, 2), 4, 2, 2)
@@ -103,7 +96,7 @@ def test_zb1p_counts():
 def test_zbv_needs_vpp2_and_drops_padding():
     with pytest.raises(ScheduleError, match="zbv places two stages per rank in a V, got vpp=3; "
                                             "use --vpp 2"):
-        compute_actions("zbv", 2, 3, 4, 0, split_backward=True)
+        compute_actions("zbv", 2, 3, 4, 0)
     acts = compute("zbv", 4, 2, 2)  # fewer than 2*pp - 1 micro-batches
     assert all(a.microbatch < 2 for r in acts.values() for a in r)
     assert run("zbv", 4, 2, 2, **UNIT).ok

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.schedules import ZERO_BUBBLE_SCHEDULES, compute_actions
+from meshplan.schedules import compute_actions
+from tests.schedules._util import ZERO_BUBBLE_SCHEDULES
 
 GOLDEN = Path(__file__).parent / "goldens" / "zero_bubble_orders.txt"
 OURS = {"ScheduleInterleavedZeroBubble": "zb1p", "ScheduleZBVZeroBubble": "zbv"}
@@ -52,5 +53,5 @@ def test_golden_file_parses_fully():
                          [c for c in golden_cases() if c[0] in OURS],
                          ids=lambda v: str(v) if not isinstance(v, str) or len(v) < 40 else "")
 def test_orders_match_torch_golden(cls, pp, vpp, m, rank, expected):
-    got = compute_actions(OURS[cls], pp, vpp, m, rank, split_backward=True)
+    got = compute_actions(OURS[cls], pp, vpp, m, rank)
     assert " ".join(map(str, got)) == expected

@@ -14,7 +14,12 @@ Invariants:
         V       0  1  2  3 | 3  2  1  0        interleaved  0 1 2 3 | 0 1 2 3
 
 - `placement_of(schedule, pp, vpp)` is the one place that knows which
-  schedule uses which placement.
+  schedule uses which placement; `Strategy.stage_placement` asks it (a
+  schedule read from a CSV carries its own, read off its rows).
+- Lives in `ir/` because the Job's layout (`passes/pipeline.py`) and every
+  rank (lowering, the runtime) read it: a pipeline stage (a rank's position,
+  `Strategy.stage_of_rank`) holds virtual stages `stages_of(stage)`, its
+  chunk c being the c-th.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.errors import ScheduleError
-from meshplan.schedules.action import rank_of
 
 V_SCHEDULES = frozenset({"zbv"})  # schedules that place their stages in a V
 
@@ -43,7 +47,7 @@ class StagePlacement:
     @staticmethod
     def interleaved(pp: int, vpp: int) -> StagePlacement:
         """Stage `chunk * pp + rank` on `rank` (the default)."""
-        return StagePlacement(pp, tuple(rank_of(s, pp) for s in range(pp * vpp)))
+        return StagePlacement(pp, tuple(s % pp for s in range(pp * vpp)))
 
     @staticmethod
     def v(pp: int, vpp: int = 2) -> StagePlacement:
@@ -73,6 +77,14 @@ class StagePlacement:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs, chunk 0 first."""
         return tuple(s for s, r in enumerate(self.ranks) if r == rank)
+
+    def chunk_of(self, stage: int) -> int:
+        """The chunk (position among its rank's stages) of virtual stage `stage`."""
+        return self.stages_of(self.ranks[stage]).index(stage)
+
+    def stage_at(self, rank: int, chunk: int) -> int:
+        """The virtual stage that `rank` runs as its chunk `chunk`."""
+        return self.stages_of(rank)[chunk]
 
     def same_rank(self, a: int, b: int) -> bool:
         return self.rank_of(a) == self.rank_of(b)
