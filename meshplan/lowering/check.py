@@ -25,7 +25,12 @@ Proves, in order (each failure is one message; `errors` lists them all):
    exactly those stages (`lowering/check_shared.py`);
 6. every plan is for one device type, the same on every rank; each task id's
    device-type field says it; and no task of a non-cpu plan runs a CPU-only
-   kernel (a name containing `_for_cpu`).
+   kernel (a name containing `_for_cpu`);
+7. with the backward split (zero-bubble schedules), I never waits for W,
+   and every value one action leaves for a later one (an activation, an
+   output gradient a deferred W reads) has a memory slot for each
+   micro-batch the action order keeps alive at once
+   (`lowering/check_live.py`).
 Failures that point at an action come with the schedule grid and
 `<-- ERROR HERE`.
 
@@ -47,6 +52,7 @@ from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.sbp import box_numel
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.action_times import action_costs
+from meshplan.lowering.check_live import split_and_live
 from meshplan.lowering.check_shared import shared_copies
 from meshplan.lowering.ids import DEVICE_TYPES, TaskId
 from meshplan.lowering.rankplan import RankPlan, TaskKind, action_templates, template_of
@@ -105,7 +111,7 @@ def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     res = CheckResult(missing=sorted(_absent(job, plans)))
     res.skipped = _skipped(job, plans, set(res.missing))
     for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
-                  _stages_agree, _schedule, shared_copies, _devices):
+                  _stages_agree, _schedule, shared_copies, _devices, split_and_live):
         res.errors += proof(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
