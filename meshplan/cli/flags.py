@@ -7,8 +7,10 @@ strategy flags, with Megatron's names.
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
-from meshplan.errors import ConfigError
+from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.choices import OptimizerKind, Precision, Recompute, Schedule, names
 from meshplan.ir.mesh import Mesh
 
@@ -39,15 +41,20 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--dp", type=int, default=None, help="data parallel (default: the rest)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    g.add_argument("--vpp", type=int, default=1, help="virtual stages (chunks) per stage")
+    g.add_argument("--vpp", type=int, default=None,
+                   help="virtual stages (chunks) per stage (default 1; 2 for zbv; a CSV's own)")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help=f"samples per step (default {default_gbs})")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples per micro-batch per dp rank")
     g.add_argument("--num-microbatches", type=int, default=None,
                    help="shorthand: global batch = this x micro-batch x dp")
-    g.add_argument("--schedule", choices=names(Schedule), default=None,
-                   help="pipeline schedule (default 1f1b; interleaved when vpp > 1)")
+    g.add_argument("--schedule", choices=[n for n in names(Schedule) if n != Schedule.CSV],
+                   default=None, help="pipeline schedule (default 1f1b; interleaved when "
+                   "vpp > 1); zb1p and zbv split the backward into I and W (zero bubble)")
+    g.add_argument("--schedule-csv", default=None, metavar="FILE",
+                   help="run a hand-written schedule: torch's pipeline CSV, one row of "
+                   "compute actions (0F0, 1I2, 1W2, 3B1) per pipeline rank")
     g.add_argument("--layer-pattern", default=None,
                    help=r"regex over module paths naming a layer (default: blocks\.(\d+)); "
                    "'auto': the model's longest list of same-class blocks")
@@ -144,6 +151,9 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     check_positive(a, _POSITIVE)
     world = a.nodes * a.devices_per_node
     dp = a.dp if a.dp is not None else max(1, world // max(1, a.tp * a.pp))
+    csv_text = read_schedule_csv(a.schedule_csv) if a.schedule_csv else ""
+    vpp = a.vpp or (csv_vpp(csv_text, a.pp) if csv_text
+                    else 2 if a.schedule == Schedule.ZBV else 1)
     mbs = a.micro_batch_size
     if a.num_microbatches is not None:
         mbs = mbs or 1
@@ -154,12 +164,18 @@ def strategy_fields(a: argparse.Namespace) -> dict:
                               f"{a.global_batch_size}; give one of the two")
     else:
         gbs = a.global_batch_size or a.default_gbs
-        mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if a.vpp > 1 else 1)))
-    default_schedule = Schedule.INTERLEAVED if a.vpp > 1 else Schedule.ONE_F_ONE_B
-    fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": a.vpp, "global_batch_size": gbs,
+        mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if vpp > 1 else 1)))
+    default_schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
+    fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "global_batch_size": gbs,
               "micro_batch_size": mbs, "schedule": a.schedule or default_schedule,
               "precision": a.precision, "recompute": a.recompute,
               "initial_loss_scale": a.initial_loss_scale}
+    if csv_text:
+        if a.schedule:
+            raise ConfigError(f"--schedule {a.schedule} and --schedule-csv {a.schedule_csv} "
+                              "both name the schedule; give one")
+        fields |= {"schedule": Schedule.CSV, "schedule_orders": checked_orders(
+            csv_text, a.schedule_csv, a.pp, vpp, gbs // (mbs * dp))}
     if a.recompute_pattern:
         fields["recompute_pattern"] = a.recompute_pattern
     if a.layer_pattern:
@@ -173,6 +189,34 @@ def strategy_fields(a: argparse.Namespace) -> dict:
             raise ConfigError(f"--layer-stages '{a.layer_stages}' is not a comma-separated "
                               "list of stage numbers, e.g. 0,0,1,1") from None
     return fields
+
+
+def read_schedule_csv(path: str) -> str:
+    """The text of the schedule CSV at `path` (a ConfigError line if unreadable)."""
+    try:
+        return Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"--schedule-csv {path}: cannot read it ({err.strerror}); give the "
+                          "path of a schedule CSV (meshplan show DIR --csv FILE writes one)"
+                          ) from None
+
+
+def csv_vpp(text: str, pp: int) -> int:
+    """The chunks per rank a schedule CSV implies: its distinct stages over pp."""
+    stages = set(re.findall(r"(?:^|,)\s*(\d+)[A-Z]", text, flags=re.M))
+    return max(1, len(stages) // max(pp, 1))
+
+
+def checked_orders(text: str, path: str, pp: int, vpp: int, microbatches: int):
+    """The CSV's compute orders as text, checked as a schedule
+    (`schedules/csv_io.load_csv`: one line naming the row, column and rule broken)."""
+    from meshplan.schedules.csv_io import load_csv
+
+    try:
+        orders = load_csv(text, pp, vpp, microbatches)
+    except ScheduleError as err:
+        raise ScheduleError(f"--schedule-csv {path}: {err}") from None
+    return tuple(tuple(str(act) for act in orders[r]) for r in range(pp))
 
 
 def apply_config(a: argparse.Namespace) -> None:

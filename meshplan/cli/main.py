@@ -58,7 +58,8 @@ EPILOG_RUN = """examples:
 EPILOG_SHOW = """examples:
   meshplan show plans/
   meshplan show plans/ --rank 5 --trace step.json
-  meshplan show plans/ --png schedule.png --json"""
+  meshplan show plans/ --png schedule.png --json
+  meshplan show plans/ --csv schedule.csv"""
 EPILOG_CHECK = """examples:
   meshplan check plans/
   meshplan check plans/ --json"""
@@ -141,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=None, help="only this rank")
     p.add_argument("--trace", default="", help="write a Chrome trace of the simulated step")
     p.add_argument("--png", default="", help="draw the simulated step: one row per rank, "
-                   "F and B coloured by chunk, sends and receives marked, bubbles white")
+                   "F, B, I and W coloured by chunk, sends and receives marked, bubbles white")
+    p.add_argument("--csv", default="", metavar="FILE",
+                   help="write each pipeline rank's actions in torch's pipeline CSV format "
+                   "(one row per rank; --schedule-csv reads it back)")
+    p.add_argument("--csv-comm", action="store_true",
+                   help="with --csv: include the SEND/RECV actions (torch's lowered form)")
 
     p = add_verb(sub, "check", "prove a plan directory consistent and simulate it",
                  EPILOG_CHECK, cmd_check, planning=False)

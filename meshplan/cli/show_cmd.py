@@ -70,8 +70,13 @@ def cmd_show(a: argparse.Namespace) -> int:
         sim = simulated(job, plans)
         write_atomic(Path(a.trace), json.dumps(chrome_trace(sim, unit_us=1e6)).encode())
     png = schedule_png(job, plans, a.png) if a.png else None
+    if a.csv_comm and not a.csv:
+        raise ConfigError("--csv-comm says what --csv writes; give --csv FILE too")
+    if a.csv:
+        write_atomic(Path(a.csv), schedule_csv(job, plans, a.csv_comm).encode())
     if a.json:
-        print(json.dumps({"ranks": rows, "trace": a.trace or None, "png": png}))
+        print(json.dumps({"ranks": rows, "trace": a.trace or None, "png": png,
+                          "csv": a.csv or None}))
         return 0
     for r in rows:
         peak = r["planned_peak"]
@@ -83,10 +88,27 @@ def cmd_show(a: argparse.Namespace) -> int:
     stages = {}
     for p in shown:
         stages.setdefault(p.stage, p.actions)
-    print("\npipeline grid (one column per stage; actions <stage><F|B><micro-batch>):")
+    print("\npipeline grid (one column per stage; actions <stage><F|B|I|W><micro-batch>):")
     print(format_grid(stages, max_rows=64))
     if a.trace:
         print(f"\nwrote {a.trace} (simulated step; open it in Perfetto or chrome://tracing)")
     if png:
         print(f"wrote {a.png} (the simulated step drawn, one row per rank)")
+    if a.csv:
+        print(f"wrote {a.csv} (each pipeline rank's "
+              f"{'actions' if a.csv_comm else 'compute actions'}, torch's pipeline CSV)")
     return 0
+
+
+def schedule_csv(job, plans, comm: bool) -> str:
+    """One row per pipeline rank (its stage's actions, from the lowest rank's
+    plan), compute-only unless `comm`, in torch's pipeline CSV format."""
+    from meshplan.schedules.csv_io import dump_csv
+
+    stages: dict[int, list] = {}
+    for _, p in sorted(plans.items()):
+        stages.setdefault(p.stage, [a for a in p.actions if comm or not a.type.is_comm])
+    if sorted(stages) != list(range(job.strategy.pp)):
+        raise ConfigError("--csv writes every pipeline rank's row, but the plan directory "
+                          "lacks a stage's plans; compile every rank (no --ranks)")
+    return dump_csv(stages)

@@ -25,6 +25,7 @@ class Schedule(enum.StrEnum):
     INTERLEAVED = "interleaved"
     ZB1P = "zb1p"        # zero bubble ZB-H1, interleaved (backward split into I and W)
     ZBV = "zbv"          # zero bubble with two chunks per rank in a V
+    CSV = "csv"          # the user's own, read from a CSV (`Strategy.schedule_orders`)
 
     @property
     def splits_backward(self) -> bool:
@@ -33,8 +34,8 @@ class Schedule(enum.StrEnum):
 
     @property
     def interleaves(self) -> bool:
-        """True for the schedules that run several chunks per rank."""
-        return self in (Schedule.INTERLEAVED, Schedule.ZB1P, Schedule.ZBV)
+        """True for the schedules that may run several chunks per rank."""
+        return self in (Schedule.INTERLEAVED, Schedule.ZB1P, Schedule.ZBV, Schedule.CSV)
 
 
 class Precision(enum.StrEnum):

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from meshplan.errors import ConfigError
@@ -20,6 +21,7 @@ from meshplan.ir.choices import Precision, Recompute, Schedule, TpStyle, choose
 from meshplan.ir.stage_placement import StagePlacement, placement_of
 
 AXES = ("dp", "tp")  # names of the placement grid's axes, outermost first
+_SPLIT = re.compile(r"\d+[IW]\d+")  # an I or W action's text
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,8 @@ class Strategy:
     recompute: Recompute = Recompute.NONE
     recompute_pattern: str = ""      # regex of checkpointed regions; "" = the layer pattern
     initial_loss_scale: float = 65536.0  # fp16 dynamic loss scaling starts here
+    # schedule "csv": each pipeline rank's compute actions as text (`2I0`), rank 0 first
+    schedule_orders: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: parse the names once, here
@@ -100,7 +104,14 @@ class Strategy:
     def stage_placement(self) -> StagePlacement:
         """Which pipeline stage (rank position) runs each virtual stage: the
         V for zbv, else interleaved (`ir/stage_placement.py`)."""
-        return placement_of(self.schedule, self.pp, self.vpp)
+        return placement_of(self.schedule, self.pp, self.vpp, self.schedule_orders)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs I and W apart (the Job then splits the backward)."""
+        if self.schedule == Schedule.CSV:
+            return any(_SPLIT.fullmatch(a) for order in self.schedule_orders for a in order)
+        return self.schedule.splits_backward
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from meshplan.errors import ScheduleError
@@ -102,8 +103,37 @@ def placement_for(pp: int, num_stages: int,
     return placement
 
 
-def placement_of(schedule: str, pp: int, vpp: int) -> StagePlacement:
-    """The placement schedule `schedule` runs its stages in."""
+def placement_of(schedule: str, pp: int, vpp: int,
+                 orders: tuple[tuple[str, ...], ...] = ()) -> StagePlacement:
+    """The placement schedule `schedule` runs its stages in; a schedule given
+    as compute orders (`orders[rank]`, actions as text) runs each stage where
+    its actions are."""
+    if orders:
+        return placement_read_off(pp, orders)
     if schedule in V_SCHEDULES:
         return StagePlacement.v(pp, vpp)
     return StagePlacement.interleaved(pp, vpp)
+
+
+_STAGE = re.compile(r"\d+")
+
+
+def placement_read_off(pp: int, orders: tuple[tuple[str, ...], ...]) -> StagePlacement:
+    """The rank of each stage in `orders` (rank -> actions as text, `2I0`);
+    ScheduleError unless each stage has one rank and every rank as many."""
+    owner: dict[int, int] = {}
+    for rank, order in enumerate(orders):
+        for text in order:
+            match = _STAGE.match(text)
+            if match is None:
+                raise ScheduleError(f"rank {rank}'s action {text!r} names no stage; write "
+                                    "actions as <stage><F|B|I|W><micro-batch>, e.g. 2I0")
+            if owner.setdefault(int(match.group()), rank) != rank:
+                raise ScheduleError(f"stage {match.group()} is run by ranks "
+                                    f"{owner[int(match.group())]} and {rank}; each stage has "
+                                    "one owner rank")
+    if sorted(owner) != list(range(len(owner))) or len(orders) != pp:
+        raise ScheduleError(f"the schedule's {len(orders)} rows for pp={pp} run stages "
+                            f"{sorted(owner)}; give one row per rank, together running "
+                            "stages 0..pp*vpp-1")
+    return StagePlacement(pp, tuple(owner[s] for s in range(len(owner))))

@@ -16,8 +16,11 @@ def rank_actions(strategy: Strategy, stage: int, edges) -> list[Action]:
     s = strategy
     # One stage: 1F1B degenerates to F0 B0 F1 B1 ..., each micro-batch's
     # activations freed before the next starts.
-    schedule = s.schedule if s.pp > 1 or s.vpp > 1 else Schedule.ONE_F_ONE_B
-    compute = compute_actions(schedule, s.pp, s.vpp, s.num_microbatches, stage)
+    if s.schedule == Schedule.CSV:
+        compute = [Action.parse(text) for text in s.schedule_orders[stage]]
+    else:
+        schedule = s.schedule if s.pp > 1 or s.vpp > 1 else Schedule.ONE_F_ONE_B
+        compute = compute_actions(schedule, s.pp, s.vpp, s.num_microbatches, stage)
     lowered = add_comm({stage: compute}, s.pp, edges=list(edges),
                        placement=s.stage_placement)[stage]
     return list(lowered) + [Action(-1, ActionType.STEP, -1)]

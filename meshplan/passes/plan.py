@@ -204,7 +204,7 @@ PASSES = PassManager([
     Pass("recompute", _recompute, F({"boxed"}), F({"recompute_clones"}),
          when=lambda c: c.strategy.recompute != Recompute.NONE),
     Pass("split_backward", _split_backward, F({"boxed", "recompute_clones"}),
-         F({"weight_split"}), when=lambda c: c.strategy.schedule.splits_backward),
+         F({"weight_split"}), when=lambda c: c.strategy.splits_backward),
     Pass("kernel_temps", _kernel_temps, F({"boxed", "recompute_clones", "weight_split"}),
          F({"temps"})),
     Pass("make_job", _make_job, F({"boxed", "temps"}), F({"job"})),

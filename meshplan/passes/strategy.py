@@ -46,6 +46,13 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"whose product is {mesh.world}")
     if s.vpp > 1 and not s.schedule.interleaves:
         s = replace(s, schedule=Schedule.INTERLEAVED)
+    if (s.schedule == Schedule.CSV) != bool(s.schedule_orders):
+        raise ConfigError("a schedule read from a CSV comes with its orders: give "
+                          "--schedule-csv FILE (Strategy.schedule_orders), not --schedule csv")
+    if s.schedule_orders and len(s.stage_placement.ranks) != s.pp * s.vpp:
+        raise ConfigError(f"the schedule CSV runs {len(s.stage_placement.ranks)} stages but "
+                          f"pp*vpp = {s.pp}*{s.vpp}; pass --vpp "
+                          f"{len(s.stage_placement.ranks) // s.pp}")
     if s.schedule == Schedule.ZBV and s.vpp != 2:
         raise ConfigError(f"schedule zbv places two stages on each rank in a V (rank r runs "
                           f"stages r and 2*pp-1-r), got vpp={s.vpp}; pass --vpp 2")

@@ -20,7 +20,7 @@ from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.grid import ascii_timeline
 from meshplan.schedules.zb1p import split_backward
 
-from ._util import ZB_GRID, ZERO_BUBBLE_SCHEDULES, compute, grid_id, lowered, parse_lists, run
+from ._util import ZB_GRID, compute, grid_id, lowered, parse_lists, run
 
 UNIT = dict(cost_i=lambda stage: 1.0, cost_w=lambda stage: 1.0)
 
