@@ -14,7 +14,7 @@ from meshplan.ir.state_name import StateName, is_state
 
 @pytest.mark.parametrize("build, message", [
     (lambda: Strategy(schedule="zigzag"),
-     "unknown schedule 'zigzag': choose one of gpipe, 1f1b, interleaved"),
+     "unknown schedule 'zigzag': choose one of gpipe, 1f1b, interleaved, zb1p, zbv, csv"),
     (lambda: Strategy(precision="fp8"),
      "unknown precision 'fp8': choose one of fp32, bf16, fp16"),
     (lambda: Strategy(recompute="some"),
