@@ -4,10 +4,12 @@ Invariants:
 - matplotlib runs on the Agg backend (no display needed) and is imported
   only when a picture is asked for, so the command starts fast without it.
 - The schedule picture has one row per rank (or per stage, beyond
-  `MAX_ROWS` ranks); F and B boxes take one colour per chunk (F light, B
-  dark with the same hue), labelled with their micro-batch when the box is
-  wide enough; a SEND is a triangle on the row's top edge, a RECV a tick on
-  its bottom edge with a grey bar while it waits; bubbles stay white.
+  `MAX_ROWS` ranks); F, B, I and W boxes take one colour per chunk (the
+  chunk of their stage in the schedule's stage placement) in their own
+  shade of it: F light, W the hue itself, I dark, B darkest; labelled with
+  their kind and micro-batch when the box is wide enough; a SEND is a
+  triangle on the row's top edge, a RECV a tick on its bottom edge with a
+  grey bar while it waits; bubbles stay white.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from meshplan.ir.stage_placement import StagePlacement
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.trace import Span, action_of
 
 MAX_ROWS = 32
-# One hue per chunk (colour-blind-safe Okabe-Ito order); F light, B dark.
+# One hue per chunk (colour-blind-safe Okabe-Ito order), one shade per compute kind.
 _HUES = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442",
          "#000000"]
+# (blend towards white, else scale towards black, amount) and the legend's word
+_SHADES = {ActionType.F: (True, 0.45, "forward"), ActionType.W: (False, 1.0, "weight grad (W)"),
+           ActionType.I: (False, 0.6, "input grad (I)"), ActionType.B: (False, 0.42, "backward")}
+_DARK = (ActionType.I, ActionType.B)  # white labels
 
 
 def _pyplot():
@@ -33,12 +40,11 @@ def _pyplot():
     return plt
 
 
-def _shade(hex_colour: str, backward: bool) -> tuple:
-    """The chunk's colour: lightened for F, darkened for B."""
-    r, g, b = (int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
-    if backward:
-        return (r * 0.6, g * 0.6, b * 0.6)
-    return (r + (1 - r) * 0.45, g + (1 - g) * 0.45, b + (1 - b) * 0.45)
+def _shade(hex_colour: str, kind: ActionType) -> tuple:
+    """The chunk's colour in the shade of compute kind `kind` (see `_SHADES`)."""
+    rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    lighten, amount, _ = _SHADES[kind]
+    return tuple(c + (1 - c) * amount if lighten else c * amount for c in rgb)
 
 
 def rows_of(spans_by_stage: Mapping[int, Sequence[Span]],
@@ -53,8 +59,8 @@ def rows_of(spans_by_stage: Mapping[int, Sequence[Span]],
             for s, ranks in sorted(ranks_of_stage.items())]
 
 
-def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], pp: int, path: str | Path,
-                  title: str) -> Path:
+def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], placement: StagePlacement,
+                  path: str | Path, title: str) -> Path:
     """Draw one step's timeline (seconds) as a PNG at `path`; returns the path."""
     plt = _pyplot()
     from matplotlib.lines import Line2D
@@ -63,14 +69,14 @@ def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], pp: int, path: str
     end = max((s.end for _, spans in rows for s in spans), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(min(24, 8 + 0.08 * sum(len(s) for _, s in rows[:1])),
                                     1.2 + 0.55 * len(rows)), dpi=110)
-    chunks: set[int] = set()
+    drawn: set[tuple[int, ActionType]] = set()  # (chunk, kind)
     for y, (_, spans) in enumerate(rows):
         for s in spans:
             a = action_of(s)
             if a is None:
                 continue
             if a.type.is_compute or a.type is ActionType.STEP:
-                chunks |= _draw_compute(ax, a, s, y, pp, end)
+                drawn |= _draw_compute(ax, a, s, y, placement, end)
             else:
                 _draw_comm(ax, a, s, y)
     ax.set_ylim(len(rows) - 0.5, -0.5)
@@ -79,11 +85,9 @@ def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], pp: int, path: str
     ax.set_xlabel("time (ms)")
     ax.xaxis.set_major_formatter(lambda x, _: f"{x * 1e3:g}")
     ax.set_title(title)
-    handles = []
-    for c in sorted(chunks):
-        hue = _HUES[c % len(_HUES)]
-        handles += [Patch(color=_shade(hue, False), label=f"chunk {c} forward"),
-                    Patch(color=_shade(hue, True), label=f"chunk {c} backward")]
+    handles = [Patch(color=_shade(_HUES[c % len(_HUES)], kind),
+                     label=f"chunk {c} {_SHADES[kind][2]}")
+               for c, kind in sorted(drawn, key=lambda x: (x[0], list(_SHADES).index(x[1])))]
     handles.append(Patch(color="0.55", label="optimizer step"))
     handles.append(Patch(color="0.85", label="waiting on a receive"))
     handles.append(Line2D([], [], marker="v", color="black", linestyle="none", markersize=4,
@@ -100,7 +104,8 @@ def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], pp: int, path: str
     return Path(path)
 
 
-def _draw_compute(ax, a: Action, s: Span, y: int, pp: int, end: float) -> set[int]:
+def _draw_compute(ax, a: Action, s: Span, y: int, placement: StagePlacement,
+                  end: float) -> set[tuple[int, ActionType]]:
     width = s.end - s.start
     if a.type is ActionType.STEP:
         ax.barh(y, width, left=s.start, height=0.7, color="0.55", edgecolor="white",
@@ -109,14 +114,13 @@ def _draw_compute(ax, a: Action, s: Span, y: int, pp: int, end: float) -> set[in
             ax.text(s.start + width / 2, y, "step", ha="center", va="center", fontsize=7,
                     color="white")
         return set()
-    chunk = a.stage // pp
-    backward = a.type is ActionType.B
-    ax.barh(y, width, left=s.start, height=0.7, color=_shade(_HUES[chunk % len(_HUES)], backward),
+    chunk = placement.chunk_of(a.stage)
+    ax.barh(y, width, left=s.start, height=0.7, color=_shade(_HUES[chunk % len(_HUES)], a.type),
             edgecolor="white", linewidth=0.4)
     if width > end * 0.012:
         ax.text(s.start + width / 2, y, f"{a.type.value}{a.microbatch}", ha="center",
-                va="center", fontsize=6.5, color="white" if backward else "black")
-    return {chunk}
+                va="center", fontsize=6.5, color="white" if a.type in _DARK else "black")
+    return {(chunk, a.type)}
 
 
 def _draw_comm(ax, a: Action, s: Span, y: int) -> None:

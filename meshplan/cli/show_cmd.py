@@ -48,10 +48,11 @@ def schedule_png(job, plans, path: str | Path) -> dict:
     for r, p in sorted(plans.items()):
         by_stage.setdefault(p.stage, []).append(r)
     s = job.strategy
-    title = (f"one training step, simulated on the cost model: pp={s.pp} vpp={s.vpp} "
+    title = (f"one training step, simulated on the cost model: {s.schedule}, pp={s.pp} "
+             f"vpp={s.vpp} "
              f"dp={s.dp} tp={s.tp}, {s.num_microbatches} micro-batches, "
              f"bubble ratio {sim.bubble_ratio:.2f}")
-    draw_schedule(rows_of(spans_of(sim), by_stage), s.pp, path, title)
+    draw_schedule(rows_of(spans_of(sim), by_stage), s.stage_placement, path, title)
     return {"path": str(path), "bubble_ratio": sim.bubble_ratio, "step_s": sim.step_time}
 
 

@@ -1,13 +1,14 @@
 """Timelines of one step, simulated or measured, as Chrome/Perfetto traces.
 
 Invariants:
-- A `Span` is one thing one rank did: an action (F, B, SEND, RECV, STEP)
+- A `Span` is one thing one rank did: an action (F, B, I, W, SEND, RECV, STEP)
   or a collective inside one; times are seconds from one origin shared by
   every rank of the trace (the simulation's zero, or the barrier before the
   measured step).
 - A trace has one process track (`pid`) per rank and two thread tracks:
-  `Track.COMPUTE` (F, B, STEP) and `Track.COMM` (SEND, RECV, collectives,
-  waiting for sends). Every span is one complete ("X") event.
+  `Track.COMPUTE` (F, B, I, W, STEP) and `Track.COMM` (SEND, RECV,
+  collectives, waiting for sends). Every span is one complete ("X") event;
+  a compute action's carries a `cname` of its kind (`CNAME`).
 - The bubble ratio is computed the same way for both kinds of timeline: a
   rank's busy time is the sum of its compute spans, the step time is the
   latest end over ranks, and a rank's ratio is (step - busy) / busy; the
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from meshplan.errors import ScheduleError
-from meshplan.schedules.action import Action
+from meshplan.schedules.action import Action, ActionType
 
 
 class Track(Enum):
@@ -50,7 +51,7 @@ class Span:
 
 
 def track_of(action: Action) -> Track:
-    """COMPUTE for F, B and STEP; COMM for SEND and RECV."""
+    """COMPUTE for F, B, I, W and STEP; COMM for SEND and RECV."""
     return Track.COMM if action.type.is_comm else Track.COMPUTE
 
 
@@ -64,6 +65,17 @@ def action_of(span: Span) -> Action | None:
         return Action.parse(span.name)
     except ScheduleError:
         return None
+
+
+# Chrome's reserved colour names, one per compute kind, so that I and W (and
+# F, B) each get their own colour in the trace viewer (Perfetto colours by name).
+CNAME = {ActionType.F: "thread_state_running", ActionType.B: "thread_state_iowait",
+         ActionType.I: "rail_response", ActionType.W: "rail_idle", ActionType.STEP: "grey"}
+
+
+def _colour(span: Span) -> dict:
+    a = action_of(span)
+    return {"cname": CNAME[a.type]} if a is not None and a.type in CNAME else {}
 
 
 def _args(span: Span) -> dict:
@@ -88,7 +100,7 @@ def chrome_events(spans: Mapping[int, Sequence[Span]], unit_us: float = 1e6) -> 
         for s in sorted(spans[rank], key=lambda s: (s.start, s.track.value)):
             events.append({"name": s.name, "cat": track_name(s), "ph": "X", "pid": rank,
                            "tid": s.track.value, "ts": s.start * unit_us,
-                           "dur": (s.end - s.start) * unit_us, "args": _args(s)})
+                           "dur": (s.end - s.start) * unit_us, "args": _args(s)} | _colour(s))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

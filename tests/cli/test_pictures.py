@@ -10,6 +10,7 @@ from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.ir.mesh import Mesh
 from meshplan.lowering.files import read_dir
 from meshplan.models import model_config
+from meshplan.schedules.action import ActionType
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -41,12 +42,30 @@ def test_schedule_png_has_one_colour_per_chunk(plans, tmp_path):
     assert r["bubble_ratio"] > 0
     img = assert_real_png(tmp_path / "schedule.png", min_colours=50)
     pixels = np.unique((img[..., :3] * 255).round().astype(int).reshape(-1, 3), axis=0)
-    for chunk in (0, 1):  # both shades of each chunk's hue are drawn
-        for backward in (False, True):
-            want = np.array(_shade(_HUES[chunk], backward)) * 255
-            assert (np.abs(pixels - want).sum(axis=1) <= 6).any(), (chunk, backward)
+    assert_shades(pixels, {ActionType.F, ActionType.B})
     white = (img[..., :3] > 0.99).all(axis=-1).mean()
     assert 0.2 < white < 0.95  # bubbles and margins are white, but not everything
+
+
+def assert_shades(pixels, drawn: set) -> None:
+    """Each chunk's hue appears in the shade of every kind `drawn`."""
+    for chunk in (0, 1):
+        for kind in drawn:
+            want = np.array(_shade(_HUES[chunk], kind)) * 255
+            assert (np.abs(pixels - want).sum(axis=1) <= 6).any(), (chunk, kind)
+
+
+def test_zero_bubble_png_draws_i_and_w_in_their_own_shades(tmp_path):
+    cfg = model_config("gpt", "tiny")
+    s = zoo_strategy("gpt", cfg, pp=2, vpp=2, schedule="zbv", global_batch_size=4,
+                     micro_batch_size=1)
+    compile_job(plan_model("gpt", "tiny", Mesh(1, 2), s).job, tmp_path / "p", workers=1,
+                use_cache=False)
+    job, ranks = read_dir(tmp_path / "p")
+    schedule_png(job, ranks, tmp_path / "zbv.png")
+    img = assert_real_png(tmp_path / "zbv.png", min_colours=50)
+    pixels = np.unique((img[..., :3] * 255).round().astype(int).reshape(-1, 3), axis=0)
+    assert_shades(pixels, {ActionType.F, ActionType.I, ActionType.W})
 
 
 def test_losses_png(tmp_path):

@@ -48,3 +48,15 @@ def test_run_writes_a_measured_trace_of_every_rank(tmp_path):
     assert_trace_covers_plans(trace, {k: lower(job, k) for k in range(4)})
     collectives = [e for e in trace["traceEvents"] if e["name"].startswith("all_reduce")]
     assert collectives and all(e["tid"] == Track.COMM.value for e in collectives)
+
+
+def test_a_zero_bubble_trace_colours_i_and_w_apart(tmp_path):
+    cfg = model_config("gpt", "tiny")
+    s = zoo_strategy("gpt", cfg, pp=2, vpp=2, schedule="zb1p", global_batch_size=4,
+                     micro_batch_size=1)
+    path = tmp_path / "trace.json"
+    run("gpt", "tiny", Mesh(1, 2), s, steps=1, timeout_s=60, trace=str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    colour = {e["args"]["type"]: e["cname"] for e in events if e.get("args", {}).get("type")
+              in ("F", "I", "W")}
+    assert len(set(colour.values())) == 3 and set(colour) == {"F", "I", "W"}
