@@ -215,7 +215,7 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     actions = rank_actions(view.strategy, low.stage, sorted(low.edges))
     inflight = _inflight(actions, view.strategy.stage_placement)
     buffers = _buffers(low, inflight)
-    memory = plan_memory(low, buffers, actions, inflight)
+    memory = plan_memory(low, buffers)
     return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest,
                     tuple(low.tasks), buffers, memory, tuple(actions), device_type)
 
@@ -263,20 +263,24 @@ def _run_order(op) -> int:
     return _RUN_ORDER.get(op.phase, 0)
 
 
-def _inflight(actions, where) -> dict[int, int]:
-    """Most micro-batches of each chunk between their F and their last
-    backward action (B, or W once I and W are apart) at once."""
-    live: dict[int, int] = {}
-    peak: dict[int, int] = {}
+_ENDS = {ActionType.I: (Phase.BACKWARD,), ActionType.W: (Phase.WEIGHT,),
+         ActionType.B: (Phase.BACKWARD, Phase.WEIGHT)}
+
+
+def _inflight(actions, where) -> dict[tuple[int, Phase], int]:
+    """Most micro-batches of each chunk alive at once between their F and
+    the end of their I (key phase BACKWARD) or of their W (WEIGHT); a B ends
+    both. Without the split the two agree."""
+    live: dict[tuple[int, Phase], int] = {}
+    peak: dict[tuple[int, Phase], int] = {}
     for a in actions:
         if not a.type.is_compute:
             continue
         c = where.chunk_of(a.stage)
-        if a.type is ActionType.F:
-            live[c] = live.get(c, 0) + 1
-            peak[c] = max(peak.get(c, 0), live[c])
-        elif a.type in (ActionType.B, ActionType.W):
-            live[c] = live.get(c, 0) - 1
+        for ph in (Phase.BACKWARD, Phase.WEIGHT) if a.type is ActionType.F else _ENDS[a.type]:
+            key = (c, ph)
+            live[key] = live.get(key, 0) + (1 if a.type is ActionType.F else -1)
+            peak[key] = max(peak.get(key, 0), live[key])
     return peak
 
 
@@ -284,7 +288,7 @@ def _category(low: _Lowering, vid: int) -> BufferCategory:
     return _CATEGORY.get(low.view.values[vid].role, BufferCategory.ACTIVATION)
 
 
-def _buffers(low: _Lowering, inflight: dict[int, int]) -> tuple[Buffer, ...]:
+def _buffers(low: _Lowering, inflight: dict[tuple[int, Phase], int]) -> tuple[Buffer, ...]:
     out = []
     for vid, b in low.bufs.items():
         meta = low.view.values[vid].meta
@@ -294,7 +298,10 @@ def _buffers(low: _Lowering, inflight: dict[int, int]) -> tuple[Buffer, ...]:
             copies = 1
         elif crosses:
             chunks = {k[0] for k in b.used_in} | ({b.made_in[0]} if b.made_in else set())
-            copies = max([inflight.get(c, 1) for c in chunks] + [1])
+            # kept until W when a W reads it, else until I (or B)
+            until = Phase.WEIGHT if any(k[1] is Phase.WEIGHT for k in b.used_in) \
+                else Phase.BACKWARD
+            copies = max([inflight.get((c, until), 1) for c in chunks] + [1])
         else:
             copies = 1
         nbytes = TensorMeta(b.shape, meta.dtype).nbytes

@@ -82,7 +82,7 @@ def _release(holes: list[list[int]], off: int, size: int, top: int) -> int:
     return top
 
 
-def plan_memory(low, buffers, actions, inflight) -> MemoryPlan:
+def plan_memory(low, buffers) -> MemoryPlan:
     """Blocks for every buffer, and the planned peak by category."""
     updates = low.view.updates
     blocks, arenas = [], []
