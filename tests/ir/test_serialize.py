@@ -54,14 +54,16 @@ def small_graph() -> Graph:
     values = [Value(i, TensorMeta((2, 3), F32), r, f"w{i}") for i, r in enumerate(roles)]
     n = len(values)
     values += [Value(n + i, TensorMeta(s, DType(d))) for i, (s, d) in
-               enumerate([((2, 3), "float32"), ((), "float32"), ((4,), "int64"), ((), "bool")])]
+               enumerate([((2, 3), "float32"), ((), "float32"), ((4,), "int64"), ((), "bool"),
+                          ((2, 3), "float32")])]
     ops = (
         Op(0, "aten.mul.Tensor", (Ref(0), Ref(1)) + LITERALS, (n,),
            kwargs=(("alpha", 1.0), ("dtype", F32), ("shape", (2, Ref(2)))),
            module_path="blocks.0.mlp", source="m.py, line 3: y = x * w"),
         Op(1, "aten.sum.default", (Ref(n),), (n + 1, ABSENT), phase=Phase.BACKWARD,
            grad_of=0),
-        Op(2, "meshplan.sgd", (Ref(0), 0.5), (n + 2, n + 3), phase=Phase.OPTIMIZER),
+        Op(2, "aten.neg.default", (Ref(n),), (n + 4,), phase=Phase.WEIGHT, grad_of=0),
+        Op(3, "meshplan.sgd", (Ref(0), 0.5), (n + 2, n + 3), phase=Phase.OPTIMIZER),
     )
     return Graph(tuple(values), ops, tuple(range(n)), n + 1,
                  updates=(Update("w0", n + 2),), meta=(("model_class", "Toy"), ("k", "v")))
