@@ -80,6 +80,8 @@ class Strategy:
     initial_loss_scale: float = 65536.0  # fp16 dynamic loss scaling starts here
     # schedule "csv": each pipeline rank's compute actions as text (`2I0`), rank 0 first
     schedule_orders: tuple[tuple[str, ...], ...] = ()
+    # sharded data parallel, ZeRO's stages: 1 optimizer state, 2 + gradients, 3 + parameters
+    zero: int = 0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: parse the names once, here

@@ -80,6 +80,7 @@ class _Ctx:
     arrived: dict = field(default_factory=dict)    # (value, stage) -> transferred copy
     copies: dict = field(default_factory=dict)     # value -> stages it is Partial across
     factory: dict = field(default_factory=dict)    # value -> its producer, if it reads none
+    regather: frozenset = frozenset()              # values converted again in each phase
 
     def emit(self, kind, src: int, out_layout: NdSbp, at, module_path: str, **kw) -> int:
         stage, chunk, phase = at
@@ -91,14 +92,17 @@ class _Ctx:
 
 
 def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
-               copies: dict | None = None) -> Boxed:
+               copies: dict | None = None, regather: frozenset = frozenset()) -> Boxed:
     """Insert boxing ops; returns the boxed graph with its annotations.
 
     `copies` ({value: (stages, parameter name)}) names values that are Partial across the
     placements of several stages (a shared parameter's per-stage gradient,
-    passes/shared.py): their consumer reads them summed over those stages."""
+    passes/shared.py): their consumer reads them summed over those stages.
+    `regather` names values converted once per phase that reads them, not
+    once per step: ZeRO-3's parameters, gathered for the forward, freed after
+    it, and gathered again for the backward (FSDP's reshard after forward)."""
     rb = Rebuild(graph, annotate=True)
-    ctx = _Ctx(rb, plan, naxes, copies=copies or {})
+    ctx = _Ctx(rb, plan, naxes, copies=copies or {}, regather=regather)
     ctx.layout.update(plan.produced)
     for op in graph.ops:
         at = (stage[op.id], chunk[op.id], op.phase)
@@ -145,7 +149,7 @@ def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:
     assert have is not None, f"value {o} is hinted before it is produced"
     at = ctx.where[o]
     ctx.default[o] = _convert_local(ctx, o, have, want, at, module_path)
-    ctx.versions[(o, want, at[0])] = ctx.default[o]
+    ctx.versions[(o, want, at[0], None)] = ctx.default[o]
 
 
 def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
@@ -158,7 +162,7 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
         return r
     if have == need and src_at[0] == at[0]:
         return base
-    key = (r, need, at[0])
+    key = (r, need, at[0], at[2] if r in ctx.regather else None)
     if key in ctx.versions:
         return ctx.versions[key]
     arrived = ctx.arrived.get((r, at[0]))

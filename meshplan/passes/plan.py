@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.autodiff.split import split_backward
 from meshplan.errors import ConfigError
-from meshplan.ir import Graph, check_well_formed
+from meshplan.ir import Graph, Role, check_well_formed
 from meshplan.ir.choices import Precision, Recompute, TpStyle
 from meshplan.ir.job import Job, check_job_well_formed
 from meshplan.ir.mesh import AXES, Mesh, Strategy
@@ -132,13 +132,15 @@ def _tensor_parallel(c: Compilation) -> None:
 
 def _propagate_sbp(c: Compilation) -> None:
     c.sbp = propagate_sbp(c.graph, c.staged().stage, c.strategy.grid, c.param_tp, c.hints,
-                          TP_AXIS)
+                          TP_AXIS, c.strategy.zero)
 
 
 def _add_boxing(c: Compilation) -> None:
     st = c.staged()
+    regather = frozenset(v.id for v in c.graph.inputs_by_role(Role.PARAM)) \
+        if c.strategy.zero == 3 else frozenset()
     c.boxed = add_boxing(c.graph, c.laid_out(), st.stage, st.chunk, len(c.strategy.grid),
-                         c.copies)
+                         c.copies, regather)
     c.graph = c.boxed.graph
 
 

@@ -8,6 +8,10 @@ Invariants:
 - Fixed layouts: data inputs Shard(0) on dp, Replicate on tp; parameters as
   the tensor-parallel plan says (Replicate on dp); optimizer state follows
   its parameter; a gradient accumulator takes whatever its first use needs.
+  Sharded data parallel (`zero`, ZeRO's stages) changes only these layouts
+  at rest, on the dp axis (`zero_layout`): zero >= 1 shards the optimizer
+  state, >= 2 the gradient accumulators too, 3 the parameters too; boxing
+  then makes the reduce-scatters and all-gathers.
 - A hint ({value: {axis: Sbp}}) re-boxes a value right after its producer;
   consumers see the hinted layout, and the cost of reaching it counts in the
   producer's choice. State updates are hinted back to their state's layout
@@ -64,7 +68,24 @@ def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int) -> float:
     return 1e-3 * nbytes / n  # Replicate -> Shard: a local slice
 
 
-def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int) -> dict[int, NdSbp]:
+DP_AXIS = 0
+_SHARDED_FROM = {Role.OPT_STATE: 1, Role.GRAD: 2, Role.PARAM: 3}  # role -> least zero level
+
+
+def zero_layout(layout: NdSbp, shape: tuple[int, ...], grid) -> NdSbp:
+    """`layout` (a parameter's) sharded over dp as ZeRO keeps a state at rest:
+    split on the first dim that tensor parallel does not split and that has
+    more than one element (near-equal parts, the last ones a row shorter when
+    dp does not divide it); unchanged when there is none (a tp-split bias)."""
+    taken = {s.dim for s in layout if isinstance(s, Shard)}
+    dim = next((d for d, n in enumerate(shape) if d not in taken and n > 1), None)
+    if dim is None or grid[DP_AXIS] == 1:
+        return layout
+    return tuple(Shard(dim) if a == DP_AXIS else s for a, s in enumerate(layout))
+
+
+def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int,
+                   zero: int = 0) -> dict[int, NdSbp]:
     layouts: dict[int, NdSbp] = {}
     params = {}
     for vid in graph.inputs:
@@ -80,11 +101,19 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int) -> dict[int
             layouts[vid] = (R,) * len(grid)
     for vid in graph.inputs:
         v = graph.values[vid]
-        if v.role is Role.OPT_STATE and StateName.parse(v.name).fqn not in params:
+        owner = params.get(StateName.parse(v.name).fqn) if v.role in (Role.OPT_STATE,
+                                                                       Role.GRAD) else None
+        if v.role is Role.OPT_STATE and owner is None:
             layouts[vid] = (R,) * len(grid)  # a step-level scalar (the loss scale)
         elif v.role is Role.OPT_STATE:
-            p, layout = params[StateName.parse(v.name).fqn]
+            p, layout = owner
             layouts[vid] = layout if v.meta.shape == p.meta.shape else (R,) * len(grid)
+        elif v.role is Role.GRAD and owner is not None and zero >= 2:
+            layouts[vid] = owner[1]  # fixed at rest (else laid out by its first use)
+    for vid, layout in list(layouts.items()):
+        v = graph.values[vid]
+        if zero >= _SHARDED_FROM.get(v.role, 4) and v.meta.shape != ():
+            layouts[vid] = zero_layout(layout, v.meta.shape, grid)
     return layouts
 
 
@@ -102,9 +131,10 @@ def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
 
 
 def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
-                  hints: dict, tp_axis: int = 1) -> SbpPlan:
-    """Choose each op's signatures; returns the layouts of every value."""
-    produced = _input_layouts(graph, grid, param_tp, tp_axis)
+                  hints: dict, tp_axis: int = 1, zero: int = 0) -> SbpPlan:
+    """Choose each op's signatures; returns the layouts of every value
+    (`zero`: the ZeRO stage, which states rest sharded over dp)."""
+    produced = _input_layouts(graph, grid, param_tp, tp_axis, zero)
     hints = state_hints(graph, produced, hints)
     visible = dict(produced)
     value_stage: dict[int, int] = {}

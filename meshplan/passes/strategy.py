@@ -46,6 +46,10 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"whose product is {mesh.world}")
     if s.vpp > 1 and not s.schedule.interleaves:
         s = replace(s, schedule=Schedule.INTERLEAVED)
+    if s.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero={s.zero} is not a ZeRO stage; use --zero 0 (plain data "
+                          "parallel), 1 (optimizer state), 2 (and gradients) or 3 (and "
+                          "parameters)")
     if (s.schedule == Schedule.CSV) != bool(s.schedule_orders):
         raise ConfigError("a schedule read from a CSV comes with its orders: give "
                           "--schedule-csv FILE (Strategy.schedule_orders), not --schedule csv")

@@ -77,11 +77,12 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
             state[v.name] = torch.tensor(initial_loss_scale(job.graph), dtype=torch.float32,
                                          device=device)
         elif v.role is Role.OPT_STATE:
+            # a slot of the parameter's shape holds its own slice (its layout may
+            # differ from the parameter's: ZeRO shards the slots, not the weights)
             name = StateName.parse(v.name)
-            like = state.get(name.fqn)
-            if like is None:
-                like = cut(own_tensor(own, job.graph, name.fqn).detach(),
-                           ctx.box(_value_of(job, name.fqn))).to(device)
+            full = own_tensor(own, job.graph, name.fqn).detach()
+            like = cut(full, ctx.box(vid) if v.meta.shape == tuple(full.shape) else
+                       ctx.box(_value_of(job, name.fqn))).to(device)
             state[v.name] = initial_state(name.slot, like)
         elif v.role is Role.GRAD:
             state[v.name] = None
