@@ -5,10 +5,11 @@
 is BERT with 24 layers, 16 heads, hidden 1024, in fp16, with activation
 checkpointing, tensor parallel 2, pipeline parallel 1, micro-batch 32,
 global batch 256, on 1 node of 4 devices. An optional `_vpp{v}` follows
-`pp`. The grammar, field by field (`_` separates fields):
+`pp`, then an optional `_zero{z}` (sharded data parallel, ZeRO stage 1-3).
+The grammar, field by field (`_` separates fields):
 
     {model} nl{L} nah{H} hs{D} {FP16|BF16|FP32} ac{true|false}
-    mp{tp} pp{pp} [vpp{v}] mb{micro} gb{global} {N}n{G}g
+    mp{tp} pp{pp} [vpp{v}] [zero{z}] mb{micro} gb{global} {N}n{G}g
 
 Invariant: `format_config_name(parse_config_name(s)) == s` for every valid
 `s`, and a bad name raises `ConfigError` naming the first bad field.
@@ -23,7 +24,7 @@ from meshplan.ir.choices import Precision, Recompute
 
 PRECISIONS = {p.value.upper(): p for p in Precision}  # FP32 -> fp32, ...
 GRAMMAR = ("{model}_nl{L}_nah{H}_hs{D}_{FP16|BF16|FP32}_ac{true|false}_mp{tp}_pp{pp}"
-           "[_vpp{v}]_mb{micro}_gb{global}_{N}n{G}g")
+           "[_vpp{v}][_zero{z}]_mb{micro}_gb{global}_{N}n{G}g")
 EXAMPLE = "bert_nl24_nah16_hs1024_FP16_actrue_mp2_pp1_mb32_gb256_1n4g"
 
 # (flag name, field prefix, what it means), in name order after the model
@@ -52,9 +53,10 @@ def _int(name: str, field: str, prefix: str, what: str) -> int:
 def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resnet")) -> dict:
     """The flag values a configuration name stands for (flag dest -> value)."""
     fields = name.strip().split("_")
-    if len(fields) not in (11, 12):
+    if len(fields) not in (11, 12, 13):
         raise ConfigError(f"config name '{name}' has {len(fields)} fields separated by '_'; "
-                          f"it needs 11 (12 with vpp): {GRAMMAR}, e.g. {EXAMPLE}")
+                          f"it needs 11 (one more each with vpp and zero): {GRAMMAR}, "
+                          f"e.g. {EXAMPLE}")
     it = iter(fields)
     model = next(it)
     if model not in models:
@@ -73,9 +75,14 @@ def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resn
     for dest, prefix, what in _PARALLEL:
         out[dest] = _int(name, next(it), prefix, what)
     field = next(it)
-    out["vpp"] = 1
-    if len(fields) == 12:
+    out["vpp"], out["zero"] = 1, 0
+    if len(fields) > 11 and field.startswith("vpp"):
         out["vpp"] = _int(name, field, "vpp", "virtual stages per stage")
+        field = next(it)
+    if len(fields) - 11 > (out["vpp"] > 1):
+        out["zero"] = _int(name, field, "zero", "ZeRO stage")
+        if out["zero"] > 3:
+            raise _bad(name, field, "gives ZeRO stage above 3; use zero1, zero2 or zero3")
         field = next(it)
     for (dest, prefix, what), f in zip(_BATCH, (field, next(it))):
         out[dest] = _int(name, f, prefix, what)
@@ -95,6 +102,8 @@ def format_config_name(f: dict) -> str:
              *(f"{p}{f[d]}" for d, p, _ in _PARALLEL)]
     if f.get("vpp", 1) > 1:
         parts.append(f"vpp{f['vpp']}")
+    if f.get("zero", 0) > 0:
+        parts.append(f"zero{f['zero']}")
     parts += [f"{p}{f[d]}" for d, p, _ in _BATCH]
     parts.append(f"{f['nodes']}n{f['devices_per_node']}g")
     return "_".join(parts)

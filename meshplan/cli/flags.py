@@ -55,6 +55,10 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--schedule-csv", default=None, metavar="FILE",
                    help="run a hand-written schedule: torch's pipeline CSV, one row of "
                    "compute actions (0F0, 1I2, 1W2, 3B1) per pipeline rank")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="sharded data parallel (ZeRO): 1 shards the optimizer state over dp, "
+                   "2 the gradients too, 3 the parameters too (gathered before each use, "
+                   "as FSDP does); default 0, plain data parallel")
     g.add_argument("--layer-pattern", default=None,
                    help=r"regex over module paths naming a layer (default: blocks\.(\d+)); "
                    "'auto': the model's longest list of same-class blocks")
@@ -169,7 +173,7 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "global_batch_size": gbs,
               "micro_batch_size": mbs, "schedule": a.schedule or default_schedule,
               "precision": a.precision, "recompute": a.recompute,
-              "initial_loss_scale": a.initial_loss_scale}
+              "initial_loss_scale": a.initial_loss_scale, "zero": a.zero}
     if csv_text:
         if a.schedule:
             raise ConfigError(f"--schedule {a.schedule} and --schedule-csv {a.schedule_csv} "

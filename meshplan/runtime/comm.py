@@ -75,12 +75,24 @@ class Comm:
         dist.all_reduce(x, op=_OPS[op])
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
-        """Gather along `dim`; `shapes` are every member's local shapes."""
+        """Gather along `dim`; `shapes` are every member's local shapes. Uneven
+        parts (a dim that does not divide by the group) travel padded to the
+        largest, as gloo and NCCL gather equal sizes only, and are cut back."""
         t0 = time.perf_counter()
         where = "cpu" if self.host_staged else x.device
-        parts = [torch.empty(s, dtype=x.dtype, device=where) for s in shapes]
-        dist.all_gather(parts, x.contiguous().to(where), group=self.groups[group])
+        rows = [s[dim] for s in shapes]
+        most = max(rows)
+        mine = x.contiguous().to(where)
+        if mine.shape[dim] < most:
+            pad = list(mine.shape)
+            pad[dim] = most - mine.shape[dim]
+            mine = torch.cat([mine, mine.new_zeros(pad)], dim=dim)
+        full = [tuple(most if d == dim else n for d, n in enumerate(s)) for s in shapes]
+        parts = [torch.empty(s, dtype=x.dtype, device=where) for s in full]
+        dist.all_gather(parts, mine, group=self.groups[group])
         self._record(f"all_gather {list(group)}", t0)
+        if any(r < most for r in rows):
+            parts = [p.narrow(dim, 0, r) for p, r in zip(parts, rows)]
         return torch.cat(parts, dim=dim).to(x.device)
 
     def _record(self, name: str, t0: float) -> None:
