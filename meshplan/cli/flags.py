@@ -59,6 +59,11 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="sharded data parallel (ZeRO): 1 shards the optimizer state over dp, "
                    "2 the gradients too, 3 the parameters too (gathered before each use, "
                    "as FSDP does); default 0, plain data parallel")
+    g.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient buckets: the step's gradient reductions over dp are "
+                   "coalesced into buckets of this many MiB and started during the last "
+                   "micro-batch's backward (default 25, DDP's; 0: one reduction per gradient, "
+                   "in the step)")
     g.add_argument("--layer-pattern", default=None,
                    help=r"regex over module paths naming a layer (default: blocks\.(\d+)); "
                    "'auto': the model's longest list of same-class blocks")
@@ -173,7 +178,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "global_batch_size": gbs,
               "micro_batch_size": mbs, "schedule": a.schedule or default_schedule,
               "precision": a.precision, "recompute": a.recompute,
-              "initial_loss_scale": a.initial_loss_scale, "zero": a.zero}
+              "initial_loss_scale": a.initial_loss_scale, "zero": a.zero,
+              "bucket_mb": a.bucket_mb}
     if csv_text:
         if a.schedule:
             raise ConfigError(f"--schedule {a.schedule} and --schedule-csv {a.schedule_csv} "

@@ -82,6 +82,7 @@ class Strategy:
     schedule_orders: tuple[tuple[str, ...], ...] = ()
     # sharded data parallel, ZeRO's stages: 1 optimizer state, 2 + gradients, 3 + parameters
     zero: int = 0
+    bucket_mb: float = 25.0  # gradient buckets' bound (MiB, DDP's default); 0: none
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: parse the names once, here

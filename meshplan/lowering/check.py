@@ -52,6 +52,7 @@ from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.sbp import box_numel
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.action_times import action_costs
+from meshplan.lowering.buckets import plan_buckets
 from meshplan.lowering.check_live import split_and_live
 from meshplan.lowering.check_shared import shared_copies
 from meshplan.lowering.ids import DEVICE_TYPES, TaskId
@@ -281,18 +282,31 @@ def _send_peers(p: RankPlan, where: StagePlacement) -> dict:
     return out
 
 
-def expand_collectives(p: RankPlan, where: StagePlacement, ops=()) -> dict[tuple, list]:
+def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),
+                       buckets=()) -> dict[tuple, list]:
     """Per group: the (op, micro-batch) collectives this rank joins, in order
-    (given the Job's `ops`, a cross-stage all-reduce is named by its parameter)."""
+    (given the Job's `ops`, a cross-stage all-reduce is named by its
+    parameter). A gradient bucket (`buckets.py`) is one collective, named by
+    its reductions, where it starts: after the op that completes it, in its
+    task group's last run of the step."""
+    carried = {op for b in buckets for op in b.ops}
     by_template = defaultdict(list)
     for t in p.tasks:
-        if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
+        if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) and t.op not in carried:
             by_template[template_of(t)].append(t)
+    position = {t.op: i for i, t in enumerate(p.tasks)}
+    last_run = {key: i for i, a in enumerate(p.actions) for key in action_templates(a, where)}
     seq = defaultdict(list)
-    for a in p.actions:
+    for i, a in enumerate(p.actions):
         for key in action_templates(a, where):
-            for t in by_template.get(key, ()):
-                seq[t.group].append((_instance(ops[t.op]) if ops else t.op, a.microbatch))
+            events = [(position[t.op], 0, t.group,
+                       (_instance(ops[t.op]) if ops else t.op, a.microbatch))
+                      for t in by_template.get(key, ())]
+            if last_run[key] == i:
+                events += [(position[b.after], 1, b.group, (("bucket", *b.ops), a.microbatch))
+                           for b in buckets if b.template == key]
+            for *_, group, item in sorted(events, key=lambda e: e[:2]):
+                seq[group].append(item)
     return seq
 
 
@@ -308,7 +322,8 @@ def _collectives(job: Job, plans) -> list[str]:
     where = job.strategy.stage_placement
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     for r, p in plans.items():
-        for group, seq in expand_collectives(p, where, job.graph.ops).items():
+        buckets = plan_buckets(job, p)
+        for group, seq in expand_collectives(p, where, job.graph.ops, buckets).items():
             if r not in group:
                 return [f"rank {r} joins a collective of group {group} it is not in"]
             per_group[group][r] = seq

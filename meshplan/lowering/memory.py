@@ -10,7 +10,8 @@ Layout (two memory arenas):
   micro-batches in flight; (b) transient values, living inside one action,
   are packed first-fit by liveness over the action's task order, and every
   action reuses that region.
-Gradient accumulators count twice when a step has several micro-batches:
+Gradient buckets' flat copies (`buckets.py`) count as gradient bytes, in
+the state arena. Gradient accumulators count twice when a step has several micro-batches:
 the first micro-batch's gradient is adopted as the accumulator, and the
 second adds into a fresh tensor while the adopted one lives to the end of
 that action (`ops.kernels.accumulate_grad`).
@@ -27,6 +28,7 @@ import bisect
 import heapq
 
 from meshplan.ir import TensorMeta
+from meshplan.lowering.buckets import bucketed_bytes
 from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import has_temp, temp_key
@@ -98,6 +100,10 @@ def plan_memory(low, buffers) -> MemoryPlan:
     if low.view.strategy.num_microbatches > 1 and "grad" in peak:
         off += peak["grad"]  # room for the second copy (no buffer of its own)
         peak["grad"] *= 2
+    flat = bucketed_bytes(low.op_of.__getitem__, low.tasks, buffers, low.view.strategy)
+    if flat:  # gradient buckets' flat copies, alive from their start to the STEP
+        off += flat
+        peak["grad"] = peak.get("grad", 0) + flat
     arenas.append((state_arena, "state", off))
     saved = [b for b in buffers if b.category == BufferCategory.DATA or (
         b.category not in STATE_CATEGORIES and b.value not in updates and b.copies > 1)]

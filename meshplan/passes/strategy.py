@@ -46,6 +46,9 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"whose product is {mesh.world}")
     if s.vpp > 1 and not s.schedule.interleaves:
         s = replace(s, schedule=Schedule.INTERLEAVED)
+    if s.bucket_mb < 0:
+        raise ConfigError(f"bucket_mb={s.bucket_mb} must be >= 0; pass --bucket-mb 25 (DDP's "
+                          "default) or 0 for no buckets")
     if s.zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero={s.zero} is not a ZeRO stage; use --zero 0 (plain data "
                           "parallel), 1 (optimizer state), 2 (and gradients) or 3 (and "

@@ -60,7 +60,7 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
     """The callable for `task`, or None to run the op's own kernel."""
     op = ctx.job.graph.ops[task.op]
     if rule_for(op.kind).category is Category.LOCAL_SLICE:
-        return _narrower(ctx, op.args[0].id, op.outputs[0])
+        return narrower(ctx, op.args[0].id, op.outputs[0])
     if task.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
         if len(task.group) <= 1:
             return None  # a group of one: the logical kernel (the identity) is exact
@@ -72,7 +72,7 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
     return None
 
 
-def _narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> Callable:
+def narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> Callable:
     """x (holding box `have`, default src's box) -> the part that is dst's box."""
     have = have or ctx.box(src)
     want = ctx.box(dst)
@@ -100,7 +100,7 @@ def _all_gather(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) ->
 
 
 def _reduce_scatter(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
-    narrow = _narrower(ctx, op.args[0].id, op.outputs[0])
+    narrow = narrower(ctx, op.args[0].id, op.outputs[0])
     return lambda x, **_: narrow(comm.all_reduce(x, group, "sum"))
 
 
@@ -111,7 +111,7 @@ def _all_to_all(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) ->
     lo = ctx.box(src, line[0])[kw["src_dim"]][0]
     hi = ctx.box(src, line[-1])[kw["src_dim"]][1]
     gathered[kw["src_dim"]] = (lo, hi)
-    narrow = _narrower(ctx, src, op.outputs[0], tuple(gathered))
+    narrow = narrower(ctx, src, op.outputs[0], tuple(gathered))
     return lambda x, **_: narrow(comm.all_gather(x, group, kw["src_dim"], shapes))
 
 

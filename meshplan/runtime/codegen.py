@@ -97,6 +97,7 @@ def compile_segment(
     name: str = "segment",
     kernels: dict | None = None,
     borrowed: Iterable[int] = (),
+    hooks: dict | None = None,
 ) -> Callable:
     """A function `f(env, mem)` that runs `ops` in order.
 
@@ -105,8 +106,9 @@ def compile_segment(
     `OpRule.batched`) become one call. `kernels` overrides the callable of
     an op by id (a rank's variant or collective). A read value that dies
     here leaves `env` too (and `mem`), unless it is `borrowed` (owned by
-    someone else, like the state)."""
-    kernels = kernels or {}
+    someone else, like the state). `hooks` ({op id: (fn, value ids)}) calls
+    `fn([values])` right after that op (a gradient bucket starting)."""
+    kernels, hooks = kernels or {}, hooks or {}
     groups = _groups(list(ops), kernels)
     keeps, reads, borrowed = set(keeps), set(reads), set(borrowed)
     consts = _Consts()
@@ -123,6 +125,10 @@ def compile_segment(
         line_ops[len(lines)] = tuple(op.id for op in group)
         made = [o for op in group for o in op.outputs if o != ABSENT]
         lines += [f"    mem.add(v{o})" for o in made]
+        for op in group:
+            if op.id in hooks:
+                fn, vids = hooks[op.id]
+                lines.append(f"    {consts.ref(fn)}([{', '.join(f'v{v}' for v in vids)}])")
         used = dict.fromkeys(r for op in group for r in op.refs())
         dead = [r for r in used if last_use[r] == i and r not in keeps]
         dead += [o for o in made if o not in last_use and o not in keeps]

@@ -35,6 +35,16 @@ from meshplan.schedules.trace import Span, Track
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+class _Done:
+    """The work of a collective that finished before it was returned."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class Comm:
     """The process groups of one rank, and its collective kernels."""
 
@@ -64,6 +74,17 @@ class Comm:
         dist.all_reduce(out, op=_OPS[op], group=self.groups[group])
         self._record(f"all_reduce({op}) {list(group)}", t0)
         return out.to(x.device) if self.host_staged else out
+
+    def all_reduce_async(self, x: torch.Tensor, group):
+        """Sum `x` (a tensor of the caller's own) in place over `group`, in the
+        background; returns the work to wait on (a gradient bucket)."""
+        t0 = time.perf_counter()
+        if self.host_staged:  # staged through the host: done before returning
+            x.copy_(self.all_reduce(x, group, "sum"))
+            return _DONE
+        work = dist.all_reduce(x, group=self.groups[group], async_op=True)
+        self._record(f"all_reduce bucket (start) {list(group)}", t0)
+        return work
 
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
         """In place over every rank (the fp16 overflow flag)."""

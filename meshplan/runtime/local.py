@@ -104,6 +104,11 @@ class LocalComm:
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
         return _REDUCE[op](self._exchange(group, x)).to(x.dtype)
 
+    def all_reduce_async(self, x: torch.Tensor, group) -> _Done:
+        """In place, at once (threads need no background work)."""
+        x.copy_(self.all_reduce(x, group, "sum"))
+        return _Done()
+
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
         """In place over every rank (the fp16 overflow flag)."""
         x.copy_(self.all_reduce(x, self.world, op))

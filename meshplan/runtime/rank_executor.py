@@ -14,6 +14,9 @@ Invariants:
   waited before the action that needs them: the checker's simulation uses
   the same semantics, so a plan it proves deadlock-free runs.
 - With one rank and no process group this is the single-process executor.
+- Gradient buckets (`grad_buckets.py`, not for fp16): the STEP's reductions
+  over dp start during the last micro-batch's backward, coalesced, in the
+  background; the STEP waits for them.
 - On a GPU, each micro-batch's inputs are sliced on the host, pinned and
   copied asynchronously (the compute stream orders the copy before use);
   the plan must have been lowered for the device's type (its kernels).
@@ -39,6 +42,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir import LOSS_SCALE, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
+from meshplan.lowering.buckets import plan_buckets
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
     RankPlan,
@@ -49,6 +53,7 @@ from meshplan.lowering.rankplan import (
 from meshplan.runtime.amp import initial_loss_scale, next_scale
 from meshplan.runtime.bind import RankContext, bind_task, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
+from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.transfers import Transfers
 from meshplan.schedules.action import ActionType
@@ -81,6 +86,8 @@ class RankExecutor:
         self.placement = job.strategy.stage_placement
         self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
+        buckets = plan_buckets(job, plan) if comm is not None else ()
+        self.buckets = GradBuckets(buckets, self.ctx, comm, self.mem) if buckets else None
         self._build(plan)
         self.transfers = Transfers(job, plan, self.ctx, self.device,
                                    p2p=getattr(comm, "p2p", None))
@@ -127,7 +134,8 @@ class RankExecutor:
         shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
         kernels = {}
         for t in tasks:
-            k = bind_task(t, self.ctx, self.comm)
+            k = self.buckets and self.buckets.kernel(g.ops[t.op]) or \
+                bind_task(t, self.ctx, self.comm)
             if k is not None:
                 kernels[t.op] = k
         state_reads = [(r, self.names[r]) for r in reads if r in self.names]
@@ -135,7 +143,8 @@ class RankExecutor:
                         if r in self.updates and r not in self.names and key == STEP_TEMPLATE]
         name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
         fn = compile_segment(g, ops, reads=reads, keeps=keeps + shared, device=self.device,
-                             name=name, kernels=kernels, borrowed=[r for r, _ in state_reads])
+                             name=name, kernels=kernels, borrowed=[r for r, _ in state_reads],
+                             hooks=self.buckets.hooks(key) if self.buckets else None)
         mb_updates = [(o, n) for o in keeps if o in self.updates
                       for n, role in [self.updates[o]] if role in _PER_MICROBATCH]
         step_updates = [(o, n) for o in keeps if o in self.updates
@@ -167,6 +176,8 @@ class RankExecutor:
             self.loss_scale = float(state[LOSS_SCALE])
         envs = [self._data_env(mb) for mb in microbatches]
         self.left: list[dict[int, int]] = [{} for _ in microbatches]
+        if self.buckets is not None:
+            self.buckets.start_step(len(envs))
         losses: dict[int, torch.Tensor] = {}
         for index, action in enumerate(self.plan.actions):
             self.current = str(action)
@@ -183,6 +194,8 @@ class RankExecutor:
         self.current = "wait sends"
         t0 = time.perf_counter()
         self.transfers.wait_sends()
+        if self.buckets is not None:
+            self.buckets.end_step()
         if self.spans is not None:
             self.spans.append(Span("wait sends", Track.COMM, t0, time.perf_counter()))
         self.current = "done"
@@ -237,6 +250,8 @@ class RankExecutor:
         if seg is None:
             return
         fn, state_reads, mb_updates, step_updates, shared = seg
+        if self.buckets is not None:
+            self.buckets.ran(key)
         for vid, name in state_reads:
             env[vid] = state[name]
         try:
