@@ -11,7 +11,7 @@ def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) 
     print(f"{model} {size} on {r['nodes']}x{r['devices_per_node']} = {r['world']} ranks: "
           f"dp={r['dp']} tp={r['tp']} pp={r['pp']} vpp={r['vpp']}, schedule {r['schedule']}, "
           f"{r['num_microbatches']} micro-batches, {r['ops']} ops, {r['precision']}, "
-          f"recompute {r['recompute']}")
+          f"recompute {r['recompute']}" + (f", zero {r['zero']}" if r["zero"] else ""))
     print(f"\n{'stage':>5} {'chunk':>5} {'ops':>6} {'params':>11}  layers")
     for c in r["chunks"]:
         layers = ", ".join(c["layers"]) or "-"
@@ -24,6 +24,11 @@ def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) 
     t = r["totals_per_step"]
     print(f"\nper step: {t['comm_ops']} communication ops, {_mib(t['comm_bytes'])} "
           "(logical bytes of the tensors communicated)")
+    cats = ("param", "grad", "optimizer", "activation", "temp", "total")
+    print(f"\nplanned peak per rank  " + " ".join(f"{c:>11}" for c in cats))
+    for m in r["memory"]:
+        print(f"stage {m['stage']} (rank {m['rank']}):".ljust(23)
+              + " ".join(f"{_mib(m[c]):>11}" for c in cats))
     for name, stages in r.get("shared", {}).items():
         print(f"shared: '{name}' has a copy on stages {stages}; its gradient is all-reduced "
               "across them once per step")

@@ -138,9 +138,22 @@ def report(job: Job) -> dict:
                                             for c in comms),
                             "comm_bytes": per_step},
         "layer_pattern": s.layer_pattern, "tp_plan": [list(x) for x in s.tp_plan],
+        "zero": s.zero, "memory": stage_memory(job),
         "shared": shared_params(job),
         "notes": list(job.notes),
     }
+
+
+def stage_memory(job: Job) -> list[dict]:
+    """The planned peak bytes by category of each stage's first rank (the
+    stage's ranks differ at most by uneven shards), lowered here."""
+    from meshplan.lowering.lower import lower
+
+    out = []
+    for stage in range(job.strategy.pp):
+        rank = job.strategy.ranks_of_stage(stage)[0]
+        out.append({"stage": stage, "rank": rank, **dict(lower(job, rank).memory.peak)})
+    return out
 
 
 def shared_params(job: Job) -> dict[str, list[int]]:

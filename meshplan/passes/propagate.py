@@ -11,7 +11,9 @@ Invariants:
   Sharded data parallel (`zero`, ZeRO's stages) changes only these layouts
   at rest, on the dp axis (`zero_layout`): zero >= 1 shards the optimizer
   state, >= 2 the gradient accumulators too, 3 the parameters too; boxing
-  then makes the reduce-scatters and all-gathers.
+  then makes the reduce-scatters and all-gathers. A zero-3 parameter is
+  seen whole over dp by its consumers (gathered before each use, as FSDP
+  does), not split into a model-parallel op over the dp axis.
 - A hint ({value: {axis: Sbp}}) re-boxes a value right after its producer;
   consumers see the hinted layout, and the cost of reaching it counts in the
   producer's choice. State updates are hinted back to their state's layout
@@ -137,6 +139,10 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
     produced = _input_layouts(graph, grid, param_tp, tp_axis, zero)
     hints = state_hints(graph, produced, hints)
     visible = dict(produced)
+    for v in graph.inputs_by_role(Role.PARAM) if zero == 3 else ():
+        # consumers see the parameter whole over dp, as FSDP gathers it before
+        # each use; boxing gathers it from its shard (and again per phase)
+        visible[v.id] = tuple(R if a == DP_AXIS else s for a, s in enumerate(produced[v.id]))
     value_stage: dict[int, int] = {}
     sigs: dict[int, tuple] = {}
     cache: dict = {}
