@@ -107,3 +107,21 @@ def test_zero3_checkpoint_resumes_at_other_layouts(tmp_path):
                     optimizer="adamw", save_dir=str(here), resume=True)
         diff = max(abs(a - b) for a, b in zip(other["losses"], full["losses"][2:]))
         assert diff <= TOL, (fields, other["losses"], full["losses"][2:])
+
+
+def test_plan_prints_the_zero_level_and_each_stage_memory():
+    import json
+
+    from tests.cli.test_cli import run as cli
+
+    p = cli("plan", "--devices-per-node", "4", "--dp", "4", "--zero", "3", "--optimizer",
+            "adamw", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["zero"] == 3 and [m["stage"] for m in r["memory"]] == [0]
+    plain = json.loads(cli("plan", "--devices-per-node", "4", "--dp", "4", "--optimizer",
+                           "adamw", "--json").stdout)
+    assert abs(r["memory"][0]["param"] - plain["memory"][0]["param"] / 4) <= 4 * 53
+    name = cli("plan", "--devices-per-node", "4", "--dp", "4", "--zero", "3",
+               "--print-config").stdout.strip()
+    assert name.endswith("_pp1_zero3_mb2_gb8_1n4g"), name
