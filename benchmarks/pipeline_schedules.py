@@ -80,7 +80,7 @@ from harness import phase_seconds, profiled_step  # noqa: E402
 
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
 from meshplan.driver.reference import split_microbatches  # noqa: E402
-from meshplan.errors import ConfigError, MeshplanError  # noqa: E402
+from meshplan.errors import ConfigError  # noqa: E402
 from meshplan.ir.fileio import write_atomic  # noqa: E402
 from meshplan.ir.mesh import Mesh  # noqa: E402
 from meshplan.lowering.check import simulate_plans  # noqa: E402
@@ -160,13 +160,10 @@ def check_placement(schedule: str, plans: dict) -> None:
 
 
 def prepare(config: Config, device: str, folder: str) -> dict:
-    """A meshplan config's Job (written under `folder`), its plans' peaks, the
-    simulator's prediction; or why it cannot be planned yet."""
-    try:
-        job = meshplan_job(config.schedule)
-        plans = {r: lower(job, r, device) for r in range(PP)}
-    except MeshplanError as e:
-        return {"pending": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    """A meshplan config's Job (written under `folder`), its plans' peaks and
+    the simulator's prediction."""
+    job = meshplan_job(config.schedule)
+    plans = {r: lower(job, r, device) for r in range(PP)}
     check_placement(config.schedule, plans)
     path = Path(folder, f"{config.key}.job")
     write_atomic(path, job.to_bytes())
@@ -279,16 +276,15 @@ def summary(rounds: list[list[dict]], memory: list[dict], prep: dict) -> dict:
     return out
 
 
-def measure(configs: list[Config], prep: dict, device: str, steps: int, rounds: int) -> dict:
-    """Every runnable configuration `rounds` times, alternating, then one
-    memory run each."""
-    runnable = [c for c in configs if "pending" not in prep.get(c.key, {})]
-    runs = alternate({c.key: partial(run_config, c, prep.get(c.key, {}).get("job_path", ""),
-                                     device, steps) for c in runnable}, rounds)
+def measure(prep: dict, device: str, steps: int, rounds: int) -> dict:
+    """Every configuration `rounds` times, alternating, then one memory run
+    each; `prep` holds meshplan's (`prepare`)."""
+    paths = {c.key: prep.get(c.key, {}).get("job_path", "") for c in CONFIGS}
+    runs = alternate({c.key: partial(run_config, c, paths[c.key], device, steps)
+                      for c in CONFIGS}, rounds)
     out = {}
-    for c in runnable:
-        path = prep.get(c.key, {}).get("job_path", "")
-        memory = run_config(c, path, device, 2, memory=True)
+    for c in CONFIGS:
+        memory = run_config(c, paths[c.key], device, 2, memory=True)
         out[c.key] = summary(runs[c.key]["rounds"], memory, prep.get(c.key, {}))
         out[c.key]["busy_before"] = runs[c.key]["busy_before"]
     return out
@@ -305,8 +301,6 @@ def losses_check(res: dict) -> dict:
 
 # ------------------------------------------------------------------ targets
 def _ratio_target(res: dict, mine: str, theirs: str) -> dict:
-    if mine not in res:
-        return {"met": None, "pending": mine}
     value = res[mine]["median_step_s"] / res[theirs]["median_step_s"]
     return {"value": value, "target": 1.0, "met": value <= 1.0,
             "best_rounds": res[mine]["best_round_step_s"] / res[theirs]["best_round_step_s"]}
@@ -316,8 +310,6 @@ def _bubble_target(res: dict, other: str) -> dict:
     """zbv's measured bubble below `other`'s by at least half the predicted drop
     (largest over ranks)."""
     zbv = "meshplan_zbv"
-    if zbv not in res:
-        return {"met": None, "pending": zbv}
     measured = max(res[other]["bubble"]) - max(res[zbv]["bubble"])
     predicted = (max(res[other]["predicted"]["bubble"])
                  - max(res[zbv]["predicted"]["bubble"]))
@@ -350,9 +342,7 @@ def _mib(xs: list[int]) -> str:
     return _per_rank([x / MiB for x in xs], ".1f")
 
 
-def _row(c: Config, res: dict, prep: dict, ratio: dict) -> str:
-    if c.key not in res:
-        return f"| {c.label} | pending: {prep[c.key]['pending']} ||||||||"
+def _row(c: Config, res: dict, ratio: dict) -> str:
     r = res[c.key]
     pred = _per_rank(r["predicted"]["bubble"], ".3f") if "predicted" in r else "-"
     own = [_mib(r[k]) if k in r else "-" for k in ("executor_peak_bytes", "planned_peak_bytes")]
@@ -363,8 +353,6 @@ def _row(c: Config, res: dict, prep: dict, ratio: dict) -> str:
 
 
 def _target_line(name: str, t: dict) -> str:
-    if t["met"] is None:
-        return f"- {name}: pending ({t['pending']} cannot run yet)"
     verdict = "met" if t["met"] else "NOT met"
     if "value" in t:
         return f"- {name}: {t['value']:.3f}, {verdict} (best rounds: {t['best_rounds']:.3f})"
@@ -376,15 +364,13 @@ def phase_lines(res: dict) -> list[str]:
     """Where each configuration's traced step goes, per rank (ms)."""
     lines = []
     for c in CONFIGS:
-        if c.key not in res:
-            continue
         ranks = [f"rank {r} " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items())
                  for r, ph in enumerate(res[c.key]["phases_s"])]
         lines.append(f"- {c.label}: " + "; ".join(ranks) + ".")
     return lines
 
 
-def table(a, res: dict, prep: dict, tg: dict, loss: dict, load: list) -> str:
+def table(a, res: dict, tg: dict, loss: dict, load: list) -> str:
     ratio = vs_torch_interleaved(res)
     memory = "live storages" if a.device == "cpu" else "allocator peak"
     lines = [f"Pipeline schedules: GPT 8x128 (seq 64, vocab 1024), global batch {BATCH} as {M} "
@@ -399,14 +385,14 @@ def table(a, res: dict, prep: dict, tg: dict, loss: dict, load: list) -> str:
              f"peak {memory} r0 / r1 (MiB) | meshplan executor's peak r0 / r1 (MiB) | "
              "planned peak r0 / r1 (MiB) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [_row(c, res, prep, ratio) for c in CONFIGS]
+    lines += [_row(c, res, ratio) for c in CONFIGS]
     lines += [""] + [_target_line(k, t) for k, t in tg.items()]
     lines.append("- each meshplan schedule / torch ScheduleInterleaved1F1B: " + ", ".join(
         f"{k.removeprefix('meshplan_')} {v:.3f}" for k, v in ratio.items()))
     agree = "agree" if loss["agree"] else "DISAGREE"
     lines.append(f"- losses, max |diff| vs {loss['reference']}: " + ", ".join(
         f"{k} {v:.1e}" for k, v in loss["max_abs_diff"].items()) + f" ({agree})")
-    if any(t["met"] is False for t in tg.values()):
+    if not all(t["met"] for t in tg.values()):
         lines += ["", "Where a traced step's time goes, per rank (ms; other = no span: "
                   "waiting, and for torch its communication):", ""] + phase_lines(res)
     return "\n".join(lines) + "\n"
@@ -434,7 +420,7 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="pipeline-schedules-") as folder:
         prep = {c.key: prepare(c, a.device, folder) for c in CONFIGS if c.system == "meshplan"}
-        res = measure(CONFIGS, prep, a.device, a.steps, a.rounds)
+        res = measure(prep, a.device, a.steps, a.rounds)
     load.append(os.getloadavg()[0])
     loss, tg = losses_check(res), targets(res)
     result = {"benchmark": "pipeline_schedules", "machine": machine(), "model": SHAPE,
@@ -442,9 +428,8 @@ def main() -> None:
               "device": a.device, "optimizer": "sgd", "warmup_steps": WARMUP,
               "steps": a.steps, "rounds": a.rounds, "configs": res, "targets": tg,
               "vs_torch_interleaved": vs_torch_interleaved(res),
-              "pending": {k: v["pending"] for k, v in prep.items() if "pending" in v},
               "losses": loss, "load_average_before_after": load}
-    write("pipeline_schedules", result, table(a, res, prep, tg, loss, load))
+    write("pipeline_schedules", result, table(a, res, tg, loss, load))
     if not loss["agree"]:
         raise SystemExit(f"losses disagree beyond {LOSS_TOLERANCE}: {loss['max_abs_diff']}")
 
