@@ -46,6 +46,7 @@ SHAPE = dict(layers=8, hidden=128, heads=4, seq_len=64, vocab=1024)
 BATCH, WARMUP = 16, 2
 LOSS_TOLERANCE = 1e-4  # max |diff| of two configurations' losses (fp32, SGD steps)
 TIMEOUT = datetime.timedelta(seconds=60)  # a hung rank fails instead of blocking the run
+LOSS_SPAN = "loss"  # TorchPipeline's span of torch's loss_fn call (meshplan's F holds it)
 
 
 def machine() -> dict:
@@ -290,7 +291,7 @@ class TorchPipeline:
         return time.perf_counter() - t0, spans
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with self._span("loss"):
+        with self._span(LOSS_SPAN):
             return lm_loss(logits, targets)
 
     def _span(self, name: str):

@@ -55,6 +55,7 @@ from torch.distributed.pipelining.schedules import generate_stage_to_rank_mappin
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     BATCH,
+    LOSS_SPAN,
     LOSS_TOLERANCE,
     SHAPE,
     WARMUP,
@@ -97,7 +98,6 @@ SCHEDULES = {"1f1b": (1, "Schedule1F1B", "loop"),
              "zb1p": (2, "ScheduleInterleavedZeroBubble", "loop"),
              "zbv": (2, "ScheduleZBVZeroBubble", "v")}
 SYSTEMS = ("meshplan", "torch")
-LOSS = "loss"  # torch's loss_fn span: compute that meshplan's last F holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +243,7 @@ def run_config(config: Config, job_path: str, device: str, steps: int,
 def is_compute(span: Span) -> bool:
     """F, B, I, W, and torch's loss_fn (inside meshplan's F)."""
     a = action_of(span)
-    return span.name == LOSS or (a is not None and a.type.is_compute)
+    return span.name == LOSS_SPAN or (a is not None and a.type.is_compute)
 
 
 def bubbles(ranks: list[dict]) -> list[float]:
