@@ -15,7 +15,9 @@ from collections import defaultdict
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.trace import Span, action_of
 
-_PHASE = {ActionType.F: "forward", ActionType.B: "backward", ActionType.STEP: "optimizer",
+_PHASE = {ActionType.F: "forward", ActionType.B: "backward",
+          ActionType.I: "backward (input)", ActionType.W: "backward (weight)",
+          ActionType.STEP: "optimizer",
           ActionType.RECV_F: "recv (wait)", ActionType.RECV_B: "recv (wait)",
           ActionType.SEND_F: "send (post)", ActionType.SEND_B: "send (post)"}
 

@@ -25,22 +25,37 @@ Run: python benchmarks/runtime.py [--steps K] [--rounds R]
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, write  # noqa: E402
+from common import (  # noqa: E402
+    BATCH,
+    LOSS_TOLERANCE,
+    SHAPE,
+    WARMUP,
+    TorchPipeline,
+    alternate,
+    batches,
+    best_round,
+    cfg,
+    join_group,
+    machine,
+    max_diff,
+    meshplan_rank,
+    spawn_ranks,
+    timed_median,
+    timed_steps,
+    wait_quiet,
+    write,
+    write_rank,
+)
 from harness import phase_seconds, profiled_step  # noqa: E402
 
 from meshplan.autodiff import OptimizerConfig  # noqa: E402
@@ -49,28 +64,12 @@ from meshplan.driver.reference import eager_train, split_microbatches  # noqa: E
 from meshplan.driver.run import run  # noqa: E402
 from meshplan.ir.fileio import write_atomic  # noqa: E402
 from meshplan.ir.mesh import Mesh  # noqa: E402
-from meshplan.models import build_model, example_batch, model_config  # noqa: E402
-from meshplan.runtime.launch import free_port  # noqa: E402
+from meshplan.models import build_model  # noqa: E402
 
-SHAPE = dict(layers=8, hidden=128, heads=4, seq_len=64, vocab=1024)
-BATCH, MICRO, PP, VPP, WARMUP = 16, 2, 2, 2, 2
+MICRO, PP, VPP = 2, 2, 2
 M = BATCH // MICRO
 STAGES = PP * VPP
-TIMEOUT = datetime.timedelta(seconds=60)  # a hung rank fails instead of blocking the run
 TARGETS = {"pp_vs_torch": 0.8, "pp_vs_ideal": 1.15, "single_vs_eager": 1.05}
-
-
-def cfg():
-    return model_config("gpt", "tiny", **SHAPE)
-
-
-def batches(steps: int) -> list:
-    """The batches meshplan's worker trains on (seed 0 + step)."""
-    return [example_batch(cfg(), BATCH, seed=s) for s in range(steps)]
-
-
-def sgd(params) -> torch.optim.Optimizer:
-    return OptimizerConfig.default("sgd").torch_optimizer(params)
 
 
 # ------------------------------------------------------------------ meshplan
@@ -97,77 +96,18 @@ def eager(steps: int, microbatches: int) -> dict:
 
 
 # ------------------------------------------------------------------ torch pipelining
-class Chunk(nn.Module):
-    """Blocks [lo, hi) of one GPT; the first chunk embeds, the last projects."""
-
-    def __init__(self, model: nn.Module, stage: int):
-        super().__init__()
-        per = len(model.blocks) // STAGES
-        self.first, self.last = stage == 0, stage == STAGES - 1
-        if self.first:
-            self.wte, self.wpe = model.wte, model.wpe
-        self.blocks = nn.ModuleList(model.blocks[stage * per:(stage + 1) * per])
-        if self.last:
-            self.ln_f, self.head = model.ln_f, model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x)) if self.last else x
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.view(-1, SHAPE["vocab"]), targets.view(-1))
-
-
-def _example_io(stage: int) -> tuple[torch.Tensor, torch.Tensor]:
-    t, h = SHAPE["seq_len"], SHAPE["hidden"]
-    # requires_grad on the examples: the stage's metadata says which
-    # activations get gradients (without it backward sees no output grads).
-    x = (torch.zeros(MICRO, t, dtype=torch.long) if stage == 0
-         else torch.zeros(MICRO, t, h, requires_grad=True))
-    y = torch.zeros(MICRO, t, SHAPE["vocab"] if stage == STAGES - 1 else h, requires_grad=True)
-    return x, y
-
-
-def _torch_rank(rank: int, port: int, steps: int, out: str) -> None:
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=PP, timeout=TIMEOUT)
-    torch.manual_seed(0)
-    model = build_model(cfg())
-    stages = []
-    for s in range(rank, STAGES, PP):
-        x, y = _example_io(s)
-        stages.append(PipelineStage(Chunk(model, s), s, STAGES, torch.device("cpu"),
-                                    input_args=x, output_args=y))
-    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=lm_loss)
-    opt = sgd([p for st in stages for p in st.submod.parameters()])
-    losses, times = [], []
-    for tokens, targets in batches(steps):
-        mb_losses: list = []
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        schedule.step(tokens, target=targets, losses=mb_losses)
-        opt.step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-        if mb_losses:
-            losses.append(float(torch.stack([x.detach() for x in mb_losses]).mean()))
-    Path(out, f"{rank}.json").write_text(json.dumps({"losses": losses, "step_s": times}))
+def _torch_rank(rank: int, port: int, out: str, steps: int) -> None:
+    device = join_group(rank, port, PP)
+    pipe = TorchPipeline("ScheduleInterleaved1F1B", list(range(rank, STAGES, PP)), STAGES,
+                         MICRO, M, device)
+    losses, times = timed_steps(pipe.step, batches(steps), device)
+    write_rank(out, rank, {"losses": losses, "step_s": times})
     dist.destroy_process_group()
 
 
 def torch_pp(steps: int) -> dict:
     """ScheduleInterleaved1F1B on PP processes; step time is the max over ranks."""
-    with tempfile.TemporaryDirectory(prefix="runtime-torch-") as out:
-        tmp.spawn(_torch_rank, args=(free_port(), steps, out), nprocs=PP, join=True)
-        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(PP)]
+    ranks = spawn_ranks(_torch_rank, (steps,), PP)
     losses = next(r["losses"] for r in ranks if r["losses"])
     return {"losses": losses,
             "step_s": [max(r["step_s"][i] for r in ranks) for i in range(steps)]}
@@ -190,20 +130,10 @@ def _prepost_recvs(ex):
     return post_all
 
 
-def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
+def _profile_rank(rank: int, port: int, out: str, job_path: str, steps: int,
                   prepost: bool) -> None:
-    from meshplan.ir.job import Job
-    from meshplan.lowering.lower import lower
-    from meshplan.runtime.comm import Comm, job_groups
-    from meshplan.runtime.rank_executor import RankExecutor
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=PP, timeout=TIMEOUT)
-    job = Job.from_bytes(Path(job_path).read_bytes())
-    ex = RankExecutor(job, lower(job, rank), Comm(rank, job_groups(job.strategy), "gloo"))
-    torch.manual_seed(0)
-    state = ex.init_state(build_model(cfg()))
+    device = join_group(rank, port, PP)
+    ex, state = meshplan_rank(job_path, rank, device)
     before_step = _prepost_recvs(ex) if prepost else (lambda: None)
     timed = []
     for i, batch in enumerate(batches(steps)):
@@ -213,13 +143,12 @@ def _profile_rank(rank: int, port: int, job_path: str, steps: int, out: str,
             step = profiled_step(ex, state, mbs)
         except RuntimeError as e:  # a timed-out wait: say where, keep the benchmark going
             fail = {"step": i, "action": ex.current, "error": str(e).splitlines()[0][:300]}
-            Path(out, f"{rank}.json").write_text(json.dumps({"failed": fail}))
+            write_rank(out, rank, {"failed": fail})
             return
         if i >= WARMUP:
             timed.append(step)
-    result = {"step_s": sum(wall for wall, _ in timed) / len(timed),
-              "phases_s": phase_seconds(timed)}
-    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    write_rank(out, rank, {"step_s": sum(wall for wall, _ in timed) / len(timed),
+                           "phases_s": phase_seconds(timed)})
     dist.destroy_process_group()
 
 
@@ -228,12 +157,11 @@ def profile_pp(steps: int, prepost: bool = False) -> dict:
     s = zoo_strategy("gpt", cfg(), pp=PP, vpp=VPP, global_batch_size=BATCH,
                      micro_batch_size=MICRO)
     job = plan_model("gpt", "tiny", Mesh(1, PP), s, "sgd", **SHAPE).job
-    with tempfile.TemporaryDirectory(prefix="runtime-prof-") as out:
-        job_path = Path(out, "job.bin")
+    with tempfile.TemporaryDirectory(prefix="runtime-prof-") as d:
+        job_path = Path(d, "job.bin")
         write_atomic(job_path, job.to_bytes())
-        tmp.spawn(_profile_rank, args=(free_port(), str(job_path), steps, out, prepost),
-                  nprocs=PP, join=True)
-        return {str(r): json.loads(Path(out, f"{r}.json").read_text()) for r in range(PP)}
+        ranks = spawn_ranks(_profile_rank, (str(job_path), steps, prepost), PP)
+    return {str(r): v for r, v in enumerate(ranks)}
 
 
 # ------------------------------------------------------------------ report
@@ -249,58 +177,13 @@ NAMES = {"pp_vs_torch": "meshplan pp / torch pipelining",
          "single_vs_eager": "meshplan single rank / eager"}
 
 
-def cpu_busy(interval_s: float = 0.5) -> float:
-    """Fraction of all CPUs busy over `interval_s` (Linux /proc/stat; else 0)."""
-    def read() -> tuple[int, int]:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return sum(f), f[3] + f[4]  # total, idle + iowait
-    try:
-        t0, i0 = read()
-        time.sleep(interval_s)
-        t1, i1 = read()
-    except OSError:
-        return 0.0
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
-
-
-def wait_quiet(limit_s: float = 10.0, busy: float = 0.15) -> float:
-    """Wait (at most `limit_s`) until other processes leave the CPUs; returns
-    the busy fraction last seen. Measured: this machine is shared, and a
-    burst of other work doubles a 2-rank step."""
-    end = time.monotonic() + limit_s
-    seen = cpu_busy()
-    while seen > busy and time.monotonic() < end:
-        seen = cpu_busy()
-    return seen
-
-
 def measure(steps: int, rounds: int) -> dict:
-    """Every configuration once per round, round after round, each after the
-    CPUs are quiet, so that bursts of load from other processes on the machine
-    spread over all of them. Losses are round 0's (every round trains the same
-    batches from seed 0)."""
-    runs: dict = {k: {"losses": None, "rounds": [], "busy_before": []} for k in CONFIGS}
-    for _ in range(rounds):
-        for k, (_, fn) in CONFIGS.items():
-            runs[k]["busy_before"].append(wait_quiet())
-            out = fn(steps)
-            runs[k]["rounds"].append(out["step_s"])
-            runs[k]["losses"] = runs[k]["losses"] or out["losses"]
-    return runs
-
-
-def timed_median(rounds: list[list[float]]) -> float:
-    return median([s for r in rounds for s in r[WARMUP:]])
-
-
-def best_round(rounds: list[list[float]]) -> float:
-    """The quietest round's median: a companion to the median when other
-    processes load the machine during some rounds."""
-    return min(median(r[WARMUP:]) for r in rounds)
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b))
+    """Every configuration once per round (`alternate`). Losses are round 0's
+    (every round trains the same batches from seed 0)."""
+    runs = alternate({k: partial(fn, steps) for k, (_, fn) in CONFIGS.items()}, rounds)
+    return {k: {"losses": v["rounds"][0]["losses"],
+                "rounds": [r["step_s"] for r in v["rounds"]],
+                "busy_before": v["busy_before"]} for k, v in runs.items()}
 
 
 def ratios(t: dict) -> dict:
@@ -320,12 +203,12 @@ def losses_check(runs: dict) -> dict:
              "torch_pp_vs_eager_8x2": ("torch_pp", "eager_8x2"),
              "meshplan_single_vs_eager": ("meshplan_single", "eager"),
              "meshplan_single_8x2_vs_eager_8x2": ("meshplan_single_8x2", "eager_8x2")}
-    return {"per_step": loss, "tolerance": 1e-4,
+    return {"per_step": loss, "tolerance": LOSS_TOLERANCE,
             "max_abs_diff": {k: max_diff(loss[a], loss[b]) for k, (a, b) in pairs.items()}}
 
 
-def _eager_rank(rank: int, steps: int, out: str) -> None:
-    Path(out, f"{rank}.json").write_text(json.dumps(timed_median([eager(steps, 1)["step_s"]])))
+def _eager_rank(rank: int, port: int, out: str, steps: int) -> None:
+    write_rank(out, rank, timed_median([eager(steps, 1)["step_s"]]))
 
 
 def concurrency(steps: int) -> dict:
@@ -334,9 +217,7 @@ def concurrency(steps: int) -> dict:
     wait_quiet()
     alone = timed_median([eager(steps, 1)["step_s"]])
     wait_quiet()
-    with tempfile.TemporaryDirectory(prefix="runtime-conc-") as out:
-        tmp.spawn(_eager_rank, args=(steps, out), nprocs=PP, join=True)
-        together = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(PP)]
+    together = spawn_ranks(_eager_rank, (steps,), PP)
     return {"alone_s": alone, "together_s": together, "slowdown": max(together) / alone}
 
 
