@@ -29,6 +29,7 @@ import heapq
 
 from meshplan.ir import TensorMeta
 from meshplan.lowering.buckets import bucketed_bytes
+from meshplan.lowering.prefetch import prefetched_bytes
 from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import has_temp, temp_key
@@ -120,8 +121,14 @@ def plan_memory(low, buffers) -> MemoryPlan:
     for b in transient:
         blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[b.id], b.nbytes,
                             (b.id,)))
-    peak["activation"] = saved_extent + extent
-    arenas.append((act_arena, "activations", saved_extent + extent))
+    # ZeRO-3: the next layer's gathered parameters, prefetched (`prefetch.py`)
+    size = {b.id: b.nbytes for b in buffers}
+    ahead = prefetched_bytes(low.tasks, low.op_of.__getitem__, low.view.values,
+                             low.view.strategy.layer_pattern,
+                             lambda t: size[t.outputs[0]]) \
+        if low.view.strategy.zero == 3 else 0
+    peak["activation"] = saved_extent + extent + ahead
+    arenas.append((act_arena, "activations", saved_extent + extent + ahead))
     peak["temp"] = _temp(low)
     for k in ("param", "grad", "optimizer", "activation", "temp"):
         peak.setdefault(k, 0)

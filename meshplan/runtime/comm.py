@@ -99,6 +99,11 @@ class Comm:
         """Gather along `dim`; `shapes` are every member's local shapes. Uneven
         parts (a dim that does not divide by the group) travel padded to the
         largest, as gloo and NCCL gather equal sizes only, and are cut back."""
+        return self.all_gather_async(x, group, dim, shapes)()
+
+    def all_gather_async(self, x: torch.Tensor, group, dim: int, shapes):
+        """`all_gather`, started in the background: returns the call that
+        waits for it and gives the gathered tensor."""
         t0 = time.perf_counter()
         where = "cpu" if self.host_staged else x.device
         rows = [s[dim] for s in shapes]
@@ -110,11 +115,15 @@ class Comm:
             mine = torch.cat([mine, mine.new_zeros(pad)], dim=dim)
         full = [tuple(most if d == dim else n for d, n in enumerate(s)) for s in shapes]
         parts = [torch.empty(s, dtype=x.dtype, device=where) for s in full]
-        dist.all_gather(parts, mine, group=self.groups[group])
-        self._record(f"all_gather {list(group)}", t0)
-        if any(r < most for r in rows):
-            parts = [p.narrow(dim, 0, r) for p, r in zip(parts, rows)]
-        return torch.cat(parts, dim=dim).to(x.device)
+        work = dist.all_gather(parts, mine, group=self.groups[group], async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            self._record(f"all_gather {list(group)}", t0)
+            cut = [p.narrow(dim, 0, r) for p, r in zip(parts, rows)] \
+                if any(r < most for r in rows) else parts
+            return torch.cat(cut, dim=dim).to(x.device)
+        return finish
 
     def _record(self, name: str, t0: float) -> None:
         if self.spans is not None:

@@ -118,6 +118,11 @@ class LocalComm:
         assert [tuple(p.shape) for p in parts] == [tuple(s) for s in shapes]
         return torch.cat(parts, dim=dim)
 
+    def all_gather_async(self, x: torch.Tensor, group, dim: int, shapes):
+        """At once (threads need no background work); the call gives the result."""
+        out = self.all_gather(x, group, dim, shapes)
+        return lambda: out
+
     def p2p(self, ops) -> list:
         works = []
         for kind, t, peer, tag in ops:

@@ -16,7 +16,8 @@ Invariants:
 - With one rank and no process group this is the single-process executor.
 - Gradient buckets (`grad_buckets.py`, not for fp16): the STEP's reductions
   over dp start during the last micro-batch's backward, coalesced, in the
-  background; the STEP waits for them.
+  background; the STEP waits for them. ZeRO-3's parameter gathers start one
+  layer ahead (`gather_prefetch.py`).
 - On a GPU, each micro-batch's inputs are sliced on the host, pinned and
   copied asynchronously (the compute stream orders the copy before use);
   the plan must have been lowered for the device's type (its kernels).
@@ -53,6 +54,7 @@ from meshplan.lowering.rankplan import (
 from meshplan.runtime.amp import initial_loss_scale, next_scale
 from meshplan.runtime.bind import RankContext, bind_task, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
+from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.transfers import Transfers
@@ -88,6 +90,8 @@ class RankExecutor:
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         buckets = plan_buckets(job, plan) if comm is not None else ()
         self.buckets = GradBuckets(buckets, self.ctx, comm, self.mem) if buckets else None
+        self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
+            if comm is not None and job.strategy.zero == 3 else None
         self._build(plan)
         self.transfers = Transfers(job, plan, self.ctx, self.device,
                                    p2p=getattr(comm, "p2p", None))
@@ -134,8 +138,8 @@ class RankExecutor:
         shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
         kernels = {}
         for t in tasks:
-            k = self.buckets and self.buckets.kernel(g.ops[t.op]) or \
-                bind_task(t, self.ctx, self.comm)
+            k = (self.buckets and self.buckets.kernel(g.ops[t.op]) or
+                 self.prefetch and self.prefetch.kernel(t) or bind_task(t, self.ctx, self.comm))
             if k is not None:
                 kernels[t.op] = k
         state_reads = [(r, self.names[r]) for r in reads if r in self.names]
@@ -178,6 +182,8 @@ class RankExecutor:
         self.left: list[dict[int, int]] = [{} for _ in microbatches]
         if self.buckets is not None:
             self.buckets.start_step(len(envs))
+        if self.prefetch is not None:
+            self.prefetch.start_step(state)
         losses: dict[int, torch.Tensor] = {}
         for index, action in enumerate(self.plan.actions):
             self.current = str(action)

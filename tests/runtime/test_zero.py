@@ -125,3 +125,25 @@ def test_plan_prints_the_zero_level_and_each_stage_memory():
     name = cli("plan", "--devices-per-node", "4", "--dp", "4", "--zero", "3",
                "--print-config").stdout.strip()
     assert name.endswith("_pp1_zero3_mb2_gb8_1n4g"), name
+
+
+def test_zero3_gathers_are_prefetched_a_layer_ahead_and_planned(monkeypatch):
+    import meshplan.lowering.memory as memory
+    from meshplan.lowering.prefetch import gather_groups, prefetched_bytes
+
+    job, _ = _planned(3)
+    plan = lower(job, 0)
+    groups = gather_groups(plan.tasks, job.graph.ops.__getitem__, job.graph.values,
+                           job.strategy.layer_pattern)
+    forward = [k for k in groups if k[1].value == "forward"][0]
+    layers = [{job.graph.ops[t.op].module_path.split(".")[1] for t in g
+               if job.graph.ops[t.op].module_path.startswith("blocks.")} for g in groups[forward]]
+    assert [x for x in layers if x] == [{"0"}, {"1"}, {"2"}, {"3"}]  # one group a block
+    size = {b.id: b.nbytes for b in plan.buffers}
+    ahead = prefetched_bytes(plan.tasks, job.graph.ops.__getitem__, job.graph.values,
+                             job.strategy.layer_pattern, lambda t: size[t.outputs[0]])
+    assert ahead == max(sum(size[t.outputs[0]] for t in g)
+                        for gs in groups.values() for g in gs[1:])
+    monkeypatch.setattr(memory, "prefetched_bytes", lambda *a: 0)
+    unplanned = dict(lower(job, 0).memory.peak)["activation"]
+    assert ahead > 0 and dict(plan.memory.peak)["activation"] == unplanned + ahead
