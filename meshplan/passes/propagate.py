@@ -107,7 +107,7 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int,
                                                                        Role.GRAD) else None
         if v.role is Role.OPT_STATE and owner is None:
             layouts[vid] = (R,) * len(grid)  # a step-level scalar (the loss scale)
-        elif v.role is Role.OPT_STATE:
+        elif v.role is Role.OPT_STATE and owner is not None:
             p, layout = owner
             layouts[vid] = layout if v.meta.shape == p.meta.shape else (R,) * len(grid)
         elif v.role is Role.GRAD and owner is not None and zero >= 2:
