@@ -20,7 +20,7 @@ from collections.abc import Callable
 from meshplan.errors import ScheduleError
 from meshplan.ir.choices import Schedule
 from meshplan.ir.stage_placement import StagePlacement, placement_of
-from meshplan.schedules.action import Action, ActionType, chunk_of, rank_of
+from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.gpipe import schedule_gpipe
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.interleaved import schedule_interleaved
@@ -43,8 +43,8 @@ SCHEDULES: dict[Schedule, ScheduleFn] = {
 
 __all__ = [
     "SCHEDULES", "Action", "ActionType", "SimResult",
-    "StagePlacement", "Transfer", "add_comm", "chain_edges", "chrome_trace", "chunk_of",
-    "compute_actions", "format_grid", "placement_of", "rank_of", "simulate", "validate",
+    "StagePlacement", "Transfer", "add_comm", "chain_edges", "chrome_trace",
+    "compute_actions", "format_grid", "placement_of", "simulate", "validate",
 ]
 
 

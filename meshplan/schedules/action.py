@@ -3,8 +3,8 @@
 Invariants:
 - `stage` is a VIRTUAL stage index, the model's pieces in order
   0..pp*vpp-1 (the numbering of torch.distributed.pipelining). The rank
-  that runs it is the schedule's `stage_placement.StagePlacement`: by
-  default (interleaved) stage `chunk * pp + rank`, so `rank_of(stage, pp)`.
+  that runs it is the schedule's `ir.stage_placement.StagePlacement`: by
+  default (interleaved) stage `chunk * pp + rank`.
   STEP has `stage == microbatch == -1`.
 - Compute actions have `peer == -1`: F (forward), B (the whole backward),
   or the backward split in two, I (gradients of the stage's inputs, which
@@ -168,13 +168,3 @@ class Action:
         if peer is not None and not atype.is_comm:
             raise ScheduleError(f"cannot parse action {text!r}: only SEND/RECV take `@<peer>`")
         return Action(int(stage), atype, int(mb), -1 if peer is None else int(peer))
-
-
-def chunk_of(stage: int, pp: int) -> int:
-    """The chunk (virtual pipeline index) of a virtual stage, interleaved placement."""
-    return stage // pp
-
-
-def rank_of(stage: int, pp: int) -> int:
-    """The pipeline rank that runs a virtual stage, interleaved placement."""
-    return stage % pp

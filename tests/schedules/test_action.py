@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import ScheduleError
-from meshplan.schedules.action import Action, ActionType, chunk_of, rank_of
+from meshplan.schedules.action import Action, ActionType
 
 COMM = [t for t in ActionType if t.is_comm]
 
@@ -79,8 +79,6 @@ def test_kinds_and_helpers():
     assert ActionType.SEND_B.kind is ActionType.B and ActionType.RECV_F.kind is ActionType.F
     assert ActionType.F.is_compute and not ActionType.F.is_comm
     assert ActionType.RECV_B.is_recv and ActionType.SEND_F.is_send
-    assert [chunk_of(s, 4) for s in (0, 3, 4, 9)] == [0, 0, 1, 2]
-    assert [rank_of(s, 4) for s in (0, 3, 4, 9)] == [0, 3, 0, 1]
 
 
 def test_split_backward_kinds():

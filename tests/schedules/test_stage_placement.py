@@ -5,7 +5,7 @@ import pytest
 from meshplan.errors import ScheduleError
 from meshplan.ir.stage_placement import StagePlacement, placement_of
 from meshplan.schedules import SCHEDULES, add_comm, validate
-from meshplan.schedules.action import ActionType, rank_of
+from meshplan.schedules.action import ActionType
 
 from ._util import compute, lowered, parse_lists
 
@@ -13,8 +13,10 @@ from ._util import compute, lowered, parse_lists
 def test_interleaved_is_stage_mod_pp():
     p = StagePlacement.interleaved(4, 2)
     assert p.ranks == (0, 1, 2, 3, 0, 1, 2, 3) and (p.pp, p.vpp, p.num_stages) == (4, 2, 8)
-    assert all(p.rank_of(s) == rank_of(s, 4) for s in range(8))
+    assert all(p.rank_of(s) == s % 4 for s in range(8))
     assert p.stages_of(1) == (1, 5)
+    assert [p.chunk_of(s) for s in (0, 3, 4, 7)] == [0, 0, 1, 1]
+    assert p.stage_at(1, 1) == 5 and StagePlacement.v(4).stage_at(1, 1) == 6
 
 
 def test_v_holds_r_and_2pp_minus_1_minus_r():
