@@ -25,7 +25,8 @@ def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) 
     print(f"\nper step: {t['comm_ops']} communication ops, {_mib(t['comm_bytes'])} "
           "(logical bytes of the tensors communicated)")
     cats = ("param", "grad", "optimizer", "activation", "temp", "total")
-    print("\nplanned peak per rank  " + " ".join(f"{c:>11}" for c in cats))
+    if r["memory"]:
+        print("\nplanned peak per rank  " + " ".join(f"{c:>11}" for c in cats))
     for m in r["memory"]:
         print(f"stage {m['stage']} (rank {m['rank']}):".ljust(23)
               + " ".join(f"{_mib(m[c]):>11}" for c in cats))

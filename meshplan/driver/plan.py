@@ -146,9 +146,13 @@ def report(job: Job) -> dict:
 
 def stage_memory(job: Job) -> list[dict]:
     """The planned peak bytes by category of each stage's first rank (the
-    stage's ranks differ at most by uneven shards), lowered here."""
+    stage's ranks differ at most by uneven shards), lowered here; none for a
+    layout with other chunk counts than vpp (a user layout kept by runs:
+    reported, not schedulable)."""
     from meshplan.lowering.lower import lower
 
+    if max(job.chunk, default=0) + 1 != job.strategy.vpp:
+        return []
     out = []
     for stage in range(job.strategy.pp):
         rank = job.strategy.ranks_of_stage(stage)[0]
