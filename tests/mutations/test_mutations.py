@@ -29,7 +29,12 @@ from meshplan.runtime.comm import tag_of
 from meshplan.runtime.local import local_ranks, train_local
 from meshplan.schedules.action import ActionType
 
-STEPS, FIELDS = 3, dict(dp=2, tp=2, pp=2, global_batch_size=8, micro_batch_size=2)
+# No gradient buckets: these mutations tamper with the accumulators between
+# the last backward and the STEP, which is where the STEP reads them without
+# buckets; with buckets the reduction reads the last micro-batch's gradients
+# inside the backward (tests/runtime/test_buckets.py plants bugs there).
+STEPS, FIELDS = 3, dict(dp=2, tp=2, pp=2, global_batch_size=8, micro_batch_size=2,
+                        bucket_mb=0)
 TARGET = "blocks.3.mlp.fc1.weight"  # a tp-split weight on the last stage
 VICTIM = 4  # a rank of the last stage (dp 0, tp 0)
 
