@@ -1,0 +1,747 @@
+"""Sharded data parallel: meshplan --zero 0, 1, 2, 3 beside torch's DDP and
+FSDP2, per rank: memory planned and measured, bytes communicated, step time.
+
+Setup: the zoo's GPT small (8 layers, hidden 256, 8 heads, seq 128, vocab
+1024, 6.9M parameters) on 4 gloo processes over 127.0.0.1 (dp=4), one thread
+each, CPU, AdamW (lr 1e-3, weight decay 0.01); global batch 16 = 2
+micro-batches x 2 samples x 4 ranks, each micro-batch's loss scaled by 1/2.
+Every configuration builds the GPT from seed 0 and trains on the same
+batches (step k's from seed k); rank r takes rows [2r, 2r+2) of each
+micro-batch of 8, as meshplan's dp slicing does.
+- meshplan zero z: `Strategy(dp=4, zero=z)`, default gradient buckets
+  (25 MiB), its rank executor run here directly.
+- DDP: `DistributedDataParallel` (default 25 MB buckets), `no_sync()` for
+  every micro-batch but the last.
+- FSDP2: `fully_shard` on each block, then on the root;
+  `set_requires_gradient_sync(False)` for every micro-batch but the last.
+
+Measured, the same way for every configuration:
+- step time: the max over ranks of a step timed between barriers; the
+  median of the steps after the warm-up over all rounds. Configurations
+  alternate round by round, each started once the CPUs are quiet (the
+  machine is shared).
+- bytes communicated per step and rank: c10d's flight recorder
+  (`TORCH_FR_BUFFER_SIZE`), which records every collective a process group
+  runs, whoever calls it (meshplan, FSDP2, or DDP's C++ reducer), with its
+  input and output sizes; the last timed step's records, between its two
+  barriers. "bytes" is the larger of a collective's input and output
+  (an all-gather's gathered tensor, an all-reduce's tensor); "ring bytes"
+  what a ring algorithm sends per rank for it: 2(n-1)/n of an all-reduce,
+  (n-1)/n of an all-gather.
+- state at rest per rank, after the last step: the bytes (numel x element
+  size) of the rank's parameters, gradients and optimizer state as it holds
+  them (FSDP2: the DTensors' local shards; meshplan: its state by name).
+- live bytes peak per rank, over one more step in the first round (not
+  timed): every storage the rank holds at the step's start, and every
+  storage an op reads or writes during it, counted at its current size after
+  every op (so FSDP2's resized parameter storages count as they are) until
+  torch frees it (`LiveStorages`). DDP's reducer buckets, made before the
+  step, count from the op that first writes them. For meshplan also its
+  executor's own count (`ex.mem`) and the plan's peak by category
+  (`lower(job, rank).memory.peak`).
+Targets (met / NOT met): optimizer-state bytes per rank at zero >= 1 and
+parameter bytes at zero 3 are 1/dp of zero 0's within padding (one row of
+each split tensor, and the unsplit scalars); meshplan zero 3 <= 1.0 x FSDP2
+and zero 0 <= 1.0 x DDP in median step time; every configuration's losses
+equal DDP's within 1e-5 relative (asserted). A missed step-time target
+profiles the configurations it compares and says where the time goes.
+
+Run: python benchmarks/sharded_dp.py [--steps K] [--rounds R] [--picture PNG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import weakref
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write  # noqa: E402
+from harness import phase_seconds, profiled_step  # noqa: E402
+from runtime import best_round, timed_median, wait_quiet  # noqa: E402
+
+from meshplan.autodiff import OptimizerConfig  # noqa: E402
+from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
+from meshplan.ir.fileio import write_atomic  # noqa: E402
+from meshplan.ir.mesh import Mesh  # noqa: E402
+from meshplan.ir.state_name import GRAD, SEP  # noqa: E402
+from meshplan.models import build_model, example_batch, model_config  # noqa: E402
+from meshplan.runtime.data import split_microbatches  # noqa: E402
+from meshplan.runtime.launch import free_port  # noqa: E402
+from meshplan.schedules.trace import Span, Track  # noqa: E402
+
+DP, BATCH, MICRO, WARMUP = 4, 16, 2, 2
+M = BATCH // (MICRO * DP)  # micro-batches per step
+ZEROS = (0, 1, 2, 3)
+LOSS_RTOL = 1e-5
+FR_ENTRIES = 4096  # the flight recorder's ring: more than one step's collectives
+TIMEOUT = datetime.timedelta(seconds=120)  # a hung rank fails instead of blocking the run
+TARGETS = {"zero3_vs_fsdp2": 1.0, "zero0_vs_ddp": 1.0}
+CATEGORIES = ("param", "grad", "optimizer")
+MiB = 2 ** 20
+
+
+def cfg():
+    return model_config("gpt", "small")
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return example_batch(cfg(), BATCH, seed=step)
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return OptimizerConfig.default("adamw").torch_optimizer(params)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def row_bytes(t: torch.Tensor) -> int:
+    """One slice of `t` along its first dimension longer than 1 (the one a
+    near-equal split cuts), or all of it if none: what padding may add."""
+    dims = [n for n in t.shape if n > 1]
+    return nbytes(t) // dims[0] if dims else nbytes(t)
+
+
+def at_rest(tensors: dict[str, list[torch.Tensor]]) -> dict:
+    """Bytes per category, and the padding allowance of each (`row_bytes`)."""
+    return {"bytes": {k: sum(nbytes(t) for t in ts) for k, ts in tensors.items()},
+            "pad": {k: sum(row_bytes(t) for t in ts) for k, ts in tensors.items()}}
+
+
+# ------------------------------------------------------------------ trainers
+class MeshplanTrainer:
+    """meshplan's rank executor for the Job at `job_path`, on this rank."""
+
+    def __init__(self, job_path: str, rank: int):
+        from meshplan.ir.job import Job
+        from meshplan.lowering.lower import lower
+        from meshplan.runtime.comm import Comm, job_groups
+        from meshplan.runtime.rank_executor import RankExecutor
+
+        job = Job.from_bytes(Path(job_path).read_bytes())
+        self.comm = Comm(rank, job_groups(job.strategy, job), "gloo")
+        self.ex = RankExecutor(job, lower(job, rank), self.comm)
+        torch.manual_seed(0)
+        self.state = self.ex.init_state(build_model(cfg()))
+
+    def step(self, b) -> float:
+        """One step; the mean loss over the micro-batches (every rank holds it)."""
+        losses = self.ex.step(self.state, split_microbatches(b, M))
+        return float(torch.stack(losses).mean())
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        out: dict[str, list] = {k: [] for k in CATEGORIES}
+        for name, t in self.state.items():
+            if t is not None:
+                slot = name.rpartition(SEP)[2] if SEP in name else ""
+                out["param" if not slot else "grad" if slot == GRAD else "optimizer"].append(t)
+        return out
+
+    def profiled(self, b) -> tuple[float, list[Span], list[Span]]:
+        """A step with the executor's and the collectives' spans on."""
+        comm: list[Span] = []
+        self.comm.spans = comm
+        try:
+            wall, spans = profiled_step(self.ex, self.state, split_microbatches(b, M))
+        finally:
+            self.comm.spans = None
+        return wall, spans, comm
+
+    def live_step(self, b) -> dict:
+        """`live_step`, with the executor's own peak over it and the plan's."""
+        self.ex.mem.peak = self.ex.mem.live
+        out = live_step(self, b)
+        return out | {"executor_peak": self.ex.mem.peak,
+                      "planned": dict(self.ex.plan.memory.peak)}
+
+
+class TorchTrainer:
+    """DDP or FSDP2 over the GPT, gradient accumulation as meshplan's."""
+
+    def __init__(self, kind: str, rank: int):
+        torch.manual_seed(0)
+        model = build_model(cfg())
+        self.kind, self.rank, self.spans = kind, rank, None
+        if kind == "ddp":
+            self.model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            self.model = fully_shard(model)
+        self.opt = adamw(self.model.parameters())
+
+    def step(self, b) -> float:
+        """One step; this rank's mean loss over its micro-batches."""
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i, mb in enumerate(split_microbatches(b, M)):
+            tokens, targets = (t.chunk(DP)[self.rank] for t in mb)
+            with self._sync(i == M - 1):
+                with self._span("forward"):
+                    loss = self.model(tokens, targets)
+                with self._span("backward"):
+                    (loss / M).backward()
+            total += float(loss.detach())
+        with self._span("optimizer"):
+            self.opt.step()
+        return total / M
+
+    def _sync(self, last: bool):
+        """Reduce the gradients in the last micro-batch's backward only."""
+        if self.kind == "ddp":
+            return contextlib.nullcontext() if last else self.model.no_sync()
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _span(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        if self.spans is not None:
+            self.spans.append(Span(name, Track.COMPUTE, t0, time.perf_counter()))
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.model.parameters())
+        slots = [t for p in params for t in self.opt.state.get(p, {}).values()
+                 if torch.is_tensor(t)]
+        return {"param": [local(p) for p in params],
+                "grad": [local(p.grad) for p in params if p.grad is not None],
+                "optimizer": [local(t) for t in slots]}
+
+    def profiled(self, b) -> tuple[float, list[Span], list[Span]]:
+        """A step with its phases' spans on, and for FSDP2 its parameter
+        groups' communication calls (`fsdp_comm_spans`)."""
+        self.spans, comm = [], []
+        timers = fsdp_comm_spans(comm) if self.kind == "fsdp2" else contextlib.nullcontext()
+        t0 = time.perf_counter()
+        try:
+            with timers:
+                self.step(b)
+        finally:
+            spans, self.spans = self.spans, None
+        return time.perf_counter() - t0, spans, comm
+
+    def live_step(self, b) -> dict:
+        return live_step(self, b)
+
+
+_FSDP_COMM = ("unshard", "wait_for_unshard", "post_backward")
+
+
+@contextlib.contextmanager
+def fsdp_comm_spans(spans: list[Span]):
+    """Diagnostic, for profiled steps only: FSDP2's parameter-group calls
+    that communicate, timed as COMM spans: `unshard` (starts the all-gather),
+    `wait_for_unshard` (waits for it, copies out), `post_backward` (the
+    reduce-scatter in the last micro-batch, and the reshard)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
+        return call
+
+    saved = {name: getattr(FSDPParamGroup, name) for name in _FSDP_COMM}
+    for name, fn in saved.items():
+        setattr(FSDPParamGroup, name, timed(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(FSDPParamGroup, name, fn)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t.detach()
+
+
+# ------------------------------------------------------------------ live storages
+class LiveStorages(TorchDispatchMode):
+    """While on, every storage `held` at the start and every storage an op
+    reads or writes counts at its current size, polled after every op (a
+    storage resized in place, as FSDP2 frees and refills its unsharded
+    parameters, counts as it is), until torch frees it; `peak` is the
+    high-water mark. A storage's Python object lives as long as the storage
+    (torch keeps it), so a weak reference to it ends with the storage."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.storages: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        for t in held:
+            self._hold(t)
+        self.peak = self._live()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves((args, kwargs, out)):
+            self._hold(t)
+        self.peak = max(self.peak, self._live())
+        return out
+
+    def _hold(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor
+            for attr in t.__tensor_flatten__()[0]:
+                self._hold(getattr(t, attr))
+            return
+        s = t.untyped_storage()
+        self.storages[id(s)] = s
+
+    def _live(self) -> int:
+        return sum(s.nbytes() for s in self.storages.values())
+
+
+# ------------------------------------------------------------------ flight recorder
+_ELEMENT = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
+            "Short": 2, "Char": 1, "Byte": 1, "Bool": 1}
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def flight_records() -> list[dict]:
+    """This process's collectives so far (the flight recorder's ring)."""
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    return json.loads(_dump_fr_trace_json(True, True))["entries"]
+
+
+def last_step(records: list[dict]) -> list[dict]:
+    """The collectives between the last two barriers: the last timed step's."""
+    marks = [i for i, e in enumerate(records) if e["profiling_name"] == "gloo:barrier"]
+    return records[marks[-2] + 1:marks[-1]]
+
+
+def comm_summary(records: list[dict]) -> dict:
+    """Per collective kind: count, bytes (the larger of input and output) and
+    ring bytes (what a ring algorithm sends per rank)."""
+    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "ring_bytes": 0.0})
+    for e in records:
+        size = _ELEMENT[e["input_dtypes"][0]]
+        n_in = sum(_prod(s) for s in e["input_sizes"]) * size
+        n_out = sum(_prod(s) for s in e["output_sizes"]) * size
+        kind = e["profiling_name"].removeprefix("gloo:")
+        k = out[kind]
+        k["count"] += 1
+        k["bytes"] += max(n_in, n_out)
+        k["ring_bytes"] += max(n_in, n_out) * (DP - 1) / DP * (2 if kind == "all_reduce" else 1)
+    return dict(out)
+
+
+# ------------------------------------------------------------------ rank processes
+def _trainer(name: str, rank: int, job_path: str):
+    if name.startswith("meshplan"):
+        return MeshplanTrainer(job_path, rank)
+    return TorchTrainer(name, rank)
+
+
+def _timed(trainer, steps: int) -> tuple[list[float], list[float]]:
+    losses, times = [], []
+    for k in range(steps):
+        b = batch(k)
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(trainer.step(b))
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return losses, times
+
+
+def live_step(trainer, b) -> dict:
+    """One step under `LiveStorages`: its loss and the live bytes peak."""
+    held = [t for ts in trainer.state_tensors().values() for t in ts]
+    dist.barrier()
+    with LiveStorages(held) as live:
+        loss = trainer.step(b)
+    return {"loss": loss, "live_peak": live.peak}
+
+
+def _rank(rank: int, port: int, out: str, name: str, job_path: str, steps: int,
+          account: bool, profile: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=DP, timeout=TIMEOUT)
+    trainer = _trainer(name, rank, job_path)
+    losses, times = _timed(trainer, steps)
+    result: dict = {"losses": losses, "step_s": times}
+    if account:
+        result |= {"comm": comm_summary(last_step(flight_records())),
+                   "at_rest": at_rest(trainer.state_tensors()),
+                   "memory": trainer.live_step(batch(steps))}
+    if profile:
+        result["profile"] = _profile(trainer, steps + account, profile)
+    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _profile(trainer, first: int, steps: int) -> dict:
+    """Mean seconds per step in each phase, and in collectives by kind."""
+    runs = []
+    for k in range(first, first + steps):
+        b = batch(k)
+        dist.barrier()
+        runs.append(trainer.profiled(b))
+    comm: dict = defaultdict(float)
+    for _, _, spans in runs:
+        for s in spans:
+            comm[s.name.split(" ")[0]] += (s.end - s.start) / len(runs)
+    return {"step_s": sum(r[0] for r in runs) / len(runs),
+            "phases_s": phase_seconds([(w, s) for w, s, _ in runs]),
+            "collectives_s": dict(comm)}
+
+
+def run_config(name: str, job_path: str, steps: int, account: bool = False,
+               profile: int = 0) -> list[dict]:
+    """`name` on DP rank processes for `steps` timed steps; every rank's
+    result, in rank order. With `account`, the flight recorder is on (it
+    costs time: measured 14% of a zero-3 step), and the ranks report the last
+    step's collectives, their state at rest and one more step's live bytes;
+    with `profile`, that many more steps' phases."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(FR_ENTRIES if account else 0)  # read by
+    with tempfile.TemporaryDirectory(prefix="sharded-dp-") as out:  # the ranks' groups
+        tmp.spawn(_rank, args=(free_port(), out, name, job_path, steps, account, profile),
+                  nprocs=DP, join=True)
+        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(DP)]
+
+
+def plan_jobs(folder: str) -> dict[str, str]:
+    """Each meshplan configuration's Job, planned once, as a file the ranks read."""
+    paths = {}
+    for z in ZEROS:
+        s = zoo_strategy("gpt", cfg(), dp=DP, zero=z, global_batch_size=BATCH,
+                         micro_batch_size=MICRO)
+        job = plan_model("gpt", "small", Mesh(1, DP), s, "adamw").job
+        paths[f"meshplan_zero{z}"] = path = str(Path(folder, f"zero{z}.bin"))
+        write_atomic(Path(path), job.to_bytes())
+    return paths
+
+
+# ------------------------------------------------------------------ rounds
+CONFIGS = {"ddp": "torch DDP (25 MB buckets)",
+           "meshplan_zero0": "meshplan zero 0 (buckets 25 MiB)",
+           "meshplan_zero1": "meshplan zero 1 (buckets 25 MiB)",
+           "meshplan_zero2": "meshplan zero 2",
+           "meshplan_zero3": "meshplan zero 3",
+           "fsdp2": "torch FSDP2 (fully_shard per block and root)"}
+PAIRS = {"zero3_vs_fsdp2": ("meshplan_zero3", "fsdp2"), "zero0_vs_ddp": ("meshplan_zero0", "ddp")}
+
+
+def account(jobs: dict[str, str]) -> dict[str, list[dict]]:
+    """Every configuration once with the flight recorder on: per rank, the
+    last of WARMUP + 1 steps' collectives, the state at rest, a live step."""
+    out = {}
+    for name in CONFIGS:
+        wait_quiet()
+        out[name] = run_config(name, jobs.get(name, ""), WARMUP + 1, account=True)
+    return out
+
+
+def measure(jobs: dict[str, str], steps: int, rounds: int) -> dict[str, dict]:
+    """Every configuration once per round, round after round, each after the
+    CPUs are quiet: per round, the step times (max over ranks) and the
+    losses (mean over ranks)."""
+    runs: dict = {k: {"step_s": [], "losses": [], "busy_before": []} for k in CONFIGS}
+    for _ in range(rounds):
+        for name in CONFIGS:
+            runs[name]["busy_before"].append(wait_quiet())
+            ranks = run_config(name, jobs.get(name, ""), steps)
+            runs[name]["step_s"].append([max(r["step_s"][i] for r in ranks)
+                                         for i in range(steps)])
+            runs[name]["losses"].append([sum(r["losses"][i] for r in ranks) / DP
+                                         for i in range(steps)])
+    return runs
+
+
+def profile(jobs: dict[str, str], names: list[str], steps: int) -> dict[str, list[dict]]:
+    """Each of `names` once more with its phases timed: per rank, the mean
+    over `steps` steps after the warm-up."""
+    out = {}
+    for name in names:
+        wait_quiet()
+        out[name] = [r["profile"] for r in
+                     run_config(name, jobs.get(name, ""), WARMUP, profile=steps)]
+    return out
+
+
+# ------------------------------------------------------------------ targets
+def shard_target(acct: dict, category: str, zeros: tuple[int, ...]) -> dict:
+    """Per zero level in `zeros` and rank: `category`'s bytes at rest against
+    zero 0's / DP; met when every one is within zero 0's padding allowance."""
+    base = acct["meshplan_zero0"]
+    per = {z: [{"bytes": r["at_rest"]["bytes"][category],
+                "ideal": b["at_rest"]["bytes"][category] / DP,
+                "pad": b["at_rest"]["pad"][category]}
+               for r, b in zip(acct[f"meshplan_zero{z}"], base, strict=True)]
+           for z in zeros}
+    met = all(abs(x["bytes"] - x["ideal"]) <= x["pad"] for xs in per.values() for x in xs)
+    return {"per_zero": per, "met": met}
+
+
+def loss_check(runs: dict) -> dict:
+    """Every configuration's losses (round 0) against DDP's, relative."""
+    ref = runs["ddp"]["losses"][0]
+    rel = {k: max(abs(x - y) / abs(y) for x, y in zip(v["losses"][0], ref, strict=True))
+           for k, v in runs.items()}
+    return {"per_step": {k: v["losses"][0] for k, v in runs.items()}, "reference": "ddp",
+            "max_rel_diff": rel, "tolerance": LOSS_RTOL,
+            "met": max(rel.values()) <= LOSS_RTOL}
+
+
+def targets(acct: dict, t: dict, loss: dict) -> dict:
+    ratio = {k: t[a] / t[b] for k, (a, b) in PAIRS.items()}
+    return {"optimizer_1_over_dp": shard_target(acct, "optimizer", (1, 2, 3)),
+            "param_1_over_dp_zero3": shard_target(acct, "param", (3,)),
+            **{k: {"ratio": r, "target": TARGETS[k], "met": r <= TARGETS[k]}
+               for k, r in ratio.items()},
+            "losses_equal": {k: v for k, v in loss.items() if k != "per_step"}}
+
+
+# ------------------------------------------------------------------ report
+def per_rank(values: list, fmt) -> str:
+    """One figure when every rank's is the same, else each rank's."""
+    shown = [fmt(v) for v in values]
+    return shown[0] if len(set(shown)) == 1 else " / ".join(shown)
+
+
+def mib(values: list[float]) -> str:
+    return per_rank(values, lambda v: f"{v / MiB:.2f}")
+
+
+def _comm_cells(ranks: list[dict]) -> list[str]:
+    kinds = sorted({k for r in ranks for k in r["comm"]})
+    count = ", ".join(per_rank([r["comm"][k]["count"] for r in ranks], str) + f" {k}"
+                      for k in kinds)
+    total = [sum(c["bytes"] for c in r["comm"].values()) for r in ranks]
+    ring = [sum(c["ring_bytes"] for c in r["comm"].values()) for r in ranks]
+    return [count, mib(total), mib(ring)]
+
+
+def time_table(acct: dict, t: dict, best: dict) -> list[str]:
+    lines = ["| configuration | median step (ms) | best round's median (ms) | collectives per "
+             "step and rank | MiB per step and rank | ring MiB sent per step and rank |",
+             "|---|---|---|---|---|---|"]
+    for k, label in CONFIGS.items():
+        cells = [label, f"{t[k] * 1e3:.0f}", f"{best[k] * 1e3:.0f}", *_comm_cells(acct[k])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _planned(ranks: list[dict]) -> str:
+    if "planned" not in ranks[0]["memory"]:
+        return "-"
+    keys = ("param", "grad", "optimizer", "activation", "temp")
+    parts = " + ".join(mib([r["memory"]["planned"][k] for r in ranks]) for k in keys)
+    return f"{parts} = {mib([r['memory']['planned']['total'] for r in ranks])}"
+
+
+def memory_table(acct: dict) -> list[str]:
+    lines = ["| configuration | param at rest | grad at rest | optimizer at rest | live peak "
+             "(measured) | meshplan executor's peak | planned: param + grad + optimizer + "
+             "activation + temp = total |", "|---|---|---|---|---|---|---|"]
+    for k, label in CONFIGS.items():
+        ranks = acct[k]
+        rest = [mib([r["at_rest"]["bytes"][c] for r in ranks]) for c in CATEGORIES]
+        ex = ([mib([r["memory"]["executor_peak"] for r in ranks])]
+              if "executor_peak" in ranks[0]["memory"] else ["-"])
+        cells = [label, *rest, mib([r["memory"]["live_peak"] for r in ranks]), *ex,
+                 _planned(ranks)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def target_lines(tg: dict, best_ratio: dict) -> list[str]:
+    opt, par = tg["optimizer_1_over_dp"], tg["param_1_over_dp_zero3"]
+    lines = []
+    for name, x, what in (("optimizer-state", opt, "zero >= 1"), ("parameter", par, "zero 3")):
+        worst = max((abs(r["bytes"] - r["ideal"]), z, i, r) for z, rs in x["per_zero"].items()
+                    for i, r in enumerate(rs))
+        d, z, i, r = worst
+        lines.append(f"- {name} bytes per rank at {what} = 1/dp of zero 0's within padding: "
+                     f"{_met(x['met'])} (largest gap: zero {z} rank {i}, {r['bytes']} B vs "
+                     f"{r['ideal']:.0f} B, {d:.0f} B off; allowance {r['pad']} B)")
+    for k, (a, b) in PAIRS.items():
+        x = tg[k]
+        lines.append(f"- {CONFIGS[a]} / {CONFIGS[b]} median step = {x['ratio']:.3f} (target "
+                     f"<= {x['target']}): {_met(x['met'])} (best rounds: {best_ratio[k]:.3f})")
+    loss = tg["losses_equal"]
+    worst = max(loss["max_rel_diff"].items(), key=lambda kv: kv[1])
+    lines.append(f"- losses equal DDP's within {loss['tolerance']:.0e} relative: "
+                 f"{_met(loss['met'])} (largest: {worst[0]}, {worst[1]:.1e})")
+    return lines
+
+
+def profile_lines(prof: dict, acct: dict) -> list[str]:
+    """Where a step's time goes in each profiled configuration, per rank."""
+    lines = []
+    for name, ranks in prof.items():
+        counts = ", ".join(f"{c['count']} {k}" for k, c in acct[name][0]["comm"].items())
+        parts = []
+        for i, p in enumerate(ranks):
+            ph = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in p["phases_s"].items())
+            co = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in p["collectives_s"].items())
+            parts.append(f"rank {i}: {p['step_s'] * 1e3:.0f} ms = {ph}; of which in "
+                         f"communication calls: {co or 'not timed'}")
+        lines.append(f"- {CONFIGS[name]} ({counts} a step), ms per step: " +
+                     "; ".join(parts) + ".")
+    return lines
+
+
+# ------------------------------------------------------------------ the picture
+COMM_COLOURS = {"all_gather": ("#0072B2", "all-gather (parameters)"),
+                "all_reduce(sum)": ("#D55E00", "all-reduce (each reduce-scatter: gloo has "
+                                    "none; and the loss)")}
+
+
+def traced_zero3(path: str) -> dict:
+    """meshplan zero 3 for 2 steps through `run`, its last step traced to
+    `path` (a Chrome trace: compute and collectives per rank)."""
+    from meshplan.driver.run import run
+
+    s = zoo_strategy("gpt", cfg(), dp=DP, zero=3, global_batch_size=BATCH,
+                     micro_batch_size=MICRO)
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "0"
+    return run("gpt", "small", Mesh(1, DP), s, steps=2, optimizer="adamw", threads=1,
+               trace=path)["trace"]
+
+
+def draw_step(trace: dict, png: str) -> None:
+    """One row per rank: its actions grey (above, labelled), its collectives
+    coloured by kind (below), in ms from the barrier before the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    fig, ax = plt.subplots(figsize=(12, 3.6))
+    for e in spans:
+        x, w = e["ts"] / 1e3, e["dur"] / 1e3
+        if e["cat"] == "compute":
+            ax.broken_barh([(x, w)], (e["pid"] - 0.42, 0.4), color="#BBBBBB",
+                           edgecolor="white")
+            ax.text(x + w / 2, e["pid"] - 0.22, e["name"].lstrip("0123456789"), ha="center",
+                    va="center", fontsize=7)
+        elif e["name"].split(" ")[0] in COMM_COLOURS:
+            colour = COMM_COLOURS[e["name"].split(" ")[0]][0]
+            ax.broken_barh([(x, w)], (e["pid"] + 0.02, 0.38), color=colour)
+    comm = [e for e in spans if e["pid"] == 0 and e["name"].split(" ")[0] in COMM_COLOURS]
+    step = max(e["ts"] + e["dur"] for e in spans if e["pid"] == 0) / 1e3
+    ranks = sorted({e["pid"] for e in spans})
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the barrier before the step")
+    ax.set_title(f"meshplan zero 3, GPT small, dp={DP}, {M} micro-batches, gloo on CPU: one "
+                 f"measured step; rank 0 is in {len(comm)} collectives for "
+                 f"{sum(e['dur'] for e in comm) / 1e3:.0f} of its {step:.0f} ms", fontsize=10)
+    handles = [Patch(color="#BBBBBB", label="action: F forward, B backward (micro-batch), "
+                     "STEP optimizer")]
+    handles += [Patch(color=c, label=label) for c, label in COMM_COLOURS.values()]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3,
+              fontsize=8, frameon=False)
+    fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def picture(png: str) -> dict:
+    """Trace meshplan zero 3 and draw its step; returns the trace's summary."""
+    with tempfile.TemporaryDirectory(prefix="sharded-dp-trace-") as d:
+        path = str(Path(d, "trace.json"))
+        summary = traced_zero3(path)
+        draw_step(json.loads(Path(path).read_text()), png)
+    return {"png": png, "step_s": summary["step_s"]}
+
+
+# ------------------------------------------------------------------ main
+def report(a, acct: dict, runs: dict, prof: dict, load: list[float]) -> tuple[dict, str]:
+    t = {k: timed_median(v["step_s"]) for k, v in runs.items()}
+    best = {k: best_round(v["step_s"]) for k, v in runs.items()}
+    loss = loss_check(runs)
+    tg = targets(acct, t, loss)
+    best_ratio = {k: best[x] / best[y] for k, (x, y) in PAIRS.items()}
+    head = (f"Sharded data parallel: GPT small (8 layers, hidden 256, seq 128, vocab 1024, "
+            f"6.9M parameters), dp={DP} on {DP} gloo processes, 1 thread each, CPU, AdamW; "
+            f"global batch {BATCH} = {M} micro-batches x {MICRO} x {DP} ranks. Step times: "
+            f"median of {a.rounds} rounds x {a.steps - WARMUP} steps (each after {WARMUP} "
+            "warm-up), configurations alternating by round, each started once the CPUs were "
+            f"quiet (or after 10 s); load average before/after {load[0]:.1f}/{load[1]:.1f} on "
+            f"{machine()['cpu_count']} CPUs. Collectives and bytes: c10d's flight recorder, "
+            "one step. Memory in MiB per rank (one figure where all ranks agree).")
+    lines = [head, "", *time_table(acct, t, best), "", *memory_table(acct), "",
+             *target_lines(tg, best_ratio)]
+    if prof:
+        lines += ["", "Where the time goes (one profiled run each, after the rounds):", "",
+                  *profile_lines(prof, acct)]
+    result = {"benchmark": "sharded_dp", "machine": machine(), "model": "gpt small",
+              "dp": DP, "global_batch": BATCH, "micro_batch": MICRO, "microbatches": M,
+              "optimizer": "adamw", "warmup_steps": WARMUP, "steps": a.steps,
+              "rounds": a.rounds, "median_step_s": t, "best_round_step_s": best,
+              "step_s": {k: v["step_s"] for k, v in runs.items()},
+              "cpu_busy_before": {k: v["busy_before"] for k, v in runs.items()},
+              "per_rank": acct, "targets": tg, "losses": loss, "profile": prof,
+              "load_average_before_after": load}
+    return result, "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per configuration "
+                    f"per round, the first {WARMUP} untimed")
+    ap.add_argument("--rounds", type=int, default=5, help="0: only --picture")
+    ap.add_argument("--picture", default="", help="also draw one measured meshplan zero-3 "
+                    "step's collectives per rank into this PNG")
+    a = ap.parse_args()
+    if a.rounds > 0:
+        load = [os.getloadavg()[0]]
+        with tempfile.TemporaryDirectory(prefix="sharded-dp-jobs-") as folder:
+            jobs = plan_jobs(folder)
+            acct = account(jobs)
+            runs = measure(jobs, a.steps, a.rounds)
+            t = {k: timed_median(v["step_s"]) for k, v in runs.items()}
+            missed = [n for k, (x, y) in PAIRS.items() if t[x] / t[y] > TARGETS[k]
+                      for n in (x, y)]
+            prof = profile(jobs, missed, 3)
+        load.append(os.getloadavg()[0])
+        result, table = report(a, acct, runs, prof, load)
+        write("sharded_dp", result, table)
+        assert result["losses"]["met"], f"losses differ: {result['losses']['max_rel_diff']}"
+    if a.picture:
+        print(picture(a.picture))
+
+
+if __name__ == "__main__":
+    main()
