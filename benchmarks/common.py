@@ -10,8 +10,9 @@ Invariants:
   `spawn_ranks` returns them in rank order.
 - A pipeline step is timed between two barriers (`timed_steps`): every
   rank's time is the pipeline's, up to the barriers' skew.
-- `LiveStorages` counts a storage once, from the first op output that holds
-  it until torch frees it (views and autograd's saved tensors keep it).
+- `LiveStorages` counts a storage once, at its current size, from the
+  first op that reads or writes it until torch frees it (views and
+  autograd's saved tensors keep it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from meshplan.autodiff import OptimizerConfig
@@ -186,9 +187,10 @@ def timed_steps(step, steps: list, device: torch.device) -> tuple[list[float], l
     return losses, times
 
 
-def meshplan_rank(job_path: str, rank: int, device: torch.device):
+def meshplan_rank(job_path: str, rank: int, device: torch.device, config=None):
     """(executor, state) of `rank` for the Job at `job_path`, lowered here for
-    `device`, its state sliced from the GPT's seed-0 weights."""
+    `device`, its state sliced from the seed-0 weights of the GPT of `config`
+    (default `cfg()`)."""
     from meshplan.ir.job import Job
     from meshplan.lowering.lower import lower
     from meshplan.runtime.comm import Comm, job_groups
@@ -199,7 +201,7 @@ def meshplan_rank(job_path: str, rank: int, device: torch.device):
     comm = Comm(rank, job_groups(job.strategy, job), backend, device)
     ex = RankExecutor(job, lower(job, rank, device.type), comm, device=device)
     torch.manual_seed(0)
-    return ex, ex.init_state(build_model(cfg()))
+    return ex, ex.init_state(build_model(config or cfg()))
 
 
 # ------------------------------------------------------------------ torch pipelining
@@ -340,35 +342,39 @@ class _Timed:
 
 # ------------------------------------------------------------------ live storages
 class LiveStorages(TorchDispatchMode):
-    """While on, every storage an op outputs counts in `live` (bytes) until
-    torch frees it; `peak` is `live`'s high-water mark since `reset_peak`.
-    A finalizer on the storage's Python object runs when torch frees the
-    storage (torch keeps that object while the storage lives)."""
+    """While on, every storage an op reads or writes counts in `live` at its
+    current size, polled after every op (a storage resized in place, as
+    FSDP2 frees and refills its unsharded parameters, counts as it is),
+    until torch frees it; `peak` is `live`'s high-water mark since
+    `reset_peak`. A DTensor counts by its local tensor. A storage's Python
+    object lives as long as the storage (torch keeps it), so a weak
+    reference to it ends with the storage."""
 
     def __init__(self):
         super().__init__()
         self.live = self.peak = 0
-        self._held: set[int] = set()
+        self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage())
+        for t in tree_leaves((args, kwargs, out)):
+            self._add(t)
+        self.peak = max(self.peak, self._poll())
         return out
 
-    def _add(self, storage) -> None:
-        key, n = storage.data_ptr(), storage.nbytes()
-        if n == 0 or key in self._held:
+    def _add(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
             return
-        self._held.add(key)
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, key, n)
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor
+            for attr in t.__tensor_flatten__()[0]:
+                self._add(getattr(t, attr))
+            return
+        storage = t.untyped_storage()
+        self._held[id(storage)] = storage
 
-    def _free(self, key: int, n: int) -> None:
-        self._held.discard(key)
-        self.live -= n
+    def _poll(self) -> int:
+        self.live = sum(s.nbytes() for s in self._held.values())
+        return self.live
 
     def reset_peak(self) -> None:
-        self.peak = self.live
+        self.peak = self._poll()
