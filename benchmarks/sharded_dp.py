@@ -16,35 +16,38 @@ micro-batch of 8, as meshplan's dp slicing does.
   `set_requires_gradient_sync(False)` for every micro-batch but the last.
 
 Measured, the same way for every configuration:
-- step time: the max over ranks of a step timed between barriers; the
-  median of the steps after the warm-up over all rounds. Configurations
-  alternate round by round, each started once the CPUs are quiet (the
-  machine is shared).
-- bytes communicated per step and rank: c10d's flight recorder
-  (`TORCH_FR_BUFFER_SIZE`), which records every collective a process group
-  runs, whoever calls it (meshplan, FSDP2, or DDP's C++ reducer), with its
-  input and output sizes; the last timed step's records, between its two
-  barriers. "bytes" is the larger of a collective's input and output
-  (an all-gather's gathered tensor, an all-reduce's tensor); "ring bytes"
-  what a ring algorithm sends per rank for it: 2(n-1)/n of an all-reduce,
-  (n-1)/n of an all-gather.
-- state at rest per rank, after the last step: the bytes (numel x element
-  size) of the rank's parameters, gradients and optimizer state as it holds
-  them (FSDP2: the DTensors' local shards; meshplan: its state by name).
-- live bytes peak per rank, over one more step in the first round (not
-  timed): every storage the rank holds at the step's start, and every
-  storage an op reads or writes during it, counted at its current size after
-  every op (so FSDP2's resized parameter storages count as they are) until
-  torch frees it (`LiveStorages`). DDP's reducer buckets, made before the
-  step, count from the op that first writes them. For meshplan also its
-  executor's own count (`ex.mem`) and the plan's peak by category
-  (`lower(job, rank).memory.peak`).
+- step time: the max over ranks of a step timed between barriers
+  (`common.timed_steps`); the median of the steps after the warm-up over
+  all rounds. Configurations alternate round by round (`common.alternate`),
+  each started once the CPUs are quiet (the machine is shared).
+- once per configuration, before the rounds, an accounting run of
+  WARMUP + 1 steps, on its last step:
+  - bytes communicated per rank: c10d's flight recorder
+    (`TORCH_FR_BUFFER_SIZE`, on in this run only: it costs time), which
+    records every collective a process group runs, whoever calls it
+    (meshplan, FSDP2, or DDP's C++ reducer), with its input and output
+    sizes; the records between the step's two barriers. "bytes" is the
+    larger of a collective's input and output (an all-gather's gathered
+    tensor, an all-reduce's tensor); "ring bytes" what a ring algorithm
+    sends per rank for it: 2(n-1)/n of an all-reduce, (n-1)/n of the rest.
+  - live bytes peak per rank: `common.LiveStorages`, on from before the
+    model is built, peak over the step (a storage counts at its current
+    size after every op, so FSDP2's resized parameter storages count as
+    they are); for meshplan also its executor's own count (`ex.mem`) and
+    the plan's peak by category (`lower(job, rank).memory.peak`).
+  - state at rest per rank, after the step: the bytes (numel x element
+    size) of the rank's parameters, gradients and optimizer state as it
+    holds them (FSDP2: the DTensors' local shards; meshplan: its state).
 Targets (met / NOT met): optimizer-state bytes per rank at zero >= 1 and
 parameter bytes at zero 3 are 1/dp of zero 0's within padding (one row of
 each split tensor, and the unsplit scalars); meshplan zero 3 <= 1.0 x FSDP2
 and zero 0 <= 1.0 x DDP in median step time; every configuration's losses
-equal DDP's within 1e-5 relative (asserted). A missed step-time target
-profiles the configurations it compares and says where the time goes.
+(timed round 0, mean over ranks) equal DDP's within 1e-5 relative
+(asserted, after the results are written). A missed step-time target runs
+both configurations it compares once more with their phases timed
+(`harness.profiled_step` for meshplan, timers around torch's forward,
+backward and optimizer calls) and their communication spans (meshplan's
+collectives; FSDP2's parameter-group calls), to say where the time goes.
 
 Run: python benchmarks/sharded_dp.py [--steps K] [--rounds R] [--picture PNG]
 """
@@ -53,26 +56,34 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import sys
 import tempfile
 import time
-import weakref
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write  # noqa: E402
+from common import (  # noqa: E402
+    WARMUP,
+    LiveStorages,
+    alternate,
+    best_round,
+    join_group,
+    machine,
+    meshplan_rank,
+    spawn_ranks,
+    timed_median,
+    timed_steps,
+    wait_quiet,
+    write,
+    write_rank,
+)
 from harness import phase_seconds, profiled_step  # noqa: E402
-from runtime import best_round, timed_median, wait_quiet  # noqa: E402
 
 from meshplan.autodiff import OptimizerConfig  # noqa: E402
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
@@ -81,17 +92,17 @@ from meshplan.ir.mesh import Mesh  # noqa: E402
 from meshplan.ir.state_name import GRAD, SEP  # noqa: E402
 from meshplan.models import build_model, example_batch, model_config  # noqa: E402
 from meshplan.runtime.data import split_microbatches  # noqa: E402
-from meshplan.runtime.launch import free_port  # noqa: E402
 from meshplan.schedules.trace import Span, Track  # noqa: E402
 
-DP, BATCH, MICRO, WARMUP = 4, 16, 2, 2
+DP, BATCH, MICRO = 4, 16, 2
 M = BATCH // (MICRO * DP)  # micro-batches per step
 ZEROS = (0, 1, 2, 3)
 LOSS_RTOL = 1e-5
 FR_ENTRIES = 4096  # the flight recorder's ring: more than one step's collectives
-TIMEOUT = datetime.timedelta(seconds=120)  # a hung rank fails instead of blocking the run
+PROFILE_STEPS = 3
 TARGETS = {"zero3_vs_fsdp2": 1.0, "zero0_vs_ddp": 1.0}
 CATEGORIES = ("param", "grad", "optimizer")
+CPU = torch.device("cpu")
 MiB = 2 ** 20
 
 
@@ -99,12 +110,9 @@ def cfg():
     return model_config("gpt", "small")
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return example_batch(cfg(), BATCH, seed=step)
-
-
-def adamw(params) -> torch.optim.Optimizer:
-    return OptimizerConfig.default("adamw").torch_optimizer(params)
+def batches(first: int, n: int) -> list:
+    """Steps first .. first+n-1's global batches (step k's from seed k)."""
+    return [example_batch(cfg(), BATCH, seed=k) for k in range(first, first + n)]
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -124,21 +132,31 @@ def at_rest(tensors: dict[str, list[torch.Tensor]]) -> dict:
             "pad": {k: sum(row_bytes(t) for t in ts) for k, ts in tensors.items()}}
 
 
+def covered(spans: list[Span]) -> float:
+    """Seconds covered by at least one of `spans` (prefetched gathers overlap)."""
+    total, end = 0.0, float("-inf")
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.end > end:
+            total += s.end - max(s.start, end)
+            end = s.end
+    return total
+
+
+def comm_kinds(spans: list[Span], n: int) -> dict[str, float]:
+    """Seconds per step (over `n` steps) with a communication span of each
+    kind open (its name without the group)."""
+    kinds: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        kinds[s.name.split(" [")[0]].append(s)
+    return {k: covered(v) / n for k, v in kinds.items()}
+
+
 # ------------------------------------------------------------------ trainers
 class MeshplanTrainer:
     """meshplan's rank executor for the Job at `job_path`, on this rank."""
 
     def __init__(self, job_path: str, rank: int):
-        from meshplan.ir.job import Job
-        from meshplan.lowering.lower import lower
-        from meshplan.runtime.comm import Comm, job_groups
-        from meshplan.runtime.rank_executor import RankExecutor
-
-        job = Job.from_bytes(Path(job_path).read_bytes())
-        self.comm = Comm(rank, job_groups(job.strategy, job), "gloo")
-        self.ex = RankExecutor(job, lower(job, rank), self.comm)
-        torch.manual_seed(0)
-        self.state = self.ex.init_state(build_model(cfg()))
+        self.ex, self.state = meshplan_rank(job_path, rank, CPU, cfg())
 
     def step(self, b) -> float:
         """One step; the mean loss over the micro-batches (every rank holds it)."""
@@ -154,21 +172,22 @@ class MeshplanTrainer:
         return out
 
     def profiled(self, b) -> tuple[float, list[Span], list[Span]]:
-        """A step with the executor's and the collectives' spans on."""
+        """A step with the executor's spans on, and its collectives' (each
+        from its start to the end of its wait)."""
         comm: list[Span] = []
-        self.comm.spans = comm
+        self.ex.comm.spans = comm
         try:
             wall, spans = profiled_step(self.ex, self.state, split_microbatches(b, M))
         finally:
-            self.comm.spans = None
+            self.ex.comm.spans = None
         return wall, spans, comm
 
-    def live_step(self, b) -> dict:
-        """`live_step`, with the executor's own peak over it and the plan's."""
+    def reset_peak(self) -> None:
         self.ex.mem.peak = self.ex.mem.live
-        out = live_step(self, b)
-        return out | {"executor_peak": self.ex.mem.peak,
-                      "planned": dict(self.ex.plan.memory.peak)}
+
+    def memory(self) -> dict:
+        """The executor's own live-bytes peak, and the plan's by category."""
+        return {"executor_peak": self.ex.mem.peak, "planned": dict(self.ex.plan.memory.peak)}
 
 
 class TorchTrainer:
@@ -186,7 +205,7 @@ class TorchTrainer:
             for block in model.blocks:
                 fully_shard(block)
             self.model = fully_shard(model)
-        self.opt = adamw(self.model.parameters())
+        self.opt = OptimizerConfig.default("adamw").torch_optimizer(self.model.parameters())
 
     def step(self, b) -> float:
         """One step; this rank's mean loss over its micro-batches."""
@@ -239,8 +258,11 @@ class TorchTrainer:
             spans, self.spans = self.spans, None
         return time.perf_counter() - t0, spans, comm
 
-    def live_step(self, b) -> dict:
-        return live_step(self, b)
+    def reset_peak(self) -> None:
+        pass
+
+    def memory(self) -> dict:
+        return {}
 
 
 _FSDP_COMM = ("unshard", "wait_for_unshard", "post_backward")
@@ -278,41 +300,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t.detach()
 
 
-# ------------------------------------------------------------------ live storages
-class LiveStorages(TorchDispatchMode):
-    """While on, every storage `held` at the start and every storage an op
-    reads or writes counts at its current size, polled after every op (a
-    storage resized in place, as FSDP2 frees and refills its unsharded
-    parameters, counts as it is), until torch frees it; `peak` is the
-    high-water mark. A storage's Python object lives as long as the storage
-    (torch keeps it), so a weak reference to it ends with the storage."""
-
-    def __init__(self, held):
-        super().__init__()
-        self.storages: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        for t in held:
-            self._hold(t)
-        self.peak = self._live()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves((args, kwargs, out)):
-            self._hold(t)
-        self.peak = max(self.peak, self._live())
-        return out
-
-    def _hold(self, t) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        if is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor
-            for attr in t.__tensor_flatten__()[0]:
-                self._hold(getattr(t, attr))
-            return
-        s = t.untyped_storage()
-        self.storages[id(s)] = s
-
-    def _live(self) -> int:
-        return sum(s.nbytes() for s in self.storages.values())
+def trainer(name: str, rank: int, job_path: str):
+    if name.startswith("meshplan"):
+        return MeshplanTrainer(job_path, rank)
+    return TorchTrainer(name, rank)
 
 
 # ------------------------------------------------------------------ flight recorder
@@ -346,90 +337,66 @@ def comm_summary(records: list[dict]) -> dict:
     out: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "ring_bytes": 0.0})
     for e in records:
         size = _ELEMENT[e["input_dtypes"][0]]
-        n_in = sum(_prod(s) for s in e["input_sizes"]) * size
-        n_out = sum(_prod(s) for s in e["output_sizes"]) * size
+        n = max(sum(_prod(s) for s in e[k]) for k in ("input_sizes", "output_sizes")) * size
         kind = e["profiling_name"].removeprefix("gloo:")
-        k = out[kind]
-        k["count"] += 1
-        k["bytes"] += max(n_in, n_out)
-        k["ring_bytes"] += max(n_in, n_out) * (DP - 1) / DP * (2 if kind == "all_reduce" else 1)
+        out[kind]["count"] += 1
+        out[kind]["bytes"] += n
+        out[kind]["ring_bytes"] += n * (DP - 1) / DP * (2 if kind == "all_reduce" else 1)
     return dict(out)
 
 
 # ------------------------------------------------------------------ rank processes
-def _trainer(name: str, rank: int, job_path: str):
-    if name.startswith("meshplan"):
-        return MeshplanTrainer(job_path, rank)
-    return TorchTrainer(name, rank)
+def _account(name: str, rank: int, job_path: str) -> dict:
+    """WARMUP + 1 steps, live storages counted from before the model is
+    built; of the last (DDP rebuilds its buckets in the second): its
+    collectives, its live peak (and meshplan's executor's); then the state
+    at rest."""
+    with LiveStorages() as live:
+        t = trainer(name, rank, job_path)
+        *warm, last = batches(0, WARMUP + 1)
+        timed_steps(t.step, warm, CPU)
+        live.reset_peak()
+        t.reset_peak()
+        timed_steps(t.step, [last], CPU)
+    return {"comm": comm_summary(last_step(flight_records())),
+            "at_rest": at_rest(t.state_tensors()),
+            "memory": {"live_peak": live.peak, **t.memory()}}
 
 
-def _timed(trainer, steps: int) -> tuple[list[float], list[float]]:
-    losses, times = [], []
-    for k in range(steps):
-        b = batch(k)
+def _profile(name: str, rank: int, job_path: str) -> dict:
+    """Mean seconds per step, per phase and in communication spans, over
+    PROFILE_STEPS steps after the warm-up."""
+    t = trainer(name, rank, job_path)
+    timed_steps(t.step, batches(0, WARMUP), CPU)
+    runs = []
+    for b in batches(WARMUP, PROFILE_STEPS):
         dist.barrier()
-        t0 = time.perf_counter()
-        losses.append(trainer.step(b))
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return losses, times
+        runs.append(t.profiled(b))
+    return {"step_s": sum(r[0] for r in runs) / len(runs),
+            "phases_s": phase_seconds([(w, s) for w, s, _ in runs]),
+            "comm_s": comm_kinds([s for _, _, ss in runs for s in ss], len(runs))}
 
 
-def live_step(trainer, b) -> dict:
-    """One step under `LiveStorages`: its loss and the live bytes peak."""
-    held = [t for ts in trainer.state_tensors().values() for t in ts]
-    dist.barrier()
-    with LiveStorages(held) as live:
-        loss = trainer.step(b)
-    return {"loss": loss, "live_peak": live.peak}
-
-
-def _rank(rank: int, port: int, out: str, name: str, job_path: str, steps: int,
-          account: bool, profile: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=DP, timeout=TIMEOUT)
-    trainer = _trainer(name, rank, job_path)
-    losses, times = _timed(trainer, steps)
-    result: dict = {"losses": losses, "step_s": times}
-    if account:
-        result |= {"comm": comm_summary(last_step(flight_records())),
-                   "at_rest": at_rest(trainer.state_tensors()),
-                   "memory": trainer.live_step(batch(steps))}
-    if profile:
-        result["profile"] = _profile(trainer, steps + account, profile)
-    Path(out, f"{rank}.json").write_text(json.dumps(result))
+def _rank(rank: int, port: int, out: str, name: str, job_path: str, mode: str,
+          steps: int) -> None:
+    join_group(rank, port, DP)
+    if mode == "account":
+        result = _account(name, rank, job_path)
+    elif mode == "profile":
+        result = _profile(name, rank, job_path)
+    else:
+        losses, times = timed_steps(trainer(name, rank, job_path).step, batches(0, steps), CPU)
+        result = {"losses": losses, "step_s": times}
+    write_rank(out, rank, result)
     dist.destroy_process_group()
 
 
-def _profile(trainer, first: int, steps: int) -> dict:
-    """Mean seconds per step in each phase, and in collectives by kind."""
-    runs = []
-    for k in range(first, first + steps):
-        b = batch(k)
-        dist.barrier()
-        runs.append(trainer.profiled(b))
-    comm: dict = defaultdict(float)
-    for _, _, spans in runs:
-        for s in spans:
-            comm[s.name.split(" ")[0]] += (s.end - s.start) / len(runs)
-    return {"step_s": sum(r[0] for r in runs) / len(runs),
-            "phases_s": phase_seconds([(w, s) for w, s, _ in runs]),
-            "collectives_s": dict(comm)}
-
-
-def run_config(name: str, job_path: str, steps: int, account: bool = False,
-               profile: int = 0) -> list[dict]:
-    """`name` on DP rank processes for `steps` timed steps; every rank's
-    result, in rank order. With `account`, the flight recorder is on (it
-    costs time: measured 14% of a zero-3 step), and the ranks report the last
-    step's collectives, their state at rest and one more step's live bytes;
-    with `profile`, that many more steps' phases."""
-    os.environ["TORCH_FR_BUFFER_SIZE"] = str(FR_ENTRIES if account else 0)  # read by
-    with tempfile.TemporaryDirectory(prefix="sharded-dp-") as out:  # the ranks' groups
-        tmp.spawn(_rank, args=(free_port(), out, name, job_path, steps, account, profile),
-                  nprocs=DP, join=True)
-        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(DP)]
+def run_config(name: str, job_path: str, mode: str = "timed", steps: int = 0) -> list[dict]:
+    """`name` on DP rank processes; every rank's result, in rank order.
+    `mode`: "timed" (`steps` steps), "account" (`_account`: the flight
+    recorder on; it costs time, so only here) or "profile" (`_profile`)."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = str(FR_ENTRIES if mode == "account" else 0)
+    return spawn_ranks(_rank, (name, job_path, mode, steps), DP)
 
 
 def plan_jobs(folder: str) -> dict[str, str]:
@@ -454,41 +421,26 @@ CONFIGS = {"ddp": "torch DDP (25 MB buckets)",
 PAIRS = {"zero3_vs_fsdp2": ("meshplan_zero3", "fsdp2"), "zero0_vs_ddp": ("meshplan_zero0", "ddp")}
 
 
-def account(jobs: dict[str, str]) -> dict[str, list[dict]]:
-    """Every configuration once with the flight recorder on: per rank, the
-    last of WARMUP + 1 steps' collectives, the state at rest, a live step."""
+def once_each(jobs: dict[str, str], names, mode: str) -> dict[str, list[dict]]:
+    """Each of `names` once in `mode`, after the CPUs are quiet."""
     out = {}
-    for name in CONFIGS:
+    for name in names:
         wait_quiet()
-        out[name] = run_config(name, jobs.get(name, ""), WARMUP + 1, account=True)
+        out[name] = run_config(name, jobs.get(name, ""), mode)
     return out
 
 
 def measure(jobs: dict[str, str], steps: int, rounds: int) -> dict[str, dict]:
-    """Every configuration once per round, round after round, each after the
-    CPUs are quiet: per round, the step times (max over ranks) and the
-    losses (mean over ranks)."""
-    runs: dict = {k: {"step_s": [], "losses": [], "busy_before": []} for k in CONFIGS}
-    for _ in range(rounds):
-        for name in CONFIGS:
-            runs[name]["busy_before"].append(wait_quiet())
-            ranks = run_config(name, jobs.get(name, ""), steps)
-            runs[name]["step_s"].append([max(r["step_s"][i] for r in ranks)
-                                         for i in range(steps)])
-            runs[name]["losses"].append([sum(r["losses"][i] for r in ranks) / DP
-                                         for i in range(steps)])
-    return runs
-
-
-def profile(jobs: dict[str, str], names: list[str], steps: int) -> dict[str, list[dict]]:
-    """Each of `names` once more with its phases timed: per rank, the mean
-    over `steps` steps after the warm-up."""
-    out = {}
-    for name in names:
-        wait_quiet()
-        out[name] = [r["profile"] for r in
-                     run_config(name, jobs.get(name, ""), WARMUP, profile=steps)]
-    return out
+    """Every configuration once per round (`common.alternate`): per round,
+    the step times (max over ranks) and the losses (mean over ranks)."""
+    runs = alternate({k: lambda k=k: run_config(k, jobs.get(k, ""), "timed", steps)
+                      for k in CONFIGS}, rounds)
+    return {k: {"step_s": [[max(r["step_s"][i] for r in ranks) for i in range(steps)]
+                           for ranks in v["rounds"]],
+                "losses": [[sum(r["losses"][i] for r in ranks) / DP for i in range(steps)]
+                           for ranks in v["rounds"]],
+                "busy_before": v["busy_before"]}
+            for k, v in runs.items()}
 
 
 # ------------------------------------------------------------------ targets
@@ -602,19 +554,24 @@ def target_lines(tg: dict, best_ratio: dict) -> list[str]:
     return lines
 
 
+def _mean(ranks: list[dict], key: str) -> dict[str, float]:
+    """A profile's `key` (seconds per step by name), the mean over ranks."""
+    names = dict.fromkeys(n for r in ranks for n in r[key])
+    return {n: sum(r[key].get(n, 0.0) for r in ranks) / len(ranks) for n in names}
+
+
 def profile_lines(prof: dict, acct: dict) -> list[str]:
-    """Where a step's time goes in each profiled configuration, per rank."""
+    """Where a step's time goes in each profiled configuration (mean over
+    ranks; every rank's in the JSON)."""
     lines = []
     for name, ranks in prof.items():
         counts = ", ".join(f"{c['count']} {k}" for k, c in acct[name][0]["comm"].items())
-        parts = []
-        for i, p in enumerate(ranks):
-            ph = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in p["phases_s"].items())
-            co = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in p["collectives_s"].items())
-            parts.append(f"rank {i}: {p['step_s'] * 1e3:.0f} ms = {ph}; of which in "
-                         f"communication calls: {co or 'not timed'}")
-        lines.append(f"- {CONFIGS[name]} ({counts} a step), ms per step: " +
-                     "; ".join(parts) + ".")
+        step = sum(r["step_s"] for r in ranks) / len(ranks)
+        phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in _mean(ranks, "phases_s").items()
+                           if v >= 5e-4)
+        comm = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in _mean(ranks, "comm_s").items())
+        lines.append(f"- {CONFIGS[name]} ({counts} a step): {step * 1e3:.0f} ms = {phases}; "
+                     f"with communication open: {comm or 'not timed'}.")
     return lines
 
 
@@ -729,12 +686,12 @@ def main() -> None:
         load = [os.getloadavg()[0]]
         with tempfile.TemporaryDirectory(prefix="sharded-dp-jobs-") as folder:
             jobs = plan_jobs(folder)
-            acct = account(jobs)
+            acct = once_each(jobs, CONFIGS, "account")
             runs = measure(jobs, a.steps, a.rounds)
             t = {k: timed_median(v["step_s"]) for k, v in runs.items()}
             missed = [n for k, (x, y) in PAIRS.items() if t[x] / t[y] > TARGETS[k]
                       for n in (x, y)]
-            prof = profile(jobs, missed, 3)
+            prof = once_each(jobs, missed, "profile")
         load.append(os.getloadavg()[0])
         result, table = report(a, acct, runs, prof, load)
         write("sharded_dp", result, table)
