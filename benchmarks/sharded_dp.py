@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -132,23 +133,12 @@ def at_rest(tensors: dict[str, list[torch.Tensor]]) -> dict:
             "pad": {k: sum(row_bytes(t) for t in ts) for k, ts in tensors.items()}}
 
 
-def covered(spans: list[Span]) -> float:
-    """Seconds covered by at least one of `spans` (prefetched gathers overlap)."""
-    total, end = 0.0, float("-inf")
-    for s in sorted(spans, key=lambda s: s.start):
-        if s.end > end:
-            total += s.end - max(s.start, end)
-            end = s.end
-    return total
-
-
 def comm_kinds(spans: list[Span], n: int) -> dict[str, float]:
-    """Seconds per step (over `n` steps) with a communication span of each
-    kind open (its name without the group)."""
-    kinds: dict[str, list[Span]] = defaultdict(list)
+    """Seconds per step (over `n` steps) in communication spans, by name."""
+    out: dict[str, float] = defaultdict(float)
     for s in spans:
-        kinds[s.name.split(" [")[0]].append(s)
-    return {k: covered(v) / n for k, v in kinds.items()}
+        out[s.name] += (s.end - s.start) / n
+    return dict(out)
 
 
 # ------------------------------------------------------------------ trainers
@@ -172,14 +162,16 @@ class MeshplanTrainer:
         return out
 
     def profiled(self, b) -> tuple[float, list[Span], list[Span]]:
-        """A step with the executor's spans on, and its collectives' (each
-        from its start to the end of its wait)."""
+        """A step with the executor's spans on, and the time it is blocked in
+        communication: synchronous all-reduces (the reduce-scatters, the
+        loss), waits for (prefetched) all-gathers, and the STEP's waits for
+        the gradient buckets."""
         comm: list[Span] = []
-        self.ex.comm.spans = comm
-        try:
+        calls = {"all_reduce": partial(timed_call, "all_reduce (synchronous)", comm),
+                 "all_gather_async": partial(timed_wait, "all_gather wait", comm),
+                 "all_reduce_async": partial(timed_wait, "gradient bucket wait", comm)}
+        with patched(self.ex.comm, calls):
             wall, spans = profiled_step(self.ex, self.state, split_microbatches(b, M))
-        finally:
-            self.ex.comm.spans = None
         return wall, spans, comm
 
     def reset_peak(self) -> None:
@@ -246,13 +238,17 @@ class TorchTrainer:
                 "optimizer": [local(t) for t in slots]}
 
     def profiled(self, b) -> tuple[float, list[Span], list[Span]]:
-        """A step with its phases' spans on, and for FSDP2 its parameter
-        groups' communication calls (`fsdp_comm_spans`)."""
+        """A step with its phases' spans on, and for FSDP2 the time in its
+        parameter groups' calls that communicate: `unshard` (the all-gather;
+        on gloo it runs inside), `wait_for_unshard` (its wait and copy-out),
+        `post_backward` (the reduce-scatter in the last micro-batch, the
+        reshard). DDP's reducer communicates in C++, out of reach."""
         self.spans, comm = [], []
-        timers = fsdp_comm_spans(comm) if self.kind == "fsdp2" else contextlib.nullcontext()
+        calls = {n: partial(timed_call, n, comm) for n in _FSDP_COMM} \
+            if self.kind == "fsdp2" else {}
         t0 = time.perf_counter()
         try:
-            with timers:
+            with patched(fsdp_param_group(), calls):
                 self.step(b)
         finally:
             spans, self.spans = self.spans, None
@@ -268,31 +264,62 @@ class TorchTrainer:
 _FSDP_COMM = ("unshard", "wait_for_unshard", "post_backward")
 
 
-@contextlib.contextmanager
-def fsdp_comm_spans(spans: list[Span]):
-    """Diagnostic, for profiled steps only: FSDP2's parameter-group calls
-    that communicate, timed as COMM spans: `unshard` (starts the all-gather),
-    `wait_for_unshard` (waits for it, copies out), `post_backward` (the
-    reduce-scatter in the last micro-batch, and the reshard)."""
+def fsdp_param_group():
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    def timed(name: str, fn):
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
-        return call
+    return FSDPParamGroup
 
-    saved = {name: getattr(FSDPParamGroup, name) for name in _FSDP_COMM}
-    for name, fn in saved.items():
-        setattr(FSDPParamGroup, name, timed(name, fn))
+
+# ------------------------------------------------------------------ profile timers
+@contextlib.contextmanager
+def patched(owner, wrappers: dict):
+    """Diagnostic, for profiled steps only: each attribute `name` of `owner`
+    replaced by `wrappers[name](original)`, and restored after."""
+    saved = {name: getattr(owner, name) for name in wrappers}
+    for name, wrap in wrappers.items():
+        setattr(owner, name, wrap(saved[name]))
     try:
         yield
     finally:
         for name, fn in saved.items():
-            setattr(FSDPParamGroup, name, fn)
+            setattr(owner, name, fn)
+
+
+def _timed(name: str, spans: list[Span], fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
+
+
+def timed_call(name: str, spans: list[Span], fn):
+    """`fn` with each call appended to `spans` as a COMM span `name` (a
+    function, so that on a class it binds as a method)."""
+    def call(*args, **kwargs):
+        return _timed(name, spans, fn, *args, **kwargs)
+    return call
+
+
+class _Waited:
+    """What a communication call returned, with its wait (`wait()`, or
+    calling it) timed as a COMM span."""
+
+    def __init__(self, name: str, spans: list[Span], inner):
+        self.name, self.spans, self.inner = name, spans, inner
+
+    def wait(self):
+        return _timed(self.name, self.spans, self.inner.wait)
+
+    def __call__(self):
+        return _timed(self.name, self.spans, self.inner)
+
+
+def timed_wait(name: str, spans: list[Span], fn):
+    """`fn` (a communication start) with the wait for its result timed."""
+    def start(*args, **kwargs):
+        return _Waited(name, spans, fn(*args, **kwargs))
+    return start
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -571,7 +598,7 @@ def profile_lines(prof: dict, acct: dict) -> list[str]:
                            if v >= 5e-4)
         comm = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in _mean(ranks, "comm_s").items())
         lines.append(f"- {CONFIGS[name]} ({counts} a step): {step * 1e3:.0f} ms = {phases}; "
-                     f"with communication open: {comm or 'not timed'}.")
+                     f"blocked in communication: {comm or 'not timed'}.")
     return lines
 
 
