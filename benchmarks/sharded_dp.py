@@ -603,9 +603,23 @@ def profile_lines(prof: dict, acct: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ the picture
-COMM_COLOURS = {"all_gather": ("#0072B2", "all-gather (parameters)"),
-                "all_reduce(sum)": ("#D55E00", "all-reduce (each reduce-scatter: gloo has "
-                                    "none; and the loss)")}
+# span kind -> (lane offset from the rank's row, colour, legend)
+LANES = {"compute": (-0.42, "#BBBBBB", "action: F forward, B backward (micro-batch), STEP"),
+         "all_gather": (-0.12, "#0072B2", "all-gather, from its start to its wait's end "
+                        "(prefetched a layer ahead)"),
+         "all_reduce(sum)": (0.16, "#D55E00", "all-reduce, synchronous (the reduce-scatters: "
+                             "gloo has none; the loss)")}
+LANE_HEIGHT = 0.26
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """The length covered by at least one of `intervals` (they may overlap)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def traced_zero3(path: str) -> dict:
@@ -620,45 +634,55 @@ def traced_zero3(path: str) -> dict:
                trace=path)["trace"]
 
 
+def _lane(e: dict) -> str:
+    return "compute" if e["cat"] == "compute" else e["name"].split(" ")[0]
+
+
 def draw_step(trace: dict, png: str) -> None:
-    """One row per rank: its actions grey (above, labelled), its collectives
-    coloured by kind (below), in ms from the barrier before the step."""
+    """One row per rank, three lanes: its actions (labelled), its all-gathers
+    (translucent: several are in flight at once) and its all-reduces, in ms
+    from the barrier before the step; the title sums up rank 0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    fig, ax = plt.subplots(figsize=(12, 3.6))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and _lane(e) in LANES]
+    fig, ax = plt.subplots(figsize=(12, 4.2))
     for e in spans:
         x, w = e["ts"] / 1e3, e["dur"] / 1e3
-        if e["cat"] == "compute":
-            ax.broken_barh([(x, w)], (e["pid"] - 0.42, 0.4), color="#BBBBBB",
-                           edgecolor="white")
-            ax.text(x + w / 2, e["pid"] - 0.22, e["name"].lstrip("0123456789"), ha="center",
-                    va="center", fontsize=7)
-        elif e["name"].split(" ")[0] in COMM_COLOURS:
-            colour = COMM_COLOURS[e["name"].split(" ")[0]][0]
-            ax.broken_barh([(x, w)], (e["pid"] + 0.02, 0.38), color=colour)
-    comm = [e for e in spans if e["pid"] == 0 and e["name"].split(" ")[0] in COMM_COLOURS]
-    step = max(e["ts"] + e["dur"] for e in spans if e["pid"] == 0) / 1e3
+        offset, colour, _ = LANES[_lane(e)]
+        alpha = 0.35 if _lane(e) == "all_gather" else 1.0
+        ax.broken_barh([(x, w)], (e["pid"] + offset, LANE_HEIGHT), color=colour, alpha=alpha,
+                       edgecolor="white" if _lane(e) == "compute" else "none")
+        if _lane(e) == "compute":
+            ax.text(x + w / 2, e["pid"] + offset + LANE_HEIGHT / 2,
+                    e["name"].lstrip("0123456789"), ha="center", va="center", fontsize=7)
     ranks = sorted({e["pid"] for e in spans})
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms from the barrier before the step")
     ax.set_title(f"meshplan zero 3, GPT small, dp={DP}, {M} micro-batches, gloo on CPU: one "
-                 f"measured step; rank 0 is in {len(comm)} collectives for "
-                 f"{sum(e['dur'] for e in comm) / 1e3:.0f} of its {step:.0f} ms", fontsize=10)
-    handles = [Patch(color="#BBBBBB", label="action: F forward, B backward (micro-batch), "
-                     "STEP optimizer")]
-    handles += [Patch(color=c, label=label) for c, label in COMM_COLOURS.values()]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3,
+                 f"measured step. Rank 0: {_summary(spans)}", fontsize=9)
+    handles = [Patch(color=c, label=label) for _, c, label in LANES.values()]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
               fontsize=8, frameon=False)
     fig.tight_layout()
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def _summary(spans: list[dict]) -> str:
+    """Rank 0's step, and how many of each collective, open for how long."""
+    mine = [e for e in spans if e["pid"] == 0]
+    step = max(e["ts"] + e["dur"] for e in mine) / 1e3
+    parts = []
+    for kind, word in (("all_gather", "all-gathers"), ("all_reduce(sum)", "all-reduces")):
+        ss = [(e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in mine if _lane(e) == kind]
+        parts.append(f"{len(ss)} {word}, open {covered(ss):.0f} ms")
+    return f"{step:.0f} ms step; " + ", ".join(parts)
 
 
 def picture(png: str) -> dict:
