@@ -73,7 +73,10 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
 
 
 def narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> Callable:
-    """x (holding box `have`, default src's box) -> the part that is dst's box."""
+    """x (holding box `have`, default src's box) -> the part that is dst's box,
+    in a storage of its own: a dim-0 slice is contiguous already, and as a
+    view it would keep all of x alive (a reduce-scatter's full all-reduce,
+    adopted by a gradient accumulator, lived until the next micro-batch)."""
     have = have or ctx.box(src)
     want = ctx.box(dst)
     cuts = [(d, w[0] - h[0], w[1] - w[0]) for d, (h, w) in enumerate(zip(have, want))
@@ -82,7 +85,11 @@ def narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> C
     def narrow(x, **_layout):
         for d, start, size in cuts:
             x = x.narrow(d, start, size)
-        return x.contiguous() if cuts else x
+        if not cuts:
+            return x
+        x = x.contiguous()
+        own = x.untyped_storage().nbytes() == x.numel() * x.element_size()
+        return x if own else x.clone()
 
     return narrow
 
