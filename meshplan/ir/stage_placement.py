@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 
 from meshplan.errors import ScheduleError
 
@@ -103,11 +104,13 @@ def placement_for(pp: int, num_stages: int,
     return placement
 
 
+@cache
 def placement_of(schedule: str, pp: int, vpp: int,
                  orders: tuple[tuple[str, ...], ...] = ()) -> StagePlacement:
     """The placement schedule `schedule` runs its stages in; a schedule given
     as compute orders (`orders[rank]`, actions as text) runs each stage where
-    its actions are."""
+    its actions are. Cached: `Strategy.stage_placement` asks on every use
+    (a CSV's orders would otherwise be read again each time)."""
     if orders:
         return placement_read_off(pp, orders)
     if schedule in V_SCHEDULES:
