@@ -21,6 +21,7 @@ LAYERS = [
     "meshplan", "errors",
     "models",  # plain nn.Modules: import only errors
     "ir",  # Graph, Job, SBP, Mesh: pure data
+    "costmodel",  # device models: data, and the seconds of a kernel or collective
     "ops",
     "capture", "autodiff", "passes",  # the compiler, up to the Job
     "schedules",
