@@ -1,19 +1,24 @@
-"""Predicted seconds of each action, from the op cost model, for the simulator.
+"""Predicted seconds of each action, from the op cost model and a device
+model (`costmodel/`), for the simulator.
 
-A task costs max(flops / FLOP rate, bytes moved / memory bandwidth) on its
-physical (local) shapes; a collective costs its ring traffic over the link
-bandwidth plus a latency; a stage-crossing transfer its bytes over the link.
-The device constants are deliberately simple (a CPU-class default); the
-simulator's use is ranking schedules and finding bubbles, not promising
+A task costs `dev.compute_seconds(flops, bytes moved, dtype of its first
+output)` on its physical (local) shapes; a collective costs
+`dev.collective_seconds` on the full tensor's bytes (ring or tree, whichever
+is cheaper), over the inter-node link when its group's ranks lie on more
+than one node of the Job's mesh; a stage-crossing transfer costs
+`dev.p2p_seconds` of its piece, inter-node when the peer is on another node.
+Without a device model named, `CPU_DEFAULT` (a CPU-class guess) is used:
+then the simulator ranks schedules and finds bubbles, it does not promise
 wall-clock seconds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
+from meshplan.costmodel import CPU_DEFAULT, DeviceModel
 from meshplan.ir import Phase, TensorMeta
+from meshplan.ir.kinds import short
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.ops.cost import bytes_moved
@@ -21,22 +26,15 @@ from meshplan.ops.infer import to_sig
 from meshplan.ops.table import rule_for
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceModel:
-    flops: float = 5e10        # FLOP/s
-    mem_bw: float = 1e10       # bytes/s
-    link_bw: float = 2e9       # bytes/s between ranks
-    latency: float = 2e-5      # s per collective or transfer
-
-
 @cache
 def _op_seconds(kind: str, sig_args: tuple, outs: tuple, dev: DeviceModel) -> float:
     fl = rule_for(kind).flops
     flops = fl(sig_args) if fl is not None else 0.0
-    return max(flops / dev.flops, bytes_moved(sig_args, outs) / dev.mem_bw)
+    dtype = next((o.dtype for o in outs if o is not None), "float32")
+    return dev.compute_seconds(flops, bytes_moved(sig_args, outs), dtype)
 
 
-def action_costs(job, reps: dict[int, RankPlan], dev: DeviceModel = DeviceModel()) -> dict:
+def action_costs(job, reps: dict[int, RankPlan], dev: DeviceModel = CPU_DEFAULT) -> dict:
     """{(virtual stage, "F"|"I"|"W"): s, ("comm", src, dst): s, ("step", stage): s}.
 
     I is the backward phase's tasks, W the weight phase's: in a Job without
@@ -48,7 +46,7 @@ def action_costs(job, reps: dict[int, RankPlan], dev: DeviceModel = DeviceModel(
         value_meta = {b.value: metas[b.id] for b in p.buffers}
         for t in p.tasks:
             key = _key(t, stage, where)
-            out[key] = out.get(key, 0.0) + _task_seconds(job, t, value_meta, metas, dev,
+            out[key] = out.get(key, 0.0) + _task_seconds(job, p, t, value_meta, metas, dev,
                                                          where, stage, out)
     for v in range(where.num_stages):
         for kind in _KIND.values():
@@ -65,23 +63,34 @@ def _key(t, stage: int, where: StagePlacement):
     return (where.stage_at(stage, t.chunk), _KIND[t.phase])
 
 
-def _task_seconds(job, t, value_meta, metas, dev, where, stage, out) -> float:
+def _task_seconds(job, p, t, value_meta, metas, dev, where, stage, out) -> float:
     op = job.graph.ops[t.op]
     if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
-        n = len(t.group)
-        nbytes = metas[t.inputs[0]].nbytes
-        return dev.latency + 2 * (n - 1) / max(n, 1) * nbytes / dev.link_bw
+        kind = short(op.kind)
+        crosses = len({job.mesh.node_of(r) for r in t.group}) > 1
+        return dev.collective_seconds(kind, _full_bytes(kind, t, metas), len(t.group), crosses)
     if t.kind is TaskKind.SEND:
         src = where.stage_at(stage, t.chunk)
         dst = where.stage_at(job.stage[op.id], job.chunk[op.id])
         nbytes = metas[t.inputs[0]].dtype.itemsize
         for a, b in t.box:
             nbytes *= b - a
+        crosses = job.mesh.node_of(p.rank) != job.mesh.node_of(t.peer)
         out[("comm", src, dst)] = max(out.get(("comm", src, dst), 0.0),
-                                      dev.latency + nbytes / dev.link_bw)
+                                      dev.p2p_seconds(nbytes, crosses))
         return 0.0
     if t.kind is TaskKind.RECV:
         return 0.0
     sig = to_sig(op.args, lambda i: value_meta.get(i) or job.graph.values[i].meta)
     outs = tuple(value_meta.get(o) for o in op.outputs if o >= 0)
     return _op_seconds(op.kind, sig, outs, dev)
+
+
+def _full_bytes(kind: str, t, metas) -> int:
+    """The full (unsharded) tensor's bytes of a collective task: its input for
+    a reduction (every member holds the whole tensor), its output for an
+    all-gather, the group times its shard for an all-to-all."""
+    if kind == "all_gather" and t.outputs and t.outputs[0] in metas:
+        return metas[t.outputs[0]].nbytes
+    nbytes = metas[t.inputs[0]].nbytes
+    return nbytes * len(t.group) if kind == "all_to_all" else nbytes

@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
+from meshplan.costmodel import CPU_DEFAULT, DeviceModel
 from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
 from meshplan.ir.job import Job
@@ -391,14 +392,15 @@ def _schedule(job: Job, plans) -> list[str]:
     return []
 
 
-def simulate_plans(job: Job, plans):
+def simulate_plans(job: Job, plans, dev: DeviceModel = CPU_DEFAULT):
     """The step simulated on one plan per stage (all ranks of a stage run the
-    same actions), with per-action costs from the op cost model (F, I and W
-    each their own; B = I + W); None when `plans` lacks a stage."""
+    same actions), with per-action costs from the op cost model on device
+    model `dev` (F, I and W each their own; B = I + W); None when `plans`
+    lacks a stage."""
     reps = _stage_plans(job, plans)
     if reps is None:
         return None
-    cost = action_costs(job, reps)
+    cost = action_costs(job, reps, dev)
     actions = {s: list(p.actions) for s, p in reps.items()}
     return simulate(actions, job.strategy.pp, cost_f=lambda v: cost[(v, "F")],
                     cost_i=lambda v: cost[(v, "I")], cost_w=lambda v: cost[(v, "W")],
