@@ -13,6 +13,14 @@ import os
 import sys
 from contextlib import contextmanager
 
+from meshplan.cli.calibrate_cmd import EPILOG as EPILOG_CALIBRATE
+from meshplan.cli.calibrate_cmd import (
+    EPILOG_DEVICES,
+    add_calibrate_flags,
+    add_devices_flags,
+    cmd_calibrate,
+    cmd_devices,
+)
 from meshplan.cli.compile_cmds import cmd_check, cmd_compile
 from meshplan.cli.demo_cmd import EPILOG as EPILOG_DEMO
 from meshplan.cli.demo_cmd import add_demo_flags, cmd_demo
@@ -152,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_verb(sub, "check", "prove a plan directory consistent and simulate it",
                  EPILOG_CHECK, cmd_check, planning=False)
     p.add_argument("dir", help="a directory written by `meshplan compile`")
+
+    p = add_verb(sub, "calibrate", "measure this machine (matmul, memory, gloo) and write "
+                 "the cpu-local device model", EPILOG_CALIBRATE, cmd_calibrate, planning=False,
+                 json_help="print the model and the raw measurements as JSON")
+    add_calibrate_flags(p)
+
+    p = add_verb(sub, "devices", "list the device models, or show one with its sources",
+                 EPILOG_DEVICES, cmd_devices, planning=False)
+    add_devices_flags(p)
     return parser
 
 

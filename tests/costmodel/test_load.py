@@ -1,6 +1,8 @@
 """costmodel/load.py: the built-in files, cpu-local, and the errors."""
 
 import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -95,3 +97,15 @@ def test_the_files_are_package_data():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "devices/*.json" in cfg["tool"]["setuptools"]["package-data"]["meshplan.costmodel"]
 
+
+def test_the_cli_shows_a_model_and_refuses_an_unknown_one():
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "meshplan", *args], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+    ok = run("devices", "h200-141gb", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["name"] == "h200-141gb"
+    bad = run("devices", "b200")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("meshplan: error: unknown device model")
