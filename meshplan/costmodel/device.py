@@ -18,21 +18,21 @@ Invariants:
 With S the full tensor's bytes, n the group, B the link bandwidth and a the
 latency of one step (both intra- or inter-node, by `crosses_nodes`):
 
-  ring all_reduce:     2(n-1) a + 2(n-1)/n S/B   (reduce-scatter + all-gather)
-  tree all_reduce:     2 ceil(log2 n) a + 2 S/B  (reduce up, broadcast down;
-                                                  NCCL's double binary tree)
-  reduce_scatter, all_gather:  (n-1) a + (n-1)/n S/B       (ring only)
-  all_to_all:          (n-1) a + (n-1)/n^2 S/B   (pairwise: each rank holds
-                                                  S/n and keeps 1/n of it)
-  broadcast:           ring (n-1) a + S/B, tree ceil(log2 n) a + S/B
+  ring all_reduce:     2(n-1) a + 2(n-1)/n S/B      (reduce-scatter + all-gather)
+  tree all_reduce:     2 ceil(log2 n) a + 2 S/(t B) (reduce up, broadcast down;
+                                                     NCCL's double binary tree)
+  reduce_scatter, all_gather:  (n-1) a + (n-1)/n S/B          (ring only)
+  all_to_all:          (n-1) a + (n-1)/n^2 S/B      (pairwise: each rank holds
+                                                     S/n and keeps 1/n of it)
+  broadcast:           ring (n-1) a + S/B, tree ceil(log2 n) a + S/(t B)
 
-The ring's bandwidth term is slightly smaller (2(n-1)/n < 2) and its latency
-term linear in n, so the tree wins for small messages and large groups and
-the ring for large messages. These step counts and the tree's algorithm
-bandwidth of half the bus bandwidth are those of NCCL's tuning model
-(`src/graph/tuning.cc`: `nsteps = 2*(nRanks-1)` for all-reduce, `nRanks-1`
-for reduce-scatter and all-gather, tree only for all-reduce, tree
-`ratio = .5`).
+with t = 0.9, the tree's bandwidth efficiency. The ring's bandwidth term is
+smaller and its latency term linear in n, so the tree wins for small
+messages and large groups, the ring for large messages. The step counts, the
+tree's algorithm bandwidth of half the bus bandwidth and t are those of
+NCCL's tuning model (`src/graph/tuning.cc`: `nsteps = 2*(nRanks-1)` for
+all-reduce, `nRanks-1` for reduce-scatter and all-gather; the tree for
+all-reduce only; tree `busBw*.9` and `ratio = .5`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 DTYPES = ("float32", "bfloat16", "float16")  # the dtypes a device model rates
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 _TREE_KINDS = ("all_reduce", "broadcast")  # NCCL has a tree for these only
+TREE_EFFICIENCY = 0.9  # NCCL's tuner: tree busBw = busBw * .9 ([Note: ring vs tree])
 
 
 def dtype_name(dtype: torch.dtype | str | object) -> str:
@@ -127,13 +128,15 @@ class DeviceModel:
             return 0.0
         bw, lat = self.link(crosses_nodes)
         depth = math.ceil(math.log2(n))
+        tree_bw = TREE_EFFICIENCY * bw
         if kind == "all_reduce":
             if algorithm == "tree":
-                return 2 * depth * lat + 2 * nbytes / bw
+                return 2 * depth * lat + 2 * nbytes / tree_bw
             return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
         if kind == "broadcast":
-            steps = depth if algorithm == "tree" else n - 1
-            return steps * lat + nbytes / bw
+            if algorithm == "tree":
+                return depth * lat + nbytes / tree_bw
+            return (n - 1) * lat + nbytes / bw
         if kind == "all_to_all":
             return (n - 1) * lat + (n - 1) / (n * n) * nbytes / bw
         return (n - 1) * lat + (n - 1) / n * nbytes / bw  # reduce_scatter, all_gather

@@ -62,7 +62,7 @@ def test_a_small_message_on_a_large_group_takes_the_tree():
     dev = load_device_model("a100-80gb")
     n, s = 256, 4096
     lat, bw = raw("a100-80gb", "inter_latency"), raw("a100-80gb", "inter_bw")
-    tree = 2 * math.ceil(math.log2(n)) * lat + 2 * s / bw
+    tree = 2 * math.ceil(math.log2(n)) * lat + 2 * s / (0.9 * bw)  # NCCL's tree: 0.9 busBw
     ring = 2 * (n - 1) * lat + 2 * (n - 1) / n * s / bw
     assert tree < ring
     assert dev.collective_algorithm("all_reduce", s, n, True) == "tree"
@@ -71,9 +71,12 @@ def test_a_small_message_on_a_large_group_takes_the_tree():
 
 def test_a_large_message_takes_the_ring():
     dev = load_device_model("a100-80gb")
-    for n in (4, 8, 64):
-        assert dev.collective_algorithm("all_reduce", 8 * GiB, n, True) == "ring"
-        assert dev.collective_algorithm("broadcast", 8 * GiB, n, True) == "tree"  # log n < n-1
+    for n in (4, 8, 64, 256):
+        for kind in ("all_reduce", "broadcast"):
+            assert dev.collective_algorithm(kind, 8 * GiB, n, True) == "ring"
+    # the crossover grows with the group: a few hundred MiB at 256 ranks
+    assert dev.collective_algorithm("all_reduce", 64 * 2**20, 256, True) == "tree"
+    assert dev.collective_algorithm("all_reduce", 512 * 2**20, 256, True) == "ring"
 
 
 def test_the_tree_wins_below_one_size_and_the_ring_above():
