@@ -317,6 +317,10 @@ def cmd_devices(a: argparse.Namespace) -> int:
     print(f"  memory    {model.mem_bw / gb:8.1f} GB/s")
     print(f"  intra-node {model.intra_bw / gb:7.1f} GB/s, {model.intra_latency * 1e6:.1f} us; "
           f"inter-node {model.inter_bw / gb:.1f} GB/s, {model.inter_latency * 1e6:.1f} us")
+    if model.p2p_bw is not None or model.p2p_latency is not None:
+        bw, lat = model.p2p_bw or model.intra_bw, model.p2p_latency
+        print(f"  point-to-point {bw / gb:.1f} GB/s, "
+              f"{(lat if lat is not None else model.intra_latency) * 1e6:.1f} us")
     for s in model.sources:
         print(f"  source: {s}")
     return 0
