@@ -71,7 +71,11 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="auto: derive the tensor-parallel plan from the model (transformers' "
                    "own plan, else its vocabulary embedding and head)")
     g.add_argument("--layer-stages", default=None,
-                   help="stage of each layer, comma-separated, e.g. 0,0,1,1")
+                   help="stage of each layer, comma-separated, e.g. 0,0,1,1; 'auto': layers "
+                   "per virtual stage balanced by cost (embedding, head and loss counted)")
+    g.add_argument("--stage-layers", default=None,
+                   help="layers per virtual stage, comma-separated, e.g. 3,4,4,3 (an uneven "
+                   "layout; what --layer-stages auto and --auto choose)")
     g = p.add_argument_group("training step")
     g.add_argument("--precision", choices=names(Precision), default="fp32",
                    help="compute precision: bf16/fp16 run matmul, linear, attention and conv "
@@ -192,13 +196,21 @@ def strategy_fields(a: argparse.Namespace) -> dict:
         fields["layer_pattern"] = a.layer_pattern
     if getattr(a, "tp_plan", None):
         fields["tp_plan"] = a.tp_plan
-    if a.layer_stages:
-        try:
-            fields["layer_stages"] = tuple(int(x) for x in a.layer_stages.split(","))
-        except ValueError:
-            raise ConfigError(f"--layer-stages '{a.layer_stages}' is not a comma-separated "
-                              "list of stage numbers, e.g. 0,0,1,1") from None
+    if a.layer_stages == "auto":
+        fields["stage_layers"] = "auto"
+    elif a.stage_layers:
+        fields["stage_layers"] = _ints(a.stage_layers, "--stage-layers", "3,4,4,3")
+    if a.layer_stages and a.layer_stages != "auto":
+        fields["layer_stages"] = _ints(a.layer_stages, "--layer-stages", "0,0,1,1")
     return fields
+
+
+def _ints(text: str, flag: str, example: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} '{text}' is not a comma-separated list of whole numbers, "
+                          f"e.g. {example}") from None
 
 
 def read_schedule_csv(path: str) -> str:

@@ -72,6 +72,9 @@ class Strategy:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     layer_pattern: str = ""          # regex over module paths; "" = the model's; "auto"
     layer_stages: tuple[int, ...] = ()   # optional user stage per layer
+    # optional layers per virtual stage (virtual-stage order, pp*vpp entries):
+    # an uneven layout; "auto": balanced by cost (passes/auto_plan.py)
+    stage_layers: tuple[int, ...] | str = ()
     stage_ranks: tuple[tuple[int, ...], ...] = ()  # optional explicit ranks per stage
     tp_plan: tuple[tuple[str, TpStyle], ...] | str = ()  # (module-path regex, style), or "auto"
     precision: Precision = Precision.FP32
@@ -89,6 +92,9 @@ class Strategy:
         set_(self, "schedule", choose(Schedule, self.schedule, "schedule"))
         set_(self, "precision", choose(Precision, self.precision, "precision"))
         set_(self, "recompute", choose(Recompute, self.recompute, "recompute mode"))
+        if isinstance(self.stage_layers, str) and self.stage_layers != "auto":
+            raise ConfigError(f"stage_layers '{self.stage_layers}' is unknown: give 'auto' or "
+                              "a layer count per virtual stage, e.g. (3, 4, 4, 3)")
         if isinstance(self.tp_plan, str):
             if self.tp_plan != "auto":
                 raise ConfigError(f"tp_plan '{self.tp_plan}' is unknown: give 'auto' or a list "

@@ -213,7 +213,7 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     for op in sorted(view.ops, key=_run_order):
         low.visit(op)
     actions = rank_actions(view.strategy, low.stage, sorted(low.edges))
-    inflight = _inflight(actions, view.strategy.stage_placement)
+    inflight = in_flight(actions, view.strategy.stage_placement)
     buffers = _buffers(low, inflight)
     memory = plan_memory(low, buffers)
     return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest,
@@ -267,7 +267,7 @@ _ENDS = {ActionType.I: (Phase.BACKWARD,), ActionType.W: (Phase.WEIGHT,),
          ActionType.B: (Phase.BACKWARD, Phase.WEIGHT)}
 
 
-def _inflight(actions, where) -> dict[tuple[int, Phase], int]:
+def in_flight(actions, where) -> dict[tuple[int, Phase], int]:
     """Most micro-batches of each chunk alive at once between their F and
     the end of their I (key phase BACKWARD) or of their W (WEIGHT); a B ends
     both. Without the split the two agree."""

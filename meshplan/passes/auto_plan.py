@@ -1,5 +1,6 @@
 """Resolve `Strategy(tp_plan="auto", layer_pattern="auto")` from the facts
-capture recorded about the module (`capture/structure.py`).
+capture recorded about the module (`capture/structure.py`), and
+`stage_layers="auto"` from the op cost model (`passes/balance.py`).
 
 Invariants:
 - The result is an ordinary strategy (a regex layer pattern, a tuple tp
@@ -26,6 +27,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir import Graph
 from meshplan.ir.choices import Recompute, TpStyle
 from meshplan.ir.mesh import Strategy
+from meshplan.passes.balance import balance, graph_layer_weights
 
 AUTO = "auto"
 # transformers' tp-plan styles -> ours: the same name, or the nearest
@@ -42,6 +44,17 @@ def is_auto(strategy: Strategy) -> bool:
 
 def resolve_auto(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str, ...]]:
     """`strategy` with its "auto" fields derived; returns it and the notes."""
+    strategy, notes = _resolve_structure(graph, strategy)
+    if strategy.stage_layers == AUTO:
+        counts = balance(graph_layer_weights(graph, strategy.layer_pattern),
+                         strategy.pp * strategy.vpp)
+        strategy = replace(strategy, stage_layers=counts)
+        notes += (f"stage_layers auto = {list(counts)} layers per virtual stage (balanced by "
+                  "the op cost model, embedding, head and loss counted)",)
+    return strategy, notes
+
+
+def _resolve_structure(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str, ...]]:
     if not is_auto(strategy):
         return strategy, ()
     facts = {k[len(KEY):]: v for k, v in graph.meta if k.startswith(KEY)}

@@ -16,6 +16,9 @@ Invariants (of `assign_stages`' result, for a train-step Graph):
       layers 0-1 2-3 4-5 6-7        stage:    0     1     0     1   (V: 0 1 1 0)
                                     chunk:    0     0     1     1
 
+- An uneven layout `stage_layers` (layers per virtual stage, in
+  virtual-stage order) cuts the layers into segments of those lengths,
+  then placed as above; each is >= 1 and they sum to L.
 - A user layout (`layer_stages`) is used as given when it is non-decreasing
   and vpp == 1, replaced by the default when it is non-decreasing and
   vpp > 1, and kept with chunks assigned by runs when it is not monotone.
@@ -64,7 +67,8 @@ class StageAssignment:
 
 def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
                   layer_stages: tuple[int, ...] = (),
-                  placement: StagePlacement | None = None) -> StageAssignment:
+                  placement: StagePlacement | None = None,
+                  stage_layers: tuple[int, ...] | str = ()) -> StageAssignment:
     """Place every op of the train step `graph` on a (stage, chunk); the
     default layout follows `placement` (interleaved when None).
 
@@ -76,7 +80,14 @@ def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
         raise ConfigError(f"pp={pp} and vpp={vpp} must both be >= 1; pass --pp and --vpp >= 1")
     layers, op_layer = find_layers(graph, layer_pattern)
     where = placement or StagePlacement.interleaved(pp, vpp)
-    stages, chunks, notes = _layout(len(layers), where, tuple(layer_stages), layer_pattern)
+    assert not isinstance(stage_layers, str), "stage_layers 'auto' is resolved before this pass"
+    if stage_layers:
+        if layer_stages:
+            raise ConfigError("layer_stages and stage_layers both give the layout; pass one "
+                              "(--layer-stages takes either form)")
+        stages, chunks, notes = (*_by_counts(len(layers), where, tuple(stage_layers)), [])
+    else:
+        stages, chunks, notes = _layout(len(layers), where, tuple(layer_stages), layer_pattern)
     places = _Placer(graph, op_layer, list(zip(stages, chunks))).run()
     return StageAssignment(
         stage=tuple(p[0] for p in places), chunk=tuple(p[1] for p in places),
@@ -174,9 +185,27 @@ def _layout(n: int, where: StagePlacement, user: tuple[int, ...], pattern: str):
 
 
 def _by_placement(n: int, where: StagePlacement) -> tuple[list[int], list[int]]:
-    per = n // where.num_stages
-    segs = [i // per for i in range(n)]
+    return _segments([n // where.num_stages] * where.num_stages, where)
+
+
+def _segments(counts, where: StagePlacement) -> tuple[list[int], list[int]]:
+    segs = [v for v, k in enumerate(counts) for _ in range(k)]
     return [where.rank_of(s) for s in segs], [where.chunk_of(s) for s in segs]
+
+
+def _by_counts(n: int, where: StagePlacement, counts: tuple[int, ...]):
+    """Layers per virtual stage, given; checked."""
+    if len(counts) != where.num_stages or sum(counts) != n or min(counts) < 1:
+        raise ConfigError(f"stage_layers {list(counts)} must give each of the pp*vpp = "
+                          f"{where.num_stages} virtual stages at least one layer and sum to the "
+                          f"model's {n} layers; e.g. {_example(n, where.num_stages)}")
+    return _segments(counts, where)
+
+
+def _example(n: int, k: int) -> str:
+    if n < k:
+        return f"lower pp*vpp to at most {n}"
+    return ",".join(str(n // k + (1 if i < n % k else 0)) for i in range(k))
 
 
 def _check_divisible(n: int, pp: int, vpp: int, pattern: str) -> None:

@@ -114,7 +114,7 @@ def _assign_stages(c: Compilation) -> None:
         c.stages = StageAssignment((0,) * n, (0,) * n, (), (), (), ())
     else:
         c.stages = assign_stages(c.graph, s.pp, s.vpp, s.layer_pattern, s.layer_stages,
-                                 s.stage_placement)
+                                 s.stage_placement, s.stage_layers)
 
 
 def _share_params(c: Compilation) -> None:

@@ -1,0 +1,287 @@
+"""A candidate's predicted step: its stages' Work priced on a device model,
+run through the schedule simulator, and its per-rank memory.
+
+Invariants:
+- One pricing for both paths: `predict` takes each virtual stage's Work
+  however it was obtained (summed from a probe, `stage_works`, or read off
+  a whole plan, `full.py`), so the search and the full evaluation differ
+  only in where the Work comes from.
+- Data-parallel collectives are priced by `dp_seconds` with the device
+  model's ring/tree costs over the dp group, crossing nodes when a stage's
+  dp x tp ranks span more than one node. Those inside an action (ZeRO-3's
+  gathers, ZeRO-2/3's per-micro-batch reduce-scatters) overlap its compute
+  (a comm stream): the action takes the longer of the two. The STEP's
+  reductions (ZeRO 0/1) run in buckets during the last micro-batch's
+  backward, so only what outlasts that backward, and at least the last
+  bucket, is exposed; the gathers of updated shards (ZeRO 1/2) are not.
+- The step is simulated on the schedule's real action lists. With many
+  micro-batches it is simulated at two smaller counts m1 < m2 (steady
+  state, same residue mod pp) and extrapolated linearly: a periodic
+  schedule's step and busy times are affine in m there (a property test
+  holds it to the exact simulation).
+- Memory per rank follows the memory plan's rules (`lowering/memory.py`):
+  state split by dp as the ZeRO level says, gradients twice with several
+  micro-batches plus the buckets' flat copies, saved bytes times the
+  micro-batches the schedule keeps in flight per chunk, the largest
+  transient and workspace, and at ZeRO 3 a layer's gathered parameters
+  in use plus one prefetched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import cache
+
+from meshplan.costmodel import DeviceModel
+from meshplan.ir import Phase
+from meshplan.ir.choices import Precision, Schedule
+from meshplan.ir.mesh import Mesh
+from meshplan.ir.stage_placement import placement_of
+from meshplan.lowering.lower import in_flight
+from meshplan.passes.balance import balance
+from meshplan.schedules import add_comm, compute_actions, simulate
+from meshplan.search.probe import Probe
+from meshplan.search.space import Candidate, schedule_takes
+from meshplan.search.work import Work
+
+MiB = 1 << 20
+EXACT_UP_TO = 3  # simulate exactly up to this many micro-batches per pipeline stage
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    step_s: float
+    bubble: float
+    peak: tuple[int, ...]          # planned peak bytes per pipeline stage (rank)
+    flops_per_device: float        # executed flops per device per step
+    stage_layers: tuple[int, ...]  # layers per virtual stage
+
+    @property
+    def max_peak(self) -> int:
+        return max(self.peak)
+
+    def tflops(self) -> float:
+        return self.flops_per_device / self.step_s / 1e12 if self.step_s else 0.0
+
+
+def layout(probe: Probe, cand: Candidate, layers: int) -> tuple[int, ...]:
+    """Layers per virtual stage, balanced by each layer's F + B (the extras
+    counted on the first and last layer)."""
+    per = probe.body.f + probe.body.i + probe.body.w
+    weights = [per] * layers
+    weights[0] += probe.first.f + probe.first.i + probe.first.w
+    weights[-1] += probe.last.f + probe.last.i + probe.last.w
+    return balance(weights, cand.pp * cand.vpp)
+
+
+def stage_works(probe: Probe, counts: tuple[int, ...]) -> list[Work]:
+    n = len(counts)
+    return [probe.stage(k, v == 0, v == n - 1) for v, k in enumerate(counts)]
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """What prices a candidate beyond its stages' Work."""
+
+    mesh: Mesh
+    global_batch: int
+    dev: DeviceModel
+    bucket_mb: float = 25.0
+    precision: str = "fp32"
+
+    @property
+    def buckets(self) -> bool:
+        return self.bucket_mb > 0 and self.precision != Precision.FP16
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """A candidate's actions priced, before the simulation."""
+
+    cand: Candidate
+    m: int
+    cost: dict                     # (virtual stage, "f"|"i"|"w") -> s
+    comm: dict                     # (src stage, dst stage) -> s
+    step: tuple[float, ...]        # per rank: the STEP's seconds
+    peak: tuple[int, ...]
+    flops_per_device: float
+    stage_layers: tuple[int, ...]
+
+    def lower_bound(self) -> float:
+        """No rank finishes before it has run all its actions: a bound on the step."""
+        where = placement_of(self.cand.schedule, self.cand.pp, self.cand.vpp)
+        return max(self.m * sum(self.cost[(v, k)] for v in where.stages_of(r) for k in "fiw")
+                   + self.step[r] for r in range(self.cand.pp))
+
+    def predict(self) -> Prediction:
+        step_s, bubble = _simulated(self.cand, self.m, self.cost, self.comm, self.step)
+        return Prediction(step_s, bubble, self.peak, self.flops_per_device, self.stage_layers)
+
+
+def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ...] = (),
+          peaks: tuple[int, ...] | None = None) -> Priced:
+    """Price `works` (one per virtual stage); the peak per rank is estimated
+    unless `peaks` (a memory plan's) is given."""
+    m = cand.microbatches(st.global_batch)
+    where = placement_of(cand.schedule, cand.pp, cand.vpp)
+    dp_cross = _dp_crosses(cand, st.mesh)
+    split = Schedule(cand.schedule).splits_backward
+    priced = [_in_action(w, cand, st, dp_cross, split) for w in works]
+    cost = {(v, k): getattr(priced[v], k) for v in range(len(works)) for k in "fiw"}
+    step = tuple(_step_seconds([works[v] for v in where.stages_of(r)],
+                               [priced[v] for v in where.stages_of(r)], cand, st, dp_cross)
+                 for r in range(cand.pp))
+    comm = {}
+    for v in range(len(works) - 1):
+        cross = _stages_cross(cand, st.mesh, where.rank_of(v), where.rank_of(v + 1))
+        comm[(v, v + 1)] = st.dev.p2p_seconds(works[v].send_f, cross)
+        comm[(v + 1, v)] = st.dev.p2p_seconds(works[v + 1].send_b, cross)
+    flops = sum(w.flops for w in works) * m / cand.pp
+    if peaks is None:
+        peaks = tuple(_peak([works[v] for v in where.stages_of(r)], where.stages_of(r), cand,
+                            m, st, [counts[v] for v in where.stages_of(r)])
+                      for r in range(cand.pp))
+    return Priced(cand, m, cost, comm, step, peaks, flops, counts)
+
+
+def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool,
+               bucketed: bool = False) -> float:
+    """Seconds of `work`'s dp collectives of the (phase, kind) `keys`."""
+    total = 0.0
+    for key, (count, nbytes) in work.dp:
+        if key not in keys or count <= 0:
+            continue
+        if bucketed:
+            count = max(1, math.ceil(nbytes / (st.bucket_mb * MiB)))
+        total += count * st.dev.collective_seconds(key[1], nbytes // count, cand.dp, cross)
+    return total
+
+
+def with_dp(work: Work, cand: Candidate, split: bool) -> Work:
+    """`work` with the dp collectives the ZeRO level makes (a probe has dp = 1)."""
+    if cand.dp == 1:
+        return work
+    z, n = cand.zero, work.params
+    grads = "w" if split else "i"
+    ops: list = []
+    if z == 0:
+        ops.append((("step", "all_reduce"), (n, work.grad)))
+    if z == 1:
+        ops.append((("step", "reduce_scatter"), (n, work.grad)))
+    if z >= 2:
+        ops.append(((grads, "reduce_scatter"), (n, work.grad)))
+    if z in (1, 2):
+        ops.append((("step", "all_gather"), (n, work.param)))
+    if z == 3:
+        ops += [(("f", "all_gather"), (n, work.param)), (("i", "all_gather"), (n, work.param))]
+    return replace(work, dp=tuple(sorted(ops)))
+
+
+def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool, split: bool) -> Work:
+    """Seconds per action with its dp collectives overlapped; without the
+    split, I and W are one B (priced as I, W = 0)."""
+    def comm(*phases):
+        return dp_seconds(w, {k for ph in phases for k in _keys(ph)}, cand, st, cross)
+    f = max(w.f, comm("f"))
+    if split:
+        return replace(w, f=f, i=max(w.i, comm("i")), w=max(w.w, comm("w")))
+    return replace(w, f=f, i=max(w.i + w.w, comm("i", "w")), w=0.0)
+
+
+def _keys(phase: str):
+    return {(phase, kind) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+def _step_seconds(works: list[Work], priced: list[Work], cand: Candidate, st: Setting,
+                  cross: bool) -> float:
+    own = sum(w.step for w in works)
+    reduce = sum(dp_seconds(w, {("step", "all_reduce"), ("step", "reduce_scatter")}, cand, st,
+                            cross, bucketed=st.buckets) for w in works)
+    if st.buckets and reduce:  # overlapped with the last backward, but for the last bucket
+        grads = sum(w.grad for w in works)
+        last = reduce / max(1, math.ceil(grads / (st.bucket_mb * MiB)))
+        reduce = max(reduce - sum(p.i + p.w for p in priced), last)
+    gather = sum(dp_seconds(w, {("step", "all_gather")}, cand, st, cross) for w in works)
+    return own + reduce + gather
+
+
+def _dp_crosses(cand: Candidate, mesh: Mesh) -> bool:
+    return cand.dp > 1 and cand.dp * cand.tp > mesh.devices_per_node
+
+
+def _stages_cross(cand: Candidate, mesh: Mesh, a: int, b: int) -> bool:
+    n = cand.dp * cand.tp
+    return mesh.node_of(a * n) != mesh.node_of(b * n)
+
+
+def _peak(works: list[Work], stages, cand: Candidate, m: int, st: Setting,
+          layers: list[int]) -> int:
+    d, z = cand.dp, cand.zero
+    split = Schedule(cand.schedule).splits_backward
+    where = placement_of(cand.schedule, cand.pp, cand.vpp)
+    live = _in_flight(cand.schedule, cand.pp, cand.vpp, m, where.rank_of(stages[0]))
+    state = saved = 0
+    for v, w in zip(stages, works):
+        grad = w.grad * (2 if m > 1 else 1) // (d if z >= 2 else 1)
+        if d > 1 and z < 2 and st.buckets:
+            grad += w.grad  # the buckets' flat copies
+        state += w.param // (d if z >= 3 else 1) + grad + w.optimizer // (d if z >= 1 else 1)
+        c = where.chunk_of(v)
+        saved += (w.saved_i * live.get((c, Phase.BACKWARD), 1) +
+                  w.saved_w * live.get((c, Phase.WEIGHT), 1))
+        if split:  # values an I leaves for its W: at most those alive from F to W
+            saved += w.saved_iw * live.get((c, Phase.WEIGHT), 1)
+    transient = max(w.transient for w in works)
+    if z == 3 and d > 1:  # a layer's gathered parameters in use, and the next one's
+        transient += 2 * max(w.param // k for w, k in zip(works, layers))
+    return state + saved + transient + max(w.temp for w in works)
+
+
+@cache
+def _in_flight(schedule: str, pp: int, vpp: int, m: int, rank: int) -> dict:
+    m = _small_m(schedule, pp, vpp, m)[1] if schedule != Schedule.GPIPE else m
+    where = placement_of(schedule, pp, vpp)
+    return in_flight(compute_actions(schedule, pp, vpp, m, rank), where)
+
+
+def _simulated(cand: Candidate, m: int, cost: dict, comm: dict, step: tuple[float, ...]):
+    """(step seconds, bubble ratio): every rank's finish plus its STEP."""
+    m1, m2 = _small_m(cand.schedule, cand.pp, cand.vpp, m)
+    if m <= m2:
+        finish, busy = _sim(cand, m, cost, comm)
+    else:
+        (f1, b1), (f2, b2) = _sim(cand, m1, cost, comm), _sim(cand, m2, cost, comm)
+        k = (m - m1) / (m2 - m1)
+        finish = {r: f1[r] + k * (f2[r] - f1[r]) for r in f1}
+        busy = {r: b1[r] + k * (b2[r] - b1[r]) for r in b1}
+    t = max(finish[r] + step[r] for r in finish)
+    return t, max((t - busy[r] - step[r]) / (busy[r] + step[r]) for r in busy)
+
+
+@cache
+def _small_m(schedule: str, pp: int, vpp: int, m: int) -> tuple[int, int]:
+    """Two micro-batch counts in the steady state, congruent to m mod pp."""
+    base = EXACT_UP_TO * pp + (m % pp)
+    m1 = next((x for x in range(base, base + 8 * pp, pp)
+               if schedule_takes(schedule, pp, vpp, x)), m)
+    m2 = next((x for x in range(m1 + pp, m1 + 9 * pp, pp)
+               if schedule_takes(schedule, pp, vpp, x)), m)
+    return m1, m2
+
+
+def _sim(cand: Candidate, m: int, cost: dict, comm: dict):
+    """(finish, busy) per rank of the schedule's actions, without the STEP."""
+    actions, where = _lowered(cand.schedule, cand.pp, cand.vpp, m)
+    res = simulate(actions, cand.pp, cost_f=lambda v: cost[(v, "f")],
+                   cost_i=lambda v: cost[(v, "i")], cost_w=lambda v: cost[(v, "w")],
+                   cost_comm=lambda kind, a, b: comm.get((a, b), 0.0), placement=where)
+    assert res.ok, res.deadlock
+    return res.finish, res.busy
+
+
+@cache
+def _lowered(schedule: str, pp: int, vpp: int, m: int):
+    where = placement_of(schedule, pp, vpp)
+    compute = {r: compute_actions(schedule, pp, vpp, m, r) for r in range(pp)}
+    return add_comm(compute, pp, placement=where), where

@@ -1,0 +1,99 @@
+"""One layer's work, planned for real: a probe.
+
+The search never plans a 96-layer Job per candidate. For each (tp,
+micro-batch size, recompute) it plans the same model cut to three layers
+(`ModelSpec.probe_layers`) as three pipeline stages, one layer each, lowers
+one rank per stage, and reads their `Work` (`work.read_work`):
+
+    stage 0 = embedding + layer      stage 1 = one layer      stage 2 = layer + head + loss
+
+so one layer is stage 1, and the first and last stages' extras are stage 0
+and stage 2 minus it. The probe runs two micro-batches, all F, then all I,
+then all W (a GPipe order with the backward split), so every value a
+micro-batch keeps between actions has a slot per micro-batch and the
+split's I and W are priced apart (B = I + W).
+
+Invariants:
+- A probe is a plain planner run (capture, passes, lower): its costs are
+  those of the Job a candidate would get, with dp = 1 (the dp collectives
+  are added by `estimate`).
+- Probes are cached per (spec, tp, micro-batch, recompute); their Work per
+  device model. A planner error (tp not dividing the heads, ...) is cached
+  too and makes every candidate of that key invalid, with its one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+
+from meshplan.costmodel import DeviceModel
+from meshplan.errors import ConfigError, ScheduleError
+from meshplan.ir.mesh import Mesh
+from meshplan.search.work import Work, read_work
+
+PROBE_LAYERS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A zoo or transformers model as `plan_model` takes it, and the training step."""
+
+    model: str
+    size: str
+    overrides: tuple[tuple[str, object], ...] = ()
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+
+    def config(self, **more):
+        from meshplan.models import model_config
+
+        return model_config(self.model, self.size, **dict(self.overrides), **more)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    first: Work    # what the first stage does beyond one layer (the embedding)
+    body: Work     # one layer
+    last: Work     # what the last stage does beyond one layer (head and loss)
+
+    def stage(self, layers: int, first: bool, last: bool) -> Work:
+        """A stage of `layers` layers, with the extras it holds."""
+        w = self.body.times(layers)
+        if last:
+            w = w.plus(self.last)
+        if first:  # nothing on the first stage is an input gradient: all of it is W
+            w = w.plus(self.first)
+            w = replace(w, i=0.0, w=w.i + w.w, saved_i=0, saved_w=w.saved_i + w.saved_w,
+                        saved_iw=0)
+        return w
+
+
+def probe(spec: ModelSpec, tp: int, mbs: int, recompute: str, dev: DeviceModel) -> Probe:
+    """One layer's Work at (tp, micro-batch `mbs`, `recompute`) on `dev`;
+    raises the planner's ConfigError for a tp the model cannot use."""
+    job, reps = _planned(spec, tp, mbs, recompute)
+    works = [read_work(job, reps[s], dev).by_stage[s] for s in range(PROBE_LAYERS)]
+    body = works[1]
+    return Probe(works[0].minus(body), body, works[2].minus(body))
+
+
+@cache
+def _planned(spec: ModelSpec, tp: int, mbs: int, recompute: str):
+    from meshplan.driver.plan import plan_model, zoo_strategy
+    from meshplan.lowering.lower import lower
+
+    n = PROBE_LAYERS
+    cfg = spec.config(layers=n)
+    orders = tuple(tuple(f"{r}{kind}{mb}" for kind in "FIW" for mb in range(2))
+                   for r in range(n))
+    strategy = zoo_strategy(spec.model, cfg, dp=1, tp=tp, pp=n, vpp=1,
+                            global_batch_size=2 * mbs, micro_batch_size=mbs,
+                            schedule="csv", schedule_orders=orders, recompute=recompute,
+                            precision=spec.precision, bucket_mb=0)
+    try:
+        job = plan_model(spec.model, spec.size, Mesh(1, n * tp), strategy,
+                         optimizer=spec.optimizer, **{**dict(spec.overrides), "layers": n}).job
+    except (ConfigError, ScheduleError) as err:
+        raise ConfigError(str(err)) from None
+    return job, {s: lower(job, strategy.ranks_of_stage(s)[0]) for s in range(n)}

@@ -1,0 +1,125 @@
+"""The search space: every strategy the search may choose, as plain data.
+
+Invariants:
+- A `Candidate` fixes dp, tp, pp, vpp, the schedule, the micro-batch size,
+  recompute and the ZeRO level; its uneven layout (layers per virtual
+  stage) is derived by cost when it is priced (`estimate`).
+- `candidates` yields only strategies the planner accepts on their face:
+  dp * tp * pp = world; tp divides the devices of a node (a tp group never
+  leaves one); pp * vpp <= layers; dp divides the global batch, and the
+  micro-batch size divides its share; the schedule takes (pp, vpp, M)
+  (`schedules.compute_actions` does not refuse it); ZeRO only with dp > 1.
+  What only the planner knows (tp dividing the heads and the vocabulary)
+  is found by the probe, whose error removes the candidate.
+- The order is deterministic, so ties are broken the same way every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from meshplan.errors import ScheduleError
+from meshplan.ir.choices import Recompute, Schedule
+from meshplan.ir.mesh import Mesh
+from meshplan.schedules import compute_actions
+
+SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB1P, Schedule.ZBV,
+             Schedule.GPIPE)
+RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+ZERO = (0, 1, 2, 3)
+MAX_VPP = 4
+MAX_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    vpp: int
+    schedule: str
+    micro_batch_size: int
+    recompute: str
+    zero: int
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch_size)
+
+    def label(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.pp > 1:
+            parts.append(str(self.schedule))
+        parts.append(f"mb{self.micro_batch_size}")
+        if self.recompute != Recompute.NONE:
+            parts.append(f"rc-{self.recompute}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """What the search may vary (each a tuple of allowed values; () = all)."""
+
+    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    recompute: tuple[str, ...] = tuple(RECOMPUTE)
+    zero: tuple[int, ...] = ZERO
+    micro_batch_sizes: tuple[int, ...] = ()
+    max_vpp: int = MAX_VPP
+
+
+def candidates(mesh: Mesh, layers: int, global_batch: int,
+               space: Space = Space()) -> Iterator[Candidate]:
+    world = mesh.world
+    for tp in _divisors(mesh.devices_per_node):
+        if world % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > layers:
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            for mbs in _micro_batches(global_batch // dp, space.micro_batch_sizes):
+                m = global_batch // (dp * mbs)
+                for schedule, vpp in _schedules(pp, m, layers, space):
+                    for rc in space.recompute:
+                        for z in space.zero if dp > 1 else (0,):
+                            yield Candidate(dp, tp, pp, vpp, str(schedule), mbs, str(rc), z)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(share: int, allowed: Sequence[int]) -> list[int]:
+    return [b for b in _divisors(share) if b <= MAX_MICRO_BATCH and (not allowed or
+                                                                    b in allowed)]
+
+
+def _schedules(pp: int, m: int, layers: int, space: Space) -> Iterator[tuple[Schedule, int]]:
+    if pp == 1:
+        yield Schedule.ONE_F_ONE_B, 1
+        return
+    for schedule in space.schedules:
+        vpps = {Schedule.ONE_F_ONE_B: (1,), Schedule.GPIPE: (1,), Schedule.ZBV: (2,)}.get(
+            Schedule(schedule), tuple(range(2, space.max_vpp + 1)))
+        if schedule == Schedule.ZB1P:
+            vpps = tuple(range(1, space.max_vpp + 1))
+        for vpp in vpps:
+            if pp * vpp <= layers and schedule_takes(str(schedule), pp, vpp, m):
+                yield Schedule(schedule), vpp
+
+
+@cache
+def schedule_takes(schedule: str, pp: int, vpp: int, m: int) -> bool:
+    """Whether `schedule` has an order for (pp, vpp, m)."""
+    try:
+        compute_actions(schedule, pp, vpp, m, 0)
+    except ScheduleError:
+        return False
+    return True

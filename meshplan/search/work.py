@@ -1,0 +1,173 @@
+"""What one pipeline stage's rank does per micro-batch and per step, read off
+its RankPlan and priced on a device model: the quantities the search adds
+up layer by layer and the full evaluation reads off a whole plan.
+
+Invariants:
+- `Work` is additive: a stage of k identical layers is the first and last
+  layers' extras plus k times one layer (`plus`, `times`).
+- Compute tasks and tensor-parallel collectives are priced here (seconds
+  per micro-batch of F, I and W, and per step of the optimizer); the tp
+  group never leaves a node (the search keeps tp <= devices per node).
+- Data-parallel collectives are *not* priced here: they are kept as
+  (phase, kind) -> (count, bytes of the full tensors), because their price
+  depends on the dp degree and on whether the group crosses nodes, which
+  the search varies (`estimate.dp_seconds`). A probe planned at dp = 1 has
+  none; `estimate` makes them from the parameter and gradient bytes.
+- Memory: state bytes per category (one gradient copy), the bytes one
+  micro-batch keeps from its F to its I (`saved_i`) or W (`saved_w`), or
+  from its I to its W (`saved_iw`: within one B without the split), and
+  per stage the transient extent and kernel workspace (not additive: the
+  largest is taken).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, fields, replace
+
+from meshplan.costmodel import DeviceModel
+from meshplan.ir import Phase, TensorMeta
+from meshplan.ir.kinds import short
+from meshplan.lowering.rankplan import BufferCategory, RankPlan, TaskKind
+from meshplan.ops.cost import bytes_moved
+from meshplan.ops.infer import to_sig
+from meshplan.ops.table import rule_for
+
+_PHASE = {Phase.FORWARD: "f", Phase.BACKWARD: "i", Phase.WEIGHT: "w", Phase.OPTIMIZER: "step"}
+_STATE = {BufferCategory.PARAM: "param", BufferCategory.BUFFER: "param",
+          BufferCategory.GRAD: "grad", BufferCategory.OPTIMIZER: "optimizer"}
+DP_AXIS = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    f: float = 0.0            # seconds per micro-batch: forward
+    i: float = 0.0            # input-gradient backward (all of it without the split)
+    w: float = 0.0            # weight-gradient phase
+    step: float = 0.0         # seconds per step: the optimizer's compute
+    flops: float = 0.0        # flops per micro-batch (F + I + W), as executed
+    param: int = 0            # state bytes at rest
+    grad: int = 0             # one gradient copy
+    optimizer: int = 0
+    saved_i: int = 0          # bytes a micro-batch keeps from F to I
+    saved_w: int = 0          # ... from F to W
+    saved_iw: int = 0         # ... from I to W (zero-bubble schedules only)
+    params: int = 0           # parameter tensors (dp collectives: one each)
+    dp: tuple[tuple[tuple[str, str], tuple[int, int]], ...] = ()  # (phase, kind) -> (n, bytes)
+    transient: int = 0        # per stage, not additive: the largest action's scratch
+    temp: int = 0
+    send_f: int = 0           # bytes per micro-batch the stage sends on (its boundary)
+    send_b: int = 0
+
+    def plus(self, o: Work) -> Work:
+        out = {n: getattr(self, n) + getattr(o, n) for n in _ADDITIVE}
+        wide = {n: max(getattr(self, n), getattr(o, n)) for n in _WIDEST}
+        return Work(**out, **wide, dp=_lin(self.dp, 1, o.dp, 1))
+
+    def times(self, k: int) -> Work:
+        return replace(self, **{n: getattr(self, n) * k for n in _ADDITIVE},
+                       dp=_lin(self.dp, k))
+
+    def minus(self, o: Work) -> Work:
+        """The extras of a stage beyond `o` (one layer); its own widest fields."""
+        return replace(self, **{n: getattr(self, n) - getattr(o, n) for n in _ADDITIVE},
+                       dp=_lin(self.dp, 1, o.dp, -1))
+
+
+_WIDEST = ("transient", "temp", "send_f", "send_b")
+_ADDITIVE = tuple(f.name for f in fields(Work) if f.name not in (*_WIDEST, "dp"))
+
+
+def _lin(a, ka: int, b=(), kb: int = 0):
+    """ka * a + kb * b of two (key, (count, bytes)) tuples."""
+    out: dict = {}
+    for items, k in ((a, ka), (b, kb)):
+        for key, (c, s) in items:
+            c0, s0 = out.get(key, (0, 0))
+            out[key] = (c0 + k * c, s0 + k * s)
+    return tuple(sorted((key, v) for key, v in out.items() if v[0]))
+
+
+@dataclass(frozen=True, slots=True)
+class StageWork:
+    """A rank's work per virtual stage it runs, and its memory plan's peak."""
+
+    by_stage: dict = field(default_factory=dict)   # virtual stage -> Work
+    peak: dict = field(default_factory=dict)       # category -> planned bytes
+
+
+def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
+    """The Work of each virtual stage `plan`'s rank runs, priced on `dev`."""
+    where = job.strategy.stage_placement
+    acc: dict[int, dict] = {}
+    metas = {b.id: TensorMeta(b.shape, b.dtype) for b in plan.buffers}
+    value_meta = {b.value: metas[b.id] for b in plan.buffers}
+    task_of = {t.id: t for t in plan.tasks}
+    stage = plan.stage
+    step_v = where.stage_at(stage, 0)
+    for t in plan.tasks:
+        v = step_v if t.phase is Phase.OPTIMIZER else where.stage_at(stage, t.chunk)
+        w = acc.setdefault(v, {"dp": Counter(), "dpn": Counter()})
+        key = _PHASE[t.phase]
+        op = job.graph.ops[t.op]
+        if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
+            full = max(metas[b].nbytes for b in (*t.inputs, *t.outputs) if b >= 0)
+            kw = dict(op.kwargs)
+            if kw.get("axis") == DP_AXIS or "stages" in kw:
+                w["dpn"][(key, short(op.kind))] += 1
+                w["dp"][(key, short(op.kind))] += full
+            else:
+                crosses = len({job.mesh.node_of(r) for r in t.group}) > 1
+                w[key] = w.get(key, 0.0) + dev.collective_seconds(
+                    short(op.kind), full, len(t.group), crosses)
+            continue
+        if t.kind is TaskKind.SEND:
+            nbytes = metas[t.inputs[0]].dtype.itemsize
+            for a, b in t.box:
+                nbytes *= b - a
+            name = "send_f" if t.phase is Phase.FORWARD else "send_b"
+            w[name] = w.get(name, 0) + nbytes
+            continue
+        if t.kind is TaskKind.RECV:
+            continue
+        sig = to_sig(op.args, lambda i: value_meta.get(i) or job.graph.values[i].meta)
+        outs = tuple(value_meta.get(o) for o in op.outputs if o >= 0)
+        fl = rule_for(op.kind).flops
+        flops = fl(sig) if fl is not None else 0.0
+        dtype = next((m.dtype for m in outs if m is not None), None) or "float32"
+        w[key] = w.get(key, 0.0) + dev.compute_seconds(flops, bytes_moved(sig, outs), dtype)
+        if key != "step":
+            w["flops"] = w.get("flops", 0.0) + flops
+    _memory(plan, task_of, where, stage, acc)
+    by_stage = {}
+    for v, w in acc.items():
+        dp = tuple(sorted((k, (w["dpn"][k], w["dp"][k])) for k in w["dpn"]))
+        by_stage[v] = Work(**{k: x for k, x in w.items() if k not in ("dp", "dpn")}, dp=dp)
+    return StageWork(by_stage, dict(plan.memory.peak))
+
+
+def _memory(plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
+    """State bytes and saved bytes per micro-batch, by virtual stage; the
+    transient extent and workspace of the whole rank go to its first stage."""
+    saved_extent = 0
+    first = where.stage_at(stage, 0)
+    blocked = {i for blk in plan.memory.blocks for i in blk.buffers}
+    for b in plan.buffers:
+        users = [task_of[t] for t in b.producers + b.consumers if t in task_of]
+        chunk = min((t.chunk for t in users if t.phase is not Phase.OPTIMIZER), default=0)
+        w = acc.setdefault(where.stage_at(stage, chunk), {"dp": Counter(), "dpn": Counter()})
+        if b.category in _STATE:
+            name = _STATE[b.category]
+            w[name] = w.get(name, 0) + b.nbytes
+            if b.category is BufferCategory.PARAM:
+                w["params"] = w.get("params", 0) + 1
+        elif b.id in blocked and (b.category is BufferCategory.DATA or b.copies > 1):
+            made = {task_of[t].phase for t in b.producers if t in task_of}
+            name = ("saved_iw" if made and Phase.FORWARD not in made else
+                    "saved_w" if any(t.phase is Phase.WEIGHT for t in users) else "saved_i")
+            w[name] = w.get(name, 0) + b.nbytes
+            saved_extent += b.nbytes * b.copies
+    peak = dict(plan.memory.peak)
+    w = acc.setdefault(first, {"dp": Counter(), "dpn": Counter()})
+    w["transient"] = max(0, peak.get("activation", 0) - saved_extent)
+    w["temp"] = peak.get("temp", 0)
