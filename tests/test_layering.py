@@ -27,7 +27,9 @@ LAYERS = [
     "schedules",
     "lowering",  # lower a Job to RankPlans, and check them
     "runtime",
-    "driver", "cli", "api", "__main__",
+    "driver",
+    "search",  # the strategy search: plans probes through the driver
+    "cli", "api", "__main__",
 ]
 COMPILER = {"capture", "autodiff", "passes"}
 READS_THE_JOB = {"schedules", "lowering", "runtime"}  # below the compiler, yet never import it

@@ -59,8 +59,10 @@ def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
 
 
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
-               optimizer: str = "sgd", lr: float | None = None, **overrides) -> Planned:
-    """Capture a zoo model (on the meta device: no weights; cached) and plan it."""
+               optimizer: str = "sgd", lr: float | None = None, encode: bool = True,
+               **overrides) -> Planned:
+    """Capture a zoo model (on the meta device: no weights; cached) and plan
+    it; `encode=False` skips the Job's bytes (for a Job no rank receives)."""
     cfg = model_config(model, size, **overrides)
     strategy = check_strategy(mesh, strategy)
     if not model.startswith(HF):  # an auto plan checks the heads it splits
@@ -74,7 +76,8 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
                                      OptimizerConfig.default(optimizer, lr)),
                          timings=timings).job
         t2 = time.perf_counter()
-        job.to_bytes()  # what the ranks receive; its digest comes with it (hashed once)
+        if encode:
+            job.to_bytes()  # what the ranks receive; its digest comes with it (hashed once)
         timings["job_bytes"] = time.perf_counter() - t2
     # The collection the pause deferred, paid and counted here rather than at
     # a random later allocation: the young generations only (what the master

@@ -25,7 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from meshplan.errors import ScheduleError
@@ -39,12 +39,20 @@ class StagePlacement:
 
     pp: int
     ranks: tuple[int, ...]
+    # derived once: each rank's stages, and each stage's chunk (hot in lowering and search)
+    by_rank: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    chunks: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         held = [self.ranks.count(r) for r in range(self.pp)]
         if not self.ranks or len(set(held)) != 1 or sum(held) != len(self.ranks):
             raise ScheduleError(f"a stage placement gives every rank 0..{self.pp - 1} the same "
                                 f"number of stages; got ranks {list(self.ranks)} by stage")
+        by_rank = tuple(tuple(s for s, r in enumerate(self.ranks) if r == rank)
+                        for rank in range(self.pp))
+        object.__setattr__(self, "by_rank", by_rank)
+        object.__setattr__(self, "chunks", tuple(by_rank[r].index(s)
+                                                 for s, r in enumerate(self.ranks)))
 
     @staticmethod
     def interleaved(pp: int, vpp: int) -> StagePlacement:
@@ -78,15 +86,15 @@ class StagePlacement:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs, chunk 0 first."""
-        return tuple(s for s, r in enumerate(self.ranks) if r == rank)
+        return self.by_rank[rank]
 
     def chunk_of(self, stage: int) -> int:
         """The chunk (position among its rank's stages) of virtual stage `stage`."""
-        return self.stages_of(self.ranks[stage]).index(stage)
+        return self.chunks[stage]
 
     def stage_at(self, rank: int, chunk: int) -> int:
         """The virtual stage that `rank` runs as its chunk `chunk`."""
-        return self.stages_of(rank)[chunk]
+        return self.by_rank[rank][chunk]
 
     def same_rank(self, a: int, b: int) -> bool:
         return self.rank_of(a) == self.rank_of(b)

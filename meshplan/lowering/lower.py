@@ -273,10 +273,11 @@ def in_flight(actions, where) -> dict[tuple[int, Phase], int]:
     both. Without the split the two agree."""
     live: dict[tuple[int, Phase], int] = {}
     peak: dict[tuple[int, Phase], int] = {}
+    chunks = where.chunks
     for a in actions:
         if not a.type.is_compute:
             continue
-        c = where.chunk_of(a.stage)
+        c = chunks[a.stage]
         for ph in (Phase.BACKWARD, Phase.WEIGHT) if a.type is ActionType.F else _ENDS[a.type]:
             key = (c, ph)
             live[key] = live.get(key, 0) + (1 if a.type is ActionType.F else -1)

@@ -44,7 +44,9 @@ class ActionType(Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionType.F, ActionType.B, ActionType.I, ActionType.W)
+        # identity tests: an Enum's hash and == run Python code (hot in the search)
+        t = ActionType
+        return self is t.F or self is t.B or self is t.I or self is t.W
 
     @property
     def is_send(self) -> bool:

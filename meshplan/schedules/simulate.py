@@ -236,3 +236,72 @@ def spans_of(result: SimResult) -> dict[int, list[trace.Span]]:
     """The simulated timeline as trace spans (rank -> spans, in cost units)."""
     return {r: [trace.action_span(a, s, e) for a, s, e in result.timeline[r]]
             for r in sorted(result.timeline)}
+
+
+def finish_times(orders: Mapping[int, Sequence[Action]], placement: StagePlacement,
+                 cost: Mapping[tuple[int, str], float],
+                 comm: Mapping[tuple[int, int], float]):
+    """`simulate`'s finish and busy time per rank for compute-only orders
+    over the chain of virtual stages, in one lean pass: (finish, busy), or
+    None when the orders deadlock.
+
+    Same model as `simulate` on `add_comm(orders)` (a property test holds
+    the two equal): an action starts when its rank is free and its inputs
+    exist; an input made on another rank arrives `comm[(src, dst)]` after
+    it was made. `cost[(v, k)]` is per virtual stage, k in "fiw" (B = I + W).
+    """
+    ranks = sorted(orders)
+    n_mb = 1 + max((a.microbatch for acts in orders.values() for a in acts), default=0)
+    rank_of = placement.rank_of
+    stages = placement.num_stages
+    made_f = [None] * (stages * n_mb)   # F output of (stage, mb)
+    made_g = [None] * (stages * n_mb)   # input gradient (from B or I) of (stage, mb)
+    kinds = {F: 0, B: 1, I: 2, W: 3}
+    lists = {}
+    for r in ranks:
+        todo = []
+        for a in orders[r]:
+            k = kinds[a.type]
+            v = a.stage
+            dur = (cost[(v, "f")] if k == 0 else cost[(v, "i")] + cost[(v, "w")] if k == 1
+                   else cost[(v, "i")] if k == 2 else cost[(v, "w")])
+            todo.append((k, v, a.microbatch, dur))
+        lists[r] = todo
+    pc = dict.fromkeys(ranks, 0)
+    free = dict.fromkeys(ranks, 0.0)
+    busy = dict.fromkeys(ranks, 0.0)
+    waiting: dict[tuple[int, int], list[int]] = {}
+    ready = deque(ranks)
+    while ready:
+        r = ready.popleft()
+        todo, i, t = lists[r], pc[r], free[r]
+        while i < len(todo):
+            k, v, mb, dur = todo[i]
+            start = t
+            if k == 0 and v > 0:
+                got = made_f[(v - 1) * n_mb + mb]
+                if got is None:
+                    waiting.setdefault((0, (v - 1) * n_mb + mb), []).append(r)
+                    break
+                src = v - 1
+                start = max(start, got + (comm.get((src, v), 0.0) if rank_of(src) != r else 0.0))
+            elif k in (1, 2) and v < stages - 1:
+                got = made_g[(v + 1) * n_mb + mb]
+                if got is None:
+                    waiting.setdefault((1, (v + 1) * n_mb + mb), []).append(r)
+                    break
+                src = v + 1
+                start = max(start, got + (comm.get((src, v), 0.0) if rank_of(src) != r else 0.0))
+            t = start + dur
+            busy[r] += dur
+            i += 1
+            if k == 0:
+                made_f[v * n_mb + mb] = t
+                ready.extend(waiting.pop((0, v * n_mb + mb), ()))
+            elif k in (1, 2):
+                made_g[v * n_mb + mb] = t
+                ready.extend(waiting.pop((1, v * n_mb + mb), ()))
+        pc[r], free[r] = i, t
+    if any(pc[r] < len(lists[r]) for r in ranks):
+        return None
+    return free, busy

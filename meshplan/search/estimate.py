@@ -40,13 +40,14 @@ from meshplan.ir.mesh import Mesh
 from meshplan.ir.stage_placement import placement_of
 from meshplan.lowering.lower import in_flight
 from meshplan.passes.balance import balance
-from meshplan.schedules import add_comm, compute_actions, simulate
+from meshplan.schedules import compute_actions
+from meshplan.schedules.simulate import finish_times
 from meshplan.search.probe import Probe
 from meshplan.search.space import Candidate, schedule_takes
 from meshplan.search.work import Work
 
 MiB = 1 << 20
-EXACT_UP_TO = 3  # simulate exactly up to this many micro-batches per pipeline stage
+STEADY = 2  # micro-batches per pipeline stage after which in-flight counts stop growing
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,13 +110,30 @@ class Priced:
     stage_layers: tuple[int, ...]
 
     def lower_bound(self) -> float:
-        """No rank finishes before it has run all its actions: a bound on the step."""
-        where = placement_of(self.cand.schedule, self.cand.pp, self.cand.vpp)
-        return max(self.m * sum(self.cost[(v, k)] for v in where.stages_of(r) for k in "fiw")
-                   + self.step[r] for r in range(self.cand.pp))
+        """A bound on the simulated step: rank r waits for the first forward
+        to reach its first stage (fill), runs all its actions (busy) and its
+        STEP; without the split its last action is the B of its first
+        stage's last micro-batch, whose input gradient must then pass back
+        to stage 0 (drain) before rank 0's STEP."""
+        c = self.cand
+        g = _geometry(c.schedule, c.pp, c.vpp)
+        cost, comm = self.cost, self.comm
+        drains = not Schedule(c.schedule).splits_backward
+        best = 0.0
+        for r, mine in enumerate(g.stages):
+            first = min(mine)
+            fill = sum(cost[(v, "f")] + comm[(v, v + 1)] for v in range(first))
+            busy = self.m * sum(cost[(v, k)] for v in mine for k in "fiw")
+            best = max(best, fill + busy + self.step[r])
+            if drains and first:
+                drain = sum(cost[(v, "i")] + comm[(v + 1, v)] for v in range(first))
+                best = max(best, fill + busy + drain + self.step[g.stages.index(
+                    next(s for s in g.stages if 0 in s))])
+        return best
 
     def predict(self) -> Prediction:
         step_s, bubble = _simulated(self.cand, self.m, self.cost, self.comm, self.step)
+        assert step_s >= self.lower_bound() * (1 - 1e-9), (self.cand, step_s)
         return Prediction(step_s, bubble, self.peak, self.flops_per_device, self.stage_layers)
 
 
@@ -124,25 +142,52 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
     """Price `works` (one per virtual stage); the peak per rank is estimated
     unless `peaks` (a memory plan's) is given."""
     m = cand.microbatches(st.global_batch)
-    where = placement_of(cand.schedule, cand.pp, cand.vpp)
+    g = _geometry(cand.schedule, cand.pp, cand.vpp)
     dp_cross = _dp_crosses(cand, st.mesh)
     split = Schedule(cand.schedule).splits_backward
     priced = [_in_action(w, cand, st, dp_cross, split) for w in works]
-    cost = {(v, k): getattr(priced[v], k) for v in range(len(works)) for k in "fiw"}
-    step = tuple(_step_seconds([works[v] for v in where.stages_of(r)],
-                               [priced[v] for v in where.stages_of(r)], cand, st, dp_cross)
-                 for r in range(cand.pp))
+    cost = {(v, k): x for v, fiw in enumerate(priced) for k, x in zip("fiw", fiw)}
+    step = tuple(_step_seconds([works[v] for v in mine], [priced[v] for v in mine], cand, st,
+                               dp_cross) for mine in g.stages)
     comm = {}
     for v in range(len(works) - 1):
-        cross = _stages_cross(cand, st.mesh, where.rank_of(v), where.rank_of(v + 1))
+        cross = _stages_cross(cand, st.mesh, g.rank[v], g.rank[v + 1])
         comm[(v, v + 1)] = st.dev.p2p_seconds(works[v].send_f, cross)
         comm[(v + 1, v)] = st.dev.p2p_seconds(works[v + 1].send_b, cross)
     flops = sum(w.flops for w in works) * m / cand.pp
     if peaks is None:
-        peaks = tuple(_peak([works[v] for v in where.stages_of(r)], where.stages_of(r), cand,
-                            m, st, [counts[v] for v in where.stages_of(r)])
-                      for r in range(cand.pp))
+        peaks = memory(cand, works, counts, st)
     return Priced(cand, m, cost, comm, step, peaks, flops, counts)
+
+
+def memory(cand: Candidate, works: list[Work], counts: tuple[int, ...],
+           st: Setting, state_only: bool = False) -> tuple[int, ...]:
+    """The estimated planned peak of each pipeline rank; `state_only`: its
+    parameters, gradients and optimizer state alone (which recompute and
+    the schedule do not change)."""
+    m = cand.microbatches(st.global_batch)
+    g = _geometry(cand.schedule, cand.pp, cand.vpp)
+    split = Schedule(cand.schedule).splits_backward
+    live = ({},) * cand.pp if state_only else _live(cand.schedule, cand.pp, cand.vpp, m)
+    return tuple(_peak([works[v] for v in mine], [g.chunk[v] for v in mine],
+                       [counts[v] for v in mine], live[r], cand, m, st, split)
+                 for r, mine in enumerate(g.stages))
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    stages: tuple[tuple[int, ...], ...]   # rank -> its virtual stages
+    rank: tuple[int, ...]                 # virtual stage -> rank
+    chunk: tuple[int, ...]                # virtual stage -> chunk on its rank
+
+
+@cache
+def _geometry(schedule: str, pp: int, vpp: int) -> _Geometry:
+    where = placement_of(schedule, pp, vpp)
+    n = where.num_stages
+    return _Geometry(tuple(where.stages_of(r) for r in range(pp)),
+                     tuple(where.rank_of(v) for v in range(n)),
+                     tuple(where.chunk_of(v) for v in range(n)))
 
 
 def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool,
@@ -178,22 +223,26 @@ def with_dp(work: Work, cand: Candidate, split: bool) -> Work:
     return replace(work, dp=tuple(sorted(ops)))
 
 
-def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool, split: bool) -> Work:
-    """Seconds per action with its dp collectives overlapped; without the
-    split, I and W are one B (priced as I, W = 0)."""
+def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool,
+               split: bool) -> tuple[float, float, float]:
+    """Seconds of F, I and W with their dp collectives overlapped; without
+    the split, I and W are one B (priced as I, W = 0)."""
+    if not w.dp:
+        return (w.f, w.i, w.w) if split else (w.f, w.i + w.w, 0.0)
+
     def comm(*phases):
         return dp_seconds(w, {k for ph in phases for k in _keys(ph)}, cand, st, cross)
     f = max(w.f, comm("f"))
     if split:
-        return replace(w, f=f, i=max(w.i, comm("i")), w=max(w.w, comm("w")))
-    return replace(w, f=f, i=max(w.i + w.w, comm("i", "w")), w=0.0)
+        return f, max(w.i, comm("i")), max(w.w, comm("w"))
+    return f, max(w.i + w.w, comm("i", "w")), 0.0
 
 
 def _keys(phase: str):
     return {(phase, kind) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
 
 
-def _step_seconds(works: list[Work], priced: list[Work], cand: Candidate, st: Setting,
+def _step_seconds(works: list[Work], priced: list[tuple], cand: Candidate, st: Setting,
                   cross: bool) -> float:
     own = sum(w.step for w in works)
     reduce = sum(dp_seconds(w, {("step", "all_reduce"), ("step", "reduce_scatter")}, cand, st,
@@ -201,7 +250,7 @@ def _step_seconds(works: list[Work], priced: list[Work], cand: Candidate, st: Se
     if st.buckets and reduce:  # overlapped with the last backward, but for the last bucket
         grads = sum(w.grad for w in works)
         last = reduce / max(1, math.ceil(grads / (st.bucket_mb * MiB)))
-        reduce = max(reduce - sum(p.i + p.w for p in priced), last)
+        reduce = max(reduce - sum(p[1] + p[2] for p in priced), last)
     gather = sum(dp_seconds(w, {("step", "all_gather")}, cand, st, cross) for w in works)
     return own + reduce + gather
 
@@ -215,23 +264,23 @@ def _stages_cross(cand: Candidate, mesh: Mesh, a: int, b: int) -> bool:
     return mesh.node_of(a * n) != mesh.node_of(b * n)
 
 
-def _peak(works: list[Work], stages, cand: Candidate, m: int, st: Setting,
-          layers: list[int]) -> int:
+def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
+          cand: Candidate, m: int, st: Setting, split: bool) -> int:
     d, z = cand.dp, cand.zero
-    split = Schedule(cand.schedule).splits_backward
-    where = placement_of(cand.schedule, cand.pp, cand.vpp)
-    live = _in_flight(cand.schedule, cand.pp, cand.vpp, m, where.rank_of(stages[0]))
     state = saved = 0
-    for v, w in zip(stages, works):
+    for w, c in zip(works, chunks):
         grad = w.grad * (2 if m > 1 else 1) // (d if z >= 2 else 1)
         if d > 1 and z < 2 and st.buckets:
             grad += w.grad  # the buckets' flat copies
         state += w.param // (d if z >= 3 else 1) + grad + w.optimizer // (d if z >= 1 else 1)
-        c = where.chunk_of(v)
-        saved += (w.saved_i * live.get((c, Phase.BACKWARD), 1) +
-                  w.saved_w * live.get((c, Phase.WEIGHT), 1))
+        if not live:
+            continue
+        to_i, to_w = live.get((c, Phase.BACKWARD), 1), live.get((c, Phase.WEIGHT), 1)
+        saved += w.saved_i * to_i + w.saved_w * to_w
         if split:  # values an I leaves for its W: at most those alive from F to W
-            saved += w.saved_iw * live.get((c, Phase.WEIGHT), 1)
+            saved += w.saved_iw * to_w
+    if not live:
+        return state
     transient = max(w.transient for w in works)
     if z == 3 and d > 1:  # a layer's gathered parameters in use, and the next one's
         transient += 2 * max(w.param // k for w, k in zip(works, layers))
@@ -239,30 +288,20 @@ def _peak(works: list[Work], stages, cand: Candidate, m: int, st: Setting,
 
 
 @cache
-def _in_flight(schedule: str, pp: int, vpp: int, m: int, rank: int) -> dict:
-    m = _small_m(schedule, pp, vpp, m)[1] if schedule != Schedule.GPIPE else m
-    where = placement_of(schedule, pp, vpp)
-    return in_flight(compute_actions(schedule, pp, vpp, m, rank), where)
-
-
-def _simulated(cand: Candidate, m: int, cost: dict, comm: dict, step: tuple[float, ...]):
-    """(step seconds, bubble ratio): every rank's finish plus its STEP."""
-    m1, m2 = _small_m(cand.schedule, cand.pp, cand.vpp, m)
-    if m <= m2:
-        finish, busy = _sim(cand, m, cost, comm)
-    else:
-        (f1, b1), (f2, b2) = _sim(cand, m1, cost, comm), _sim(cand, m2, cost, comm)
-        k = (m - m1) / (m2 - m1)
-        finish = {r: f1[r] + k * (f2[r] - f1[r]) for r in f1}
-        busy = {r: b1[r] + k * (b2[r] - b1[r]) for r in b1}
-    t = max(finish[r] + step[r] for r in finish)
-    return t, max((t - busy[r] - step[r]) / (busy[r] + step[r]) for r in busy)
+def _live(schedule: str, pp: int, vpp: int, m: int) -> tuple[dict, ...]:
+    """Per rank: micro-batches in flight per (chunk, phase) (`lower.in_flight`);
+    past `STEADY * pp` micro-batches the counts stop growing, so they are
+    taken there (a test holds this conservative for pp <= 16)."""
+    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):  # closed forms (tested)
+        return tuple({(0, ph): m if schedule == Schedule.GPIPE else min(m, pp - r)
+                      for ph in (Phase.BACKWARD, Phase.WEIGHT)} for r in range(pp))
+    return _live_at(schedule, pp, vpp, min(m, _small_m(schedule, pp, vpp, m)[0]))
 
 
 @cache
 def _small_m(schedule: str, pp: int, vpp: int, m: int) -> tuple[int, int]:
     """Two micro-batch counts in the steady state, congruent to m mod pp."""
-    base = EXACT_UP_TO * pp + (m % pp)
+    base = STEADY * pp + (m % pp)
     m1 = next((x for x in range(base, base + 8 * pp, pp)
                if schedule_takes(schedule, pp, vpp, x)), m)
     m2 = next((x for x in range(m1 + pp, m1 + 9 * pp, pp)
@@ -270,18 +309,21 @@ def _small_m(schedule: str, pp: int, vpp: int, m: int) -> tuple[int, int]:
     return m1, m2
 
 
-def _sim(cand: Candidate, m: int, cost: dict, comm: dict):
-    """(finish, busy) per rank of the schedule's actions, without the STEP."""
-    actions, where = _lowered(cand.schedule, cand.pp, cand.vpp, m)
-    res = simulate(actions, cand.pp, cost_f=lambda v: cost[(v, "f")],
-                   cost_i=lambda v: cost[(v, "i")], cost_w=lambda v: cost[(v, "w")],
-                   cost_comm=lambda kind, a, b: comm.get((a, b), 0.0), placement=where)
-    assert res.ok, res.deadlock
-    return res.finish, res.busy
+@cache
+def _live_at(schedule: str, pp: int, vpp: int, m: int) -> tuple[dict, ...]:
+    where = placement_of(schedule, pp, vpp)
+    orders = _orders(schedule, pp, vpp, m)
+    return tuple(in_flight(orders[r], where) for r in range(pp))
+
+
+def _simulated(cand: Candidate, m: int, cost: dict, comm: dict, step: tuple[float, ...]):
+    """(step seconds, bubble ratio): every rank's finish plus its STEP."""
+    finish, busy = finish_times(_orders(cand.schedule, cand.pp, cand.vpp, m),
+                                placement_of(cand.schedule, cand.pp, cand.vpp), cost, comm)
+    t = max(finish[r] + step[r] for r in finish)
+    return t, max((t - busy[r] - step[r]) / (busy[r] + step[r]) for r in busy)
 
 
 @cache
-def _lowered(schedule: str, pp: int, vpp: int, m: int):
-    where = placement_of(schedule, pp, vpp)
-    compute = {r: compute_actions(schedule, pp, vpp, m, r) for r in range(pp)}
-    return add_comm(compute, pp, placement=where), where
+def _orders(schedule: str, pp: int, vpp: int, m: int) -> dict:
+    return {r: compute_actions(schedule, pp, vpp, m, r) for r in range(pp)}

@@ -93,7 +93,8 @@ def _planned(spec: ModelSpec, tp: int, mbs: int, recompute: str):
                             precision=spec.precision, bucket_mb=0)
     try:
         job = plan_model(spec.model, spec.size, Mesh(1, n * tp), strategy,
-                         optimizer=spec.optimizer, **{**dict(spec.overrides), "layers": n}).job
+                         optimizer=spec.optimizer, encode=False,
+                         **{**dict(spec.overrides), "layers": n}).job
     except (ConfigError, ScheduleError) as err:
         raise ConfigError(str(err)) from None
     return job, {s: lower(job, strategy.ranks_of_stage(s)[0]) for s in range(n)}

@@ -23,11 +23,19 @@ from dataclasses import dataclass, field
 
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError
-from meshplan.ir.choices import Schedule
+from meshplan.ir.choices import Recompute, Schedule
 from meshplan.ir.mesh import Mesh
-from meshplan.search.estimate import Prediction, Priced, Setting, layout, price, stage_works, \
-    with_dp
-from meshplan.search.probe import ModelSpec, probe
+from meshplan.search.estimate import (
+    Prediction,
+    Priced,
+    Setting,
+    layout,
+    memory,
+    price,
+    stage_works,
+    with_dp,
+)
+from meshplan.search.probe import ModelSpec, Probe, probe
 from meshplan.search.space import Candidate, Space, candidates
 
 GiB = 1 << 30
@@ -55,7 +63,7 @@ class SearchResult:
 
 
 def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
-           memory_limit: int | None = None, space: Space = Space(), top: int = 10,
+           memory_limit: int | None = None, space: Space | None = None, top: int = 10,
            bucket_mb: float = 25.0, exhaustive: bool = False) -> SearchResult:
     """The `top` fastest candidates within `memory_limit` bytes per device
     (the device model's memory when None), by simulated step time."""
@@ -63,61 +71,117 @@ def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
     layers = spec.config().layers
     limit = memory_limit if memory_limit is not None else dev.memory_bytes
     st = Setting(mesh, global_batch, dev, bucket_mb, spec.precision)
-    out = SearchResult([])
-    fits: list[Priced] = []
-    smallest: Priced | None = None
-    probes: dict = {}
-    for cand in candidates(mesh, layers, global_batch, space):
-        out.considered += 1
-        priced = _priced(spec, cand, layers, st, probes, out)
-        if priced is None:
-            continue
-        if max(priced.peak) > limit:
-            out.over_memory += 1
-            if smallest is None or max(priced.peak) < max(smallest.peak):
-                smallest = priced
-            continue
-        fits.append(priced)
-    out.probes = len(probes)
-    if not fits:
-        raise _nothing_fits(out, smallest, limit, mesh)
-    out.ranked = _rank(fits, top, exhaustive, out)
-    out.seconds = time.perf_counter() - t0
-    return out
-
-
-def _priced(spec, cand, layers, st, probes, out) -> Priced | None:
-    key = (cand.tp, cand.micro_batch_size, cand.recompute)
-    if key not in probes:
-        try:
-            probes[key] = probe(spec, *key, st.dev)
-        except ConfigError as err:
-            probes[key] = err
-    p = probes[key]
-    if isinstance(p, ConfigError):
-        out.refused[str(p)] += 1
-        return None
-    counts = layout(p, cand, layers)
-    split = Schedule(cand.schedule).splits_backward
-    works = [with_dp(w, cand, split) for w in stage_works(p, counts)]
-    return price(cand, works, st, counts)
-
-
-def _rank(fits: list[Priced], top: int, exhaustive: bool, out: SearchResult) -> list[Ranked]:
-    fits.sort(key=lambda p: (p.lower_bound(), p.cand))
-    best: list[tuple] = []  # max-heap of the top by (-step, -peak, ...)
-    for p in fits:
-        if not exhaustive and len(best) >= top and p.lower_bound() >= -best[0][0]:
+    pricer = _Pricer(spec, layers, st, limit)
+    queue: list = []
+    for n, cand in enumerate(candidates(mesh, layers, global_batch, space or Space())):
+        pricer.considered += 1
+        lazy = cand.recompute != Recompute.NONE and not exhaustive
+        entry = pricer.optimistic(cand) if lazy else pricer.exact(cand)
+        if entry is not None:
+            heapq.heappush(queue, (*entry, n, cand))
+    best: list[tuple] = []  # the top so far, worst on top
+    simulated = 0
+    while queue:
+        bound, exact, n, cand = heapq.heappop(queue)
+        if not exhaustive and len(best) >= top and bound >= -best[0][0]:
             break
-        pred = p.predict()
-        out.simulated += 1
-        item = (-pred.step_s, -max(pred.peak), _neg(p.cand), p.cand, pred)
+        if not exact:  # probe it now, and queue it by its own bound
+            entry = pricer.exact(cand)
+            if entry is not None:
+                heapq.heappush(queue, (*entry, n, cand))
+            continue
+        priced = pricer.priced.pop(cand)
+        pred = priced.predict()
+        simulated += 1
+        item = (-pred.step_s, -max(pred.peak), _neg(cand), cand, pred)
         if len(best) < top:
             heapq.heappush(best, item)
         elif item > best[0]:
             heapq.heapreplace(best, item)
-    order = sorted(best, key=lambda x: (-x[0], -x[1], x[3]))
-    return [Ranked(x[3], x[4]) for x in order]
+    if not best:
+        raise _nothing_fits(pricer, limit, mesh)
+    ranked = [Ranked(x[3], x[4]) for x in sorted(best, key=lambda x: (-x[0], -x[1], x[3]))]
+    return SearchResult(ranked, pricer.considered, pricer.over_memory, pricer.refused,
+                        simulated, len(pricer.probes), time.perf_counter() - t0)
+
+
+class _Pricer:
+    """Candidates priced from cached probes, layouts and stage works."""
+
+    def __init__(self, spec: ModelSpec, layers: int, st: Setting, limit: int):
+        self.spec, self.layers, self.st, self.limit = spec, layers, st, limit
+        self.probes: dict = {}
+        self.works: dict = {}
+        self.layouts: dict = {}
+        self.priced: dict[Candidate, Priced] = {}
+        self.considered = self.over_memory = 0
+        self.refused: Counter = Counter()
+        self.smallest: tuple[int, Candidate] | None = None
+
+    def probe(self, key) -> Probe | None:
+        if key not in self.probes:
+            try:
+                self.probes[key] = probe(self.spec, *key, self.st.dev)
+            except ConfigError as err:
+                self.probes[key] = err
+        p = self.probes[key]
+        if isinstance(p, ConfigError):
+            self.refused[str(p)] += 1
+            return None
+        return p
+
+    def _works(self, cand: Candidate, recompute: str):
+        """(layers per virtual stage, Work per virtual stage) of `cand` at
+        `recompute`. The layout is balanced on the costs without recompute,
+        for every recompute mode: recompute then only adds work to the same
+        stages, so a candidate priced without it bounds it (`optimistic`)."""
+        base = (cand.tp, cand.micro_batch_size, Recompute.NONE)
+        p0 = self.probe(base)
+        key = (cand.tp, cand.micro_batch_size, recompute)
+        p = self.probe(key) if p0 is not None and key != base else p0
+        if p is None or p0 is None:
+            return None
+        split = Schedule(cand.schedule).splits_backward
+        n = cand.pp * cand.vpp
+        if (base, n) not in self.layouts:
+            self.layouts[(base, n)] = layout(p0, cand, self.layers)
+        counts = self.layouts[(base, n)]
+        wkey = (key, n, cand.dp > 1, cand.zero, split)
+        if wkey not in self.works:
+            self.works[wkey] = [with_dp(w, cand, split) for w in stage_works(p, counts)]
+        return counts, self.works[wkey]
+
+    def exact(self, cand: Candidate):
+        """(bound, True) of a candidate that fits; None when refused or too big."""
+        got = self._works(cand, cand.recompute)
+        if got is None:
+            return None
+        counts, works = got
+        peaks = memory(cand, works, counts, self.st)
+        if max(peaks) > self.limit:
+            self._too_big(max(peaks), cand)
+            return None
+        priced = price(cand, works, self.st, counts, peaks)
+        self.priced[cand] = priced
+        return priced.lower_bound(), True
+
+    def optimistic(self, cand: Candidate):
+        """(bound, False): recompute only adds work to the same layout, so
+        the candidate priced without it bounds it."""
+        got = self._works(cand, Recompute.NONE)
+        if got is None:
+            return None
+        counts, works = got
+        state = max(memory(cand, works, counts, self.st, state_only=True))
+        if state > self.limit:  # its state alone is too big, with or without recompute
+            self._too_big(state, cand)
+            return None
+        return price(cand, works, self.st, counts, (0,)).lower_bound(), False
+
+    def _too_big(self, peak: int, cand: Candidate) -> None:
+        self.over_memory += 1
+        if self.smallest is None or peak < self.smallest[0]:
+            self.smallest = (peak, cand)
 
 
 def _neg(c: Candidate) -> tuple:
@@ -126,15 +190,14 @@ def _neg(c: Candidate) -> tuple:
         c.dp, c.tp, c.pp, c.vpp, c.schedule, c.micro_batch_size, c.recompute, c.zero))
 
 
-def _nothing_fits(out: SearchResult, smallest: Priced | None, limit: int,
-                  mesh: Mesh) -> ConfigError:
-    if smallest is None:
-        reason = out.refused.most_common(1)[0][0] if out.refused else "no candidate"
+def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh) -> ConfigError:
+    if pricer.smallest is None:
+        reason = pricer.refused.most_common(1)[0][0] if pricer.refused else "no candidate"
         return ConfigError(f"no strategy for this model on {mesh.nodes} node(s) x "
                            f"{mesh.devices_per_node} devices: every candidate was refused "
                            f"({reason})")
-    peak = max(smallest.peak)
+    peak, cand = pricer.smallest
     return ConfigError(
         f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: the smallest planned "
-        f"peak found is {peak / GiB:.2f} GiB ({smallest.cand.label()}); allow at least "
+        f"peak found is {peak / GiB:.2f} GiB ({cand.label()}); allow at least "
         f"{peak / GiB:.2f} GiB, or add devices")

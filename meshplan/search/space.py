@@ -30,7 +30,7 @@ SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB1P, Schedule
 RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 ZERO = (0, 1, 2, 3)
 MAX_VPP = 4
-MAX_MICRO_BATCH = 16
+MICRO_BATCH_SIZES = (1, 2, 4, 8)  # Megatron's usual sweep
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -68,12 +68,13 @@ class Space:
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     recompute: tuple[str, ...] = tuple(RECOMPUTE)
     zero: tuple[int, ...] = ZERO
-    micro_batch_sizes: tuple[int, ...] = ()
+    micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES
     max_vpp: int = MAX_VPP
 
 
 def candidates(mesh: Mesh, layers: int, global_batch: int,
-               space: Space = Space()) -> Iterator[Candidate]:
+               space: Space | None = None) -> Iterator[Candidate]:
+    space = space or Space()
     world = mesh.world
     for tp in _divisors(mesh.devices_per_node):
         if world % tp:
@@ -97,8 +98,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _micro_batches(share: int, allowed: Sequence[int]) -> list[int]:
-    return [b for b in _divisors(share) if b <= MAX_MICRO_BATCH and (not allowed or
-                                                                    b in allowed)]
+    return [b for b in _divisors(share) if b in allowed]
 
 
 def _schedules(pp: int, m: int, layers: int, space: Space) -> Iterator[tuple[Schedule, int]]:
