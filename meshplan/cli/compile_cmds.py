@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from meshplan.cli.flags import mesh_of, overrides, strategy_fields
+from meshplan.cli.flags import mesh_of, overrides
 from meshplan.errors import ConfigError
 
 
@@ -23,12 +23,12 @@ def parse_ranks(text: str | None) -> list[int] | None:
 
 
 def cmd_compile(a: argparse.Namespace) -> int:
+    from meshplan.cli.auto_cmd import strategy_of
     from meshplan.driver.compile import compile_model
-    from meshplan.driver.plan import zoo_strategy
     from meshplan.models import model_config
 
     cfg = model_config(a.model, a.size, **overrides(a))
-    strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
+    strategy = strategy_of(a, cfg)
     ranks = parse_ranks(a.ranks)
     device = a.device
     if device == "auto":  # lowering needs no GPU: only auto asks this machine

@@ -34,7 +34,6 @@ from meshplan.cli.flags import (
     config_name_of,
     mesh_of,
     overrides,
-    strategy_fields,
 )
 from meshplan.cli.progress import Progress
 from meshplan.cli.run_cmd import cmd_run, loss_table
@@ -190,16 +189,15 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from meshplan.driver.plan import zoo_strategy
+    from meshplan.cli.auto_cmd import strategy_of
     from meshplan.driver.verify import verify
     from meshplan.models import model_config
 
-    fields = strategy_fields(a)
     parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1 or \
-        (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE)
+        (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE) or a.auto
     if parallel:
         cfg = model_config(a.model, a.size, **overrides(a))
-        strategy = zoo_strategy(a.model, cfg, **fields)
+        strategy = strategy_of(a, cfg)
         r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer, seed=a.seed,
                    mesh=mesh_of(a), strategy=strategy, lr=a.lr, bounds=bounds_of(a),
                    device=a.device, run_options={"backend": a.backend}, **overrides(a))
@@ -223,12 +221,18 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
+    from meshplan.cli.auto_cmd import print_table, run_search, strategy_of, table_json
     from meshplan.cli.show_plan import print_plan
-    from meshplan.driver.plan import plan_model, report, zoo_strategy
+    from meshplan.driver.plan import plan_model, report
     from meshplan.models import model_config
 
     cfg = model_config(a.model, a.size, **overrides(a))
-    strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
+    if a.auto:
+        res, dev, limit = run_search(a)
+        t = table_json(a, cfg, res, dev, limit)
+        print(json.dumps(t)) if a.json else print_table(t)
+        return 0
+    strategy = strategy_of(a, cfg)
     planned = plan_model(a.model, a.size, mesh_of(a), strategy, a.optimizer, a.lr,
                          **overrides(a))
     r = report(planned.job)

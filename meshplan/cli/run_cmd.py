@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from meshplan.cli.flags import mesh_of, overrides, strategy_fields
+from meshplan.cli.flags import mesh_of, overrides
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from meshplan.driver.plan import zoo_strategy
+    from meshplan.cli.auto_cmd import strategy_of
     from meshplan.driver.run import run, run_torchrun, under_torchrun
     from meshplan.models import model_config
 
     cfg = model_config(a.model, a.size, **overrides(a))
-    strategy = zoo_strategy(a.model, cfg, **strategy_fields(a))
+    strategy = strategy_of(a, cfg)
     common = dict(steps=a.steps, optimizer=a.optimizer, seed=a.seed, threads=a.threads,
                   timeout_s=a.timeout, lr=a.lr, trace=a.trace, device=a.device,
                   backend=a.backend, **overrides(a))

@@ -1,0 +1,137 @@
+"""`--auto`: the search's choice for the planning verbs, and `plan --auto`'s table.
+
+Invariants:
+- `strategy_of(a, cfg)` is how every planning verb gets its Strategy: the
+  flags' own, or with `--auto` the search's winner (dp, tp, pp, vpp,
+  schedule, micro-batch, recompute, ZeRO level and layers per virtual
+  stage), keeping the flags' mesh, global batch, precision and buckets.
+- The search runs once per command; a user mistake (unknown device model,
+  a memory limit nothing fits, a mesh the model cannot use) is one
+  ConfigError line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from meshplan.errors import ConfigError
+from meshplan.ir.mesh import Strategy
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def add_auto_flags(g) -> None:
+    g.add_argument("--auto", action="store_true",
+                   help="search dp, tp, pp, vpp, schedule, micro-batch, recompute and ZeRO for "
+                   "the fastest simulated step that fits --memory-per-device (plan --auto "
+                   "prints the top 10; compile, run and verify use the winner)")
+    g.add_argument("--device-model", default=None, metavar="NAME",
+                   help="the device model --auto prices on: a100-80gb, h100-80gb, h200-141gb, "
+                   "or cpu-local (`meshplan calibrate`); default cpu-local")
+    g.add_argument("--memory-per-device", default=None, metavar="BYTES",
+                   help="--auto's memory limit per device, e.g. 80GB, 64GiB or 1e9 "
+                   "(default: the device model's memory)")
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    try:
+        value = float(m.group(1)) if m else -1.0
+    except ValueError:
+        value = -1.0
+    if not m or unit not in _UNITS or value <= 0:
+        raise ConfigError(f"--memory-per-device '{text}' is not a size; give bytes or a number "
+                          "with a unit, e.g. 80GB, 64GiB or 8e10")
+    return int(value * _UNITS[unit])
+
+
+def run_search(a: argparse.Namespace):
+    """The search over the flags' model and mesh: (SearchResult, DeviceModel, limit)."""
+    from meshplan.cli.flags import mesh_of, overrides
+    from meshplan.costmodel import load_device_model
+    from meshplan.search.probe import ModelSpec
+    from meshplan.search.search import search
+
+    dev = load_device_model(a.device_model or "cpu-local")
+    limit = parse_bytes(a.memory_per_device) if a.memory_per_device else dev.memory_bytes
+    spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),
+                     getattr(a, "optimizer", "adamw"), str(a.precision))
+    gbs = a.global_batch_size or a.default_gbs
+    res = search(spec, mesh_of(a), gbs, dev, memory_limit=limit, bucket_mb=a.bucket_mb)
+    return res, dev, limit
+
+
+def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
+    """The Strategy the flags say, or with --auto the search's winner."""
+    from meshplan.cli.flags import strategy_fields
+    from meshplan.driver.plan import zoo_strategy
+
+    if not getattr(a, "auto", False):
+        return zoo_strategy(a.model, cfg, **strategy_fields(a))
+    res, _, _ = run_search(a)
+    return winner_strategy(a, cfg, res.winner)
+
+
+def winner_strategy(a: argparse.Namespace, cfg, ranked) -> Strategy:
+    from meshplan.driver.plan import zoo_strategy
+
+    return zoo_strategy(a.model, cfg, **fields_of(a, ranked))
+
+
+def fields_of(a: argparse.Namespace, ranked) -> dict:
+    """The Strategy fields of a ranked candidate, under the flags' batch and precision."""
+    c = ranked.cand
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "vpp": c.vpp, "schedule": c.schedule,
+            "global_batch_size": a.global_batch_size or a.default_gbs,
+            "micro_batch_size": c.micro_batch_size, "recompute": c.recompute,
+            "zero": c.zero, "precision": a.precision, "bucket_mb": a.bucket_mb,
+            "stage_layers": ranked.pred.stage_layers if c.pp > 1 else ()}
+
+
+def config_name(a: argparse.Namespace, cfg, ranked) -> str:
+    from meshplan.cli.config_name import format_config_name
+
+    return format_config_name(fields_of(a, ranked) | {
+        "model": a.model, "layers": cfg.layers, "heads": cfg.heads, "hidden": cfg.hidden,
+        "nodes": a.nodes, "devices_per_node": a.devices_per_node})
+
+
+def table_json(a: argparse.Namespace, cfg, res, dev, limit: int) -> dict:
+    rows = []
+    for r in res.ranked:
+        f = fields_of(a, r)
+        rows.append({**{k: str(v) if k in ("schedule", "recompute", "precision") else v
+                        for k, v in f.items()},
+                     "stage_layers": list(f["stage_layers"]), "strategy": r.cand.label(),
+                     "step_s": r.pred.step_s, "tflops_per_device": r.pred.tflops(),
+                     "bubble_ratio": r.pred.bubble, "peak_bytes": list(r.pred.peak),
+                     "config_name": config_name(a, cfg, r)})
+    return {"device_model": dev.name, "memory_limit_bytes": limit, "search_s": res.seconds,
+            "candidates": res.considered, "over_memory": res.over_memory,
+            "refused": sum(res.refused.values()), "simulated": res.simulated,
+            "probes": res.probes, "top": rows}
+
+
+def print_table(t: dict) -> None:
+    print(f"searched {t['candidates']} strategies in {t['search_s']:.1f} s on "
+          f"{t['device_model']} ({t['probes']} layer probes planned, {t['over_memory']} over "
+          f"{t['memory_limit_bytes'] / 2**30:.1f} GiB, {t['refused']} refused by the "
+          f"planner, {t['simulated']} simulated)")
+    head = f"{'#':>2}  {'strategy':<40} {'step (s)':>9} {'TFLOP/s':>8} {'bubble':>7} " \
+           f"{'peak GiB per stage':<22} config"
+    print(head)
+    for i, row in enumerate(t["top"], 1):
+        peaks = [p / 2**30 for p in row["peak_bytes"]]
+        shown = ", ".join(f"{p:.1f}" for p in peaks[:3]) + (", ..." if len(peaks) > 3 else "")
+        print(f"{i:>2}  {row['strategy']:<40} {row['step_s']:>9.4g} "
+              f"{row['tflops_per_device']:>8.3g} {row['bubble_ratio']:>7.3f} {shown:<22} "
+              f"{row['config_name']}")
+    best = t["top"][0]
+    layers = ",".join(map(str, best["stage_layers"]))
+    print(f"winner: --dp {best['dp']} --tp {best['tp']} --pp {best['pp']} --vpp {best['vpp']} "
+          f"--schedule {best['schedule']} --micro-batch-size {best['micro_batch_size']} "
+          f"--recompute {best['recompute']} --zero {best['zero']}"
+          + (f" --stage-layers {layers}" if layers else ""))
