@@ -203,24 +203,49 @@ def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool,
     return total
 
 
-def with_dp(work: Work, cand: Candidate, split: bool) -> Work:
-    """`work` with the dp collectives the ZeRO level makes (a probe has dp = 1)."""
-    if cand.dp == 1:
+def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> Work:
+    """`work` (a probe's, dp = 1) with its dp collectives and its state at
+    rest as the ZeRO level makes them at `cand.dp`.
+
+    `pattern` is the same stage planned at dp = 2, ZeRO 3 (`probe`): which
+    parameters shard (its reduce-scatters and forward all-gathers; the rest,
+    too small to split, stay all-reduced) and, at ZeRO 3, which the backward
+    gathers again. Levels 0-2 rearrange those same tensors (table in
+    `docs/concepts/sharded_dp.md`)."""
+    if cand.dp == 1 or pattern is None:
         return work
-    z, n = cand.zero, work.params
+    z, d = cand.zero, cand.dp
+    got: dict = {}
+    for (phase, kind), (n, size) in pattern.dp:
+        key = "loss" if phase == "f" and kind == "all_reduce" else \
+            "gather" if phase == "f" and kind == "all_gather" else \
+            kind if phase in ("i", "w") and kind != "all_gather" else None
+        if key is not None:
+            c, b = got.get(key, (0, 0))
+            got[key] = (c + n, b + size)
+    loss, gather = got.get("loss", (0, 0)), got.get("gather", (0, 0))
+    shard, rest = got.get("reduce_scatter", (0, 0)), got.get("all_reduce", (0, 0))
     grads = "w" if split else "i"
-    ops: list = []
-    if z == 0:
-        ops.append((("step", "all_reduce"), (n, work.grad)))
-    if z == 1:
-        ops.append((("step", "reduce_scatter"), (n, work.grad)))
-    if z >= 2:
-        ops.append(((grads, "reduce_scatter"), (n, work.grad)))
-    if z in (1, 2):
-        ops.append((("step", "all_gather"), (n, work.param)))
     if z == 3:
-        ops += [(("f", "all_gather"), (n, work.param)), (("i", "all_gather"), (n, work.param))]
-    return replace(work, dp=tuple(sorted(ops)))
+        ops = list(pattern.dp)
+    else:
+        ops = [(("f", "all_reduce"), loss)] if loss[0] else []
+        if z == 0:
+            ops.append((("step", "all_reduce"), (shard[0] + rest[0], shard[1] + rest[1])))
+        else:
+            where = "step" if z == 1 else grads
+            ops += [((where, "reduce_scatter"), shard), (("step", "all_gather"), gather)]
+            if rest[0]:
+                ops.append(((where, "all_reduce"), rest))
+    keep = 1 - 1 / d  # the part of a sharded tensor a rank does not hold
+    p_frac = min(1.0, gather[1] / work.param) if work.param else 0.0
+    g_frac = min(1.0, shard[1] / work.grad) if work.grad else 0.0
+    return replace(
+        work, dp=tuple(sorted(ops)),
+        param=int(work.param * (1 - p_frac * keep)) if z >= 3 else work.param,
+        grad=int(work.grad * (1 - g_frac * keep)) if z >= 2 else work.grad,
+        optimizer=int(work.optimizer * (1 - p_frac * keep)) if z >= 1 else work.optimizer,
+        step=work.step * (1 - g_frac * keep) if z >= 1 else work.step)
 
 
 def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool,
@@ -269,21 +294,23 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
     d, z = cand.dp, cand.zero
     state = saved = 0
     for w, c in zip(works, chunks):
-        grad = w.grad * (2 if m > 1 else 1) // (d if z >= 2 else 1)
+        grad = w.grad * (2 if m > 1 else 1)  # sharded already (`with_dp`)
         if d > 1 and z < 2 and st.buckets:
             grad += w.grad  # the buckets' flat copies
-        state += w.param // (d if z >= 3 else 1) + grad + w.optimizer // (d if z >= 1 else 1)
+        state += w.param + grad + w.optimizer
         if not live:
             continue
         to_i, to_w = live.get((c, Phase.BACKWARD), 1), live.get((c, Phase.WEIGHT), 1)
         saved += w.saved_i * to_i + w.saved_w * to_w
-        if split:  # values an I leaves for its W: at most those alive from F to W
-            saved += w.saved_iw * to_w
+        # values an I leaves for its W: at most those alive from F to W; in one
+        # B they are the backward's scratch (counted whole: the plan packs them)
+        saved += w.saved_iw * (to_w if split else 1)
     if not live:
         return state
     transient = max(w.transient for w in works)
     if z == 3 and d > 1:  # a layer's gathered parameters in use, and the next one's
-        transient += 2 * max(w.param // k for w, k in zip(works, layers))
+        transient += 2 * max(sum(b for key, (_, b) in w.dp if key == ("f", "all_gather")) // k
+                             for w, k in zip(works, layers))
     return state + saved + transient + max(w.temp for w in works)
 
 

@@ -69,17 +69,21 @@ class Probe:
         return w
 
 
-def probe(spec: ModelSpec, tp: int, mbs: int, recompute: str, dev: DeviceModel) -> Probe:
+def probe(spec: ModelSpec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
+          dp: int = 1, zero: int = 0) -> Probe:
     """One layer's Work at (tp, micro-batch `mbs`, `recompute`) on `dev`;
-    raises the planner's ConfigError for a tp the model cannot use."""
-    job, reps = _planned(spec, tp, mbs, recompute)
+    raises the planner's ConfigError for a tp the model cannot use. With
+    `dp` = 2 and a ZeRO level, its dp collectives are the level's pattern
+    (which ZeRO 3 cannot derive: it gathers again in the backward only what
+    the backward reads)."""
+    job, reps = _planned(spec, tp, mbs, recompute, dp, zero)
     works = [read_work(job, reps[s], dev).by_stage[s] for s in range(PROBE_LAYERS)]
     body = works[1]
     return Probe(works[0].minus(body), body, works[2].minus(body))
 
 
 @cache
-def _planned(spec: ModelSpec, tp: int, mbs: int, recompute: str):
+def _planned(spec: ModelSpec, tp: int, mbs: int, recompute: str, dp: int = 1, zero: int = 0):
     from meshplan.driver.plan import plan_model, zoo_strategy
     from meshplan.lowering.lower import lower
 
@@ -87,12 +91,12 @@ def _planned(spec: ModelSpec, tp: int, mbs: int, recompute: str):
     cfg = spec.config(layers=n)
     orders = tuple(tuple(f"{r}{kind}{mb}" for kind in "FIW" for mb in range(2))
                    for r in range(n))
-    strategy = zoo_strategy(spec.model, cfg, dp=1, tp=tp, pp=n, vpp=1,
-                            global_batch_size=2 * mbs, micro_batch_size=mbs,
+    strategy = zoo_strategy(spec.model, cfg, dp=dp, tp=tp, pp=n, vpp=1, zero=zero,
+                            global_batch_size=2 * mbs * dp, micro_batch_size=mbs,
                             schedule="csv", schedule_orders=orders, recompute=recompute,
                             precision=spec.precision, bucket_mb=0)
     try:
-        job = plan_model(spec.model, spec.size, Mesh(1, n * tp), strategy,
+        job = plan_model(spec.model, spec.size, Mesh(1, n * tp * dp), strategy,
                          optimizer=spec.optimizer, encode=False,
                          **{**dict(spec.overrides), "layers": n}).job
     except (ConfigError, ScheduleError) as err:

@@ -121,7 +121,7 @@ class _Pricer:
     def probe(self, key) -> Probe | None:
         if key not in self.probes:
             try:
-                self.probes[key] = probe(self.spec, *key, self.st.dev)
+                self.probes[key] = probe(self.spec, *key[:3], self.st.dev, *key[3:])
             except ConfigError as err:
                 self.probes[key] = err
         p = self.probes[key]
@@ -146,9 +146,16 @@ class _Pricer:
         if (base, n) not in self.layouts:
             self.layouts[(base, n)] = layout(p0, cand, self.layers)
         counts = self.layouts[(base, n)]
-        wkey = (key, n, cand.dp > 1, cand.zero, split)
+        wkey = (key, n, cand.dp, cand.zero, split)
         if wkey not in self.works:
-            self.works[wkey] = [with_dp(w, cand, split) for w in stage_works(p, counts)]
+            patterns: list = [None] * n
+            if cand.dp > 1:  # the dp collectives' pattern: this stage at dp 2, ZeRO 3
+                pat = self.probe((cand.tp, 1, recompute, 2, 3))
+                if pat is None:
+                    return None
+                patterns = stage_works(pat, counts)
+            self.works[wkey] = [with_dp(w, cand, split, pw)
+                                for w, pw in zip(stage_works(p, counts), patterns)]
         return counts, self.works[wkey]
 
     def exact(self, cand: Candidate):

@@ -1,0 +1,53 @@
+"""A candidate evaluated the long way: the whole model planned under its
+strategy, one rank per pipeline stage lowered, its Work read off those
+plans, its memory taken from their memory plans, and the same pricing and
+simulation as the search (`estimate.price`).
+
+This is what the search's shortcuts (probes of one layer, estimated
+memory, pruning) are held to: on a space small enough to plan every
+candidate, `evaluate_all` and `search.search` must pick the same winner.
+"""
+
+from __future__ import annotations
+
+from meshplan.errors import ConfigError, ScheduleError
+from meshplan.search.estimate import Prediction, Setting, price
+from meshplan.search.probe import ModelSpec
+from meshplan.search.space import Candidate
+
+
+def evaluate(spec: ModelSpec, cand: Candidate, st: Setting,
+             stage_layers: tuple[int, ...] = ()) -> Prediction:
+    """Plan, lower and price `cand` in full; raises the planner's ConfigError."""
+    from meshplan.driver.plan import plan_model, zoo_strategy
+    from meshplan.lowering.lower import lower
+    from meshplan.search.work import read_work
+
+    cfg = spec.config()
+    strategy = zoo_strategy(spec.model, cfg, dp=cand.dp, tp=cand.tp, pp=cand.pp, vpp=cand.vpp,
+                            schedule=cand.schedule, global_batch_size=st.global_batch,
+                            micro_batch_size=cand.micro_batch_size, recompute=cand.recompute,
+                            precision=spec.precision, zero=cand.zero, bucket_mb=st.bucket_mb,
+                            stage_layers=stage_layers if cand.pp > 1 else ())
+    try:
+        job = plan_model(spec.model, spec.size, st.mesh, strategy, optimizer=spec.optimizer,
+                         encode=False, **dict(spec.overrides)).job
+    except ScheduleError as err:
+        raise ConfigError(str(err)) from None
+    works, peaks = {}, []
+    for stage in range(cand.pp):
+        plan = lower(job, strategy.ranks_of_stage(stage)[0])
+        got = read_work(job, plan, st.dev)
+        works.update(got.by_stage)
+        peaks.append(dict(got.peak)["total"])
+    counts = _layers_per_stage(job, strategy)
+    return price(cand, [works[v] for v in range(len(works))], st, counts,
+                 tuple(peaks)).predict()
+
+
+def _layers_per_stage(job, strategy) -> tuple[int, ...]:
+    where = strategy.stage_placement
+    counts = [0] * where.num_stages
+    for s, c in zip(job.layer_stage, job.layer_chunk):
+        counts[where.stage_at(s, c)] += 1
+    return tuple(counts)
