@@ -49,9 +49,13 @@ def parse_bytes(text: str) -> int:
 
 
 def run_search(a: argparse.Namespace):
-    """The search over the flags' model and mesh: (SearchResult, DeviceModel, limit)."""
+    """The search over the flags' model and mesh, its winner proven by a full
+    plan (the first of the ranking whose memory plan fits):
+    (SearchResult, DeviceModel, limit, (index, full Prediction))."""
     from meshplan.cli.flags import mesh_of, overrides
     from meshplan.costmodel import load_device_model
+    from meshplan.search.estimate import Setting
+    from meshplan.search.full import prove
     from meshplan.search.probe import ModelSpec
     from meshplan.search.search import search
 
@@ -61,7 +65,9 @@ def run_search(a: argparse.Namespace):
                      getattr(a, "optimizer", "adamw"), str(a.precision))
     gbs = a.global_batch_size or a.default_gbs
     res = search(spec, mesh_of(a), gbs, dev, memory_limit=limit, bucket_mb=a.bucket_mb)
-    return res, dev, limit
+    proof = prove(spec, res.ranked, Setting(mesh_of(a), gbs, dev, a.bucket_mb, spec.precision),
+                  limit)
+    return res, dev, limit, proof
 
 
 def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
@@ -71,8 +77,8 @@ def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
 
     if not getattr(a, "auto", False):
         return zoo_strategy(a.model, cfg, **strategy_fields(a))
-    res, _, _ = run_search(a)
-    return winner_strategy(a, cfg, res.winner)
+    res, _, _, (best, _) = run_search(a)
+    return winner_strategy(a, cfg, res.ranked[best])
 
 
 def winner_strategy(a: argparse.Namespace, cfg, ranked) -> Strategy:
@@ -99,7 +105,8 @@ def config_name(a: argparse.Namespace, cfg, ranked) -> str:
         "nodes": a.nodes, "devices_per_node": a.devices_per_node})
 
 
-def table_json(a: argparse.Namespace, cfg, res, dev, limit: int) -> dict:
+def table_json(a: argparse.Namespace, cfg, res, dev, limit: int, proof) -> dict:
+    best, full = proof
     rows = []
     for r in res.ranked:
         f = fields_of(a, r)
@@ -109,6 +116,8 @@ def table_json(a: argparse.Namespace, cfg, res, dev, limit: int) -> dict:
                      "step_s": r.pred.step_s, "tflops_per_device": r.pred.tflops(),
                      "bubble_ratio": r.pred.bubble, "peak_bytes": list(r.pred.peak),
                      "config_name": config_name(a, cfg, r)})
+    rows[best] |= {"winner": True, "planned_step_s": full.step_s,
+                   "planned_peak_bytes": list(full.peak)}
     return {"device_model": dev.name, "memory_limit_bytes": limit, "search_s": res.seconds,
             "candidates": res.considered, "over_memory": res.over_memory,
             "refused": sum(res.refused.values()), "simulated": res.simulated,
@@ -129,9 +138,11 @@ def print_table(t: dict) -> None:
         print(f"{i:>2}  {row['strategy']:<40} {row['step_s']:>9.4g} "
               f"{row['tflops_per_device']:>8.3g} {row['bubble_ratio']:>7.3f} {shown:<22} "
               f"{row['config_name']}")
-    best = t["top"][0]
+    i, best = next((i, r) for i, r in enumerate(t["top"], 1) if r.get("winner"))
     layers = ",".join(map(str, best["stage_layers"]))
-    print(f"winner: --dp {best['dp']} --tp {best['tp']} --pp {best['pp']} --vpp {best['vpp']} "
+    print(f"winner #{i}, proven by its full plan: step {best['planned_step_s']:.4g} s, "
+          f"planned peak {max(best['planned_peak_bytes']) / 2**30:.2f} GiB")
+    print(f"  --dp {best['dp']} --tp {best['tp']} --pp {best['pp']} --vpp {best['vpp']} "
           f"--schedule {best['schedule']} --micro-batch-size {best['micro_batch_size']} "
           f"--recompute {best['recompute']} --zero {best['zero']}"
           + (f" --stage-layers {layers}" if layers else ""))

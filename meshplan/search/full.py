@@ -51,3 +51,15 @@ def _layers_per_stage(job, strategy) -> tuple[int, ...]:
     for s, c in zip(job.layer_stage, job.layer_chunk):
         counts[where.stage_at(s, c)] += 1
     return tuple(counts)
+
+
+def prove(spec: ModelSpec, ranked: list, st: Setting, limit: int):
+    """The first of `ranked` (best first) whose full plan fits `limit`:
+    (its index, its full Prediction); ConfigError when none does."""
+    for i, r in enumerate(ranked):
+        pred = evaluate(spec, r.cand, st, r.pred.stage_layers)
+        if max(pred.peak) <= limit:
+            return i, pred
+    raise ConfigError(f"none of the {len(ranked)} best strategies fits the memory limit once "
+                      "planned in full (the search's estimate was low); raise "
+                      "--memory-per-device or add devices")

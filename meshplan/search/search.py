@@ -113,6 +113,7 @@ class _Pricer:
         self.probes: dict = {}
         self.works: dict = {}
         self.layouts: dict = {}
+        self.stages: dict = {}
         self.priced: dict[Candidate, Priced] = {}
         self.considered = self.over_memory = 0
         self.refused: Counter = Counter()
@@ -150,13 +151,18 @@ class _Pricer:
         if wkey not in self.works:
             patterns: list = [None] * n
             if cand.dp > 1:  # the dp collectives' pattern: this stage at dp 2, ZeRO 3
-                pat = self.probe((cand.tp, 1, recompute, 2, 3))
-                if pat is None:
+                pkey = (cand.tp, 1, recompute, 2, 3)
+                if self.probe(pkey) is None:
                     return None
-                patterns = stage_works(pat, counts)
+                patterns = self._stages(pkey, counts)
             self.works[wkey] = [with_dp(w, cand, split, pw)
-                                for w, pw in zip(stage_works(p, counts), patterns)]
+                                for w, pw in zip(self._stages(key, counts), patterns)]
         return counts, self.works[wkey]
+
+    def _stages(self, key, counts):
+        if (key, counts) not in self.stages:
+            self.stages[(key, counts)] = stage_works(self.probes[key], counts)
+        return self.stages[(key, counts)]
 
     def exact(self, cand: Candidate):
         """(bound, True) of a candidate that fits; None when refused or too big."""
