@@ -7,6 +7,7 @@
     res   = check("plans/")                          # consistent? bubble, peaks
     out   = run(job, module, batches)                # one local process per rank
     out   = verify(job, module, batches)             # run, beside eager PyTorch
+    best  = search("gpt", "small", mesh, 16, "a100-80gb")  # the fastest strategy that fits
 
 Invariants:
 - Each function is a thin, documented entry over the layer that does the
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from meshplan.driver.results import LowerResult, RunResult, VerifyResult
 
 __all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile", "plan", "run",
-           "verify"]
+           "search", "verify"]
 
 
 def capture(module, inputs: tuple, loss_fn=None, targets: tuple = ()):
@@ -77,6 +78,25 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
     else:
         opt = optimizer if lr is None else replace(optimizer, lr=lr)
     return PASSES.run(Compilation(graph, mesh, strategy, opt)).job
+
+
+def search(model: str, size: str, mesh, global_batch_size: int, device_model: str,
+           memory_per_device: int | None = None, precision: str = "fp32",
+           optimizer: str = "adamw", top: int = 10, **overrides):
+    """The strategy search (`meshplan plan --auto`) for a zoo or transformers
+    model (`"hf:gpt2"`): the `top` strategies by simulated step on
+    `device_model` ("a100-80gb", ..., "cpu-local") within `memory_per_device`
+    bytes (default: the device's), each `Ranked(cand, pred)`, and
+    `.strategy(i)`: candidate i as a `Strategy` to `plan` with. It rebuilds
+    the model with fewer layers to price one layer, so it takes the model's
+    name, not a captured graph."""
+    from meshplan.costmodel import load_device_model
+    from meshplan.search.probe import ModelSpec
+    from meshplan.search.search import search as _search
+
+    spec = ModelSpec(model, size, tuple(sorted(overrides.items())), optimizer, precision)
+    return _search(spec, mesh, global_batch_size, load_device_model(device_model),
+                   memory_limit=memory_per_device, top=top)
 
 
 def compile(job, out: str | Path, ranks: Sequence[int] | None = None,

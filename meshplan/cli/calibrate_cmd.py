@@ -5,7 +5,8 @@ the device models or shows one with its sources.
 What it measures, each with one thread, as one rank of `meshplan run` has:
 matmul FLOP/s per dtype (float32, bfloat16, float16; the size grows while
 one product stays short, so a slow 16-bit matmul is measured small), memory
-bandwidth (a large copy: read + write bytes), and gloo point-to-point and
+bandwidth (a large copy: read + write bytes), the time of a tiny op (every
+kernel's dispatch, `kernel_overhead`), and gloo point-to-point and
 all-reduce latency and bandwidth between two local processes on 127.0.0.1.
 The all-reduce fit gives `intra_bw` and `intra_latency` (for two ranks the
 ring model is 2 a + S/B: `costmodel/device.py`), the point-to-point fit
@@ -124,6 +125,7 @@ def calibrate(sizes: Sizes = Sizes()) -> tuple[DeviceModel, dict]:
     try:
         rates = {d: matmul_rate(getattr(torch, d), sizes) for d in DTYPES}
         copy = copy_rate(sizes.copy_bytes, sizes.copy_s)
+        overhead = op_overhead(sizes.copy_s)
     finally:
         torch.set_num_threads(threads)
     comm = gloo_figures(sizes)
@@ -135,11 +137,12 @@ def calibrate(sizes: Sizes = Sizes()) -> tuple[DeviceModel, dict]:
         memory_bytes=int(memory // cores), devices_per_node=cores,
         intra_bw=comm["all_reduce_bw"], intra_latency=comm["all_reduce_latency"],
         inter_bw=comm["all_reduce_bw"], inter_latency=comm["all_reduce_latency"],
-        p2p_latency=comm["p2p_latency"], p2p_bw=comm["p2p_bw"],
+        p2p_latency=comm["p2p_latency"], p2p_bw=comm["p2p_bw"], kernel_overhead=overhead,
         sources=(f"measured by `meshplan calibrate` on {socket.gethostname()} at "
                  f"{datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, "
                  f"torch {torch.__version__}, one thread per process",))
     measured = {"matmul_side": {d: rates[d][1] for d in DTYPES}, "copy_bytes": sizes.copy_bytes,
+                "kernel_overhead": overhead,
                 "comm_bytes": sizes.comm_bytes} | comm
     return model, measured
 
@@ -164,6 +167,21 @@ def matmul_rate(dtype: torch.dtype, sizes: Sizes) -> tuple[float, int]:
         torch.mm(a, b)
         times.append(time.perf_counter() - t0)
     return 2.0 * n ** 3 / statistics.median(times), n
+
+
+def op_overhead(budget_s: float) -> float:
+    """Seconds of a tiny op (an add of 16 floats): what every kernel pays to
+    be dispatched, whatever its size (the median of 100-call batches)."""
+    a, b = torch.ones(16), torch.ones(16)
+    out = torch.empty(16)
+    deadline = time.perf_counter() + budget_s
+    times: list[float] = []
+    while not times or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(100):
+            torch.add(a, b, out=out)
+        times.append((time.perf_counter() - t0) / 100)
+    return statistics.median(times)
 
 
 def copy_rate(nbytes: int, budget_s: float) -> float:
@@ -280,6 +298,8 @@ def table(model: DeviceModel, measured: dict) -> str:
         lines.append(f"  matmul {dtype:<9} {rate / 1e9:9.2f} GFLOP/s   ({side}x{side})")
     lines.append(f"  memory copy      {model.mem_bw / 1e9:9.2f} GB/s      "
                  f"({measured['copy_bytes'] / 2**20:.0f} MiB, read + write)")
+    lines.append(f"  tiny op          {model.kernel_overhead * 1e6:9.2f} us        "
+                 "(every kernel's dispatch: kernel_overhead)")
     mib = measured["comm_bytes"] / 2**20
     lines.append(f"  gloo p2p         {measured['p2p_bw'] / 1e9:9.3f} GB/s      latency "
                  f"{measured['p2p_latency'] * 1e6:.1f} us  ({mib:.0f} MiB, 2 processes; "

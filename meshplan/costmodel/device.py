@@ -78,6 +78,9 @@ class DeviceModel:
     # its all-reduce ~40 us a step); None: the link's figures.
     p2p_latency: float | None = None
     p2p_bw: float | None = None
+    # Seconds every kernel costs on top of its math or memory traffic: its
+    # launch and the framework's dispatch (what a tiny op takes).
+    kernel_overhead: float = 0.0
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         """Achievable FLOP/s for `dtype` (the float32 rate for a dtype the
@@ -91,8 +94,9 @@ class DeviceModel:
         return rates.get(dtype_name(dtype), rates["float32"])
 
     def compute_seconds(self, flops: float, nbytes: float, dtype) -> float:
-        """A kernel's seconds: bound by its math or by its memory traffic."""
-        return max(flops / self.flops_for(dtype), nbytes / self.mem_bw)
+        """A kernel's seconds: its launch, then bound by its math or by its
+        memory traffic."""
+        return self.kernel_overhead + max(flops / self.flops_for(dtype), nbytes / self.mem_bw)
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) of the link a transfer uses."""

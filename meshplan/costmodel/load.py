@@ -8,7 +8,8 @@ Invariants:
 - File form (one JSON object): `name`; `flops`, a map dtype -> rate; `mem_bw`,
   `intra_bw`, `inter_bw` rates; `intra_latency`, `inter_latency` seconds;
   `memory_bytes`, `devices_per_node` integers; `sources`, a list of
-  strings; optionally `p2p_latency`, `p2p_bw` (point-to-point within a
+  strings; optionally `kernel_overhead` (s added to every kernel, its
+  launch and dispatch), `p2p_latency`, `p2p_bw` (point-to-point within a
   node, when unlike the collectives'). A rate is a number (bytes/s or FLOP/s) or
   `{"peak": P, "efficiency": E}`, meaning P * E, so a file states the
   datasheet figure and the measured fraction apart. `peak_flops` per dtype
@@ -111,7 +112,8 @@ def parse_device_model(text: str, where: str) -> DeviceModel:
         inter_latency=_non_negative(data["inter_latency"], f"{where}: inter_latency"),
         sources=tuple(str(s) for s in data.get("sources", ())),
         p2p_latency=_optional(data, "p2p_latency", _non_negative, where),
-        p2p_bw=_optional(data, "p2p_bw", _rate, where))
+        p2p_bw=_optional(data, "p2p_bw", _rate, where),
+        kernel_overhead=_optional(data, "kernel_overhead", _non_negative, where) or 0.0)
 
 
 def _optional(data: dict, key: str, check, where: str) -> float | None:
@@ -155,4 +157,6 @@ def device_model_json(model: DeviceModel, extra: dict | None = None) -> str:
     for key in ("p2p_latency", "p2p_bw"):
         if getattr(model, key) is not None:
             data[key] = getattr(model, key)
+    if model.kernel_overhead:
+        data["kernel_overhead"] = model.kernel_overhead
     return json.dumps(data | (extra or {}), indent=2) + "\n"

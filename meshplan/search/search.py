@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import Recompute, Schedule
-from meshplan.ir.mesh import Mesh
+from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.search.estimate import (
     Prediction,
     Priced,
@@ -60,6 +60,14 @@ class SearchResult:
     @property
     def winner(self) -> Ranked:
         return self.ranked[0]
+
+    def strategy(self, i: int = 0, layer_pattern: str = "", **fields) -> Strategy:
+        """Ranked candidate `i` as a Strategy (its uneven layout included)."""
+        c, pred = self.ranked[i].cand, self.ranked[i].pred
+        return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
+                        micro_batch_size=c.micro_batch_size, recompute=c.recompute,
+                        zero=c.zero, stage_layers=pred.stage_layers if c.pp > 1 else (),
+                        layer_pattern=layer_pattern, **fields)
 
 
 def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
@@ -99,7 +107,7 @@ def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
         elif item > best[0]:
             heapq.heapreplace(best, item)
     if not best:
-        raise _nothing_fits(pricer, limit, mesh)
+        raise _nothing_fits(pricer, limit, mesh, global_batch)
     ranked = [Ranked(x[3], x[4]) for x in sorted(best, key=lambda x: (-x[0], -x[1], x[3]))]
     return SearchResult(ranked, pricer.considered, pricer.over_memory, pricer.refused,
                         simulated, len(pricer.probes), time.perf_counter() - t0)
@@ -118,6 +126,7 @@ class _Pricer:
         self.considered = self.over_memory = 0
         self.refused: Counter = Counter()
         self.smallest: tuple[int, Candidate] | None = None
+        self.least_state: tuple[int, Candidate] | None = None  # of those not probed
 
     def probe(self, key) -> Probe | None:
         if key not in self.probes:
@@ -187,7 +196,9 @@ class _Pricer:
         counts, works = got
         state = max(memory(cand, works, counts, self.st, state_only=True))
         if state > self.limit:  # its state alone is too big, with or without recompute
-            self._too_big(state, cand)
+            self.over_memory += 1
+            if self.least_state is None or state < self.least_state[0]:
+                self.least_state = (state, cand)
             return None
         return price(cand, works, self.st, counts, (0,)).lower_bound(), False
 
@@ -203,12 +214,23 @@ def _neg(c: Candidate) -> tuple:
         c.dp, c.tp, c.pp, c.vpp, c.schedule, c.micro_batch_size, c.recompute, c.zero))
 
 
-def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh) -> ConfigError:
+def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int) -> ConfigError:
+    if pricer.smallest is None and pricer.least_state is not None:
+        state, cand = pricer.least_state
+        return ConfigError(
+            f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: even the parameters, "
+            f"gradients and optimizer state alone need {state / GiB:.2f} GiB per device "
+            f"({cand.label()}); allow more than that, or add devices")
     if pricer.smallest is None:
-        reason = pricer.refused.most_common(1)[0][0] if pricer.refused else "no candidate"
-        return ConfigError(f"no strategy for this model on {mesh.nodes} node(s) x "
-                           f"{mesh.devices_per_node} devices: every candidate was refused "
-                           f"({reason})")
+        cfg = pricer.spec.config()
+        why = (f"; the planner refused the rest: {pricer.refused.most_common(1)[0][0]}"
+               if pricer.refused else "")
+        return ConfigError(
+            f"no strategy for {pricer.spec.model} {pricer.spec.size} ({cfg.layers} layers, "
+            f"{cfg.heads} heads) on {mesh.nodes} node(s) x {mesh.devices_per_node} devices: "
+            f"dp x tp x pp must make {mesh.world} with dp dividing the global batch {gbs}, tp "
+            f"the {mesh.devices_per_node} devices of a node and the heads, and pp at most "
+            f"the layers{why}; use another device count or global batch")
     peak, cand = pricer.smallest
     return ConfigError(
         f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: the smallest planned "

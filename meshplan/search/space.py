@@ -8,7 +8,8 @@ Invariants:
   dp * tp * pp = world; tp divides the devices of a node (a tp group never
   leaves one); pp * vpp <= layers; dp divides the global batch, and the
   micro-batch size divides its share; the schedule takes (pp, vpp, M)
-  (`schedules.compute_actions` does not refuse it); ZeRO only with dp > 1.
+  (`schedules.compute_actions` does not refuse it, nor the planner's
+  `check_strategy`); ZeRO only with dp > 1.
   What only the planner knows (tp dividing the heads and the vocabulary)
   is found by the probe, whose error removes the candidate.
 - The order is deterministic, so ties are broken the same way every run.
@@ -88,6 +89,9 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
             for mbs in _micro_batches(global_batch // dp, space.micro_batch_sizes):
                 m = global_batch // (dp * mbs)
                 for schedule, vpp in _schedules(pp, m, layers, space):
+                    if not _planner_takes(mesh, dp, tp, pp, vpp, str(schedule),
+                                          global_batch, mbs):
+                        continue
                     for rc in space.recompute:
                         for z in space.zero if dp > 1 else (0,):
                             yield Candidate(dp, tp, pp, vpp, str(schedule), mbs, str(rc), z)
@@ -121,5 +125,21 @@ def schedule_takes(schedule: str, pp: int, vpp: int, m: int) -> bool:
     try:
         compute_actions(schedule, pp, vpp, m, 0)
     except ScheduleError:
+        return False
+    return True
+
+
+@cache
+def _planner_takes(mesh: Mesh, dp: int, tp: int, pp: int, vpp: int, schedule: str,
+                   global_batch: int, mbs: int) -> bool:
+    """Whether the planner's own strategy check (`passes/strategy.py`) accepts it."""
+    from meshplan.errors import ConfigError
+    from meshplan.ir.mesh import Strategy
+    from meshplan.passes.strategy import check_strategy
+
+    try:
+        check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule,
+                                      global_batch_size=global_batch, micro_batch_size=mbs))
+    except (ConfigError, ScheduleError):
         return False
     return True

@@ -120,8 +120,10 @@ def test_compute_is_bound_by_math_or_by_memory():
     entry = json.loads((DEVICES / "h200-141gb.json").read_text())["flops"]["bfloat16"]
     rate = entry["peak"] * entry["efficiency"]
     mem = raw("h200-141gb", "mem_bw")
-    assert dev.compute_seconds(1e15, 1e6, torch.bfloat16) == pytest.approx(1e15 / rate)
-    assert dev.compute_seconds(1e6, 1e12, "bfloat16") == pytest.approx(1e12 / mem)
+    launch = raw("h200-141gb", "kernel_overhead")
+    assert dev.compute_seconds(1e15, 1e6, torch.bfloat16) == pytest.approx(launch + 1e15 / rate)
+    assert dev.compute_seconds(1e6, 1e12, "bfloat16") == pytest.approx(launch + 1e12 / mem)
+    assert dev.compute_seconds(0, 0, "bfloat16") == launch > 0  # a kernel is never free
     assert dev.flops_for(DType("bfloat16")) == dev.flops_for(torch.bfloat16) == rate
     # float32 runs on CUDA cores: far slower than the tensor cores
     assert dev.flops_for(torch.float32) < rate / 10

@@ -1,0 +1,107 @@
+"""The search's shortcuts held to the long way (`search/full.py`): a
+candidate priced from one layer's probe against the same candidate
+planned, lowered and priced in full; the dp collectives derived per ZeRO
+level against the full plan's; the in-flight counts' shortcuts."""
+
+import pytest
+
+from meshplan.costmodel import load_device_model
+from meshplan.ir.mesh import Mesh
+from meshplan.lowering.lower import in_flight
+from meshplan.schedules import compute_actions, placement_of
+from meshplan.search import estimate
+from meshplan.search.estimate import Setting, price
+from meshplan.search.full import evaluate
+from meshplan.search.probe import ModelSpec
+from meshplan.search.search import _Pricer
+from meshplan.search.space import Candidate, schedule_takes
+
+SPEC = ModelSpec("gpt", "tiny")
+MESH = Mesh(1, 4)
+ST = Setting(MESH, 16, load_device_model("a100-80gb"))
+
+
+@pytest.fixture(scope="module")
+def pricer():
+    return _Pricer(SPEC, SPEC.config().layers, ST, 1 << 62)
+
+
+CANDS = [Candidate(4, 1, 1, 1, "1f1b", 2, "none", 0),
+         Candidate(2, 2, 1, 1, "1f1b", 2, "full", 0),
+         Candidate(2, 1, 2, 1, "1f1b", 2, "none", 1),
+         Candidate(2, 1, 2, 2, "interleaved", 1, "none", 2),
+         Candidate(2, 1, 2, 2, "zbv", 2, "none", 3),
+         Candidate(1, 2, 2, 1, "zb1p", 2, "selective", 0),
+         Candidate(1, 1, 4, 1, "gpipe", 1, "none", 0)]
+
+
+@pytest.mark.parametrize("cand", CANDS, ids=lambda c: c.label())
+def test_search_prices_like_the_full_plan(pricer, cand):
+    counts, works = pricer._works(cand, cand.recompute)
+    fast = price(cand, works, ST, counts).predict()
+    full = evaluate(SPEC, cand, ST, counts)
+    assert fast.step_s == pytest.approx(full.step_s, rel=0.06)
+    for mine, theirs in zip(fast.peak, full.peak):  # estimated: never far below
+        assert -0.03 <= mine / theirs - 1 <= 0.6
+
+
+def _merged(dp):
+    """dp collectives with I and W as one backward (the full plan's, unsplit)."""
+    out: dict = {}
+    for (phase, kind), (n, b) in dp:
+        key = ("i" if phase == "w" else phase, kind)
+        c, s = out.get(key, (0, 0))
+        out[key] = (c + n, s + b)
+    return out
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_dp_collectives_per_zero_level_match_the_plan(pricer, zero):
+    from meshplan.driver.plan import plan_model, zoo_strategy
+    from meshplan.lowering.lower import lower
+    from meshplan.search.work import read_work
+
+    cand = Candidate(2, 1, 2, 1, "1f1b", 2, "none", zero)
+    counts, works = pricer._works(cand, "none")
+    s = zoo_strategy("gpt", SPEC.config(), dp=2, tp=1, pp=2, global_batch_size=16,
+                     micro_batch_size=2, zero=zero, stage_layers=counts)
+    job = plan_model("gpt", "tiny", MESH, s, optimizer="adamw", encode=False).job
+    for stage in range(2):
+        full = read_work(job, lower(job, s.ranks_of_stage(stage)[0]), ST.dev).by_stage[stage]
+        assert _merged(works[stage].dp) == _merged(full.dp)
+        assert (works[stage].param, works[stage].grad) == (full.param, full.grad)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("pp", [1, 2, 5])
+@pytest.mark.parametrize("m", [1, 3, 12])
+def test_in_flight_closed_forms(schedule, pp, m):
+    if not schedule_takes(schedule, pp, 1, m):
+        pytest.skip("no such schedule")
+    where = placement_of(schedule, pp, 1)
+    want = tuple(in_flight(compute_actions(schedule, pp, 1, m, r), where) for r in range(pp))
+    assert estimate._live(schedule, pp, 1, m) == want
+
+
+@pytest.mark.parametrize("schedule,vpps", [("interleaved", (2, 3)), ("zb1p", (1, 2, 4)),
+                                           ("zbv", (2,))])
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_in_flight_past_the_steady_state_is_never_low(schedule, vpps, pp):
+    """`_live` stops at STEADY * pp micro-batches: never fewer than the real count."""
+    for vpp in vpps:
+        for m in range(1, 7 * pp):
+            if not schedule_takes(schedule, pp, vpp, m):
+                continue
+            short = estimate._live(schedule, pp, vpp, m)
+            where = placement_of(schedule, pp, vpp)
+            for r in range(pp):
+                real = in_flight(compute_actions(schedule, pp, vpp, m, r), where)
+                for key, n in real.items():
+                    assert short[r].get(key, 0) >= n, (vpp, m, r, key)
+
+
+def test_a_layer_keeps_more_without_recompute(pricer):
+    _, plain = pricer._works(CANDS[0], "none")
+    _, full = pricer._works(CANDS[0], "full")
+    assert sum(w.saved_i + w.saved_w for w in full) < sum(w.saved_i + w.saved_w for w in plain)
+    assert full[0].i + full[0].w > plain[0].i + plain[0].w  # the forward again
