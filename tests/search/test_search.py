@@ -75,7 +75,8 @@ def test_nothing_fits_says_the_smallest_peak():
 
 def test_a_mesh_the_model_cannot_use():
     # 7 devices: tp 7 splits no head of 4, pp 7 > 4 layers, dp 7 does not divide 16
-    with pytest.raises(ConfigError, match=r"no strategy for gpt tiny \(4 layers, 4 heads\) on 1 node"):
+    with pytest.raises(ConfigError,
+                       match=r"no strategy for gpt tiny \(4 layers, 4 heads\) on 1 node"):
         search(SPEC, Mesh(1, 7), 16, DEV, space=SMALL)
 
 
