@@ -34,6 +34,7 @@ from meshplan.cli.flags import (
     config_name_of,
     mesh_of,
     overrides,
+    strategy_fields,
 )
 from meshplan.cli.progress import Progress
 from meshplan.cli.run_cmd import cmd_run, loss_table
@@ -193,6 +194,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     from meshplan.driver.verify import verify
     from meshplan.models import model_config
 
+    strategy_fields(a)  # the flags' batch arithmetic, checked on either path
     parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1 or \
         (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE) or a.auto
     if parallel:
