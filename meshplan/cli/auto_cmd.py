@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Strategy
@@ -77,8 +78,13 @@ def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
 
     if not getattr(a, "auto", False):
         return zoo_strategy(a.model, cfg, **strategy_fields(a))
-    res, _, _, (best, _) = run_search(a)
-    return winner_strategy(a, cfg, res.ranked[best])
+    res, dev, _, (best, full) = run_search(a)
+    r = res.ranked[best]
+    if not getattr(a, "quiet", False):
+        print(f"--auto chose {r.cand.label()} on {dev.name} (simulated step "
+              f"{full.step_s:.4g} s, planned peak {max(full.peak) / 2**30:.2f} GiB; "
+              f"{res.considered} strategies searched in {res.seconds:.1f} s)", file=sys.stderr)
+    return winner_strategy(a, cfg, r)
 
 
 def winner_strategy(a: argparse.Namespace, cfg, ranked) -> Strategy:

@@ -119,3 +119,12 @@ def test_cli_memory_limit_errors():
     r = _cli("plan", "--model", "gpt", "--size", "tiny", "--devices-per-node", "4",
              "--auto", "--device-model", "a100-80gb", "--memory-per-device", "1KB")
     assert r.returncode == 2 and "smallest planned peak" in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_verify_auto_trains_like_eager():
+    r = _cli("verify", "--model", "gpt", "--size", "tiny", "--devices-per-node", "4",
+             "--global-batch-size", "16", "--auto", "--device-model", "a100-80gb",
+             "--steps", "3", "--optimizer", "adamw", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] and "--auto chose" in r.stderr
