@@ -2,18 +2,23 @@
 
 Invariants:
 - `hooks(key)` are compiled into task group `key`'s function: after the op
-  that makes a bucket's last gradient, the bucket starts, but only in the
-  group's last run of the step (its last micro-batch): its gradients are
-  copied into one flat tensor, all-reduced in the background.
-- `kernel(op)` is the STEP's kernel of a bucketed reduction: it waits for
-  its bucket (once) and returns its own slice of the flat result (a
-  reduce-scatter, its part of it).
-- The flat tensors count in the rank's live bytes until the step ends.
+  that makes a bucket's last value, the bucket starts (a STEP bucket only
+  in the group's last run of the step, its last micro-batch; a
+  per-micro-batch one in every run): its values are copied into one flat
+  tensor, all-reduced in the background.
+- `kernel(op)` is the kernel of a bucketed reduction: it waits for its
+  bucket (once) and returns its own slice of the flat result (a
+  reduce-scatter, its part of it, in a storage of its own). It reads no
+  argument: `segment_op` drops a per-micro-batch reduction's, so the value
+  it reduces dies at the bucket's start, not at the reduction.
+- A STEP bucket's flat tensor counts in the rank's live bytes until the
+  step ends; a per-micro-batch one's until its last slice is taken.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -43,16 +48,23 @@ class GradBuckets:
         return {b.after: (partial(self._start, i), list(b.sources))
                 for i, b in enumerate(self.buckets) if b.template == key}
 
+    def segment_op(self, op):
+        """`op` as its task group's function runs it: a per-micro-batch
+        bucketed reduction reads nothing (its bucket has the value)."""
+        where = self.at.get(op.id)
+        return replace(op, args=()) if where and self.buckets[where[0]].every_run else op
+
     def kernel(self, op):
-        """The STEP's kernel of reduction `op` if a bucket carries it, else None."""
+        """The kernel of reduction `op` if a bucket carries it, else None."""
         where = self.at.get(op.id)
         if where is None:
             return None
-        cut = narrower(self.ctx, op.args[0].id, op.outputs[0]) if op.kind == REDUCE_SCATTER \
-            else None
+        src = op.args[0].id
+        shape = tuple(b - a for a, b in self.ctx.box(src))
+        cut = narrower(self.ctx, src, op.outputs[0]) if op.kind == REDUCE_SCATTER else None
 
-        def from_bucket(x, **_):
-            out = self._result(*where, x.shape)
+        def from_bucket(*_, **__):
+            out = self._result(*where, shape)
             return cut(out) if cut is not None else out
         return from_bucket
 
@@ -63,19 +75,25 @@ class GradBuckets:
 
     def _start(self, i: int, grads: list) -> None:
         b = self.buckets[i]
-        if self.runs[b.template] != self.microbatches:
+        if not b.every_run and self.runs[b.template] != self.microbatches:
             return  # not the last micro-batch: the gradients are not final yet
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.mem.add(flat)
         offsets = [0]
         for g in grads:
             offsets.append(offsets[-1] + g.numel())
-        self.flight[i] = [self.comm.all_reduce_async(flat, b.group), flat, offsets, False]
+        # [work, flat, offsets, slices still to take (0: waited)]
+        self.flight[i] = [self.comm.all_reduce_async(flat, b.group), flat, offsets, -1]
 
     def _result(self, i: int, k: int, shape) -> torch.Tensor:
         f = self.flight[i]
-        if not f[3]:
+        if f[3] < 0:
             f[0].wait()
-            f[3] = True
+            f[3] = len(self.buckets[i].ops)
         flat, offsets = f[1], f[2]
-        return flat[offsets[k]:offsets[k + 1]].view(shape)
+        out = flat[offsets[k]:offsets[k + 1]].view(shape)
+        f[3] -= 1
+        if f[3] == 0 and self.buckets[i].every_run:  # its last slice: the flat copy goes
+            del self.flight[i]
+            self.mem.drop(flat)
+        return out
