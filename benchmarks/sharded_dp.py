@@ -168,7 +168,7 @@ class MeshplanTrainer:
         the gradient buckets."""
         comm: list[Span] = []
         calls = {"all_reduce": partial(timed_call, "all_reduce (synchronous)", comm),
-                 "all_gather_async": partial(timed_wait, "all_gather wait", comm),
+                 "all_gather_many_async": partial(timed_wait, "all_gather wait", comm),
                  "all_reduce_async": partial(timed_wait, "gradient bucket wait", comm)}
         with patched(self.ex.comm, calls):
             wall, spans = profiled_step(self.ex, self.state, split_microbatches(b, M))
@@ -311,8 +311,8 @@ class _Waited:
     def wait(self):
         return _timed(self.name, self.spans, self.inner.wait)
 
-    def __call__(self):
-        return _timed(self.name, self.spans, self.inner)
+    def __call__(self, *args):
+        return _timed(self.name, self.spans, self.inner, *args)
 
 
 def timed_wait(name: str, spans: list[Span], fn):

@@ -128,11 +128,9 @@ def plan_memory(low, buffers) -> MemoryPlan:
                             (b.id,)))
     for key, size, ids in flats:  # a per-micro-batch gradient bucket's flat copy
         blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[key], size, ids))
-    # ZeRO-3: the next layer's gathered parameters, prefetched (`prefetch.py`)
-    size = {b.id: b.nbytes for b in buffers}
+    # ZeRO-3: this and the next layer's gathered parameters (`prefetch.py`)
     ahead = prefetched_bytes(low.tasks, low.op_of.__getitem__, low.view.values,
-                             low.view.strategy.layer_pattern,
-                             lambda t: size[t.outputs[0]]) \
+                             low.view.strategy.layer_pattern, _padded(low, buffers)) \
         if low.view.strategy.zero == 3 else 0
     peak["activation"] = saved_extent + extent + ahead
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
@@ -173,6 +171,19 @@ def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]]
         if uses:
             out.append((b.id, min(uses), max(uses) + 1, b.nbytes))
     return out, flats
+
+
+def _padded(low, buffers):
+    """A gather task's bytes as they travel: each member's part padded to the
+    largest (`Comm.all_gather_many_async`)."""
+    by_id = {b.id: b for b in buffers}
+
+    def nbytes(t) -> int:
+        b = by_id[t.outputs[0]]
+        rows = b.shape[dict(low.op_of[t.op].kwargs)["dim"]]
+        n = len(t.group)
+        return b.nbytes // rows * (-(-rows // n) * n) if rows else 0
+    return nbytes
 
 
 def _temp(low) -> int:
