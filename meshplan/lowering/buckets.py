@@ -18,7 +18,9 @@ Invariants:
   chunk's backward, or its weight phase), over one group, of one dtype, of
   one of the two kinds, in the order those values are made; it closes
   before the reduction that would take it past `bucket_bytes` (a reduction
-  larger than that is a bucket of its own). Every rank of a dp group builds
+  larger than that is a bucket of its own), the first of each such kind
+  past `min(1 MiB, bucket_bytes)`, as DDP's first bucket, so the first
+  gradients made start their collective early in the backward. Every rank of a dp group builds
   the same buckets from the same plan, so they issue the same collectives
   in the same order.
 - At run time, right after the op that makes a bucket's last value, the
@@ -50,6 +52,8 @@ from meshplan.ir import Op, Phase
 from meshplan.ir.choices import Precision
 from meshplan.ir.kinds import ACCUMULATE_GRAD, ALL_REDUCE, REDUCE_SCATTER
 from meshplan.lowering.rankplan import RankPlan, TaskKind, template_of
+
+FIRST_BUCKET_BYTES = 2**20  # DDP's (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def bucketable(op: Op) -> bool:
@@ -147,11 +151,14 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
         wanted.append(((template, t.group, dtype, every), order[maker], t.op, source, maker))
     buckets: list[Bucket] = []
     open_: dict[tuple, list] = {}
+    closed: set[tuple] = set()  # keys whose first bucket is closed
     for key, _, op_id, source, maker in sorted(wanted, key=lambda w: (w[1], w[2])):
         cur = open_.get(key)
         size = local_bytes(source)
-        if cur is not None and cur[0] + size > bucket_bytes:
+        most = bucket_bytes if key in closed else min(FIRST_BUCKET_BYTES, bucket_bytes)
+        if cur is not None and cur[0] + size > most:
             buckets.append(_close(key, cur))
+            closed.add(key)
             cur = None
         if cur is None:
             cur = open_[key] = [0, [], [], -1]

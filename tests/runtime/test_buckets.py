@@ -39,6 +39,24 @@ def test_buckets_are_bounded_and_in_backward_order():
     assert plan_buckets(_job(25, precision="fp16"), lower(_job(25, precision="fp16"), 0)) == ()
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_first_bucket_is_bounded_by_ddp_s_1_mib(zero):
+    """GPT small's gradients (26 MiB) at the default 25 MiB: the first bucket
+    closes before 1 MiB (its head's gradient alone), the rest at 25 MiB."""
+    s = zoo_strategy("gpt", model_config("gpt", "small"), dp=4, global_batch_size=16,
+                     micro_batch_size=2, zero=zero)
+    job = plan_model("gpt", "small", Mesh(1, 4), s, optimizer="adamw").job
+    plan = lower(job, 0)
+    size = {b.value: b.nbytes for b in plan.buffers}
+    buckets = plan_buckets(job, plan)
+    sizes = [sum(size[v] for v in b.sources) for b in buckets]
+    nxt = size[buckets[1].sources[0]]
+    assert sizes[0] <= 2**20 < sizes[0] + nxt
+    assert all(n <= 25 * 2**20 for n in sizes) and sizes[1] + size[buckets[2].sources[0]] \
+        > 25 * 2**20
+    assert sum(len(b.ops) for b in buckets) == 101
+
+
 def test_the_check_orders_buckets_where_they_start():
     job = _job(TINY_BUCKETS)
     plans = {r: lower(job, r) for r in range(4)}
