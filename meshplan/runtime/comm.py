@@ -47,6 +47,19 @@ class _Done:
 _DONE = _Done()
 
 
+class _Recorded:
+    """An asynchronous collective's work whose wait records its span, from
+    its start to the wait's end (when spans are on)."""
+
+    def __init__(self, work, comm: Comm, name: str, t0: float):
+        self.work, self.comm, self.name, self.t0 = work, comm, name, t0
+
+    def wait(self) -> bool:
+        done = self.work.wait()
+        self.comm._record(self.name, self.t0)
+        return done
+
+
 class Comm:
     """The process groups of one rank, and its collective kernels."""
 
@@ -85,8 +98,7 @@ class Comm:
             x.copy_(self.all_reduce(x, group, "sum"))
             return _DONE
         work = dist.all_reduce(x, group=self.groups[group], async_op=True)
-        self._record(f"all_reduce bucket (start) {list(group)}", t0)
-        return work
+        return _Recorded(work, self, f"all_reduce bucket {list(group)}", t0)
 
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
         """In place over every rank (the fp16 overflow flag)."""
