@@ -1,44 +1,51 @@
-"""Gradient buckets: the gradient reductions over dp, coalesced and started
-during the backward, as DDP (the STEP's all-reduces) and FSDP2 (each
-micro-batch's reduce-scatters) do.
+"""Gradient buckets: the data-parallel collectives of gradients (and of
+updated parameter shards), coalesced and started as soon as their values
+are made, as DDP (the STEP's all-reduces) and FSDP2 (each micro-batch's
+reduce-scatters, each block's gathers) do.
 
 Invariants:
-- Two kinds of reductions are bucketed (`bucketable`), never together:
-  - the STEP's reductions of a gradient accumulator over a grid axis (an
-    all-reduce sum or a reduce-scatter; not the all-reduce across the
-    stages holding copies of a tied weight). Each reduces the accumulator's
-    final value, which the last micro-batch's `accumulate_grad` makes (the
-    Update that writes the accumulator); its bucket starts in the task
-    group's last run of the step only;
+- Three kinds of collectives are bucketed, never together:
+  - the STEP's reductions of a gradient accumulator over a grid axis
+    (`bucketable`: an all-reduce sum or a reduce-scatter; not the
+    all-reduce across the stages holding copies of a tied weight). Each
+    reduces the accumulator's final value, which the last micro-batch's
+    `accumulate_grad` makes (the Update that writes the accumulator); its
+    bucket starts in the task group's last run of the step only;
   - per micro-batch (ZeRO 2 and 3: the accumulator is sharded), the
     reduce-scatters P -> S of a micro-batch's gradient in the backward or
-    weight phase whose result only `accumulate_grad` reads; the value
-    reduced is the gradient itself; the bucket starts in every run.
-- A bucket holds reductions whose values are made in one task group (a
-  chunk's backward, or its weight phase), over one group, of one dtype, of
-  one of the two kinds, in the order those values are made; it closes
-  before the reduction that would take it past `bucket_bytes` (a reduction
-  larger than that is a bucket of its own), the first of each such kind
-  past `min(1 MiB, bucket_bytes)`, as DDP's first bucket, so the first
-  gradients made start their collective early in the backward. Every rank of a dp group builds
-  the same buckets from the same plan, so they issue the same collectives
-  in the same order.
+    weight phase whose result only `accumulate_grad` reads
+    (`per_microbatch`); the value reduced is the gradient itself; the
+    bucket starts in every run of its group;
+  - the STEP's all-gathers of updated parameter shards (ZeRO 1 and 2,
+    `gathers_update`), in one flat all-gather (`Comm.all_gather_many_async`).
+- A bucket holds collectives whose values are made in one task group (a
+  chunk's backward, or its weight phase, or the STEP), over one group, of
+  one dtype, of one of the three kinds, in the order those values are
+  made; it closes before the collective that would take it past
+  `bucket_bytes` (of its values; an all-gather's, gathered; one larger
+  than that is a bucket of its own), the first of each kind past
+  `min(1 MiB, bucket_bytes)`, as DDP's first bucket, so the first values
+  made start their collective early. Every rank of a dp group builds the
+  same buckets from the same plan, so they issue the same collectives in
+  the same order.
 - At run time, right after the op that makes a bucket's last value, the
-  values are copied into one flat tensor and all-reduced asynchronously
-  (gloo runs it on its own thread, overlapping the rest of the backward);
-  the reduction kernels wait for it and read their slice (a reduce-scatter
-  its own part of it). A STEP reduction runs in the STEP. A per-micro-batch
-  one runs, with every task that reads its result (`run_order`), after the
-  rest of its task group: the values it reduces die at the bucket's start
-  (the flat copy has them), the flat copy when the last slice is taken.
-  gloo's own reduce-scatter is no faster than this: measured in torch
-  2.13, 4 processes, 6.9M floats: `reduce_scatter_tensor` 81 ms,
-  `reduce_scatter` (a list) 52 ms, `all_reduce` 45 ms.
+  values are copied into one flat tensor, all-reduced (or all-gathered)
+  asynchronously (gloo runs it on its own thread, overlapping the rest of
+  the backward); the bucketed ops' kernels wait for it and take their
+  slice (a reduce-scatter its own part of it). A STEP reduction runs in
+  the STEP where it stands. Every other bucketed op runs, with every task
+  of its group that reads its result (`run_order`), once the next bucket
+  of its group has started, or after the rest of the group: the values it
+  reads die at the bucket's start (the flat copy has them), the flat
+  tensors when its last slice is taken. gloo's own reduce-scatter is no
+  faster than an all-reduce: measured in torch 2.13, 4 processes, 6.9M
+  floats: `reduce_scatter_tensor` 81 ms, `reduce_scatter` (a list) 52 ms,
+  `all_reduce` 45 ms.
 - Off for fp16 (the STEP unscales the accumulators before reducing them)
-  and with `bucket_mb == 0`. The memory plan counts the STEP buckets' flat
-  copies, alive from their start to the STEP, as gradient bytes, and the
-  per-micro-batch ones as activations alive from their start to the end
-  of their task group (`flat_intervals`).
+  and with `bucket_mb == 0`. The memory plan counts the STEP reductions'
+  flat copies, alive from their start to the STEP, as gradient bytes, and
+  the other buckets' as transients, alive from their start until their
+  ops run (`flat_intervals`).
 - Computed here, from a rank's plan, and used by the runtime
   (`runtime/rank_executor.py`, `runtime/grad_buckets.py`), the checker
   and the memory plan alike.
@@ -50,7 +57,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import Op, Phase
 from meshplan.ir.choices import Precision
-from meshplan.ir.kinds import ACCUMULATE_GRAD, ALL_REDUCE, REDUCE_SCATTER
+from meshplan.ir.kinds import ACCUMULATE_GRAD, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from meshplan.lowering.rankplan import RankPlan, TaskKind, template_of
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
@@ -61,6 +68,13 @@ def bucketable(op: Op) -> bool:
     kw = dict(op.kwargs)
     return (op.phase is Phase.OPTIMIZER and "stages" not in kw and
             (op.kind == REDUCE_SCATTER or op.kind == ALL_REDUCE and kw.get("op") == "sum"))
+
+
+def gathers_update(op: Op) -> bool:
+    """A STEP all-gather (ZeRO 1 and 2: an updated parameter shard, whole
+    again) that buckets can carry."""
+    return op.phase is Phase.OPTIMIZER and op.kind == ALL_GATHER and \
+        "stages" not in dict(op.kwargs)
 
 
 def per_microbatch(op: Op, readers) -> bool:
@@ -80,7 +94,8 @@ class Bucket:
     sources: tuple[int, ...]      # per reduction: the value it reduces
     after: int                    # the op that makes the last source: the bucket is full
     template: tuple               # the task group that op runs in
-    every_run: bool = False       # per micro-batch: starts in every run of its group
+    every_run: bool = False       # starts in every run of its group (not the last only)
+    kind: str = ALL_REDUCE        # the flat collective: ALL_REDUCE, or ALL_GATHER
 
 
 def bound(strategy) -> int:
@@ -134,12 +149,15 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
         if len(t.group) <= 1:
             continue
         arg = op.args[0].id
+        kind, size_of = ALL_REDUCE, arg
         if t.kind is TaskKind.GRAD_REDUCE and bucketable(op):
             # the accumulator's last update, or the accumulator itself
             source = arg if arg in updated else finals.get(values[arg].name)
             every = False
         elif t.kind is TaskKind.COLLECTIVE and per_microbatch(op, readers.get(op.outputs[0])):
             source, every = arg, True
+        elif t.kind is TaskKind.GRAD_REDUCE and gathers_update(op):
+            source, every, kind, size_of = arg, True, ALL_GATHER, op.outputs[0]
         else:
             continue
         if source is None or source not in made_by:
@@ -148,13 +166,13 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
         if every and template != template_of(t):
             continue  # reduced in another task group than the one that makes it
         dtype = values[source].meta.dtype
-        wanted.append(((template, t.group, dtype, every), order[maker], t.op, source, maker))
+        wanted.append(((template, t.group, dtype, every, kind), order[maker], t.op, source,
+                       maker, local_bytes(size_of)))
     buckets: list[Bucket] = []
     open_: dict[tuple, list] = {}
     closed: set[tuple] = set()  # keys whose first bucket is closed
-    for key, _, op_id, source, maker in sorted(wanted, key=lambda w: (w[1], w[2])):
+    for key, _, op_id, source, maker, size in sorted(wanted, key=lambda w: (w[1], w[2])):
         cur = open_.get(key)
-        size = local_bytes(source)
         most = bucket_bytes if key in closed else min(FIRST_BUCKET_BYTES, bucket_bytes)
         if cur is not None and cur[0] + size > most:
             buckets.append(_close(key, cur))
@@ -171,8 +189,8 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
 
 
 def _close(key: tuple, cur: list) -> Bucket:
-    template, group, _, every = key
-    return Bucket(group, tuple(cur[1]), tuple(cur[2]), cur[3], template, every)
+    template, group, _, every, kind = key
+    return Bucket(group, tuple(cur[1]), tuple(cur[2]), cur[3], template, every, kind)
 
 
 def run_order(tasks, buckets, op_of) -> list:
@@ -219,14 +237,13 @@ def run_order(tasks, buckets, op_of) -> list:
     return out
 
 
-def flat_intervals(tasks, buckets, index) -> list[tuple[int, int, tuple[int, ...]]]:
-    """Per per-micro-batch bucket: (its `after` task's index, the index
-    after its last reduction, its sources' value ids) in `index` ({task id:
-    position}, of `run_order`): the flat copy's life, which its sources'
-    lives end at (the bucket's start copies them)."""
+def flat_intervals(tasks, buckets, index) -> list[tuple[int, int, Bucket]]:
+    """Per bucket `run_order` moves (every one but the STEP reductions'):
+    (its `after` task's index, the index after its last op, the bucket) in
+    `index` ({task id: position}, of `run_order`): its flat tensors' life,
+    which its sources' lives end at (the bucket's start copies them)."""
     at = {t.op: index[t.id] for t in tasks if t.id in index}
-    return [(at[b.after], max(at[o] for o in b.ops) + 1, b.sources)
-            for b in buckets if b.every_run]
+    return [(at[b.after], max(at[o] for o in b.ops) + 1, b) for b in buckets if b.every_run]
 
 
 def misplaced(tasks, buckets, op_of) -> list[str]:

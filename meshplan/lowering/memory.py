@@ -11,10 +11,11 @@ Layout (two memory arenas):
   are packed first-fit by liveness over the action's task order, and every
   action reuses that region.
 Gradient buckets' flat copies (`buckets.py`) of the STEP's reductions count
-as gradient bytes, in the state arena; those of a micro-batch's
-reduce-scatters (ZeRO 2 and 3) are transient activations, from their
-bucket's start to the end of their task group (when the reductions, moved
-there, take their slices), and the values they copy die at that start.
+as gradient bytes, in the state arena; those of the other buckets (a
+micro-batch's reduce-scatters at ZeRO 2 and 3, the STEP's all-gathers at 1
+and 2, with what they gather) are transient activations, from their
+bucket's start until their ops, moved there (`buckets.run_order`), take
+their slices, and the values they copy die at that start.
 Gradient accumulators count twice when a step has several micro-batches:
 the first micro-batch's gradient is adopted as the accumulator, and the
 second adds into a fresh tensor while the adopted one lives to the end of
@@ -32,6 +33,7 @@ import bisect
 import heapq
 
 from meshplan.ir import TensorMeta
+from meshplan.ir.kinds import ALL_GATHER
 from meshplan.lowering.buckets import bound, bucketed_bytes, flat_intervals, grad_buckets, run_order
 from meshplan.lowering.prefetch import prefetched_bytes
 from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
@@ -158,9 +160,11 @@ def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]]
     out: list[tuple[int, int, int, int]] = []
     flats: list[tuple[int, int, tuple[int, ...]]] = []
     copied: dict[int, int] = {}  # buffer id -> its bucket's start
-    for k, (start, end, sources) in enumerate(flat_intervals(low.tasks, buckets, index)):
-        ids = tuple(by_value[v].id for v in sources)
-        size = sum(by_value[v].nbytes for v in sources)
+    for k, (start, end, bucket) in enumerate(flat_intervals(low.tasks, buckets, index)):
+        ids = tuple(by_value[v].id for v in bucket.sources)
+        size = sum(by_value[v].nbytes for v in bucket.sources)  # the flat copy
+        if bucket.kind == ALL_GATHER:  # and what it gathers, each part padded
+            size += sum(_gathered(by_value, low.op_of[o], len(bucket.group)) for o in bucket.ops)
         out.append((-1 - k, start, end, size))
         flats.append((-1 - k, size, ids))
         copied.update((i, start) for i in ids)
@@ -176,14 +180,18 @@ def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]]
 def _padded(low, buffers):
     """A gather task's bytes as they travel: each member's part padded to the
     largest (`Comm.all_gather_many_async`)."""
-    by_id = {b.id: b for b in buffers}
+    by_value = {b.value: b for b in buffers}
 
     def nbytes(t) -> int:
-        b = by_id[t.outputs[0]]
-        rows = b.shape[dict(low.op_of[t.op].kwargs)["dim"]]
-        n = len(t.group)
-        return b.nbytes // rows * (-(-rows // n) * n) if rows else 0
+        return _gathered(by_value, low.op_of[t.op], len(t.group))
     return nbytes
+
+
+def _gathered(by_value: dict, op, members: int) -> int:
+    """All-gather `op`'s gathered bytes over `members`, each part padded."""
+    b = by_value[op.outputs[0]]
+    rows = b.shape[dict(op.kwargs)["dim"]]
+    return b.nbytes // rows * (-(-rows // members) * members) if rows else 0
 
 
 def _temp(low) -> int:

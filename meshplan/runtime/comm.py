@@ -151,6 +151,7 @@ class Comm:
         parts: list | None = [torch.empty_like(flat) for _ in shapes[0]]
         work = dist.all_gather(parts, flat, group=self.groups[group], async_op=True)
         state = {"waited": False, "left": len(xs)}
+        devices = [x.device for x in xs]  # not `xs`: a caller's copy may go at once
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
@@ -166,7 +167,7 @@ class Comm:
             pieces = [p[offsets[k]:offsets[k + 1]].view(f) for p, f in zip(parts, full[k])]
             if any(n < f[dim] for n, f in zip(cut, full[k])):
                 pieces = [p.narrow(dim, 0, n) for p, n in zip(pieces, cut)]
-            out = torch.cat(pieces, dim=dim).to(xs[k].device)
+            out = torch.cat(pieces, dim=dim).to(devices[k])
             state["left"] -= 1
             if state["left"] == 0:
                 parts = None

@@ -21,6 +21,7 @@ from functools import partial
 from typing import Callable
 
 from meshplan.lowering.prefetch import gather_groups
+from meshplan.runtime.bind import gathered_parts
 
 
 class GatherPrefetch:
@@ -51,9 +52,8 @@ class GatherPrefetch:
         if where is None:
             return None
         op = self.job.graph.ops[task.op]
-        src, axis = op.args[0].id, dict(op.kwargs)["axis"]
-        shapes = [tuple(b - a for a, b in self.ctx.box(src, c)) for c in self.ctx.along(axis)]
-        self.args[task.op] = (self.names[src], task.group, dict(op.kwargs)["dim"], shapes)
+        dim, shapes = gathered_parts(op, self.ctx)
+        self.args[task.op] = (self.names[op.args[0].id], task.group, dim, shapes)
         key, index = where
         return lambda x, **_: self._take(key, index)
 

@@ -141,7 +141,7 @@ def test_zero2_buckets_each_microbatch_reduce_scatters():
 
     job = _job(TINY_BUCKETS, zero=2)
     plan = lower(job, 0)
-    buckets = plan_buckets(job, plan)
+    buckets = _microbatch(plan_buckets(job, plan))
     ops = job.graph.ops
     scatters = [t.op for t in plan.tasks if ops[t.op].kind == REDUCE_SCATTER]
     assert len(scatters) == 53  # one a gradient, in the backward
@@ -151,8 +151,15 @@ def test_zero2_buckets_each_microbatch_reduce_scatters():
     size = {b.value: b.nbytes for b in plan.buffers}
     assert all([ops[o].args[0].id for o in b.ops] == list(b.sources) for b in buckets)
     assert all(sum(size[s] for s in b.sources) <= TINY_BUCKETS * 2**20 for b in buckets)
-    assert not any(b.every_run for b in plan_buckets(_job(TINY_BUCKETS, zero=1),
-                                                      lower(_job(TINY_BUCKETS, zero=1), 0)))
+    assert not _microbatch(plan_buckets(_job(TINY_BUCKETS, zero=1),
+                                        lower(_job(TINY_BUCKETS, zero=1), 0)))
+
+
+def _microbatch(buckets) -> list:
+    """The buckets of a micro-batch's reduce-scatters."""
+    from meshplan.ir.kinds import ALL_REDUCE
+
+    return [b for b in buckets if b.every_run and b.kind == ALL_REDUCE]
 
 
 def test_a_bucket_s_reductions_run_after_the_next_bucket_starts():
@@ -164,9 +171,10 @@ def test_a_bucket_s_reductions_run_after_the_next_bucket_starts():
 
     job = _job(TINY_BUCKETS, zero=2)
     plan = lower(job, 0)
-    buckets = plan_buckets(job, plan)
+    everything = plan_buckets(job, plan)
+    buckets = _microbatch(everything)
     ops = job.graph.ops
-    order = [t.op for t in run_order(plan.tasks, buckets, ops.__getitem__)]
+    order = [t.op for t in run_order(plan.tasks, everything, ops.__getitem__)]
     assert sorted(order) == sorted(t.op for t in plan.tasks)
     at = order.index
     backward = [t.op for t in plan.tasks if t.phase.value == "backward"]
@@ -187,11 +195,40 @@ def test_the_check_orders_microbatch_buckets_in_every_microbatch():
     seq = expand_collectives(plans[0], where, job.graph.ops, plan_buckets(job, plans[0]))
     (group,) = seq
     m = job.strategy.num_microbatches
+    gathers = len(plan_buckets(job, plans[0])) - 5  # the STEP's (`test_step_gathers_...`)
     buckets = [item for item in seq[group] if isinstance(item[0], tuple)]
-    assert sorted(mb for _, mb in buckets) == sorted(list(range(m)) * 5)
-    # 53 fewer reduce-scatters a micro-batch, 5 buckets more
+    assert sorted(mb for _, mb in buckets) == sorted(list(range(m)) * 5 + [-1] * gathers)
+    # 53 fewer reduce-scatters a micro-batch, 5 buckets more; the STEP's 53 gathers in buckets
     assert len(seq[group]) == len(expand_collectives(plans[0], where, job.graph.ops)[group]) \
-        - (53 - 5) * m
+        - (53 - 5) * m - (53 - gathers)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_step_gathers_of_updated_shards_travel_in_buckets(zero):
+    """ZeRO 1 and 2: the STEP's all-gathers of updated parameter shards in
+    buckets bounded by their gathered bytes, each gather run after the next
+    bucket starts (the last bucket's at the STEP's end)."""
+    from meshplan.ir.kinds import ALL_GATHER
+    from meshplan.lowering.buckets import run_order
+
+    job = _job(TINY_BUCKETS, zero=zero)
+    plan = lower(job, 0)
+    ops = job.graph.ops
+    everything = plan_buckets(job, plan)
+    buckets = [b for b in everything if b.kind == ALL_GATHER]
+    gathers = [t.op for t in plan.tasks if ops[t.op].kind == ALL_GATHER]
+    assert len(gathers) == 53 and sorted(o for b in buckets for o in b.ops) == sorted(gathers)
+    assert all(b.every_run and b.template[1].value == "optimizer" for b in buckets)
+    size = {b.value: b.nbytes for b in plan.buffers}
+    assert all(sum(size[ops[o].outputs[0]] for o in b.ops) <= TINY_BUCKETS * 2**20
+               for b in buckets)
+    order = [t.op for t in run_order(plan.tasks, everything, ops.__getitem__)]
+    at = order.index
+    for b, nxt in zip(buckets, buckets[1:] + [None]):
+        end = at(nxt.after) if nxt else max(at(t.op) for t in plan.tasks
+                                            if t.phase.value == "optimizer"
+                                            and ops[t.op].kind != ALL_GATHER)
+        assert all(end < at(o) for o in b.ops)
 
 
 @pytest.mark.parametrize("plant", ["start early", "reduce early"])
