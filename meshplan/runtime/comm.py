@@ -8,8 +8,9 @@ Invariants:
   derived from the strategy (torch's rule for `new_group`).
 - Collectives work on uneven shards: an all-gather gathers each member's
   own local shape. Reduce-scatter and all-to-all run as an all-reduce (or
-  all-gather) and a local slice (`bind.py`): gloo has neither, and this is
-  the same numbers for more bytes.
+  all-gather) and a local slice (`bind.py`): the same numbers for more
+  bytes; gloo has no all-to-all, and its reduce-scatter (torch 2.13) is
+  slower than its all-reduce (measured: `lowering/buckets.py`).
 - p2p ops carry a tag derived from (op, micro-batch), so gloo matches them
   whatever order two ranks post them in.
 - Every wait is bounded by the process group's timeout.

@@ -18,9 +18,10 @@ Invariants:
   over dp start during the last micro-batch's backward, coalesced, in the
   background; the STEP waits for them. At ZeRO 2 and 3 each micro-batch's
   gradient reduce-scatters do the same within the backward, and run, with
-  the accumulation of their results, at the end of their task group
-  (`buckets.run_order`). ZeRO-3's parameter gathers start one layer ahead
-  (`gather_prefetch.py`).
+  the accumulation of their results, once the next bucket has started
+  (`buckets.run_order`); at ZeRO 1 and 2 the STEP's all-gathers of updated
+  parameter shards too. ZeRO-3's parameter gathers start one layer ahead,
+  a layer's as one collective (`gather_prefetch.py`).
 - On a GPU, each micro-batch's inputs are sliced on the host, pinned and
   copied asynchronously (the compute stream orders the copy before use);
   the plan must have been lowered for the device's type (its kernels).
