@@ -194,13 +194,15 @@ def _close(key: tuple, cur: list) -> Bucket:
 
 
 def run_order(tasks, buckets, op_of) -> list:
-    """`tasks` in the order the runtime runs them: a per-micro-batch bucket's
-    reductions, and every task of their group that reads what they (or a
-    task so moved) make, run right after the next bucket of their task
-    group starts (after the op that completes it), the last bucket's after
-    the rest of the group, in their own order: at most two buckets' flat
-    copies are alive, and a bucket's collective overlaps the backward up to
-    the next one's start. STEP buckets change no order."""
+    """`tasks` in the order the runtime runs them: the ops of a bucket that
+    starts in every run (a micro-batch's reduce-scatters, the STEP's
+    all-gathers), and every task of their group that reads what they (or a
+    task so moved) make, run right after the next such bucket of their
+    task group starts (after the op that completes it), the last bucket's
+    after the rest of the group, in their own order: at most two buckets'
+    flat tensors are alive, and a bucket's collective overlaps the group's
+    work up to the next one's start. The STEP reductions' buckets change
+    no order."""
     own = {op: i for i, b in enumerate(buckets) if b.every_run for op in b.ops}
     if not own:
         return list(tasks)
@@ -249,7 +251,7 @@ def flat_intervals(tasks, buckets, index) -> list[tuple[int, int, Bucket]]:
 def misplaced(tasks, buckets, op_of) -> list[str]:
     """What is wrong with where `buckets` start (empty: nothing): each must
     start in its task group after every value it carries is made there, and
-    (per micro-batch) before its reductions run in `run_order`."""
+    (one that starts in every run) before its ops run in `run_order`."""
     made = {o: (i, template_of(t), t.op) for i, t in enumerate(tasks)
             for o in op_of(t.op).outputs if o >= 0}
     ran = {t.op: i for i, t in enumerate(run_order(tasks, buckets, op_of))}
@@ -269,6 +271,6 @@ def misplaced(tasks, buckets, op_of) -> list[str]:
                           f"group {b.template}; a bucket starts after its last value is made")
         early = [op for op in b.ops if b.every_run and ran[op] < start]
         if early:
-            errors.append(f"{name} starts after op {b.after}, but its reduction op {early[0]} "
-                          "runs before that; a bucketed reduction waits for its bucket")
+            errors.append(f"{name} starts after op {b.after}, but its op {early[0]} runs "
+                          "before that; a bucketed op waits for its bucket")
     return errors
