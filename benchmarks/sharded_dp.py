@@ -163,12 +163,12 @@ class MeshplanTrainer:
 
     def profiled(self, b) -> tuple[float, list[Span], list[Span]]:
         """A step with the executor's spans on, and the time it is blocked in
-        communication: synchronous all-reduces (the reduce-scatters, the
-        loss), waits for (prefetched) all-gathers, and the STEP's waits for
-        the gradient buckets."""
+        communication: synchronous all-reduces (the loss), waits for
+        (prefetched) all-gathers, and waits for the gradient buckets (the
+        STEP's; at zero 2 and 3 also each micro-batch's reduce-scatters')."""
         comm: list[Span] = []
         calls = {"all_reduce": partial(timed_call, "all_reduce (synchronous)", comm),
-                 "all_gather_async": partial(timed_wait, "all_gather wait", comm),
+                 "all_gather_many_async": partial(timed_wait, "all_gather wait", comm),
                  "all_reduce_async": partial(timed_wait, "gradient bucket wait", comm)}
         with patched(self.ex.comm, calls):
             wall, spans = profiled_step(self.ex, self.state, split_microbatches(b, M))
@@ -311,8 +311,8 @@ class _Waited:
     def wait(self):
         return _timed(self.name, self.spans, self.inner.wait)
 
-    def __call__(self):
-        return _timed(self.name, self.spans, self.inner)
+    def __call__(self, *args):
+        return _timed(self.name, self.spans, self.inner, *args)
 
 
 def timed_wait(name: str, spans: list[Span], fn):
@@ -442,8 +442,8 @@ def plan_jobs(folder: str) -> dict[str, str]:
 CONFIGS = {"ddp": "torch DDP (25 MB buckets)",
            "meshplan_zero0": "meshplan zero 0 (buckets 25 MiB)",
            "meshplan_zero1": "meshplan zero 1 (buckets 25 MiB)",
-           "meshplan_zero2": "meshplan zero 2",
-           "meshplan_zero3": "meshplan zero 3",
+           "meshplan_zero2": "meshplan zero 2 (buckets 25 MiB)",
+           "meshplan_zero3": "meshplan zero 3 (buckets 25 MiB)",
            "fsdp2": "torch FSDP2 (fully_shard per block and root)"}
 PAIRS = {"zero3_vs_fsdp2": ("meshplan_zero3", "fsdp2"), "zero0_vs_ddp": ("meshplan_zero0", "ddp")}
 
@@ -604,12 +604,13 @@ def profile_lines(prof: dict, acct: dict) -> list[str]:
 
 # ------------------------------------------------------------------ the picture
 # span kind -> (lane offset from the rank's row, colour, legend)
-LANES = {"compute": (-0.42, "#BBBBBB", "action: F forward, B backward (micro-batch), STEP"),
-         "all_gather": (-0.12, "#0072B2", "all-gather, from its start to its wait's end "
-                        "(prefetched a layer ahead)"),
-         "all_reduce(sum)": (0.16, "#D55E00", "all-reduce, synchronous (the reduce-scatters: "
-                             "gloo has none; the loss)")}
-LANE_HEIGHT = 0.26
+LANES = {"compute": (-0.46, "#BBBBBB", "action: F forward, B backward (micro-batch), STEP"),
+         "all_gather": (-0.23, "#0072B2", "all-gather of a layer, from its start to its "
+                        "wait's end (prefetched a layer ahead)"),
+         "all_reduce": (0.0, "#009E73", "gradient bucket: the reduce-scatters as one flat "
+                        "all-reduce, from its start to its wait's end"),
+         "all_reduce(sum)": (0.23, "#D55E00", "all-reduce, synchronous (the loss)")}
+LANE_HEIGHT = 0.21
 
 
 def covered(intervals: list[tuple[float, float]]) -> float:
@@ -639,8 +640,9 @@ def _lane(e: dict) -> str:
 
 
 def draw_step(trace: dict, png: str) -> None:
-    """One row per rank, three lanes: its actions (labelled), its all-gathers
-    (translucent: several are in flight at once) and its all-reduces, in ms
+    """One row per rank, four lanes: its actions (labelled), its all-gathers
+    and gradient buckets (translucent: several are in flight at once) and its
+    synchronous all-reduces, in ms
     from the barrier before the step; the title sums up rank 0."""
     import matplotlib
 
@@ -653,7 +655,7 @@ def draw_step(trace: dict, png: str) -> None:
     for e in spans:
         x, w = e["ts"] / 1e3, e["dur"] / 1e3
         offset, colour, _ = LANES[_lane(e)]
-        alpha = 0.35 if _lane(e) == "all_gather" else 1.0
+        alpha = 0.35 if _lane(e) in ("all_gather", "all_reduce") else 1.0
         ax.broken_barh([(x, w)], (e["pid"] + offset, LANE_HEIGHT), color=colour, alpha=alpha,
                        edgecolor="white" if _lane(e) == "compute" else "none")
         if _lane(e) == "compute":
@@ -664,7 +666,7 @@ def draw_step(trace: dict, png: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms from the barrier before the step")
     ax.set_title(f"meshplan zero 3, GPT small, dp={DP}, {M} micro-batches, gloo on CPU: one "
-                 f"measured step. Rank 0: {_summary(spans)}", fontsize=9)
+                 f"measured step.\nRank 0: {_summary(spans)}", fontsize=9)
     handles = [Patch(color=c, label=label) for _, c, label in LANES.values()]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
               fontsize=8, frameon=False)
@@ -679,7 +681,8 @@ def _summary(spans: list[dict]) -> str:
     mine = [e for e in spans if e["pid"] == 0]
     step = max(e["ts"] + e["dur"] for e in mine) / 1e3
     parts = []
-    for kind, word in (("all_gather", "all-gathers"), ("all_reduce(sum)", "all-reduces")):
+    for kind, word in (("all_gather", "all-gathers"), ("all_reduce", "buckets"),
+                       ("all_reduce(sum)", "synchronous all-reduces")):
         ss = [(e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in mine if _lane(e) == kind]
         parts.append(f"{len(ss)} {word}, open {covered(ss):.0f} ms")
     return f"{step:.0f} ms step; " + ", ".join(parts)

@@ -11,7 +11,10 @@ Proves, in order (each failure is one message; `errors` lists them all):
    micro-batch has the peer's RECV action of the same micro-batch;
 3. every collective has the same participants and the same position in the
    per-group order on every member (the group's sequence of (op,
-   micro-batch) instances, expanded from each member's action order);
+   micro-batch) instances, expanded from each member's action order); every
+   gradient bucket starts in its task group after the last value it carries
+   is made, and a per-micro-batch bucket before its reductions run
+   (`buckets.misplaced`);
 4. all ranks of a stage run the same action list, and that list is a
    valid schedule (`schedules.validate`: one F and one B per virtual stage
    and micro-batch, in order, each SEND and RECV once, inputs received
@@ -53,7 +56,7 @@ from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.sbp import box_numel
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.action_times import action_costs
-from meshplan.lowering.buckets import plan_buckets
+from meshplan.lowering.buckets import misplaced, plan_buckets
 from meshplan.lowering.check_live import split_and_live
 from meshplan.lowering.check_shared import shared_copies
 from meshplan.lowering.ids import DEVICE_TYPES, TaskId
@@ -289,7 +292,8 @@ def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),
     (given the Job's `ops`, a cross-stage all-reduce is named by its
     parameter). A gradient bucket (`buckets.py`) is one collective, named by
     its reductions, where it starts: after the op that completes it, in its
-    task group's last run of the step."""
+    task group's last run of the step (a per-micro-batch bucket in every
+    run)."""
     carried = {op for b in buckets for op in b.ops}
     by_template = defaultdict(list)
     for t in p.tasks:
@@ -303,9 +307,9 @@ def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),
             events = [(position[t.op], 0, t.group,
                        (_instance(ops[t.op]) if ops else t.op, a.microbatch))
                       for t in by_template.get(key, ())]
-            if last_run[key] == i:
-                events += [(position[b.after], 1, b.group, (("bucket", *b.ops), a.microbatch))
-                           for b in buckets if b.template == key]
+            events += [(position[b.after], 1, b.group, (("bucket", *b.ops), a.microbatch))
+                       for b in buckets if b.template == key
+                       and (b.every_run or last_run[key] == i)]
             for *_, group, item in sorted(events, key=lambda e: e[:2]):
                 seq[group].append(item)
     return seq
@@ -322,13 +326,14 @@ def _instance(op):
 def _collectives(job: Job, plans) -> list[str]:
     where = job.strategy.stage_placement
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
+    errors = []
     for r, p in plans.items():
         buckets = plan_buckets(job, p)
+        errors += [f"rank {r}: {e}" for e in misplaced(p.tasks, buckets, job.graph.ops.__getitem__)]
         for group, seq in expand_collectives(p, where, job.graph.ops, buckets).items():
             if r not in group:
                 return [f"rank {r} joins a collective of group {group} it is not in"]
             per_group[group][r] = seq
-    errors = []
     for group, seqs in sorted(per_group.items()):
         members = [r for r in group if r in plans]
         ref = seqs.get(members[0], [])

@@ -10,8 +10,13 @@ Layout (two memory arenas):
   micro-batches in flight; (b) transient values, living inside one action,
   are packed first-fit by liveness over the action's task order, and every
   action reuses that region.
-Gradient buckets' flat copies (`buckets.py`) count as gradient bytes, in
-the state arena. Gradient accumulators count twice when a step has several micro-batches:
+Gradient buckets' flat copies (`buckets.py`) of the STEP's reductions count
+as gradient bytes, in the state arena; those of the other buckets (a
+micro-batch's reduce-scatters at ZeRO 2 and 3, the STEP's all-gathers at 1
+and 2, with what they gather) are transient activations, from their
+bucket's start until their ops, moved there (`buckets.run_order`), take
+their slices, and the values they copy die at that start.
+Gradient accumulators count twice when a step has several micro-batches:
 the first micro-batch's gradient is adopted as the accumulator, and the
 second adds into a fresh tensor while the adopted one lives to the end of
 that action (`ops.kernels.accumulate_grad`).
@@ -28,7 +33,8 @@ import bisect
 import heapq
 
 from meshplan.ir import TensorMeta
-from meshplan.lowering.buckets import bucketed_bytes
+from meshplan.ir.kinds import ALL_GATHER
+from meshplan.lowering.buckets import bound, bucketed_bytes, flat_intervals, grad_buckets, run_order
 from meshplan.lowering.prefetch import prefetched_bytes
 from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
 from meshplan.ops.infer import to_sig
@@ -117,15 +123,16 @@ def plan_memory(low, buffers) -> MemoryPlan:
     saved_extent = off
     transient = [b for b in buffers if b.category == BufferCategory.ACTIVATION
                  and b.id not in saved_ids and b.value not in updates]
-    offsets, extent = _first_fit(_intervals(low, transient))
+    intervals, flats = _intervals(low, buffers, transient)
+    offsets, extent = _first_fit(intervals)
     for b in transient:
         blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[b.id], b.nbytes,
                             (b.id,)))
-    # ZeRO-3: the next layer's gathered parameters, prefetched (`prefetch.py`)
-    size = {b.id: b.nbytes for b in buffers}
+    for key, size, ids in flats:  # a per-micro-batch gradient bucket's flat copy
+        blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[key], size, ids))
+    # ZeRO-3: this and the next layer's gathered parameters (`prefetch.py`)
     ahead = prefetched_bytes(low.tasks, low.op_of.__getitem__, low.view.values,
-                             low.view.strategy.layer_pattern,
-                             lambda t: size[t.outputs[0]]) \
+                             low.view.strategy.layer_pattern, _padded(low, buffers)) \
         if low.view.strategy.zero == 3 else 0
     peak["activation"] = saved_extent + extent + ahead
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
@@ -138,15 +145,53 @@ def plan_memory(low, buffers) -> MemoryPlan:
                       tuple((k, peak[k]) for k in order) + (("total", total),))
 
 
-def _intervals(low, transient) -> list[tuple[int, int, int, int]]:
-    """(buffer id, first task index, last task index + 1, bytes) of transient buffers."""
-    index = {t.id: i for i, t in enumerate(low.tasks)}
-    out = []
+def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]], list]:
+    """(buffer id, first task index, last task index + 1, bytes) of transient
+    buffers, over the order the runtime runs the tasks in (per-micro-batch
+    gradient buckets move their reductions: `buckets.run_order`); and of
+    those buckets' flat copies (keys -1, -2, ...), with (key, bytes, the
+    buffer ids they copy). A value a bucket copies dies at its start."""
+    by_value = {b.value: b for b in buffers}
+    buckets = grad_buckets(low.tasks, low.op_of.__getitem__, low.view.values, {},
+                           bound(low.view.strategy), lambda v: by_value[v].nbytes) \
+        if bound(low.view.strategy) else ()
+    order = run_order(low.tasks, buckets, low.op_of.__getitem__)
+    index = {t.id: i for i, t in enumerate(order)}
+    out: list[tuple[int, int, int, int]] = []
+    flats: list[tuple[int, int, tuple[int, ...]]] = []
+    copied: dict[int, int] = {}  # buffer id -> its bucket's start
+    for k, (start, end, bucket) in enumerate(flat_intervals(low.tasks, buckets, index)):
+        ids = tuple(by_value[v].id for v in bucket.sources)
+        size = sum(by_value[v].nbytes for v in bucket.sources)  # the flat copy
+        if bucket.kind == ALL_GATHER:  # and what it gathers, each part padded
+            size += sum(_gathered(by_value, low.op_of[o], len(bucket.group)) for o in bucket.ops)
+        out.append((-1 - k, start, end, size))
+        flats.append((-1 - k, size, ids))
+        copied.update((i, start) for i in ids)
     for b in transient:
         uses = [index[t] for t in b.producers + b.consumers if t in index]
+        if b.id in copied:
+            uses = [index[t] for t in b.producers if t in index] + [copied[b.id]]
         if uses:
             out.append((b.id, min(uses), max(uses) + 1, b.nbytes))
-    return out
+    return out, flats
+
+
+def _padded(low, buffers):
+    """A gather task's bytes as they travel: each member's part padded to the
+    largest (`Comm.all_gather_many_async`)."""
+    by_value = {b.value: b for b in buffers}
+
+    def nbytes(t) -> int:
+        return _gathered(by_value, low.op_of[t.op], len(t.group))
+    return nbytes
+
+
+def _gathered(by_value: dict, op, members: int) -> int:
+    """All-gather `op`'s gathered bytes over `members`, each part padded."""
+    b = by_value[op.outputs[0]]
+    rows = b.shape[dict(op.kwargs)["dim"]]
+    return b.nbytes // rows * (-(-rows // members) * members) if rows else 0
 
 
 def _temp(low) -> int:

@@ -6,10 +6,11 @@ Invariants:
   task group (a chunk's forward, backward or weight phase) they form groups
   of consecutive gathers of one layer: the instance of the strategy's layer
   pattern their module path names, else their module path.
-- The runtime (`runtime/gather_prefetch.py`) starts layer j+1's gathers when
-  layer j's first one is needed, so at most two layers' gathered
-  parameters are alive beyond what the task order alone keeps; the memory
-  plan counts the largest group once more (`prefetched_bytes`).
+- The runtime (`runtime/gather_prefetch.py`) starts layer j+1's gathers,
+  as one collective, when layer j's first one is needed, so at most two
+  layers' gathered flat tensors are alive beyond what the task order alone
+  keeps; the memory plan counts the most two consecutive layers' take
+  (`prefetched_bytes`).
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def gather_groups(tasks, op_of, values, layer_pattern: str) -> dict[tuple, list[
 
 
 def prefetched_bytes(tasks, op_of, values, layer_pattern: str, nbytes) -> int:
-    """The largest layer's gathered bytes: what prefetching keeps alive
-    beyond the task order's own count (`nbytes(task)`: its output's bytes)."""
+    """What prefetching keeps alive beyond the task order's own count of the
+    gathered parameters (`nbytes(task)`: a gather's bytes as it travels,
+    padded): when layer j's first gather is taken, layer j's gathered flat
+    tensors (alive until its last parameter is taken) and layer j+1's,
+    started then; the most of that over consecutive layers."""
     groups = gather_groups(tasks, op_of, values, layer_pattern)
-    return max((sum(nbytes(t) for t in g) for gs in groups.values() for g in gs[1:]),
-               default=0)
+    most = 0
+    for gs in groups.values():
+        sizes = [sum(nbytes(t) for t in g) for g in gs] + [0]
+        most = max([most] + [a + b for a, b in zip(sizes, sizes[1:])])
+    return most

@@ -100,10 +100,17 @@ def _all_reduce(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) ->
     return lambda x, **_: comm.all_reduce(x, group, kw["op"])
 
 
+def gathered_parts(op: Op, ctx: RankContext) -> tuple[int, list[tuple[int, ...]]]:
+    """An all-gather's dim, and every member's local shape of its input."""
+    kw = dict(op.kwargs)
+    src, axis = op.ref(0).id, int(kw["axis"])  # type: ignore[arg-type]
+    return int(kw["dim"]), [tuple(b - a for a, b in ctx.box(src, c))  # type: ignore[arg-type]
+                            for c in ctx.along(axis)]
+
+
 def _all_gather(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
-    src = op.args[0].id
-    shapes = [tuple(b - a for a, b in ctx.box(src, c)) for c in ctx.along(kw["axis"])]
-    return lambda x, **_: comm.all_gather(x, group, kw["dim"], shapes)
+    dim, shapes = gathered_parts(op, ctx)
+    return lambda x, **_: comm.all_gather(x, group, dim, shapes)
 
 
 def _reduce_scatter(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:

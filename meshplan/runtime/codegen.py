@@ -3,8 +3,9 @@
 Invariants:
 - Kernels and non-trivial literals are bound once, at compile time; the hot
   loop does no table lookups, no dict access for values, no argument parsing.
-- Each value is deleted right after its last use within the segment; values
-  that outlive the segment are written to `env`, and read from it.
+- Each value is deleted right after its last use (by an op, or by a hook
+  after one) within the segment; values that outlive the segment are
+  written to `env`, and read from it.
 - `mem` sees every value made and dropped, so the measured peak is exact
   to the storage (views share their base's storage and count once).
 
@@ -107,16 +108,22 @@ def compile_segment(
     an op by id (a rank's variant or collective). A read value that dies
     here leaves `env` too (and `mem`), unless it is `borrowed` (owned by
     someone else, like the state). `hooks` ({op id: (fn, value ids)}) calls
-    `fn([values])` right after that op (a gradient bucket starting)."""
+    `fn([values])` right after that op (a gradient bucket starting); a value
+    a hook reads lives until then."""
     kernels, hooks = kernels or {}, hooks or {}
     groups = _groups(list(ops), kernels)
     keeps, reads, borrowed = set(keeps), set(reads), set(borrowed)
     consts = _Consts()
+    def hooked(group) -> list[int]:  # the values a hook after one of `group`'s ops reads
+        return [v for op in group if op.id in hooks for v in hooks[op.id][1]]
+
     last_use = {}
     for i, group in enumerate(groups):
         for op in group:
             for r in op.refs():
                 last_use[r] = i
+        for v in hooked(group):
+            last_use[v] = i
     lines = [f"def {name}(env, mem):"]
     line_ops: dict[int, tuple[int, ...]] = {}  # source line -> ops it calls
     lines += [f"    v{r} = env[{r}]" for r in sorted(reads)]
@@ -129,7 +136,7 @@ def compile_segment(
             if op.id in hooks:
                 fn, vids = hooks[op.id]
                 lines.append(f"    {consts.ref(fn)}([{', '.join(f'v{v}' for v in vids)}])")
-        used = dict.fromkeys(r for op in group for r in op.refs())
+        used = dict.fromkeys([r for op in group for r in op.refs()] + hooked(group))
         dead = [r for r in used if last_use[r] == i and r not in keeps]
         dead += [o for o in made if o not in last_use and o not in keeps]
         for d in dead:

@@ -8,8 +8,9 @@ Invariants:
   derived from the strategy (torch's rule for `new_group`).
 - Collectives work on uneven shards: an all-gather gathers each member's
   own local shape. Reduce-scatter and all-to-all run as an all-reduce (or
-  all-gather) and a local slice (`bind.py`): gloo has neither, and this is
-  the same numbers for more bytes.
+  all-gather) and a local slice (`bind.py`): the same numbers for more
+  bytes; gloo has no all-to-all, and its reduce-scatter (torch 2.13) is
+  slower than its all-reduce (measured: `lowering/buckets.py`).
 - p2p ops carry a tag derived from (op, micro-batch), so gloo matches them
   whatever order two ranks post them in.
 - Every wait is bounded by the process group's timeout.
@@ -24,7 +25,9 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +46,19 @@ class _Done:
 
 
 _DONE = _Done()
+
+
+class _Recorded:
+    """An asynchronous collective's work whose wait records its span, from
+    its start to the wait's end (when spans are on)."""
+
+    def __init__(self, work, comm: Comm, name: str, t0: float):
+        self.work, self.comm, self.name, self.t0 = work, comm, name, t0
+
+    def wait(self) -> bool:
+        done = self.work.wait()
+        self.comm._record(self.name, self.t0)
+        return done
 
 
 class Comm:
@@ -83,8 +99,7 @@ class Comm:
             x.copy_(self.all_reduce(x, group, "sum"))
             return _DONE
         work = dist.all_reduce(x, group=self.groups[group], async_op=True)
-        self._record(f"all_reduce bucket (start) {list(group)}", t0)
-        return work
+        return _Recorded(work, self, f"all_reduce bucket {list(group)}", t0)
 
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
         """In place over every rank (the fp16 overflow flag)."""
@@ -104,26 +119,61 @@ class Comm:
     def all_gather_async(self, x: torch.Tensor, group, dim: int, shapes):
         """`all_gather`, started in the background: returns the call that
         waits for it and gives the gathered tensor."""
-        t0 = time.perf_counter()
-        where = "cpu" if self.host_staged else x.device
-        rows = [s[dim] for s in shapes]
-        most = max(rows)
-        mine = x.contiguous().to(where)
-        if mine.shape[dim] < most:
-            pad = list(mine.shape)
-            pad[dim] = most - mine.shape[dim]
-            mine = torch.cat([mine, mine.new_zeros(pad)], dim=dim)
-        full = [tuple(most if d == dim else n for d, n in enumerate(s)) for s in shapes]
-        parts = [torch.empty(s, dtype=x.dtype, device=where) for s in full]
-        work = dist.all_gather(parts, mine, group=self.groups[group], async_op=True)
+        take = self.all_gather_many_async([x], group, [dim], [shapes])
+        return lambda: take(0)
 
-        def finish() -> torch.Tensor:
-            work.wait()
-            self._record(f"all_gather {list(group)}", t0)
-            cut = [p.narrow(dim, 0, r) for p, r in zip(parts, rows)] \
-                if any(r < most for r in rows) else parts
-            return torch.cat(cut, dim=dim).to(x.device)
-        return finish
+    def all_gather_many_async(self, xs: list[torch.Tensor], group, dims: list[int],
+                              shapes: list) -> Callable[[int], torch.Tensor]:
+        """Gather tensors `xs` (one dtype; each along its `dims[k]`, every
+        member's local shapes `shapes[k]`) in one collective, started in the
+        background: each member's parts, each padded to the largest along
+        its dim, travel as one flat tensor (one collective a ZeRO-3 layer,
+        as FSDP2 gathers a block). Returns `take(k)`, which waits (the first
+        time) and gives the k-th gathered tensor; the flat tensors go when
+        every one is taken."""
+        t0 = time.perf_counter()
+        where = "cpu" if self.host_staged else xs[0].device
+        mine, full, rows = [], [], []
+        for x, dim, shp in zip(xs, dims, shapes):
+            r = [s[dim] for s in shp]
+            most = max(r)
+            part = x.contiguous().to(where)
+            if part.shape[dim] < most:
+                pad = list(part.shape)
+                pad[dim] = most - part.shape[dim]
+                part = torch.cat([part, part.new_zeros(pad)], dim=dim)
+            mine.append(part.reshape(-1))
+            full.append([tuple(most if d == dim else n for d, n in enumerate(s)) for s in shp])
+            rows.append(r)
+        sizes = [math.prod(f[0]) for f in full]
+        assert all(math.prod(s) == n for f, n in zip(full, sizes) for s in f), \
+            "a gathered tensor's members differ beyond its gathered dim"
+        flat = torch.cat(mine) if len(mine) > 1 else mine[0]
+        parts: list | None = [torch.empty_like(flat) for _ in shapes[0]]
+        work = dist.all_gather(parts, flat, group=self.groups[group], async_op=True)
+        state = {"waited": False, "left": len(xs)}
+        devices = [x.device for x in xs]  # not `xs`: a caller's copy may go at once
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+
+        def take(k: int) -> torch.Tensor:
+            nonlocal parts
+            assert parts is not None, "every gathered tensor was taken already"
+            if not state["waited"]:
+                work.wait()
+                state["waited"] = True
+                self._record(f"all_gather {list(group)}", t0)
+            dim, cut = dims[k], rows[k]
+            pieces = [p[offsets[k]:offsets[k + 1]].view(f) for p, f in zip(parts, full[k])]
+            if any(n < f[dim] for n, f in zip(cut, full[k])):
+                pieces = [p.narrow(dim, 0, n) for p, n in zip(pieces, cut)]
+            out = torch.cat(pieces, dim=dim).to(devices[k])
+            state["left"] -= 1
+            if state["left"] == 0:
+                parts = None
+            return out
+        return take
 
     def _record(self, name: str, t0: float) -> None:
         if self.spans is not None:

@@ -3,10 +3,13 @@
 Invariants:
 - `kernel(task)` replaces a prefetchable gather's kernel
   (`lowering/prefetch.py` groups them by layer within a task group): when
-  layer j's first gather is needed, every gather of layers j and j+1 not
-  yet started is started asynchronously from the parameter shards in the
-  state, then the kernel waits for its own. Forward and backward alike, so
-  the next layer's communication overlaps this layer's compute.
+  layer j's first gather is needed, layers j and j+1, if not yet started,
+  are started asynchronously from the parameter shards in the state, each
+  as one collective (per group and dtype: `Comm.all_gather_many_async`,
+  as FSDP2 gathers a block), then the kernel waits for it and takes its
+  own tensor. Forward and backward alike, so the next layer's
+  communication overlaps this layer's compute. A layer's gathered flat
+  tensors live until its last parameter is taken.
 - A task group's gathers run in its own order in each of its runs; a run
   starts with its first gather, which forgets what an earlier run left.
 - Every rank of a dp group starts the same gathers in the same order.
@@ -14,12 +17,17 @@ Invariants:
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 from meshplan.lowering.prefetch import gather_groups
+from meshplan.runtime.bind import gathered_parts
 
 
 class GatherPrefetch:
     def __init__(self, job, plan, ctx, comm, names: dict):
-        self.comm, self.state = comm, {}
+        self.comm = comm
+        self.state: dict = {}
         values = job.graph.values
         self.order: dict[int, tuple] = {}      # gather op -> (template, index)
         self.items: dict[tuple, list] = {}     # template -> [(op, layer index)]
@@ -29,13 +37,14 @@ class GatherPrefetch:
             self.items[key] = [(t.op, j) for j, layer in enumerate(layers) for t in layer]
             for i, (op, _) in enumerate(self.items[key]):
                 self.order[op] = (key, i)
-        self.start_of = {}  # (template, layer) -> index of its first gather
+        self.start_of: dict[tuple, int] = {}  # (template, layer) -> index of its first gather
         for key, items in self.items.items():
             for i, (_, j) in enumerate(items):
                 self.start_of.setdefault((key, j), i)
-        self.args = {}      # gather op -> (state name, group, dim, shapes)
+        self.args: dict[int, tuple] = {}  # gather op -> (state name, group, dim, shapes)
         self.ctx, self.names, self.job = ctx, names, job
-        self.flight: dict[int, object] = {}
+        self.flight: dict[int, Callable] = {}  # gather op -> the call that gives its tensor
+        self.started: set[int] = set()          # layers started in this run
 
     def kernel(self, task):
         """The kernel of `task` if it is a prefetched gather, else None."""
@@ -43,9 +52,8 @@ class GatherPrefetch:
         if where is None:
             return None
         op = self.job.graph.ops[task.op]
-        src, axis = op.args[0].id, dict(op.kwargs)["axis"]
-        shapes = [tuple(b - a for a, b in self.ctx.box(src, c)) for c in self.ctx.along(axis)]
-        self.args[task.op] = (self.names[src], task.group, dict(op.kwargs)["dim"], shapes)
+        dim, shapes = gathered_parts(op, self.ctx)
+        self.args[task.op] = (self.names[op.args[0].id], task.group, dim, shapes)
         key, index = where
         return lambda x, **_: self._take(key, index)
 
@@ -54,14 +62,27 @@ class GatherPrefetch:
 
     def _take(self, key, index: int):
         items = self.items[key]
-        if index == 0:
-            self.flight.clear()  # a new run of this task group
+        if index == 0:  # a new run of this task group
+            self.flight.clear()
+            self.started.clear()
         layer = items[index][1]
-        end = self.start_of.get((key, layer + 2), len(items))
-        for i in range(index, end):
-            op = items[i][0]
-            if op not in self.flight:
-                name, group, dim, shapes = self.args[op]
-                self.flight[op] = self.comm.all_gather_async(self.state[name], group, dim,
-                                                             shapes)
+        for j in (layer, layer + 1):
+            if j not in self.started and (key, j) in self.start_of:
+                self.started.add(j)
+                self._start(key, j)
         return self.flight.pop(items[index][0])()
+
+    def _start(self, key, layer: int) -> None:
+        """Layer `layer`'s gathers, one collective per group and dtype."""
+        items = self.items[key]
+        end = self.start_of.get((key, layer + 1), len(items))
+        together: dict[tuple, list[int]] = {}
+        for op, _ in items[self.start_of[(key, layer)]:end]:
+            name, group, _, _ = self.args[op]
+            together.setdefault((group, self.state[name].dtype), []).append(op)
+        for (group, _), ops in together.items():
+            args = [self.args[op] for op in ops]
+            take = self.comm.all_gather_many_async([self.state[a[0]] for a in args], group,
+                                                   [a[2] for a in args], [a[3] for a in args])
+            for k, op in enumerate(ops):
+                self.flight[op] = partial(take, k)

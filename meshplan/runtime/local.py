@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -122,6 +123,17 @@ class LocalComm:
         """At once (threads need no background work); the call gives the result."""
         out = self.all_gather(x, group, dim, shapes)
         return lambda: out
+
+    def all_gather_many_async(self, xs: list[torch.Tensor], group, dims: list[int], shapes):
+        """Every one of `xs` in one exchange, at once; `take(k)` gives the
+        k-th gathered tensor."""
+        parts = self._exchange(group, torch.cat([x.reshape(-1) for x in xs]))
+        outs = []
+        for m, part in enumerate(parts):  # member m's pieces, in order
+            sizes = [math.prod(shp[m]) for shp in shapes]
+            outs.append([p.view(shp[m]) for p, shp in zip(part.split(sizes), shapes)])
+        gathered = [torch.cat([o[k] for o in outs], dim=dim) for k, dim in enumerate(dims)]
+        return gathered.__getitem__
 
     def p2p(self, ops) -> list:
         works = []

@@ -16,8 +16,12 @@ Invariants:
 - With one rank and no process group this is the single-process executor.
 - Gradient buckets (`grad_buckets.py`, not for fp16): the STEP's reductions
   over dp start during the last micro-batch's backward, coalesced, in the
-  background; the STEP waits for them. ZeRO-3's parameter gathers start one
-  layer ahead (`gather_prefetch.py`).
+  background; the STEP waits for them. At ZeRO 2 and 3 each micro-batch's
+  gradient reduce-scatters do the same within the backward, and run, with
+  the accumulation of their results, once the next bucket has started
+  (`buckets.run_order`); at ZeRO 1 and 2 the STEP's all-gathers of updated
+  parameter shards too. ZeRO-3's parameter gathers start one layer ahead,
+  a layer's as one collective (`gather_prefetch.py`).
 - On a GPU, each micro-batch's inputs are sliced on the host, pinned and
   copied asynchronously (the compute stream orders the copy before use);
   the plan must have been lowered for the device's type (its kernels).
@@ -43,7 +47,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir import LOSS_SCALE, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
-from meshplan.lowering.buckets import plan_buckets
+from meshplan.lowering.buckets import plan_buckets, run_order
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
     RankPlan,
@@ -131,7 +135,11 @@ class RankExecutor:
 
     def _segment(self, key, tasks):
         g = self.job.graph
+        if self.buckets is not None:  # per-micro-batch reductions after their bucket starts
+            tasks = run_order(tasks, self.buckets.buckets, g.ops.__getitem__)
         ops = [localize(g.ops[t.op], self.ctx) for t in tasks]
+        if self.buckets is not None:
+            ops = [self.buckets.segment_op(op) for op in ops]
         produced = {o for op in ops for o in op.outputs if o >= 0}
         reads = list(dict.fromkeys(r for op in ops for r in op.refs() if r not in produced))
         keeps = [o for o in produced if o in self.uses or o in self.updates or o == g.loss]

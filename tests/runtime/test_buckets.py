@@ -1,7 +1,8 @@
 """Gradient buckets: the step's reductions over dp coalesced, started in the
-last micro-batch's backward, equal to eager; the check sees them where they
-start; a bucket started before the gradients are final fails the run's
-equality (planted)."""
+last micro-batch's backward, and (ZeRO 2 and 3) each micro-batch's gradient
+reduce-scatters coalesced, started in its backward, equal to eager; the
+check sees them where they start; a bucket started before the gradients are
+final fails the run's equality, and a misplaced one the check (planted)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,24 @@ def test_buckets_are_bounded_and_in_backward_order():
     assert plan_buckets(_job(25, precision="fp16"), lower(_job(25, precision="fp16"), 0)) == ()
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_the_first_bucket_is_bounded_by_ddp_s_1_mib(zero):
+    """GPT small's gradients (26 MiB) at the default 25 MiB: the first bucket
+    closes before 1 MiB (its head's gradient alone), the rest at 25 MiB."""
+    s = zoo_strategy("gpt", model_config("gpt", "small"), dp=4, global_batch_size=16,
+                     micro_batch_size=2, zero=zero)
+    job = plan_model("gpt", "small", Mesh(1, 4), s, optimizer="adamw").job
+    plan = lower(job, 0)
+    size = {b.value: b.nbytes for b in plan.buffers}
+    buckets = plan_buckets(job, plan)
+    sizes = [sum(size[v] for v in b.sources) for b in buckets]
+    nxt = size[buckets[1].sources[0]]
+    assert sizes[0] <= 2**20 < sizes[0] + nxt
+    assert all(n <= 25 * 2**20 for n in sizes) and sizes[1] + size[buckets[2].sources[0]] \
+        > 25 * 2**20
+    assert sum(len(b.ops) for b in buckets) == 101
+
+
 def test_the_check_orders_buckets_where_they_start():
     job = _job(TINY_BUCKETS)
     plans = {r: lower(job, r) for r in range(4)}
@@ -53,8 +72,9 @@ def test_the_check_orders_buckets_where_they_start():
         - 53 + 5
 
 
-@pytest.mark.parametrize("fields", [dict(), dict(zero=1), dict(dp=2, pp=2, vpp=2,
-                                                                schedule="zb1p")])
+@pytest.mark.parametrize("fields", [dict(), dict(zero=1), dict(zero=2), dict(zero=3),
+                                    dict(dp=2, pp=2, vpp=2, schedule="zb1p"),
+                                    dict(dp=2, pp=2, vpp=2, schedule="zb1p", zero=2)])
 def test_equal_to_eager_with_buckets(fields):
     job = _job(TINY_BUCKETS, **fields)
     s = job.strategy
@@ -94,7 +114,8 @@ def test_a_bucket_started_early_breaks_equality(monkeypatch):
     assert not _local_verdict()
 
 
-def test_the_check_fails_when_members_bucket_differently(monkeypatch):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_the_check_fails_when_members_bucket_differently(monkeypatch, zero):
     """Planted: rank 1 forms its buckets with another bound than the others."""
     import meshplan.lowering.check as check
     from meshplan.lowering.buckets import grad_buckets
@@ -102,9 +123,133 @@ def test_the_check_fails_when_members_bucket_differently(monkeypatch):
     def uneven(job, plan):
         size = {b.value: b.nbytes for b in plan.buffers}
         bound = 2**16 if plan.rank == 1 else int(TINY_BUCKETS * 2**20)
-        return grad_buckets(job.graph, plan.tasks, bound, size.__getitem__)
+        g = job.graph
+        return grad_buckets(plan.tasks, g.ops.__getitem__, g.values,
+                            {u.name: u.value for u in g.updates}, bound, size.__getitem__)
 
+    job = _job(TINY_BUCKETS, zero=zero)
+    plans = {r: lower(job, r) for r in range(4)}
+    assert check_plans(job, plans).ok
     monkeypatch.setattr(check, "plan_buckets", uneven)
-    job = _job(TINY_BUCKETS)
-    res = check_plans(job, {r: lower(job, r) for r in range(4)})
+    res = check_plans(job, plans)
     assert any("collective order differs" in e for e in res.errors), res.errors
+
+
+# ---------------------------------------------- per micro-batch (ZeRO 2 and 3)
+def test_zero2_buckets_each_microbatch_reduce_scatters():
+    from meshplan.ir.kinds import REDUCE_SCATTER
+
+    job = _job(TINY_BUCKETS, zero=2)
+    plan = lower(job, 0)
+    buckets = _microbatch(plan_buckets(job, plan))
+    ops = job.graph.ops
+    scatters = [t.op for t in plan.tasks if ops[t.op].kind == REDUCE_SCATTER]
+    assert len(scatters) == 53  # one a gradient, in the backward
+    assert len(buckets) == 5 and all(b.every_run for b in buckets)
+    assert sorted(op for b in buckets for op in b.ops) == sorted(scatters)
+    # each carries the gradients its reduce-scatters read, within the bound
+    size = {b.value: b.nbytes for b in plan.buffers}
+    assert all([ops[o].args[0].id for o in b.ops] == list(b.sources) for b in buckets)
+    assert all(sum(size[s] for s in b.sources) <= TINY_BUCKETS * 2**20 for b in buckets)
+    assert not _microbatch(plan_buckets(_job(TINY_BUCKETS, zero=1),
+                                        lower(_job(TINY_BUCKETS, zero=1), 0)))
+
+
+def _microbatch(buckets) -> list:
+    """The buckets of a micro-batch's reduce-scatters."""
+    from meshplan.ir.kinds import ALL_REDUCE
+
+    return [b for b in buckets if b.every_run and b.kind == ALL_REDUCE]
+
+
+def test_a_bucket_s_reductions_run_after_the_next_bucket_starts():
+    """run_order: bucket k's reduce-scatters, and the accumulations reading
+    them, run after bucket k+1's last gradient is made (the last bucket's at
+    the end of the backward), so at most two flat copies are alive."""
+    from meshplan.ir.kinds import ACCUMULATE_GRAD
+    from meshplan.lowering.buckets import run_order
+
+    job = _job(TINY_BUCKETS, zero=2)
+    plan = lower(job, 0)
+    everything = plan_buckets(job, plan)
+    buckets = _microbatch(everything)
+    ops = job.graph.ops
+    order = [t.op for t in run_order(plan.tasks, everything, ops.__getitem__)]
+    assert sorted(order) == sorted(t.op for t in plan.tasks)
+    at = order.index
+    backward = [t.op for t in plan.tasks if t.phase.value == "backward"]
+    ends = [at(b.after) for b in buckets[1:]] + [max(at(op) for op in backward
+                                                     if ops[op].kind != ACCUMULATE_GRAD
+                                                     and op not in buckets[-1].ops)]
+    for b, end in zip(buckets, ends):
+        for op in b.ops:
+            (acc,) = [o for o in backward if ops[op].outputs[0] in ops[o].refs()]
+            assert end < at(op) < at(acc), (b.ops, op)
+
+
+def test_the_check_orders_microbatch_buckets_in_every_microbatch():
+    job = _job(TINY_BUCKETS, zero=2)
+    plans = {r: lower(job, r) for r in range(4)}
+    assert check_plans(job, plans).ok
+    where = job.strategy.stage_placement
+    seq = expand_collectives(plans[0], where, job.graph.ops, plan_buckets(job, plans[0]))
+    (group,) = seq
+    m = job.strategy.num_microbatches
+    gathers = len(plan_buckets(job, plans[0])) - 5  # the STEP's (`test_step_gathers_...`)
+    buckets = [item for item in seq[group] if isinstance(item[0], tuple)]
+    assert sorted(mb for _, mb in buckets) == sorted(list(range(m)) * 5 + [-1] * gathers)
+    # 53 fewer reduce-scatters a micro-batch, 5 buckets more; the STEP's 53 gathers in buckets
+    assert len(seq[group]) == len(expand_collectives(plans[0], where, job.graph.ops)[group]) \
+        - (53 - 5) * m - (53 - gathers)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_step_gathers_of_updated_shards_travel_in_buckets(zero):
+    """ZeRO 1 and 2: the STEP's all-gathers of updated parameter shards in
+    buckets bounded by their gathered bytes, each gather run after the next
+    bucket starts (the last bucket's at the STEP's end)."""
+    from meshplan.ir.kinds import ALL_GATHER
+    from meshplan.lowering.buckets import run_order
+
+    job = _job(TINY_BUCKETS, zero=zero)
+    plan = lower(job, 0)
+    ops = job.graph.ops
+    everything = plan_buckets(job, plan)
+    buckets = [b for b in everything if b.kind == ALL_GATHER]
+    gathers = [t.op for t in plan.tasks if ops[t.op].kind == ALL_GATHER]
+    assert len(gathers) == 53 and sorted(o for b in buckets for o in b.ops) == sorted(gathers)
+    assert all(b.every_run and b.template[1].value == "optimizer" for b in buckets)
+    size = {b.value: b.nbytes for b in plan.buffers}
+    assert all(sum(size[ops[o].outputs[0]] for o in b.ops) <= TINY_BUCKETS * 2**20
+               for b in buckets)
+    order = [t.op for t in run_order(plan.tasks, everything, ops.__getitem__)]
+    at = order.index
+    for b, nxt in zip(buckets, buckets[1:] + [None]):
+        end = at(nxt.after) if nxt else max(at(t.op) for t in plan.tasks
+                                            if t.phase.value == "optimizer"
+                                            and ops[t.op].kind != ALL_GATHER)
+        assert all(end < at(o) for o in b.ops)
+
+
+@pytest.mark.parametrize("plant", ["start early", "reduce early"])
+def test_the_check_fails_on_a_misplaced_microbatch_bucket(monkeypatch, plant):
+    """Planted: a bucket starts after its first gradient is made, not its
+    last; or its reductions run where they were, before the bucket starts."""
+    from dataclasses import replace
+
+    import meshplan.lowering.buckets as bk
+    import meshplan.lowering.check as check
+
+    job = _job(TINY_BUCKETS, zero=2)
+    plans = {r: lower(job, r) for r in range(4)}
+    assert check_plans(job, plans).ok
+    if plant == "start early":
+        made = {o: t.op for t in plans[0].tasks for o in job.graph.ops[t.op].outputs}
+        monkeypatch.setattr(check, "plan_buckets", lambda job, plan: tuple(
+            replace(b, after=made[b.sources[0]]) for b in bk.plan_buckets(job, plan)))
+        want = "starts after op"
+    else:
+        monkeypatch.setattr(bk, "run_order", lambda tasks, buckets, op_of: list(tasks))
+        want = "runs before that"
+    res = check_plans(job, plans)
+    assert any(want in e for e in res.errors), res.errors

@@ -28,6 +28,14 @@ def measured_and_planned(mesh: Mesh, optimizer: str, **fields) -> list[tuple[int
     (Mesh(1, 1), "sgd", dict(global_batch_size=8, micro_batch_size=4)),
     (Mesh(1, 1), "adamw", dict(global_batch_size=8, micro_batch_size=8)),
     (Mesh(1, 4), "sgd", dict(tp=2, pp=2, global_batch_size=8, micro_batch_size=2)),
+    # gradient buckets: the STEP's gathers (zero 1 and 2), per micro-batch reduce-scatters
+    # (zero 2 and 3, 5 a micro-batch) and, at zero 3, prefetched gathers
+    (Mesh(1, 4), "adamw", dict(dp=4, zero=1, bucket_mb=0.2, global_batch_size=8,
+                               micro_batch_size=1)),
+    (Mesh(1, 4), "adamw", dict(dp=4, zero=2, bucket_mb=0.2, global_batch_size=8,
+                               micro_batch_size=1)),
+    (Mesh(1, 4), "adamw", dict(dp=4, zero=3, bucket_mb=0.2, global_batch_size=8,
+                               micro_batch_size=1)),
 ])
 def test_planned_peak_bounds_the_measured_peak(mesh, optimizer, fields):
     for rank, (measured, planned) in enumerate(measured_and_planned(mesh, optimizer, **fields)):

@@ -142,11 +142,41 @@ def test_zero3_gathers_are_prefetched_a_layer_ahead_and_planned(monkeypatch):
     size = {b.id: b.nbytes for b in plan.buffers}
     ahead = prefetched_bytes(plan.tasks, job.graph.ops.__getitem__, job.graph.values,
                              job.strategy.layer_pattern, lambda t: size[t.outputs[0]])
-    assert ahead == max(sum(size[t.outputs[0]] for t in g)
-                        for gs in groups.values() for g in gs[1:])
+    # a layer's flat tensors, and the next layer's, started when its first is taken
+    layer = [[sum(size[t.outputs[0]] for t in g) for g in gs] for gs in groups.values()]
+    assert ahead == max(max(ls[j] + (ls[j + 1] if j + 1 < len(ls) else 0)
+                            for j in range(len(ls))) for ls in layer)
     monkeypatch.setattr(memory, "prefetched_bytes", lambda *a: 0)
     unplanned = dict(lower(job, 0).memory.peak)["activation"]
     assert ahead > 0 and dict(plan.memory.peak)["activation"] == unplanned + ahead
+
+
+def test_zero3_gathers_a_layer_in_one_collective(monkeypatch):
+    """Each layer's parameter gathers travel as one collective (one per
+    layer and run of a task group), every gather of the plan in one."""
+    import torch
+
+    from meshplan.lowering.prefetch import gather_groups
+    from meshplan.models import build_model, example_batch
+    from meshplan.runtime.local import LocalComm, local_ranks, train_local
+
+    job, _ = _planned(3)
+    calls: list[tuple[int, int]] = []  # (rank, tensors gathered)
+    many = LocalComm.all_gather_many_async
+    monkeypatch.setattr(LocalComm, "all_gather_many_async", lambda self, xs, *a: (
+        calls.append((self.rank, len(xs))), many(self, xs, *a))[1])
+    cfg = model_config("gpt", "tiny")
+    torch.manual_seed(0)
+    hub, ranks = local_ranks(job, build_model(cfg))
+    train_local(job, hub, ranks, [example_batch(cfg, 8, seed=0)])
+    plan = lower(job, 0)
+    groups = gather_groups(plan.tasks, job.graph.ops.__getitem__, job.graph.values,
+                           job.strategy.layer_pattern)
+    m = job.strategy.num_microbatches
+    mine = [n for r, n in calls if r == 0]
+    assert len(mine) == m * sum(len(gs) for gs in groups.values())
+    assert sum(mine) == m * sum(len(g) for gs in groups.values() for g in gs)
+    assert max(mine) > 1
 
 
 def test_a_reduce_scatter_shard_does_not_keep_the_full_gradient_alive():
