@@ -190,14 +190,18 @@ def _geometry(schedule: str, pp: int, vpp: int) -> _Geometry:
                      tuple(where.chunk_of(v) for v in range(n)))
 
 
-def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool,
-               bucketed: bool = False) -> float:
-    """Seconds of `work`'s dp collectives of the (phase, kind) `keys`."""
+def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool) -> float:
+    """Seconds of `work`'s dp collectives of the (phase, kind) `keys`, as the
+    runtime issues them: ZeRO-3's gathers one collective per layer
+    (`gather_prefetch.py`), the rest in buckets of `bucket_mb` when buckets
+    are on (`grad_buckets.py`), else one per tensor."""
     total = 0.0
     for key, (count, nbytes) in work.dp:
         if key not in keys or count <= 0:
             continue
-        if bucketed:
+        if key[1] == "all_gather" and key[0] != "step":
+            count = min(count, max(1, work.layers))
+        elif st.buckets:
             count = max(1, math.ceil(nbytes / (st.bucket_mb * MiB)))
         total += count * st.dev.collective_seconds(key[1], nbytes // count, cand.dp, cross)
     return total
@@ -271,7 +275,7 @@ def _step_seconds(works: list[Work], priced: list[tuple], cand: Candidate, st: S
                   cross: bool) -> float:
     own = sum(w.step for w in works)
     reduce = sum(dp_seconds(w, {("step", "all_reduce"), ("step", "reduce_scatter")}, cand, st,
-                            cross, bucketed=st.buckets) for w in works)
+                            cross) for w in works)
     if st.buckets and reduce:  # overlapped with the last backward, but for the last bucket
         grads = sum(w.grad for w in works)
         last = reduce / max(1, math.ceil(grads / (st.bucket_mb * MiB)))
@@ -308,10 +312,31 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
     if not live:
         return state
     transient = max(w.transient for w in works)
-    if z == 3 and d > 1:  # a layer's gathered parameters in use, and the next one's
-        transient += 2 * max(sum(b for key, (_, b) in w.dp if key == ("f", "all_gather")) // k
+    if z == 3 and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
+        transient += 3 * max(_dp_bytes(w, ("f",), "all_gather") // k
                              for w, k in zip(works, layers))
+    if d > 1 and st.buckets:  # the transient buckets (`lowering/memory.py`)
+        cap = int(st.bucket_mb * MiB)
+        reduced = sum(_dp_bytes(w, ("i", "w"), "reduce_scatter") +
+                      _dp_bytes(w, ("i", "w"), "all_reduce") for w in works)
+        # a micro-batch's reduce-scatter buckets: up to two flat copies live
+        transient += _live_buckets(reduced, cap) * min(cap, reduced)
+        gathered = sum(_dp_bytes(w, ("step",), "all_gather") for w in works)
+        # the STEP's gather buckets: a flat copy of shards, what it gathers, and
+        # the parameters' slices as they are copied out (d + 2 shards, as the
+        # memory plan counts on GPT tiny; test_estimate holds it near)
+        shards = gathered // d
+        transient += _live_buckets(shards, cap) * (min(cap, shards) * (d + 2))
     return state + saved + transient + max(w.temp for w in works)
+
+
+def _live_buckets(nbytes: int, cap: int) -> int:
+    """Buckets alive at once: the one filling and the one before (`buckets.run_order`)."""
+    return min(2, -(-nbytes // cap)) if nbytes else 0
+
+
+def _dp_bytes(w: Work, phases: tuple[str, ...], kind: str) -> int:
+    return sum(b for (phase, k), (_, b) in w.dp if phase in phases and k == kind)
 
 
 @cache

@@ -10,6 +10,8 @@ candidate, `evaluate_all` and `search.search` must pick the same winner.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.search.estimate import Prediction, Setting, price
 from meshplan.search.probe import ModelSpec
@@ -41,8 +43,8 @@ def evaluate(spec: ModelSpec, cand: Candidate, st: Setting,
         works.update(got.by_stage)
         peaks.append(dict(got.peak)["total"])
     counts = _layers_per_stage(job, strategy)
-    return price(cand, [works[v] for v in range(len(works))], st, counts,
-                 tuple(peaks)).predict()
+    return price(cand, [replace(works[v], layers=counts[v]) for v in range(len(works))], st,
+                 counts, tuple(peaks)).predict()
 
 
 def _layers_per_stage(job, strategy) -> tuple[int, ...]:

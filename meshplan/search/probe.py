@@ -78,7 +78,7 @@ def probe(spec: ModelSpec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
     the backward reads)."""
     job, reps = _planned(spec, tp, mbs, recompute, dp, zero)
     works = [read_work(job, reps[s], dev).by_stage[s] for s in range(PROBE_LAYERS)]
-    body = works[1]
+    body = replace(works[1], layers=1)
     return Probe(works[0].minus(body), body, works[2].minus(body))
 
 

@@ -53,6 +53,7 @@ class Work:
     saved_w: int = 0          # ... from F to W
     saved_iw: int = 0         # ... from I to W (zero-bubble schedules only)
     params: int = 0           # parameter tensors (dp collectives: one each)
+    layers: int = 0           # layers (ZeRO-3 gathers a layer's parameters at once)
     dp: tuple[tuple[tuple[str, str], tuple[int, int]], ...] = ()  # (phase, kind) -> (n, bytes)
     transient: int = 0        # per stage, not additive: the largest action's scratch
     temp: int = 0
