@@ -20,7 +20,8 @@ Four parts, one run (`python benchmarks/auto_plan.py [--parts speed,...]`):
    Megatron uses (96 B s l h^2 (1 + s/6h + V/16lh) per step). Targets: the
    prediction within 25% of 138; the search's winner at least as fast,
    within 80 GB.
-4. reality: `meshplan calibrate` (cpu-local, in a private MESHPLAN_HOME),
+4. reality: `meshplan calibrate --processes 4` (cpu-local as 4 ranks share
+   this machine, in a private MESHPLAN_HOME),
    then GPT small on 4 local gloo processes, every (dp, tp, pp,
    micro-batch) with 1F1B, no recompute, ZeRO 0, trained a few steps each
    (median of the steps after 2 warm-up ones). Targets: Spearman rank
@@ -200,7 +201,8 @@ def reality(steps: int = 5) -> dict:
     home = tempfile.mkdtemp(prefix="meshplan-home-")
     env = {**os.environ, "MESHPLAN_HOME": home}
     common.wait_quiet(30)
-    subprocess.run([sys.executable, "-m", "meshplan", "calibrate"], check=True, cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "meshplan", "calibrate", "--processes", "4"],
+                   check=True, cwd=ROOT,
                    env=env, capture_output=True)
     os.environ["MESHPLAN_HOME"] = home
     from meshplan.costmodel import load_device_model

@@ -5,9 +5,12 @@ the device models or shows one with its sources.
 What it measures, each with one thread, as one rank of `meshplan run` has:
 matmul FLOP/s per dtype (float32, bfloat16, float16; the size grows while
 one product stays short, so a slow 16-bit matmul is measured small), memory
-bandwidth (a large copy: read + write bytes), the time of a tiny op (every
-kernel's dispatch, `kernel_overhead`), and gloo point-to-point and
-all-reduce latency and bandwidth between two local processes on 127.0.0.1.
+bandwidth (a large copy: read + write bytes), what the rank executor spends
+per task beyond its math (`kernel_overhead`: a train step of a GPT whose
+kernels are tiny, over its task count), and gloo point-to-point and
+all-reduce latency and bandwidth among local processes on 127.0.0.1. With
+`--processes N` the compute figures are measured in N processes at once and
+gloo among N: the machine as N ranks share it.
 The all-reduce fit gives `intra_bw` and `intra_latency` (for two ranks the
 ring model is 2 a + S/B: `costmodel/device.py`), the point-to-point fit
 `p2p_latency` and `p2p_bw` (pipeline transfers).
@@ -97,6 +100,10 @@ def add_calibrate_flags(p: argparse.ArgumentParser) -> None:
                    help=f"file to write (default {local_model_path()})")
     p.add_argument("--quick", action="store_true",
                    help="small sizes: a rougher model in a few seconds (tests)")
+    p.add_argument("--processes", type=int, default=2, metavar="N",
+                   help="measure as N ranks run here at once: the compute rates in N "
+                   "concurrent processes, gloo among N (default 2; give the rank count "
+                   "you will run, e.g. 4 on a 2-core machine shares each core by two)")
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
@@ -104,7 +111,10 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory; give a file path, e.g. {out}/{LOCAL}.json")
     t0 = time.perf_counter()
-    model, measured = calibrate(QUICK if a.quick else Sizes())
+    if a.processes < 1:
+        raise ConfigError(f"--processes {a.processes} must be >= 1; give the number of ranks "
+                          "you will run on this machine, e.g. 4")
+    model, measured = calibrate(QUICK if a.quick else Sizes(), a.processes)
     measured["seconds"] = round(time.perf_counter() - t0, 2)
     if not a.out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,17 +128,20 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate(sizes: Sizes = Sizes()) -> tuple[DeviceModel, dict]:
-    """Measure this machine: the `cpu-local` model and the raw figures."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rates = {d: matmul_rate(getattr(torch, d), sizes) for d in DTYPES}
-        copy = copy_rate(sizes.copy_bytes, sizes.copy_s)
-        overhead = op_overhead(sizes.copy_s)
-    finally:
-        torch.set_num_threads(threads)
-    comm = gloo_figures(sizes)
+def calibrate(sizes: Sizes = Sizes(), processes: int = 2) -> tuple[DeviceModel, dict]:
+    """Measure this machine as `processes` ranks use it at once: the
+    `cpu-local` model and the raw figures."""
+    if processes > 1:
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(processes) as pool:
+            each = pool.map(_compute_figures, [sizes] * processes)
+        rates = {d: (statistics.median(e[0][d][0] for e in each), each[0][0][d][1])
+                 for d in DTYPES}
+        copy = statistics.median(e[1] for e in each)
+        overhead = statistics.median(e[2] for e in each)
+    else:
+        rates, copy, overhead = _compute_figures(sizes)
+    comm = gloo_figures(sizes, max(2, processes))
     cores = os.cpu_count() or 1
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     flops = tuple((d, rates[d][0]) for d in DTYPES)
@@ -145,6 +158,17 @@ def calibrate(sizes: Sizes = Sizes()) -> tuple[DeviceModel, dict]:
                 "kernel_overhead": overhead,
                 "comm_bytes": sizes.comm_bytes} | comm
     return model, measured
+
+
+def _compute_figures(sizes: Sizes):
+    """(matmul rate and side per dtype, copy bytes/s, per-task seconds), one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = {d: matmul_rate(getattr(torch, d), sizes) for d in DTYPES}
+        return rates, copy_rate(sizes.copy_bytes, sizes.copy_s), task_overhead(sizes.copy_s)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def matmul_rate(dtype: torch.dtype, sizes: Sizes) -> tuple[float, int]:
@@ -169,19 +193,29 @@ def matmul_rate(dtype: torch.dtype, sizes: Sizes) -> tuple[float, int]:
     return 2.0 * n ** 3 / statistics.median(times), n
 
 
-def op_overhead(budget_s: float) -> float:
-    """Seconds of a tiny op (an add of 16 floats): what every kernel pays to
-    be dispatched, whatever its size (the median of 100-call batches)."""
-    a, b = torch.ones(16), torch.ones(16)
-    out = torch.empty(16)
+def task_overhead(budget_s: float) -> float:
+    """Seconds a rank's executor spends on a task beyond its math: a train
+    step of a GPT whose kernels are tiny (2 layers, hidden 16, one sample of
+    4 tokens), run by the executor every rank runs (`RankExecutor`), over
+    its task count (the median of steps within `budget_s`)."""
+    from meshplan.api import capture
+    from meshplan.autodiff import OptimizerConfig, build_train_step
+    from meshplan.driver.executor import Executor
+    from meshplan.models import build_model, example_batch, model_config
+
+    cfg = model_config("gpt", "tiny", layers=2, hidden=16, heads=2, seq_len=4, vocab=16)
+    module = build_model(cfg)
+    batch = example_batch(cfg, 1)
+    ex = Executor(build_train_step(capture(module, batch), OptimizerConfig("sgd", lr=0.0)))
+    state = ex.init_state(module)
+    ex.step(state, [batch])  # warm up
     deadline = time.perf_counter() + budget_s
     times: list[float] = []
     while not times or time.perf_counter() < deadline:
         t0 = time.perf_counter()
-        for _ in range(100):
-            torch.add(a, b, out=out)
-        times.append((time.perf_counter() - t0) / 100)
-    return statistics.median(times)
+        ex.step(state, [batch])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / len(ex.rank.plan.tasks)
 
 
 def copy_rate(nbytes: int, budget_s: float) -> float:
@@ -198,22 +232,23 @@ def copy_rate(nbytes: int, budget_s: float) -> float:
     return 2.0 * src.nbytes / statistics.median(times)
 
 
-def gloo_figures(sizes: Sizes) -> dict:
-    """Latency and bandwidth of gloo p2p and all-reduce between 2 local
-    processes, fitted from a 4-byte and a `comm_bytes` message (medians)."""
+def gloo_figures(sizes: Sizes, n: int = 2) -> dict:
+    """Latency and bandwidth of gloo p2p (ranks 0 and 1) and all-reduce
+    among `n` local processes, fitted from a 4-byte and a `comm_bytes`
+    message (medians)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_gloo_worker, args=(r, port, sizes, results),
-                         name=f"meshplan-calibrate-{r}") for r in range(2)]
+    procs = [ctx.Process(target=_gloo_worker, args=(r, n, port, sizes, results),
+                         name=f"meshplan-calibrate-{r}") for r in range(n)]
     for p in procs:
         p.start()
     try:
         raw = results.get(timeout=sizes.timeout_s)
     except queue_mod.Empty:
-        raise RuntimeFault(f"the gloo measurement between 2 local processes gave no result in "
+        raise RuntimeFault(f"the gloo measurement among {n} local processes gave no result in "
                            f"{sizes.timeout_s:.0f} s; check that 127.0.0.1 accepts local "
                            "connections (a firewall, or GLOO_SOCKET_IFNAME)") from None
     finally:
@@ -225,41 +260,47 @@ def gloo_figures(sizes: Sizes) -> dict:
     if "error" in raw:
         raise RuntimeFault(f"the gloo measurement failed: {raw['error']}; check that "
                            "127.0.0.1 accepts local connections")
-    return fit(raw, sizes.comm_bytes)
+    return fit(raw, sizes.comm_bytes, n)
 
 
-def fit(raw: dict, nbytes: int) -> dict:
+def fit(raw: dict, nbytes: int, n: int = 2) -> dict:
     """Latency and bandwidth from the small and large medians. p2p: one way
     is half a round trip, latency the small message's, bandwidth the large
-    one's bytes over its extra time. All-reduce of 2 ranks (ring): 2 steps
-    of latency plus S / B, so a = small / 2 and B = S / (large - small)."""
+    one's bytes over its extra time. All-reduce of n ranks (ring): 2(n-1)
+    steps of latency plus 2(n-1)/n S / B, so a = small / (2(n-1)) and
+    B = 2(n-1)/n S / (large - small)."""
     p2p_lat = raw["p2p_small"] / 2
-    ar_lat = raw["all_reduce_small"] / 2
+    steps = 2 * (n - 1)
+    ar_lat = raw["all_reduce_small"] / steps
     p2p_extra = raw["p2p_large"] / 2 - p2p_lat
     ar_extra = raw["all_reduce_large"] - raw["all_reduce_small"]
+    moved = steps / n * nbytes
     return {
         "p2p_latency": p2p_lat,
         "p2p_bw": nbytes / (p2p_extra if p2p_extra > 0 else raw["p2p_large"] / 2),
         "all_reduce_latency": ar_lat,
-        "all_reduce_bw": nbytes / (ar_extra if ar_extra > 0 else raw["all_reduce_large"]),
+        "all_reduce_bw": moved / (ar_extra if ar_extra > 0 else raw["all_reduce_large"]),
+        "processes": n,
         "raw_medians_s": raw,
     }
 
 
-def _gloo_worker(rank: int, port: int, sizes: Sizes, results) -> None:
-    """One of the two measuring processes; rank 0 reports the medians."""
+def _gloo_worker(rank: int, n: int, port: int, sizes: Sizes, results) -> None:
+    """One of the `n` measuring processes; rank 0 reports the medians."""
     import torch.distributed as dist  # [Note: torch.distributed here]
 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2,
+                                world_size=n,
                                 timeout=datetime.timedelta(seconds=sizes.timeout_s))
         raw = {}
         for name, nbytes, reps in (("small", 4, sizes.latency_reps),
                                    ("large", sizes.comm_bytes, sizes.comm_reps)):
             t = torch.zeros(max(nbytes // 4, 1))
-            raw[f"p2p_{name}"] = _median_time(reps, lambda t=t: _ping_pong(dist, rank, t))
+            raw[f"p2p_{name}"] = _median_time(reps, lambda t=t: _ping_pong(dist, rank, t)) \
+                if rank < 2 else 0.0
+            dist.barrier()
             raw[f"all_reduce_{name}"] = _median_time(reps, lambda t=t: dist.all_reduce(t))
         dist.barrier()
         if rank == 0:
@@ -298,8 +339,8 @@ def table(model: DeviceModel, measured: dict) -> str:
         lines.append(f"  matmul {dtype:<9} {rate / 1e9:9.2f} GFLOP/s   ({side}x{side})")
     lines.append(f"  memory copy      {model.mem_bw / 1e9:9.2f} GB/s      "
                  f"({measured['copy_bytes'] / 2**20:.0f} MiB, read + write)")
-    lines.append(f"  tiny op          {model.kernel_overhead * 1e6:9.2f} us        "
-                 "(every kernel's dispatch: kernel_overhead)")
+    lines.append(f"  per task         {model.kernel_overhead * 1e6:9.2f} us        "
+                 "(a rank executor's task beyond its math: kernel_overhead)")
     mib = measured["comm_bytes"] / 2**20
     lines.append(f"  gloo p2p         {measured['p2p_bw'] / 1e9:9.3f} GB/s      latency "
                  f"{measured['p2p_latency'] * 1e6:.1f} us  ({mib:.0f} MiB, 2 processes; "

@@ -24,6 +24,9 @@ Invariants:
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -102,3 +105,24 @@ def _planned(spec: ModelSpec, tp: int, mbs: int, recompute: str, dp: int = 1, ze
     except (ConfigError, ScheduleError) as err:
         raise ConfigError(str(err)) from None
     return job, {s: lower(job, strategy.ranks_of_stage(s)[0]) for s in range(n)}
+
+
+def probe_many(spec: ModelSpec, keys: list[tuple], dev: DeviceModel) -> dict:
+    """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero]), in
+    forked worker processes, one per core: {key: Probe, or the planner's
+    ConfigError}. One core, or few keys: here, in turn."""
+    workers = min(os.cpu_count() or 1, len(keys))
+    if workers < 2 or len(keys) < 4:
+        return {k: probe_or_error(spec, k, dev) for k in keys}
+    ctx = multiprocessing.get_context("fork")  # the workers share this process's imports
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        return dict(zip(keys, pool.map(probe_or_error, [spec] * len(keys), keys,
+                                       [dev] * len(keys))))
+
+
+def probe_or_error(spec: ModelSpec, key: tuple, dev: DeviceModel):
+    """`probe` of a key (tp, mbs, recompute[, dp, zero]), or its ConfigError."""
+    try:
+        return probe(spec, *key[:3], dev, *key[3:])
+    except ConfigError as err:
+        return err

@@ -35,7 +35,7 @@ from meshplan.search.estimate import (
     stage_works,
     with_dp,
 )
-from meshplan.search.probe import ModelSpec, Probe, probe
+from meshplan.search.probe import ModelSpec, Probe, probe_many, probe_or_error
 from meshplan.search.space import Candidate, Space, candidates
 
 GiB = 1 << 30
@@ -80,8 +80,10 @@ def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
     limit = memory_limit if memory_limit is not None else dev.memory_bytes
     st = Setting(mesh, global_batch, dev, bucket_mb, spec.precision)
     pricer = _Pricer(spec, layers, st, limit)
+    cands = list(candidates(mesh, layers, global_batch, space or Space()))
+    pricer.prefetch(cands)
     queue: list = []
-    for n, cand in enumerate(candidates(mesh, layers, global_batch, space or Space())):
+    for n, cand in enumerate(cands):
         pricer.considered += 1
         lazy = cand.recompute != Recompute.NONE and not exhaustive
         entry = pricer.optimistic(cand) if lazy else pricer.exact(cand)
@@ -130,10 +132,7 @@ class _Pricer:
 
     def probe(self, key) -> Probe | None:
         if key not in self.probes:
-            try:
-                self.probes[key] = probe(self.spec, *key[:3], self.st.dev, *key[3:])
-            except ConfigError as err:
-                self.probes[key] = err
+            self.probes[key] = probe_or_error(self.spec, key, self.st.dev)
         p = self.probes[key]
         if isinstance(p, ConfigError):
             self.refused[str(p)] += 1
@@ -167,6 +166,16 @@ class _Pricer:
             self.works[wkey] = [with_dp(w, cand, split, pw)
                                 for w, pw in zip(self._stages(key, counts), patterns)]
         return counts, self.works[wkey]
+
+    def prefetch(self, cands: list[Candidate]) -> None:
+        """Plan every probe the candidates may need, on all cores at once
+        (`probe.probe_many`); a probe the search then never asks for costs
+        a core's share of the time only."""
+        keys = {(c.tp, c.micro_batch_size, r) for c in cands for r in {c.recompute,
+                                                                      Recompute.NONE}}
+        keys |= {(c.tp, 1, c.recompute, 2, 3) for c in cands if c.dp > 1}
+        for key, got in probe_many(self.spec, sorted(keys, key=str), self.st.dev).items():
+            self.probes[key] = got
 
     def _stages(self, key, counts):
         if (key, counts) not in self.stages:
