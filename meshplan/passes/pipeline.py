@@ -85,7 +85,8 @@ def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
         if layer_stages:
             raise ConfigError("layer_stages and stage_layers both give the layout; pass one "
                               "(--layer-stages takes either form)")
-        stages, chunks, notes = (*_by_counts(len(layers), where, tuple(stage_layers)), [])
+        stages, chunks = _by_counts(len(layers), where, tuple(stage_layers))
+        notes: list[str] = []
     else:
         stages, chunks, notes = _layout(len(layers), where, tuple(layer_stages), layer_pattern)
     places = _Placer(graph, op_layer, list(zip(stages, chunks))).run()

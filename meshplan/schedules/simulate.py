@@ -254,8 +254,8 @@ def finish_times(orders: Mapping[int, Sequence[Action]], placement: StagePlaceme
     n_mb = 1 + max((a.microbatch for acts in orders.values() for a in acts), default=0)
     rank_of = placement.rank_of
     stages = placement.num_stages
-    made_f = [None] * (stages * n_mb)   # F output of (stage, mb)
-    made_g = [None] * (stages * n_mb)   # input gradient (from B or I) of (stage, mb)
+    made_f: list[float | None] = [None] * (stages * n_mb)   # F output of (stage, mb)
+    made_g: list[float | None] = [None] * (stages * n_mb)   # input gradient of (stage, mb)
     kinds = {F: 0, B: 1, I: 2, W: 3}
     lists = {}
     for r in ranks:

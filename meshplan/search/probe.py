@@ -29,6 +29,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
+from typing import Any
 
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError, ScheduleError
@@ -44,7 +45,7 @@ class ModelSpec:
 
     model: str
     size: str
-    overrides: tuple[tuple[str, object], ...] = ()
+    overrides: tuple[tuple[str, Any], ...] = ()
     optimizer: str = "adamw"
     precision: str = "fp32"
 
@@ -123,6 +124,7 @@ def probe_many(spec: ModelSpec, keys: list[tuple], dev: DeviceModel) -> dict:
 def probe_or_error(spec: ModelSpec, key: tuple, dev: DeviceModel):
     """`probe` of a key (tp, mbs, recompute[, dp, zero]), or its ConfigError."""
     try:
-        return probe(spec, *key[:3], dev, *key[3:])
+        tp, mbs, recompute, *rest = key
+        return probe(spec, tp, mbs, recompute, dev, *rest)
     except ConfigError as err:
         return err

@@ -64,8 +64,8 @@ class SearchResult:
     def strategy(self, i: int = 0, layer_pattern: str = "", **fields) -> Strategy:
         """Ranked candidate `i` as a Strategy (its uneven layout included)."""
         c, pred = self.ranked[i].cand, self.ranked[i].pred
-        return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
-                        micro_batch_size=c.micro_batch_size, recompute=c.recompute,
+        return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=Schedule(c.schedule),
+                        micro_batch_size=c.micro_batch_size, recompute=Recompute(c.recompute),
                         zero=c.zero, stage_layers=pred.stage_layers if c.pp > 1 else (),
                         layer_pattern=layer_pattern, **fields)
 
@@ -171,8 +171,8 @@ class _Pricer:
         """Plan every probe the candidates may need, on all cores at once
         (`probe.probe_many`); a probe the search then never asks for costs
         a core's share of the time only."""
-        keys = {(c.tp, c.micro_batch_size, r) for c in cands for r in {c.recompute,
-                                                                      Recompute.NONE}}
+        keys: set[tuple] = {(c.tp, c.micro_batch_size, r) for c in cands
+                            for r in {c.recompute, Recompute.NONE}}
         keys |= {(c.tp, 1, c.recompute, 2, 3) for c in cands if c.dp > 1}
         for key, got in probe_many(self.spec, sorted(keys, key=str), self.st.dev).items():
             self.probes[key] = got

@@ -138,7 +138,7 @@ def _planner_takes(mesh: Mesh, dp: int, tp: int, pp: int, vpp: int, schedule: st
     from meshplan.passes.strategy import check_strategy
 
     try:
-        check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule,
+        check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=Schedule(schedule),
                                       global_batch_size=global_batch, micro_batch_size=mbs))
     except (ConfigError, ScheduleError):
         return False
