@@ -198,8 +198,8 @@ def task_overhead(budget_s: float) -> float:
     step of a GPT whose kernels are tiny (2 layers, hidden 16, one sample of
     4 tokens), run by the executor every rank runs (`RankExecutor`), over
     its task count (the median of steps within `budget_s`)."""
-    from meshplan.api import capture
     from meshplan.autodiff import OptimizerConfig, build_train_step
+    from meshplan.capture import capture
     from meshplan.driver.executor import Executor
     from meshplan.models import build_model, example_batch, model_config
 
