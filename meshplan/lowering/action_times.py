@@ -27,11 +27,28 @@ from meshplan.ops.table import rule_for
 
 
 @cache
-def _op_seconds(kind: str, sig_args: tuple, outs: tuple, dev: DeviceModel) -> float:
+def _op_cost(kind: str, sig_args: tuple, outs: tuple, dev: DeviceModel) -> tuple[float, float]:
     fl = rule_for(kind).flops
     flops = fl(sig_args) if fl is not None else 0.0
     dtype = next((o.dtype for o in outs if o is not None), "float32")
-    return dev.compute_seconds(flops, bytes_moved(sig_args, outs), dtype)
+    return flops, dev.compute_seconds(flops, bytes_moved(sig_args, outs), dtype)
+
+
+def compute_cost(job, t, value_meta: dict, dev: DeviceModel) -> tuple[float, float]:
+    """(flops, seconds) of compute task `t` on its physical shapes
+    (`value_meta`: Job value id -> the rank's TensorMeta)."""
+    op = job.graph.ops[t.op]
+    sig = to_sig(op.args, lambda i: value_meta.get(i) or job.graph.values[i].meta)
+    outs = tuple(value_meta.get(o) for o in op.outputs if o >= 0)
+    return _op_cost(op.kind, sig, outs, dev)
+
+
+def send_bytes(t, metas: dict) -> int:
+    """Bytes a SEND task moves: its box of the value."""
+    nbytes = metas[t.inputs[0]].dtype.itemsize
+    for a, b in t.box:
+        nbytes *= b - a
+    return nbytes
 
 
 def action_costs(job, reps: dict[int, RankPlan], dev: DeviceModel = CPU_DEFAULT) -> dict:
@@ -68,25 +85,21 @@ def _task_seconds(job, p, t, value_meta, metas, dev, where, stage, out) -> float
     if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
         kind = short(op.kind)
         crosses = len({job.mesh.node_of(r) for r in t.group}) > 1
-        return dev.collective_seconds(kind, _full_bytes(kind, t, metas), len(t.group), crosses)
+        return dev.collective_seconds(kind, full_bytes(kind, t, metas), len(t.group), crosses)
     if t.kind is TaskKind.SEND:
         src = where.stage_at(stage, t.chunk)
         dst = where.stage_at(job.stage[op.id], job.chunk[op.id])
-        nbytes = metas[t.inputs[0]].dtype.itemsize
-        for a, b in t.box:
-            nbytes *= b - a
+        nbytes = send_bytes(t, metas)
         crosses = job.mesh.node_of(p.rank) != job.mesh.node_of(t.peer)
         out[("comm", src, dst)] = max(out.get(("comm", src, dst), 0.0),
                                       dev.p2p_seconds(nbytes, crosses))
         return 0.0
     if t.kind is TaskKind.RECV:
         return 0.0
-    sig = to_sig(op.args, lambda i: value_meta.get(i) or job.graph.values[i].meta)
-    outs = tuple(value_meta.get(o) for o in op.outputs if o >= 0)
-    return _op_seconds(op.kind, sig, outs, dev)
+    return compute_cost(job, t, value_meta, dev)[1]
 
 
-def _full_bytes(kind: str, t, metas) -> int:
+def full_bytes(kind: str, t, metas) -> int:
     """The full (unsharded) tensor's bytes of a collective task: its input for
     a reduction (every member holds the whole tensor), its output for an
     all-gather, the group times its shard for an all-to-all."""

@@ -5,7 +5,8 @@ up layer by layer and the full evaluation reads off a whole plan.
 Invariants:
 - `Work` is additive: a stage of k identical layers is the first and last
   layers' extras plus k times one layer (`plus`, `times`).
-- Compute tasks and tensor-parallel collectives are priced here (seconds
+- Compute tasks and tensor-parallel collectives are priced here, with the
+  simulator's own per-task costs (`lowering/action_times.py`) (seconds
   per micro-batch of F, I and W, and per step of the optimizer); the tp
   group never leaves a node (the search keeps tp <= devices per node).
 - Data-parallel collectives are *not* priced here: they are kept as
@@ -28,10 +29,8 @@ from dataclasses import dataclass, field, fields, replace
 from meshplan.costmodel import DeviceModel
 from meshplan.ir import Phase, TensorMeta
 from meshplan.ir.kinds import short
+from meshplan.lowering.action_times import compute_cost, full_bytes, send_bytes
 from meshplan.lowering.rankplan import BufferCategory, RankPlan, TaskKind
-from meshplan.ops.cost import bytes_moved
-from meshplan.ops.infer import to_sig
-from meshplan.ops.table import rule_for
 
 _PHASE = {Phase.FORWARD: "f", Phase.BACKWARD: "i", Phase.WEIGHT: "w", Phase.OPTIMIZER: "step"}
 _STATE = {BufferCategory.PARAM: "param", BufferCategory.BUFFER: "param",
@@ -112,7 +111,7 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
         key = _PHASE[t.phase]
         op = job.graph.ops[t.op]
         if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
-            full = max(metas[b].nbytes for b in (*t.inputs, *t.outputs) if b >= 0)
+            full = full_bytes(short(op.kind), t, metas)
             kw = dict(op.kwargs)
             if kw.get("axis") == DP_AXIS or "stages" in kw:
                 w["dpn"][(key, short(op.kind))] += 1
@@ -123,20 +122,13 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
                     short(op.kind), full, len(t.group), crosses)
             continue
         if t.kind is TaskKind.SEND:
-            nbytes = metas[t.inputs[0]].dtype.itemsize
-            for a, b in t.box:
-                nbytes *= b - a
             name = "send_f" if t.phase is Phase.FORWARD else "send_b"
-            w[name] = w.get(name, 0) + nbytes
+            w[name] = w.get(name, 0) + send_bytes(t, metas)
             continue
         if t.kind is TaskKind.RECV:
             continue
-        sig = to_sig(op.args, lambda i: value_meta.get(i) or job.graph.values[i].meta)
-        outs = tuple(value_meta.get(o) for o in op.outputs if o >= 0)
-        fl = rule_for(op.kind).flops
-        flops = fl(sig) if fl is not None else 0.0
-        dtype = next((m.dtype for m in outs if m is not None), None) or "float32"
-        w[key] = w.get(key, 0.0) + dev.compute_seconds(flops, bytes_moved(sig, outs), dtype)
+        flops, seconds = compute_cost(job, t, value_meta, dev)
+        w[key] = w.get(key, 0.0) + seconds
         if key != "step":
             w["flops"] = w.get("flops", 0.0) + flops
     _memory(plan, task_of, where, stage, acc)
