@@ -24,8 +24,9 @@ Invariants:
   micro-batches plus the buckets' flat copies, saved bytes times the
   micro-batches the schedule keeps in flight per chunk, the largest
   transient and workspace, and the transient buckets and ZeRO-3's gathered
-  layers. It is an estimate (against full plans on GPT tiny: -3%..+60%,
-  ZeRO-3 -21%..+31%); the winner's full plan is the proof (`full.prove`).
+  layers. It is an estimate (`test_estimate` holds it within -3%..+60% of
+  the full plan on GPT tiny, ZeRO-3 -25%..+60%); the winner's full plan is
+  the proof (`full.prove`).
 """
 
 from __future__ import annotations
