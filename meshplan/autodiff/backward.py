@@ -6,7 +6,9 @@ Invariants:
   `grad_of` = that forward op's id.
 - A value with several gradient contributions gets one `meshplan.grad_sum`.
 - The loss gradient is seeded with 1/num_microbatches, so accumulating the
-  micro-batch gradients gives the gradient of the mean loss; with
+  micro-batch gradients gives the gradient of the mean loss. The seed is a
+  constant (`aten.full`), not `full_like(loss)`: no op of the step reads the
+  loss, so its reduction over dp can finish in the background; with
   `loss_scale` (fp16) the seed is also multiplied by the state
   `amp@loss_scale`, which the executor divides out before the optimizer.
 - Each parameter's gradient is added into its accumulator (`<fqn>@grad`,
@@ -20,6 +22,7 @@ from __future__ import annotations
 from meshplan.autodiff.optimizer import SLOTS, OptimizerConfig, slot_meta_shape
 from meshplan.errors import CaptureError
 from meshplan.ir import (
+    DEVICE,
     LOSS_SCALE,
     DType,
     Graph,
@@ -85,8 +88,11 @@ def _requires_grad(graph: Graph) -> set[int]:
     """Values that depend on a float parameter through differentiable ops."""
     need = {v.id for v in graph.inputs_by_role(Role.PARAM) if v.meta.is_float}
     for op in graph.ops:
-        if rule_for(op.kind).differentiable and any(r in need for r in op.refs()):
-            need.update(o for o in op.outputs if o >= 0 and graph.values[o].meta.is_float)
+        rule = rule_for(op.kind)
+        if rule.differentiable and any(r in need for r in op.refs()):
+            outs = op.outputs if rule.grad_outputs is None else \
+                [op.outputs[i] for i in rule.grad_outputs]
+            need.update(o for o in outs if o >= 0 and graph.values[o].meta.is_float)
     return need
 
 
@@ -94,10 +100,11 @@ def _emit_backward(b: GraphBuilder, graph: Graph, needs: set[int], m: int,
                    scale: int | None) -> dict[int, Ref]:
     """Emit the backward ops; returns the total gradient of each graph input."""
     contribs: dict[int, list[tuple[Ref, str]]] = {}
-    loss = Ref(graph.loss)
     e = Emitter(b, phase=Phase.BACKWARD, module_path="", grad_of=-1)
-    seed = e.call("aten.ones_like.default", loss) if m == 1 else \
-        e.call("aten.full_like.default", loss, 1.0 / m)
+    meta = b.meta(graph.loss)  # the seed is made, not derived from the loss: nothing in
+    (seed_id,) = e.emit("aten.full.default", (meta.shape, 1.0 / m), (meta,),  # the step
+                        (("dtype", meta.dtype), ("device", DEVICE)))     # waits for its value
+    seed = Ref(seed_id)
     if scale is not None:
         seed = e.call("aten.mul.Tensor", seed, Ref(scale))
     contribs[graph.loss] = [(seed, "")]

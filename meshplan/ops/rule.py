@@ -85,6 +85,9 @@ class OpRule:
     temp_bytes: Optional[Callable[[tuple], int]] = None  # (arg signature) -> bytes
     exact: bool = True
     differentiable: bool = True
+    # The outputs a gradient flows back through (None: every float output).
+    # nll_loss's total_weight is a count: a gradient for it would be dead code.
+    grad_outputs: Optional[tuple[int, ...]] = None
     # Kernel over lists: one list per tensor argument, the literal kwargs
     # shared; returns one list per output. Lets the executor run a run of
     # such ops (one per parameter) as a single call.

@@ -136,6 +136,9 @@ _NONDIFF = {
     "aten.ones_like.default", "aten.full_like.default", "aten.eq.Tensor",
     "aten.argmax.default", "aten.detach.default", "aten.lift_fresh_copy.default",
 }
+# Ops with float outputs that carry no gradient: the outputs that do (nll_loss's
+# total weight is a count; a gradient for it would be dead code).
+_GRAD_OUTPUTS = {"aten.nll_loss_forward.default": (0,), "aten.nll_loss2d_forward.default": (0,)}
 
 
 def _meshplan_rule(kind: str, kernel: Callable, category: Category = Category.COMPUTE,
@@ -190,6 +193,7 @@ def rule_for(kind: str) -> OpRule:
         temp_bytes=_TEMP.get(kind),
         exact=grad is not None or kind in _NONDIFF,
         differentiable=kind not in _NONDIFF,
+        grad_outputs=_GRAD_OUTPUTS.get(kind),
         sbp=SBP.get(kind, replicated_rule),
         shape_args=_SHAPE_ARGS.get(kind, ()),
         precision=PRECISION.get(kind, ""),

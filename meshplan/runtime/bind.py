@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
+import torch
+
 from meshplan.ir import Op
 from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job
@@ -98,6 +100,22 @@ def narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> C
 # kind -> factory(op, kwargs, group, ctx, comm) -> the rank's callable
 def _all_reduce(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
     return lambda x, **_: comm.all_reduce(x, group, kw["op"])
+
+
+def deferred_all_reduce(task: Task, ctx: RankContext, comm: Comm, pending: list) -> Callable:
+    """An all-reduce whose result no op of the step reads (the loss's): it
+    runs in the background, its work appended to `pending`, which the step
+    waits for at its end. Its issue order among the group's collectives is
+    the plan's, as for any other."""
+    op = ctx.job.graph.ops[task.op]
+    kind, group = dict(op.kwargs)["op"], task.group
+
+    def start(x, **_):
+        out = x.clone(memory_format=torch.contiguous_format)
+        pending.append(comm.all_reduce_async(out, group, kind, name="deferred"))
+        return out
+
+    return start
 
 
 def gathered_parts(op: Op, ctx: RankContext) -> tuple[int, list[tuple[int, ...]]]:

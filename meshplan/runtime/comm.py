@@ -91,15 +91,16 @@ class Comm:
         self._record(f"all_reduce({op}) {list(group)}", t0)
         return out.to(x.device) if self.host_staged else out
 
-    def all_reduce_async(self, x: torch.Tensor, group):
-        """Sum `x` (a tensor of the caller's own) in place over `group`, in the
-        background; returns the work to wait on (a gradient bucket)."""
+    def all_reduce_async(self, x: torch.Tensor, group, op: str = "sum",
+                         name: str = "bucket"):
+        """Reduce `x` (a tensor of the caller's own) in place over `group`, in
+        the background; returns the work to wait on (a gradient bucket)."""
         t0 = time.perf_counter()
         if self.host_staged:  # staged through the host: done before returning
-            x.copy_(self.all_reduce(x, group, "sum"))
+            x.copy_(self.all_reduce(x, group, op))
             return _DONE
-        work = dist.all_reduce(x, group=self.groups[group], async_op=True)
-        return _Recorded(work, self, f"all_reduce bucket {list(group)}", t0)
+        work = dist.all_reduce(x, op=_OPS[op], group=self.groups[group], async_op=True)
+        return _Recorded(work, self, f"all_reduce {name} {list(group)}", t0)
 
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:
         """In place over every rank (the fp16 overflow flag)."""

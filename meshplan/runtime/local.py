@@ -105,9 +105,10 @@ class LocalComm:
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
         return _REDUCE[op](self._exchange(group, x)).to(x.dtype)
 
-    def all_reduce_async(self, x: torch.Tensor, group) -> _Done:
+    def all_reduce_async(self, x: torch.Tensor, group, op: str = "sum",
+                         name: str = "") -> _Done:
         """In place, at once (threads need no background work)."""
-        x.copy_(self.all_reduce(x, group, "sum"))
+        x.copy_(self.all_reduce(x, group, op))
         return _Done()
 
     def all_reduce_world(self, x: torch.Tensor, op: str) -> None:

@@ -12,7 +12,9 @@ Invariants:
   parameter and optimizer updates after the STEP.
 - Sends are asynchronous (waited at the end of the step), receives are
   waited before the action that needs them: the checker's simulation uses
-  the same semantics, so a plan it proves deadlock-free runs.
+  the same semantics, so a plan it proves deadlock-free runs. An all-reduce
+  whose result no op reads (the loss's) is waited at the end of the step
+  too (`bind.deferred_all_reduce`).
 - With one rank and no process group this is the single-process executor.
 - Gradient buckets (`grad_buckets.py`, not for fp16): the STEP's reductions
   over dp start during the last micro-batch's backward, coalesced, in the
@@ -47,6 +49,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir import LOSS_SCALE, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
+from meshplan.ir.kinds import ALL_REDUCE
 from meshplan.lowering.buckets import plan_buckets, run_order
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
@@ -56,7 +59,7 @@ from meshplan.lowering.rankplan import (
     template_of,
 )
 from meshplan.runtime.amp import initial_loss_scale, next_scale
-from meshplan.runtime.bind import RankContext, bind_task, localize
+from meshplan.runtime.bind import RankContext, bind_task, deferred_all_reduce, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
@@ -131,6 +134,11 @@ class RankExecutor:
                 users[g.ops[t.op].args[0].id].add(("send", t.chunk, t.phase))
         self.uses = {v: len(u) for v, u in users.items()}
         self.used = set(users)
+        read = {r for op in g.ops for r in op.refs()}
+        self.deferred = {t.op for t in plan.tasks if self.comm is not None and len(t.group) > 1
+                         and t.kind is TaskKind.COLLECTIVE and g.ops[t.op].kind == ALL_REDUCE
+                         and not read.intersection(g.ops[t.op].outputs)}
+        self.pending: list = []  # the deferred all-reduces' work, waited at the step's end
         self.segments = {key: self._segment(key, tasks) for key, tasks in by_tmpl.items()}
 
     def _segment(self, key, tasks):
@@ -146,7 +154,9 @@ class RankExecutor:
         shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
         kernels = {}
         for t in tasks:
-            k = (self.buckets and self.buckets.kernel(g.ops[t.op]) or
+            k = (t.op in self.deferred and deferred_all_reduce(t, self.ctx, self.comm,
+                                                               self.pending) or
+                 self.buckets and self.buckets.kernel(g.ops[t.op]) or
                  self.prefetch and self.prefetch.kernel(t) or bind_task(t, self.ctx, self.comm))
             if k is not None:
                 kernels[t.op] = k
@@ -208,6 +218,9 @@ class RankExecutor:
         self.current = "wait sends"
         t0 = time.perf_counter()
         self.transfers.wait_sends()
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
         if self.buckets is not None:
             self.buckets.end_step()
         if self.spans is not None:

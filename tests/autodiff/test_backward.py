@@ -22,8 +22,6 @@ from meshplan.ir import ABSENT, Phase, Ref, Role
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops.table import rule_for
 
-SEED_KINDS = {"aten.ones_like.default", "aten.full_like.default"}
-
 
 @pytest.fixture(scope="module")
 def gpt_step():
@@ -58,7 +56,8 @@ def test_backward_ops_point_to_their_forward_op(gpt_step):
             assert op.grad_of == -1  # per parameter, not per forward op
             continue
         if op.grad_of == -1:  # only the loss seed has no forward op
-            assert op.kind in SEED_KINDS and op.args[0] == Ref(step.loss)
+            assert op.kind == "aten.full.default"  # made, not read off the loss
+            assert op.args[0] == step.values[step.loss].meta.shape
             seeds += 1
             continue
         fwd = step.ops[op.grad_of]
@@ -72,6 +71,18 @@ def test_backward_ops_point_to_their_forward_op(gpt_step):
         (summed,) = [o for o in fwd.outputs if o in consumers]
         assert op.module_path == consumers[summed][0].module_path
     assert seeds == 1
+
+
+def test_no_op_reads_the_loss_and_a_count_gets_no_gradient(gpt_step):
+    """The step never waits for the loss's value (its reduction over dp runs
+    in the background), and cross-entropy's total weight (a count of
+    targets) carries no gradient: no dead ops for it."""
+    _graph, step = gpt_step
+    assert not [op for op in step.ops if step.loss in op.refs()]
+    read = {r for op in step.ops for r in op.refs()} | {u.value for u in step.updates}
+    dead = [op.kind for op in step.ops_in(Phase.BACKWARD)
+            if not any(o in read for o in op.outputs if o != ABSENT)]
+    assert not dead, dead
 
 
 def _contributions(graph) -> Counter:
