@@ -8,9 +8,12 @@ one product stays short, so a slow 16-bit matmul is measured small), memory
 bandwidth (a large copy: read + write bytes), what the rank executor spends
 per task beyond its math (`kernel_overhead`: a train step of a GPT whose
 kernels are tiny, over its task count), and gloo point-to-point and
-all-reduce latency and bandwidth among local processes on 127.0.0.1. With
-`--processes N` the compute figures are measured in N processes at once and
-gloo among N: the machine as N ranks share it.
+all-reduce latency and bandwidth among local processes on 127.0.0.1 (N of
+them with `--processes N`). The compute figures are one process's alone on
+a core; `host_cores` (the machine's cores) tells the search that ranks on
+this host share them (`search/estimate.py`: a step takes at least the
+host's busy time over its cores), rather than folding the sharing into the
+rates, which would slow a pipeline's ranks whose bubbles leave cores free.
 The all-reduce fit gives `intra_bw` and `intra_latency` (for two ranks the
 ring model is 2 a + S/B: `costmodel/device.py`), the point-to-point fit
 `p2p_latency` and `p2p_bw` (pipeline transfers).
@@ -101,9 +104,8 @@ def add_calibrate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small sizes: a rougher model in a few seconds (tests)")
     p.add_argument("--processes", type=int, default=2, metavar="N",
-                   help="measure as N ranks run here at once: the compute rates in N "
-                   "concurrent processes, gloo among N (default 2; give the rank count "
-                   "you will run, e.g. 4 on a 2-core machine shares each core by two)")
+                   help="measure gloo among N processes (default 2; give the rank count "
+                   "you will run here); the search counts the cores they share")
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
@@ -129,18 +131,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def calibrate(sizes: Sizes = Sizes(), processes: int = 2) -> tuple[DeviceModel, dict]:
-    """Measure this machine as `processes` ranks use it at once: the
-    `cpu-local` model and the raw figures."""
-    if processes > 1:
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(processes) as pool:
-            each = pool.map(_compute_figures, [sizes] * processes)
-        rates = {d: (statistics.median(e[0][d][0] for e in each), each[0][0][d][1])
-                 for d in DTYPES}
-        copy = statistics.median(e[1] for e in each)
-        overhead = statistics.median(e[2] for e in each)
-    else:
-        rates, copy, overhead = _compute_figures(sizes)
+    """Measure this machine (gloo among `processes` ranks): the `cpu-local`
+    model and the raw figures."""
+    rates, copy, overhead = _compute_figures(sizes)
     comm = gloo_figures(sizes, max(2, processes))
     cores = os.cpu_count() or 1
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -151,6 +144,7 @@ def calibrate(sizes: Sizes = Sizes(), processes: int = 2) -> tuple[DeviceModel, 
         intra_bw=comm["all_reduce_bw"], intra_latency=comm["all_reduce_latency"],
         inter_bw=comm["all_reduce_bw"], inter_latency=comm["all_reduce_latency"],
         p2p_latency=comm["p2p_latency"], p2p_bw=comm["p2p_bw"], kernel_overhead=overhead,
+        host_cores=cores,
         sources=(f"measured by `meshplan calibrate` on {socket.gethostname()} at "
                  f"{datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, "
                  f"torch {torch.__version__}, one thread per process",))

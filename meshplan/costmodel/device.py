@@ -81,6 +81,11 @@ class DeviceModel:
     # Seconds every kernel costs on top of its math or memory traffic: its
     # launch and the framework's dispatch (what a tiny op takes).
     kernel_overhead: float = 0.0
+    # The CPU cores all ranks of one node share (processes on one host, as
+    # `meshplan calibrate` measures them); 0: every rank has its own device.
+    # With more ranks on a node than cores, a step takes at least the node's
+    # busy time over its cores (`search/estimate.py`, `host_bound`).
+    host_cores: int = 0
 
     def flops_for(self, dtype: torch.dtype | str) -> float:
         """Achievable FLOP/s for `dtype` (the float32 rate for a dtype the

@@ -10,8 +10,9 @@ Invariants:
   `memory_bytes`, `devices_per_node` integers; `sources`, a list of
   strings; optionally `kernel_overhead` (s added to every kernel, its
   launch and dispatch), `p2p_latency`, `p2p_bw` (point-to-point within a
-  node, when unlike the collectives'). A rate is a number (bytes/s or FLOP/s) or
-  `{"peak": P, "efficiency": E}`, meaning P * E, so a file states the
+  node, when unlike the collectives'), `host_cores` (the CPU cores a node's
+  ranks share, for processes on one host; see `DeviceModel`). A rate is a
+  number (bytes/s or FLOP/s) or `{"peak": P, "efficiency": E}`, meaning P * E, so a file states the
   datasheet figure and the measured fraction apart. `peak_flops` per dtype
   is the `peak` of each flops entry (or an explicit `peak_flops` map). Any
   other key (`notes`, `measured`) is for people and ignored here.
@@ -113,7 +114,8 @@ def parse_device_model(text: str, where: str) -> DeviceModel:
         sources=tuple(str(s) for s in data.get("sources", ())),
         p2p_latency=_optional(data, "p2p_latency", _non_negative, where),
         p2p_bw=_optional(data, "p2p_bw", _rate, where),
-        kernel_overhead=_optional(data, "kernel_overhead", _non_negative, where) or 0.0)
+        kernel_overhead=_optional(data, "kernel_overhead", _non_negative, where) or 0.0,
+        host_cores=int(_optional(data, "host_cores", _positive, where) or 0))
 
 
 def _optional(data: dict, key: str, check, where: str) -> float | None:
@@ -159,4 +161,6 @@ def device_model_json(model: DeviceModel, extra: dict | None = None) -> str:
             data[key] = getattr(model, key)
     if model.kernel_overhead:
         data["kernel_overhead"] = model.kernel_overhead
+    if model.host_cores:
+        data["host_cores"] = model.host_cores
     return json.dumps(data | (extra or {}), indent=2) + "\n"

@@ -19,6 +19,15 @@ Invariants:
 - The step is simulated on the schedule's real action lists, every
   micro-batch (`simulate.finish_times`); `Priced.lower_bound` never exceeds
   it (asserted on every simulation).
+- Ranks that share a host's CPU cores (`DeviceModel.host_cores` fewer than
+  a node's ranks: processes on one machine, as `calibrate` measures it)
+  cannot all run at once: the step is then at least, per node, its ranks'
+  busy seconds (actions, with the collectives gloo runs on those same
+  cores, and the STEP) over its cores (`host_bound`). A pipeline's bubbles
+  leave cores to the other ranks; tensor parallel's collectives do not.
+  Measured on the 2-core machine (`benchmarks/auto_plan.py`, part 4): this
+  bound took the rank correlation of predicted and measured steps over 21
+  strategies from 0.24 to 0.96.
 - Memory per rank follows the memory plan's rules (`lowering/memory.py`):
   state split by dp as the ZeRO level says, gradients twice with several
   micro-batches plus the buckets' flat copies, saved bytes times the
@@ -106,6 +115,8 @@ class Priced:
     peak: tuple[int, ...]
     flops_per_device: float
     stage_layers: tuple[int, ...]
+    host: tuple[tuple[int, ...], ...] = ()  # per node (distinct): its ranks of each stage
+    host_cores: int = 0
 
     def lower_bound(self) -> float:
         """A bound on the simulated step: rank r waits for the first forward
@@ -130,7 +141,8 @@ class Priced:
         return best
 
     def predict(self) -> Prediction:
-        step_s, bubble = _simulated(self.cand, self.m, self.cost, self.comm, self.step)
+        step_s, bubble = _simulated(self.cand, self.m, self.cost, self.comm, self.step,
+                                    self.host, self.host_cores)
         assert step_s >= self.lower_bound() * (1 - 1e-9), (self.cand, step_s)
         return Prediction(step_s, bubble, self.peak, self.flops_per_device, self.stage_layers)
 
@@ -155,7 +167,30 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
     flops = sum(w.flops for w in works) * m / cand.pp
     if peaks is None:
         peaks = memory(cand, works, counts, st)
-    return Priced(cand, m, cost, comm, step, peaks, flops, counts)
+    return Priced(cand, m, cost, comm, step, peaks, flops, counts, _host_loads(cand, st),
+                  st.dev.host_cores)
+
+
+def _host_loads(cand: Candidate, st: Setting) -> tuple[tuple[int, ...], ...]:
+    """Per node whose ranks outnumber its cores, how many ranks of each
+    pipeline stage it holds (distinct rows); () when no node is shared."""
+    cores, per = st.dev.host_cores, st.mesh.devices_per_node
+    if not cores or per <= cores:
+        return ()
+    n = cand.dp * cand.tp  # a stage's ranks, consecutive (`Strategy.ranks_of_stage`)
+    return tuple(sorted({tuple(max(0, min(hi, (r + 1) * n) - max(lo, r * n))
+                               for r in range(cand.pp))
+                         for lo, hi in ((k * per, (k + 1) * per)
+                                        for k in range(st.mesh.nodes))}))
+
+
+def host_bound(busy: dict, step: tuple[float, ...], host: tuple[tuple[int, ...], ...],
+               cores: int) -> float:
+    """The step's lower bound on shared cores: the busiest node's ranks'
+    busy seconds (actions and STEP, per pipeline rank in `busy`) over its
+    cores; 0 when no node is shared."""
+    return max((sum(k * (busy[r] + step[r]) for r, k in enumerate(row)) / cores
+                for row in host), default=0.0)
 
 
 def memory(cand: Candidate, works: list[Work], counts: tuple[int, ...],
@@ -363,11 +398,13 @@ def _live_at(schedule: str, pp: int, vpp: int, m: int) -> tuple[dict, ...]:
     return tuple(in_flight(orders[r], where) for r in range(pp))
 
 
-def _simulated(cand: Candidate, m: int, cost: dict, comm: dict, step: tuple[float, ...]):
-    """(step seconds, bubble ratio): every rank's finish plus its STEP."""
+def _simulated(cand: Candidate, m: int, cost: dict, comm: dict, step: tuple[float, ...],
+               host: tuple[tuple[int, ...], ...] = (), cores: int = 0):
+    """(step seconds, bubble ratio): every rank's finish plus its STEP, or
+    the shared cores' bound (`host_bound`) when that is longer."""
     finish, busy = finish_times(_orders(cand.schedule, cand.pp, cand.vpp, m),
                                 placement_of(cand.schedule, cand.pp, cand.vpp), cost, comm)
-    t = max(finish[r] + step[r] for r in finish)
+    t = max(max(finish[r] + step[r] for r in finish), host_bound(busy, step, host, cores))
     return t, max((t - busy[r] - step[r]) / (busy[r] + step[r]) for r in busy)
 
 

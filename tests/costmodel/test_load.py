@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,10 @@ def test_cpu_local_is_read_from_meshplan_home(tmp_path, monkeypatch):
     (tmp_path / "devices" / "cpu-local.json").write_text(text)
     local = load_device_model("cpu-local")
     assert local.name == "cpu-local" and local.flops == dev.flops and local.mem_bw == dev.mem_bw
+    assert local.host_cores == 0  # a device of its own per rank unless the file says
+    shared = replace(dev, name="cpu-local", host_cores=2)
+    (tmp_path / "devices" / "cpu-local.json").write_text(device_model_json(shared))
+    assert load_device_model("cpu-local") == shared
 
 
 @pytest.mark.parametrize("text, phrase", [

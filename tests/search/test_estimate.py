@@ -106,3 +106,36 @@ def test_a_layer_keeps_more_without_recompute(pricer):
     _, full = pricer._works(CANDS[0], "full")
     assert sum(w.saved_i + w.saved_w for w in full) < sum(w.saved_i + w.saved_w for w in plain)
     assert full[0].i + full[0].w > plain[0].i + plain[0].w  # the forward again
+
+
+def test_ranks_sharing_cores_take_the_hosts_busy_time_over_its_cores(pricer):
+    """Four ranks on two cores: a step is at least the ranks' busy seconds
+    over the cores; a pipeline's bubbles leave cores to the other ranks, so
+    its bound is below dp's; with a core per rank nothing changes."""
+    from dataclasses import replace
+
+    from meshplan.schedules.simulate import finish_times
+
+    def predict(cand, cores):
+        st = replace(ST, dev=replace(ST.dev, host_cores=cores))
+        counts, works = pricer._works(cand, cand.recompute)
+        return price(cand, works, st, counts)
+
+    for cand in (CANDS[0], CANDS[6]):  # dp4; gpipe over 4 stages
+        own, shared = predict(cand, 4), predict(cand, 2)
+        assert own.predict().step_s == price(*_args(pricer, cand)).predict().step_s
+        finish, busy = finish_times(estimate._orders(cand.schedule, cand.pp, cand.vpp, own.m),
+                                    placement_of(cand.schedule, cand.pp, cand.vpp),
+                                    own.cost, own.comm)
+        work = sum((busy[r] + own.step[r]) * cand.dp * cand.tp for r in busy)
+        assert shared.host == ((cand.dp * cand.tp,) * cand.pp,)
+        assert shared.predict().step_s == pytest.approx(
+            max(own.predict().step_s, work / 2), rel=1e-12)
+        assert shared.predict().step_s >= work / 2 * (1 - 1e-12)
+    gpipe = predict(CANDS[6], 2)
+    assert gpipe.predict().step_s < 2 * predict(CANDS[6], 4).predict().step_s
+
+
+def _args(pricer, cand):
+    counts, works = pricer._works(cand, cand.recompute)
+    return cand, works, ST, counts
