@@ -20,11 +20,12 @@ Four parts, one run (`python benchmarks/auto_plan.py [--parts speed,...]`):
    Megatron uses (96 B s l h^2 (1 + s/6h + V/16lh) per step). Targets: the
    prediction within 25% of 138; the search's winner at least as fast,
    within 80 GB.
-4. reality: `meshplan calibrate --processes 4` (cpu-local as 4 ranks share
-   this machine, in a private MESHPLAN_HOME),
+4. reality: `meshplan calibrate --processes 4` (cpu-local, gloo among 4,
+   `host_cores` the machine's 2, in a private MESHPLAN_HOME),
    then GPT small on 4 local gloo processes, every (dp, tp, pp,
-   micro-batch) with 1F1B, no recompute, ZeRO 0, trained a few steps each
-   (median of the steps after 2 warm-up ones). Targets: Spearman rank
+   micro-batch) with 1F1B, no recompute, ZeRO 0, trained 5 steps each in
+   2 rounds, the second in the reverse order (the machine is noisy): the
+   median of the steps after each run's 2 warm-up ones. Targets: Spearman rank
    correlation of predicted and measured step >= 0.7; the search's choice
    within 10% of the fastest measured.
 """
@@ -192,7 +193,7 @@ def _megatron_flops(b: int, s: int, layers: int, h: int, v: int) -> float:
 
 
 # ------------------------------------------------------------------ 4. reality
-def reality(steps: int = 5) -> dict:
+def reality(steps: int = 5, rounds: int = 2) -> dict:
     from meshplan.driver.plan import zoo_strategy
     from meshplan.driver.run import run
     from meshplan.models import model_config
@@ -224,15 +225,22 @@ def reality(steps: int = 5) -> dict:
             continue
         counts, works = got
         pred = price(cand, works, st, counts).predict()
-        strategy = zoo_strategy("gpt", cfg, dp=cand.dp, tp=cand.tp, pp=cand.pp,
-                                global_batch_size=gbs, micro_batch_size=cand.micro_batch_size)
-        common.wait_quiet(30)
-        r = run("gpt", "small", mesh, strategy, steps=steps, optimizer="adamw", timeout_s=300)
-        measured = statistics.median(r.step_s[2:])
-        rows.append({"strategy": cand.label(), "predicted_s": pred.step_s,
-                     "measured_s": measured, "cand": cand})
-        print(f"  {cand.label():<28} predicted {pred.step_s * 1e3:8.1f} ms  measured "
-              f"{measured * 1e3:8.1f} ms", flush=True)
+        rows.append({"strategy": cand.label(), "predicted_s": pred.step_s, "cand": cand,
+                     "step_s": []})
+    for rnd in range(rounds):  # alternating: each round in the other order
+        for row in rows if rnd % 2 == 0 else rows[::-1]:
+            cand = row["cand"]
+            strategy = zoo_strategy("gpt", cfg, dp=cand.dp, tp=cand.tp, pp=cand.pp,
+                                    global_batch_size=gbs,
+                                    micro_batch_size=cand.micro_batch_size)
+            common.wait_quiet(30)
+            r = run("gpt", "small", mesh, strategy, steps=steps, optimizer="adamw",
+                    timeout_s=300)
+            row["step_s"] += r.step_s[2:]
+            print(f"  round {rnd}: {cand.label():<28} predicted {row['predicted_s'] * 1e3:8.1f}"
+                  f" ms  measured {statistics.median(r.step_s[2:]) * 1e3:8.1f} ms", flush=True)
+    for row in rows:
+        row["measured_s"] = statistics.median(row["step_s"])
     rho = _spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     chosen = search(spec, mesh, gbs, dev, space=space).winner.cand
     fastest = min(rows, key=lambda r: r["measured_s"])
@@ -309,7 +317,14 @@ def table(res: dict) -> str:
                   f"{'met' if p['winner_at_least_as_fast'] else 'NOT met'}", ""]
     if "reality" in res:
         r = res["reality"]
+        dev = r["device_model"]
         lines += ["## 4. Against this machine: GPT small on 4 gloo processes (1F1B, ZeRO 0)", "",
+                  f"cpu-local as `calibrate --processes 4` measured it: float32 matmul "
+                  f"{dev['flops']['float32'] / 1e9:.0f} GFLOP/s (one process), copy "
+                  f"{dev['mem_bw'] / 1e9:.1f} GB/s, {dev.get('kernel_overhead', 0) * 1e6:.1f} us "
+                  f"per task, host_cores {dev.get('host_cores', 0)}. Measured: the median of "
+                  "each strategy's steps after 2 warm-up ones, over 2 rounds in alternating "
+                  "order.", "",
                   "| strategy | predicted (ms) | measured (ms) |", "|---|---|---|"]
         for row in sorted(r["rows"], key=lambda x: x["measured_s"]):
             lines.append(f"| {row['strategy']} | {row['predicted_s'] * 1e3:.1f} | "
