@@ -56,7 +56,10 @@ def cross_entropy(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
         2 if reduction == 1 else reduction, rest.get("ignore_index", -100),
     )
     if reduction == 1:
-        loss = e.call("aten.div.Tensor", loss, total)
+        if rest.get("weight") is None:  # the count of targets, from the targets alone: its
+            kept = e.call("aten.ne.Scalar", target, rest.get("ignore_index", -100))  # sum
+            total = e.call("aten.sum.default", kept, dtype=e.meta(logp).dtype)  # over dp can
+        loss = e.call("aten.div.Tensor", loss, total)  # start before the logits are made
     return (loss,)
 
 

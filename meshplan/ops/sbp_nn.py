@@ -112,13 +112,16 @@ def nll_loss(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
 
 
 def nll_loss_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
-    """(g, x, target, weight?, total_weight) -> gx, reduction sum."""
+    """(g, x, target, weight?, total_weight) -> gx, reduction sum (whose kernel
+    does not read total_weight, so it may be a Partial)."""
     ts = tensors((args, kwargs))
     reduction = args[4]
     k = len(ts) - 3
     sigs = []
     if reduction == 2 and len(ts[1].shape) == 2:
         sigs.append(SbpSig((R, Shard(0), Shard(0)) + (R,) * k, (Shard(0),)))
+        # A sum's backward never reads total_weight (only a mean divides by it).
+        sigs.append(SbpSig((R, Shard(0), Shard(0)) + (R,) * (k - 1) + (P,), (Shard(0),)))
         if k == 1:  # no weight: class_offset's kernel is unweighted
             sigs.append(SbpSig((R, Shard(1), R, R), (Shard(1),), KV.CLASS_OFFSET))
     return sigs + [replicated(len(ts), 1)]

@@ -32,6 +32,7 @@ SBP: dict[str, SbpRule] = {
         "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu",
         "native_dropout")},
     "aten.pow.Tensor_Scalar": r.pointwise(),
+    "aten.ne.Scalar": r.pointwise(),
     "aten.zeros_like.default": r.like,
     "aten.ones_like.default": r.like,
     "aten.full_like.default": r.like,

@@ -133,7 +133,7 @@ _SHAPE_ARGS = {
 # Ops whose outputs carry no gradient (integer results, statistics).
 _NONDIFF = {
     "aten.arange.start", "aten.arange.default", "aten.zeros_like.default",
-    "aten.ones_like.default", "aten.full_like.default", "aten.eq.Tensor",
+    "aten.ones_like.default", "aten.full_like.default", "aten.eq.Tensor", "aten.ne.Scalar",
     "aten.argmax.default", "aten.detach.default", "aten.lift_fresh_copy.default",
 }
 # Ops with float outputs that carry no gradient: the outputs that do (nll_loss's

@@ -14,7 +14,9 @@ Invariants:
   waited before the action that needs them: the checker's simulation uses
   the same semantics, so a plan it proves deadlock-free runs. An all-reduce
   whose result no op reads (the loss's) is waited at the end of the step
-  too (`bind.deferred_all_reduce`).
+  too (`bind.deferred_all_reduce`); one of a value made from the data
+  alone (cross-entropy's count of targets) starts first in its task group
+  and is waited where it stands (`early_collectives.py`).
 - With one rank and no process group this is the single-process executor.
 - Gradient buckets (`grad_buckets.py`, not for fp16): the STEP's reductions
   over dp start during the last micro-batch's backward, coalesced, in the
@@ -61,6 +63,7 @@ from meshplan.lowering.rankplan import (
 from meshplan.runtime.amp import initial_loss_scale, next_scale
 from meshplan.runtime.bind import RankContext, bind_task, deferred_all_reduce, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
+from meshplan.runtime.early_collectives import EarlyCollectives
 from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes
@@ -139,12 +142,19 @@ class RankExecutor:
                          and t.kind is TaskKind.COLLECTIVE and g.ops[t.op].kind == ALL_REDUCE
                          and not read.intersection(g.ops[t.op].outputs)}
         self.pending: list = []  # the deferred all-reduces' work, waited at the step's end
+        self.early = EarlyCollectives(self.job, self.comm)
         self.segments = {key: self._segment(key, tasks) for key, tasks in by_tmpl.items()}
 
     def _segment(self, key, tasks):
         g = self.job.graph
         if self.buckets is not None:  # per-micro-batch reductions after their bucket starts
             tasks = run_order(tasks, self.buckets.buckets, g.ops.__getitem__)
+        hooks = self.buckets.hooks(key) if self.buckets else {}
+        early: dict = {}
+        if self.comm is not None:  # the data's own all-reduces, started first
+            tasks, early_hooks, early = self.early.order(tasks)
+            assert not set(hooks) & set(early_hooks)
+            hooks |= early_hooks
         ops = [localize(g.ops[t.op], self.ctx) for t in tasks]
         if self.buckets is not None:
             ops = [self.buckets.segment_op(op) for op in ops]
@@ -154,7 +164,8 @@ class RankExecutor:
         shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
         kernels = {}
         for t in tasks:
-            k = (t.op in self.deferred and deferred_all_reduce(t, self.ctx, self.comm,
+            k = (early.get(t.op) or
+                 t.op in self.deferred and deferred_all_reduce(t, self.ctx, self.comm,
                                                                self.pending) or
                  self.buckets and self.buckets.kernel(g.ops[t.op]) or
                  self.prefetch and self.prefetch.kernel(t) or bind_task(t, self.ctx, self.comm))
@@ -166,7 +177,7 @@ class RankExecutor:
         name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
         fn = compile_segment(g, ops, reads=reads, keeps=keeps + shared, device=self.device,
                              name=name, kernels=kernels, borrowed=[r for r, _ in state_reads],
-                             hooks=self.buckets.hooks(key) if self.buckets else None)
+                             hooks=hooks)
         mb_updates = [(o, n) for o in keeps if o in self.updates
                       for n, role in [self.updates[o]] if role in _PER_MICROBATCH]
         step_updates = [(o, n) for o in keeps if o in self.updates

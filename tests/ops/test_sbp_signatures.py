@@ -134,6 +134,7 @@ CASES: dict[str, Case] = {
     "gelu_tanh": _c("aten.gelu.default", lambda: (f(6, 6),), approximate="tanh"),
     "native_dropout": _c("aten.native_dropout.default", lambda: (f(6, 6), 0.0, True)),
     "pow": _c("aten.pow.Tensor_Scalar", lambda: (f(6, 6), 2.0)),
+    "ne": _c("aten.ne.Scalar", lambda: (ints(3, 6, 6), 1)),
     "zeros_like": _c("aten.zeros_like.default", lambda: (f(6, 6),)),
     "ones_like": _c("aten.ones_like.default", lambda: (f(6, 6),)),
     "full_like": _c("aten.full_like.default", lambda: (f(6, 6), 3.0)),
