@@ -163,13 +163,14 @@ class MeshplanTrainer:
 
     def profiled(self, b) -> tuple[float, list[Span], list[Span]]:
         """A step with the executor's spans on, and the time it is blocked in
-        communication: synchronous all-reduces (the loss), waits for
-        (prefetched) all-gathers, and waits for the gradient buckets (the
-        STEP's; at zero 2 and 3 also each micro-batch's reduce-scatters')."""
+        communication: synchronous all-reduces, waits for (prefetched)
+        all-gathers, for the gradient buckets (the STEP's; at zero 2 and 3
+        also each micro-batch's reduce-scatters'), for the count of targets
+        (started first in the forward) and for the loss (at the step's end)."""
         comm: list[Span] = []
         calls = {"all_reduce": partial(timed_call, "all_reduce (synchronous)", comm),
                  "all_gather_many_async": partial(timed_wait, "all_gather wait", comm),
-                 "all_reduce_async": partial(timed_wait, "gradient bucket wait", comm)}
+                 "all_reduce_async": partial(timed_wait, _ASYNC_WAITS, comm)}
         with patched(self.ex.comm, calls):
             wall, spans = profiled_step(self.ex, self.state, split_microbatches(b, M))
         return wall, spans, comm
@@ -315,11 +316,18 @@ class _Waited:
         return _timed(self.name, self.spans, self.inner, *args)
 
 
-def timed_wait(name: str, spans: list[Span], fn):
-    """`fn` (a communication start) with the wait for its result timed."""
+def timed_wait(name, spans: list[Span], fn):
+    """`fn` (a communication start) with the wait for its result timed;
+    `name` a label, or a map from the call's `name` argument to labels."""
     def start(*args, **kwargs):
-        return _Waited(name, spans, fn(*args, **kwargs))
+        label = name if isinstance(name, str) else name[kwargs.get("name", "bucket")]
+        return _Waited(label, spans, fn(*args, **kwargs))
     return start
+
+
+# meshplan's background all-reduces, by the `name` they are started with
+_ASYNC_WAITS = {"bucket": "gradient bucket wait", "early": "count of targets wait",
+                "deferred": "loss wait"}
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
