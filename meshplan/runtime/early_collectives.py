@@ -67,6 +67,7 @@ class EarlyCollectives:
         for t in early:
             op = g.ops[t.op]
             src = op.args[0].id
+            assert made[src].op not in hooks, "two early all-reduces of one value"
             hooks[made[src].op] = (self._starter(t.op, t.group, dict(op.kwargs)["op"]), [src])
             kernels[t.op] = self._waiter(t.op)
         return first + [t for t in tasks if t.id not in need], hooks, kernels

@@ -137,7 +137,7 @@ class RankExecutor:
                 users[g.ops[t.op].args[0].id].add(("send", t.chunk, t.phase))
         self.uses = {v: len(u) for v, u in users.items()}
         self.used = set(users)
-        read = {r for op in g.ops for r in op.refs()}
+        read = {r for op in g.ops for r in op.refs()} | set(self.updates)  # a state, too
         self.deferred = {t.op for t in plan.tasks if self.comm is not None and len(t.group) > 1
                          and t.kind is TaskKind.COLLECTIVE and g.ops[t.op].kind == ALL_REDUCE
                          and not read.intersection(g.ops[t.op].outputs)}

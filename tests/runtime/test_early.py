@@ -80,3 +80,19 @@ def test_a_count_not_reduced_breaks_equality(monkeypatch):
 
     monkeypatch.setattr(EarlyCollectives, "_starter", local_only)
     assert not _verdict()
+
+
+def test_the_loss_is_reduced_in_the_background_and_a_planted_bug_shows(monkeypatch):
+    """No op reads the loss, so its all-reduce is deferred to the step's end;
+    planted: a deferred all-reduce that reduces nothing (each rank reports
+    its own part of the loss)."""
+    from meshplan.runtime import rank_executor
+    from meshplan.runtime.local import local_ranks
+
+    job = _job()
+    _hub, ranks = local_ranks(job, build_model(CFG))
+    (loss_reduce,) = {op for ex, _ in ranks for op in ex.deferred}
+    assert job.graph.ops[loss_reduce].outputs == (job.graph.loss,)
+    monkeypatch.setattr(rank_executor, "deferred_all_reduce",
+                        lambda task, ctx, comm, pending: lambda x, **_: x.clone())
+    assert not _verdict()
