@@ -376,6 +376,10 @@ def cmd_devices(a: argparse.Namespace) -> int:
         bw, lat = model.p2p_bw or model.intra_bw, model.p2p_latency
         print(f"  point-to-point {bw / gb:.1f} GB/s, "
               f"{(lat if lat is not None else model.intra_latency) * 1e6:.1f} us")
+    if model.kernel_overhead:
+        print(f"  per kernel {model.kernel_overhead * 1e6:.1f} us beyond its math")
+    if model.host_cores:
+        print(f"  {model.host_cores} cores shared by a node's ranks (host_cores)")
     for s in model.sources:
         print(f"  source: {s}")
     return 0

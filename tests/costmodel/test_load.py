@@ -110,6 +110,9 @@ def test_the_cli_shows_a_model_and_refuses_an_unknown_one():
     ok = run("devices", "h200-141gb", "--json")
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["name"] == "h200-141gb"
+    shown = run("devices", "a100-80gb")
+    assert shown.returncode == 0 and "per kernel 5.0 us" in shown.stdout
+    assert "host_cores" not in shown.stdout  # a GPU is its rank's own
     bad = run("devices", "b200")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
