@@ -15,6 +15,7 @@ from meshplan.lowering.buckets import plan_buckets
 from meshplan.lowering.check import check_plans, expand_collectives
 from meshplan.lowering.lower import lower
 from meshplan.models import model_config
+from tests.runtime._util import local_verdict
 
 TINY_BUCKETS = 0.2  # MiB: GPT tiny's 53 gradients in 5 buckets at dp=4
 
@@ -85,22 +86,8 @@ def test_equal_to_eager_with_buckets(fields):
 
 def _local_verdict() -> bool:
     """GPT tiny at dp=4, 4 micro-batches, ranks on threads, against eager."""
-    import torch
-
-    from meshplan.api import optimizer_of
-    from meshplan.driver.verify import against_eager
-    from meshplan.models import build_model, example_batch
-    from meshplan.runtime.local import run_local
-
     job = _job(TINY_BUCKETS, global_batch_size=16, micro_batch_size=2)
-    cfg = model_config("gpt", "tiny")
-    torch.manual_seed(0)
-    module = build_model(cfg)
-    batches = [example_batch(cfg, 16, seed=i) for i in range(2)]
-    mine = run_local(job, module, batches)
-    verdict, _ = against_eager(mine.rank_losses, mine.slices, module, batches,
-                               job.strategy.num_microbatches, optimizer_of(job))
-    return verdict["ok"]
+    return local_verdict(job, model_config("gpt", "tiny"), 16)
 
 
 def test_a_bucket_started_early_breaks_equality(monkeypatch):

@@ -4,19 +4,15 @@ has it; a planted bug in it breaks equality with eager."""
 
 from __future__ import annotations
 
-import torch
-
-from meshplan.api import optimizer_of
 from meshplan.driver.plan import plan_model, zoo_strategy
-from meshplan.driver.verify import against_eager
 from meshplan.ir import Phase
 from meshplan.ir.kinds import ALL_REDUCE
 from meshplan.ir.mesh import Mesh
 from meshplan.lowering.lower import lower
 from meshplan.lowering.rankplan import TaskKind, template_of
-from meshplan.models import build_model, example_batch, model_config
+from meshplan.models import build_model, model_config
 from meshplan.runtime.early_collectives import EarlyCollectives
-from meshplan.runtime.local import run_local
+from tests.runtime._util import local_verdict
 
 CFG = model_config("gpt", "tiny")
 
@@ -57,14 +53,7 @@ def test_no_early_collective_without_dp():
 
 
 def _verdict() -> bool:
-    job = _job()
-    torch.manual_seed(0)
-    module = build_model(CFG)
-    batches = [example_batch(CFG, 16, seed=i) for i in range(2)]
-    mine = run_local(job, module, batches)
-    verdict, _ = against_eager(mine.rank_losses, mine.slices, module, batches,
-                               job.strategy.num_microbatches, optimizer_of(job))
-    return verdict["ok"]
+    return local_verdict(_job(), CFG, 16)
 
 
 def test_a_count_not_reduced_breaks_equality(monkeypatch):
