@@ -50,13 +50,10 @@ def parse_bytes(text: str) -> int:
 
 
 def run_search(a: argparse.Namespace):
-    """The search over the flags' model and mesh, its winner proven by a full
-    plan (the first of the ranking whose memory plan fits):
-    (SearchResult, DeviceModel, limit, (index, full Prediction))."""
+    """The search over the flags' model and mesh, its winner (`ranked[0]`)
+    proven by its full plan: (SearchResult, DeviceModel, limit)."""
     from meshplan.cli.flags import mesh_of, overrides
     from meshplan.costmodel import load_device_model
-    from meshplan.search.estimate import Setting
-    from meshplan.search.full import prove
     from meshplan.search.probe import ModelSpec
     from meshplan.search.search import search
 
@@ -65,10 +62,8 @@ def run_search(a: argparse.Namespace):
     spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),
                      getattr(a, "optimizer", "adamw"), str(a.precision))
     gbs = a.global_batch_size or a.default_gbs
-    res = search(spec, mesh_of(a), gbs, dev, memory_limit=limit, bucket_mb=a.bucket_mb)
-    proof = prove(spec, res.ranked, Setting(mesh_of(a), gbs, dev, a.bucket_mb, spec.precision),
-                  limit)
-    return res, dev, limit, proof
+    return search(spec, mesh_of(a), gbs, dev, memory_limit=limit, bucket_mb=a.bucket_mb), \
+        dev, limit
 
 
 def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
@@ -78,12 +73,14 @@ def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
 
     if not getattr(a, "auto", False):
         return zoo_strategy(a.model, cfg, **strategy_fields(a))
-    res, dev, _, (best, full) = run_search(a)
-    r = res.ranked[best]
+    res, dev, _ = run_search(a)
+    r, full = res.winner, res.proven
+    assert full is not None
     if not getattr(a, "quiet", False):
         print(f"--auto chose {r.cand.label()} on {dev.name} (simulated step "
               f"{full.step_s:.4g} s, planned peak {max(full.peak) / 2**30:.2f} GiB; "
-              f"{res.considered} strategies searched in {res.seconds:.1f} s)", file=sys.stderr)
+              f"{res.considered} strategies searched in {res.seconds - res.proof_s:.1f} s, "
+              f"proven in {res.proof_s:.1f} s)", file=sys.stderr)
     return winner_strategy(a, cfg, r)
 
 
@@ -111,8 +108,8 @@ def config_name(a: argparse.Namespace, cfg, ranked) -> str:
         "nodes": a.nodes, "devices_per_node": a.devices_per_node})
 
 
-def table_json(a: argparse.Namespace, cfg, res, dev, limit: int, proof) -> dict:
-    best, full = proof
+def table_json(a: argparse.Namespace, cfg, res, dev, limit: int) -> dict:
+    full = res.proven
     rows = []
     for r in res.ranked:
         f = fields_of(a, r)
@@ -122,19 +119,21 @@ def table_json(a: argparse.Namespace, cfg, res, dev, limit: int, proof) -> dict:
                      "step_s": r.pred.step_s, "tflops_per_device": r.pred.tflops(),
                      "bubble_ratio": r.pred.bubble, "peak_bytes": list(r.pred.peak),
                      "config_name": config_name(a, cfg, r)})
-    rows[best] |= {"winner": True, "planned_step_s": full.step_s,
-                   "planned_peak_bytes": list(full.peak)}
+    rows[0] |= {"winner": True, "planned_step_s": full.step_s,
+                "planned_peak_bytes": list(full.peak)}
     return {"device_model": dev.name, "memory_limit_bytes": limit, "search_s": res.seconds,
             "candidates": res.considered, "over_memory": res.over_memory,
             "refused": sum(res.refused.values()), "simulated": res.simulated,
-            "probes": res.probes, "top": rows}
+            "probes": res.probes, "full_plans": res.proofs, "proof_s": res.proof_s,
+            "over_when_planned": res.over_when_planned, "unproven": res.unproven, "top": rows}
 
 
 def print_table(t: dict) -> None:
-    print(f"searched {t['candidates']} strategies in {t['search_s']:.1f} s on "
+    print(f"searched {t['candidates']} strategies in {t['search_s'] - t['proof_s']:.1f} s on "
           f"{t['device_model']} ({t['probes']} layer probes planned, {t['over_memory']} over "
           f"{t['memory_limit_bytes'] / 2**30:.1f} GiB, {t['refused']} refused by the "
-          f"planner, {t['simulated']} simulated)")
+          f"planner, {t['simulated']} simulated), then proved the winner in "
+          f"{t['proof_s']:.1f} s")
     head = f"{'#':>2}  {'strategy':<40} {'step (s)':>9} {'TFLOP/s':>8} {'bubble':>7} " \
            f"{'peak GiB per stage':<22} config"
     print(head)
@@ -144,10 +143,16 @@ def print_table(t: dict) -> None:
         print(f"{i:>2}  {row['strategy']:<40} {row['step_s']:>9.4g} "
               f"{row['tflops_per_device']:>8.3g} {row['bubble_ratio']:>7.3f} {shown:<22} "
               f"{row['config_name']}")
-    i, best = next((i, r) for i, r in enumerate(t["top"], 1) if r.get("winner"))
+    best = t["top"][0]
     layers = ",".join(map(str, best["stage_layers"]))
-    print(f"winner #{i}, proven by its full plan: step {best['planned_step_s']:.4g} s, "
-          f"planned peak {max(best['planned_peak_bytes']) / 2**30:.2f} GiB")
+    faster = (f"; {t['over_when_planned']} faster ones did not fit once planned"
+              if t["over_when_planned"] else "")
+    skipped = (f"; {t['unproven']} that might fit were not planned (at most "
+               f"{t['full_plans']} full plans)" if t["unproven"] else "")
+    print(f"winner #1, proven by its full plan: step {best['planned_step_s']:.4g} s, "
+          f"planned peak {max(best['planned_peak_bytes']) / 2**30:.2f} GiB "
+          f"({t['full_plans']} full plan(s){faster}{skipped}); "
+          "the rest are estimates")
     print(f"  --dp {best['dp']} --tp {best['tp']} --pp {best['pp']} --vpp {best['vpp']} "
           f"--schedule {best['schedule']} --micro-batch-size {best['micro_batch_size']} "
           f"--recompute {best['recompute']} --zero {best['zero']}"

@@ -230,8 +230,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
 
     cfg = model_config(a.model, a.size, **overrides(a))
     if a.auto:
-        res, dev, limit, proof = run_search(a)
-        t = table_json(a, cfg, res, dev, limit, proof)
+        res, dev, limit = run_search(a)
+        t = table_json(a, cfg, res, dev, limit)
         print(json.dumps(t)) if a.json else print_table(t)
         return 0
     strategy = strategy_of(a, cfg)

@@ -59,6 +59,11 @@ from meshplan.search.work import Work
 
 MiB = 1 << 20
 STEADY = 2  # micro-batches per pipeline stage after which in-flight counts stop growing
+# What the memory plan lays out for a whole step (state, saved slots,
+# workspace), as the probes estimate it, ran up to 10.4% over the full
+# plans' peaks (GPT small, 8 devices, all 1164 candidates:
+# `benchmarks/auto_plan.py` part 2 rechecks it); the floor takes it less this.
+FLOOR_SLACK = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,16 +199,19 @@ def host_bound(busy: dict, step: tuple[float, ...], host: tuple[tuple[int, ...],
 
 
 def memory(cand: Candidate, works: list[Work], counts: tuple[int, ...],
-           st: Setting, state_only: bool = False) -> tuple[int, ...]:
-    """The estimated planned peak of each pipeline rank; `state_only`: its
-    parameters, gradients and optimizer state alone (which recompute and
-    the schedule do not change)."""
+           st: Setting, part: str = "peak") -> tuple[int, ...]:
+    """Per pipeline rank: the estimated planned peak (`part` "peak"); a
+    floor under it ("floor": what the memory plan lays out for the whole
+    step, its state, saved slots and workspace, less `FLOOR_SLACK` for the
+    probes' error, but none of the transients); or its parameters,
+    gradients and optimizer state alone ("state", which recompute and the
+    schedule do not change)."""
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
     split = Schedule(cand.schedule).splits_backward
-    live = ({},) * cand.pp if state_only else _live(cand.schedule, cand.pp, cand.vpp, m)
+    live = ({},) * cand.pp if part == "state" else _live(cand.schedule, cand.pp, cand.vpp, m)
     return tuple(_peak([works[v] for v in mine], [g.chunk[v] for v in mine],
-                       [counts[v] for v in mine], live[r], cand, m, st, split)
+                       [counts[v] for v in mine], live[r], cand, m, st, split, part)
                  for r, mine in enumerate(g.stages))
 
 
@@ -327,9 +335,9 @@ def _stages_cross(cand: Candidate, mesh: Mesh, a: int, b: int) -> bool:
 
 
 def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
-          cand: Candidate, m: int, st: Setting, split: bool) -> int:
+          cand: Candidate, m: int, st: Setting, split: bool, part: str) -> int:
     d, z = cand.dp, cand.zero
-    state = saved = 0
+    state = saved = scratch = 0
     for w, c in zip(works, chunks):
         grad = w.grad * (2 if m > 1 else 1)  # sharded already (`with_dp`)
         if d > 1 and z < 2 and st.buckets:
@@ -339,12 +347,19 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
             continue
         to_i, to_w = live.get((c, Phase.BACKWARD), 1), live.get((c, Phase.WEIGHT), 1)
         saved += w.saved_i * to_i + w.saved_w * to_w
-        # values an I leaves for its W: at most those alive from F to W; in one
-        # B they are the backward's scratch (counted whole: the plan packs them)
-        saved += w.saved_iw * (to_w if split else 1)
+        # values an I leaves for its W: with the split, a slot per micro-batch
+        # in flight from I to W; in one B, the backward's scratch (counted
+        # whole: the plan packs them with the transients)
+        if split:
+            saved += w.saved_iw * to_w
+        else:
+            scratch += w.saved_iw
     if not live:
         return state
-    transient = max(w.transient for w in works)
+    laid_out = state + saved + max(w.temp for w in works)
+    if part == "floor":
+        return int(laid_out * (1 - FLOOR_SLACK))
+    transient = scratch + max(w.transient for w in works)
     if z == 3 and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
         transient += 3 * max(_dp_bytes(w, ("f",), "all_gather") // k
                              for w, k in zip(works, layers))
@@ -360,7 +375,7 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
         # memory plan counts on GPT tiny; test_estimate holds it near)
         shards = gathered // d
         transient += _live_buckets(shards, cap) * (min(cap, shards) * (d + 2))
-    return state + saved + transient + max(w.temp for w in works)
+    return laid_out + transient
 
 
 def _live_buckets(nbytes: int, cap: int) -> int:

@@ -3,9 +3,10 @@ strategy, one rank per pipeline stage lowered, its Work read off those
 plans, its memory taken from their memory plans, and the same pricing and
 simulation as the search (`estimate.price`).
 
-This is what the search's shortcuts (probes of one layer, estimated
-memory, pruning) are held to: on a space small enough to plan every
-candidate, `evaluate_all` and `search.search` must pick the same winner.
+It is the search's proof (its winner is the fastest candidate whose full
+plan fits), and what the search's shortcuts (probes of one layer,
+estimated memory, pruning) are held to: on a space small enough to plan
+every candidate, the fastest full plan that fits is the search's winner.
 """
 
 from __future__ import annotations
@@ -53,15 +54,3 @@ def _layers_per_stage(job, strategy) -> tuple[int, ...]:
     for s, c in zip(job.layer_stage, job.layer_chunk):
         counts[where.stage_at(s, c)] += 1
     return tuple(counts)
-
-
-def prove(spec: ModelSpec, ranked: list, st: Setting, limit: int):
-    """The first of `ranked` (best first) whose full plan fits `limit`:
-    (its index, its full Prediction); ConfigError when none does."""
-    for i, r in enumerate(ranked):
-        pred = evaluate(spec, r.cand, st, r.pred.stage_layers)
-        if max(pred.peak) <= limit:
-            return i, pred
-    raise ConfigError(f"none of the {len(ranked)} best strategies fits the memory limit once "
-                      "planned in full (the search's estimate was low); raise "
-                      "--memory-per-device or add devices")

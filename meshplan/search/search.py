@@ -1,12 +1,22 @@
-"""The search: every candidate strategy priced from probes, those over the
-memory limit dropped, the rest ranked by simulated step time.
+"""The search: every candidate strategy priced from probes, those that
+cannot fit the memory limit dropped, the rest ranked by simulated step
+time, and the winner proven by its full plan.
 
 Invariants:
-- Exact branch and bound: a candidate is simulated only while its lower
-  bound (`Priced.lower_bound`: the busiest rank's own work) is below the
-  `top`-th best simulated step so far; candidates are visited in bound
-  order, so the first `top` by simulated step are the same as simulating
-  every candidate (`exhaustive=True` does, for the soundness check).
+- Exact best-first branch and bound: candidates come out in simulated-step
+  order (`_in_order`), a candidate simulated only once its lower bound
+  (`Priced.lower_bound`: the busiest rank's own work) is at most the best
+  step not yet taken; the order is the same as simulating every candidate
+  (`exhaustive=True` does, for the soundness checks).
+- Memory is sound: a candidate is dropped unplanned only when its floor
+  (`estimate.memory(part="floor")`, below every full plan measured) is over
+  the limit. Those whose estimated peak is over the limit but whose floor
+  is not *may* fit: the proof plans them in full, in step order, and the
+  first candidate whose full plan fits is the winner (`ranked[0]`, its full
+  Prediction `proven`). What follows it in `ranked` are the next fastest
+  whose estimates fit, unproven. At most `MAX_PROOFS` full plans are made;
+  past that, only candidates estimated to fit are proven (and `unproven`
+  counts those skipped).
 - Ties are broken by peak memory, then by the candidate's fields, so the
   ranking is deterministic.
 - A candidate the planner refuses (a probe's ConfigError) is counted with
@@ -19,6 +29,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from meshplan.costmodel import DeviceModel
@@ -39,6 +50,7 @@ from meshplan.search.probe import ModelSpec, Probe, probe_many, probe_or_error
 from meshplan.search.space import Candidate, Space, candidates
 
 GiB = 1 << 30
+MAX_PROOFS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +61,18 @@ class Ranked:
 
 @dataclass(slots=True)
 class SearchResult:
-    ranked: list[Ranked]
+    ranked: list[Ranked]             # the winner first when proven, then by step
     considered: int = 0
-    over_memory: int = 0
+    over_memory: int = 0             # dropped unplanned: their floor is over the limit
     refused: Counter = field(default_factory=Counter)   # planner's reason -> candidates
     simulated: int = 0
     probes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0             # the whole search, its proofs included
+    proven: Prediction | None = None  # the winner's full plan, priced
+    proofs: int = 0                  # full plans made
+    over_when_planned: int = 0       # faster candidates whose full plan did not fit
+    unproven: int = 0                # candidates that may fit, skipped past MAX_PROOFS
+    proof_s: float = 0.0
 
     @property
     def winner(self) -> Ranked:
@@ -72,9 +89,11 @@ class SearchResult:
 
 def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
            memory_limit: int | None = None, space: Space | None = None, top: int = 10,
-           bucket_mb: float = 25.0, exhaustive: bool = False) -> SearchResult:
+           bucket_mb: float = 25.0, exhaustive: bool = False,
+           prove: bool = True) -> SearchResult:
     """The `top` fastest candidates within `memory_limit` bytes per device
-    (the device model's memory when None), by simulated step time."""
+    (the device model's memory when None), by simulated step time; with
+    `prove`, the first is the fastest whose full plan fits."""
     t0 = time.perf_counter()
     layers = spec.config().layers
     limit = memory_limit if memory_limit is not None else dev.memory_bytes
@@ -88,31 +107,84 @@ def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
         lazy = cand.recompute != Recompute.NONE and not exhaustive
         entry = pricer.optimistic(cand) if lazy else pricer.exact(cand)
         if entry is not None:
-            heapq.heappush(queue, (*entry, n, cand))
-    best: list[tuple] = []  # the top so far, worst on top
-    simulated = 0
-    while queue:
-        bound, exact, n, cand = heapq.heappop(queue)
-        if not exhaustive and len(best) >= top and bound >= -best[0][0]:
-            break
-        if not exact:  # probe it now, and queue it by its own bound
-            entry = pricer.exact(cand)
-            if entry is not None:
-                heapq.heappush(queue, (*entry, n, cand))
+            queue.append((*entry, n, cand))
+    heapq.heapify(queue)
+    res = SearchResult([], probes=0)
+    proof = _Proof(spec, st, limit) if prove else None
+    for r in _in_order(pricer, queue, exhaustive):
+        fits = max(r.pred.peak) <= limit
+        if proof is not None and res.proven is None:
+            if proof.made >= MAX_PROOFS and not fits:
+                res.unproven += 1
+                continue
+            res.proven = proof.planned(r)
+            if res.proven is None:
+                continue
+        elif not fits:  # may fit, but is slower than the winner: not listed
             continue
-        priced = pricer.priced.pop(cand)
-        pred = priced.predict()
-        simulated += 1
-        item = (-pred.step_s, -max(pred.peak), _neg(cand), cand, pred)
-        if len(best) < top:
-            heapq.heappush(best, item)
-        elif item > best[0]:
-            heapq.heapreplace(best, item)
-    if not best:
-        raise _nothing_fits(pricer, limit, mesh, global_batch)
-    ranked = [Ranked(x[3], x[4]) for x in sorted(best, key=lambda x: (-x[0], -x[1], x[3]))]
-    return SearchResult(ranked, pricer.considered, pricer.over_memory, pricer.refused,
-                        simulated, len(pricer.probes), time.perf_counter() - t0)
+        res.ranked.append(r)
+        if len(res.ranked) >= top:
+            break
+    if proof is not None:
+        res.proofs, res.over_when_planned, res.proof_s = proof.made, proof.over, proof.seconds
+        if res.proven is None:
+            raise _nothing_fits(pricer, limit, mesh, global_batch, proof.smallest)
+    elif not res.ranked:
+        raise _nothing_fits(pricer, limit, mesh, global_batch, None)
+    res.considered, res.over_memory, res.refused = (pricer.considered, pricer.over_memory,
+                                                    pricer.refused)
+    res.simulated, res.probes = pricer.simulated, len(pricer.probes)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _in_order(pricer: _Pricer, queue: list, exhaustive: bool) -> Iterator[Ranked]:
+    """The queued candidates in simulated-step order (ties: peak, then
+    fields): one is simulated when its bound is at most the best simulated
+    step not yet yielded, so what is yielded is final."""
+    ready: list = []
+    while queue or ready:
+        if queue and (exhaustive or not ready or queue[0][0] <= ready[0][0]):
+            bound, exact, n, cand = heapq.heappop(queue)
+            if not exact:  # probe it now, and queue it by its own bound
+                entry = pricer.exact(cand)
+                if entry is not None:
+                    heapq.heappush(queue, (*entry, n, cand))
+                continue
+            pred = pricer.priced.pop(cand).predict()
+            pricer.simulated += 1
+            heapq.heappush(ready, (pred.step_s, max(pred.peak), cand, pred))
+            continue
+        _, _, cand, pred = heapq.heappop(ready)
+        yield Ranked(cand, pred)
+
+
+class _Proof:
+    """Candidates planned in full (`full.evaluate`) until one fits."""
+
+    def __init__(self, spec: ModelSpec, st: Setting, limit: int):
+        self.spec, self.st, self.limit = spec, st, limit
+        self.made = self.over = 0
+        self.seconds = 0.0
+        self.smallest: tuple[int, Candidate] | None = None
+
+    def planned(self, r: Ranked) -> Prediction | None:
+        """`r`'s full Prediction if its full plan fits, else None."""
+        from meshplan.search.full import evaluate
+
+        t = time.perf_counter()
+        self.made += 1
+        try:
+            full = evaluate(self.spec, r.cand, self.st, r.pred.stage_layers)
+        finally:
+            self.seconds += time.perf_counter() - t
+        peak = max(full.peak)
+        if peak <= self.limit:
+            return full
+        self.over += 1
+        if self.smallest is None or peak < self.smallest[0]:
+            self.smallest = (peak, r.cand)
+        return None
 
 
 class _Pricer:
@@ -125,7 +197,7 @@ class _Pricer:
         self.layouts: dict = {}
         self.stages: dict = {}
         self.priced: dict[Candidate, Priced] = {}
-        self.considered = self.over_memory = 0
+        self.considered = self.over_memory = self.simulated = 0
         self.refused: Counter = Counter()
         self.smallest: tuple[int, Candidate] | None = None
         self.least_state: tuple[int, Candidate] | None = None  # of those not probed
@@ -183,13 +255,14 @@ class _Pricer:
         return self.stages[(key, counts)]
 
     def exact(self, cand: Candidate):
-        """(bound, True) of a candidate that fits; None when refused or too big."""
+        """(bound, True) of a candidate that may fit; None when refused, or
+        when even its floor is over the limit."""
         got = self._works(cand, cand.recompute)
         if got is None:
             return None
         counts, works = got
         peaks = memory(cand, works, counts, self.st)
-        if max(peaks) > self.limit:
+        if max(memory(cand, works, counts, self.st, part="floor")) > self.limit:
             self._too_big(max(peaks), cand)
             return None
         priced = price(cand, works, self.st, counts, peaks)
@@ -203,7 +276,7 @@ class _Pricer:
         if got is None:
             return None
         counts, works = got
-        state = max(memory(cand, works, counts, self.st, state_only=True))
+        state = max(memory(cand, works, counts, self.st, part="state"))
         if state > self.limit:  # its state alone is too big, with or without recompute
             self.over_memory += 1
             if self.least_state is None or state < self.least_state[0]:
@@ -217,13 +290,14 @@ class _Pricer:
             self.smallest = (peak, cand)
 
 
-def _neg(c: Candidate) -> tuple:
-    """A key that orders candidates backwards (the heap keeps the worst on top)."""
-    return tuple(-x if isinstance(x, int) else tuple(-ord(ch) for ch in x) for x in (
-        c.dp, c.tp, c.pp, c.vpp, c.schedule, c.micro_batch_size, c.recompute, c.zero))
-
-
-def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int) -> ConfigError:
+def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int,
+                  planned: tuple[int, Candidate] | None) -> ConfigError:
+    if planned is not None and (pricer.smallest is None or planned[0] <= pricer.smallest[0]):
+        peak, cand = planned
+        return ConfigError(
+            f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: the smallest peak "
+            f"found is {peak / GiB:.2f} GiB, planned in full ({cand.label()}); allow at least "
+            f"{peak / GiB:.2f} GiB, or add devices")
     if pricer.smallest is None and pricer.least_state is not None:
         state, cand = pricer.least_state
         return ConfigError(
@@ -243,5 +317,5 @@ def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int) -> ConfigEr
     peak, cand = pricer.smallest
     return ConfigError(
         f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: the smallest planned "
-        f"peak found is {peak / GiB:.2f} GiB ({cand.label()}); allow at least "
+        f"peak found is {peak / GiB:.2f} GiB, estimated ({cand.label()}); allow at least "
         f"{peak / GiB:.2f} GiB, or add devices")
