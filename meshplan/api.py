@@ -52,19 +52,34 @@ def capture(module, inputs: tuple, loss_fn=None, targets: tuple = ()):
     return _capture(module, tuple(inputs), loss_fn=loss_fn, targets=tuple(targets))
 
 
-def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
+def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None,
+         device_model: str = "cpu-local", memory_per_device: int | None = None):
     """The `Job` of `graph` (from `capture`) on `mesh` under `strategy`: the
     whole train step (forward, backward, accumulation over the strategy's
     micro-batches, the optimizer), laid out in SBP, boxed and staged.
 
     `optimizer` is "sgd", "adamw" or an `OptimizerConfig`; `lr` overrides
-    its learning rate."""
+    its learning rate.
+
+    With `Strategy(auto=True, global_batch_size=G, ...)` the strategy is
+    searched first (`--auto`'s search, on `device_model` within
+    `memory_per_device` bytes, its winner proven by its full plan): dp, tp,
+    pp, vpp, schedule, recompute and ZeRO, with dp x micro-batch size the
+    batch `graph` was captured with; the strategy's other fields (precision,
+    buckets, layer pattern, tp plan) are kept. The Job's strategy is the
+    winner."""
     from dataclasses import replace
 
     from meshplan.ir import Role
     from meshplan.passes.plan import PASSES, Compilation
     from meshplan.passes.strategy import check_strategy
 
+    if isinstance(optimizer, str):
+        opt = OptimizerConfig.default(optimizer, lr)
+    else:
+        opt = optimizer if lr is None else replace(optimizer, lr=lr)
+    if strategy.auto:
+        strategy = _searched(graph, mesh, strategy, opt, device_model, memory_per_device)
     strategy = check_strategy(mesh, strategy)
     want = strategy.micro_batch_size * strategy.dp
     for v in graph.inputs_by_role(Role.DATA):
@@ -73,11 +88,45 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None):
                 f"input '{v.name}' was captured with batch {v.meta.shape[0]}, but one "
                 f"micro-batch is micro_batch_size {strategy.micro_batch_size} x dp "
                 f"{strategy.dp} = {want} samples; capture on a batch of {want}")
-    if isinstance(optimizer, str):
-        opt = OptimizerConfig.default(optimizer, lr)
-    else:
-        opt = optimizer if lr is None else replace(optimizer, lr=lr)
     return PASSES.run(Compilation(graph, mesh, strategy, opt)).job
+
+
+def _searched(graph, mesh, strategy, opt, device_model: str, memory_per_device: int | None):
+    """`Strategy(auto=True)`: the search's proven winner on a captured graph."""
+    from dataclasses import replace
+
+    from meshplan.costmodel import load_device_model
+    from meshplan.ir import Role
+    from meshplan.passes.auto_plan import auto_layer_pattern
+    from meshplan.passes.pipeline import find_layers
+    from meshplan.search.probe import GraphSpec
+    from meshplan.search.search import search as _search
+
+    pattern = strategy.layer_pattern
+    if pattern in ("", "auto"):
+        pattern = auto_layer_pattern(graph)
+    layers = len(find_layers(graph, pattern)[0]) if pattern else 0
+    if layers < 3:
+        raise ConfigError(f"Strategy(auto=True) prices one layer from a graph of at least 3 "
+                          f"layers, and finds {layers} (layer pattern '{pattern}'); give "
+                          "Strategy(layer_pattern=...) that matches each layer, or choose "
+                          "the strategy by hand")
+    sizes = {v.meta.shape[0] for v in graph.inputs_by_role(Role.DATA) if v.meta.shape}
+    if len(sizes) != 1:
+        raise ConfigError(f"Strategy(auto=True) needs one batch size across the graph's "
+                          f"inputs; they have {sorted(sizes)}")
+    model = dict(graph.meta).get("auto:model", "model")
+    base = replace(strategy, layer_pattern=pattern,
+                   tp_plan=strategy.tp_plan or "auto", stage_layers=(), layer_stages=())
+    spec = GraphSpec(graph, base, opt, layers, sizes.pop(),
+                     f"the captured {model} ({layers} layers)")
+    res = _search(spec, mesh, strategy.global_batch_size, load_device_model(device_model),
+                  memory_limit=memory_per_device, bucket_mb=strategy.bucket_mb)
+    c = res.winner.cand
+    return spec.strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
+                         micro_batch_size=c.micro_batch_size, recompute=c.recompute,
+                         zero=c.zero,
+                         stage_layers=res.winner.pred.stage_layers if c.pp > 1 else ())
 
 
 def search(model: str, size: str, mesh, global_batch_size: int, device_model: str,

@@ -88,3 +88,62 @@ def test_readme_transformers_example_runs(tmp_path):
     assert "layer_pattern auto = 'model\\.transformer\\.h\\.(\\d+)'" in p.stdout
     m = re.search(r"^ok True: max \|diff\| (\S+), 52 parameter tensors", p.stdout, re.M)
     assert m and float(m.group(1)) <= 1e-5, p.stdout
+
+
+def _gpt_tiny_graph(batch: int, device: str = "cpu"):
+    from meshplan.models import build_model, example_batch, model_config
+
+    cfg = model_config("gpt", "tiny")
+    torch.manual_seed(0)
+    module = build_model(cfg, device=device)
+    data = example_batch(cfg, batch, device=device)
+    return module, data, mp.capture(module, data)
+
+
+def test_auto_on_a_graph_prices_as_the_rebuilt_model():
+    """A captured graph's probes (the whole graph as 1, L - 2, 1 layers, at the
+    dp its batch needs) price every candidate as the model rebuilt with three
+    layers does; tp is kept out (4 nodes of 1 device), since the graph's tp
+    plan is its own."""
+    from meshplan.costmodel import load_device_model
+    from meshplan.search.probe import GraphSpec, ModelSpec
+    from meshplan.search.search import search
+    from meshplan.search.space import Space
+
+    _, _, graph = _gpt_tiny_graph(4, "meta")
+    base = mp.Strategy(layer_pattern=r"blocks\.(\d+)", global_batch_size=16)
+    spec = GraphSpec(graph, base, mp.OptimizerConfig.default("adamw"), 4, 4, "gpt tiny")
+    dev, mesh = load_device_model("a100-80gb"), mp.Mesh(4, 1)
+    got = search(spec, mesh, 16, dev, prove=False, top=50).ranked
+    want = search(ModelSpec("gpt", "tiny"), mesh, 16, dev, space=Space(samples=4),
+                  prove=False, top=50).ranked
+    assert len(got) == len(want) > 10
+    for a, b in zip(got, want):
+        assert a.cand == b.cand and a.pred.peak == b.pred.peak
+        assert a.pred.step_s == pytest.approx(b.pred.step_s, rel=1e-9)
+        assert a.cand.dp * a.cand.micro_batch_size == 4
+
+
+@pytest.mark.slow
+def test_plan_auto_on_a_captured_graph_trains_like_eager():
+    module, data, graph = _gpt_tiny_graph(4)
+    job = mp.plan(graph, mp.Mesh(1, 4), mp.Strategy(auto=True, global_batch_size=8),
+                  optimizer="adamw", device_model="a100-80gb")
+    s = job.strategy
+    assert not s.auto and s.dp * s.micro_batch_size == 4 and s.dp * s.tp * s.pp == 4
+    from meshplan.models import example_batch, model_config
+
+    batches = [example_batch(model_config("gpt", "tiny"), 8, seed=k) for k in range(2)]
+    res = mp.verify(job, module, batches)
+    assert res.ok, res.problems
+
+
+def test_auto_needs_layers_to_price():
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    graph = mp.capture(_tiny(), (x,), loss_fn=torch.nn.functional.cross_entropy, targets=(y,))
+    with pytest.raises(ConfigError, match="at least 3 layers"):
+        mp.plan(graph, mp.Mesh(1, 2), mp.Strategy(auto=True, global_batch_size=8))
+    with pytest.raises(ConfigError, match="resolved by meshplan.api.plan"):
+        from meshplan.passes.strategy import check_strategy
+
+        check_strategy(mp.Mesh(1, 1), mp.Strategy(auto=True))

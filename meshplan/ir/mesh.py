@@ -86,6 +86,9 @@ class Strategy:
     # sharded data parallel, ZeRO's stages: 1 optimizer state, 2 + gradients, 3 + parameters
     zero: int = 0
     bucket_mb: float = 25.0  # gradient buckets' bound (MiB, DDP's default); 0: none
+    # search dp, tp, pp, vpp, schedule, micro-batch, recompute and ZeRO
+    # (`api.plan` does, on a device model); the fields above it searches are ignored
+    auto: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: parse the names once, here

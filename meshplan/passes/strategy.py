@@ -31,6 +31,9 @@ def _divisors(n: int) -> list[int]:
 
 def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
     """Validate; returns the strategy with `schedule` defaults resolved."""
+    if s.auto:
+        raise ConfigError("Strategy(auto=True) is resolved by meshplan.api.plan (or --auto), "
+                          "which searches a Strategy; plan the graph through it")
     for name in ("dp", "tp", "pp", "vpp", "global_batch_size", "micro_batch_size"):
         if getattr(s, name) < 1:
             raise ConfigError(f"{name}={getattr(s, name)} must be >= 1; pass a positive "

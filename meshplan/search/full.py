@@ -15,26 +15,23 @@ from dataclasses import replace
 
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.search.estimate import Prediction, Setting, price
-from meshplan.search.probe import ModelSpec
+from meshplan.search.probe import Spec
 from meshplan.search.space import Candidate
 
 
-def evaluate(spec: ModelSpec, cand: Candidate, st: Setting,
+def evaluate(spec: Spec, cand: Candidate, st: Setting,
              stage_layers: tuple[int, ...] = ()) -> Prediction:
     """Plan, lower and price `cand` in full; raises the planner's ConfigError."""
-    from meshplan.driver.plan import plan_model, zoo_strategy
     from meshplan.lowering.lower import lower
     from meshplan.search.work import read_work
 
-    cfg = spec.config()
-    strategy = zoo_strategy(spec.model, cfg, dp=cand.dp, tp=cand.tp, pp=cand.pp, vpp=cand.vpp,
-                            schedule=cand.schedule, global_batch_size=st.global_batch,
-                            micro_batch_size=cand.micro_batch_size, recompute=cand.recompute,
-                            precision=spec.precision, zero=cand.zero, bucket_mb=st.bucket_mb,
-                            stage_layers=stage_layers if cand.pp > 1 else ())
+    strategy = spec.strategy(dp=cand.dp, tp=cand.tp, pp=cand.pp, vpp=cand.vpp,
+                             schedule=cand.schedule, global_batch_size=st.global_batch,
+                             micro_batch_size=cand.micro_batch_size, recompute=cand.recompute,
+                             zero=cand.zero, bucket_mb=st.bucket_mb,
+                             stage_layers=stage_layers if cand.pp > 1 else ())
     try:
-        job = plan_model(spec.model, spec.size, st.mesh, strategy, optimizer=spec.optimizer,
-                         encode=False, **dict(spec.overrides)).job
+        job = spec.plan(st.mesh, strategy)
     except ScheduleError as err:
         raise ConfigError(str(err)) from None
     works, peaks = {}, []

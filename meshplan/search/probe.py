@@ -2,7 +2,7 @@
 
 The search never plans a 96-layer Job per candidate. For each (tp,
 micro-batch size, recompute) it plans the same model cut to three layers
-(`ModelSpec.probe_layers`) as three pipeline stages, one layer each, lowers
+(`ModelSpec.probe_plan`) as three pipeline stages, one layer each, lowers
 one rank per stage, and reads their `Work` (`work.read_work`):
 
     stage 0 = embedding + layer      stage 1 = one layer      stage 2 = layer + head + loss
@@ -12,6 +12,14 @@ and stage 2 minus it. The probe runs two micro-batches, all F, then all I,
 then all W (a GPipe order with the backward split), so every value a
 micro-batch keeps between actions has a slot per micro-batch and the
 split's I and W are priced apart (B = I + W).
+
+A captured graph (`GraphSpec`, for `Strategy(auto=True)`) cannot be
+rebuilt: its probe plans the whole graph as three stages, the first layer,
+the L - 2 in between and the last, so one layer is the middle stage over
+L - 2 (`Work.per`); and its batch, one micro-batch over dp, is fixed, so
+the probe runs at the dp that gives a rank the micro-batch size asked
+(its dp collectives do not count: `estimate.with_dp` puts the
+candidate's in their place).
 
 Invariants:
 - A probe is a plain planner run (capture, passes, lower): its costs are
@@ -29,19 +37,26 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.mesh import Mesh
 from meshplan.search.work import Work, read_work
 
+if TYPE_CHECKING:
+    from meshplan.autodiff import OptimizerConfig
+    from meshplan.ir.graph import Graph
+    from meshplan.ir.job import Job
+    from meshplan.ir.mesh import Strategy
+
 PROBE_LAYERS = 3
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A zoo or transformers model as `plan_model` takes it, and the training step."""
+    """A zoo or transformers model as `plan_model` takes it, and the training
+    step. Its probes rebuild it with three layers, at any micro-batch size."""
 
     model: str
     size: str
@@ -53,6 +68,92 @@ class ModelSpec:
         from meshplan.models import model_config
 
         return model_config(self.model, self.size, **dict(self.overrides), **more)
+
+    @property
+    def layers(self) -> int:
+        return self.config().layers
+
+    @property
+    def name(self) -> str:
+        cfg = self.config()
+        return f"{self.model} {self.size} ({cfg.layers} layers, {cfg.heads} heads)"
+
+    @property
+    def samples(self) -> int:
+        """dp x micro-batch size, when fixed (never: the model is rebuilt)."""
+        return 0
+
+    def strategy(self, layers: int = 0, **fields) -> Strategy:
+        from meshplan.driver.plan import zoo_strategy
+
+        cfg = self.config(layers=layers) if layers else self.config()
+        return zoo_strategy(self.model, cfg, precision=self.precision, **fields)
+
+    def plan(self, mesh: Mesh, strategy: Strategy, layers: int = 0) -> Job:
+        from meshplan.driver.plan import plan_model
+
+        more = {"layers": layers} if layers else {}
+        return plan_model(self.model, self.size, mesh, strategy, optimizer=self.optimizer,
+                          encode=False, **{**dict(self.overrides), **more}).job
+
+    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: int):
+        """The probe's Job (three layers as three stages, `_orders`) and
+        Strategy, and the layers of its middle stage."""
+        n = PROBE_LAYERS
+        strategy = self.strategy(n, dp=dp, tp=tp, pp=n, vpp=1, zero=zero,
+                                 global_batch_size=2 * mbs * dp, micro_batch_size=mbs,
+                                 schedule="csv", schedule_orders=_orders(), recompute=recompute,
+                                 bucket_mb=0)
+        return self.plan(Mesh(1, n * tp * dp), strategy, n), strategy, 1
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GraphSpec:
+    """A captured graph (`api.capture`) as the search takes it, for
+    `Strategy(auto=True)`. Its batch is one micro-batch over dp, so a
+    candidate's dp x micro-batch size must make it (`samples`); the probes
+    plan the whole graph as three stages: the first layer, the rest but
+    one, the last (`probe_plan`)."""
+
+    graph: Graph
+    base: Strategy       # the user's own fields: layer pattern, tp plan, precision, ...
+    optimizer: OptimizerConfig
+    layers: int
+    samples: int
+    name: str
+
+    @property
+    def precision(self) -> str:
+        return str(self.base.precision)
+
+    def strategy(self, layers: int = 0, **fields) -> Strategy:
+        return replace(self.base, auto=False, **fields)
+
+    def plan(self, mesh: Mesh, strategy: Strategy, layers: int = 0) -> Job:
+        from meshplan.passes.plan import PASSES, Compilation
+        from meshplan.passes.strategy import check_strategy
+
+        strategy = check_strategy(mesh, strategy)
+        return PASSES.run(Compilation(self.graph, mesh, strategy, self.optimizer)).job
+
+    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: int):
+        n, b = PROBE_LAYERS, self.samples
+        d = dp if dp > 1 else b // mbs  # a rank's micro-batch is the probe's
+        mid = self.layers - 2
+        strategy = self.strategy(dp=d, tp=tp, pp=n, vpp=1, zero=zero, global_batch_size=2 * b,
+                                 micro_batch_size=b // d, schedule="csv",
+                                 schedule_orders=_orders(), recompute=recompute, bucket_mb=0,
+                                 stage_layers=(1, mid, 1), layer_stages=())
+        return self.plan(Mesh(1, n * tp * d), strategy), strategy, mid
+
+
+Spec: TypeAlias = "ModelSpec | GraphSpec"
+
+
+def _orders() -> tuple[tuple[str, ...], ...]:
+    """F for two micro-batches, then I, then W, on each of the probe's stages."""
+    return tuple(tuple(f"{r}{kind}{mb}" for kind in "FIW" for mb in range(2))
+                 for r in range(PROBE_LAYERS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,42 +174,32 @@ class Probe:
         return w
 
 
-def probe(spec: ModelSpec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
+def probe(spec: Spec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
           dp: int = 1, zero: int = 0) -> Probe:
     """One layer's Work at (tp, micro-batch `mbs`, `recompute`) on `dev`;
     raises the planner's ConfigError for a tp the model cannot use. With
     `dp` = 2 and a ZeRO level, its dp collectives are the level's pattern
     (which ZeRO 3 cannot derive: it gathers again in the backward only what
     the backward reads)."""
-    job, reps = _planned(spec, tp, mbs, recompute, dp, zero)
+    job, reps, span = _planned(spec, tp, mbs, recompute, dp, zero)
     works = [read_work(job, reps[s], dev).by_stage[s] for s in range(PROBE_LAYERS)]
-    body = replace(works[1], layers=1)
+    body = replace(works[1].per(span), layers=1)
     return Probe(works[0].minus(body), body, works[2].minus(body))
 
 
 @cache
-def _planned(spec: ModelSpec, tp: int, mbs: int, recompute: str, dp: int = 1, zero: int = 0):
-    from meshplan.driver.plan import plan_model, zoo_strategy
+def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1, zero: int = 0):
     from meshplan.lowering.lower import lower
 
-    n = PROBE_LAYERS
-    cfg = spec.config(layers=n)
-    orders = tuple(tuple(f"{r}{kind}{mb}" for kind in "FIW" for mb in range(2))
-                   for r in range(n))
-    strategy = zoo_strategy(spec.model, cfg, dp=dp, tp=tp, pp=n, vpp=1, zero=zero,
-                            global_batch_size=2 * mbs * dp, micro_batch_size=mbs,
-                            schedule="csv", schedule_orders=orders, recompute=recompute,
-                            precision=spec.precision, bucket_mb=0)
     try:
-        job = plan_model(spec.model, spec.size, Mesh(1, n * tp * dp), strategy,
-                         optimizer=spec.optimizer, encode=False,
-                         **{**dict(spec.overrides), "layers": n}).job
+        job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero)
     except (ConfigError, ScheduleError) as err:
         raise ConfigError(str(err)) from None
-    return job, {s: lower(job, strategy.ranks_of_stage(s)[0]) for s in range(n)}
+    return job, {s: lower(job, strategy.ranks_of_stage(s)[0])
+                 for s in range(PROBE_LAYERS)}, span
 
 
-def probe_many(spec: ModelSpec, keys: list[tuple], dev: DeviceModel) -> dict:
+def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel) -> dict:
     """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero]), in
     forked worker processes, one per core: {key: Probe, or the planner's
     ConfigError}. One core, or few keys: here, in turn."""
@@ -121,7 +212,7 @@ def probe_many(spec: ModelSpec, keys: list[tuple], dev: DeviceModel) -> dict:
                                        [dev] * len(keys))))
 
 
-def probe_or_error(spec: ModelSpec, key: tuple, dev: DeviceModel):
+def probe_or_error(spec: Spec, key: tuple, dev: DeviceModel):
     """`probe` of a key (tp, mbs, recompute[, dp, zero]), or its ConfigError."""
     try:
         tp, mbs, recompute, *rest = key

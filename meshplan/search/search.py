@@ -30,7 +30,7 @@ import heapq
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError
@@ -46,7 +46,7 @@ from meshplan.search.estimate import (
     stage_works,
     with_dp,
 )
-from meshplan.search.probe import ModelSpec, Probe, probe_many, probe_or_error
+from meshplan.search.probe import Probe, Spec, probe_many, probe_or_error
 from meshplan.search.space import Candidate, Space, candidates
 
 GiB = 1 << 30
@@ -87,7 +87,7 @@ class SearchResult:
                         layer_pattern=layer_pattern, **fields)
 
 
-def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
+def search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
            memory_limit: int | None = None, space: Space | None = None, top: int = 10,
            bucket_mb: float = 25.0, exhaustive: bool = False,
            prove: bool = True) -> SearchResult:
@@ -95,11 +95,14 @@ def search(spec: ModelSpec, mesh: Mesh, global_batch: int, dev: DeviceModel,
     (the device model's memory when None), by simulated step time; with
     `prove`, the first is the fastest whose full plan fits."""
     t0 = time.perf_counter()
-    layers = spec.config().layers
+    layers = spec.layers
     limit = memory_limit if memory_limit is not None else dev.memory_bytes
     st = Setting(mesh, global_batch, dev, bucket_mb, spec.precision)
     pricer = _Pricer(spec, layers, st, limit)
-    cands = list(candidates(mesh, layers, global_batch, space or Space()))
+    space = space or Space()
+    if spec.samples:
+        space = replace(space, samples=spec.samples)
+    cands = list(candidates(mesh, layers, global_batch, space))
     pricer.prefetch(cands)
     queue: list = []
     for n, cand in enumerate(cands):
@@ -162,7 +165,7 @@ def _in_order(pricer: _Pricer, queue: list, exhaustive: bool) -> Iterator[Ranked
 class _Proof:
     """Candidates planned in full (`full.evaluate`) until one fits."""
 
-    def __init__(self, spec: ModelSpec, st: Setting, limit: int):
+    def __init__(self, spec: Spec, st: Setting, limit: int):
         self.spec, self.st, self.limit = spec, st, limit
         self.made = self.over = 0
         self.seconds = 0.0
@@ -190,7 +193,7 @@ class _Proof:
 class _Pricer:
     """Candidates priced from cached probes, layouts and stage works."""
 
-    def __init__(self, spec: ModelSpec, layers: int, st: Setting, limit: int):
+    def __init__(self, spec: Spec, layers: int, st: Setting, limit: int):
         self.spec, self.layers, self.st, self.limit = spec, layers, st, limit
         self.probes: dict = {}
         self.works: dict = {}
@@ -305,15 +308,16 @@ def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int,
             f"gradients and optimizer state alone need {state / GiB:.2f} GiB per device "
             f"({cand.label()}); allow more than that, or add devices")
     if pricer.smallest is None:
-        cfg = pricer.spec.config()
         why = (f"; the planner refused the rest: {pricer.refused.most_common(1)[0][0]}"
                if pricer.refused else "")
+        batch = (f"dp dividing the graph's batch {pricer.spec.samples} (one micro-batch over "
+                 f"dp) and" if pricer.spec.samples else "dp")
         return ConfigError(
-            f"no strategy for {pricer.spec.model} {pricer.spec.size} ({cfg.layers} layers, "
-            f"{cfg.heads} heads) on {mesh.nodes} node(s) x {mesh.devices_per_node} devices: "
-            f"dp x tp x pp must make {mesh.world} with dp dividing the global batch {gbs}, tp "
-            f"the {mesh.devices_per_node} devices of a node and the heads, and pp at most "
-            f"the layers{why}; use another device count or global batch")
+            f"no strategy for {pricer.spec.name} on {mesh.nodes} node(s) x "
+            f"{mesh.devices_per_node} devices: dp x tp x pp must make {mesh.world} with "
+            f"{batch} dividing the global batch {gbs}, tp the {mesh.devices_per_node} devices "
+            f"of a node and the heads, and pp at most the layers{why}; use another device "
+            "count or global batch")
     peak, cand = pricer.smallest
     return ConfigError(
         f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: the smallest planned "

@@ -71,6 +71,9 @@ class Space:
     zero: tuple[int, ...] = ZERO
     micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES
     max_vpp: int = MAX_VPP
+    # dp x micro-batch size when a captured graph's batch fixes it (0: free);
+    # the micro-batch size is then samples / dp, whatever `micro_batch_sizes`
+    samples: int = 0
 
 
 def candidates(mesh: Mesh, layers: int, global_batch: int,
@@ -84,9 +87,13 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
             if pp > layers:
                 continue
             dp = world // (tp * pp)
-            if global_batch % dp:
+            if global_batch % dp or (space.samples and space.samples % dp):
                 continue
-            for mbs in _micro_batches(global_batch // dp, space.micro_batch_sizes):
+            sizes = ([space.samples // dp] if space.samples else
+                     _micro_batches(global_batch // dp, space.micro_batch_sizes))
+            for mbs in sizes:
+                if global_batch % (dp * mbs):
+                    continue
                 m = global_batch // (dp * mbs)
                 for schedule, vpp in _schedules(pp, m, layers, space):
                     if not _planner_takes(mesh, dp, tp, pp, vpp, str(schedule),

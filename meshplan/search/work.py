@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from meshplan.costmodel import DeviceModel
 from meshplan.ir import Phase, TensorMeta
@@ -67,6 +68,15 @@ class Work:
     def times(self, k: int) -> Work:
         return replace(self, **{n: getattr(self, n) * k for n in _ADDITIVE},
                        dp=_lin(self.dp, k))
+
+    def per(self, k: int) -> Work:
+        """One of `k` identical layers: the additive fields over k (bytes
+        and counts exactly, as identical layers make them)."""
+        if k == 1:
+            return self
+        out: dict[str, Any] = {n: getattr(self, n) for n in _ADDITIVE}
+        out = {n: x / k if isinstance(x, float) else x // k for n, x in out.items()}
+        return replace(self, **out, dp=tuple((key, (c // k, b // k)) for key, (c, b) in self.dp))
 
     def minus(self, o: Work) -> Work:
         """The extras of a stage beyond `o` (one layer); its own widest fields."""
