@@ -59,11 +59,13 @@ from meshplan.search.work import Work
 
 MiB = 1 << 20
 STEADY = 2  # micro-batches per pipeline stage after which in-flight counts stop growing
-# What the memory plan lays out for a whole step (state, saved slots,
-# workspace), as the probes estimate it, ran up to 10.4% over the full
-# plans' peaks (GPT small, 8 devices, all 1164 candidates:
-# `benchmarks/auto_plan.py` part 2 rechecks it); the floor takes it less this.
-FLOOR_SLACK = 0.15
+# The floor (`memory(part="floor")`) is what a rank must hold at once, as
+# the probes estimate it, less this for their error: its state, workspace
+# and every value a micro-batch in flight keeps from its F to its I or W
+# (all alive when the rank's last warm-up forward ends). On GPT small over
+# 8 devices that estimate reached at most 0.991 of the full plans' peaks
+# (`benchmarks/auto_plan.py` part 2 rechecks it on every run).
+FLOOR_SLACK = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,7 +339,7 @@ def _stages_cross(cand: Candidate, mesh: Mesh, a: int, b: int) -> bool:
 def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
           cand: Candidate, m: int, st: Setting, split: bool, part: str) -> int:
     d, z = cand.dp, cand.zero
-    state = saved = scratch = 0
+    state = saved = iw = scratch = 0
     for w, c in zip(works, chunks):
         grad = w.grad * (2 if m > 1 else 1)  # sharded already (`with_dp`)
         if d > 1 and z < 2 and st.buckets:
@@ -348,18 +350,19 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
         to_i, to_w = live.get((c, Phase.BACKWARD), 1), live.get((c, Phase.WEIGHT), 1)
         saved += w.saved_i * to_i + w.saved_w * to_w
         # values an I leaves for its W: with the split, a slot per micro-batch
-        # in flight from I to W; in one B, the backward's scratch (counted
-        # whole: the plan packs them with the transients)
+        # in flight from I to W (counted as from F to W: at most that many);
+        # in one B, the backward's scratch (counted whole: the plan packs
+        # them with the transients)
         if split:
-            saved += w.saved_iw * to_w
+            iw += w.saved_iw * to_w
         else:
             scratch += w.saved_iw
     if not live:
         return state
-    laid_out = state + saved + max(w.temp for w in works)
+    kept = state + saved + max(w.temp for w in works)
     if part == "floor":
-        return int(laid_out * (1 - FLOOR_SLACK))
-    transient = scratch + max(w.transient for w in works)
+        return int(kept * (1 - FLOOR_SLACK))
+    transient = iw + scratch + max(w.transient for w in works)
     if z == 3 and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
         transient += 3 * max(_dp_bytes(w, ("f",), "all_gather") // k
                              for w, k in zip(works, layers))
@@ -375,7 +378,7 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
         # memory plan counts on GPT tiny; test_estimate holds it near)
         shards = gathered // d
         transient += _live_buckets(shards, cap) * (min(cap, shards) * (d + 2))
-    return laid_out + transient
+    return kept + transient
 
 
 def _live_buckets(nbytes: int, cap: int) -> int:

@@ -22,6 +22,17 @@ from meshplan.search.space import Candidate
 def evaluate(spec: Spec, cand: Candidate, st: Setting,
              stage_layers: tuple[int, ...] = ()) -> Prediction:
     """Plan, lower and price `cand` in full; raises the planner's ConfigError."""
+    got = fits(spec, cand, st, stage_layers, None)
+    assert isinstance(got, Prediction)
+    return got
+
+
+def fits(spec: Spec, cand: Candidate, st: Setting, stage_layers: tuple[int, ...],
+         limit: int | None, first: tuple[int, ...] = ()) -> Prediction | int:
+    """`evaluate`, or, as soon as one stage's planned peak is over `limit`,
+    that peak (the stages in `first` lowered first: the likeliest to be
+    over, so that a candidate that does not fit costs its plan and one
+    stage's lowering)."""
     from meshplan.lowering.lower import lower
     from meshplan.search.work import read_work
 
@@ -34,15 +45,17 @@ def evaluate(spec: Spec, cand: Candidate, st: Setting,
         job = spec.plan(st.mesh, strategy)
     except ScheduleError as err:
         raise ConfigError(str(err)) from None
-    works, peaks = {}, []
-    for stage in range(cand.pp):
+    works, peaks = {}, {}
+    for stage in dict.fromkeys((*first, *range(cand.pp))):
         plan = lower(job, strategy.ranks_of_stage(stage)[0])
         got = read_work(job, plan, st.dev)
         works.update(got.by_stage)
-        peaks.append(dict(got.peak)["total"])
+        peaks[stage] = dict(got.peak)["total"]
+        if limit is not None and peaks[stage] > limit:
+            return peaks[stage]
     counts = _layers_per_stage(job, strategy)
     return price(cand, [replace(works[v], layers=counts[v]) for v in range(len(works))], st,
-                 counts, tuple(peaks)).predict()
+                 counts, tuple(peaks[r] for r in range(cand.pp))).predict()
 
 
 def _layers_per_stage(job, strategy) -> tuple[int, ...]:

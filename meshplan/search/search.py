@@ -173,20 +173,20 @@ class _Proof:
 
     def planned(self, r: Ranked) -> Prediction | None:
         """`r`'s full Prediction if its full plan fits, else None."""
-        from meshplan.search.full import evaluate
+        from meshplan.search.full import fits
 
         t = time.perf_counter()
         self.made += 1
+        worst = tuple(sorted(range(len(r.pred.peak)), key=lambda i: -r.pred.peak[i]))
         try:
-            full = evaluate(self.spec, r.cand, self.st, r.pred.stage_layers)
+            full = fits(self.spec, r.cand, self.st, r.pred.stage_layers, self.limit, worst)
         finally:
             self.seconds += time.perf_counter() - t
-        peak = max(full.peak)
-        if peak <= self.limit:
+        if isinstance(full, Prediction):
             return full
         self.over += 1
-        if self.smallest is None or peak < self.smallest[0]:
-            self.smallest = (peak, r.cand)
+        if self.smallest is None or full < self.smallest[0]:
+            self.smallest = (full, r.cand)
         return None
 
 
@@ -298,9 +298,9 @@ def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int,
     if planned is not None and (pricer.smallest is None or planned[0] <= pricer.smallest[0]):
         peak, cand = planned
         return ConfigError(
-            f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: the smallest peak "
-            f"found is {peak / GiB:.2f} GiB, planned in full ({cand.label()}); allow at least "
-            f"{peak / GiB:.2f} GiB, or add devices")
+            f"no strategy fits --memory-per-device {limit / GiB:.2f} GiB: the smallest planned "
+            f"peak found is {peak / GiB:.2f} GiB or more, planned in full ({cand.label()}); "
+            f"allow at least {peak / GiB:.2f} GiB, or add devices")
     if pricer.smallest is None and pricer.least_state is not None:
         state, cand = pricer.least_state
         return ConfigError(
