@@ -34,8 +34,9 @@ Invariants:
   micro-batches the schedule keeps in flight per chunk, the largest
   transient and workspace, and the transient buckets and ZeRO-3's gathered
   layers. It is an estimate (`test_estimate` holds it within -3%..+60% of
-  the full plan on GPT tiny, ZeRO-3 -25%..+60%); the winner's full plan is
-  the proof (`full.prove`).
+  the full plan on GPT tiny, ZeRO-3 -25%..+60%), so the search drops a
+  candidate only on its floor (`memory(part="floor")`, below every full
+  plan: `test_search`) and proves its winner by the full plan.
 """
 
 from __future__ import annotations
@@ -203,11 +204,11 @@ def host_bound(busy: dict, step: tuple[float, ...], host: tuple[tuple[int, ...],
 def memory(cand: Candidate, works: list[Work], counts: tuple[int, ...],
            st: Setting, part: str = "peak") -> tuple[int, ...]:
     """Per pipeline rank: the estimated planned peak (`part` "peak"); a
-    floor under it ("floor": what the memory plan lays out for the whole
-    step, its state, saved slots and workspace, less `FLOOR_SLACK` for the
-    probes' error, but none of the transients); or its parameters,
-    gradients and optimizer state alone ("state", which recompute and the
-    schedule do not change)."""
+    floor under it ("floor": what the rank holds at once, its state,
+    workspace and the values its micro-batches in flight keep from F to I
+    or W, less `FLOOR_SLACK` for the probes' error; no transients, no I-to-W
+    values); or its parameters, gradients and optimizer state alone
+    ("state", which recompute and the schedule do not change)."""
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
     split = Schedule(cand.schedule).splits_backward
