@@ -296,11 +296,12 @@ def table(res: dict) -> str:
                   f"{s['candidates']} candidates planned, lowered and priced in full in "
                   f"{s['exhaustive_s']:.0f} s. Search vs full, per candidate: step "
                   f"{_pct(s['step_error'])}, peak {_pct(s['peak_error'])} (min, median, max).",
-                  "", f"The floor (what the memory plan lays out for the whole step, as the "
-                  f"probes estimate it, less {s['floor_slack']:.0%}) against every full plan: "
-                  f"at most {s['floor_max_ratio']:.3f} of its peak "
-                  f"({'' if s['floor_below_every_plan'] else 'NOT '}below every plan"
-                  f"; the laid-out estimate itself at most {s['laid_out_max_error']:+.1%}).", "",
+                  "", f"The floor (what a rank holds at once, as the probes estimate it: "
+                  f"state, workspace and the values of micro-batches in flight from F to I or W; "
+                  f"less {s['floor_slack']:.0%}) against every full plan: at most "
+                  f"{s['floor_max_ratio']:.3f} of its peak "
+                  f"({'' if s['floor_below_every_plan'] else 'NOT '}below every plan; the "
+                  f"estimate itself at most {s['laid_out_max_error']:+.1%}).", "",
                   "The search drops a candidate unplanned only when its floor is over the "
                   "limit; its winner is the fastest candidate whose full plan fits (what "
                   "`--auto` uses); the full winner is the fastest of every full plan that fits.",

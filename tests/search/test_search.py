@@ -86,6 +86,18 @@ def test_search_winner_is_the_full_plans_winner(limit):
     assert full.step_s <= best * 1.001
 
 
+def test_past_the_proof_budget_only_estimated_fits_are_proven(monkeypatch):
+    from meshplan.search import search as search_mod
+
+    cap = _limits()["q25"]
+    whole = search(SPEC, Mesh(1, 4), 16, DEV, memory_limit=cap, space=SMALL)
+    assert whole.over_when_planned > 0  # faster candidates that may fit, planned: over
+    monkeypatch.setattr(search_mod, "MAX_PROOFS", 0)
+    capped = search(SPEC, Mesh(1, 4), 16, DEV, memory_limit=cap, space=SMALL)
+    assert capped.unproven > 0 and max(capped.winner.pred.peak) <= cap
+    assert capped.proven is not None and max(capped.proven.peak) <= cap
+
+
 def test_pruning_by_the_estimate_loses_the_winner(monkeypatch):
     """Planted: candidates dropped when their *estimated* peak is over the
     limit (what the search did before its floor). At a binding limit one of
