@@ -99,7 +99,7 @@ def _searched(graph, mesh, strategy, opt, device_model: str, memory_per_device: 
     from meshplan.ir import Role
     from meshplan.passes.auto_plan import auto_layer_pattern
     from meshplan.passes.pipeline import find_layers
-    from meshplan.search.probe import GraphSpec
+    from meshplan.search.probe import GraphSpec, forget_probes
     from meshplan.search.search import search as _search
 
     pattern = strategy.layer_pattern
@@ -120,8 +120,11 @@ def _searched(graph, mesh, strategy, opt, device_model: str, memory_per_device: 
                    tp_plan=strategy.tp_plan or "auto", stage_layers=(), layer_stages=())
     spec = GraphSpec(graph, base, opt, layers, sizes.pop(),
                      f"the captured {model} ({layers} layers)")
-    res = _search(spec, mesh, strategy.global_batch_size, load_device_model(device_model),
-                  memory_limit=memory_per_device, bucket_mb=strategy.bucket_mb)
+    try:
+        res = _search(spec, mesh, strategy.global_batch_size, load_device_model(device_model),
+                      memory_limit=memory_per_device, bucket_mb=strategy.bucket_mb)
+    finally:
+        forget_probes()  # this graph's probes are of no use to another search
     c = res.winner.cand
     return spec.strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
                          micro_batch_size=c.micro_batch_size, recompute=c.recompute,

@@ -199,6 +199,11 @@ def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1, zero: i
                  for s in range(PROBE_LAYERS)}, span
 
 
+def forget_probes() -> None:
+    """Drop the planned probes (kept per spec, for every device model)."""
+    _planned.cache_clear()
+
+
 def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel) -> dict:
     """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero]), in
     forked worker processes, one per core: {key: Probe, or the planner's

@@ -112,7 +112,7 @@ def search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
         if entry is not None:
             queue.append((*entry, n, cand))
     heapq.heapify(queue)
-    res = SearchResult([], probes=0)
+    res = SearchResult([])
     proof = _Proof(spec, st, limit) if prove else None
     for r in _in_order(pricer, queue, exhaustive):
         fits = max(r.pred.peak) <= limit
