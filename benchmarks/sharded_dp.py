@@ -20,6 +20,10 @@ Measured, the same way for every configuration:
   (`common.timed_steps`); the median of the steps after the warm-up over
   all rounds. Configurations alternate round by round (`common.alternate`),
   each started once the CPUs are quiet (the machine is shared).
+- CPU per step: each rank's process (all its threads, gloo's included) and
+  main thread (`time.process_time`, `time.thread_time`) around its step,
+  summed over the ranks; the median over the rounds' steps. The 4 ranks
+  share the machine's 2 cores, so a step lasts about this over 2.
 - once per configuration, before the rounds, an accounting run of
   WARMUP + 1 steps, on its last step:
   - bytes communicated per rank: c10d's flight recorder
@@ -420,8 +424,15 @@ def _rank(rank: int, port: int, out: str, name: str, job_path: str, mode: str,
     elif mode == "profile":
         result = _profile(name, rank, job_path)
     else:
-        losses, times = timed_steps(trainer(name, rank, job_path).step, batches(0, steps), CPU)
-        result = {"losses": losses, "step_s": times}
+        t, cpu = trainer(name, rank, job_path), []
+
+        def step(b):  # and its CPU seconds: the whole process's, and this (main) thread's
+            p0, m0 = time.process_time(), time.thread_time()
+            loss = t.step(b)
+            cpu.append((time.process_time() - p0, time.thread_time() - m0))
+            return loss
+        losses, times = timed_steps(step, batches(0, steps), CPU)
+        result = {"losses": losses, "step_s": times, "cpu_s": cpu}
     write_rank(out, rank, result)
     dist.destroy_process_group()
 
@@ -472,6 +483,8 @@ def measure(jobs: dict[str, str], steps: int, rounds: int) -> dict[str, dict]:
                       for k in CONFIGS}, rounds)
     return {k: {"step_s": [[max(r["step_s"][i] for r in ranks) for i in range(steps)]
                            for ranks in v["rounds"]],
+                "cpu_s": [[[sum(r["cpu_s"][i][j] for r in ranks) for i in range(steps)]
+                           for ranks in v["rounds"]] for j in (0, 1)],
                 "losses": [[sum(r["losses"][i] for r in ranks) / DP for i in range(steps)]
                            for ranks in v["rounds"]],
                 "busy_before": v["busy_before"]}
@@ -531,12 +544,14 @@ def _comm_cells(ranks: list[dict]) -> list[str]:
     return [count, mib(total), mib(ring)]
 
 
-def time_table(acct: dict, t: dict, best: dict) -> list[str]:
-    lines = ["| configuration | median step (ms) | best round's median (ms) | collectives per "
-             "step and rank | MiB per step and rank | ring MiB sent per step and rank |",
-             "|---|---|---|---|---|---|"]
+def time_table(acct: dict, t: dict, best: dict, cpu: dict) -> list[str]:
+    lines = ["| configuration | median step (ms) | best round's median (ms) | CPU a step, all "
+             "ranks: process / main threads (ms) | collectives per step and rank | MiB per "
+             "step and rank | ring MiB sent per step and rank |",
+             "|---|---|---|---|---|---|---|"]
     for k, label in CONFIGS.items():
-        cells = [label, f"{t[k] * 1e3:.0f}", f"{best[k] * 1e3:.0f}", *_comm_cells(acct[k])]
+        cells = [label, f"{t[k] * 1e3:.0f}", f"{best[k] * 1e3:.0f}",
+                 f"{cpu[k][0] * 1e3:.0f} / {cpu[k][1] * 1e3:.0f}", *_comm_cells(acct[k])]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -709,6 +724,7 @@ def picture(png: str) -> dict:
 def report(a, acct: dict, runs: dict, prof: dict, load: list[float]) -> tuple[dict, str]:
     t = {k: timed_median(v["step_s"]) for k, v in runs.items()}
     best = {k: best_round(v["step_s"]) for k, v in runs.items()}
+    cpu = {k: [timed_median(c) for c in v["cpu_s"]] for k, v in runs.items()}
     loss = loss_check(runs)
     tg = targets(acct, t, loss)
     best_ratio = {k: best[x] / best[y] for k, (x, y) in PAIRS.items()}
@@ -720,7 +736,7 @@ def report(a, acct: dict, runs: dict, prof: dict, load: list[float]) -> tuple[di
             f"quiet (or after 10 s); load average before/after {load[0]:.1f}/{load[1]:.1f} on "
             f"{machine()['cpu_count']} CPUs. Collectives and bytes: c10d's flight recorder, "
             "one step. Memory in MiB per rank (one figure where all ranks agree).")
-    lines = [head, "", *time_table(acct, t, best), "", *memory_table(acct), "",
+    lines = [head, "", *time_table(acct, t, best, cpu), "", *memory_table(acct), "",
              *target_lines(tg, best_ratio)]
     if prof:
         lines += ["", "Where the time goes (one profiled run each, after the rounds):", "",
@@ -729,7 +745,9 @@ def report(a, acct: dict, runs: dict, prof: dict, load: list[float]) -> tuple[di
               "dp": DP, "global_batch": BATCH, "micro_batch": MICRO, "microbatches": M,
               "optimizer": "adamw", "warmup_steps": WARMUP, "steps": a.steps,
               "rounds": a.rounds, "median_step_s": t, "best_round_step_s": best,
+              "median_cpu_s": cpu,
               "step_s": {k: v["step_s"] for k, v in runs.items()},
+              "cpu_s": {k: v["cpu_s"] for k, v in runs.items()},
               "cpu_busy_before": {k: v["busy_before"] for k, v in runs.items()},
               "per_rank": acct, "targets": tg, "losses": loss, "profile": prof,
               "load_average_before_after": load}

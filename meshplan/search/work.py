@@ -72,10 +72,7 @@ class Work:
     def per(self, k: int) -> Work:
         """One of `k` identical layers: the additive fields over k (bytes
         and counts exactly, as identical layers make them)."""
-        if k == 1:
-            return self
-        out: dict[str, Any] = {n: getattr(self, n) for n in _ADDITIVE}
-        out = {n: x / k if isinstance(x, float) else x // k for n, x in out.items()}
+        out: dict[str, Any] = {n: _over(getattr(self, n), k) for n in _ADDITIVE}
         return replace(self, **out, dp=tuple((key, (c // k, b // k)) for key, (c, b) in self.dp))
 
     def minus(self, o: Work) -> Work:
@@ -86,6 +83,10 @@ class Work:
 
 _WIDEST = ("transient", "temp", "send_f", "send_b")
 _ADDITIVE = tuple(f.name for f in fields(Work) if f.name not in (*_WIDEST, "dp"))
+
+
+def _over(x, k: int):
+    return x / k if isinstance(x, float) else x // k
 
 
 def _lin(a, ka: int, b=(), kb: int = 0):

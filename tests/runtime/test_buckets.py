@@ -101,6 +101,24 @@ def test_a_bucket_started_early_breaks_equality(monkeypatch):
     assert not _local_verdict()
 
 
+def test_a_step_bucket_keeps_its_flat_tensor(monkeypatch):
+    """A STEP bucket copies into the same flat tensor every step (a fresh one
+    cost a rank first-touch page faults on every byte), and the run still
+    equals eager; per-micro-batch buckets (ZeRO 2, 3) take a fresh one."""
+    from meshplan.runtime.grad_buckets import GradBuckets
+
+    real, seen = GradBuckets._flat, {}
+
+    def spy(self, i, grads, keep):
+        flat = real(self, i, grads, keep)
+        seen.setdefault((id(self), i, keep), []).append(flat)  # held: no address reuse
+        return flat
+    monkeypatch.setattr(GradBuckets, "_flat", spy)
+    assert _local_verdict()  # two steps
+    kept = [flats for (_, _, keep), flats in seen.items() if keep]
+    assert len(kept) == 4 * 5 and all(len(f) == 2 and f[0] is f[1] for f in kept)
+
+
 @pytest.mark.parametrize("zero", [0, 2])
 def test_the_check_fails_when_members_bucket_differently(monkeypatch, zero):
     """Planted: rank 1 forms its buckets with another bound than the others."""

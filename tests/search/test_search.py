@@ -68,8 +68,23 @@ def _limits() -> dict:
             "median": peaks[len(peaks) // 2]}
 
 
-def test_the_floor_is_below_every_full_plan():
-    for cand, full, floor in _every_plan():
+# few micro-batches in flight: the memory plan packs saved values by liveness
+# there, so what a floor may count is tightest (one that counted the values an
+# I leaves for its W went to 1.078 of a full plan here: seen to fail)
+FEW = Space(schedules=("zbv", "zb1p", "1f1b"), recompute=("none",), zero=(0, 2, 3),
+            micro_batch_sizes=(4, 8))
+
+
+@pytest.mark.parametrize("space", [SMALL, FEW], ids=["small", "few-microbatches"])
+def test_the_floor_is_below_every_full_plan(space):
+    mesh = Mesh(1, 4)
+    st = Setting(mesh, 16, DEV)
+    pricer = _Pricer(SPEC, SPEC.config().layers, st, 1 << 62)
+    rows = (_every_plan() if space is SMALL else
+            [(c, evaluate(SPEC, c, st, counts), memory(c, works, counts, st, part="floor"))
+             for c in candidates(mesh, SPEC.config().layers, 16, space)
+             for counts, works in [pricer._works(c, c.recompute)]])
+    for cand, full, floor in rows:
         assert all(f <= p for f, p in zip(floor, full.peak)), cand
 
 
