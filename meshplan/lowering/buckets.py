@@ -21,15 +21,17 @@ Invariants:
 - A bucket holds collectives whose values are made in one task group (a
   chunk's backward, or its weight phase, or the STEP), over one group, of
   one dtype, of one of the three kinds, in the order those values are
-  made; it closes before the collective that would take it past
-  `bucket_bytes` (of its values; an all-gather's, gathered; one larger
-  than that is a bucket of its own), the first of each kind past
-  `min(1 MiB, bucket_bytes)`, as DDP's first bucket, so the first values
-  made start their collective early. Every rank of a dp group builds the
-  same buckets from the same plan, so they issue the same collectives in
-  the same order.
+  made; it closes once its values reach `bucket_bytes` (an all-gather's,
+  gathered), the first of each kind `min(1 MiB, bucket_bytes)`, as DDP's
+  buckets do: the first values made start their collective early, and the
+  last (the embedding's gradient, made at the very end of the backward)
+  ride in the bucket before them, not alone in one of their own that
+  would start last and queue behind it. Every rank of a dp group builds
+  the same buckets from the same plan, so they issue the same collectives
+  in the same order.
 - At run time, right after the op that makes a bucket's last value, the
-  values are copied into one flat tensor, all-reduced (or all-gathered)
+  values are in one flat tensor (copied there, but for the accumulators
+  written into their slots: `writes_slot`), all-reduced (or all-gathered)
   asynchronously (gloo runs it on its own thread, overlapping the rest of
   the backward); the bucketed ops' kernels wait for it and take their
   slice (a reduce-scatter its own part of it). A STEP reduction runs in
@@ -43,9 +45,15 @@ Invariants:
   `all_reduce` 45 ms.
 - Off for fp16 (the STEP unscales the accumulators before reducing them)
   and with `bucket_mb == 0`. The memory plan counts the STEP reductions'
-  flat copies, alive from their start to the STEP, as gradient bytes, and
-  the other buckets' as transients, alive from their start until their
-  ops run (`flat_intervals`).
+  flat tensors, kept from step to step, as gradient bytes (for the
+  accumulators written into their slots, as their second copy), and the
+  other buckets' as transients, alive from their start until their ops
+  run (`flat_intervals`).
+- A STEP reduction's accumulator is written into its slot of the flat
+  tensor (`writes_slot`: from the second micro-batch on, or the only one)
+  when its last `accumulate_grad` makes the value reduced and nothing else
+  reads it: the bucket then starts with no copy, reduced in place, as
+  DDP's `gradient_as_bucket_view`.
 - Computed here, from a rank's plan, and used by the runtime
   (`runtime/rank_executor.py`, `runtime/grad_buckets.py`), the checker
   and the memory plan alike.
@@ -96,6 +104,7 @@ class Bucket:
     template: tuple               # the task group that op runs in
     every_run: bool = False       # starts in every run of its group (not the last only)
     kind: str = ALL_REDUCE        # the flat collective: ALL_REDUCE, or ALL_GATHER
+    slots: tuple[int, ...] = ()   # per reduction: the accumulate_grad writing its slot, or -1
 
 
 def bound(strategy) -> int:
@@ -116,14 +125,50 @@ def plan_buckets(job, plan: RankPlan) -> tuple[Bucket, ...]:
                         bound(job.strategy), nbytes.__getitem__)
 
 
-def bucketed_bytes(op_of, tasks, buffers, strategy) -> int:
+def bucketed_bytes(op_of, tasks, buffers, strategy) -> tuple[int, int]:
     """What the flat copies of a rank's bucketable STEP reductions take (the
-    memory plan's share of them): their inputs' local bytes."""
+    memory plan's share of them): their inputs' local bytes; and of those,
+    the bytes of the accumulators written into their slots (`writes_slot`)."""
     if not bound(strategy):
-        return 0
+        return 0, 0
     size = {b.id: b.nbytes for b in buffers}
-    return sum(size[t.inputs[0]] for t in tasks if t.kind is TaskKind.GRAD_REDUCE
-               and len(t.group) > 1 and bucketable(op_of(t.op)))
+    made_by, readers = _makers_readers(tasks, op_of)
+    flat = in_place = 0
+    for t in tasks:
+        op = op_of(t.op)
+        if t.kind is TaskKind.GRAD_REDUCE and len(t.group) > 1 and bucketable(op):
+            flat += size[t.inputs[0]]
+            if writes_slot(op, made_by, readers) >= 0:
+                in_place += size[t.inputs[0]]
+    return flat, in_place
+
+
+def writes_slot(op: Op, made_by: dict, readers: dict) -> int:
+    """The `accumulate_grad` op that may write the value STEP reduction `op`
+    reduces straight into its bucket's flat tensor, or -1: the value is an
+    accumulator's last update, and nothing but `op` reads it (it is reduced
+    in place once its bucket starts). `made_by` {value: (op, its template)},
+    `readers` {value: [ops]}, over a rank's tasks."""
+    arg = op.args[0].id
+    maker = made_by.get(arg)
+    if maker is None or maker[1].kind != ACCUMULATE_GRAD:
+        return -1
+    return maker[1].id if [r.id for r in readers.get(arg, ())] == [op.id] else -1
+
+
+def _makers_readers(tasks, op_of) -> tuple[dict, dict]:
+    """({value: (its op, that op's task group)}, {value: [ops reading it]})
+    over `tasks`."""
+    made_by: dict[int, tuple] = {}
+    readers: dict[int, list] = {}
+    for t in tasks:
+        op = op_of(t.op)
+        for o in op.outputs:
+            if o >= 0:
+                made_by[o] = (template_of(t), op)
+        for r in op.refs():
+            readers.setdefault(r, []).append(op)
+    return made_by, readers
 
 
 def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
@@ -133,15 +178,7 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
     update's value} (empty: no STEP buckets); `local_bytes(vid)` a value's
     bytes on this rank."""
     updated = set(finals.values())
-    made_by: dict[int, tuple] = {}  # value -> (op id, template)
-    readers: dict[int, list] = {}
-    for t in tasks:
-        op = op_of(t.op)
-        for o in op.outputs:
-            if o >= 0:
-                made_by[o] = (t.op, template_of(t))
-        for r in op.refs():
-            readers.setdefault(r, []).append(op)
+    made_by, readers = _makers_readers(tasks, op_of)
     order = {t.op: i for i, t in enumerate(tasks)}
     wanted = []
     for t in tasks:
@@ -149,11 +186,13 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
         if len(t.group) <= 1:
             continue
         arg = op.args[0].id
-        kind, size_of = ALL_REDUCE, arg
+        kind, size_of, slot = ALL_REDUCE, arg, -1
         if t.kind is TaskKind.GRAD_REDUCE and bucketable(op):
             # the accumulator's last update, or the accumulator itself
             source = arg if arg in updated else finals.get(values[arg].name)
             every = False
+            if source == arg:
+                slot = writes_slot(op, made_by, readers)
         elif t.kind is TaskKind.COLLECTIVE and per_microbatch(op, readers.get(op.outputs[0])):
             source, every = arg, True
         elif t.kind is TaskKind.GRAD_REDUCE and gathers_update(op):
@@ -162,35 +201,36 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
             continue
         if source is None or source not in made_by:
             continue
-        maker, template = made_by[source]
+        template, maker_op = made_by[source]
+        maker = maker_op.id
         if every and template != template_of(t):
             continue  # reduced in another task group than the one that makes it
         dtype = values[source].meta.dtype
         wanted.append(((template, t.group, dtype, every, kind), order[maker], t.op, source,
-                       maker, local_bytes(size_of)))
+                       maker, local_bytes(size_of), slot))
     buckets: list[Bucket] = []
     open_: dict[tuple, list] = {}
     closed: set[tuple] = set()  # keys whose first bucket is closed
-    for key, _, op_id, source, maker, size in sorted(wanted, key=lambda w: (w[1], w[2])):
+    for key, _, op_id, source, maker, size, slot in sorted(wanted, key=lambda w: (w[1], w[2])):
         cur = open_.get(key)
-        most = bucket_bytes if key in closed else min(FIRST_BUCKET_BYTES, bucket_bytes)
-        if cur is not None and cur[0] + size > most:
-            buckets.append(_close(key, cur))
-            closed.add(key)
-            cur = None
         if cur is None:
-            cur = open_[key] = [0, [], [], -1]
+            cur = open_[key] = [0, [], [], -1, []]
         cur[0] += size
         cur[1].append(op_id)
         cur[2].append(source)
         cur[3] = maker
+        cur[4].append(slot)
+        if cur[0] >= (bucket_bytes if key in closed else min(FIRST_BUCKET_BYTES, bucket_bytes)):
+            buckets.append(_close(key, open_.pop(key)))
+            closed.add(key)
     buckets += [_close(key, cur) for key, cur in open_.items()]
     return tuple(sorted(buckets, key=lambda b: order[b.after]))
 
 
 def _close(key: tuple, cur: list) -> Bucket:
     template, group, _, every, kind = key
-    return Bucket(group, tuple(cur[1]), tuple(cur[2]), cur[3], template, every, kind)
+    return Bucket(group, tuple(cur[1]), tuple(cur[2]), cur[3], template, every, kind,
+                  tuple(cur[4]))
 
 
 def run_order(tasks, buckets, op_of) -> list:

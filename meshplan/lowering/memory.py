@@ -10,8 +10,9 @@ Layout (two memory arenas):
   micro-batches in flight; (b) transient values, living inside one action,
   are packed first-fit by liveness over the action's task order, and every
   action reuses that region.
-Gradient buckets' flat copies (`buckets.py`) of the STEP's reductions count
-as gradient bytes, in the state arena; those of the other buckets (a
+Gradient buckets' flat tensors (`buckets.py`) of the STEP's reductions count
+as gradient bytes, in the state arena, kept from step to step; those of the
+other buckets (a
 micro-batch's reduce-scatters at ZeRO 2 and 3, the STEP's all-gathers at 1
 and 2, with what they gather) are transient activations, from their
 bucket's start until their ops, moved there (`buckets.run_order`), take
@@ -19,7 +20,9 @@ their slices, and the values they copy die at that start.
 Gradient accumulators count twice when a step has several micro-batches:
 the first micro-batch's gradient is adopted as the accumulator, and the
 second adds into a fresh tensor while the adopted one lives to the end of
-that action (`ops.kernels.accumulate_grad`).
+that action (`ops.kernels.accumulate_grad`); for an accumulator written
+into its bucket's slot (`buckets.writes_slot`) that second copy is the
+bucket's flat tensor, counted once.
 Kernel workspace ("temp") is the largest temp of any task, looked up by the
 task's physical signature in the Job's `temps` (the master worked them out).
 
@@ -107,10 +110,11 @@ def plan_memory(low, buffers) -> MemoryPlan:
     if low.view.strategy.num_microbatches > 1 and "grad" in peak:
         off += peak["grad"]  # room for the second copy (no buffer of its own)
         peak["grad"] *= 2
-    flat = bucketed_bytes(low.op_of.__getitem__, low.tasks, buffers, low.view.strategy)
-    if flat:  # gradient buckets' flat copies, alive from their start to the STEP
-        off += flat
-        peak["grad"] = peak.get("grad", 0) + flat
+    flat, in_place = bucketed_bytes(low.op_of.__getitem__, low.tasks, buffers,
+                                    low.view.strategy)
+    if flat:  # gradient buckets' flat copies, kept: the second copy of those written there
+        off += flat - in_place
+        peak["grad"] = peak.get("grad", 0) + flat - in_place
     arenas.append((state_arena, "state", off))
     saved = [b for b in buffers if b.category == BufferCategory.DATA or (
         b.category not in STATE_CATEGORIES and b.value not in updates and b.copies > 1)]

@@ -4,9 +4,17 @@ Invariants:
 - `hooks(key)` are compiled into task group `key`'s function: after the op
   that makes a bucket's last value, the bucket starts (a STEP bucket only
   in the group's last run of the step, its last micro-batch; a
-  per-micro-batch one in every run): its values are copied into one flat
-  tensor (a STEP bucket's kept from step to step), all-reduced (or
-  all-gathered) in the background.
+  per-micro-batch one in every run): its values are in one flat tensor
+  (copied there; a STEP bucket's is kept from step to step), all-reduced
+  (or all-gathered) in the background.
+- A STEP all-reduce bucket's flat tensor is its gradient accumulators'
+  second copy (`Bucket.slots`): from the second micro-batch on, each
+  `accumulate_grad` whose result only the bucketed reduction reads adds
+  into its slot of the flat tensor (the first micro-batch's gradient is
+  adopted, as `ops.kernels.accumulate_grad` does; with one micro-batch it
+  is copied in), so the bucket starts with no copy, and the accumulator,
+  once the bucket starts, is reduced in place: nothing else reads it. As
+  DDP's `gradient_as_bucket_view`.
 - `kernel(op)` is the kernel of a bucketed op: it waits for its bucket
   (once) and returns its own slice of the flat result (a reduce-scatter,
   its part of it, in a storage of its own; an all-gather, its gathered
@@ -20,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import replace
 from functools import partial
@@ -27,6 +36,7 @@ from functools import partial
 import torch
 
 from meshplan.ir.kinds import ALL_GATHER, REDUCE_SCATTER
+from meshplan.ops.kernels import accumulate_grad
 from meshplan.runtime.bind import gathered_parts, narrower
 
 
@@ -38,6 +48,11 @@ class GradBuckets:
         ops = ctx.job.graph.ops
         self.parts = {i: [gathered_parts(ops[op], ctx) for op in b.ops]  # (dim, shapes) each
                       for i, b in enumerate(buckets) if b.kind == ALL_GATHER}
+        self.shapes = {i: [tuple(hi - lo for lo, hi in ctx.box(v)) for v in b.sources]
+                       for i, b in enumerate(buckets)}
+        self.offsets = {i: _offsets(shapes) for i, shapes in self.shapes.items()}
+        self.slots = {op: (i, k) for i, b in enumerate(buckets)  # accumulate_grad op ->
+                      for k, op in enumerate(b.slots) if op >= 0}  # (bucket, index)
         self.runs: Counter = Counter()
         self.flight: dict[int, list] = {}   # reduction buckets started
         self.flats: dict[int, torch.Tensor] = {}  # a STEP bucket's flat tensor, kept
@@ -63,7 +78,10 @@ class GradBuckets:
         return replace(op, args=()) if where and self.buckets[where[0]].every_run else op
 
     def kernel(self, op):
-        """The kernel of reduction `op` if a bucket carries it, else None."""
+        """The kernel of reduction `op` if a bucket carries it, of
+        `accumulate_grad` `op` if it writes a bucket's slot, else None."""
+        if op.id in self.slots:
+            return partial(self._accumulate, *self.slots[op.id])
         where = self.at.get(op.id)
         if where is None:
             return None
@@ -102,25 +120,52 @@ class GradBuckets:
             return
         flat = self._flat(i, grads, keep=not b.every_run)
         self.mem.add(flat)
-        offsets = [0]
-        for g in grads:
-            offsets.append(offsets[-1] + g.numel())
         # [work, flat, offsets, slices still to take (0: waited)]
-        self.flight[i] = [self.comm.all_reduce_async(flat, b.group), flat, offsets, -1]
+        self.flight[i] = [self.comm.all_reduce_async(flat, b.group), flat, self.offsets[i], -1]
+
+    def _accumulate(self, i: int, k: int, acc, g: torch.Tensor, **_) -> torch.Tensor:
+        """`accumulate_grad(acc, g)` of bucket `i`'s `k`-th value, from the
+        second micro-batch on (or the only one) into its slot."""
+        if acc is None and self.runs[self.buckets[i].template] != self.microbatches:
+            return accumulate_grad(acc, g)  # the first micro-batch's, adopted
+        slot = self._slot(i, k, g)
+        if acc is None:
+            slot.copy_(g)
+        elif acc.data_ptr() == slot.data_ptr():
+            slot.add_(g)
+        else:
+            torch.add(acc, g, out=slot)
+        return slot
+
+    def _slot(self, i: int, k: int, like: torch.Tensor) -> torch.Tensor:
+        flat = self._kept(i, like)
+        return flat[self.offsets[i][k]:self.offsets[i][k + 1]].view(self.shapes[i][k])
+
+    def _kept(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """STEP bucket `i`'s flat tensor, kept from step to step: a fresh
+        26 MiB one cost a rank 10 ms of first-touch page faults a step here
+        (GPT small, `benchmarks/sharded_dp.py`)."""
+        flat = self.flats.get(i)
+        if flat is None or flat.dtype != like.dtype or flat.device != like.device:
+            flat = self.flats[i] = torch.empty(self.offsets[i][-1], dtype=like.dtype,
+                                               device=like.device)
+        return flat
 
     def _flat(self, i: int, grads: list, keep: bool) -> torch.Tensor:
-        """`grads` end to end in one flat tensor. A STEP bucket keeps its
-        flat tensor from step to step (the memory plan counts it in the
-        state arena): a fresh 26 MiB one cost a rank 10 ms of first-touch
-        page faults a step here (GPT small, `benchmarks/sharded_dp.py`);
-        nothing reads its slices after the STEP."""
-        n = sum(g.numel() for g in grads)
-        flat = self.flats.get(i)
-        if flat is None or flat.numel() != n or flat.dtype != grads[0].dtype:
-            flat = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
-            if keep:
-                self.flats[i] = flat
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        """`grads` end to end in one flat tensor: the kept one of a STEP
+        bucket (copying only the values not already in their slots), else
+        a fresh one."""
+        if not keep:
+            flat = torch.empty(self.offsets[i][-1], dtype=grads[0].dtype, device=grads[0].device)
+            return torch.cat([g.reshape(-1) for g in grads], out=flat)
+        flat = self._kept(i, grads[0])
+        off, size = self.offsets[i], flat.element_size()
+        away = [k for k, g in enumerate(grads) if g.data_ptr() != flat.data_ptr() + off[k] * size]
+        if len(away) == len(grads):
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+        else:
+            for k in away:
+                flat[off[k]:off[k + 1]].copy_(grads[k].reshape(-1))
         return flat
 
     def _result(self, i: int, k: int, shape) -> torch.Tensor:
@@ -135,3 +180,10 @@ class GradBuckets:
             del self.flight[i]
             self.mem.drop(flat)
         return out
+
+
+def _offsets(shapes) -> list[int]:
+    out = [0]
+    for shape in shapes:
+        out.append(out[-1] + math.prod(shape))
+    return out

@@ -30,7 +30,8 @@ Invariants:
   strategies from 0.24 to 0.96.
 - Memory per rank follows the memory plan's rules (`lowering/memory.py`):
   state split by dp as the ZeRO level says, gradients twice with several
-  micro-batches plus the buckets' flat copies, saved bytes times the
+  micro-batches (with buckets, the second copy is their flat tensors),
+  saved bytes times the
   micro-batches the schedule keeps in flight per chunk, the largest
   transient and workspace, and the transient buckets and ZeRO-3's gathered
   layers. It is an estimate (`test_estimate` holds it within -3%..+60% of
@@ -342,9 +343,10 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
     d, z = cand.dp, cand.zero
     state = saved = iw = scratch = 0
     for w, c in zip(works, chunks):
-        grad = w.grad * (2 if m > 1 else 1)  # sharded already (`with_dp`)
-        if d > 1 and z < 2 and st.buckets:
-            grad += w.grad  # the buckets' flat copies
+        # sharded already (`with_dp`); with buckets (ZeRO 0 and 1) the second
+        # copy is the buckets' flat tensors, which a single micro-batch's
+        # gradient is copied into (`lowering/buckets.py`)
+        grad = w.grad * (2 if m > 1 else 1)
         state += w.param + grad + w.optimizer
         if not live:
             continue
