@@ -50,7 +50,11 @@ from meshplan.search.probe import Probe, Spec, probe_many, probe_or_error
 from meshplan.search.space import Candidate, Space, candidates
 
 GiB = 1 << 30
-MAX_PROOFS = 64
+# Full plans a proof may make: a count, so the winner does not depend on the
+# machine's speed. GPT small over 8 devices at its first-quartile limit needs
+# 71 (`benchmarks/auto_plan.py`, soundness); a GPT-3 175B full plan takes
+# about a second, so 128 bound a proof near two minutes there.
+MAX_PROOFS = 128
 
 
 @dataclass(frozen=True, slots=True)
