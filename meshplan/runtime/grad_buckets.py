@@ -155,6 +155,7 @@ class GradBuckets:
         """`grads` end to end in one flat tensor: the kept one of a STEP
         bucket (copying only the values not already in their slots), else
         a fresh one."""
+        assert [g.numel() for g in grads] == [math.prod(s) for s in self.shapes[i]], i
         if not keep:
             flat = torch.empty(self.offsets[i][-1], dtype=grads[0].dtype, device=grads[0].device)
             return torch.cat([g.reshape(-1) for g in grads], out=flat)
