@@ -147,9 +147,9 @@ def writes_slot(op: Op, made_by: dict, readers: dict) -> int:
     """The `accumulate_grad` op that may write the value STEP reduction `op`
     reduces straight into its bucket's flat tensor, or -1: the value is an
     accumulator's last update, and nothing but `op` reads it (it is reduced
-    in place once its bucket starts). `made_by` {value: (op, its template)},
+    in place once its bucket starts). `made_by` {value: (task group, op)},
     `readers` {value: [ops]}, over a rank's tasks."""
-    arg = op.args[0].id
+    arg = op.refs()[0]  # the value reduced: its first argument
     maker = made_by.get(arg)
     if maker is None or maker[1].kind != ACCUMULATE_GRAD:
         return -1
