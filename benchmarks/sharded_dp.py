@@ -632,7 +632,9 @@ LANES = {"compute": (-0.46, "#BBBBBB", "action: F forward, B backward (micro-bat
                         "wait's end (prefetched a layer ahead)"),
          "all_reduce": (0.0, "#009E73", "gradient bucket: the reduce-scatters as one flat "
                         "all-reduce, from its start to its wait's end"),
-         "all_reduce(sum)": (0.23, "#D55E00", "all-reduce, synchronous (the loss)")}
+         "small": (0.23, "#D55E00", "all-reduce in the background, from its start to its "
+                   "wait's end: the count of targets, the loss (waited at the step's end)"),
+         "all_reduce(sum)": (0.23, "#CC79A7", "all-reduce, synchronous")}
 LANE_HEIGHT = 0.21
 
 
@@ -659,7 +661,10 @@ def traced_zero3(path: str) -> dict:
 
 
 def _lane(e: dict) -> str:
-    return "compute" if e["cat"] == "compute" else e["name"].split(" ")[0]
+    if e["cat"] == "compute":
+        return "compute"
+    kind, _, rest = e["name"].partition(" ")
+    return "small" if kind == "all_reduce" and rest.startswith(("early", "deferred")) else kind
 
 
 def draw_step(trace: dict, png: str) -> None:
@@ -678,7 +683,7 @@ def draw_step(trace: dict, png: str) -> None:
     for e in spans:
         x, w = e["ts"] / 1e3, e["dur"] / 1e3
         offset, colour, _ = LANES[_lane(e)]
-        alpha = 0.35 if _lane(e) in ("all_gather", "all_reduce") else 1.0
+        alpha = 0.35 if _lane(e) in ("all_gather", "all_reduce", "small") else 1.0
         ax.broken_barh([(x, w)], (e["pid"] + offset, LANE_HEIGHT), color=colour, alpha=alpha,
                        edgecolor="white" if _lane(e) == "compute" else "none")
         if _lane(e) == "compute":
@@ -690,7 +695,8 @@ def draw_step(trace: dict, png: str) -> None:
     ax.set_xlabel("ms from the barrier before the step")
     ax.set_title(f"meshplan zero 3, GPT small, dp={DP}, {M} micro-batches, gloo on CPU: one "
                  f"measured step.\nRank 0: {_summary(spans)}", fontsize=9)
-    handles = [Patch(color=c, label=label) for _, c, label in LANES.values()]
+    drawn = {_lane(e) for e in spans}
+    handles = [Patch(color=c, label=label) for k, (_, c, label) in LANES.items() if k in drawn]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2,
               fontsize=8, frameon=False)
     fig.tight_layout()
@@ -705,6 +711,7 @@ def _summary(spans: list[dict]) -> str:
     step = max(e["ts"] + e["dur"] for e in mine) / 1e3
     parts = []
     for kind, word in (("all_gather", "all-gathers"), ("all_reduce", "buckets"),
+                       ("small", "all-reduces of the count and the loss"),
                        ("all_reduce(sum)", "synchronous all-reduces")):
         ss = [(e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3) for e in mine if _lane(e) == kind]
         parts.append(f"{len(ss)} {word}, open {covered(ss):.0f} ms")
