@@ -161,6 +161,29 @@ def test_accumulators_are_written_into_their_bucket(monkeypatch, microbatches, p
     assert all(placed) if not planted else not any(placed)
 
 
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_memory_plan_counts_a_bucket_as_its_accumulators_second_copy(
+        monkeypatch, microbatches, planted):
+    """Every accumulator of GPT tiny at zero 0 is written into its STEP
+    bucket's slot, so the plan's gradient bytes are the accumulators once
+    per copy a step holds: two with several micro-batches (the adopted
+    first gradient, the flat tensor), one with a single micro-batch (the
+    flat tensor). Planted: no accumulator writes its slot; the flat
+    tensors then count on top, and the figures are off by one copy."""
+    import meshplan.lowering.buckets as bk
+    from meshplan.lowering.rankplan import BufferCategory
+
+    if planted:
+        monkeypatch.setattr(bk, "writes_slot", lambda *_: -1)
+    job = _job(TINY_BUCKETS, global_batch_size=4 * microbatches)
+    plan = lower(job, 0)
+    accumulators = sum(b.nbytes for b in plan.buffers if b.category == BufferCategory.GRAD)
+    copies = 2 if microbatches > 1 else 1
+    assert (dict(plan.memory.peak)["grad"] == copies * accumulators) != planted
+    assert all(op >= 0 for b in plan_buckets(job, plan) for op in b.slots) != planted
+
+
 @pytest.mark.parametrize("zero", [0, 2])
 def test_the_check_fails_when_members_bucket_differently(monkeypatch, zero):
     """Planted: rank 1 forms its buckets with another bound than the others."""
