@@ -6,8 +6,14 @@ Invariants:
   params and buffers keep their FQNs, shapes and dtypes.
 - The graph ends in a scalar loss: the model's output, or `loss_fn(output,
   *targets)` when a `loss_fn` is given.
-- Ops are rewritten into canonical forms (`ops.canonical`) and mutation is
-  functionalized: a mutated buffer becomes a fresh value plus an `Update`.
+- Mutation is functionalized by torch itself: a program that mutates
+  anything (an in-place op, a write through a view, a buffer updated by
+  BatchNorm) is rerun through `ExportedProgram.run_decompositions({})`,
+  which decomposes nothing but turns every in-place op into torch's
+  functional form (`copy_` into a slice -> `slice_scatter`, ...) and every
+  mutated buffer into an output; that output becomes an `Update`. Capture
+  itself rewrites no mutation ([Note: mutation], docs/concepts/capture.md).
+- Ops are rewritten into canonical forms (`ops.canonical`).
 - A tied parameter (one tensor under several names) is one input; its
   other names are recorded as aliases (`Graph.aliases`).
 - The module's structure (layer list, declared tp plan, head and vocabulary
@@ -71,25 +77,25 @@ class _WithLoss(nn.Module):
 
 @dataclass
 class _Ctx:
-    """Capture state: fx node -> Ref, and the rebinding of mutated values."""
+    """Capture state: fx node -> the Ref(s) standing for its output(s)."""
 
+    builder: GraphBuilder
     env: dict = field(default_factory=dict)
-    current: dict[int, int] = field(default_factory=dict)
-    state_name: dict[int, str] = field(default_factory=dict)
-    builder: GraphBuilder | None = None
+    input_name: dict[str, str] = field(default_factory=dict)  # export target -> input name
 
     def ref(self, node) -> Ref:
-        r = self.env[node]
-        while r.id in self.current:
-            r = Ref(self.current[r.id])
-        return r
+        return self.env[node]
 
-    def rebind(self, old: Ref, new: Ref) -> None:
-        old = Ref(self.current.get(old.id, old.id))
-        self.current[old.id] = new.id
-        name = self.state_name.pop(old.id, None)
-        if name is not None:
-            self.state_name[new.id] = name
+
+@dataclass(frozen=True)
+class Traced:
+    """A capture with what the self-check needs to find the op that differs
+    (`driver/capture_check.py`): the functional program torch exported, and
+    for each of its fx nodes the Ref(s) standing for its output(s)."""
+
+    graph: Graph
+    program: torch.export.ExportedProgram
+    refs: dict[str, Ref | tuple]
 
 
 def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -> Graph:
@@ -97,6 +103,11 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
 
     With `loss_fn`, the loss is `loss_fn(module(*inputs), *targets)`.
     Works on a module built on the `meta` device (no weights allocated)."""
+    return trace(module, inputs, loss_fn, targets).graph
+
+
+def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -> Traced:
+    """`capture`, keeping the exported program and each fx node's Refs."""
     model = _WithLoss(module, loss_fn, len(inputs)) if loss_fn is not None else module
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
@@ -110,11 +121,39 @@ def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ())
                 else "check that the inputs fit the model")
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
                            f"{_first_line(e)}; {hint}") from e
+    ep = functional(ep, type(module).__name__)
     same = _tensor_ids(module)
-    graph = _translate(ep, prefix, type(module).__name__, same)
+    graph, env = _translate(ep, prefix, type(module).__name__, same)
     graph = replace(graph, meta=graph.meta + _aliases(same, graph) + auto_facts(module))
     check_well_formed(graph)
-    return graph
+    return Traced(graph, ep, {node.name: r for node, r in env.items()})
+
+
+# [Note: mutation] Export's training IR keeps in-place ops as they are
+# (`copy_` into a `slice` of a tensor, `add_` on a view), and CompositeImplicit
+# ops such as `batch_norm` mutate their buffers without saying so in their
+# schema. Rewriting `x.f_()` as `y = f(x)` by hand loses every write through a
+# view (issue 29: `s[..., 1:] = x[..., :-1]` trained silently wrong), so capture
+# hands the whole program to torch's functionalization instead. It costs a
+# second trace (measured: 0.5-1.5 s for GPT small to ResNet-50, 1-3x the
+# export), paid only by programs that mutate: a program with no mutating node
+# is already functional, and is what functionalization would return.
+_HIDDEN_MUTATION = frozenset({"aten.batch_norm.default", "aten.instance_norm.default"})
+
+
+def functional(ep, model_name: str):
+    """`ep` with every mutation functionalized by torch (itself if it has none)."""
+    mutates = any(node.op == "call_function" and hasattr(node.target, "_schema")
+                  and (node.target._schema.is_mutable or str(node.target) in _HIDDEN_MUTATION)
+                  for node in ep.graph.nodes)
+    if not mutates:
+        return ep
+    try:
+        return ep.run_decompositions({})
+    except Exception as e:  # torch raises many kinds; the first line says what
+        raise CaptureError(f"torch could not functionalize the mutation in "
+                           f"{model_name}: {_first_line(e)}; write the "
+                           "value out of place (e.g. torch.cat, torch.where)") from e
 
 
 def _tensor_ids(module: nn.Module) -> dict[str, int]:
@@ -138,7 +177,7 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> Graph:
+def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> tuple[Graph, dict]:
     ctx = _Ctx(builder=GraphBuilder())
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     loss = None
@@ -152,6 +191,7 @@ def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> Graph:
             key = same.get(spec.target.removeprefix(prefix)) if spec.target else None
             if key is not None and key in first:  # a tied tensor's second name: one input
                 ctx.env[node] = first[key]
+                ctx.input_name[spec.target] = ctx.builder.values[first[key].id].name
                 continue
             _add_input(ctx, node, spec, prefix)
             if key is not None:
@@ -159,11 +199,28 @@ def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> Graph:
         elif node.op == "call_function":
             _add_call(ctx, node, prefix)
         elif node.op == "output":
-            loss = _loss_of(ctx, node, model_name)
-    b = ctx.builder
-    b.updates = [Update(name, vid) for vid, name in ctx.state_name.items()
-                 if b.values[vid].role is Role.INTERNAL]
-    return b.build(loss.id, meta=(("model_class", model_name),))
+            loss = _outputs(ctx, ep, node, model_name)
+    assert loss is not None
+    return ctx.builder.build(loss.id, meta=(("model_class", model_name),)), ctx.env
+
+
+def _outputs(ctx: _Ctx, ep, node, model_name: str) -> Ref:
+    """The loss; a mutated buffer's new value becomes its `Update`. A mutated
+    input is one micro-batch's tensor, which the step reads no more."""
+    outs = node.args[0]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    user = []
+    for spec, out in zip(ep.graph_signature.output_specs, outs):
+        kind = spec.kind.name
+        if kind == "BUFFER_MUTATION":
+            ctx.builder.updates.append(Update(ctx.input_name[spec.target], ctx.ref(out).id))
+        elif kind in ("USER_OUTPUT", "LOSS_OUTPUT"):
+            user.append(out)
+        elif kind != "USER_INPUT_MUTATION":
+            raise CaptureError(f"{model_name} writes to {spec.target or 'a tensor'} in its "
+                               f"forward ({kind.lower()}); only buffers may change in a "
+                               "training step: register it with register_buffer(...)")
+    return _loss_of(ctx, user, model_name)
 
 
 def _constant(ctx: _Ctx, t: torch.Tensor, name: str, node) -> Ref:
@@ -193,8 +250,8 @@ def _add_input(ctx: _Ctx, node, spec, prefix: str) -> None:
     name = spec.target.removeprefix(prefix) if spec.target else node.name
     vid = ctx.builder.add_input(_meta(val, node), _ROLE[kind], name)
     ctx.env[node] = Ref(vid)
-    if _ROLE[kind] is Role.BUFFER:
-        ctx.state_name[vid] = name
+    if spec.target:
+        ctx.input_name[spec.target] = name
 
 
 def _meta(val, node) -> TensorMeta:
@@ -283,6 +340,7 @@ def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
         raise CaptureError(f"unsupported call {kind}: not an aten op, so no generic rule "
                            "applies; express it with tensor ops (e.g. torch.where for a "
                            "branch) or move it out of the model's forward")
+    assert not node.target._schema.is_mutable, f"{kind} survived functionalization"
     rule = rule_for(kind)
     args = tuple(_lit(a, ctx) for a in node.args)
     kwargs = {k: _lit(v, ctx) for k, v in node.kwargs.items() if k not in ("layout", "pin_memory")}
@@ -296,9 +354,8 @@ def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
     ctx.env[node] = outs if isinstance(val, (list, tuple)) else outs[0]
 
 
-def _loss_of(ctx: _Ctx, node, model_name: str) -> Ref:
-    outs = node.args[0]
-    out = outs[0] if isinstance(outs, (list, tuple)) and len(outs) == 1 else outs
+def _loss_of(ctx: _Ctx, outs: list, model_name: str) -> Ref:
+    out = outs[0] if len(outs) == 1 else tuple(outs)
     if not isinstance(out, torch.fx.Node):
         raise CaptureError(f"{model_name} returns {type(out).__name__}, not a scalar loss tensor; "
                            "return the loss, or pass loss_fn= to compute it from the output")

@@ -1,13 +1,13 @@
 """Capture-time rewrites into the canonical op forms the rule table knows.
 
 Each rewrite takes `(e, args, kwargs, ctx)` and returns the Refs standing for
-the captured node's outputs. `ctx.rebind(old, new)` says that a buffer or an
-in-place-mutated value now lives in `new` (functionalization), so later ops,
-and the step's state updates, read the new value.
+the captured node's outputs. No rewrite handles mutation: torch's own
+functionalization has removed it before capture translates a node
+([Note: mutation] in `capture/export.py`).
 
 Why rewrite: gradients need the saved statistics that only the `native_*`
 forms return (mean/rstd of a norm, indices of a max-pool, logsumexp of
-attention), and SSA needs mutation turned into fresh values.
+attention).
 """
 
 from __future__ import annotations
@@ -85,36 +85,12 @@ def sdpa(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return _first(out)
 
 
-def batch_norm(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
-    x, w, b, rm, rv, training, momentum, eps = args[:8]
-    if not training or not isinstance(rm, Ref):
-        return (e.call("aten.batch_norm.default", *args, **kw),)
-    out, _mean, _rstd, new_rm, new_rv = e.call_multi(
-        "aten._native_batch_norm_legit_functional.default", x, w, b, rm, rv,
-        training, momentum, eps,
-    )
-    ctx.rebind(rm, new_rm)
-    ctx.rebind(rv, new_rv)
-    return (out,)
-
-
 def max_pool2d(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return _first(e.call_multi("aten.max_pool2d_with_indices.default", *args, **kw))
 
 
 def adaptive_avg_pool2d(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return (e.call("aten._adaptive_avg_pool2d.default", *args, **kw),)
-
-
-def functionalize(functional_kind: str) -> CanonicalFn:
-    """Rewrite an in-place op `x.f_(...)` as `y = f(x, ...)`, rebinding x to y."""
-
-    def rewrite(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
-        out = e.call(functional_kind, *args, **kw)
-        ctx.rebind(args[0], out)
-        return (out,)
-
-    return rewrite
 
 
 CANONICAL: dict[str, CanonicalFn] = {
@@ -124,7 +100,6 @@ CANONICAL: dict[str, CanonicalFn] = {
     "aten.cross_entropy_loss.default": cross_entropy,
     "aten.dropout.default": dropout,
     "aten.scaled_dot_product_attention.default": sdpa,
-    "aten.batch_norm.default": batch_norm,
     "aten.max_pool2d.default": max_pool2d,
     "aten.adaptive_avg_pool2d.default": adaptive_avg_pool2d,
 }

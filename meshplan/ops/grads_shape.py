@@ -142,3 +142,48 @@ def mean_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
         return []
     scaled = e.call("aten.div.Tensor", g, float(_reduced_count(e, op)))
     return [(x, _expand_reduced(e, op, scaled, 2))]
+
+
+# The functional forms of writes into a tensor (torch's functionalization of
+# `copy_`, `x[..] = v`, `x[..].add_()`; [Note: mutation] in capture/export.py).
+def copy_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    """copy(self, src): src broadcast into self's shape and dtype; self is
+    overwritten, so only src has a gradient."""
+    g = only(gouts)
+    src = tensor(op, 1)
+    if not needs(src):
+        return []
+    g = sum_to(e, g, e.meta(src).shape)
+    if e.meta(g).dtype != e.meta(src).dtype:
+        g = e.call("aten._to_copy.default", g, dtype=e.meta(src).dtype)
+    return [(src, g)]
+
+
+def slice_scatter_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    """slice_scatter(x, src, dim, start, end, step): x's gradient is g with
+    the written slice zeroed; src's is that slice of g."""
+    g = only(gouts)
+    x, src = tensor(op, 0), tensor(op, 1)
+    where = tuple(arg(op, i, name, d) for i, name, d in
+                  ((2, "dim", 0), (3, "start", None), (4, "end", None), (5, "step", 1)))
+    out = []
+    if needs(x):
+        hole = e.call("aten.slice_scatter.default", g, zeros_like(e, src), *where)
+        out.append((x, hole))
+    if needs(src):
+        out.append((src, e.call("aten.slice.Tensor", g, *where)))
+    return out
+
+
+def select_scatter_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    """select_scatter(x, src, dim, index): as slice_scatter, for one index."""
+    g = only(gouts)
+    x, src = tensor(op, 0), tensor(op, 1)
+    dim, index = op.args[2], op.args[3]
+    out = []
+    if needs(x):
+        hole = e.call("aten.select_scatter.default", g, zeros_like(e, src), dim, index)
+        out.append((x, hole))
+    if needs(src):
+        out.append((src, e.call("aten.select.int", g, dim, index)))
+    return out

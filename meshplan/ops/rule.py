@@ -65,7 +65,7 @@ Needs = Callable[[Ref], bool]  # whether that input wants a gradient
 Grads = list[tuple[Ref, Ref]]
 GradFn = Callable[[Emits, Op, Gouts, Needs], Grads]
 # canonical(e, args, kwargs, ctx) -> the Refs standing for the captured node's
-# outputs; ctx.rebind(old, new) (capture's context) moves a mutated value.
+# outputs (capture's context `ctx`: no rewrite sees a mutation).
 CanonicalFn = Callable[[Emits, tuple, dict, Any], tuple[Ref, ...]]
 # infer(signature args, signature kwargs) -> output metas (see `ops/infer.py`)
 InferFn = Callable[[tuple, dict], tuple[Optional[TensorMeta], ...]]

@@ -182,6 +182,17 @@ def along_dim(dim_index: int, removes_dim: bool = False, default_dim: int = 0,
     return rule
 
 
+def select_scatter(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """select_scatter(x, src, dim, index): src is x without `dim`; any other
+    dim may be sharded on both; linear in (x, src) together."""
+    x, _src = tensors(args[:2])
+    nd = len(x.shape)
+    dim = norm_dim(args[2], nd)
+    sigs = [SbpSig((Shard(d), Shard(d - (d > dim))), (Shard(d),))
+            for d in range(nd) if d != dim and x.shape[d] >= 2]
+    return sigs + [SbpSig((P, P), (P,)), replicated(2, 1)]
+
+
 def reduction(kind: str) -> SbpRule:
     """sum / mean / amax over `dim` (None: all): a sharded reduced dim gives a
     Partial ("mean" rescales locally, "max" reduces by max)."""

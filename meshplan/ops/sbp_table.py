@@ -52,6 +52,11 @@ SBP: dict[str, SbpRule] = {
     "aten.slice.Tensor": r.along_dim(1),
     "aten.select.int": r.along_dim(1, removes_dim=True),
     "aten.slice_backward.default": r.along_dim(2),
+    "aten.slice_scatter.default": r.along_dim(2),
+    "aten.select_scatter.default": r.select_scatter,
+    "aten.copy.default": r.pointwise((1,)),  # the output is src, broadcast
+    "aten.masked_fill.Scalar": r.pointwise(),
+    "aten.masked_fill.Tensor": r.pointwise(),
     "aten._softmax.default": r.along_dim(1, linear=False),
     "aten._log_softmax.default": r.along_dim(1, linear=False),
     "aten._softmax_backward_data.default": r.along_dim(2, linear=False),

@@ -20,12 +20,12 @@ from meshplan.ops import cost, kernels
 from meshplan.ops import grads_nn as nn
 from meshplan.ops import grads_pointwise as pw
 from meshplan.ops import grads_shape as sh
-from meshplan.ops.canonical import CANONICAL, functionalize
+from meshplan.ops.canonical import CANONICAL
 from meshplan.ops.device_kernels import DEVICES, Values
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
 from meshplan.ops.policy import PRECISION, recompute_class
 from meshplan.ops.resolve import resolve_aten
-from meshplan.ops.rule import CanonicalFn, Category, OpRule
+from meshplan.ops.rule import Category, OpRule
 from meshplan.ops.sbp_table import SBP, replicated_rule
 
 _GRADS = {
@@ -72,6 +72,9 @@ _GRADS = {
     "aten.cat.default": sh.cat_grad,
     "aten.slice.Tensor": sh.slice_grad,
     "aten.select.int": sh.select_grad,
+    "aten.copy.default": sh.copy_grad,
+    "aten.slice_scatter.default": sh.slice_scatter_grad,
+    "aten.select_scatter.default": sh.select_scatter_grad,
     # reductions
     "aten.sum.default": sh.sum_grad,
     "aten.sum.dim_IntList": sh.sum_grad,
@@ -181,8 +184,6 @@ def rule_for(kind: str) -> OpRule:
         raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op")
     kernel = resolve_aten(kind)
     canonical = CANONICAL.get(kind)
-    if canonical is None and kind.split(".")[1].endswith("_"):
-        canonical = _functional_form(kind)
     grad = _GRADS.get(kind)
     return OpRule(
         kind=kind,
@@ -200,17 +201,6 @@ def rule_for(kind: str) -> OpRule:
         recompute=recompute_class(kind),
         devices=DEVICES.get(kind, ()),
     )
-
-
-def _functional_form(kind: str) -> CanonicalFn | None:
-    """`aten.relu_.default` -> a rewrite to `aten.relu.default`, if it exists."""
-    _ns, name, overload = kind.split(".")
-    functional = f"aten.{name[:-1]}.{overload}"
-    try:
-        resolve_aten(functional)
-    except CaptureError:
-        return None
-    return functionalize(functional)
 
 
 def physical_kernel(op: Op, values: Values, device_type: str) -> str:
