@@ -41,15 +41,18 @@ __all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile",
            "search", "verify"]
 
 
-def capture(module, inputs: tuple, loss_fn=None, targets: tuple = ()):
+def capture(module, inputs: tuple, loss_fn=None, targets: tuple = (), self_check: bool = True):
     """Capture `module` called on `inputs` (one micro-batch: micro_batch_size x
     dp samples) as a forward `Graph` ending in a scalar loss.
 
     A module that returns its loss needs no `loss_fn`; otherwise the loss is
-    `loss_fn(module(*inputs), *targets)`."""
-    from meshplan.capture import capture as _capture
+    `loss_fn(module(*inputs), *targets)`. On real inputs and weights the
+    captured forward is run once and compared with the module's own
+    (`self_check=False` skips it): a `CaptureError` names the first op that
+    differs."""
+    from meshplan.driver.capture_check import checked_capture
 
-    return _capture(module, tuple(inputs), loss_fn=loss_fn, targets=tuple(targets))
+    return checked_capture(module, tuple(inputs), loss_fn, tuple(targets), self_check)
 
 
 def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None,

@@ -96,6 +96,7 @@ class Traced:
     graph: Graph
     program: torch.export.ExportedProgram
     refs: dict[str, Ref | tuple]
+    prefix: str  # what the program's parameter names carry before the module's FQNs
 
 
 def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -> Graph:
@@ -126,7 +127,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     graph, env = _translate(ep, prefix, type(module).__name__, same)
     graph = replace(graph, meta=graph.meta + _aliases(same, graph) + auto_facts(module))
     check_well_formed(graph)
-    return Traced(graph, ep, {node.name: r for node, r in env.items()})
+    return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix)
 
 
 # [Note: mutation] Export's training IR keeps in-place ops as they are
@@ -264,7 +265,12 @@ def _meta(val, node) -> TensorMeta:
 
 
 def _where(node) -> str:
-    return f"module '{_module_path(node, '') or '<root>'}' ({_source(node)})"
+    return where(node, "")
+
+
+def where(node, prefix: str) -> str:
+    """`module 'path' (file, line N: code)`: where an fx node's op is written."""
+    return f"module '{_module_path(node, prefix) or '<root>'}' ({_source(node)})"
 
 
 def _module_path(node, prefix: str) -> str:

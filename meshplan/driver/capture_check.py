@@ -1,0 +1,187 @@
+"""The capture self-check: the captured forward computes what the module does.
+
+Invariants:
+- It runs only on real example inputs and weights: a capture on the meta
+  device (the zoo's, for planning) has nothing to compute.
+- The captured forward runs through meshplan's own executor code
+  (`runtime.codegen.compile_segment`, the rule table's kernels), the
+  module through its own eager `forward`, each on its own copy of the
+  inputs, from one seed (random ops draw in the program's order on both
+  sides, so dropout masks agree), under `no_grad`.
+- The module is left as it was: its buffers (BatchNorm's running stats,
+  counters) and the RNG state are restored.
+- A loss beyond rounding of the module's own is a `CaptureError` naming the
+  first op whose output differs, with its module path and source line. It is
+  found by comparing every value of the captured graph with the value of the
+  same fx node in torch's own run of the exported program
+  (`torch.fx.Interpreter`); where those all agree, the difference is
+  export's, and the message says so.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from meshplan.capture.export import Traced, trace, where
+from meshplan.errors import CaptureError
+from meshplan.ir import Graph, Ref, Role
+from meshplan.runtime.codegen import compile_segment
+from meshplan.runtime.live_bytes import LiveBytes
+from meshplan.runtime.state import own_tensor, weights_of
+
+SEED = 1234
+# fp32 rounding over a whole forward: kernels that sum in another order
+# (attention, a cross-entropy split into log-softmax and nll) differ by a
+# few ulps per op; measured below 1e-6 relative on the zoo and transformers
+# models. A miscompile is orders of magnitude beyond it.
+RTOL_FP32 = 1e-4
+
+
+def checked_capture(module, inputs: tuple, loss_fn=None, targets: tuple = (),
+                    self_check: bool = True) -> Graph:
+    """`capture`, then (on real inputs and weights, unless `self_check` is
+    False) the self-check: a `CaptureError` if the captured forward's loss
+    differs from the module's own."""
+    traced = trace(module, tuple(inputs), loss_fn, tuple(targets))
+    if self_check and _is_real(module, (*inputs, *targets)):
+        check_capture(traced, module, tuple(inputs), loss_fn, tuple(targets))
+    return traced.graph
+
+
+def check_capture(traced: Traced, module, inputs: tuple, loss_fn=None,
+                  targets: tuple = ()) -> None:
+    """Raise `CaptureError` unless `traced.graph`'s loss on `inputs` equals,
+    within rounding, the module's own eager loss."""
+    with _kept(module):
+        eager = _eager_loss(module, inputs, loss_fn, targets)
+    with _kept(module):
+        env = _run_graph(traced.graph, module, (*inputs, *targets))
+    mine = env[traced.graph.loss]
+    if _close(mine, eager):
+        return
+    with _kept(module):
+        torch_values = _program_values(traced, module, (*inputs, *targets))
+    name = type(module).__name__
+    head = (f"capture self-check: {name}'s captured forward gives loss {float(mine):.6g}, "
+            f"its own forward {float(eager):.6g}")
+    culprit = _first_difference(traced, env, torch_values)
+    if culprit is None:
+        raise CaptureError(f"{head}; torch.export's program differs from the module itself "
+                           "(the forward reads something export does not capture: a Python "
+                           "global, a tensor's .item()); pass self_check=False to capture "
+                           "anyway")
+    raise CaptureError(f"{head}; the first op that differs is {culprit}; this is a meshplan "
+                       "bug: report it, or pass self_check=False to capture anyway")
+
+
+def _is_real(module, tensors: tuple) -> bool:
+    weights = list(module.parameters()) + list(module.buffers())
+    return all(isinstance(t, torch.Tensor) and not t.is_meta for t in (*tensors, *weights))
+
+
+@contextmanager
+def _kept(module):
+    """Run a forward from `SEED`, then restore the module's buffers and the
+    RNG state as they were."""
+    buffers = {n: b.detach().clone() for n, b in module.named_buffers()}
+    devices = sorted({t.device.index or 0 for t in module.parameters() if t.is_cuda})
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(SEED)
+        try:
+            yield
+        finally:
+            for n, b in module.named_buffers():
+                b.copy_(buffers[n])
+
+
+def _copies(tensors: tuple) -> tuple:
+    return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+def _eager_loss(module, inputs: tuple, loss_fn, targets: tuple) -> torch.Tensor:
+    out = module(*_copies(inputs))
+    return loss_fn(out, *_copies(targets)) if loss_fn is not None else out
+
+
+def _run_graph(graph: Graph, module, args: tuple) -> dict[int, torch.Tensor]:
+    """Every value of the forward `graph`, run as the executor runs a segment."""
+    own = weights_of(module)
+    data = iter(_copies(args))
+    env = {}
+    for vid in graph.inputs:
+        v = graph.values[vid]
+        env[vid] = own_tensor(own, graph, v.name) if v.role is not Role.DATA else next(data)
+    made = [o for op in graph.ops for o in op.outputs if o >= 0]
+    device = next((t.device for t in env.values()), torch.device("cpu"))
+    fn = compile_segment(graph, graph.ops, reads=list(graph.inputs), keeps=made,
+                         device=device, name="self_check", borrowed=list(graph.inputs))
+    return fn(env, LiveBytes())
+
+
+def _program_values(traced: Traced, module, args: tuple) -> dict[str, object]:
+    """Every fx node's value in torch's own run of the exported program."""
+    ep = traced.program
+    own = weights_of(module)
+    data = iter(_copies(args))
+    flat = []
+    for spec in ep.graph_signature.input_specs:
+        kind = spec.kind.name
+        if kind == "USER_INPUT":
+            flat.append(next(data))
+        elif kind == "CONSTANT_TENSOR" and spec.target in ep.constants:
+            flat.append(ep.constants[spec.target])
+        else:
+            flat.append(own[spec.target.removeprefix(traced.prefix)])
+    values: dict[str, object] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            values[n.name] = out = super().run_node(n)
+            return out
+
+    Recorder(ep.graph_module).run(*flat)
+    return values
+
+
+def _first_difference(traced: Traced, env: dict, torch_values: dict) -> str | None:
+    """`kind at module 'path' (source): max |diff| d` of the first captured
+    value, in program order, that differs from torch's own; None if none."""
+    producer = {o: op for op in traced.graph.ops for o in op.outputs}
+    for node in traced.program.graph.nodes:
+        ref, theirs = traced.refs.get(node.name), torch_values.get(node.name)
+        if not isinstance(ref, Ref) or not isinstance(theirs, torch.Tensor):
+            continue
+        op = producer.get(ref.id)
+        if op is None or ref.id not in env or _close(env[ref.id], theirs):
+            continue
+        mine = env[ref.id]
+        diff = (f"shape {list(mine.shape)} for {list(theirs.shape)}"
+                if mine.shape != theirs.shape else
+                f"max |diff| {float((mine.double() - theirs.double()).abs().max()):.3g}")
+        made_by = "" if op.kind == str(node.target) else f" (captured as {op.kind})"
+        return f"{node.target}{made_by} at {where(_written_at(node), traced.prefix)}: {diff}"
+    return None
+
+
+def _written_at(node):
+    """The node whose source line a user recognises: for the `*_scatter` that
+    functionalization makes where a view's base is next read, the write into
+    the view (its `src`); else the node itself."""
+    src = node.args[1] if len(node.args) > 1 else None
+    if str(node.target).split(".")[1].endswith("_scatter") and isinstance(src, torch.fx.Node):
+        return src
+    return node
+
+
+def _close(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+    if mine.shape != theirs.shape:
+        return False
+    if not theirs.is_floating_point():
+        return bool(torch.equal(mine.to(theirs.dtype), theirs))
+    a, b = mine.detach().double(), theirs.detach().double()
+    rtol = max(RTOL_FP32, 16 * torch.finfo(theirs.dtype).eps)
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return bool(((a - b).abs() <= rtol * max(scale, 1.0)).all()) and \
+        bool(torch.isfinite(a).eq(torch.isfinite(b)).all())

@@ -1,0 +1,122 @@
+"""The capture self-check (issue 29): a planted miscompile is refused, with
+the op and its source line; a correct capture passes and leaves the module
+as it was."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import meshplan.api as mp
+from meshplan.driver import capture_check
+from meshplan.errors import CaptureError
+from meshplan.ops import canonical
+from meshplan.ops.table import rule_for
+from tests.capture.mutation_patterns import Net, batches
+
+
+def _identity_kernel(monkeypatch, kind: str) -> None:
+    """The rule table's entry for `kind` returns its first input unchanged."""
+    real = rule_for
+
+    def planted(k):
+        rule = real(k)
+        return replace(rule, kernel=lambda x, *a, **kw: x) if k == kind else rule
+
+    monkeypatch.setattr("meshplan.runtime.codegen.rule_for", planted)
+
+
+class Shift(nn.Module):
+    """The issue's module: a write through a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        s = x.new_zeros(x.shape)
+        s[..., 1:] = x[..., :-1].clone()
+        return nn.functional.mse_loss(self.lin(s).squeeze(-1), y)
+
+
+def _example(pattern: str = "slice_assign"):
+    torch.manual_seed(0)
+    x, y = batches(1, 4)[0]
+    return Net(pattern), (x, y)
+
+
+def test_a_kernel_that_returns_its_input_is_named_with_its_source_line(monkeypatch):
+    torch.manual_seed(0)
+    module, inputs = Shift(), (torch.randn(4, 8), torch.randn(4))
+    _identity_kernel(monkeypatch, "aten.slice_scatter.default")
+    with pytest.raises(CaptureError) as err:
+        mp.capture(module, inputs)
+    msg = str(err.value)
+    assert "\n" not in msg and "self_check=False" in msg
+    assert "aten.slice_scatter.default at module '<root>'" in msg
+    assert "test_self_check.py, line" in msg and "s[..., 1:] = x[..., :-1].clone()" in msg
+
+
+def test_in_a_layer_the_op_names_its_module_path(monkeypatch):
+    module, inputs = _example()
+    _identity_kernel(monkeypatch, "aten.slice_scatter.default")
+    with pytest.raises(CaptureError, match=r"aten.slice_scatter.default at module 'blocks.0'"):
+        mp.capture(module, inputs)
+
+
+def test_a_canonical_rewrite_that_drops_its_op_is_named(monkeypatch):
+    """log_softmax's capture rewrite returns its input: the graph has no op
+    for it, and the check names torch's op and the rewrite's stand-in."""
+    monkeypatch.setitem(canonical.CANONICAL, "aten.log_softmax.int",
+                        lambda e, args, kw, ctx: (args[0],))
+    rule_for.cache_clear()
+    try:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 3), nn.LogSoftmax(-1))
+        with pytest.raises(CaptureError) as err:
+            mp.capture(m, (torch.randn(2, 4),), loss_fn=lambda out: out.sum())
+    finally:
+        rule_for.cache_clear()
+    assert ("aten.log_softmax.int (captured as aten.linear.default) at module '1'"
+            in str(err.value)), str(err.value)
+
+
+def test_opt_out_captures_the_miscompile_anyway(monkeypatch):
+    module, inputs = _example()
+    _identity_kernel(monkeypatch, "aten.slice_scatter.default")
+    graph = mp.capture(module, inputs, self_check=False)
+    assert any(op.kind == "aten.slice_scatter.default" for op in graph.ops)
+
+
+def test_the_check_leaves_buffers_and_rng_as_they_were():
+    module, inputs = _example("batch_norm")
+    before = {n: b.clone() for n, b in module.named_buffers()}
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    mp.capture(module, inputs)
+    assert torch.equal(torch.rand(3), expected)
+    for n, b in module.named_buffers():
+        assert torch.equal(b, before[n]), n
+
+
+def test_dropout_draws_the_same_masks_on_both_sides():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    x = torch.randn(16, 8)
+    mp.capture(m, (x,), loss_fn=lambda out: out.square().mean())  # passes: masks agree
+
+
+def test_meta_inputs_are_not_checked(monkeypatch):
+    calls = []
+    monkeypatch.setattr(capture_check, "check_capture", lambda *a: calls.append(a))
+    with torch.device("meta"):
+        module = Net("slice_assign")
+        x, y = torch.empty(4, 8, 16), torch.zeros(4, dtype=torch.long)
+    mp.capture(module, (x, y))
+    assert not calls
+    mp.capture(*_example())
+    assert len(calls) == 1
