@@ -130,6 +130,7 @@ def build_hf(cfg) -> nn.Module:
     """`HFLoss` around a random `cfg` model (on the current default device)."""
     tf = _transformers()
     conf = hf_config(cfg)
+    conf.use_cache = False  # a training step keeps no KV cache (its update detaches in place)
     auto = tf.AutoModelForMaskedLM if is_masked_lm(cfg) else tf.AutoModelForCausalLM
     if type(conf) not in auto._model_mapping:
         raise ConfigError(f"cannot build {cfg.model}: transformers has no causal-LM or "

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from meshplan.errors import CaptureError
 from meshplan.ir import Ref
 from meshplan.ops.rule import CanonicalFn, Emits
 
@@ -93,7 +96,21 @@ def adaptive_avg_pool2d(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref,
     return (e.call("aten._adaptive_avg_pool2d.default", *args, **kw),)
 
 
+def clone(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
+    """`clone(x, memory_format=contiguous_format)`, functionalization's form of
+    `x.contiguous()`, is `contiguous` again: the IR carries no memory formats,
+    and the views after it need the contiguous strides."""
+    fmt = kw.pop("memory_format", None)
+    if fmt == str(torch.contiguous_format):
+        return (e.call("aten.contiguous.default", args[0]),)
+    if fmt not in (None, str(torch.preserve_format)):
+        raise CaptureError(f"clone to memory format {fmt} is not supported; keep the "
+                           "default layout (no channels_last) in the model")
+    return (e.call("aten.clone.default", *args, **kw),)
+
+
 CANONICAL: dict[str, CanonicalFn] = {
+    "aten.clone.default": clone,
     "aten.layer_norm.default": layer_norm,
     "aten.softmax.int": softmax,
     "aten.log_softmax.int": log_softmax,
