@@ -147,16 +147,18 @@ def mean_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
 # The functional forms of writes into a tensor (torch's functionalization of
 # `copy_`, `x[..] = v`, `x[..].add_()`; [Note: mutation] in capture/export.py).
 def copy_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
-    """copy(self, src): src broadcast into self's shape and dtype; self is
-    overwritten, so only src has a gradient."""
+    """copy(self, src): src broadcast into self's shape and dtype. self is
+    overwritten: its gradient is zeros, as autograd's (a parameter written
+    over still has a `.grad`, which weight decay reads)."""
     g = only(gouts)
-    src = tensor(op, 1)
-    if not needs(src):
-        return []
-    g = sum_to(e, g, e.meta(src).shape)
-    if e.meta(g).dtype != e.meta(src).dtype:
-        g = e.call("aten._to_copy.default", g, dtype=e.meta(src).dtype)
-    return [(src, g)]
+    x, src = tensor(op, 0), tensor(op, 1)
+    out = [(x, zeros_like(e, x))] if needs(x) else []
+    if needs(src):
+        g = sum_to(e, g, e.meta(src).shape)
+        if e.meta(g).dtype != e.meta(src).dtype:
+            g = e.call("aten._to_copy.default", g, dtype=e.meta(src).dtype)
+        out.append((src, g))
+    return out
 
 
 def slice_scatter_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:

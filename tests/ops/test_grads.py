@@ -200,6 +200,16 @@ CASES = {
     "slice_past_end": C(lambda a: a[:, 2:100:3], ((3, 7),), "aten.slice.Tensor"),
     "select": C(lambda a: a[:, 1], ((3, 4),), "aten.select.int"),
     "select_neg": C(lambda a: a[-1], ((3, 4),), "aten.select.int"),
+    # the functional forms of writes (capture functionalizes `x[..] = v` into them)
+    "copy_broadcast": C(lambda a, b: a.clone().copy_(b), ((3, 4), (4,)), "aten.copy.default"),
+    "copy_from_f32": C(lambda a, b: a.clone().copy_(b.to(F32)), ((3, 4), (3, 4)),
+                       "aten.copy.default"),
+    "slice_scatter": C(lambda a, b: torch.slice_scatter(a, b, 1, 1, 7, 2), ((3, 7), (3, 3)),
+                       "aten.slice_scatter.default"),
+    "slice_scatter_default": C(lambda a, b: torch.slice_scatter(a, b), ((3, 4), (3, 4)),
+                               "aten.slice_scatter.default"),
+    "select_scatter": C(lambda a, b: torch.select_scatter(a, b, 0, -1), ((3, 4), (4,)),
+                        "aten.select_scatter.default"),
     # reductions
     "sum": C(lambda a: a.sum(), ((3, 4),), "aten.sum.default"),
     "sum_dim": C(lambda a: a.sum(1), ((2, 3, 4),), "aten.sum.dim_IntList"),
