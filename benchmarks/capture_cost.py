@@ -82,8 +82,9 @@ def main() -> None:
     try:
         result = {"machine": machine(), "base": args.base, "rounds": args.rounds, "models": {}}
         for model, size, batch in MODELS:
-            runs = alternate({"base": lambda: probe(base, model, size, batch),
-                              "head": lambda: probe(ROOT, model, size, batch)}, args.rounds)
+            case = (model, size, batch)
+            runs = alternate({"base": lambda case=case: probe(base, *case),
+                              "head": lambda case=case: probe(ROOT, *case)}, args.rounds)
             row = {tree: {k: median([r[k] for r in v["rounds"]]) for k in v["rounds"][0]}
                    for tree, v in runs.items()}
             row["ratio_first"] = row["head"]["first"] / row["base"]["first"]
