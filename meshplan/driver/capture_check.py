@@ -12,7 +12,8 @@ Invariants:
   counters) and the RNG state are restored.
 - A loss beyond rounding of the module's own is a `CaptureError` naming the
   first op whose output differs, with its module path and source line. It is
-  found by comparing every value of the captured graph with the value of the
+  found by running the graph again, keeping every value (the first run keeps
+  the loss alone), and comparing each with the value of the
   same fx node in torch's own run of the exported program
   (`torch.fx.Interpreter`); where those all agree, the difference is
   export's, and the message says so.
@@ -56,13 +57,15 @@ def check_capture(traced: Traced, module, inputs: tuple, loss_fn=None,
     within rounding, the module's own eager loss."""
     with _kept(module):
         eager = _eager_loss(module, inputs, loss_fn, targets)
-    with _kept(module):
-        env = _run_graph(traced.graph, module, (*inputs, *targets))
-    mine = env[traced.graph.loss]
+    graph, args = traced.graph, (*inputs, *targets)
+    with _kept(module):  # the loss alone: each value is freed after its last use
+        mine = _run_graph(graph, module, args, keeps=[graph.loss])[graph.loss]
     if _close(mine, eager):
         return
+    with _kept(module):  # every value, to find the first that differs
+        env = _run_graph(graph, module, args, [o for op in graph.ops for o in op.outputs])
     with _kept(module):
-        torch_values = _program_values(traced, module, (*inputs, *targets))
+        torch_values = _program_values(traced, module, args)
     name = type(module).__name__
     head = (f"capture self-check: {name}'s captured forward gives loss {float(mine):.6g}, "
             f"its own forward {float(eager):.6g}")
@@ -105,17 +108,17 @@ def _eager_loss(module, inputs: tuple, loss_fn, targets: tuple) -> torch.Tensor:
     return loss_fn(out, *_copies(targets)) if loss_fn is not None else out
 
 
-def _run_graph(graph: Graph, module, args: tuple) -> dict[int, torch.Tensor]:
-    """Every value of the forward `graph`, run as the executor runs a segment."""
+def _run_graph(graph: Graph, module, args: tuple, keeps: list[int]) -> dict[int, torch.Tensor]:
+    """The values `keeps` of the forward `graph`, run as the executor runs a segment."""
     own = weights_of(module)
     data = iter(_copies(args))
     env = {}
     for vid in graph.inputs:
         v = graph.values[vid]
         env[vid] = own_tensor(own, graph, v.name) if v.role is not Role.DATA else next(data)
-    made = [o for op in graph.ops for o in op.outputs if o >= 0]
     device = next((t.device for t in env.values()), torch.device("cpu"))
-    fn = compile_segment(graph, graph.ops, reads=list(graph.inputs), keeps=made,
+    fn = compile_segment(graph, graph.ops, reads=list(graph.inputs),
+                         keeps=[k for k in keeps if k >= 0],
                          device=device, name="self_check", borrowed=list(graph.inputs))
     return fn(env, LiveBytes())
 

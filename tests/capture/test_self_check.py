@@ -120,3 +120,25 @@ def test_meta_inputs_are_not_checked(monkeypatch):
     assert not calls
     mp.capture(*_example())
     assert len(calls) == 1
+
+
+CALLS = [0]  # a Python global the forward counts its calls in
+
+
+class Drifts(nn.Module):
+    """A forward that reads a Python global it also changes: export bakes
+    the value it saw, so its program is not the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x):
+        CALLS[0] += 1
+        return (self.lin(x) * CALLS[0]).sum()
+
+
+def test_a_program_that_is_not_the_module_is_blamed_on_export():
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match="torch.export's program differs from the module"):
+        mp.capture(Drifts(), (torch.randn(2, 4),))
