@@ -209,11 +209,19 @@ def compare_state(assembled: Assembled, ref: dict[str, torch.Tensor], bounds: Bo
                   start: dict[str, torch.Tensor] | None = None) -> dict:
     """Per reference tensor: `max_abs`, `max_rel`, `bound_used`, `ok` (and
     `replica_spread` where replicas differ, `missing` where the run lacks it,
+    `unused` where it lacks it and eager left it at its `start` value,
     `noise` where the reference's reordering noise is not zero, `flips` in
     an AdamW run, `update_rel` for a tensor in `start`, the initial state)."""
     out = {}
     noise = noise or {}
     for name in sorted(ref):
+        if name not in assembled.tensors and start is not None and name in start \
+                and torch.equal(ref[name], start[name]):
+            # no rank holds it because no op of the step reads it; eager left it as
+            # it started too (no gradient: torch.optim skips it), and so did the run
+            out[name] = {"max_abs": 0.0, "max_rel": 0.0, "bound_used": 0.0, "ok": True,
+                         "unused": True}
+            continue
         if name not in assembled.tensors or name in assembled.uncovered:
             out[name] = {"max_abs": float("inf"), "max_rel": float("inf"),
                          "bound_used": float("inf"), "ok": False, "missing": True}

@@ -114,7 +114,41 @@ def _fields(probe, cfg) -> dict:
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(probe, token, None), int) and getattr(probe, token) >= cfg.vocab:
             kw[token] = cfg.vocab - 1
+    if isinstance(getattr(probe, "rotary_dim", None), int):  # rotary on part of each head
+        kw["rotary_dim"] = _rotary_dim(probe, kw, cfg)
+    pad = kw.get("pad_token_id", getattr(probe, "pad_token_id", None))
+    if isinstance(pad, int) and _positions_after_padding(cfg.model.removeprefix(PREFIX)):
+        # RoBERTa-style position ids start at pad + 1: the table needs that many rows more
+        pos = next(n for n in ("max_position_embeddings", "n_positions") if n in kw)
+        kw[pos] = cfg.seq_len + pad + 1
     return kw
+
+
+def _rotary_dim(probe, kw: dict, cfg) -> int:
+    """The default config's fraction of a head that is rotated (GPT-J: 64 of
+    256), of our head size, even and at least 2."""
+    heads = next(getattr(probe, n) for n in ("num_attention_heads", "n_head") if hasattr(probe, n))
+    hidden = next(getattr(probe, n) for n in ("hidden_size", "n_embd") if hasattr(probe, n))
+    head = cfg.hidden // cfg.heads
+    return max(2, min(head, head * probe.rotary_dim // (hidden // heads)) // 2 * 2)
+
+
+@lru_cache(maxsize=64)
+def _positions_after_padding(model_type: str) -> bool:
+    """Whether the model numbers positions from its padding index on
+    (transformers' `create_position_ids_from_input_ids`: RoBERTa, XLM-R, ...)."""
+    import importlib
+    import inspect
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    except ImportError:
+        return False
+    return any(hasattr(x, "create_position_ids_from_input_ids")
+               for x in (mod, *(v for v in vars(mod).values() if inspect.isclass(v))))
 
 
 @lru_cache(maxsize=16)
