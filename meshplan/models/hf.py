@@ -115,7 +115,7 @@ def _fields(probe, cfg) -> dict:
         if isinstance(getattr(probe, token, None), int) and getattr(probe, token) >= cfg.vocab:
             kw[token] = cfg.vocab - 1
     if isinstance(getattr(probe, "rotary_dim", None), int):  # rotary on part of each head
-        kw["rotary_dim"] = _rotary_dim(probe, kw, cfg)
+        kw["rotary_dim"] = _rotary_dim(probe, cfg)
     pad = kw.get("pad_token_id", getattr(probe, "pad_token_id", None))
     if isinstance(pad, int) and _positions_after_padding(cfg.model.removeprefix(PREFIX)):
         # RoBERTa-style position ids start at pad + 1: the table needs that many rows more
@@ -124,7 +124,7 @@ def _fields(probe, cfg) -> dict:
     return kw
 
 
-def _rotary_dim(probe, kw: dict, cfg) -> int:
+def _rotary_dim(probe, cfg) -> int:
     """The default config's fraction of a head that is rotated (GPT-J: 64 of
     256), of our head size, even and at least 2."""
     heads = next(getattr(probe, n) for n in ("num_attention_heads", "n_head") if hasattr(probe, n))
