@@ -133,20 +133,17 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
 # [Note: mutation] Export's training IR keeps in-place ops as they are
 # (`copy_` into a `slice` of a tensor, `add_` on a view), and CompositeImplicit
 # ops such as `batch_norm` mutate their buffers without saying so in their
-# schema. Rewriting `x.f_()` as `y = f(x)` by hand loses every write through a
-# view (issue 29: `s[..., 1:] = x[..., :-1]` trained silently wrong), so capture
-# hands the whole program to torch's functionalization instead. It costs a
-# second trace (measured: 0.5-1.5 s for GPT small to ResNet-50, 1-3x the
-# export), paid only by programs that mutate: a program with no mutating node
-# is already functional, and is what functionalization would return.
-_HIDDEN_MUTATION = frozenset({"aten.batch_norm.default", "aten.instance_norm.default"})
-
-
+# schema (`OpRule.mutates` knows both). Rewriting `x.f_()` as `y = f(x)` by
+# hand loses every write through a view (issue 29: `s[..., 1:] = x[..., :-1]`
+# trained silently wrong), so capture hands the whole program to torch's
+# functionalization instead. It costs a second trace (benchmarks/results/
+# capture_cost.md: ResNet-50's BatchNorms, 1.82 -> 3.81 s with the
+# self-check), paid only by programs that mutate: a program with no mutating
+# node is already functional, and is what functionalization would return.
 def functional(ep, model_name: str):
     """`ep` with every mutation functionalized by torch (itself if it has none)."""
-    mutates = any(node.op == "call_function" and hasattr(node.target, "_schema")
-                  and (node.target._schema.is_mutable or str(node.target) in _HIDDEN_MUTATION)
-                  for node in ep.graph.nodes)
+    mutates = any(node.op == "call_function" and str(node.target).startswith("aten.")
+                  and rule_for(str(node.target)).mutates for node in ep.graph.nodes)
     if not mutates:
         return ep
     try:
@@ -346,8 +343,8 @@ def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
         raise CaptureError(f"unsupported call {kind}: not an aten op, so no generic rule "
                            "applies; express it with tensor ops (e.g. torch.where for a "
                            "branch) or move it out of the model's forward")
-    assert not node.target._schema.is_mutable, f"{kind} survived functionalization"
     rule = rule_for(kind)
+    assert not rule.mutates, f"{kind} survived functionalization"
     args = tuple(_lit(a, ctx) for a in node.args)
     kwargs = {k: _lit(v, ctx) for k, v in node.kwargs.items() if k not in ("layout", "pin_memory")}
     val = node.meta.get("val")

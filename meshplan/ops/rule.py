@@ -107,3 +107,7 @@ class OpRule:
     # kernel name), ...); a device not listed runs `kernel` itself. Asked only
     # at lowering (see `ops/device_kernels.py`).
     devices: tuple[tuple[str, Callable[[Op, Any], str]], ...] = ()
+    # Writes a tensor in place: its schema says so (`add_`, `copy_`), or its
+    # CompositeImplicit form updates buffers unannounced (`batch_norm`'s running
+    # stats). Capture hands a program with such an op to torch's functionalization.
+    mutates: bool = False

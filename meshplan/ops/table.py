@@ -175,6 +175,10 @@ _MESHPLAN_KINDS = {rule.kind: rule for rule in (
 )}
 
 
+# CompositeImplicit ops whose schema hides that they update buffers in place
+_HIDDEN_MUTATION = frozenset({"aten.batch_norm.default", "aten.instance_norm.default"})
+
+
 @cache
 def rule_for(kind: str) -> OpRule:
     """The rule of `kind`: exact if listed, else the generic rule."""
@@ -200,6 +204,7 @@ def rule_for(kind: str) -> OpRule:
         precision=PRECISION.get(kind, ""),
         recompute=recompute_class(kind),
         devices=DEVICES.get(kind, ()),
+        mutates=kind in _HIDDEN_MUTATION or kernel._schema.is_mutable,
     )
 
 

@@ -98,3 +98,10 @@ def test_lowering_takes_each_task_kind_from_the_op_category():
             assert task.kind in want, (op.kind, task.kind)
             checked.add(task.kind)
     assert checked == set(TaskKind), checked
+
+
+def test_mutates_knows_schemas_and_hidden_buffer_writes():
+    assert rule_for("aten.add_.Tensor").mutates and rule_for("aten.copy_.default").mutates
+    assert rule_for("aten.batch_norm.default").mutates  # running stats, unannounced
+    assert not rule_for("aten.add.Tensor").mutates
+    assert not rule_for("aten.slice_scatter.default").mutates
