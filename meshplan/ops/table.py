@@ -204,8 +204,14 @@ def rule_for(kind: str) -> OpRule:
         precision=PRECISION.get(kind, ""),
         recompute=recompute_class(kind),
         devices=DEVICES.get(kind, ()),
-        mutates=kind in _HIDDEN_MUTATION or kernel._schema.is_mutable,
+        mutates=kind in _HIDDEN_MUTATION or _schema_mutates(kernel),
     )
+
+
+def _schema_mutates(kernel) -> bool:
+    """Whether an aten overload's schema writes an argument (`Tensor(a!)`)."""
+    schema = getattr(kernel, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def physical_kernel(op: Op, values: Values, device_type: str) -> str:
