@@ -71,16 +71,12 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None,
     batch `graph` was captured with; the strategy's other fields (precision,
     buckets, layer pattern, tp plan) are kept. The Job's strategy is the
     winner."""
-    from dataclasses import replace
 
     from meshplan.ir import Role
     from meshplan.passes.plan import PASSES, Compilation
     from meshplan.passes.strategy import check_strategy
 
-    if isinstance(optimizer, str):
-        opt = OptimizerConfig.default(optimizer, lr)
-    else:
-        opt = optimizer if lr is None else replace(optimizer, lr=lr)
+    opt = OptimizerConfig.of(optimizer, lr)
     if strategy.auto:
         strategy = _searched(graph, mesh, strategy, opt, device_model, memory_per_device)
     strategy = check_strategy(mesh, strategy)

@@ -15,6 +15,9 @@ Invariants:
   phase=backward) every micro-batch, right after the op that completes it
   (so no weight gradient outlives its layer's backward); the optimizer ops
   (phase=optimizer) read the accumulator once per step.
+- With `max_grad_norm`, every optimizer op takes one more input, the
+  clipping factor, made from the squared norms of all gradients
+  (`_emit_clip`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from meshplan.autodiff.optimizer import SLOTS, OptimizerConfig, slot_meta_shape
 from meshplan.errors import CaptureError
 from meshplan.ir import (
     DEVICE,
+    GRAD_NORM,
     LOSS_SCALE,
     DType,
     Graph,
@@ -36,7 +40,14 @@ from meshplan.ir import (
     check_well_formed,
 )
 from meshplan.ir.builder import renumber_ops
-from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM, optimizer_kind
+from meshplan.ir.kinds import (
+    ACCUMULATE_GRAD,
+    CLIP_COEF,
+    GRAD_SQ,
+    GRAD_SUM,
+    SQ_SUM,
+    optimizer_kind,
+)
 from meshplan.ir.state_name import StateName
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
@@ -173,18 +184,43 @@ def _emit_accumulate(b: GraphBuilder, graph: Graph, grads: dict[int, Ref]) -> di
 
 
 def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: OptimizerConfig):
-    for p in graph.inputs_by_role(Role.PARAM):
-        if p.id not in accs:
-            continue
-        slots = []
-        for slot in SLOTS[opt.kind]:
-            shape = slot_meta_shape(slot, p.meta.shape)
-            dtype = DType("float32") if slot == "step" else p.meta.dtype
-            slots.append(Ref(b.add_input(TensorMeta(shape, dtype), Role.OPT_STATE,
-                                         str(StateName(p.name, slot)))))
+    params = [p for p in graph.inputs_by_role(Role.PARAM) if p.id in accs]
+    clip = opt.max_grad_norm is not None and bool(params)
+    slots = {p.id: _slots(b, p, opt) for p in params} if clip else {}
+    coef = _emit_clip(b, params, accs, slots, opt.max_grad_norm) if clip else ()
+    for p in params:
         e = Emitter(b, phase=Phase.OPTIMIZER, module_path=_owner(p.name))
         kw = dict(opt.kwargs())
-        outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *slots, **kw)
+        args = slots[p.id] if clip else _slots(b, p, opt)
+        outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *args, *coef,
+                            **kw)
         b.updates.append(Update(p.name, outs[0].id))
         for slot, out in zip(SLOTS[opt.kind], outs[1:]):
             b.updates.append(Update(str(StateName(p.name, slot)), out.id))
+
+
+def _slots(b: GraphBuilder, p, opt: OptimizerConfig) -> list[Ref]:
+    """Parameter `p`'s optimizer slots, new inputs."""
+    return [Ref(b.add_input(TensorMeta(slot_meta_shape(slot, p.meta.shape),
+                                       DType("float32") if slot == "step" else p.meta.dtype),
+                            Role.OPT_STATE, str(StateName(p.name, slot))))
+            for slot in SLOTS[opt.kind]]
+
+
+def _emit_clip(b: GraphBuilder, params, accs: dict[int, Ref], slots: dict,
+               max_norm: float) -> tuple[Ref]:
+    """Global-norm clipping: each gradient's squared norm (reading the
+    optimizer's tensors, so it is laid out as the optimizer's gradient), their
+    sum, and the factor every optimizer op takes; the norm is the state
+    `GRAD_NORM`, reported each step. Planning sums the squares per stage and
+    across stages (passes/grad_norm.py)."""
+    squares = []
+    for p in params:
+        e = Emitter(b, phase=Phase.OPTIMIZER, module_path=_owner(p.name))
+        squares.append(e.call(GRAD_SQ, Ref(p.id), accs[p.id], *slots[p.id]))
+    e = Emitter(b, phase=Phase.OPTIMIZER, module_path="")
+    total = e.call(SQ_SUM, *squares)
+    norm, coef = e.call_multi(CLIP_COEF, total, max_norm=float(max_norm))
+    b.add_input(TensorMeta((), DType("float32")), Role.OPT_STATE, GRAD_NORM)
+    b.updates.append(Update(GRAD_NORM, norm.id))
+    return (coef,)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from meshplan.errors import ConfigError
 from meshplan.ir.choices import OptimizerKind, choose
 
 SLOTS = {OptimizerKind.SGD: ("momentum_buffer",),
@@ -27,9 +28,14 @@ class OptimizerConfig:
     weight_decay: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    # global-norm gradient clipping (`clip_grad_norm_(max_norm)`); None: off
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", choose(OptimizerKind, self.kind, "optimizer"))
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm {self.max_grad_norm} must be > 0; give a "
+                              "clipping threshold such as 1.0, or none to turn clipping off")
 
     @staticmethod
     def default(kind: OptimizerKind | str, lr: float | None = None) -> OptimizerConfig:
@@ -41,6 +47,17 @@ class OptimizerConfig:
         else:
             cfg = OptimizerConfig(kind)
         return cfg if lr is None else replace(cfg, lr=lr)
+
+    @staticmethod
+    def of(optimizer: OptimizerConfig | OptimizerKind | str, lr: float | None = None,
+           **fields) -> OptimizerConfig:
+        """`optimizer` as a config: a name takes its defaults (`default`); `lr`
+        and `fields` override (`lr=None`: keep)."""
+        cfg = optimizer if isinstance(optimizer, OptimizerConfig) \
+            else OptimizerConfig.default(optimizer)
+        if lr is not None:
+            fields["lr"] = lr
+        return replace(cfg, **fields) if fields else cfg
 
     def kwargs(self) -> tuple[tuple[str, object], ...]:
         """The literal arguments of this optimizer's op, after its tensors."""

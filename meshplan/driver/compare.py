@@ -45,6 +45,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -247,11 +248,6 @@ def compare_losses(rank_losses: dict[str, list[float]], ref: list[float],
     """Every loss-holding rank's curve against the reference, step by step."""
     worst, problems = 0.0, []
     allowed = bounds.loss_atol + NOISE_FACTOR * noise
-    if noise > bounds.chaos:
-        problems.append(f"eager training is chaotic here: reversing the samples in each "
-                        f"micro-batch alone moves its loss by {noise:.2e} (> {bounds.chaos:g}), "
-                        "so rounding cannot be told from a bug; use fewer steps or a lower "
-                        "learning rate")
     if not rank_losses:
         problems.append("no rank reported a loss")
     for rank, losses in sorted(rank_losses.items(), key=lambda kv: int(kv[0])):
@@ -265,6 +261,49 @@ def compare_losses(rank_losses: dict[str, list[float]], ref: list[float],
                 problems.append(f"rank {rank} step {step}: loss {a:.6g} vs eager {b:.6g}")
     return {"max_abs_diff": worst, "bound_used": worst / allowed if allowed > 0 else worst,
             "problems": problems}
+
+
+def chaos(noise: float, bounds: Bounds) -> list[str]:
+    """The refusal to judge a run that differs from eager where eager's own
+    reordering noise is above `bounds.chaos`."""
+    if noise <= bounds.chaos:
+        return []
+    return [f"eager training is chaotic here: reversing the samples in each micro-batch "
+            f"alone moves its loss by {noise:.2e} (> {bounds.chaos:g}), and the run is not "
+            "equal to eager bit for bit, so rounding cannot be told from a bug; use fewer "
+            "steps or a lower learning rate"]
+
+
+def compare_norms(rank_norms: dict[str, list[float]], ref: list[float],
+                  bounds: Bounds) -> dict:
+    """Every rank's gradient norm per step against `clip_grad_norm_`'s: the
+    same on every rank (one factor for all), within `bounds.rtol` of eager's
+    (non-finite where eager's is)."""
+    problems: list[str] = []
+    worst = 0.0
+    if ref and not rank_norms:
+        problems.append("clipping is on but no rank reported a gradient norm")
+    for rank, norms in sorted(rank_norms.items(), key=lambda kv: int(kv[0])):
+        if len(norms) != len(ref):
+            problems.append(f"rank {rank} reported {len(norms)} gradient norms for "
+                            f"{len(ref)} steps")
+            continue
+        for step, (a, b) in enumerate(zip(norms, ref)):
+            if not (math.isfinite(a) and math.isfinite(b)):
+                if math.isfinite(a) != math.isfinite(b):
+                    problems.append(f"rank {rank} step {step}: gradient norm {a:.6g} vs "
+                                    f"eager {b:.6g}")
+                continue
+            rel = abs(a - b) / max(abs(b), 1e-30)
+            worst = max(worst, rel)
+            if rel > bounds.rtol:
+                problems.append(f"rank {rank} step {step}: gradient norm {a:.6g} vs eager "
+                                f"{b:.6g} (rel {rel:.1e} > {bounds.rtol:g})")
+    curves = {tuple(v) for v in rank_norms.values()}
+    if len(curves) > 1:
+        problems.append(f"the ranks' gradient norms differ ({len(curves)} distinct curves): "
+                        "their clipping factors would differ")
+    return {"max_rel_diff": worst, "problems": problems}
 
 
 def worst(params: dict, n: int = 3) -> list[tuple[str, dict]]:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import meshplan
 from meshplan import errors
+from meshplan.autodiff import OptimizerConfig
 from meshplan.capture.cache import cache_dir
 from meshplan.driver.results import CompileResult, LowerResult
 from meshplan.errors import ConfigError, MeshplanError, PlanError
@@ -258,7 +259,8 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
                        temp_rank_calls=sum(p["temp_calls"] for p in procs))
 
 
-def compile_model(model: str, size: str, mesh, strategy, out, optimizer: str = "sgd",
+def compile_model(model: str, size: str, mesh, strategy, out,
+                  optimizer: str | OptimizerConfig = "sgd",
                   lr: float | None = None, ranks=None, workers=None, use_cache: bool = True,
                   progress=None, device: str = "cpu", **overrides) -> CompileResult:
     """The whole compile of a zoo model: master once, then ranks in workers."""

@@ -59,7 +59,8 @@ def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
 
 
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
-               optimizer: str = "sgd", lr: float | None = None, encode: bool = True,
+               optimizer: str | OptimizerConfig = "sgd", lr: float | None = None,
+               encode: bool = True,
                **overrides) -> Planned:
     """Capture a zoo model (on the meta device: no weights; cached) and plan
     it; `encode=False` skips the Job's bytes (for a Job no rank receives)."""
@@ -73,7 +74,7 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     timings: dict = {}  # seconds per pass (the pass manager's), then the Job's bytes
     with paused_gc():  # the master: see ir/gc_pause.py
         job = PASSES.run(Compilation(forward, mesh, strategy,
-                                     OptimizerConfig.default(optimizer, lr)),
+                                     OptimizerConfig.of(optimizer, lr)),
                          timings=timings).job
         t2 = time.perf_counter()
         if encode:

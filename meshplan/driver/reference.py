@@ -5,7 +5,8 @@ global batches, split into the same micro-batches, with each micro-batch's
 loss scaled by 1/num_microbatches before `backward()` so gradients
 accumulate to the gradient of the mean loss. Mixed precision uses torch's
 own `torch.autocast` (and, for fp16, `torch.amp.GradScaler` with the same
-initial scale and growth interval as meshplan).
+initial scale and growth interval as meshplan). Clipping is torch's own
+`clip_grad_norm_`, after GradScaler's `unscale_`, as torch's recipe has it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class EagerRun(NamedTuple):
     losses: list[float]
     step_s: list[float]
     state: dict[str, torch.Tensor]
+    grad_norms: list[float] = []  # clip_grad_norm_'s total norm per step (clipping on)
 
 
 def eager_state(module: nn.Module, opt: torch.optim.Optimizer | None = None,
@@ -69,7 +71,7 @@ def eager_train(
     scaler = torch.amp.GradScaler(dev.type, init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
         if precision == Precision.FP16 else None
-    losses, times = [], []
+    losses, times, norms = [], [], []
     for batch in batches:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -82,10 +84,15 @@ def eager_train(
             (scaler.scale(scaled) if scaler else scaled).backward()
             total += loss.detach().float()
         if scaler:
+            scaler.unscale_(opt)
+        if optimizer.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(module.parameters(), optimizer.max_grad_norm)
+            norms.append(float(norm))
+        if scaler:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
         losses.append(float(total / num_microbatches))  # a sync on a GPU
         times.append(time.perf_counter() - t0)
-    return EagerRun(losses, times, eager_state(module, opt, scaler))
+    return EagerRun(losses, times, eager_state(module, opt, scaler), norms)

@@ -48,10 +48,18 @@ class RunResult(JsonResult):
     wall_s: float
     first_step: int
     trace: dict[str, Any] | None
+    # clipping: the global gradient norm per step, by rank (every rank computes it)
+    rank_grad_norms: dict[str, list[float]] = field(default_factory=dict)
     state_slices: dict[int, dict] | None = field(default=None, repr=False)
 
+    @property
+    def grad_norms(self) -> list[float]:
+        """The gradient norm per step (rank 0's; every rank's is the same)."""
+        return next(iter(self.rank_grad_norms.values()), [])
+
     def to_json(self) -> dict[str, Any]:
-        return {"losses": self.losses, "step_s": self.step_s, "rank_losses": self.rank_losses,
+        return {"losses": self.losses, "grad_norms": self.grad_norms, "step_s": self.step_s,
+                "rank_losses": self.rank_losses, "rank_grad_norms": self.rank_grad_norms,
                 "median_step_s": self.median_step_s, "ranks": self.ranks,
                 "job_digest": self.job_digest, "wall_s": self.wall_s,
                 "first_step": self.first_step, "trace": self.trace}

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model
 from meshplan.driver.results import RunResult
 from meshplan.errors import ConfigError, PlanError, RuntimeFault
@@ -74,7 +75,8 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
 
 
 def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
-        optimizer: str = "sgd", seed: int = 0, threads: int = 1, timeout_s: float = 60.0,
+        optimizer: str | OptimizerConfig = "sgd", seed: int = 0, threads: int = 1,
+        timeout_s: float = 60.0,
         plan_dir: str = "", save_dir: str = "", resume: bool = False,
         lr: float | None = None, trace: str = "", on_step=None,
         report_state: bool = False, device: str = "cpu", backend: str = "",
@@ -143,7 +145,7 @@ def under_torchrun() -> bool:
 
 
 def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
-                 optimizer: str = "sgd", seed: int = 0, threads: int = 1,
+                 optimizer: str | OptimizerConfig = "sgd", seed: int = 0, threads: int = 1,
                  timeout_s: float = 60.0, lr: float | None = None, trace: str = "",
                  save_dir: str = "", device: str = "cpu", backend: str = "",
                  **overrides) -> RunResult | None:
@@ -191,6 +193,8 @@ def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> Run
     return RunResult(
         losses=losses, step_s=steps,
         rank_losses={str(r): per_rank[r]["losses"] for r in holders},
+        rank_grad_norms={str(r): v["grad_norms"] for r, v in sorted(per_rank.items())
+                         if v.get("grad_norms")},
         median_step_s=statistics.median(steps) if steps else None,
         ranks={str(r): {"planned_peak_bytes": v["planned_peak_bytes"],
                         "measured_peak_bytes": v["measured_peak_bytes"],

@@ -28,7 +28,9 @@ from meshplan.driver.compare import (
     Flips,
     adam_flips,
     assemble,
+    chaos,
     compare_losses,
+    compare_norms,
     compare_state,
     max_abs,
 )
@@ -51,7 +53,7 @@ def verify(
     model: str = "gpt",
     size: str = "tiny",
     steps: int = 20,
-    optimizer: str = "sgd",
+    optimizer: str | OptimizerConfig = "sgd",
     global_batch_size: int = 8,
     num_microbatches: int = 1,
     seed: int = 0,
@@ -90,7 +92,7 @@ def verify(
     fp32_reference = copy.deepcopy(module)
     precision = strategy.precision if strategy is not None else Precision.FP32
     init_scale = strategy.initial_loss_scale if strategy is not None else INIT_SCALE
-    opt = OptimizerConfig.default(optimizer, lr)
+    opt = OptimizerConfig.of(optimizer, lr)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
     if strategy is not None and (mesh is None or mesh.world > 1
                                  or strategy.recompute != Recompute.NONE):
@@ -99,6 +101,7 @@ def verify(
                      report_state=True, device=device, **(run_options or {}), **overrides)
         mine = {"mode": "distributed", "losses": result.losses,
                 "rank_losses": result.rank_losses, "slices": result.state_slices,
+                "rank_grad_norms": result.rank_grad_norms,
                 "trace": result.trace, "step_s": result.median_step_s,
                 "ranks": result.ranks, "ops": None, "capture_s": None, "autodiff_s": None,
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
@@ -107,7 +110,8 @@ def verify(
         mine = _single(module, batches, opt, num_microbatches, precision, init_scale, device)
     reset_peak(device)
     verdict, ref = against_eager(mine["rank_losses"], mine.pop("slices"), reference, batches,
-                                 num_microbatches, opt, precision, init_scale, bounds, device)
+                                 num_microbatches, opt, precision, init_scale, bounds, device,
+                                 mine.get("rank_grad_norms"))
     ref_peak = peak_of(device)
     extra = {"precision": precision, "device": device, "ref_measured_peak_bytes": ref_peak}
     if precision != Precision.FP32:  # the second judge, for information: full-precision eager
@@ -119,16 +123,17 @@ def verify(
     losses, rank_losses = mine.pop("losses"), mine.pop("rank_losses")
     return VerifyResult.of(
         verdict, losses, ref.losses, rank_losses, **extra, model=model, size=size,
-        config=asdict(cfg), steps=steps, optimizer=optimizer,
+        config=asdict(cfg), steps=steps, optimizer=str(opt.kind),
         global_batch_size=global_batch_size, num_microbatches=num_microbatches, **mine,
-        ref_step_s=statistics.median(ref.step_s))
+        ref_step_s=statistics.median(ref.step_s), ref_grad_norms=ref.grad_norms,
+        grad_norms=next(iter((mine.get("rank_grad_norms") or {}).values()), []))
 
 
 def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], module,
                   batches: list[tuple], m: int, opt: OptimizerConfig,
                   precision: Precision = Precision.FP32,
                   init_scale: float = INIT_SCALE, bounds: Bounds | None = None,
-                  device: str = "cpu"):
+                  device: str = "cpu", rank_grad_norms: dict | None = None):
     """Train `module` (its starting weights; not changed) eagerly on `batches`
     on `device`, and once more on `reordered` batches for the noise; returns
     (`judge`'s verdict on the run's losses and state slices, the reference
@@ -139,19 +144,21 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
     flips = adam_flips(ref.state, opt.lr, len(batches), opt.betas) \
         if opt.kind == OptimizerKind.ADAMW else None
     return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,
-                 eager_state(module)), ref
+                 eager_state(module), rank_grad_norms), ref
 
 
 def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: EagerRun,
           bounds: Bounds, twin: EagerRun | None = None, flips: Flips | None = None,
-          start: dict | None = None) -> dict:
+          start: dict | None = None,
+          rank_grad_norms: dict[str, list[float]] | None = None) -> dict:
     """The verdict on a run, from its ranks' losses and final state slices:
     `ok`, `problems` (one line each), `max_abs_diff` (losses), and per tensor
     `params` (parameters and buffers) and `optimizer_state` (slots, the loss
     scale) with `max_abs`, `max_rel`, `ok`. `twin`, the reference trained
     on `reordered` batches, gives each tensor's reordering noise; `flips`,
     AdamW's rounding-decided elements (`compare.adam_flips`); `start`, the
-    initial state, each tensor's update (`compare.update_rel`)."""
+    initial state, each tensor's update (`compare.update_rel`); `rank_grad_norms`,
+    each rank's gradient norm per step, against `clip_grad_norm_`'s."""
     loss_noise, noise = 0.0, {}
     if twin is not None:
         loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))
@@ -159,10 +166,16 @@ def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: Eag
     losses = compare_losses(rank_losses, ref.losses, bounds, loss_noise)
     shapes = {k: tuple(t.shape) for k, t in ref.state.items()}
     state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips, start)
-    problems = losses["problems"] + [
+    norms = compare_norms(rank_grad_norms or {}, ref.grad_norms, bounds)
+    problems = losses["problems"] + norms["problems"] + [
         f"{name}: {'held by no rank' if d.get('missing') else _describe(d)}"
         for name, d in state.items() if not d["ok"]]
+    exact = losses["max_abs_diff"] == 0 and norms["max_rel_diff"] == 0 and \
+        all(d.get("max_abs", 0.0) == 0 for d in state.values())
+    if not exact:  # a run equal to eager bit for bit is judged, however chaotic eager is
+        problems = chaos(loss_noise, bounds) + problems
     return {"ok": not problems, "problems": problems, "bounds": asdict(bounds),
+            "bit_identical": exact, "grad_norm_max_rel_diff": norms["max_rel_diff"],
             "max_abs_diff": losses["max_abs_diff"], "loss_noise": loss_noise,
             "loss_bound_used": losses["bound_used"],
             "params": {k: d for k, d in state.items() if not is_state(k)},
@@ -229,12 +242,16 @@ def _single(module, batches, opt, m: int, precision: Precision = Precision.FP32,
     reset_peak(device)
     ex = Executor(graph, device)
     state = ex.init_state(module)
-    losses, times = [], []
+    losses, times, norms = [], [], []
     for mbs in micro:
         ts = time.perf_counter()
         losses.append(ex.step(state, mbs))  # a float: the step's end on a GPU
         times.append(time.perf_counter() - ts)
+        norm = ex.rank.grad_norm(state)
+        if norm is not None:
+            norms.append(norm)
     return {"mode": "single", "losses": losses, "rank_losses": {"0": losses},
+            "rank_grad_norms": {"0": norms} if norms else {},
             "slices": whole_slices(state), "ops": len(graph.ops),
             "capture_s": t1 - t0, "autodiff_s": t2 - t1,
             "step_s": statistics.median(times),

@@ -5,6 +5,7 @@ from meshplan.ir.graph import (
     ABSENT,
     ALIAS,
     DEVICE,
+    GRAD_NORM,
     LOSS_SCALE,
     Arg,
     DType,
@@ -22,7 +23,8 @@ from meshplan.ir.serialize import graph_from_bytes, graph_to_bytes, load_graph, 
 from meshplan.ir.well_formed import check_well_formed
 
 __all__ = [
-    "ABSENT", "ALIAS", "DEVICE", "LOSS_SCALE", "Arg", "DType", "Graph", "GraphBuilder", "Lit",
+    "ABSENT", "ALIAS", "DEVICE", "GRAD_NORM", "LOSS_SCALE", "Arg", "DType", "Graph",
+    "GraphBuilder", "Lit",
     "Op", "Phase", "Ref", "Role", "TensorMeta", "Update", "Value", "check_well_formed",
     "graph_from_bytes", "graph_to_bytes", "load_graph", "save_graph",
 ]

@@ -79,6 +79,7 @@ class KernelVariant(enum.StrEnum):
     VOCAB_OFFSET = "vocab_offset"  # embedding rows [lo, hi) of the vocabulary
     CLASS_OFFSET = "class_offset"  # nll_loss over classes [lo, hi)
     MEAN_RESCALE = "mean_rescale"  # a mean over a sharded dim, rescaled to the global count
+    REPLICA_FIRST = "replica_first"  # a replicated piece counted by the axis's first rank only
 
 
 E = TypeVar("E", bound=enum.StrEnum)

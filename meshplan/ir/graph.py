@@ -109,6 +109,7 @@ DEVICE = "$device"  # literal standing for "the device this runs on"
 # fp16 dynamic loss scaling: the step-level state holding the scale (its
 # first value is the train step's meta "loss_scale"; runtime/amp.py).
 LOSS_SCALE = "amp@loss_scale"
+GRAD_NORM = "optim@grad_norm"  # the step's global gradient norm (clipping)
 
 
 @dataclass(frozen=True, slots=True)

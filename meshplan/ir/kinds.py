@@ -17,6 +17,10 @@ VJP = "meshplan.vjp"  # the generic gradient (ops/generic.py)
 # optimizers
 SGD = "meshplan.sgd"
 ADAMW = "meshplan.adamw"
+# global-norm clipping: a gradient's local sum of squares, their sum, the factor
+GRAD_SQ = "meshplan.grad_sq"
+SQ_SUM = "meshplan.sq_sum"
+CLIP_COEF = "meshplan.clip_coef"
 # boxing: collectives along a mesh axis, a rank keeping its part, a stage transfer
 ALL_REDUCE = "meshplan.all_reduce"
 REDUCE_SCATTER = "meshplan.reduce_scatter"

@@ -47,10 +47,12 @@ def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
 
 
 def sgd_multi(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None],
-              lr: float, momentum: float, weight_decay: float, dampening: float,
+              coefs: list[Tensor] | None = None, *, lr: float, momentum: float,
+              weight_decay: float, dampening: float,
               nesterov: bool) -> tuple[list[Tensor], list[Tensor | None]]:
-    """`torch.optim.SGD` steps on lists of parameters; returns (params, bufs)."""
-    bufs = list(bufs)
+    """`torch.optim.SGD` steps on lists of parameters (each gradient first
+    times its clipping factor, if given); returns (params, bufs)."""
+    bufs, grads = list(bufs), clipped(grads, coefs)
     with torch.no_grad():
         _sgd(
             params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
@@ -59,17 +61,20 @@ def sgd_multi(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | Non
     return params, bufs
 
 
-def sgd_step(param: Tensor, grad: Tensor, buf: Tensor | None,
+def sgd_step(param: Tensor, grad: Tensor, buf: Tensor | None, coef: Tensor | None = None,
              **hp: Any) -> tuple[Tensor, Tensor | None]:
     """One SGD step on one parameter; returns (param, buf)."""
-    (p,), (b,) = sgd_multi([param], [grad], [buf], **hp)
+    (p,), (b,) = sgd_multi([param], [grad], [buf], None if coef is None else [coef], **hp)
     return p, b
 
 
 def adamw_multi(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                exp_avg_sqs: list[Tensor], steps: list[Tensor], lr: float, beta1: float,
+                exp_avg_sqs: list[Tensor], steps: list[Tensor],
+                coefs: list[Tensor] | None = None, *, lr: float, beta1: float,
                 beta2: float, eps: float, weight_decay: float) -> tuple[list[Tensor], ...]:
-    """`torch.optim.AdamW` steps on lists of parameters; returns the new state lists."""
+    """`torch.optim.AdamW` steps on lists of parameters (each gradient first
+    times its clipping factor, if given); returns the new state lists."""
+    grads = clipped(grads, coefs)
     with torch.no_grad():
         _adamw(
             params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
@@ -81,10 +86,40 @@ def adamw_multi(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
 
 
 def adamw_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-               step: Tensor, **hp: Any) -> tuple[Tensor, ...]:
+               step: Tensor, coef: Tensor | None = None, **hp: Any) -> tuple[Tensor, ...]:
     """One AdamW step on one parameter; returns its new state."""
-    out = adamw_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], **hp)
+    out = adamw_multi([param], [grad], [exp_avg], [exp_avg_sq], [step],
+                      None if coef is None else [coef], **hp)
     return tuple(x[0] for x in out)
+
+
+def clipped(grads: list[Tensor], coefs: list[Tensor] | None) -> list[Tensor]:
+    """Each gradient times its clipping factor, as `clip_grad_norm_` scales
+    `.grad` (always, a factor of 1 included). Out of place: an accumulator
+    may be a tensor another parameter adopted (`accumulate_grad`)."""
+    if coefs is None:
+        return grads
+    return [g * c for g, c in zip(grads, coefs)]
+
+
+def grad_sq(param: Tensor, grad: Tensor, *slots: Tensor) -> Tensor:
+    """A gradient's (local piece's) squared 2-norm, in float32; it reads the
+    optimizer's tensors so that its layout is the optimizer's (ops/sbp_nn.py)."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+
+
+def sq_sum(*squares: Tensor, device: torch.device | None = None) -> Tensor:
+    """The sum of gradients' squared norms (none: zero, on `device`)."""
+    if not squares:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(squares).sum() if len(squares) > 1 else squares[0]
+
+
+def clip_coef(total_sq: Tensor, max_norm: float) -> tuple[Tensor, Tensor]:
+    """(the global norm, the factor every gradient takes): torch's
+    `clip_grad_norm_`, `min(1, max_norm / (norm + 1e-6))`."""
+    norm = total_sq.sqrt()
+    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def boxing_identity(x: Tensor, **_layout: Any) -> Tensor:

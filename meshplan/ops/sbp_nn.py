@@ -189,6 +189,23 @@ def optimizer(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     return sigs + [replicated(len(ts), len(outs))]
 
 
+def grad_sq(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """grad_sq(param, grad, *slots): the optimizer's own signatures (it reads
+    the optimizer's tensors, so it gets the same gradient layout), giving a
+    Partial sum of squares: a split gradient's pieces add up; a replicated
+    one is counted by the axis's first rank only (REPLICA_FIRST)."""
+    return [SbpSig(sig.ins, (P,), KV.NONE if isinstance(sig.ins[1], Shard)
+                   else KV.REPLICA_FIRST)
+            for sig in optimizer(args, kwargs, (None,) * 2, n)] + \
+        [replicated(len(tensors((args, kwargs))), 1)]
+
+
+def sq_sum(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """A sum of squared norms: Partial in, Partial out (or all Replicate)."""
+    k = len(tensors((args, kwargs)))
+    return [same(k, 1, P), replicated(k, 1)]
+
+
 def _out_positions(n_out: int) -> tuple[int, ...]:
     """Input positions of each optimizer output: (param, then the state slots)."""
     return (0,) + tuple(range(2, 1 + n_out))

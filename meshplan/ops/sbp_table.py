@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshplan.ir.kinds import ACCUMULATE_GRAD, ADAMW, GRAD_SUM, SGD
+from meshplan.ir.kinds import ACCUMULATE_GRAD, ADAMW, GRAD_SQ, GRAD_SUM, SGD, SQ_SUM
 from meshplan.ops import sbp_nn as nn
 from meshplan.ops import sbp_rules as r
 from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
@@ -89,6 +89,8 @@ SBP: dict[str, SbpRule] = {
     ACCUMULATE_GRAD: nn.accumulate,
     SGD: nn.optimizer,
     ADAMW: nn.optimizer,
+    GRAD_SQ: nn.grad_sq,
+    SQ_SUM: nn.sq_sum,
 }
 
 

@@ -14,7 +14,7 @@ from functools import cache
 from typing import Any, Callable
 
 from meshplan.errors import CaptureError
-from meshplan.ir import Op
+from meshplan.ir import DType, Op, TensorMeta
 from meshplan.ir import kinds as k
 from meshplan.ops import cost, kernels
 from meshplan.ops import grads_nn as nn
@@ -150,6 +150,11 @@ def _meshplan_rule(kind: str, kernel: Callable, category: Category = Category.CO
     return OpRule(kind, kernel, category, differentiable=False, **facts)
 
 
+def _scalar(args, kwargs):
+    """A float32 scalar (a squared norm)."""
+    return (TensorMeta((), DType("float32")),)
+
+
 def _boxing_rule(kind: str, category: Category) -> OpRule:
     """A boxing op: on the logical tensor, the identity; its distributed
     kernel is chosen by lowering and bound by the runtime. Its output is
@@ -166,6 +171,9 @@ _MESHPLAN_KINDS = {rule.kind: rule for rule in (
                    infer=lambda a, kw: (a[0], a[0]), batched=kernels.sgd_multi),
     _meshplan_rule(k.ADAMW, kernels.adamw_step, Category.OPTIMIZER,
                    infer=lambda a, kw: (a[0], a[2], a[3], a[4]), batched=kernels.adamw_multi),
+    _meshplan_rule(k.GRAD_SQ, kernels.grad_sq, infer=_scalar),
+    _meshplan_rule(k.SQ_SUM, kernels.sq_sum, infer=_scalar),
+    _meshplan_rule(k.CLIP_COEF, kernels.clip_coef, infer=lambda a, kw: (a[0], a[0])),
     _boxing_rule(k.ALL_REDUCE, Category.COLLECTIVE),
     _boxing_rule(k.REDUCE_SCATTER, Category.COLLECTIVE),
     _boxing_rule(k.ALL_GATHER, Category.COLLECTIVE),

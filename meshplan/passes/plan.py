@@ -6,6 +6,7 @@
         -> resolve_auto ("auto" plans) -> expand_batch_norm (dp > 1)
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
+        -> split_norm (clipping: the norm's squares summed per stage, pp > 1)
         -> tensor_parallel -> propagate_sbp -> add_boxing
         -> recompute (full, selective)
         -> split_backward (zero-bubble schedules: I and W) -> kernel_temps -> make_job
@@ -35,6 +36,7 @@ from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.auto_plan import resolve_auto
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
+from meshplan.passes.grad_norm import split_norm
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
 from meshplan.passes.pipeline import StageAssignment, assign_stages
@@ -126,6 +128,14 @@ def _share_params(c: Compilation) -> None:
                            chunk=tuple(p[1] for p in shared.places))
 
 
+def _split_norm(c: Compilation) -> None:
+    places = list(zip(c.staged().stage, c.staged().chunk))
+    c.graph, places, parts = split_norm(c.graph, places)
+    c.copies = {**c.copies, **parts}
+    c.stages = replace(c.staged(), stage=tuple(p[0] for p in places),
+                       chunk=tuple(p[1] for p in places))
+
+
 def _tensor_parallel(c: Compilation) -> None:
     c.param_tp, c.hints = tensor_parallel(c.graph, c.strategy.tp_plan, TP_AXIS)
 
@@ -198,7 +208,10 @@ PASSES = PassManager([
     Pass("assign_stages", _assign_stages, F({"concrete_strategy", "batch_sums", "class_sums"}),
          F({"stages"})),
     Pass("share_params", _share_params, F({"stages"}), F({"stage_copies"})),
-    Pass("tensor_parallel", _tensor_parallel, F({"concrete_strategy", "stage_copies"}),
+    Pass("split_norm", _split_norm, F({"stage_copies"}), F({"norm_parts"}),
+         when=lambda c: c.strategy.pp > 1),
+    Pass("tensor_parallel", _tensor_parallel,
+         F({"concrete_strategy", "stage_copies", "norm_parts"}),
          F({"param_layouts"})),
     Pass("propagate_sbp", _propagate_sbp, F({"stages", "stage_copies", "param_layouts"}),
          F({"sbp"})),

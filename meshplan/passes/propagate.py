@@ -29,10 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.ir import Graph, Role, TensorMeta
+from meshplan.ir import Graph, Phase, Role, TensorMeta
+from meshplan.ir.kinds import GRAD_SQ
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
 from meshplan.ops.infer import to_sig
+from meshplan.ops.rule import Category
 from meshplan.ops.sbp_sig import SbpSig
 from meshplan.ops.table import rule_for
 
@@ -144,6 +146,8 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
         # each use; boxing gathers it from its shard (and again per phase)
         visible[v.id] = tuple(R if a == DP_AXIS else s for a, s in enumerate(produced[v.id]))
     value_stage: dict[int, int] = {}
+    optimizer_of = {op.args[1]: op for op in graph.ops if op.phase is Phase.OPTIMIZER
+                    and rule_for(op.kind).category is Category.OPTIMIZER}
     sigs: dict[int, tuple] = {}
     cache: dict = {}
     op_cache: dict = {}
@@ -164,6 +168,17 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
         known = op_cache.get(op_key)
         if known is not None:
             chosen = known
+        elif op.kind == GRAD_SQ:  # the optimizer's layouts, chosen as the optimizer will
+            opt = optimizer_of[op.args[1]]
+            opt_have = [_arriving(visible.get(r), value_stage.get(r, stage) != stage)
+                        for r in opt.refs()]
+            opt_sigs = _choose_axes(
+                opt, opt.refs(), opt_have,
+                tuple(None if o < 0 else meta_of(o).meta for o in opt.outputs),
+                to_sig(opt.args, lambda i: meta_of(i).meta),
+                to_sig(opt.kwargs, lambda i: meta_of(i).meta), grid, hints, cache, meta_of)
+            chosen = op_cache[op_key] = tuple(_squares_like(op, refs, have, outs, sig_args,
+                                                            sig_kw, grid, opt_sigs))
         else:
             chosen = op_cache[op_key] = tuple(_choose_axes(
                 op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of))
@@ -204,6 +219,21 @@ def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, met
                                         wanted)
         chosen.append(best)
     return chosen
+
+
+def _squares_like(op, refs, have, outs, sig_args, sig_kw, grid, opt_sigs):
+    """grad_sq's signature per axis: the one whose inputs are the optimizer's
+    (`opt_sigs`), so both read the gradient through one conversion."""
+    out = []
+    for axis, (n, opt) in enumerate(zip(grid, opt_sigs)):
+        if n == 1:
+            out.append(SbpSig((R,) * len(refs), (R,)))
+            continue
+        cands = rule_for(op.kind).sbp(sig_args, dict(sig_kw), outs, n)
+        match = [c for c in cands if c.ins == opt.ins[:len(refs)]]
+        assert match, f"no grad_sq signature reads {opt.ins} on axis {axis}"
+        out.append(match[0])
+    return out
 
 
 def _split(meta: TensorMeta, layouts, grid) -> TensorMeta:

@@ -26,6 +26,9 @@ Invariants:
 - A stage's accumulation runs right after the last op on that stage that
   makes one of its contributions, in that op's chunk; the copy's optimizer
   op sits with its first forward reader on that stage.
+- With clipping, the gradient's squared norm (`meshplan.grad_sq`) is taken
+  once, of the first copy's reduced gradient, on that copy's stage: the
+  copies hold the same sum, which the norm counts once.
 - Names: every copy updates the same state names (`W`, `W@grad`, `W@<slot>`)
   on its own ranks, so checkpoints and weights see one tensor.
 """
@@ -37,7 +40,7 @@ from dataclasses import dataclass, replace
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, GraphBuilder, Op, Phase, Ref, Role, Update
 from meshplan.ir.builder import renumber_ops
-from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, GRAD_SUM
 from meshplan.ir.state_name import StateName
 
 Place = tuple[int, int]
@@ -111,6 +114,11 @@ class _Rewrite:
             old = {u.value: u.name for u in g.updates}
             self.updates += [Update(old[o], n) for o, n in zip(opt_op.outputs, outs) if o in old]
         self.instead[opt_op.id] = replaced
+        square = next((op for op in g.ops if op.kind == GRAD_SQ and op.args[0] == Ref(pid)), None)
+        if square is not None:  # clipping: the reduced gradient counted once, on the first copy
+            first = replaced[0][0]
+            self.instead[square.id] = [(replace(square, args=first.args[:len(square.args)]),
+                                        replaced[0][1])]
 
     def _accumulate(self, grads: list[Ref], total: Op, acc_op: Op) -> int:
         """One stage's sum of `grads` into its accumulator, right after the

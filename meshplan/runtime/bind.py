@@ -176,7 +176,12 @@ def _mean_rescale(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Call
     return lk.mean_rescale(kernel, local, ctx.job.graph.values[x].meta.shape, dims)
 
 
-_VARIANTS = {KernelVariant.BIAS_FIRST: _bias_first, KernelVariant.VOCAB_OFFSET: _vocab_offset,
+def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
+    return kernel if ctx.coord[axis] == 0 else lk.counted_elsewhere
+
+
+_VARIANTS = {KernelVariant.REPLICA_FIRST: _replica_first,
+             KernelVariant.BIAS_FIRST: _bias_first, KernelVariant.VOCAB_OFFSET: _vocab_offset,
              KernelVariant.CLASS_OFFSET: _class_offset,
              KernelVariant.MEAN_RESCALE: _mean_rescale}
 # Applied once however many axes name them: the rescale uses the full local shape.

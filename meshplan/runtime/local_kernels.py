@@ -12,6 +12,8 @@ the axis, the variants' outputs equal the logical op's output.
   class_offset  class-sharded log-probabilities [lo, hi) in nll_loss: pick
                 only targets in range; the total weight counts every target
   mean_rescale  a mean over a sharded dim: local mean x local / global count
+  replica_first a replicated gradient's squared norm (clipping): the axis's
+                first rank counts it, the others give zero
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def bias_first(kernel, first: bool):
         return kernel(x, w, None, *rest, **kw)
 
     return no_bias
+
+
+def counted_elsewhere(param, grad, *rest):
+    """grad_sq on a replica the axis's first rank counts: zero."""
+    return grad.new_zeros((), dtype=torch.float32)
 
 
 def _shift(idx: torch.Tensor, lo: int, hi: int, fill: int):

@@ -48,7 +48,7 @@ from collections import defaultdict
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.ir import LOSS_SCALE, Role
+from meshplan.ir import GRAD_NORM, LOSS_SCALE, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE
@@ -98,6 +98,7 @@ class RankExecutor:
         self.placement = job.strategy.stage_placement
         self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
+        self.clips = any(v.name == GRAD_NORM for v in g.inputs_by_role(Role.OPT_STATE))
         buckets = plan_buckets(job, plan) if comm is not None else ()
         self.buckets = GradBuckets(buckets, self.ctx, comm, self.mem) if buckets else None
         self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
@@ -239,6 +240,10 @@ class RankExecutor:
         self.current = "done"
         return [losses[k] for k in sorted(losses)]
 
+    def grad_norm(self, state: dict) -> float | None:
+        """The last step's global gradient norm (clipping on), else None."""
+        return float(state[GRAD_NORM]) if self.clips and GRAD_NORM in state else None
+
     def _sync(self) -> None:
         """Traced steps on a GPU: wait for the action's kernels, so its span
         is its time on the device, not the time to queue it."""
@@ -270,6 +275,8 @@ class RankExecutor:
         if t is ActionType.STEP:
             if not self.fp16 or self._unscale(state):
                 self._run(STEP_TEMPLATE, {}, state)
+            elif self.clips:  # skipped for an overflow: the norm is not finite
+                state[GRAD_NORM] = torch.tensor(float("inf"))
         elif t.is_compute:
             env, left = envs[action.microbatch], self.left[action.microbatch]
             for key in action_templates(action, self.placement):

@@ -149,7 +149,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     if spec.resume:
         ex.current = "load checkpoint"
         start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
-    losses, times, trace = [], [], None
+    losses, norms, times, trace = [], [], [], None
     clock = StepClock(device)
     for step in range(start, spec.steps):
         mbs = split_microbatches(batch_of(step), s.num_microbatches)
@@ -161,6 +161,9 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         times.append(clock.stop())
         if out:
             losses.append(float(torch.stack(out).mean()))
+        norm = ex.grad_norm(state)
+        if norm is not None:
+            norms.append(norm)
         if steps_done is not None:
             steps_done[rank] = step + 1
     if spec.save_dir:
@@ -171,7 +174,8 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
 
         write_tensors(Path(spec.results) / f"state_{rank}.bin", STATE,
                       checkpoint.state_slices(state, job, ex.ctx))
-    result = {"rank": rank, "losses": losses, "step_s": times, "first_step": start,
+    result = {"rank": rank, "losses": losses, "grad_norms": norms, "step_s": times,
+              "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
               "planned_peak": dict(plan.memory.peak),
               "measured_peak_bytes": measured_peak(device, ex.mem),
