@@ -33,7 +33,11 @@ Proves, in order (each failure is one message; `errors` lists them all):
    and every value one action leaves for a later one (an activation, an
    output gradient a deferred W reads) has a memory slot for each
    micro-batch the action order keeps alive at once
-   (`lowering/check_live.py`).
+   (`lowering/check_live.py`);
+8. with clipping, every rank's gradient norm counts every trained parameter
+   exactly once: the pieces its grad_sq tasks count, brought together by
+   the all-reduces from each rank's sum to its factor, tile each parameter
+   (`lowering/check_norm.py`).
 Failures that point at an action come with the schedule grid and
 `<-- ERROR HERE`.
 
@@ -52,12 +56,13 @@ from meshplan.costmodel import CPU_DEFAULT, DeviceModel
 from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
 from meshplan.ir.job import Job
-from meshplan.ir.kinds import TRANSFER
+from meshplan.ir.kinds import CLIP_COEF, TRANSFER
 from meshplan.ir.sbp import box_numel
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.action_times import action_costs
 from meshplan.lowering.buckets import misplaced, plan_buckets
 from meshplan.lowering.check_live import split_and_live
+from meshplan.lowering.check_norm import norm_coverage
 from meshplan.lowering.check_shared import shared_copies
 from meshplan.lowering.ids import DEVICE_TYPES, TaskId
 from meshplan.lowering.rankplan import RankPlan, TaskKind, action_templates, template_of
@@ -118,6 +123,8 @@ def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
     for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
                   _stages_agree, _schedule, shared_copies, _devices, split_and_live):
         res.errors += proof(job, plans)
+    if not res.missing:  # the norm's total sums over ranks that may be missing
+        res.errors += norm_coverage(job, plans)
     if not res.errors:
         _simulate(job, plans, res)
     res.ok = not res.errors
@@ -137,6 +144,8 @@ def _skipped(job: Job, plans, missing: set[int]) -> list[str]:
         out.append("collective order on the missing ranks")
     if _stage_plans(job, plans) is None:
         out += ["schedule", "simulation"]
+    if missing and any(op.kind == CLIP_COEF for op in job.graph.ops):
+        out.append("gradient norm coverage")
     return out
 
 

@@ -102,9 +102,12 @@ def clipped(grads: list[Tensor], coefs: list[Tensor] | None) -> list[Tensor]:
     return [g * c for g, c in zip(grads, coefs)]
 
 
-def grad_sq(param: Tensor, grad: Tensor, *slots: Tensor) -> Tensor:
+def grad_sq(param: Tensor, grad: Tensor, *slots: Tensor, counted: bool = True) -> Tensor:
     """A gradient's (local piece's) squared 2-norm, in float32; it reads the
-    optimizer's tensors so that its layout is the optimizer's (ops/sbp_nn.py)."""
+    optimizer's tensors so that its layout is the optimizer's (ops/sbp_nn.py).
+    `counted=False`: a tied weight's copy, counted on another stage: zero."""
+    if not counted:
+        return grad.new_zeros((), dtype=torch.float32)
     return torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
 
 

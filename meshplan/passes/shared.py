@@ -26,9 +26,10 @@ Invariants:
 - A stage's accumulation runs right after the last op on that stage that
   makes one of its contributions, in that op's chunk; the copy's optimizer
   op sits with its first forward reader on that stage.
-- With clipping, the gradient's squared norm (`meshplan.grad_sq`) is taken
-  once, of the first copy's reduced gradient, on that copy's stage: the
-  copies hold the same sum, which the norm counts once.
+- With clipping, every copy takes the squared norm (`meshplan.grad_sq`) of
+  its reduced gradient, so every stage's cross-stage reductions come in one
+  order, the tied weight's before the norm's; the copies hold the same sum,
+  which only the first copy counts (the others: `counted=False`, zero).
 - Names: every copy updates the same state names (`W`, `W@grad`, `W@<slot>`)
   on its own ranks, so checkpoints and weights see one tensor.
 """
@@ -40,7 +41,7 @@ from dataclasses import dataclass, replace
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, GraphBuilder, Op, Phase, Ref, Role, Update
 from meshplan.ir.builder import renumber_ops
-from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, GRAD_SUM
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, GRAD_SUM, SQ_SUM
 from meshplan.ir.state_name import StateName
 
 Place = tuple[int, int]
@@ -80,6 +81,7 @@ class _Rewrite:
         self.instead: dict[int, list[tuple[Op, Place]]] = {}  # op id -> ops replacing it
         self.updates = list(graph.updates)
         self.copies: dict[int, tuple[tuple[int, ...], str]] = {}
+        self.extra_squares: list[Ref] = []  # the copies' uncounted squares, for the norm's sum
         self.fresh = iter(range(len(graph.ops), 1 << 62))   # provisional ids of new ops
 
     def split(self, pid: int, stages: dict[int, int]) -> None:
@@ -88,8 +90,8 @@ class _Rewrite:
                        and g.values[op.ref(0).id].name == str(StateName.grad(name))), None)
         if acc_op is None:
             return  # not trained: each copy stays as loaded
-        opt_op = next(op for op in g.ops if op.phase is Phase.OPTIMIZER
-                      and op.args and op.args[0] == Ref(pid))
+        opt_op = next(op for op in g.ops if op.phase is Phase.OPTIMIZER and op.args
+                      and op.args[0] == Ref(pid) and op.kind != GRAD_SQ)
         total = self.producer[acc_op.ref(1).id]
         contribs = [total.ref(i) for i in range(len(total.args))] if total.kind == GRAD_SUM \
             else [acc_op.ref(1)]
@@ -115,10 +117,22 @@ class _Rewrite:
             self.updates += [Update(old[o], n) for o, n in zip(opt_op.outputs, outs) if o in old]
         self.instead[opt_op.id] = replaced
         square = next((op for op in g.ops if op.kind == GRAD_SQ and op.args[0] == Ref(pid)), None)
-        if square is not None:  # clipping: the reduced gradient counted once, on the first copy
-            first = replaced[0][0]
-            self.instead[square.id] = [(replace(square, args=first.args[:len(square.args)]),
-                                        replaced[0][1])]
+        if square is not None:
+            self._squares(square, replaced)
+
+    def _squares(self, square: Op, replaced: list[tuple[Op, Place]]) -> None:
+        """Clipping: every copy takes its reduced gradient's squared norm (so
+        every stage reduces it before its norm), the first copy's counted,
+        the others' zero (`counted=False`)."""
+        out = []
+        for i, (opt, at) in enumerate(replaced):
+            outputs = square.outputs if i == 0 else _new_values(self.b, square.outputs)
+            kwargs = square.kwargs if i == 0 else square.kwargs + (("counted", False),)
+            out.append((replace(square, id=next(self.fresh), args=opt.args[:len(square.args)],
+                                outputs=outputs, kwargs=kwargs), at))
+            if i:
+                self.extra_squares.append(Ref(outputs[0]))
+        self.instead[square.id] = out
 
     def _accumulate(self, grads: list[Ref], total: Op, acc_op: Op) -> int:
         """One stage's sum of `grads` into its accumulator, right after the
@@ -143,6 +157,8 @@ class _Rewrite:
         ops: list[Op] = []
         places: list[Place] = []
         for op in self.graph.ops:
+            if op.kind == SQ_SUM and self.extra_squares:
+                op = replace(op, args=op.args + tuple(self.extra_squares))
             if op.id in self.instead:
                 for o, p in self.instead[op.id]:
                     ops.append(o)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -156,6 +156,7 @@ class LocalRun:
     losses: list[float]
     rank_losses: dict[str, list[float]]
     slices: dict[int, dict[str, torch.Tensor]]
+    rank_grad_norms: dict[str, list[float]] = field(default_factory=dict)  # clipping on
 
 
 def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
@@ -181,16 +182,21 @@ def train_local(job, hub: Hub, ranks, batches, timeout_s: float = 60.0) -> Local
     from meshplan.runtime.data import split_microbatches
 
     per_rank: dict[int, list[float]] = {}
+    norms: dict[str, list[float]] = {}
     for batch in batches:
         mbs = split_microbatches(batch, job.strategy.num_microbatches)
         out = _step_all(ranks, mbs, hub, timeout_s)
         for r, o in enumerate(out):
             if o:
                 per_rank.setdefault(r, []).append(float(torch.stack(o).mean()))
+            norm = ranks[r][0].grad_norm(ranks[r][1])
+            if norm is not None:
+                norms.setdefault(str(r), []).append(norm)
     holders = sorted(per_rank)
     return LocalRun(per_rank[holders[0]] if holders else [],
                     {str(r): per_rank[r] for r in holders},
-                    {r: state_slices(state, job, ex.ctx) for r, (ex, state) in enumerate(ranks)})
+                    {r: state_slices(state, job, ex.ctx) for r, (ex, state) in enumerate(ranks)},
+                    norms)
 
 
 def run_local(job, module, batches, timeout_s: float = 60.0) -> LocalRun:

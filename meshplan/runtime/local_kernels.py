@@ -35,7 +35,7 @@ def bias_first(kernel, first: bool):
     return no_bias
 
 
-def counted_elsewhere(param, grad, *rest):
+def counted_elsewhere(param, grad, *rest, **kw):
     """grad_sq on a replica the axis's first rank counts: zero."""
     return grad.new_zeros((), dtype=torch.float32)
 

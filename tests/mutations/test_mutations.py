@@ -19,7 +19,8 @@ import torch
 from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
-from meshplan.ir import Phase, Role
+from meshplan.ir import GRAD_NORM, Phase, Role
+from meshplan.ir.kinds import ALL_REDUCE, GRAD_SQ
 from meshplan.ir.mesh import Mesh
 from meshplan.lowering.check import check_plans
 from meshplan.lowering.lower import lower
@@ -41,17 +42,21 @@ VICTIM = 4  # a rank of the last stage (dp 0, tp 0)
 
 @functools.cache
 def job_of(precision: str, model: str = "gpt", fields: tuple = tuple(FIELDS.items()),
-           optimizer: str = "sgd"):
-    cfg = model_config(model, "tiny")
+           optimizer: str | OptimizerConfig = "sgd", overrides: tuple = ()):
+    cfg = model_config(model, "tiny", **dict(overrides))
     s = zoo_strategy(model, cfg, precision=precision, **dict(fields))
-    return plan_model(model, "tiny", Mesh(1, s.dp * s.tp * s.pp), s, optimizer).job
+    return plan_model(model, "tiny", Mesh(1, s.dp * s.tp * s.pp), s, optimizer,
+                      **dict(overrides)).job
 
 
 def train(precision: str, plans_mutation=None, run_mutation=None, model: str = "gpt",
-          fields: dict = FIELDS, optimizer: str = "sgd", steps: int = STEPS) -> dict:
+          fields: dict = FIELDS, optimizer: str | OptimizerConfig = "sgd",
+          steps: int = STEPS, overrides: tuple = (), job_mutation=None) -> dict:
     """verify's verdict on one (possibly mutated) local run."""
-    job = job_of(precision, model, tuple(fields.items()), optimizer)
-    cfg = model_config(model, "tiny")
+    job = job_of(precision, model, tuple(fields.items()), optimizer, overrides)
+    if job_mutation is not None:
+        job = job_mutation(job)
+    cfg = model_config(model, "tiny", **dict(overrides))
     torch.manual_seed(0)
     module = build_model(cfg)
     gbs = job.strategy.global_batch_size
@@ -65,7 +70,8 @@ def train(precision: str, plans_mutation=None, run_mutation=None, model: str = "
     run = train_local(job, hub, ranks, batches, timeout_s=30)
     verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
                                job.strategy.num_microbatches,
-                               OptimizerConfig.default(optimizer), precision)
+                               OptimizerConfig.of(optimizer), precision,
+                               rank_grad_norms=run.rank_grad_norms)
     return verdict
 
 
@@ -219,6 +225,51 @@ def test_a_plan_mutation_fails_verify_and_check(name, precision):
 def test_an_execution_mutation_fails_verify(name, precision):
     verdict = train(precision, run_mutation=RUN_MUTATIONS[name])
     assert not verdict["ok"], name
+
+
+# ---------------------------------------------------------------- clipping's norm
+CLIPPED = OptimizerConfig.of("sgd", max_grad_norm=1.0)  # GPT tiny's norm is ~5: every step clips
+TIED = (("tie_embeddings", True),)
+
+
+def count_tied_copy_twice(job):
+    """Every copy of the tied embedding counts its (reduced, equal) gradient."""
+    ops = tuple(replace(op, kwargs=tuple(kv for kv in op.kwargs if kv[0] != "counted"))
+                if op.kind == GRAD_SQ else op for op in job.graph.ops)
+    return replace(job, graph=replace(job.graph, ops=ops))
+
+
+def skip_a_stage_in_the_norm(job, plans):
+    """The norm's all-reduce across the stages runs as a group of one: each
+    stage clips by its own gradients' norm (torchtitan's issue 596)."""
+    across = {op.id for op in job.graph.ops if op.kind == ALL_REDUCE
+              and dict(op.kwargs).get("param") == GRAD_NORM}
+    return {r: replace(p, tasks=tuple(replace(t, group=(r,)) if t.op in across else t
+                                      for t in p.tasks)) for r, p in plans.items()}
+
+
+def test_the_clipped_tied_run_passes():
+    verdict = train("fp32", optimizer=CLIPPED, overrides=TIED)
+    assert verdict["ok"], verdict["problems"]
+
+
+def test_a_norm_counting_a_tied_copy_twice_fails_verify_and_check():
+    verdict = train("fp32", optimizer=CLIPPED, overrides=TIED,
+                    job_mutation=count_tied_copy_twice)
+    assert not verdict["ok"] and "gradient norm" in " ".join(verdict["problems"])
+    job = count_tied_copy_twice(job_of("fp32", optimizer=CLIPPED, overrides=TIED))
+    res = check_plans(job, {r: lower(job, r) for r in range(job.mesh.world)})
+    assert not res.ok and "counts 'wte.weight' more than once" in res.errors[0], res.errors
+
+
+def test_a_norm_skipping_a_stage_fails_verify_and_check():
+    verdict = train("fp32", optimizer=CLIPPED, plans_mutation=skip_a_stage_in_the_norm)
+    assert not verdict["ok"] and "gradient norm" in " ".join(verdict["problems"])
+    job = job_of("fp32", optimizer=CLIPPED)
+    res = check_plans(job, skip_a_stage_in_the_norm(job, {r: lower(job, r)
+                                                          for r in range(job.mesh.world)}))
+    assert not res.ok
+    assert any("leaves out 'blocks." in e for e in res.errors), res.errors
 
 
 def test_receives_of_two_microbatches_swapped_in_the_plan_fail_check():

@@ -1,0 +1,159 @@
+"""Proof 8 of `lowering/check.py`: the gradient norm counts every parameter
+exactly once, on every rank.
+
+Global-norm clipping (`autodiff/backward.py: _emit_clip`) sums squared norms
+of local gradient pieces, then all-reduces the sums. Proven on the rank
+plans, as the runtime will run them:
+- a rank counts the piece of a gradient that its `grad_sq` task reads (the
+  box its layout gives the rank), unless the task's variant on some axis is
+  REPLICA_FIRST and the rank is not that axis's first, or the op is a tied
+  weight's copy counted on another stage (`counted=False`): it gives zero;
+- a rank's total is its `sq_sum` of those squares, then each all-reduce
+  (boxing's, across stages or along a mesh axis) between that sum and its
+  `clip_coef`, in order: after all-reduce k over group G, a rank holds the
+  sum over G of what each member held after all-reduce k-1;
+- so each rank's factor comes from a multiset of ranks' counted pieces,
+  and for every trained parameter those pieces must tile it exactly: every
+  element counted once, none twice, none left out.
+The multisets are worked out group by group (memoized per group), so the
+proof is linear in the ranks for a job's usual groups.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, GRAD_SQ, SQ_SUM
+from meshplan.ir.sbp import box_numel
+from meshplan.lowering.lower import local_box_of
+from meshplan.ops.rule import Category
+from meshplan.ops.table import rule_for
+
+_FIRST = "replica_first"  # KernelVariant.REPLICA_FIRST
+
+
+def norm_coverage(job, plans) -> list[str]:
+    """Errors of proof 8 (empty when the norm counts each parameter once)."""
+    g = job.graph
+    if not any(op.kind == CLIP_COEF for op in g.ops):
+        return []
+    producer = {o: op for op in g.ops for o in op.outputs if o >= 0}
+    trained = {g.values[_root(op.args[0].id, producer)].name: g.values[op.args[0].id].meta.shape
+               for op in g.ops if rule_for(op.kind).category is Category.OPTIMIZER}
+    errors: list[str] = []
+    counted: dict[int, list] = {}
+    chains: dict[int, list[tuple[int, ...]]] = {}
+    for r, p in sorted(plans.items()):
+        by_op = {t.op: t for t in p.tasks}
+        coef = [t for t in p.tasks if g.ops[t.op].kind == CLIP_COEF]
+        if not coef:
+            continue
+        chain, total = _chain(g.ops[coef[0].op].args[0].id, producer, by_op)
+        if total is None:
+            errors.append(f"rank {r}: its clipping factor does not come from a sum of "
+                          "squared gradient norms; recompile the plan")
+            continue
+        chains[r] = chain
+        counted[r] = []
+        for a in total.args:
+            sq = producer.get(a.id)
+            task = by_op.get(sq.id) if sq is not None else None
+            if sq is None or sq.kind != GRAD_SQ or task is None:
+                errors.append(f"rank {r}: its norm sums a value no grad_sq task of its own "
+                              "makes; recompile the plan")
+                continue
+            if any(tag == _FIRST and c != 0 for tag, c in zip(task.variant, p.coord)):
+                continue  # a replica another rank counts
+            if dict(sq.kwargs).get("counted") is False:
+                continue  # a tied weight's copy another stage counts
+            counted[r].append((g.values[_root(sq.args[0].id, producer)].name,
+                               local_box_of(job, r, sq.args[1].id)))
+    if errors or not chains:
+        return errors
+    sources = _sources(chains)
+    if sources is None:
+        return ["the ranks' norms are reduced by different numbers of all-reduces; "
+                "recompile the plan"]
+    seen: dict[tuple, list[str]] = {}
+    for r, src in sorted(sources.items()):
+        key = tuple(sorted(src.items()))
+        if key not in seen:
+            seen[key] = _tiles(src, counted, trained)
+        errors += [f"rank {r}: the gradient norm {e}" for e in seen[key][:3]]
+    return errors
+
+
+def _root(vid: int, producer) -> int:
+    """The state `vid` is made from through boxing ops (a parameter sliced or
+    gathered for its optimizer): its graph input."""
+    op = producer.get(vid)
+    while op is not None and rule_for(op.kind).category.boxing:
+        vid = op.args[0].id
+        op = producer.get(vid)
+    return vid
+
+
+def _chain(vid: int, producer, by_op) -> tuple[list[tuple[int, ...]], object]:
+    """The groups of the all-reduces from the norm's sum to `vid`, first
+    applied first, and that `sq_sum` op (None if the chain meets another op)."""
+    groups: list[tuple[int, ...]] = []
+    op = producer.get(vid)
+    while op is not None and op.kind == ALL_REDUCE:
+        task = by_op.get(op.id)
+        if task is not None and len(task.group) > 1:
+            groups.append(task.group)
+        op = producer.get(op.args[0].id)
+    if op is None or op.kind != SQ_SUM:
+        return groups, None
+    return groups[::-1], op
+
+
+def _sources(chains: dict[int, list[tuple[int, ...]]]) -> dict[int, Counter] | None:
+    """Per rank, how many times each rank's counted pieces reach its total."""
+    if len({len(c) for c in chains.values()}) > 1:
+        return None
+    held = {r: Counter({r: 1}) for r in chains}
+    for k in range(len(next(iter(chains.values())))):
+        memo: dict[tuple[int, ...], Counter] = {}
+        new = {}
+        for r, chain in chains.items():
+            group = chain[k]
+            if group not in memo:
+                total: Counter = Counter()
+                for m in group:
+                    total.update(held.get(m, Counter()))
+                memo[group] = total
+            new[r] = memo[group]
+        held = new
+    return held
+
+
+def _tiles(src: Counter, counted: dict, trained: dict) -> list[str]:
+    """What is wrong with the pieces `src` brings together, per parameter."""
+    pieces: dict[str, list] = {name: [] for name in trained}
+    for rank, times in src.items():
+        for name, box in counted.get(rank, ()):
+            pieces.setdefault(name, []).extend([box] * times)
+    out = []
+    for name, boxes in sorted(pieces.items()):
+        whole = 1
+        for n in trained.get(name, ()):
+            whole *= n
+        got = sum(box_numel(b) for b in boxes)
+        if not boxes:
+            out.append(f"leaves out '{name}': no rank whose squares reach it counts it")
+        elif _overlap(boxes):
+            out.append(f"counts '{name}' more than once ({len(boxes)} pieces cover "
+                       f"{got / whole:g}x its {whole} elements)")
+        elif got != whole:
+            out.append(f"leaves out part of '{name}' ({got} of its {whole} elements)")
+    return out
+
+
+def _overlap(boxes: list) -> bool:
+    """Whether any two boxes share an element."""
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
+                return True
+    return False
