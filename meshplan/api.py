@@ -221,25 +221,31 @@ def verify(job, module, batches: Sequence[tuple], bounds=None,
     s = job.strategy
     verdict, ref = against_eager(mine.rank_losses, mine.state_slices, module,
                                  list(batches), s.num_microbatches, optimizer_of(job),
-                                 s.precision, s.initial_loss_scale, bounds, device)
+                                 s.precision, s.initial_loss_scale, bounds, device,
+                                 mine.rank_grad_norms)
     rest = {k: v for k, v in mine.to_json().items() if k not in ("losses", "rank_losses")}
-    return VerifyResult.of(verdict, mine.losses, ref.losses, mine.rank_losses, **rest)
+    return VerifyResult.of(verdict, mine.losses, ref.losses, mine.rank_losses, **rest,
+                           ref_grad_norms=ref.grad_norms)
 
 
 def optimizer_of(job):
     """The `OptimizerConfig` the Job's optimizer ops were built with."""
+    from meshplan.ir.kinds import CLIP_COEF
     from meshplan.ops.rule import Category
     from meshplan.ops.table import rule_for
 
+    clip = next((dict(op.kwargs)["max_norm"] for op in job.graph.ops
+                 if op.kind == CLIP_COEF), None)
     for op in job.graph.ops:
         if rule_for(op.kind).category is Category.OPTIMIZER:
             kw = dict(op.kwargs)
             if op.kind == ADAMW:
                 return OptimizerConfig(OptimizerKind.ADAMW, lr=kw["lr"],
                                        weight_decay=kw["weight_decay"],
-                                       betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"])
+                                       betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"],
+                                       max_grad_norm=clip)
             return OptimizerConfig(OptimizerKind.SGD, lr=kw["lr"], momentum=kw["momentum"],
-                                   weight_decay=kw["weight_decay"])
+                                   weight_decay=kw["weight_decay"], max_grad_norm=clip)
     raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from meshplan.cli.flags import mesh_of, overrides
+from meshplan.cli.flags import mesh_of, optimizer_config, overrides
 from meshplan.errors import ConfigError
 
 
@@ -36,7 +36,7 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
         device = resolve_device("auto")
     with a.progress.task("lowering ranks", len(ranks or range(mesh_of(a).world))) as update:
-        stats = compile_model(a.model, a.size, mesh_of(a), strategy, a.out, a.optimizer,
+        stats = compile_model(a.model, a.size, mesh_of(a), strategy, a.out, optimizer_config(a),
                               lr=a.lr, ranks=ranks, workers=a.workers,
                               use_cache=not a.no_cache, progress=lambda done, _: update(done),
                               device=device, **overrides(a))

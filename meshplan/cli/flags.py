@@ -105,6 +105,17 @@ def add_optimizer_flags(g) -> None:
     g.add_argument("--optimizer", choices=names(OptimizerKind), default="sgd")
     g.add_argument("--lr", type=float, default=None,
                    help="learning rate (default: sgd 0.05, adamw 3e-3)")
+    g.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="clip the gradients to this global 2-norm, as torch's "
+                   "clip_grad_norm_ (the norm is derived from the layouts and proven to "
+                   "count every parameter once); default: no clipping")
+
+
+def optimizer_config(a: argparse.Namespace):
+    """The `OptimizerConfig` the optimizer flags name."""
+    from meshplan.autodiff import OptimizerConfig
+
+    return OptimizerConfig.of(a.optimizer, a.lr, max_grad_norm=a.clip_grad_norm)
 
 
 def add_training_flags(p: argparse.ArgumentParser, steps: int) -> None:

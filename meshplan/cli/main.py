@@ -33,6 +33,7 @@ from meshplan.cli.flags import (
     apply_config,
     config_name_of,
     mesh_of,
+    optimizer_config,
     overrides,
     strategy_fields,
 )
@@ -200,12 +201,12 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if parallel:
         cfg = model_config(a.model, a.size, **overrides(a))
         strategy = strategy_of(a, cfg)
-        r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer, seed=a.seed,
+        r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a), seed=a.seed,
                    mesh=mesh_of(a), strategy=strategy, lr=a.lr, bounds=bounds_of(a),
                    device=a.device, run_options={"backend": a.backend}, **overrides(a))
     else:
         m = a.num_microbatches or 1
-        r = verify(a.model, a.size, steps=a.steps, optimizer=a.optimizer,
+        r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a),
                    global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
                    num_microbatches=m, seed=a.seed, lr=a.lr, bounds=bounds_of(a),
                    device=a.device, **overrides(a))
@@ -235,7 +236,7 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps(t)) if a.json else print_table(t)
         return 0
     strategy = strategy_of(a, cfg)
-    planned = plan_model(a.model, a.size, mesh_of(a), strategy, a.optimizer, a.lr,
+    planned = plan_model(a.model, a.size, mesh_of(a), strategy, optimizer_config(a), a.lr,
                          **overrides(a))
     r = report(planned.job)
     if a.json:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from meshplan.cli.flags import mesh_of, overrides
+from meshplan.cli.flags import mesh_of, optimizer_config, overrides
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -15,7 +15,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = strategy_of(a, cfg)
-    common = dict(steps=a.steps, optimizer=a.optimizer, seed=a.seed, threads=a.threads,
+    common = dict(steps=a.steps, optimizer=optimizer_config(a), seed=a.seed, threads=a.threads,
                   timeout_s=a.timeout, lr=a.lr, trace=a.trace, device=a.device,
                   backend=a.backend, **overrides(a))
     if under_torchrun():
@@ -27,12 +27,13 @@ def cmd_run(a: argparse.Namespace) -> int:
             r = run(a.model, a.size, mesh_of(a), strategy, plan_dir=a.plan_dir,
                     save_dir=a.save_dir, resume=a.resume, on_step=update, **common)
     if a.json:
-        print(json.dumps({"losses": r.losses, "step_s": r.step_s, "ranks": r.ranks,
-                          "trace": r.trace}))
+        print(json.dumps({"losses": r.losses, "grad_norms": r.grad_norms, "step_s": r.step_s,
+                          "ranks": r.ranks, "trace": r.trace}))
         return 0
-    print(f"{'step':>4}  {'loss':>10}  {'step (ms)':>9}")
-    for i, (loss, t) in enumerate(zip(r.losses, r.step_s)):
-        print(f"{i:>4}  {loss:>10.6f}  {t * 1e3:>9.1f}")
+    norms = r.grad_norms or [None] * len(r.losses)
+    print(f"{'step':>4}  {'loss':>10}  {'step (ms)':>9}" + ("  grad norm" if r.grad_norms else ""))
+    for i, (loss, t, n) in enumerate(zip(r.losses, r.step_s, norms)):
+        print(f"{i:>4}  {loss:>10.6f}  {t * 1e3:>9.1f}" + (f"  {n:>9.4g}" if n is not None else ""))
     peaks = [(v["planned_peak_bytes"], v["measured_peak_bytes"]) for v in r.ranks.values()]
     print(f"{len(peaks)} ranks; peak memory per rank planned "
           f"{max(p for p, _ in peaks) / 2**20:.2f} MiB, measured "

@@ -34,6 +34,12 @@ def verdict_lines(r: dict) -> str:
         if part:
             (name, d), = worst(part, 1)
             lines.append(f"  {len(part)} {what}, worst max_rel {d['max_rel']:.0e} ({name})")
+    if r.get("ref_grad_norms"):
+        lines.append(f"  gradient norm at {len(r['ref_grad_norms'])} steps (clip_grad_norm_'s), "
+                     f"worst rel {r['grad_norm_max_rel_diff']:.0e} (bound {b['rtol']:g}); "
+                     f"last {r['grad_norms'][-1] if r.get('grad_norms') else float('nan'):.6g}")
+    if r.get("bit_identical") and r.get("loss_noise", 0.0) > b["chaos"]:
+        lines.append("  bit for bit equal to eager, so judged though eager is chaotic here")
     lines += [f"  {p}" for p in r["problems"][:8]]
     if len(r["problems"]) > 8:
         lines.append(f"  ... {len(r['problems']) - 8} more (see --json)")
