@@ -16,7 +16,7 @@ Invariants:
   (so no weight gradient outlives its layer's backward); the optimizer ops
   (phase=optimizer) read the accumulator once per step.
 - With `max_grad_norm`, every optimizer op takes one more input, the
-  clipping factor, made from the squared norms of all gradients
+  clipping factor (kwarg `coef`), made from the squared norms of all gradients
   (`_emit_clip`).
 """
 
@@ -187,13 +187,12 @@ def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: Op
     params = [p for p in graph.inputs_by_role(Role.PARAM) if p.id in accs]
     clip = opt.max_grad_norm is not None and bool(params)
     slots = {p.id: _slots(b, p, opt) for p in params} if clip else {}
-    coef = _emit_clip(b, params, accs, slots, opt.max_grad_norm) if clip else ()
+    coef = {"coef": _emit_clip(b, params, accs, slots, opt.max_grad_norm)} if clip else {}
     for p in params:
         e = Emitter(b, phase=Phase.OPTIMIZER, module_path=_owner(p.name))
-        kw = dict(opt.kwargs())
+        kw = dict(opt.kwargs()) | coef
         args = slots[p.id] if clip else _slots(b, p, opt)
-        outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *args, *coef,
-                            **kw)
+        outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *args, **kw)
         b.updates.append(Update(p.name, outs[0].id))
         for slot, out in zip(SLOTS[opt.kind], outs[1:]):
             b.updates.append(Update(str(StateName(p.name, slot)), out.id))
@@ -208,7 +207,7 @@ def _slots(b: GraphBuilder, p, opt: OptimizerConfig) -> list[Ref]:
 
 
 def _emit_clip(b: GraphBuilder, params, accs: dict[int, Ref], slots: dict,
-               max_norm: float) -> tuple[Ref]:
+               max_norm: float) -> Ref:
     """Global-norm clipping: each gradient's squared norm (reading the
     optimizer's tensors, so it is laid out as the optimizer's gradient), their
     sum, and the factor every optimizer op takes; the norm is the state
@@ -223,4 +222,4 @@ def _emit_clip(b: GraphBuilder, params, accs: dict[int, Ref], slots: dict,
     norm, coef = e.call_multi(CLIP_COEF, total, max_norm=float(max_norm))
     b.add_input(TensorMeta((), DType("float32")), Role.OPT_STATE, GRAD_NORM)
     b.updates.append(Update(GRAD_NORM, norm.id))
-    return (coef,)
+    return coef

@@ -14,7 +14,7 @@ copy on each. Proven on the rank plans, per (parameter, grid coordinate):
 
 from __future__ import annotations
 
-from meshplan.ir import Role
+from meshplan.ir import Ref, Role
 from meshplan.lowering.rankplan import TaskKind
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
@@ -56,7 +56,7 @@ def _alike(job, pid: int, coord, held, producer, tasks) -> list[str]:
     stages = tuple(s for s, _, _ in held)
     group = tuple(r for _, r, _ in held)
     ops = [g.ops[t.op] for _, _, t in held]
-    if len({(op.kind, op.kwargs) for op in ops}) > 1:
+    if len({(op.kind, _literals(op)) for op in ops}) > 1:
         return [f"the copies of '{name}' on stages {list(stages)} (grid {coord}) take "
                 f"different optimizer ops: {sorted({op.kind for op in ops})}; every copy "
                 "must take the same update"]
@@ -71,6 +71,12 @@ def _alike(job, pid: int, coord, held, producer, tasks) -> list[str]:
             errors.append(f"rank {rank}: the all-reduce of '{name}' (op {red.id}) does not "
                           f"run over the copies' ranks {list(group)}")
     return errors
+
+
+def _literals(op) -> tuple:
+    """An optimizer op's hyper-parameters: its kwargs less the tensors (each
+    stage's own clipping factor, proven equal by proof 8's coverage)."""
+    return tuple((k, v) for k, v in op.kwargs if not isinstance(v, Ref))
 
 
 def _reduction(vid: int, producer):

@@ -46,60 +46,61 @@ def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sgd_multi(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None],
-              coefs: list[Tensor] | None = None, *, lr: float, momentum: float,
-              weight_decay: float, dampening: float,
-              nesterov: bool) -> tuple[list[Tensor], list[Tensor | None]]:
+def sgd_multi(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], *,
+              lr: float | Tensor, momentum: float, weight_decay: float, dampening: float,
+              nesterov: bool, coef: Tensor | None = None,
+              ) -> tuple[list[Tensor], list[Tensor | None]]:
     """`torch.optim.SGD` steps on lists of parameters (each gradient first
-    times its clipping factor, if given); returns (params, bufs)."""
-    bufs, grads = list(bufs), clipped(grads, coefs)
+    times the clipping factor `coef`, if given; `lr` a float, or the
+    schedule's state tensor); returns (params, bufs)."""
+    bufs, grads = list(bufs), clipped(grads, coef)
     with torch.no_grad():
         _sgd(
-            params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
+            params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=float(lr),
             dampening=dampening, nesterov=nesterov, maximize=False, foreach=None,
         )
     return params, bufs
 
 
-def sgd_step(param: Tensor, grad: Tensor, buf: Tensor | None, coef: Tensor | None = None,
+def sgd_step(param: Tensor, grad: Tensor, buf: Tensor | None,
              **hp: Any) -> tuple[Tensor, Tensor | None]:
     """One SGD step on one parameter; returns (param, buf)."""
-    (p,), (b,) = sgd_multi([param], [grad], [buf], None if coef is None else [coef], **hp)
+    (p,), (b,) = sgd_multi([param], [grad], [buf], **hp)
     return p, b
 
 
 def adamw_multi(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                exp_avg_sqs: list[Tensor], steps: list[Tensor],
-                coefs: list[Tensor] | None = None, *, lr: float, beta1: float,
-                beta2: float, eps: float, weight_decay: float) -> tuple[list[Tensor], ...]:
+                exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float | Tensor,
+                beta1: float, beta2: float, eps: float, weight_decay: float,
+                coef: Tensor | None = None) -> tuple[list[Tensor], ...]:
     """`torch.optim.AdamW` steps on lists of parameters (each gradient first
-    times its clipping factor, if given); returns the new state lists."""
-    grads = clipped(grads, coefs)
+    times the clipping factor `coef`, if given; `lr` a float, or the
+    schedule's state tensor); returns the new state lists."""
+    grads = clipped(grads, coef)
     with torch.no_grad():
         _adamw(
             params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
             capturable=False, differentiable=False, fused=None, grad_scale=None,
             found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
+            lr=float(lr), weight_decay=weight_decay, eps=eps, maximize=False,
         )
     return params, exp_avgs, exp_avg_sqs, steps
 
 
 def adamw_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-               step: Tensor, coef: Tensor | None = None, **hp: Any) -> tuple[Tensor, ...]:
+               step: Tensor, **hp: Any) -> tuple[Tensor, ...]:
     """One AdamW step on one parameter; returns its new state."""
-    out = adamw_multi([param], [grad], [exp_avg], [exp_avg_sq], [step],
-                      None if coef is None else [coef], **hp)
+    out = adamw_multi([param], [grad], [exp_avg], [exp_avg_sq], [step], **hp)
     return tuple(x[0] for x in out)
 
 
-def clipped(grads: list[Tensor], coefs: list[Tensor] | None) -> list[Tensor]:
-    """Each gradient times its clipping factor, as `clip_grad_norm_` scales
+def clipped(grads: list[Tensor], coef: Tensor | None) -> list[Tensor]:
+    """Each gradient times the clipping factor, as `clip_grad_norm_` scales
     `.grad` (always, a factor of 1 included). Out of place: an accumulator
     may be a tensor another parameter adopted (`accumulate_grad`)."""
-    if coefs is None:
+    if coef is None:
         return grads
-    return [g * c for g, c in zip(grads, coefs)]
+    return [g * coef for g in grads]
 
 
 def grad_sq(param: Tensor, grad: Tensor, *slots: Tensor, counted: bool = True) -> Tensor:

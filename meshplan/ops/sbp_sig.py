@@ -51,6 +51,8 @@ def tensors(sig: Any) -> list[TensorMeta]:
             out.append(a)
         elif isinstance(a, (tuple, list)):
             stack.extend(reversed(a))
+        elif isinstance(a, dict):  # kwargs, after the positional arguments (`Op.refs()`)
+            stack.extend(reversed(list(a.values())))
     return out
 
 

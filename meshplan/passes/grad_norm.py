@@ -90,8 +90,8 @@ def split_norm(graph: Graph, places: list[Place]) -> tuple[Graph, list[Place], d
             continue
         if op.id in optimizer_ids:
             stage = places[op.id][0]
-            op = replace(op, args=tuple(Ref(coef_of[stage]) if a == old_coef else a
-                                        for a in op.args))
+            op = replace(op, kwargs=tuple((k, Ref(coef_of[stage]) if v == old_coef else v)
+                                          for k, v in op.kwargs))
         ops.append(op)
         new_places.append(places[op.id])
     b.ops = list(renumber_ops(ops))
