@@ -135,8 +135,9 @@ def batches(steps: int) -> list:
     return [example_batch(cfg(), BATCH, seed=s) for s in range(steps)]
 
 
-def sgd(params) -> torch.optim.Optimizer:
-    return OptimizerConfig.default("sgd").torch_optimizer(params)
+def sgd(named) -> torch.optim.Optimizer:
+    """meshplan's default SGD on (name, parameter) pairs."""
+    return OptimizerConfig.default("sgd").torch_optimizer(named)
 
 
 # ------------------------------------------------------------------ rank processes
@@ -267,7 +268,7 @@ class TorchPipeline:
         single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)  # one stage
         self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches=m,
                             loss_fn=self._loss)
-        self.opt = sgd([p for st in self.stages for p in st.submod.parameters()])
+        self.opt = sgd([np for st in self.stages for np in st.submod.named_parameters()])
 
     def step(self, batch) -> float | None:
         """One training step; the mean loss over the micro-batches, if held here."""

@@ -268,7 +268,7 @@ def _eager_step(cfg, batch: int, dev, compiled: bool, backend: str):
     torch.manual_seed(0)
     model = build_model(cfg, device=dev)
     params = param_count(model)
-    opt = OptimizerConfig.default("adamw", None).torch_optimizer(model.parameters())
+    opt = OptimizerConfig.default("adamw", None).torch_optimizer(model)
     if compiled:  # regional compilation: every block shares one compiled graph, so the
         for block in model.blocks:  # compile takes one block's time, not 24 blocks'
             block.compile(backend=backend)

@@ -202,7 +202,7 @@ class TorchTrainer:
             for block in model.blocks:
                 fully_shard(block)
             self.model = fully_shard(model)
-        self.opt = OptimizerConfig.default("adamw").torch_optimizer(self.model.parameters())
+        self.opt = OptimizerConfig.default("adamw").torch_optimizer(self.model)
 
     def step(self, b) -> float:
         """One step; this rank's mean loss over its micro-batches."""

@@ -38,7 +38,7 @@ def bench(size: str, batch: int, steps: int, warmup: int) -> dict:
                       stop_after="autodiff").graph
     ex = Executor(step)
     state = ex.init_state(module)
-    opt = opt_cfg.torch_optimizer(ref.parameters())
+    opt = opt_cfg.torch_optimizer(ref)
 
     def eager_step():
         opt.zero_grad(set_to_none=True)

@@ -17,7 +17,8 @@ Invariants:
   (phase=optimizer) read the accumulator once per step.
 - With `max_grad_norm`, every optimizer op takes one more input, the
   clipping factor (kwarg `coef`), made from the squared norms of all gradients
-  (`_emit_clip`).
+  (`_emit_clip`). With a learning-rate schedule its `lr` is the state LR
+  (ir/lr_schedule.py); a parameter `no_decay` names takes weight decay 0.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from meshplan.ir import (
     DEVICE,
     GRAD_NORM,
     LOSS_SCALE,
+    LR,
+    STEP_COUNT,
     DType,
     Graph,
     GraphBuilder,
@@ -68,6 +71,9 @@ def build_train_step(
     _emit_optimizer(b, graph, accs, optimizer)
     meta = graph.meta + (("optimizer", optimizer.kind),
                          ("num_microbatches", str(num_microbatches)))
+    if optimizer.lr_schedule.scheduled:
+        meta += (("lr_schedule",
+                  optimizer.lr_schedule.resolved(optimizer.lr).to_meta(optimizer.lr)),)
     if loss_scale is not None:
         meta += (("loss_scale", repr(float(loss_scale))),)
     b.ops = list(_accumulate_early(b.ops))
@@ -187,10 +193,15 @@ def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: Op
     params = [p for p in graph.inputs_by_role(Role.PARAM) if p.id in accs]
     clip = opt.max_grad_norm is not None and bool(params)
     slots = {p.id: _slots(b, p, opt) for p in params} if clip else {}
-    coef = {"coef": _emit_clip(b, params, accs, slots, opt.max_grad_norm)} if clip else {}
+    extra = {"coef": _emit_clip(b, params, accs, slots, opt.max_grad_norm)} if clip else {}
+    if opt.lr_schedule.scheduled:  # the rate is a state the runtime sets before each STEP
+        extra["lr"] = Ref(b.add_input(TensorMeta((), DType("float64")), Role.OPT_STATE, LR))
+        b.add_input(TensorMeta((), DType("float64")), Role.OPT_STATE, STEP_COUNT)
     for p in params:
         e = Emitter(b, phase=Phase.OPTIMIZER, module_path=_owner(p.name))
-        kw = dict(opt.kwargs()) | coef
+        kw = dict(opt.kwargs()) | extra
+        if not opt.decays(p.name, p.meta.shape):
+            kw["weight_decay"] = 0.0
         args = slots[p.id] if clip else _slots(b, p, opt)
         outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *args, **kw)
         b.updates.append(Update(p.name, outs[0].id))

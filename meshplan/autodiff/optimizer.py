@@ -7,12 +7,14 @@ inputs after (param, grad).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.ir.choices import OptimizerKind, choose
+from meshplan.ir.choices import LrScheduleKind, OptimizerKind, choose
+from meshplan.ir.lr_schedule import LrSchedule
 
 SLOTS = {OptimizerKind.SGD: ("momentum_buffer",),
          OptimizerKind.ADAMW: ("exp_avg", "exp_avg_sq", "step")}
@@ -30,9 +32,20 @@ class OptimizerConfig:
     eps: float = 1e-8
     # global-norm gradient clipping (`clip_grad_norm_(max_norm)`); None: off
     max_grad_norm: float | None = None
+    # the rate of each step (ir/lr_schedule.py); the default: `lr` at every step
+    lr_schedule: LrSchedule = LrSchedule()
+    # parameters without weight decay: "" the 1-D ones (biases, norm weights, as
+    # Megatron and LiBai), "none" none, else a regex searched in parameter names
+    no_decay: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", choose(OptimizerKind, self.kind, "optimizer"))
+        if self.no_decay not in ("", "none"):
+            try:
+                re.compile(self.no_decay)
+            except re.error as e:
+                raise ConfigError(f"--no-decay '{self.no_decay}' is not a regex ({e}); give "
+                                  "one over parameter names, e.g. 'bias|norm'") from None
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm {self.max_grad_norm} must be > 0; give a "
                               "clipping threshold such as 1.0, or none to turn clipping off")
@@ -68,13 +81,57 @@ class OptimizerConfig:
         return (("lr", self.lr), ("beta1", self.betas[0]), ("beta2", self.betas[1]),
                 ("eps", self.eps), ("weight_decay", self.weight_decay))
 
-    def torch_optimizer(self, params) -> torch.optim.Optimizer:
-        """The eager equivalent, for reference runs."""
+    def decays(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether parameter `name` of `shape` takes weight decay (`no_decay`)."""
+        if self.no_decay == "none":
+            return True
+        if self.no_decay == "":
+            return len(shape) >= 2
+        return re.search(self.no_decay, name) is None
+
+    def torch_optimizer(self, module) -> torch.optim.Optimizer:
+        """The eager equivalent, for reference runs: torch's optimizer on
+        `module`'s parameters (or (name, parameter) pairs), in two groups:
+        with and without weight decay."""
+        named = list(module.named_parameters() if hasattr(module, "named_parameters")
+                     else module)
+        groups = [{"params": [p for n, p in named if self.decays(n, tuple(p.shape)) == d],
+                   "weight_decay": self.weight_decay if d else 0.0} for d in (True, False)]
+        groups = [g for g in groups if g["params"]] or [{"params": []}]
         if self.kind == OptimizerKind.SGD:
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
-                                   weight_decay=self.weight_decay, foreach=None)
-        return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
-                                 weight_decay=self.weight_decay, foreach=None)
+            return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, foreach=None)
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps,
+                                 foreach=None)
+
+    def torch_scheduler(self, opt: torch.optim.Optimizer):
+        """The schedule as torch's own scheduler classes (None: constant), for
+        reference runs: LinearLR warmup, then LinearLR / CosineAnnealingLR /
+        a stable LambdaLR(1) and LinearLR, chained by SequentialLR."""
+        from torch.optim import lr_scheduler as L
+
+        s = self.lr_schedule.resolved(self.lr)
+        if not s.scheduled:
+            return None
+        parts, milestones = [], []
+        if s.warmup_steps:
+            parts.append(L.LinearLR(opt, 1 / (s.warmup_steps + 1), 1.0, s.warmup_steps))
+            milestones.append(s.warmup_steps)
+        low = s.min_lr / self.lr
+        kind, d = s.kind, s.decay_steps
+        if kind == LrScheduleKind.CONSTANT:
+            parts.append(L.LambdaLR(opt, lambda k: 1.0))
+        elif kind == LrScheduleKind.LINEAR:
+            parts.append(L.LinearLR(opt, 1.0, low, d))
+        elif kind == LrScheduleKind.COSINE:
+            parts.append(L.CosineAnnealingLR(opt, T_max=d, eta_min=s.min_lr))
+            milestones.append(s.warmup_steps + d)
+            parts.append(L.LambdaLR(opt, lambda k: low))  # held at min_lr after the decay
+        else:  # wsd
+            assert s.total_steps is not None and d is not None
+            parts.append(L.LambdaLR(opt, lambda k: 1.0))
+            milestones.append(s.total_steps - d)
+            parts.append(L.LinearLR(opt, 1.0, low, d))
+        return parts[0] if len(parts) == 1 else L.SequentialLR(opt, parts, milestones)
 
 
 def slot_meta_shape(slot: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -11,7 +11,14 @@ import re
 from pathlib import Path
 
 from meshplan.errors import ConfigError, ScheduleError
-from meshplan.ir.choices import OptimizerKind, Precision, Recompute, Schedule, names
+from meshplan.ir.choices import (
+    LrScheduleKind,
+    OptimizerKind,
+    Precision,
+    Recompute,
+    Schedule,
+    names,
+)
 from meshplan.ir.mesh import Mesh
 
 
@@ -109,13 +116,34 @@ def add_optimizer_flags(g) -> None:
                    help="clip the gradients to this global 2-norm, as torch's "
                    "clip_grad_norm_ (the norm is derived from the layouts and proven to "
                    "count every parameter once); default: no clipping")
+    g.add_argument("--lr-schedule", choices=names(LrScheduleKind), default="constant",
+                   help="the learning rate after a linear warmup: constant, linear or cosine "
+                   "decay to --min-lr over --decay-steps, or wsd (warmup-stable-decay: "
+                   "linear to --min-lr over the run's last --decay-steps)")
+    g.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="linear warmup: step k < N takes lr * (k+1)/(N+1)")
+    g.add_argument("--decay-steps", type=int, default=None, metavar="N",
+                   help="steps of the decay (default: the run's steps after the warmup)")
+    g.add_argument("--min-lr", type=float, default=0.0, metavar="X",
+                   help="the rate the decay ends at (default 0)")
+    g.add_argument("--no-decay", default="", metavar="REGEX",
+                   help="parameters without weight decay, by a regex over their names; "
+                   "'none' decays every parameter (default: the 1-D ones: biases and norm "
+                   "weights, as Megatron and LiBai)")
 
 
 def optimizer_config(a: argparse.Namespace):
-    """The `OptimizerConfig` the optimizer flags name."""
+    """The `OptimizerConfig` the optimizer flags name (the run's `--steps`, if
+    the verb has them, end a decay that names no length)."""
     from meshplan.autodiff import OptimizerConfig
+    from meshplan.ir.lr_schedule import LrSchedule
 
-    return OptimizerConfig.of(a.optimizer, a.lr, max_grad_norm=a.clip_grad_norm)
+    schedule = LrSchedule(a.lr_schedule, a.warmup_steps, a.decay_steps, a.min_lr,
+                          getattr(a, "steps", None))
+    cfg = OptimizerConfig.of(a.optimizer, a.lr, max_grad_norm=a.clip_grad_norm,
+                             no_decay=a.no_decay, lr_schedule=schedule)
+    schedule.resolved(cfg.lr)  # a bad schedule is the user's mistake, said before planning
+    return cfg
 
 
 def add_training_flags(p: argparse.ArgumentParser, steps: int) -> None:

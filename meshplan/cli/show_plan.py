@@ -33,6 +33,17 @@ def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) 
     for name, stages in r.get("shared", {}).items():
         print(f"shared: '{name}' has a copy on stages {stages}; its gradient is all-reduced "
               "across them once per step")
+    o = r.get("optimizer")
+    if o and o["kind"]:
+        wd = o["weight_decay_groups"]
+        sched = o["lr_schedule"]
+        print(f"optimizer {o['kind']}: weight decay on {wd['decay']['params']} parameters "
+              f"({wd['decay']['elements']:,} elements), none on {wd['no_decay']['params']} "
+              f"({wd['no_decay']['elements']:,} elements); "
+              + (f"clipped to global norm {o['max_grad_norm']:g}; " if o["max_grad_norm"]
+                 else "no clipping; ")
+              + (f"lr {sched['lr']:g}, {sched['kind']} after {sched['warmup_steps']} warmup "
+                 f"steps" if sched else "constant lr"))
     for note in r["notes"]:
         print(f"note: {note}")
     passes = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in timings.items())

@@ -7,6 +7,7 @@ count), so it says exactly what the ranks will be asked to do.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import time
 from collections import Counter, defaultdict
@@ -144,8 +145,43 @@ def report(job: Job) -> dict:
         "layer_pattern": s.layer_pattern, "tp_plan": [list(x) for x in s.tp_plan],
         "zero": s.zero, "memory": stage_memory(job),
         "shared": shared_params(job),
+        "optimizer": optimizer_summary(job),
         "notes": list(job.notes),
     }
+
+
+def optimizer_summary(job: Job) -> dict:
+    """The optimizer step: its kind, clipping threshold, learning-rate schedule,
+    and how many parameters (and elements) take weight decay and how many not."""
+    from meshplan.ir.kinds import CLIP_COEF
+    from meshplan.ops.rule import Category
+    from meshplan.ops.table import rule_for
+
+    g = job.graph
+    producer = {o: op for op in g.ops for o in op.outputs if o >= 0}
+    groups: dict[str, dict[str, int]] = {"decay": {"params": 0, "elements": 0},
+                                         "no_decay": {"params": 0, "elements": 0}}
+    seen, kind, clip = set(), None, None
+    for op in g.ops:
+        if op.kind == CLIP_COEF:
+            clip = dict(op.kwargs)["max_norm"]
+        if rule_for(op.kind).category is not Category.OPTIMIZER:
+            continue
+        kind = op.kind
+        vid = op.args[0].id
+        while vid in producer and rule_for(producer[vid].kind).category.boxing:
+            vid = producer[vid].args[0].id  # a shard of the parameter: the parameter
+        v = g.values[vid]
+        if v.name in seen:
+            continue  # a tied weight's other copy
+        seen.add(v.name)
+        group = groups["decay" if dict(op.kwargs)["weight_decay"] else "no_decay"]
+        group["params"] += 1
+        group["elements"] += v.meta.numel
+    meta = dict(g.meta)
+    return {"kind": kind and kind.removeprefix("meshplan."), "max_grad_norm": clip,
+            "lr_schedule": json.loads(meta["lr_schedule"]) if "lr_schedule" in meta else None,
+            "weight_decay_groups": groups}
 
 
 def stage_memory(job: Job) -> list[dict]:

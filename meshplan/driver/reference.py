@@ -6,12 +6,16 @@ loss scaled by 1/num_microbatches before `backward()` so gradients
 accumulate to the gradient of the mean loss. Mixed precision uses torch's
 own `torch.autocast` (and, for fp16, `torch.amp.GradScaler` with the same
 initial scale and growth interval as meshplan). Clipping is torch's own
-`clip_grad_norm_`, after GradScaler's `unscale_`, as torch's recipe has it.
+`clip_grad_norm_`, after GradScaler's `unscale_`, as torch's recipe has it;
+the optimizer holds two parameter groups (with and without weight decay),
+and a learning-rate schedule is torch's scheduler classes, stepped after
+every step (a skipped fp16 step included).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -67,7 +71,10 @@ def eager_train(
     synchronize."""
     dev = torch.device(device)
     module.to(dev)
-    opt = optimizer.torch_optimizer(module.parameters())
+    opt = optimizer.torch_optimizer(module)
+    with warnings.catch_warnings():  # SequentialLR's own call of step(0) is deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        sched = optimizer.torch_scheduler(opt)
     scaler = torch.amp.GradScaler(dev.type, init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
         if precision == Precision.FP16 else None
@@ -93,6 +100,10 @@ def eager_train(
             scaler.update()
         else:
             opt.step()
+        if sched is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                sched.step()
         losses.append(float(total / num_microbatches))  # a sync on a GPU
         times.append(time.perf_counter() - t0)
     return EagerRun(losses, times, eager_state(module, opt, scaler), norms)

@@ -7,6 +7,8 @@ from meshplan.ir.graph import (
     DEVICE,
     GRAD_NORM,
     LOSS_SCALE,
+    LR,
+    STEP_COUNT,
     Arg,
     DType,
     Graph,
@@ -23,8 +25,8 @@ from meshplan.ir.serialize import graph_from_bytes, graph_to_bytes, load_graph, 
 from meshplan.ir.well_formed import check_well_formed
 
 __all__ = [
-    "ABSENT", "ALIAS", "DEVICE", "GRAD_NORM", "LOSS_SCALE", "Arg", "DType", "Graph",
-    "GraphBuilder", "Lit",
-    "Op", "Phase", "Ref", "Role", "TensorMeta", "Update", "Value", "check_well_formed",
-    "graph_from_bytes", "graph_to_bytes", "load_graph", "save_graph",
+    "ABSENT", "ALIAS", "DEVICE", "GRAD_NORM", "LOSS_SCALE", "LR", "STEP_COUNT", "Arg", "DType",
+    "Graph", "GraphBuilder", "Lit", "Op", "Phase", "Ref", "Role", "TensorMeta", "Update",
+    "Value", "check_well_formed", "graph_from_bytes", "graph_to_bytes", "load_graph",
+    "save_graph",
 ]

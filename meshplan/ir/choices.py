@@ -71,6 +71,22 @@ class OptimizerKind(enum.StrEnum):
     ADAMW = "adamw"
 
 
+class LrScheduleKind(enum.StrEnum):
+    """The learning rate's shape after its linear warmup (`ir/lr_schedule.py`)."""
+
+    CONSTANT = "constant"
+    LINEAR = "linear"      # linear decay to min_lr over decay_steps
+    COSINE = "cosine"      # cosine decay to min_lr over decay_steps
+    WSD = "wsd"            # warmup-stable-decay: stable, then linear to min_lr at the end
+
+
+class NonFinite(enum.StrEnum):
+    """What a step whose gradient norm is inf/nan does (`--on-nonfinite`)."""
+
+    HALT = "halt"  # stop the run, naming the step
+    SKIP = "skip"  # no rank applies the update; training goes on
+
+
 class KernelVariant(enum.StrEnum):
     """A rank-dependent variant of an op's kernel along one mesh axis (`Job.variant`)."""
 

@@ -110,6 +110,8 @@ DEVICE = "$device"  # literal standing for "the device this runs on"
 # first value is the train step's meta "loss_scale"; runtime/amp.py).
 LOSS_SCALE = "amp@loss_scale"
 GRAD_NORM = "optim@grad_norm"  # the step's global gradient norm (clipping)
+LR = "optim@lr"                # the step's learning rate (a schedule; ir/lr_schedule.py)
+STEP_COUNT = "optim@step"      # steps taken: the schedule's position
 
 
 @dataclass(frozen=True, slots=True)

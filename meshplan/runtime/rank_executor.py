@@ -48,10 +48,11 @@ from collections import defaultdict
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.ir import GRAD_NORM, LOSS_SCALE, Role
+from meshplan.ir import GRAD_NORM, LOSS_SCALE, LR, STEP_COUNT, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE
+from meshplan.ir.lr_schedule import LrSchedule
 from meshplan.lowering.buckets import plan_buckets, run_order
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
@@ -99,6 +100,9 @@ class RankExecutor:
         self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self.clips = any(v.name == GRAD_NORM for v in g.inputs_by_role(Role.OPT_STATE))
+        meta = dict(g.meta)
+        self.schedule = LrSchedule.from_meta(meta["lr_schedule"]) \
+            if "lr_schedule" in meta else None
         buckets = plan_buckets(job, plan) if comm is not None else ()
         self.buckets = GradBuckets(buckets, self.ctx, comm, self.mem) if buckets else None
         self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
@@ -192,9 +196,10 @@ class RankExecutor:
         from meshplan.runtime.state import sliced_state
 
         used = {b.value for b in self.plan.buffers}
-        if self.fp16:  # every rank keeps (and checkpoints) the loss scale
-            used |= {v.id for v in self.job.graph.inputs_by_role(Role.OPT_STATE)
-                     if v.name == LOSS_SCALE}
+        kept = ({LOSS_SCALE} if self.fp16 else set()) | \
+            ({LR, STEP_COUNT} if self.schedule else set())
+        # every rank keeps (and checkpoints) the loss scale and the schedule's position
+        used |= {v.id for v in self.job.graph.inputs_by_role(Role.OPT_STATE) if v.name in kept}
         state = sliced_state(self.job, self.ctx, module, self.device, used)
         for t in state.values():
             self.mem.add(t)
@@ -273,10 +278,15 @@ class RankExecutor:
     def _action(self, action, envs: list[dict], state: dict, losses: dict) -> None:
         t = action.type
         if t is ActionType.STEP:
+            if self.schedule is not None:
+                schedule, base = self.schedule
+                state[LR].fill_(schedule.lr_at(base, int(state[STEP_COUNT])))
             if not self.fp16 or self._unscale(state):
                 self._run(STEP_TEMPLATE, {}, state)
             elif self.clips:  # skipped for an overflow: the norm is not finite
                 state[GRAD_NORM] = torch.tensor(float("inf"))
+            if self.schedule is not None:  # a skipped step moves the schedule too, as torch's
+                state[STEP_COUNT] += 1
         elif t.is_compute:
             env, left = envs[action.microbatch], self.left[action.microbatch]
             for key in action_templates(action, self.placement):

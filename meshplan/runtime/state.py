@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.ir import LOSS_SCALE, Role
+from meshplan.ir import LOSS_SCALE, LR, STEP_COUNT, Role
 from meshplan.ir.state_name import StateName
 from meshplan.runtime.amp import initial_loss_scale
 
@@ -76,6 +76,8 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
         if v.name == LOSS_SCALE:
             state[v.name] = torch.tensor(initial_loss_scale(job.graph), dtype=torch.float32,
                                          device=device)
+        elif v.name in (LR, STEP_COUNT):  # host scalars: the kernels read them with no sync
+            state[v.name] = torch.zeros((), dtype=torch.float64)
         elif v.role is Role.OPT_STATE:
             # a slot of the parameter's shape holds its own slice (its layout may
             # differ from the parameter's: ZeRO shards the slots, not the weights)

@@ -59,7 +59,7 @@ def test_generic_ops_train_like_eager():
     state = ex.init_state(model)
     ours = [ex.step(state, [b]) for b in batches]
 
-    opt = opt_cfg.torch_optimizer(model.parameters())
+    opt = opt_cfg.torch_optimizer(model)
     theirs = []
     for b in batches:
         opt.zero_grad()
