@@ -109,7 +109,7 @@ def grad_sq(param: Tensor, grad: Tensor, *slots: Tensor, counted: bool = True) -
     `counted=False`: a tied weight's copy, counted on another stage: zero."""
     if not counted:
         return grad.new_zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(grad, dtype=torch.float32) ** 2
+    return torch.linalg.vector_norm(grad.to(torch.promote_types(grad.dtype, torch.float32))) ** 2
 
 
 def sq_sum(*squares: Tensor, device: torch.device | None = None) -> Tensor:

@@ -238,6 +238,9 @@ CASES: dict[str, Case] = {
     "sgd": _c("meshplan.sgd", lambda: (f(6, 12), f(6, 12), f(6, 12)), **SGD_KW),
     "adamw": _c("meshplan.adamw", lambda: (
         f(6, 12), f(6, 12), f(6, 12), pos(6, 12), torch.tensor(3.0, dtype=F64)), **ADAMW_KW),
+    # clipping: a gradient's squared norm in the optimizer's layout, Partial out
+    "grad_sq": _c("meshplan.grad_sq", lambda: (f(6, 12), f(6, 12), f(6, 12)), tol=1e-12),
+    "sq_sum": _c("meshplan.sq_sum", lambda: (pos(), pos(), pos())),
 }
 
 
@@ -291,6 +294,8 @@ def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
     ts = _tensors(args)
     if sig.variant == "bias_first":
         return lk.bias_first(kernel, i == 0)
+    if sig.variant == "replica_first":
+        return kernel if i == 0 else lk.counted_elsewhere
     if sig.variant == "vocab_offset" and kind == "aten.embedding.default":
         return lk.vocab_embedding(*split_range(ts[0].shape[0], n, i))
     if sig.variant == "vocab_offset":
