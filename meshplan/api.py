@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.errors import ConfigError
-from meshplan.ir.choices import OptimizerKind
-from meshplan.ir.kinds import ADAMW
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.state import weights_of
 
@@ -229,24 +227,11 @@ def verify(job, module, batches: Sequence[tuple], bounds=None,
 
 
 def optimizer_of(job):
-    """The `OptimizerConfig` the Job's optimizer ops were built with."""
-    from meshplan.ir.kinds import CLIP_COEF
-    from meshplan.ops.rule import Category
-    from meshplan.ops.table import rule_for
-
-    clip = next((dict(op.kwargs)["max_norm"] for op in job.graph.ops
-                 if op.kind == CLIP_COEF), None)
-    for op in job.graph.ops:
-        if rule_for(op.kind).category is Category.OPTIMIZER:
-            kw = dict(op.kwargs)
-            if op.kind == ADAMW:
-                return OptimizerConfig(OptimizerKind.ADAMW, lr=kw["lr"],
-                                       weight_decay=kw["weight_decay"],
-                                       betas=(kw["beta1"], kw["beta2"]), eps=kw["eps"],
-                                       max_grad_norm=clip)
-            return OptimizerConfig(OptimizerKind.SGD, lr=kw["lr"], momentum=kw["momentum"],
-                                   weight_decay=kw["weight_decay"], max_grad_norm=clip)
-    raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
+    """The `OptimizerConfig` the Job's train step was built with."""
+    meta = dict(job.graph.meta)
+    if "optimizer_config" not in meta:
+        raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
+    return OptimizerConfig.from_json(meta["optimizer_config"])
 
 
 def _checked(job, batches: Sequence[tuple]) -> list[tuple]:

@@ -31,3 +31,10 @@ class ScheduleError(MeshplanError):
 
 class RuntimeFault(MeshplanError):
     """A failure while running plans: a rank died, a world size mismatched."""
+
+
+class TrainingHalted(RuntimeFault):
+    """A step's gradient norm was not finite under `--on-nonfinite halt`: the
+    run stopped before applying it (the message names the step)."""
+
+    exit_code = 1

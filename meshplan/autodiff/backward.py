@@ -70,7 +70,10 @@ def build_train_step(
     accs = _emit_accumulate(b, graph, param_grads)
     _emit_optimizer(b, graph, accs, optimizer)
     meta = graph.meta + (("optimizer", optimizer.kind),
-                         ("num_microbatches", str(num_microbatches)))
+                         ("num_microbatches", str(num_microbatches)),
+                         ("optimizer_config", optimizer.to_json()))
+    if optimizer.guard is not None:
+        meta += (("on_nonfinite", str(optimizer.guard)),)
     if optimizer.lr_schedule.scheduled:
         meta += (("lr_schedule",
                   optimizer.lr_schedule.resolved(optimizer.lr).to_meta(optimizer.lr)),)
@@ -191,9 +194,10 @@ def _emit_accumulate(b: GraphBuilder, graph: Graph, grads: dict[int, Ref]) -> di
 
 def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: OptimizerConfig):
     params = [p for p in graph.inputs_by_role(Role.PARAM) if p.id in accs]
-    clip = opt.max_grad_norm is not None and bool(params)
-    slots = {p.id: _slots(b, p, opt) for p in params} if clip else {}
-    extra = {"coef": _emit_clip(b, params, accs, slots, opt.max_grad_norm)} if clip else {}
+    norm = opt.guard is not None and bool(params)  # the norm: clipping, or the guard's
+    slots = {p.id: _slots(b, p, opt) for p in params} if norm else {}
+    coef = _emit_clip(b, params, accs, slots, opt.max_grad_norm) if norm else None
+    extra = {"coef": coef} if opt.max_grad_norm is not None and norm else {}
     if opt.lr_schedule.scheduled:  # the rate is a state the runtime sets before each STEP
         extra["lr"] = Ref(b.add_input(TensorMeta((), DType("float64")), Role.OPT_STATE, LR))
         b.add_input(TensorMeta((), DType("float64")), Role.OPT_STATE, STEP_COUNT)
@@ -202,7 +206,7 @@ def _emit_optimizer(b: GraphBuilder, graph: Graph, accs: dict[int, Ref], opt: Op
         kw = dict(opt.kwargs()) | extra
         if not opt.decays(p.name, p.meta.shape):
             kw["weight_decay"] = 0.0
-        args = slots[p.id] if clip else _slots(b, p, opt)
+        args = slots[p.id] if norm else _slots(b, p, opt)
         outs = e.call_multi(optimizer_kind(opt.kind), Ref(p.id), accs[p.id], *args, **kw)
         b.updates.append(Update(p.name, outs[0].id))
         for slot, out in zip(SLOTS[opt.kind], outs[1:]):
@@ -218,7 +222,7 @@ def _slots(b: GraphBuilder, p, opt: OptimizerConfig) -> list[Ref]:
 
 
 def _emit_clip(b: GraphBuilder, params, accs: dict[int, Ref], slots: dict,
-               max_norm: float) -> Ref:
+               max_norm: float | None) -> Ref:
     """Global-norm clipping: each gradient's squared norm (reading the
     optimizer's tensors, so it is laid out as the optimizer's gradient), their
     sum, and the factor every optimizer op takes; the norm is the state
@@ -230,7 +234,8 @@ def _emit_clip(b: GraphBuilder, params, accs: dict[int, Ref], slots: dict,
         squares.append(e.call(GRAD_SQ, Ref(p.id), accs[p.id], *slots[p.id]))
     e = Emitter(b, phase=Phase.OPTIMIZER, module_path="")
     total = e.call(SQ_SUM, *squares)
-    norm, coef = e.call_multi(CLIP_COEF, total, max_norm=float(max_norm))
+    norm, coef = e.call_multi(CLIP_COEF, total,  # no clipping: the guard's norm only
+                              max_norm=float("inf") if max_norm is None else float(max_norm))
     b.add_input(TensorMeta((), DType("float32")), Role.OPT_STATE, GRAD_NORM)
     b.updates.append(Update(GRAD_NORM, norm.id))
     return coef

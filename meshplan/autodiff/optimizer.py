@@ -7,13 +7,14 @@ inputs after (param, grad).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 
 import torch
 
 from meshplan.errors import ConfigError
-from meshplan.ir.choices import LrScheduleKind, OptimizerKind, choose
+from meshplan.ir.choices import LrScheduleKind, NonFinite, OptimizerKind, choose
 from meshplan.ir.lr_schedule import LrSchedule
 
 SLOTS = {OptimizerKind.SGD: ("momentum_buffer",),
@@ -37,9 +38,15 @@ class OptimizerConfig:
     # parameters without weight decay: "" the 1-D ones (biases, norm weights, as
     # Megatron and LiBai), "none" none, else a regex searched in parameter names
     no_decay: str = ""
+    # a step whose gradient norm is inf/nan: halt or skip (None: halt when the
+    # norm is computed, i.e. with clipping; a choice computes the norm anyway)
+    on_nonfinite: NonFinite | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", choose(OptimizerKind, self.kind, "optimizer"))
+        if self.on_nonfinite is not None:
+            object.__setattr__(self, "on_nonfinite",
+                               choose(NonFinite, self.on_nonfinite, "--on-nonfinite"))
         if self.no_decay not in ("", "none"):
             try:
                 re.compile(self.no_decay)
@@ -80,6 +87,27 @@ class OptimizerConfig:
                     ("nesterov", False))
         return (("lr", self.lr), ("beta1", self.betas[0]), ("beta2", self.betas[1]),
                 ("eps", self.eps), ("weight_decay", self.weight_decay))
+
+    def to_json(self) -> str:
+        """This config as JSON (the train step's meta "optimizer_config")."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["lr_schedule"] = {f: getattr(self.lr_schedule, f)
+                            for f in self.lr_schedule.__dataclass_fields__}
+        return json.dumps(d)
+
+    @staticmethod
+    def from_json(text: str) -> OptimizerConfig:
+        d = json.loads(text)
+        d["betas"] = tuple(d["betas"])
+        d["lr_schedule"] = LrSchedule(**d["lr_schedule"])
+        return OptimizerConfig(**d)
+
+    @property
+    def guard(self) -> NonFinite | None:
+        """What a non-finite gradient norm does, when the norm is computed."""
+        if self.on_nonfinite is not None:
+            return self.on_nonfinite
+        return NonFinite.HALT if self.max_grad_norm is not None else None
 
     def decays(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether parameter `name` of `shape` takes weight decay (`no_decay`)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.choices import (
     LrScheduleKind,
+    NonFinite,
     OptimizerKind,
     Precision,
     Recompute,
@@ -126,6 +127,11 @@ def add_optimizer_flags(g) -> None:
                    help="steps of the decay (default: the run's steps after the warmup)")
     g.add_argument("--min-lr", type=float, default=0.0, metavar="X",
                    help="the rate the decay ends at (default 0)")
+    g.add_argument("--on-nonfinite", choices=names(NonFinite), default=None,
+                   help="a step whose gradient norm is inf/nan: halt (stop, naming the step; "
+                   "the default with --clip-grad-norm: a diverged run should not go on "
+                   "silently) or skip (no rank applies it; counted and reported). Needs the "
+                   "norm: without clipping, giving it computes the norm")
     g.add_argument("--no-decay", default="", metavar="REGEX",
                    help="parameters without weight decay, by a regex over their names; "
                    "'none' decays every parameter (default: the 1-D ones: biases and norm "
@@ -141,7 +147,8 @@ def optimizer_config(a: argparse.Namespace):
     schedule = LrSchedule(a.lr_schedule, a.warmup_steps, a.decay_steps, a.min_lr,
                           getattr(a, "steps", None))
     cfg = OptimizerConfig.of(a.optimizer, a.lr, max_grad_norm=a.clip_grad_norm,
-                             no_decay=a.no_decay, lr_schedule=schedule)
+                             no_decay=a.no_decay, lr_schedule=schedule,
+                             on_nonfinite=a.on_nonfinite)
     schedule.resolved(cfg.lr)  # a bad schedule is the user's mistake, said before planning
     return cfg
 

@@ -28,12 +28,16 @@ def cmd_run(a: argparse.Namespace) -> int:
                     save_dir=a.save_dir, resume=a.resume, on_step=update, **common)
     if a.json:
         print(json.dumps({"losses": r.losses, "grad_norms": r.grad_norms, "step_s": r.step_s,
-                          "ranks": r.ranks, "trace": r.trace}))
+                          "skipped_steps": r.skipped_steps, "ranks": r.ranks,
+                          "trace": r.trace}))
         return 0
     norms = r.grad_norms or [None] * len(r.losses)
     print(f"{'step':>4}  {'loss':>10}  {'step (ms)':>9}" + ("  grad norm" if r.grad_norms else ""))
     for i, (loss, t, n) in enumerate(zip(r.losses, r.step_s, norms)):
         print(f"{i:>4}  {loss:>10.6f}  {t * 1e3:>9.1f}" + (f"  {n:>9.4g}" if n is not None else ""))
+    if r.skipped_steps:
+        print(f"skipped {len(r.skipped_steps)} step(s) whose gradient norm was not finite "
+              f"(--on-nonfinite skip): {', '.join(map(str, r.skipped_steps))}")
     peaks = [(v["planned_peak_bytes"], v["measured_peak_bytes"]) for v in r.ranks.values()]
     print(f"{len(peaks)} ranks; peak memory per rank planned "
           f"{max(p for p, _ in peaks) / 2**20:.2f} MiB, measured "

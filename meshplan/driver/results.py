@@ -50,6 +50,8 @@ class RunResult(JsonResult):
     trace: dict[str, Any] | None
     # clipping: the global gradient norm per step, by rank (every rank computes it)
     rank_grad_norms: dict[str, list[float]] = field(default_factory=dict)
+    # the guard's `--on-nonfinite skip`: the steps no rank applied (norm inf/nan)
+    skipped_steps: list[int] = field(default_factory=list)
     state_slices: dict[int, dict] | None = field(default=None, repr=False)
 
     @property
@@ -60,6 +62,7 @@ class RunResult(JsonResult):
     def to_json(self) -> dict[str, Any]:
         return {"losses": self.losses, "grad_norms": self.grad_norms, "step_s": self.step_s,
                 "rank_losses": self.rank_losses, "rank_grad_norms": self.rank_grad_norms,
+                "skipped_steps": self.skipped_steps,
                 "median_step_s": self.median_step_s, "ranks": self.ranks,
                 "job_digest": self.job_digest, "wall_s": self.wall_s,
                 "first_step": self.first_step, "trace": self.trace}

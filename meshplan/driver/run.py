@@ -195,6 +195,7 @@ def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> Run
         rank_losses={str(r): per_rank[r]["losses"] for r in holders},
         rank_grad_norms={str(r): v["grad_norms"] for r, v in sorted(per_rank.items())
                          if v.get("grad_norms")},
+        skipped_steps=next(iter(per_rank.values())).get("skipped_steps", []),
         median_step_s=statistics.median(steps) if steps else None,
         ranks={str(r): {"planned_peak_bytes": v["planned_peak_bytes"],
                         "measured_peak_bytes": v["measured_peak_bytes"],

@@ -47,6 +47,7 @@ from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.passes.plan import PASSES, Compilation
 from meshplan.runtime.amp import INIT_SCALE
 from meshplan.runtime.checkpoint import box_key
+from meshplan.runtime.rank_executor import NonFiniteNorm, halted
 
 
 def verify(
@@ -243,9 +244,12 @@ def _single(module, batches, opt, m: int, precision: Precision = Precision.FP32,
     ex = Executor(graph, device)
     state = ex.init_state(module)
     losses, times, norms = [], [], []
-    for mbs in micro:
+    for k, mbs in enumerate(micro):
         ts = time.perf_counter()
-        losses.append(ex.step(state, mbs))  # a float: the step's end on a GPU
+        try:
+            losses.append(ex.step(state, mbs))  # a float: the step's end on a GPU
+        except NonFiniteNorm as e:
+            raise halted(k, e, ex.rank.step_losses.values()) from None
         times.append(time.perf_counter() - ts)
         norm = ex.rank.grad_norm(state)
         if norm is not None:

@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from meshplan.errors import RuntimeFault
+from meshplan.errors import RuntimeFault, TrainingHalted
 from meshplan.ir.fileio import write_atomic
 from meshplan.runtime.worker import RunSpec, spawn_entry
 
@@ -99,7 +99,11 @@ def _raise_if_failed(procs, results: Path, progress, job_bytes) -> None:
         for p in procs:
             if p.is_alive():
                 p.kill()
-        raise RuntimeFault(_failure(bad, results, progress, job_bytes))
+        message = _failure(bad, results, progress, job_bytes)
+        halted = "TrainingHalted: "
+        if halted in message:  # the guard stopped every rank alike: its own line
+            raise TrainingHalted(message.split(halted, 1)[1].split("; the other ranks")[0])
+        raise RuntimeFault(message)
 
 
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:

@@ -34,6 +34,10 @@ Invariants:
   over the whole world makes every rank skip, or take, the same step, and
   every rank moves its own copy of the scale the same way (`amp.py`), as
   GradScaler does.
+- The guard (`--on-nonfinite`, with the gradient norm in the plan): right
+  after `clip_coef` the STEP reads the norm, the same on every rank; if it
+  is inf or nan no rank runs the rest of the STEP (no update, no ZeRO
+  gather), and `halt` raises `NonFiniteNorm` while `skip` goes on.
 - With `spans` set to a list, a step appends one `Span` per action (and one
   for waiting on the sends) in `time.perf_counter()` seconds; tracing costs
   two clock reads per action (and, on a GPU, a synchronize), so it is on
@@ -42,16 +46,17 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 
 import torch
 
-from meshplan.errors import ConfigError
+from meshplan.errors import ConfigError, TrainingHalted
 from meshplan.ir import GRAD_NORM, LOSS_SCALE, LR, STEP_COUNT, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
-from meshplan.ir.kinds import ALL_REDUCE
+from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF
 from meshplan.ir.lr_schedule import LrSchedule
 from meshplan.lowering.buckets import plan_buckets, run_order
 from meshplan.lowering.rankplan import (
@@ -103,6 +108,9 @@ class RankExecutor:
         meta = dict(g.meta)
         self.schedule = LrSchedule.from_meta(meta["lr_schedule"]) \
             if "lr_schedule" in meta else None
+        self.guard = meta.get("on_nonfinite")  # halt | skip | None (no norm)
+        self.nonfinite: float | None = None  # the last step's norm, when not finite
+        self.step_losses: dict = {}  # this step's losses so far (a halt reports them)
         buckets = plan_buckets(job, plan) if comm is not None else ()
         self.buckets = GradBuckets(buckets, self.ctx, comm, self.mem) if buckets else None
         self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
@@ -155,6 +163,11 @@ class RankExecutor:
         if self.buckets is not None:  # per-micro-batch reductions after their bucket starts
             tasks = run_order(tasks, self.buckets.buckets, g.ops.__getitem__)
         hooks = self.buckets.hooks(key) if self.buckets else {}
+        if self.guard is not None and key == STEP_TEMPLATE:  # a non-finite norm: no update
+            for t in tasks:
+                if g.ops[t.op].kind == CLIP_COEF:
+                    assert t.op not in hooks
+                    hooks[t.op] = (_finite_norm, [g.ops[t.op].outputs[0]])
         early: dict = {}
         if self.comm is not None:  # the data's own all-reduces, started first
             tasks, early_hooks, early = self.early.order(tasks)
@@ -214,12 +227,14 @@ class RankExecutor:
         if LOSS_SCALE in state:  # the state is the truth: a checkpoint may have set it
             self.loss_scale = float(state[LOSS_SCALE])
         envs = [self._data_env(mb) for mb in microbatches]
+        self.nonfinite = None
         self.left: list[dict[int, int]] = [{} for _ in microbatches]
         if self.buckets is not None:
             self.buckets.start_step(len(envs))
         if self.prefetch is not None:
             self.prefetch.start_step(state)
         losses: dict[int, torch.Tensor] = {}
+        self.step_losses = losses
         for index, action in enumerate(self.plan.actions):
             self.current = str(action)
             if self.on_action is not None:
@@ -282,7 +297,7 @@ class RankExecutor:
                 schedule, base = self.schedule
                 state[LR].fill_(schedule.lr_at(base, int(state[STEP_COUNT])))
             if not self.fp16 or self._unscale(state):
-                self._run(STEP_TEMPLATE, {}, state)
+                self._guarded_step(state)
             elif self.clips:  # skipped for an overflow: the norm is not finite
                 state[GRAD_NORM] = torch.tensor(float("inf"))
             if self.schedule is not None:  # a skipped step moves the schedule too, as torch's
@@ -299,6 +314,18 @@ class RankExecutor:
                 self._release(env, left, vid)
         else:
             self.transfers.recv(action, envs[action.microbatch], self.mem)
+
+    def _guarded_step(self, state: dict) -> None:
+        """The STEP; a non-finite gradient norm (every rank has the same)
+        stops it before any update, on every rank alike: `halt` raises
+        `NonFiniteNorm`, `skip` goes on with the state as it was."""
+        try:
+            self._run(STEP_TEMPLATE, {}, state)
+        except NonFiniteNorm as e:
+            self.nonfinite = e.norm
+            state[GRAD_NORM] = torch.tensor(e.norm)
+            if self.guard == "halt":
+                raise
 
     def _run(self, key, env: dict, state: dict, left: dict | None = None) -> None:
         seg = self.segments.get(key)
@@ -351,6 +378,31 @@ class RankExecutor:
         old = state.get(name)
         state[name] = new
         self.mem.drop(old)
+
+
+class NonFiniteNorm(Exception):
+    """The step's gradient norm is inf or nan (the guard, `--on-nonfinite`)."""
+
+    def __init__(self, norm: float):
+        super().__init__(f"the gradient norm is {norm}")
+        self.norm = norm
+
+
+def halted(step: int, err: NonFiniteNorm, losses) -> TrainingHalted:
+    """The one line a run stopped by the guard ends with."""
+    loss = [float(x) for x in losses]
+    bad_loss = any(not math.isfinite(x) for x in loss)
+    what = (f"the loss is {loss[0]} and " if bad_loss else "") + str(err)
+    return TrainingHalted(f"step {step}: {what}; stopped before applying it "
+                          "(--on-nonfinite halt; no checkpoint written): lower the learning "
+                          "rate, or pass --on-nonfinite skip to skip such steps")
+
+
+def _finite_norm(values) -> None:
+    """The guard's hook, right after `clip_coef`: before any optimizer op."""
+    norm = float(values[0])  # a sync on a GPU, as GradScaler's found-inf check
+    if not math.isfinite(norm):
+        raise NonFiniteNorm(norm)
 
 
 def _next_recv(actions) -> list[int | None]:

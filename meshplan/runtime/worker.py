@@ -123,7 +123,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
     from meshplan.runtime.data import split_microbatches
-    from meshplan.runtime.rank_executor import RankExecutor
+    from meshplan.runtime.rank_executor import NonFiniteNorm, RankExecutor, halted
 
     if world != job.mesh.world:
         raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
@@ -149,7 +149,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     if spec.resume:
         ex.current = "load checkpoint"
         start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
-    losses, norms, times, trace = [], [], [], None
+    losses, norms, times, trace, skipped = [], [], [], None, []
     clock = StepClock(device)
     for step in range(start, spec.steps):
         mbs = split_microbatches(batch_of(step), s.num_microbatches)
@@ -157,7 +157,12 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         if spec.trace and step == spec.steps - 1:
             out, trace = _traced_step(ex, comm, state, mbs)
         else:
-            out = ex.step(state, mbs)
+            try:
+                out = ex.step(state, mbs)
+            except NonFiniteNorm as e:
+                raise halted(step, e, ex.step_losses.values()) from None
+        if ex.nonfinite is not None:  # skipped, on every rank alike
+            skipped.append(step)
         times.append(clock.stop())
         if out:
             losses.append(float(torch.stack(out).mean()))
@@ -174,7 +179,8 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
 
         write_tensors(Path(spec.results) / f"state_{rank}.bin", STATE,
                       checkpoint.state_slices(state, job, ex.ctx))
-    result = {"rank": rank, "losses": losses, "grad_norms": norms, "step_s": times,
+    result = {"rank": rank, "losses": losses, "grad_norms": norms, "skipped_steps": skipped,
+              "step_s": times,
               "first_step": start,
               "planned_peak_bytes": plan.memory.peak_bytes(),
               "planned_peak": dict(plan.memory.peak),

@@ -12,7 +12,8 @@ def test_run_result_json_is_the_old_dict():
                   median_step_s=0.15, ranks=RANKS, job_digest="abc", wall_s=3.0,
                   first_step=0, trace=None, state_slices={0: {}})
     old = {"losses": [2.0, 1.5], "grad_norms": [], "step_s": [0.1, 0.2],
-           "rank_losses": {"1": [2.0, 1.5]}, "rank_grad_norms": {}, "median_step_s": 0.15, "ranks": RANKS, "job_digest": "abc", "wall_s": 3.0,
+           "rank_losses": {"1": [2.0, 1.5]}, "rank_grad_norms": {}, "skipped_steps": [],
+           "median_step_s": 0.15, "ranks": RANKS, "job_digest": "abc", "wall_s": 3.0,
            "first_step": 0, "trace": None}
     assert r.to_json() == old and list(r.to_json()) == list(old)
     assert r == old and r["losses"] == r.losses and dict(r) == old

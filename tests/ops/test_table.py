@@ -20,8 +20,8 @@ from meshplan.ir.kinds import (
     GRAD_SUM,
     LOCAL_SLICE,
     REDUCE_SCATTER,
-    SQ_SUM,
     SGD,
+    SQ_SUM,
     TRANSFER,
     VJP,
 )
