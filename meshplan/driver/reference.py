@@ -95,6 +95,9 @@ def eager_train(
         if optimizer.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(module.parameters(), optimizer.max_grad_norm)
             norms.append(float(norm))
+        elif optimizer.guard is not None:  # the guard's norm, no clipping
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            norms.append(float(torch.nn.utils.get_total_norm(grads)))
         if scaler:
             scaler.step(opt)
             scaler.update()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from meshplan.ir import Op
+from meshplan.ir import Op, Role
 from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
@@ -62,16 +62,26 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
     """The callable for `task`, or None to run the op's own kernel."""
     op = ctx.job.graph.ops[task.op]
     if rule_for(op.kind).category is Category.LOCAL_SLICE:
-        return narrower(ctx, op.args[0].id, op.outputs[0])
+        return _slot_aware(op, ctx, narrower(ctx, op.args[0].id, op.outputs[0]))
     if task.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
         if len(task.group) <= 1:
             return None  # a group of one: the logical kernel (the identity) is exact
-        return _COLLECTIVES[op.kind](op, dict(op.kwargs), task.group, ctx, comm)
+        return _slot_aware(op, ctx, _COLLECTIVES[op.kind](op, dict(op.kwargs), task.group,
+                                                           ctx, comm))
     if any(task.variant):
         return _variant(op, task, ctx)
     if task.kernel:  # the device's own kernel, with the logical op's signature
         return adapter(task.kernel)
     return None
+
+
+def _slot_aware(op: Op, ctx: RankContext, kernel: Callable) -> Callable:
+    """A boxing op of an optimizer slot passes an absent slot on (SGD's
+    momentum buffer, which the first step makes): every rank of the group
+    holds none alike, so none joins the collective."""
+    if ctx.job.graph.values[op.args[0].id].role is not Role.OPT_STATE:
+        return kernel
+    return lambda x, **kw: None if x is None else kernel(x, **kw)
 
 
 def narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> Callable:

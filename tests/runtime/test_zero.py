@@ -198,3 +198,14 @@ def test_a_reduce_scatter_shard_does_not_keep_the_full_gradient_alive():
     assert grads
     held = sum(g.untyped_storage().nbytes() for g in grads)
     assert held == sum(g.numel() * g.element_size() for g in grads)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_sgd_momentum_made_by_the_first_step_under_zero(zero):
+    """SGD's momentum buffer does not exist before the first step (torch makes
+    it then). A slot whose optimizer reads it whole gathers it from its shards
+    at zero >= 1: an absent slot passes through its boxing ops on every rank
+    alike (it crashed the first step before)."""
+    s = _strategy("gpt", {}, dp=2, zero=zero)
+    r = verify("gpt", "tiny", steps=3, mesh=Mesh(1, 2), optimizer="sgd", strategy=s)
+    assert r["ok"], r["problems"]
