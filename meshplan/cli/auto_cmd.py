@@ -52,7 +52,7 @@ def parse_bytes(text: str) -> int:
 def run_search(a: argparse.Namespace):
     """The search over the flags' model and mesh, its winner (`ranked[0]`)
     proven by its full plan: (SearchResult, DeviceModel, limit)."""
-    from meshplan.cli.flags import mesh_of, overrides
+    from meshplan.cli.flags import mesh_of, optimizer_config, overrides
     from meshplan.costmodel import load_device_model
     from meshplan.search.probe import ModelSpec
     from meshplan.search.search import search
@@ -60,7 +60,8 @@ def run_search(a: argparse.Namespace):
     dev = load_device_model(a.device_model or "cpu-local")
     limit = parse_bytes(a.memory_per_device) if a.memory_per_device else dev.memory_bytes
     spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),
-                     getattr(a, "optimizer", "adamw"), str(a.precision))
+                     optimizer_config(a) if hasattr(a, "optimizer") else "adamw",
+                     str(a.precision))
     gbs = a.global_batch_size or a.default_gbs
     return search(spec, mesh_of(a), gbs, dev, memory_limit=limit, bucket_mb=a.bucket_mb), \
         dev, limit

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from meshplan.ir import Op, Ref
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, GRAD_SQ, SQ_SUM
 from meshplan.ir.sbp import box_numel
 from meshplan.lowering.lower import local_box_of
@@ -56,6 +57,7 @@ def norm_coverage(job, plans) -> list[str]:
         chains[r] = chain
         counted[r] = []
         for a in total.args:
+            assert isinstance(a, Ref)
             sq = producer.get(a.id)
             task = by_op.get(sq.id) if sq is not None else None
             if sq is None or sq.kind != GRAD_SQ or task is None:
@@ -93,7 +95,7 @@ def _root(vid: int, producer) -> int:
     return vid
 
 
-def _chain(vid: int, producer, by_op) -> tuple[list[tuple[int, ...]], object]:
+def _chain(vid: int, producer, by_op) -> tuple[list[tuple[int, ...]], Op | None]:
     """The groups of the all-reduces from the norm's sum to `vid`, first
     applied first, and that `sq_sum` op (None if the chain meets another op)."""
     groups: list[tuple[int, ...]] = []

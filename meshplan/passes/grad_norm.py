@@ -57,7 +57,7 @@ def split_norm(graph: Graph, places: list[Place]) -> tuple[Graph, list[Place], d
     for r in total.args:
         assert isinstance(r, Ref)
         by_stage[places[producer[r.id].id][0]].append(r)
-    first_opt = {}
+    first_opt: dict[int, Op] = {}
     for op in optimizers:
         first_opt.setdefault(places[op.id][0], op)
     fresh = iter(range(len(graph.ops), 1 << 62))

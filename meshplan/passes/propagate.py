@@ -229,7 +229,9 @@ def _squares_like(op, refs, have, outs, sig_args, sig_kw, grid, opt_sigs):
         if n == 1:
             out.append(SbpSig((R,) * len(refs), (R,)))
             continue
-        cands = rule_for(op.kind).sbp(sig_args, dict(sig_kw), outs, n)
+        rule = rule_for(op.kind).sbp
+        assert rule is not None, f"{op.kind} has no SBP rule"
+        cands = rule(sig_args, dict(sig_kw), outs, n)
         match = [c for c in cands if c.ins == opt.ins[:len(refs)]]
         assert match, f"no grad_sq signature reads {opt.ins} on axis {axis}"
         out.append(match[0])

@@ -61,7 +61,7 @@ class ModelSpec:
     model: str
     size: str
     overrides: tuple[tuple[str, Any], ...] = ()
-    optimizer: str = "adamw"
+    optimizer: str | OptimizerConfig = "adamw"  # clipping's collectives count too
     precision: str = "fp32"
 
     def config(self, **more):

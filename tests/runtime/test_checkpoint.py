@@ -32,6 +32,24 @@ def test_resume_equals_uninterrupted(tmp_path, optimizer):
     assert rest["losses"] == full["losses"]
 
 
+def test_resume_continues_the_lr_schedule_and_the_clipping(tmp_path):
+    """The schedule's position (optim@step) is state, checkpointed: a resume
+    that started the schedule over would warm up again and part at step 3."""
+    from meshplan.autodiff import OptimizerConfig
+    from meshplan.ir.lr_schedule import LrSchedule
+
+    opt = OptimizerConfig.of("adamw", max_grad_norm=1.0,
+                             lr_schedule=LrSchedule("cosine", warmup_steps=2, decay_steps=4))
+    s = _s(tp=2)
+    full = run("gpt", "tiny", Mesh(1, 2), s, steps=6, optimizer=opt)
+    run("gpt", "tiny", Mesh(1, 2), s, steps=3, optimizer=opt, save_dir=str(tmp_path))
+    resumed = run("gpt", "tiny", Mesh(1, 2), s, steps=6, optimizer=opt,
+                  save_dir=str(tmp_path), resume=True)
+    assert resumed["first_step"] == 3
+    assert resumed["losses"] == full["losses"][3:]
+    assert resumed["grad_norms"] == full["grad_norms"][3:]
+
+
 @pytest.mark.slow
 def test_fp16_resume_keeps_the_loss_scale(tmp_path):
     """Started at 2**24 the scale halves on overflowing steps across the
