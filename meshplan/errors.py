@@ -33,6 +33,16 @@ class RuntimeFault(MeshplanError):
     """A failure while running plans: a rank died, a world size mismatched."""
 
 
+class KernelFault(RuntimeFault):
+    """A kernel failed at run time: one line with the op, its module path and
+    source line. Exit 2 when the model's input is at fault (an index out of
+    range: the data or the config), 1 for meshplan's own fault."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class TrainingHalted(RuntimeFault):
     """A step's gradient norm was not finite under `--on-nonfinite halt`: the
     run stopped before applying it (the message names the step)."""

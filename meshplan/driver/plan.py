@@ -75,7 +75,7 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     timings: dict = {}  # seconds per pass (the pass manager's), then the Job's bytes
     with paused_gc():  # the master: see ir/gc_pause.py
         job = PASSES.run(Compilation(forward, mesh, strategy,
-                                     OptimizerConfig.of(optimizer, lr)),
+                                     OptimizerConfig.of(optimizer, lr), notes=_notes(cfg)),
                          timings=timings).job
         t2 = time.perf_counter()
         if encode:
@@ -91,6 +91,19 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     log.info("%s %s: captured in %.2f s, planned in %.2f s (%d ops in the Job)", model, size,
              t1 - t0, sum(timings.values()), len(job.graph.ops))
     return Planned(job, t1 - t0, timings)
+
+
+def _notes(cfg) -> tuple[str, ...]:
+    """What the Job should say of how its model was built: a transformers
+    model's attention implementation."""
+    if not cfg.model.startswith(HF):
+        return ()
+    from meshplan.models.hf import attention_of
+
+    if attention_of(cfg) == "sdpa":
+        return ("attention: transformers' sdpa implementation (one fused op)",)
+    return (f"attention: transformers' eager implementation (matmul, softmax, matmul): "
+            f"{cfg.model} has no SDPA kernel",)
 
 
 def comm_ops(job: Job) -> list[dict]:

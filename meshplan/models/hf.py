@@ -170,13 +170,21 @@ def build_hf(cfg) -> nn.Module:
         raise ConfigError(f"cannot build {cfg.model}: transformers has no causal-LM or "
                           f"masked-LM model for it; use e.g. {', '.join(TESTED)}")
     try:
-        try:
-            model = auto.from_config(conf, attn_implementation="sdpa")
-        except ValueError:  # no sdpa kernel for this type: its own attention
-            model = auto.from_config(conf)
+        model = auto.from_config(conf, attn_implementation=attention_of(cfg))
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
         raise _unbuildable(cfg, e) from None
     return HFLoss(model).train()
+
+
+@lru_cache(maxsize=16)
+def attention_of(cfg) -> str:
+    """The attention implementation a model is built with: "sdpa" (one
+    fused op, torch's flash kernels), else "eager" (transformers' own
+    matmul, softmax, matmul) for a type with no SDPA kernel (bloom, ...)."""
+    tf = _transformers()
+    auto = tf.AutoModelForMaskedLM if is_masked_lm(cfg) else tf.AutoModelForCausalLM
+    cls = auto._model_mapping.get(type(hf_config(cfg)), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

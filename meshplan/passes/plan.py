@@ -99,7 +99,8 @@ def _autodiff(c: Compilation) -> None:
 
 
 def _resolve_auto(c: Compilation) -> None:
-    c.strategy, c.notes = resolve_auto(c.graph, c.strategy)
+    c.strategy, notes = resolve_auto(c.graph, c.strategy)
+    c.notes += notes
 
 
 def _expand_batch_norm(c: Compilation) -> None:

@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from meshplan.errors import RuntimeFault, TrainingHalted
+from meshplan.errors import KernelFault, RuntimeFault, TrainingHalted
 from meshplan.ir.fileio import write_atomic
 from meshplan.runtime.worker import RunSpec, spawn_entry
 
@@ -99,10 +99,12 @@ def _raise_if_failed(procs, results: Path, progress, job_bytes) -> None:
         for p in procs:
             if p.is_alive():
                 p.kill()
-        message = _failure(bad, results, progress, job_bytes)
-        halted = "TrainingHalted: "
-        if halted in message:  # the guard stopped every rank alike: its own line
-            raise TrainingHalted(message.split(halted, 1)[1].split("; the other ranks")[0])
+        message, first = _failure(bad, results, progress, job_bytes)
+        error = first.get("error", "") if first else ""
+        if error.startswith("TrainingHalted: "):  # the guard stopped every rank alike
+            raise TrainingHalted(error.removeprefix("TrainingHalted: "))
+        if error.startswith("KernelFault: "):  # the input's fault (2) or meshplan's (1)
+            raise KernelFault(message, first.get("exit_code", 1))
         raise RuntimeFault(message)
 
 
@@ -117,14 +119,16 @@ def _action_of(rank: int, progress, job_bytes: bytes) -> str:
     return str(lower(Job.from_bytes(job_bytes), rank).actions[index])
 
 
-def _failure(bad: list[tuple[int, int]], results: Path, progress, job_bytes: bytes) -> str:
+def _failure(bad: list[tuple[int, int]], results: Path, progress,
+             job_bytes: bytes) -> tuple[str, dict | None]:
     """One line naming the rank that failed first: one killed by a signal
-    (its peers then fail on broken connections), else the first report."""
+    (its peers then fail on broken connections), else the first report
+    (returned too)."""
     signalled = [(r, code) for r, code in bad if code < 0]
     if signalled:
         r, code = signalled[0]
         return (f"rank {r} died (signal {-code}) in action {_action_of(r, progress, job_bytes)};"
-                " the other ranks were stopped")
+                " the other ranks were stopped"), None
     reports = []
     for r, _ in bad:
         f = results / f"fail_{r}.json"
@@ -133,6 +137,7 @@ def _failure(bad: list[tuple[int, int]], results: Path, progress, job_bytes: byt
     if reports:
         first = min(reports, key=lambda x: x.get("time", 0))
         return (f"rank {first['rank']} failed in action {first['action']}: {first['error']}; "
-                f"the other ranks were stopped")
+                f"the other ranks were stopped"), first
     r, code = bad[0]
-    return f"rank {r} exited with code {code} without a report; the other ranks were stopped"
+    return (f"rank {r} exited with code {code} without a report; the other ranks were "
+            "stopped"), None

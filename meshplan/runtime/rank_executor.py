@@ -52,7 +52,7 @@ from collections import defaultdict
 
 import torch
 
-from meshplan.errors import ConfigError, TrainingHalted
+from meshplan.errors import ConfigError, KernelFault, TrainingHalted
 from meshplan.ir import GRAD_NORM, LOSS_SCALE, LR, STEP_COUNT, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
@@ -338,7 +338,7 @@ class RankExecutor:
             env[vid] = state[name]
         try:
             fn(env, self.mem)
-        except RuntimeError as err:
+        except (RuntimeError, IndexError) as err:  # embedding's out of range is an IndexError
             raise _kernel_error(self.job.graph, failing_ops(fn, err), err, self.device) from err
         for vid, name in mb_updates + step_updates:
             self._swap(state, name, env.pop(vid))
@@ -418,13 +418,18 @@ def _next_recv(actions) -> list[int | None]:
 
 _LOW_DTYPE_ERRORS = ("not implemented for 'Half'", "Unsupported dtype Half",
                      "Low precision dtypes not supported", "not implemented for 'BFloat16'")
+# A kernel refusing its input's values: the data or the model's config is at fault
+_INPUT_ERRORS = ("out of bounds", "out of range", "index ", "Target ", "must be in range")
 
 
-def _kernel_error(graph, ops: tuple[int, ...], err: RuntimeError, device) -> Exception:
-    """A kernel's failure, named by op and module; a missing fp16/bf16 kernel
-    is the user's choice of precision, with the fix."""
+def _kernel_error(graph, ops: tuple[int, ...], err: Exception, device) -> Exception:
+    """A kernel's failure, named by op and module, as one line: a missing
+    fp16/bf16 kernel is the user's choice of precision, with the fix; an
+    index out of range the input's (exit 2); anything else meshplan's (exit 1)."""
     if not ops:
-        return err
+        text = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return KernelFault(f"a kernel failed: {text} (rerun with --debug for the "
+                           "traceback, and report it)")
     op = graph.ops[ops[0]]
     where = f"{op.kind} at module '{op.module_path}' ({op.source or 'no source'})"
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -433,4 +438,8 @@ def _kernel_error(graph, ops: tuple[int, ...], err: RuntimeError, device) -> Exc
         other = Precision.BF16 if low == "float16" else Precision.FP32
         return ConfigError(f"{where} has no {low} kernel on {device.type} ({text}); "
                            f"use --precision {other}")
-    return RuntimeError(f"{where} failed: {text}")
+    if any(m in text for m in _INPUT_ERRORS):
+        return KernelFault(f"{where} failed on its input: {text}; check the data and the "
+                           "model's config (vocabulary, positions) against each other", 2)
+    return KernelFault(f"{where} failed: {text} (meshplan's fault: rerun with --debug for "
+                       "the traceback, and report it)")

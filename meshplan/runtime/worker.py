@@ -102,6 +102,7 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
         where = ex.current if ex is not None else "setup"
         fail = {"rank": rank, "action": where, "time": time.time(),
                 "error": f"{type(e).__name__}: {e}"[:500],
+                "exit_code": getattr(e, "exit_code", 1),
                 "traceback": traceback.format_exc()[-4000:]}
         Path(spec.results).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(spec.results) / f"fail_{rank}.json", json.dumps(fail).encode())

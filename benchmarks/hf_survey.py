@@ -1,0 +1,83 @@
+"""Every causal-LM and masked-LM model type of the installed transformers,
+tried as a user would: `meshplan verify --hf TYPE --steps 2` (one rank, fp32),
+each in a fresh process. Writes benchmarks/results/hf_survey.{json,md}: per
+type, equal to eager, refused with one line (the line), or a traceback.
+
+    python benchmarks/hf_survey.py [--jobs 2] [--timeout 300] [TYPE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_MASKED_LM_MAPPING_NAMES))
+
+
+def try_type(name: str, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "meshplan", "verify", "--hf", name, "--steps", "2", "--json"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"type": name, "outcome": "timeout", "line": f"over {timeout:.0f} s",
+                "s": timeout}
+    err = p.stderr.strip().splitlines()
+    out = {"type": name, "rc": p.returncode, "s": round(time.perf_counter() - t0, 1)}
+    if "Traceback (most recent call last)" in p.stderr:
+        return out | {"outcome": "traceback", "line": err[-1] if err else ""}
+    if p.returncode == 0:
+        r = json.loads(p.stdout)
+        return out | {"outcome": "equal", "max_abs_diff": r["max_abs_diff"]}
+    if p.returncode == 1 and p.stdout.strip().startswith("{"):
+        r = json.loads(p.stdout)
+        return out | {"outcome": "mismatch", "line": "; ".join(r["problems"][:2])}
+    line = next((x for x in err if x.startswith("meshplan: error:")), err[-1] if err else "")
+    return out | {"outcome": "refused", "line": line.removeprefix("meshplan: error: ")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("types", nargs="*")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=300)
+    a = ap.parse_args()
+    import transformers
+
+    names = a.types or model_types()
+    with ThreadPoolExecutor(a.jobs) as pool:
+        rows = list(pool.map(lambda n: try_type(n, a.timeout), names))
+    for r in rows:
+        print(f"{r['type']:<28} {r['outcome']:<9} {r.get('line', '')[:150]}", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    data = {"transformers": transformers.__version__, "command":
+            "meshplan verify --hf TYPE --steps 2 --json", "rows": rows}
+    (RESULTS / "hf_survey.json").write_text(json.dumps(data, indent=1) + "\n")
+    counts = {k: sum(r["outcome"] == k for r in rows)
+              for k in ("equal", "mismatch", "refused", "traceback", "timeout")}
+    lines = [f"# transformers {transformers.__version__}: every causal-LM and masked-LM "
+             "model type", "", f"`{data['command']}`, one rank, fp32, each in a fresh "
+             "process (`benchmarks/hf_survey.py`).", "",
+             ", ".join(f"{v} {k}" for k, v in counts.items()), "",
+             "| type | outcome | what the user sees |", "|---|---|---|"]
+    lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} |"
+              for r in rows]
+    (RESULTS / "hf_survey.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
