@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+PARTIAL = RESULTS / "hf_survey.partial.jsonl"  # one row per type as it finishes
 
 
 def model_types() -> list[str]:
@@ -59,11 +60,22 @@ def main() -> None:
     import transformers
 
     names = a.types or model_types()
-    with ThreadPoolExecutor(a.jobs) as pool:
-        rows = list(pool.map(lambda n: try_type(n, a.timeout), names))
-    for r in rows:
-        print(f"{r['type']:<28} {r['outcome']:<9} {r.get('line', '')[:150]}", flush=True)
     RESULTS.mkdir(exist_ok=True)
+    done = {}  # rows already measured (a survey cut short goes on where it stopped)
+    if PARTIAL.is_file():
+        done = {r["type"]: r for r in map(json.loads, PARTIAL.read_text().splitlines())}
+
+    def one(name: str) -> dict:
+        if name in done:
+            return done[name]
+        r = try_type(name, a.timeout)
+        with PARTIAL.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(f"{r['type']:<28} {r['outcome']:<9} {r.get('line', '')[:150]}", flush=True)
+        return r
+
+    with ThreadPoolExecutor(a.jobs) as pool:
+        rows = list(pool.map(one, names))
     data = {"transformers": transformers.__version__, "command":
             "meshplan verify --hf TYPE --steps 2 --json", "rows": rows}
     (RESULTS / "hf_survey.json").write_text(json.dumps(data, indent=1) + "\n")
@@ -77,6 +89,7 @@ def main() -> None:
     lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} |"
               for r in rows]
     (RESULTS / "hf_survey.md").write_text("\n".join(lines) + "\n")
+    PARTIAL.unlink()
 
 
 if __name__ == "__main__":
