@@ -47,7 +47,8 @@ MODELS = {
 # bart is decoder-only: its cross-attention is never read), albert (an
 # unread output bias; one shared layer group, so tp only).
 FAMILIES = {"gptj": ("hf:gptj", {}, {}), "xlm-roberta": ("hf:xlm-roberta", {}, {}),
-            "bart": ("hf:bart", {}, {}), "albert": ("hf:albert", {}, {})}
+            "bart": ("hf:bart", {}, {}), "albert": ("hf:albert", {}, {}),
+            "bloom": ("hf:bloom", {}, {})}  # bloom: no SDPA kernel, eager attention
 LAYOUTS = {
     "1rank": (1, {}),
     "tp2": (2, dict(tp=2, micro_batch_size=4)),
@@ -115,6 +116,8 @@ def test_hf_model_trains_as_eager(name, layout, optimizer):
     for layout in ("1rank", "tp2" if name == "albert" else "tp2pp2")])
 def test_family_trains_as_eager(name, layout):
     job, run, verdict, _ = train(name, layout, "sgd", steps=2)
+    if name == "bloom":
+        assert any("eager implementation" in n for n in job.notes), job.notes
     assert verdict["ok"], verdict["problems"]
     assert verdict["max_abs_diff"] <= 1e-5
     unused = [p for p, d in verdict["params"].items() if d.get("unused")]
