@@ -105,14 +105,16 @@ def _accumulate_early(ops: list[Op]) -> tuple[Op, ...]:
 
 
 def _requires_grad(graph: Graph) -> set[int]:
-    """Values that depend on a float parameter through differentiable ops."""
+    """Values that depend on a float parameter through differentiable ops,
+    float or complex (an FFT's complex output left out cut the gradient of
+    everything before it: transformers' FNet trained wrong, silently)."""
     need = {v.id for v in graph.inputs_by_role(Role.PARAM) if v.meta.is_float}
     for op in graph.ops:
         rule = rule_for(op.kind)
         if rule.differentiable and any(r in need for r in op.refs()):
             outs = op.outputs if rule.grad_outputs is None else \
                 [op.outputs[i] for i in rule.grad_outputs]
-            need.update(o for o in outs if o >= 0 and graph.values[o].meta.is_float)
+            need.update(o for o in outs if o >= 0 and graph.values[o].meta.carries_grad)
     return need
 
 

@@ -93,6 +93,12 @@ class TensorMeta:
     def is_float(self) -> bool:
         return self.dtype.torch.is_floating_point
 
+    @property
+    def carries_grad(self) -> bool:
+        """A float or complex tensor: one a gradient flows through (an FFT's
+        complex output carries its input's gradient to the loss)."""
+        return self.dtype.torch.is_floating_point or self.dtype.torch.is_complex
+
 
 @dataclass(frozen=True, slots=True)
 class Value:
