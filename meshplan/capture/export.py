@@ -14,6 +14,8 @@ Invariants:
   mutated buffer into an output; that output becomes an `Update`. Capture
   itself rewrites no mutation ([Note: mutation], docs/concepts/capture.md).
 - Ops are rewritten into canonical forms (`ops.canonical`).
+- A parameter with `requires_grad` off is state the step reads and never
+  trains (a `BUFFER`): no gradient, no optimizer slot, as in eager torch.
 - A tied parameter (one tensor under several names) is one input; its
   other names are recorded as aliases (`Graph.aliases`).
 - The module's structure (layer list, declared tp plan, head and vocabulary
@@ -82,6 +84,7 @@ class _Ctx:
     builder: GraphBuilder
     env: dict = field(default_factory=dict)
     input_name: dict[str, str] = field(default_factory=dict)  # export target -> input name
+    frozen: frozenset[str] = frozenset()  # parameters that take no gradient (requires_grad off)
 
     def ref(self, node) -> Ref:
         return self.env[node]
@@ -124,7 +127,9 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
                            f"{_first_line(e)}; {hint}") from e
     ep = functional(ep, type(module).__name__)
     same = _tensor_ids(module)
-    graph, env = _translate(ep, prefix, type(module).__name__, same)
+    frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
+                       if not p.requires_grad)
+    graph, env = _translate(ep, prefix, type(module).__name__, same, frozen)
     graph = replace(graph, meta=graph.meta + _aliases(same, graph) + auto_facts(module))
     check_well_formed(graph)
     return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix)
@@ -175,8 +180,9 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
-def _translate(ep, prefix: str, model_name: str, same: dict[str, int]) -> tuple[Graph, dict]:
-    ctx = _Ctx(builder=GraphBuilder())
+def _translate(ep, prefix: str, model_name: str, same: dict[str, int],
+               frozen: frozenset[str] = frozenset()) -> tuple[Graph, dict]:
+    ctx = _Ctx(builder=GraphBuilder(), frozen=frozen)
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     loss = None
     first: dict[int, Ref] = {}  # tensor identity -> the input made for it
@@ -221,10 +227,20 @@ def _outputs(ctx: _Ctx, ep, node, model_name: str) -> Ref:
     return _loss_of(ctx, user, model_name)
 
 
+class ConstantOnMeta(CaptureError):
+    """A tensor constant made in the forward of a module on the meta device
+    (falcon's `qkv[..., [-2]]`): its value is not known; capture again with
+    weights."""
+
+
 def _constant(ctx: _Ctx, t: torch.Tensor, name: str, node) -> Ref:
     """A tensor constant of the forward (not a parameter or buffer: no state
     holds it) as an op that makes it, when all its elements are equal (empty
     and scalar constants, as transformers' attention lifts)."""
+    if t.is_meta and t.numel():
+        raise ConstantOnMeta(f"tensor constant '{name}' ({list(t.shape)}) was made on the "
+                             "meta device, so its value is unknown; capture the module with "
+                             "its weights")
     flat = t.detach().flatten()
     if flat.numel() and not bool((flat == flat[0]).all()):
         raise CaptureError(f"tensor constant '{name}' ({list(t.shape)}) is not a parameter or "
@@ -246,7 +262,8 @@ def _add_input(ctx: _Ctx, node, spec, prefix: str) -> None:
         raise CaptureError(f"input {node.name} is not a tensor ({type(val).__name__}); "
                            "pass tensors only, and keep other settings in the model")
     name = spec.target.removeprefix(prefix) if spec.target else node.name
-    vid = ctx.builder.add_input(_meta(val, node), _ROLE[kind], name)
+    role = Role.BUFFER if name in ctx.frozen else _ROLE[kind]  # frozen: state, never trained
+    vid = ctx.builder.add_input(_meta(val, node), role, name)
     ctx.env[node] = Ref(vid)
     if spec.target:
         ctx.input_name[spec.target] = name

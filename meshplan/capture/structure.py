@@ -9,7 +9,9 @@ Invariants:
 - They live in the graph's `meta` under `auto:` keys (strings; lists as
   JSON), so a captured graph carries them into planning, caches and files.
 - The layer list is transformers' `_pp_plan` ModuleList if declared, else
-  the longest `nn.ModuleList` whose children are all of one class.
+  the longest `nn.ModuleList` whose children are all of one class; an
+  encoder-decoder has two, the encoder's then the decoder's (`layers` holds
+  their paths joined by commas, in the order the forward runs them).
 - Module paths are relative to the captured module, as op module paths are.
 """
 
@@ -69,13 +71,36 @@ def _layer_list(module: nn.Module, hf_path: str, hf) -> tuple[str, str]:
         path = _join(hf_path, key)
         if isinstance(module.get_submodule(path), nn.ModuleList):
             return path, "transformers _pp_plan"
+    stacks = _stacks(module, hf)
+    lists = [p for p in (_longest_list(module, s) for s in stacks) if p]
+    if len(lists) == len(stacks) > 1:
+        return ",".join(lists), ("structure: the longest nn.ModuleList of one block class "
+                                 "in the encoder, then in the decoder")
+    best = _longest_list(module, "")
+    return best, "structure: the longest nn.ModuleList of one block class" if best else ""
+
+
+def _stacks(module: nn.Module, hf) -> list[str]:
+    """The encoder's and the decoder's paths, in that order, of an
+    encoder-decoder model ([""] otherwise: the whole module)."""
+    if not getattr(getattr(hf, "config", None), "is_encoder_decoder", False):
+        return [""]
+    parts = [getattr(hf, f"get_{k}", lambda: None)() for k in ("encoder", "decoder")]
+    paths = {id(m): p for p, m in module.named_modules()}
+    found = [paths.get(id(m)) for m in parts]
+    return [p for p in found if p] if all(found) else [""]
+
+
+def _longest_list(module: nn.Module, under: str) -> str:
+    """The longest nn.ModuleList of one class under the module path `under`."""
     best = ""
     size = 0
-    for path, m in module.named_modules():
+    root = module.get_submodule(under) if under else module
+    for path, m in root.named_modules():
         kinds = {type(c) for c in m.children()} if isinstance(m, nn.ModuleList) else set()
         if len(kinds) == 1 and len(m) > size:
-            best, size = path, len(m)
-    return best, "structure: the longest nn.ModuleList of one block class" if best else ""
+            best, size = _join(under, path), len(m)
+    return best
 
 
 def _declared_tp(hf_path: str, hf) -> tuple[list, str]:
@@ -106,8 +131,8 @@ def _vocab_modules(module: nn.Module, vocab: int, layers: str) -> list[str]:
     """The embedding and the head over the vocabulary: outside the layers."""
     if not vocab:
         return []
-    inside = layers + "." if layers else None
+    inside = tuple(p + "." for p in layers.split(",") if p)
     return [p for p, m in module.named_modules()
-            if not (inside and p.startswith(inside))
+            if not p.startswith(inside)
             and ((isinstance(m, nn.Embedding) and m.num_embeddings == vocab)
                  or (isinstance(m, nn.Linear) and m.out_features == vocab))]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 import time
 
-from meshplan.capture import capture
+from meshplan.driver.plan import capture_built
 from meshplan.ir import Role
-from meshplan.models import build_model, example_batch, layer_pattern, model_config
+from meshplan.models import build_model, layer_pattern, model_config
 from meshplan.ops.table import rule_for
 from meshplan.passes.auto_plan import AUTO, auto_layer_pattern
 
@@ -18,7 +18,7 @@ def inspect_model(model: str, size: str, batch_size: int = 1, **overrides) -> di
     t0 = time.perf_counter()
     module = build_model(cfg, device="meta")
     t1 = time.perf_counter()
-    graph = capture(module, example_batch(cfg, batch_size, device="meta"))
+    graph = capture_built(cfg, batch_size, module)
     t2 = time.perf_counter()
     params = graph.inputs_by_role(Role.PARAM)
     pattern = re.compile(auto_layer_pattern(graph) if layer_pattern(cfg) == AUTO

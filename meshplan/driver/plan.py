@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.capture import cached, capture, capture_key
+from meshplan.capture.export import ConstantOnMeta
 from meshplan.ir import Phase, Role
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job
@@ -52,11 +53,18 @@ def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
     captured on the meta device (no weights) and cached by config and shape."""
     key = capture_key(config=cfg, batch_size=batch_size, kind="zoo")
 
-    def make():
-        module = build_model(cfg, device="meta")
-        return capture(module, example_batch(cfg, batch_size, device="meta"))
+    return cached(key, lambda: capture_built(cfg, batch_size), enabled=use_cache)[0]
 
-    return cached(key, make, enabled=use_cache)[0]
+
+def capture_built(cfg, batch_size: int, on_meta=None):
+    """`cfg`'s model (`on_meta`, built there if None) captured on the meta
+    device; with weights (on the CPU) where its forward makes a tensor
+    constant whose value meta cannot know."""
+    try:
+        return capture(on_meta or build_model(cfg, device="meta"),
+                       example_batch(cfg, batch_size, device="meta"))
+    except ConstantOnMeta:
+        return capture(build_model(cfg), example_batch(cfg, batch_size))
 
 
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,

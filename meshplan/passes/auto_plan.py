@@ -82,7 +82,7 @@ def _layer_pattern(facts: dict, s: Strategy, notes: list[str]) -> str:
                               "(no nn.ModuleList of blocks of one class); pass --layer-pattern "
                               "with a regex naming one layer, e.g. 'blocks\\.\\d+'")
         return ""
-    pattern = path.replace(".", r"\.") + r"\.(\d+)"
+    pattern = "|".join(p.replace(".", r"\.") + r"\.(\d+)" for p in path.split(","))
     notes.append(f"layer_pattern auto = '{pattern}' ({facts['layers_from']})")
     return pattern
 
