@@ -1,4 +1,4 @@
-"""Every causal-LM and masked-LM model type of the installed transformers,
+"""Every causal-LM, masked-LM and encoder-decoder LM model type of the installed transformers,
 tried as a user would: `meshplan verify --hf TYPE --steps 2` (one rank, fp32),
 each in a fresh process. Writes benchmarks/results/hf_survey.{json,md}: per
 type, equal to eager, refused with one line (the line), or a traceback.
@@ -24,9 +24,11 @@ def model_types() -> list[str]:
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
     )
 
-    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_MASKED_LM_MAPPING_NAMES))
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+                  | set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES))
 
 
 def try_type(name: str, timeout: float) -> dict:
@@ -39,6 +41,8 @@ def try_type(name: str, timeout: float) -> dict:
                 "s": timeout}
     err = p.stderr.strip().splitlines()
     out = {"type": name, "rc": p.returncode, "s": round(time.perf_counter() - t0, 1)}
+    if p.returncode < 0:
+        return out | {"outcome": "killed", "line": f"killed by signal {-p.returncode}"}
     if "Traceback (most recent call last)" in p.stderr:
         return out | {"outcome": "traceback", "line": err[-1] if err else ""}
     if p.returncode == 0:
@@ -49,6 +53,12 @@ def try_type(name: str, timeout: float) -> dict:
         return out | {"outcome": "mismatch", "line": "; ".join(r["problems"][:2])}
     line = next((x for x in err if x.startswith("meshplan: error:")), err[-1] if err else "")
     return out | {"outcome": "refused", "line": line.removeprefix("meshplan: error: ")}
+
+
+def _commit() -> str:
+    p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       cwd=Path(__file__).parent)
+    return p.stdout.strip() or "unknown"
 
 
 def main() -> None:
@@ -76,14 +86,14 @@ def main() -> None:
 
     with ThreadPoolExecutor(a.jobs) as pool:
         rows = list(pool.map(one, names))
-    data = {"transformers": transformers.__version__, "command":
+    data = {"transformers": transformers.__version__, "commit": _commit(), "command":
             "meshplan verify --hf TYPE --steps 2 --json", "rows": rows}
     (RESULTS / "hf_survey.json").write_text(json.dumps(data, indent=1) + "\n")
     counts = {k: sum(r["outcome"] == k for r in rows)
-              for k in ("equal", "mismatch", "refused", "traceback", "timeout")}
-    lines = [f"# transformers {transformers.__version__}: every causal-LM and masked-LM "
-             "model type", "", f"`{data['command']}`, one rank, fp32, each in a fresh "
-             "process (`benchmarks/hf_survey.py`).", "",
+              for k in ("equal", "mismatch", "refused", "traceback", "timeout", "killed")}
+    lines = [f"# transformers {transformers.__version__}: every causal-LM, masked-LM and "
+             "encoder-decoder LM model type", "", f"`{data['command']}`, one rank, fp32, each "
+             f"in a fresh process (`benchmarks/hf_survey.py`), at meshplan {data['commit']}.", "",
              ", ".join(f"{v} {k}" for k, v in counts.items()), "",
              "| type | outcome | what the user sees |", "|---|---|---|"]
     lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} |"

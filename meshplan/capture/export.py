@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 import os
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -116,7 +117,9 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
     try:
-        ep = torch.export.export(model, args, strict=False)
+        with warnings.catch_warnings():  # torch's own deprecation inside export, not the user's
+            warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)
+            ep = torch.export.export(model, args, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # torch raises many kinds; the first line says what

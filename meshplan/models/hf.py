@@ -47,6 +47,7 @@ SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xl
                 "bart", "t5")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
+TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
 CAUSAL, MASKED, SEQ2SEQ = "causal-LM", "masked-LM", "encoder-decoder"
 _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
     "tiny": (4, 4, 64, 16, 128),
@@ -142,13 +143,24 @@ def _fields(probe, cfg) -> dict:
             kw.update({n: value for n in names if hasattr(probe, n)})
         if getattr(probe, "decoder_start_token_id", None) is None:  # T5: the decoder starts
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
-    if hasattr(probe, "intermediate_size"):
-        kw["intermediate_size"] = 4 * cfg.hidden
+    for name, v in vars(probe).items():  # head and MLP widths, under their many names
+        if isinstance(v, int) and not isinstance(v, bool):
+            if name == "head_dim":
+                kw[name] = cfg.hidden // cfg.heads
+            elif "intermediate_size" in name:
+                kw[name] = 4 * cfg.hidden
+            elif name.endswith("vocab_size") or name.startswith("vocab_size"):
+                kw[name] = cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocab
     if hasattr(probe, "num_key_value_heads"):
         kw["num_key_value_heads"] = max(1, cfg.heads // 2)  # grouped-query attention
     kw.update({d: 0.0 for d, v in probe.to_dict().items()  # dropout off, whatever its name
                if isinstance(v, float) and ("dropout" in d or d.endswith("pdrop"))})
     kw["tie_word_embeddings"] = cfg.tie_embeddings
+    kw.update(_per_layer(probe, cfg.layers))
+    base = _transformers().PreTrainedConfig
+    for name, sub in vars(probe).items():  # gemma3's text_config, t5gemma's encoder, ...
+        if isinstance(sub, base):
+            kw[name] = sub.to_dict() | _fields(sub, cfg)
     for token in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         if isinstance(getattr(probe, token, None), int) and getattr(probe, token) >= cfg.vocab:
             kw[token] = cfg.vocab - 1
@@ -160,6 +172,23 @@ def _fields(probe, cfg) -> dict:
         pos = next(n for n in ("max_position_embeddings", "n_positions") if n in kw)
         kw[pos] = cfg.seq_len + pad + 1
     return kw
+
+
+def _per_layer(probe, layers: int) -> dict:
+    """The config's lists with one entry per layer (layer types, sparsity
+    patterns), resampled evenly to `layers` entries so that the first and the
+    last kind are kept; dicts keyed by layer index keep the keys below it."""
+    n = getattr(probe, "num_hidden_layers", None)
+    if not isinstance(n, int) or n == layers:
+        return {}
+    out: dict = {}
+    for name, v in vars(probe).items():
+        if isinstance(v, (list, tuple)) and len(v) == n and n > 1:
+            out[name] = type(v)(v[round(i * (n - 1) / max(1, layers - 1))]
+                                for i in range(layers))
+        elif isinstance(v, dict) and v and all(isinstance(k, int) for k in v):
+            out[name] = {k: x for k, x in v.items() if k < layers}
+    return out
 
 
 def _rotary_dim(probe, cfg) -> int:
@@ -218,10 +247,30 @@ def build_hf(cfg) -> nn.Module:
                           f"masked-LM or encoder-decoder LM for it; use e.g. "
                           f"{', '.join(TESTED[:3])}")
     try:
+        if torch.empty(0).device.type != "meta":
+            with torch.device("meta"):  # a field left at its full size: one line, no OOM
+                _check_size(cfg, auto.from_config(conf, attn_implementation=attention_of(cfg)))
         model = auto.from_config(conf, attn_implementation=attention_of(cfg))
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
         raise _unbuildable(cfg, e) from None
     return HFLoss(model).train()
+
+
+def _check_size(cfg, model: nn.Module) -> None:
+    """Refuse a model far larger than its sizes make a transformer (a config
+    field that does not follow them, e.g. a vision tower's own width)."""
+    expect = 12 * cfg.layers * cfg.hidden ** 2 + (2 * cfg.vocab + cfg.seq_len) * cfg.hidden
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    if total > TOO_LARGE * expect:
+        name, p = max(params.items(), key=lambda kv: kv[1].numel())
+        raise ConfigError(f"cannot build {cfg.model} at these sizes: its config gives "
+                          f"{total / 1e6:.1f}M parameters, over {TOO_LARGE}x the "
+                          f"{expect / 1e6:.2f}M of a transformer of --layers {cfg.layers} "
+                          f"--hidden {cfg.hidden}; the largest, {name} {list(p.shape)}, "
+                          f"comes from a config field meshplan does not size")
 
 
 @lru_cache(maxsize=16)

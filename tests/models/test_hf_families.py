@@ -69,3 +69,26 @@ def test_readme_lists_the_tested_types():
     m = re.search(r"<!-- hf-tested -->(.*?)<!-- /hf-tested -->", readme, re.S)
     assert m, "README.md lacks its <!-- hf-tested --> list"
     assert re.findall(r"`([\w-]+)`", m.group(1)) == list(TESTED)
+
+
+def not_language_models() -> list[str]:
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as m
+
+    lm = (set(m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(m.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+          | set(m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES))
+    return sorted(set(CONFIG_MAPPING.keys()) - lm)
+
+
+def test_every_other_type_is_refused_in_one_line():
+    """A vision, audio or retrieval model_type is refused with one line
+    (ConfigError), never a traceback; the language models are surveyed
+    (benchmarks/hf_survey.py)."""
+    from meshplan.errors import ConfigError
+
+    others = not_language_models()
+    assert len(others) > 100
+    for t in others:
+        with pytest.raises(ConfigError) as e:
+            build_model(model_config(f"hf:{t}", "tiny"), device="meta")
+        assert "\n" not in str(e.value) and f"hf:{t}" in str(e.value), (t, str(e.value))
