@@ -47,6 +47,9 @@ SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xl
                 "bart", "t5")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
+# a mixture of experts keeps a few experts (their count, and those each token takes)
+_EXPERTS = {"num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
+            "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2}
 TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
 CAUSAL, MASKED, SEQ2SEQ = "causal-LM", "masked-LM", "encoder-decoder"
 _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
@@ -145,10 +148,18 @@ def _fields(probe, cfg) -> dict:
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
     for name, v in vars(probe).items():  # head and MLP widths, under their many names
         if isinstance(v, int) and not isinstance(v, bool):
-            if name == "head_dim":
+            if name == "head_dim" and not hasattr(probe, "qk_rope_head_dim"):  # MLA: derived
                 kw[name] = cfg.hidden // cfg.heads
             elif "intermediate_size" in name:
                 kw[name] = 4 * cfg.hidden
+            elif name.endswith("lora_rank"):  # multi-head latent attention (DeepSeek)
+                kw[name] = cfg.hidden // 2
+            elif name in ("qk_rope_head_dim", "qk_nope_head_dim"):
+                kw[name] = cfg.hidden // cfg.heads // 2
+            elif name in ("v_head_dim", "qk_head_dim"):
+                kw[name] = cfg.hidden // cfg.heads
+            elif name in _EXPERTS:
+                kw[name] = min(v, _EXPERTS[name])
             elif name.endswith("vocab_size") or name.startswith("vocab_size"):
                 kw[name] = cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocab
     if hasattr(probe, "num_key_value_heads"):

@@ -183,6 +183,12 @@ _MESHPLAN_KINDS = {rule.kind: rule for rule in (
 )}
 
 
+# Custom ops that models bring, and why meshplan cannot train them yet
+_KNOWN_CUSTOM = {
+    "transformers.grouped_mm": "a mixture-of-experts layer, transformers' grouped matmul: "
+                               "not yet supported",
+}
+
 # CompositeImplicit ops whose schema hides that they update buffers in place
 _HIDDEN_MUTATION = frozenset({"aten.batch_norm.default", "aten.instance_norm.default"})
 
@@ -193,7 +199,9 @@ def rule_for(kind: str) -> OpRule:
     if kind in _MESHPLAN_KINDS:
         return replace(_MESHPLAN_KINDS[kind], sbp=SBP.get(kind, replicated_rule))
     if not kind.startswith("aten."):
-        raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op")
+        why = next((w for k, w in _KNOWN_CUSTOM.items() if kind.startswith(k)),
+                   "meshplan trains aten ops and its own")
+        raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op ({why})")
     kernel = resolve_aten(kind)
     canonical = CANONICAL.get(kind)
     grad = _GRADS.get(kind)
