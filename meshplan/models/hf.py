@@ -122,8 +122,8 @@ def hf_config(cfg):
 def _unbuildable(cfg, e: Exception) -> ConfigError:
     text = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
     return ConfigError(f"cannot build {cfg.model} offline from its config "
-                       f"({type(e).__name__}: {text}); use a causal-LM or masked-LM "
-                       f"model_type, e.g. {', '.join(TESTED[:3])}")
+                       f"({type(e).__name__}: {text}); use a causal-LM, masked-LM or "
+                       f"encoder-decoder model_type, e.g. {', '.join(TESTED[:3])}")
 
 
 def _fields(probe, cfg) -> dict:
@@ -148,20 +148,9 @@ def _fields(probe, cfg) -> dict:
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
     for name, v in vars(probe).items():  # head and MLP widths, under their many names
         if isinstance(v, int) and not isinstance(v, bool):
-            if name == "head_dim" and not hasattr(probe, "qk_rope_head_dim"):  # MLA: derived
-                kw[name] = cfg.hidden // cfg.heads
-            elif "intermediate_size" in name:
-                kw[name] = 4 * cfg.hidden
-            elif name.endswith("lora_rank"):  # multi-head latent attention (DeepSeek)
-                kw[name] = cfg.hidden // 2
-            elif name in ("qk_rope_head_dim", "qk_nope_head_dim"):
-                kw[name] = cfg.hidden // cfg.heads // 2
-            elif name in ("v_head_dim", "qk_head_dim"):
-                kw[name] = cfg.hidden // cfg.heads
-            elif name in _EXPERTS:
-                kw[name] = min(v, _EXPERTS[name])
-            elif name.endswith("vocab_size") or name.startswith("vocab_size"):
-                kw[name] = cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocab
+            width = _width(name, v, probe, cfg)
+            if width is not None:
+                kw[name] = width
     if hasattr(probe, "num_key_value_heads"):
         kw["num_key_value_heads"] = max(1, cfg.heads // 2)  # grouped-query attention
     kw.update({d: 0.0 for d, v in probe.to_dict().items()  # dropout off, whatever its name
@@ -183,6 +172,28 @@ def _fields(probe, cfg) -> dict:
         pos = next(n for n in ("max_position_embeddings", "n_positions") if n in kw)
         kw[pos] = cfg.seq_len + pad + 1
     return kw
+
+
+def _width(name: str, v: int, probe, cfg) -> int | None:
+    """Our size for the config's integer field `name` (default `v`), or None
+    to leave it: heads, MLP widths, multi-head latent attention (DeepSeek's
+    ranks and its rotary part of a head), experts, vocabularies."""
+    head = cfg.hidden // cfg.heads
+    if name == "head_dim":
+        return None if hasattr(probe, "qk_rope_head_dim") else head  # MLA derives it
+    if "intermediate_size" in name:
+        return 4 * cfg.hidden
+    if name.endswith("lora_rank"):
+        return cfg.hidden // 2
+    if name in ("qk_rope_head_dim", "qk_nope_head_dim"):
+        return head // 2
+    if name in ("v_head_dim", "qk_head_dim"):
+        return head
+    if name in _EXPERTS:
+        return min(v, _EXPERTS[name])
+    if name.endswith("vocab_size") or name.startswith("vocab_size"):
+        return cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocabulary
+    return None
 
 
 def _per_layer(probe, layers: int) -> dict:
