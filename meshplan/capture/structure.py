@@ -33,9 +33,12 @@ def auto_facts(module: nn.Module) -> tuple[tuple[str, str], ...]:
     vocab = _int(conf, "vocab_size") or _largest_embedding(module)
     tp, tp_from = _declared_tp(hf_path, hf)
     if not tp:
-        tp = [[re.escape(p), "vocab", "structure"]
-              for p in _vocab_modules(module, vocab, layers)]
-        tp_from = "structure: the vocabulary embedding and head only"
+        named = _named_pairs(module, layers)
+        tp = named + [[re.escape(p), "vocab", "structure"]
+                      for p in _vocab_modules(module, vocab, layers)]
+        tp_from = ("structure: the MLP's Megatron pairs by module name (fc1 colwise, fc2 "
+                   "rowwise, ...) and the vocabulary embedding and head" if named else
+                   "structure: the vocabulary embedding and head only")
     facts = {
         "layers": layers, "layers_from": layers_from, "tp": json.dumps(tp), "tp_from": tp_from,
         "heads": str(_int(conf, "num_attention_heads", "n_head")),
@@ -120,6 +123,35 @@ def _declared_tp(hf_path: str, hf) -> tuple[list, str]:
         parts = (re.escape(p) if p != "*" else r"\d+" for p in _join(hf_path, key).split("."))
         out.append([r"\.".join(parts), style, style])
     return out, where
+
+
+# The MLP layers Megatron splits, by their names in transformers' models: a
+# column-split group and the row-split layer that reads it, in one parent.
+# (Not attention's q/k/v/o: a masked `scaled_dot_product_attention`, as
+# BART's and T5's, has no head-split rule yet, so its heads would be gathered.)
+_COLWISE = frozenset({"fc1", "wi", "wi_0", "wi_1", "up_proj", "gate_proj"})
+_ROWWISE = frozenset({"fc2", "wo", "down_proj"})
+
+
+def _named_pairs(module: nn.Module, layers: str) -> list[list[str]]:
+    """tp entries for the Linear layers of the first block of each layer list
+    whose names pair a column split with a row split under one parent (BART's
+    fc1 with fc2, T5's wi with wo); any block index."""
+    out = []
+    for path in filter(None, layers.split(",")):
+        blocks = module.get_submodule(path)
+        if not len(blocks):
+            continue
+        kids: dict[str, dict[str, str]] = {}  # parent path -> leaf -> style
+        for sub, m in blocks[0].named_modules():
+            parent, _, leaf = sub.rpartition(".")
+            if isinstance(m, nn.Linear) and leaf in _COLWISE | _ROWWISE:
+                kids.setdefault(parent, {})[leaf] = "colwise" if leaf in _COLWISE else "rowwise"
+        for parent, leaves in kids.items():
+            if {"colwise", "rowwise"} <= set(leaves.values()):
+                out += [[rf"{re.escape(path)}\.\d+\.{re.escape(_join(parent, leaf))}$",
+                         style, "structure"] for leaf, style in leaves.items()]
+    return out
 
 
 def _largest_embedding(module: nn.Module) -> int:
