@@ -147,7 +147,8 @@ class RankExecutor:
                         users[r].add(key)
         for t in plan.tasks:
             if t.kind is TaskKind.SEND:
-                users[g.ops[t.op].args[0].id].add(("send", t.chunk, t.phase))
+                users[g.ops[t.op].args[0].id].add(  # one SEND action per receiving stage
+                    ("send", t.chunk, t.phase, self.job.stage[t.op], self.job.chunk[t.op]))
         self.uses = {v: len(u) for v, u in users.items()}
         self.used = set(users)
         read = {r for op in g.ops for r in op.refs()} | set(self.updates)  # a state, too

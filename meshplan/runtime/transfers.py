@@ -30,23 +30,32 @@ class Transfers:
         where = job.strategy.stage_placement
         self.device = device
         self._p2p = p2p
-        self.sends = defaultdict(list)   # (stage, type) -> [(vid, slices, peer, op)]
-        self.recvs = defaultdict(list)   # (stage, type) -> [(vid, slices, shape, peer, op)]
+        # keyed by action: (virtual stage, type, peer virtual stage); a stage may
+        # send one micro-batch to several (an encoder's output to every decoder stage)
+        self.sends = defaultdict(list)   # key -> [(vid, slices, peer rank, op)]
+        self.recvs = defaultdict(list)   # key -> [(vid, slices, shape, peer rank, op)]
         self.shapes = {}                 # received vid -> (local shape, dtype)
         self.pending: list = []
-        self.posted: dict = {}           # (stage, type, mb) -> (works, places, bufs)
+        self.posted: dict = {}           # (stage, type, peer, mb) -> (works, places, bufs)
+        g = job.graph
+        made_by = {o: op.id for op in g.ops for o in op.outputs} if any(
+            t.kind is TaskKind.RECV for t in plan.tasks) else {}
         for t in plan.tasks:
-            op = job.graph.ops[t.op]
+            op = g.ops[t.op]
             forward = t.phase is Phase.FORWARD
+            # A transfer op sits with its receiver; its input's maker with the sender
+            receiver = where.stage_at(job.stage[op.id], job.chunk[op.id])
             if t.kind is TaskKind.SEND:
                 vid = op.args[0].id
                 key = (where.stage_at(plan.stage, t.chunk), ActionType.SEND_F if forward else
-                       ActionType.SEND_B)
+                       ActionType.SEND_B, receiver)
                 self.sends[key].append((vid, _slices(t.box, ctx.box(vid)), t.peer, t.op))
             elif t.kind is TaskKind.RECV:
                 vid = op.outputs[0]
-                key = (where.stage_at(job.stage[op.id], job.chunk[op.id]),
-                       ActionType.RECV_F if forward else ActionType.RECV_B)
+                maker = made_by.get(op.args[0].id)
+                sender = (where.stage_at(job.stage[maker], job.chunk[maker]) if maker is not None
+                          else receiver - 1 if forward else receiver + 1)  # the chain's
+                key = (receiver, ActionType.RECV_F if forward else ActionType.RECV_B, sender)
                 box = ctx.box(vid)
                 piece = tuple(b - a for a, b in t.box)
                 self.recvs[key].append((vid, _slices(t.box, box), piece, t.peer, t.op))
@@ -65,7 +74,7 @@ class Transfers:
         from meshplan.runtime.comm import tag_of
 
         ops, keep = [], []
-        sent = self.sends.get((action.stage, action.type), ())
+        sent = self.sends.get((action.stage, action.type, action.peer), ())
         for vid, sl, peer, op_id in sent:
             piece = env[vid][sl].contiguous()
             ops.append(("send", piece, peer, tag_of(op_id, action.microbatch)))
@@ -77,11 +86,11 @@ class Transfers:
         """Post the receives of `action` now (before it runs), unless posted."""
         from meshplan.runtime.comm import tag_of
 
-        key = (action.stage, action.type, action.microbatch)
+        key = (action.stage, action.type, action.peer, action.microbatch)
         if key in self.posted:
             return
         bufs, ops, places = {}, [], []
-        for vid, sl, piece, peer, op_id in self.recvs.get((action.stage, action.type), ()):
+        for vid, sl, piece, peer, op_id in self.recvs.get(key[:3], ()):
             if vid not in bufs:
                 shape, dtype = self.shapes[vid]
                 bufs[vid] = torch.empty(shape, dtype=dtype, device=self.device)
@@ -94,7 +103,8 @@ class Transfers:
         """Wait for `action`'s pieces (posting them first if not yet) and
         assemble each received value's local tensor."""
         self.post_recv(action)
-        works, places, bufs = self.posted.pop((action.stage, action.type, action.microbatch))
+        works, places, bufs = self.posted.pop((action.stage, action.type, action.peer,
+                                               action.microbatch))
         for work in works:
             work.wait()
         for vid, sl, tmp in places:

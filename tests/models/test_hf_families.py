@@ -2,7 +2,8 @@
 type of `models.hf.TESTED`, built offline from its config, trains 2 SGD
 steps at 1 rank equal to eager (losses, every parameter and optimizer slot:
 driver.verify's verdict); the types of `SPLIT_TESTED` also at tp2*pp2
-(albert, whose layers share one group of weights, at tp2 alone). The
+(albert, whose layers share one group of weights, at tp2 alone), and two
+encoder-decoders at pp4, where the encoder's output skips a stage. The
 README's list of tested types is this list (checked below)."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from meshplan.runtime.local import run_local  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYOUTS = {"1rank": (1, {}), "tp2": (2, dict(tp=2, micro_batch_size=4)),
-           "tp2pp2": (4, dict(tp=2, pp=2, micro_batch_size=2))}
+           "tp2pp2": (4, dict(tp=2, pp=2, micro_batch_size=2)),
+           "pp4": (4, dict(pp=4, micro_batch_size=2))}
 STEPS = 2
 
 
@@ -47,7 +49,10 @@ def train(model_type: str, layout: str):
 
 CASES = [pytest.param(t, "1rank", id=f"{t}-1rank") for t in TESTED] + [
     pytest.param(t, "tp2" if t == "albert" else "tp2pp2", id=f"{t}-split")
-    for t in SPLIT_TESTED]
+    for t in SPLIT_TESTED] + [
+    # the encoder's output (and masks) go from stage 1 to both decoder stages, 2 and 3:
+    # one stage sending a micro-batch to two (the executor once sent both at the first)
+    pytest.param(t, "pp4", id=f"{t}-pp4") for t in ("bart", "t5")]
 
 
 @pytest.mark.parametrize("model_type, layout", CASES)
