@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import warnings
@@ -91,6 +92,23 @@ class _Ctx:
         return self.env[node]
 
 
+class _quiet:
+    """Silence a logger for a while (torch's fake-tensor logger prints the
+    traceback of an op that fails at export: the user gets our one line)."""
+
+    def __init__(self, name: str):
+        self.log = logging.getLogger(name)
+
+    def __enter__(self):
+        self.was, self.log.disabled = self.log.disabled, True
+
+    def __exit__(self, *exc):
+        self.log.disabled = self.was
+
+
+_FAKE_LOG = "torch._subclasses.fake_tensor"
+
+
 @dataclass(frozen=True)
 class Traced:
     """A capture with what the self-check needs to find the op that differs
@@ -117,8 +135,8 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
     try:
-        with warnings.catch_warnings():  # torch's own deprecation inside export, not the user's
-            warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)
+        with warnings.catch_warnings(), _quiet(_FAKE_LOG):  # torch's own noise: the error
+            warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)  # is ours
             ep = torch.export.export(model, args, strict=False)
     except CaptureError:
         raise

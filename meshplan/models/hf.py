@@ -49,7 +49,8 @@ ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
 # a mixture of experts keeps a few experts (their count, and those each token takes)
 _EXPERTS = {"num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
-            "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2}
+            "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2,
+            "moe_k": 2}
 TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
 CAUSAL, MASKED, SEQ2SEQ = "causal-LM", "masked-LM", "encoder-decoder"
 _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)

@@ -85,3 +85,28 @@ def _ops_per_layer(cfg) -> tuple[int, int]:
     one, two = (len(capture(build_model(c, device="meta"), example_batch(c, 1, device="meta")).ops)
                 for c in (replace(cfg, layers=1), replace(cfg, layers=2)))
     return two - one, 2 * one - two
+
+
+class TopkTooLarge(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.w(x).topk(8, dim=-1).values.sum()  # k = 8 > 4: fails in export
+
+
+def test_a_failing_op_at_export_is_one_line_without_torchs_traceback():
+    import logging
+
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("torch._subclasses.fake_tensor")  # torch's own, propagate off
+    log.addHandler(handler)
+    try:
+        with pytest.raises(CaptureError, match="k not in range"):
+            capture(TopkTooLarge(), (torch.randn(2, 4),))
+    finally:
+        log.removeHandler(handler)
+    assert not records, records[0].getMessage()  # its traceback would bury our one line
