@@ -4,6 +4,9 @@ each in a fresh process. Writes benchmarks/results/hf_survey.{json,md}: per
 type, equal to eager, refused with one line (the line), or a traceback.
 
     python benchmarks/hf_survey.py [--jobs 2] [--timeout 300] [TYPE ...]
+    python benchmarks/hf_survey.py --again TYPE ...   # measure these anew, keep the rest
+
+Each row names the meshplan commit it was measured at.
 """
 
 from __future__ import annotations
@@ -66,19 +69,26 @@ def main() -> None:
     ap.add_argument("types", nargs="*")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--again", action="store_true",
+                    help="measure the TYPEs anew and keep the other rows of hf_survey.json")
     a = ap.parse_args()
     import transformers
 
-    names = a.types or model_types()
+    names = model_types() if a.again or not a.types else a.types
     RESULTS.mkdir(exist_ok=True)
     done = {}  # rows already measured (a survey cut short goes on where it stopped)
+    if a.again:
+        old = json.loads((RESULTS / "hf_survey.json").read_text())["rows"]
+        done = {r["type"]: r for r in old if r["type"] not in a.types}
     if PARTIAL.is_file():
-        done = {r["type"]: r for r in map(json.loads, PARTIAL.read_text().splitlines())}
+        done |= {r["type"]: r for r in map(json.loads, PARTIAL.read_text().splitlines())}
+
+    commit = _commit()
 
     def one(name: str) -> dict:
         if name in done:
             return done[name]
-        r = try_type(name, a.timeout)
+        r = try_type(name, a.timeout) | {"commit": commit}
         with PARTIAL.open("a") as f:
             f.write(json.dumps(r) + "\n")
         print(f"{r['type']:<28} {r['outcome']:<9} {r.get('line', '')[:150]}", flush=True)
@@ -86,20 +96,21 @@ def main() -> None:
 
     with ThreadPoolExecutor(a.jobs) as pool:
         rows = list(pool.map(one, names))
-    data = {"transformers": transformers.__version__, "commit": _commit(), "command":
+    data = {"transformers": transformers.__version__, "command":
             "meshplan verify --hf TYPE --steps 2 --json", "rows": rows}
     (RESULTS / "hf_survey.json").write_text(json.dumps(data, indent=1) + "\n")
     counts = {k: sum(r["outcome"] == k for r in rows)
               for k in ("equal", "mismatch", "refused", "traceback", "timeout", "killed")}
     lines = [f"# transformers {transformers.__version__}: every causal-LM, masked-LM and "
              "encoder-decoder LM model type", "", f"`{data['command']}`, one rank, fp32, each "
-             f"in a fresh process (`benchmarks/hf_survey.py`), at meshplan {data['commit']}.", "",
+             "in a fresh process (`benchmarks/hf_survey.py`); each row at the meshplan commit "
+             "it names.", "",
              ", ".join(f"{v} {k}" for k, v in counts.items()), "",
-             "| type | outcome | what the user sees |", "|---|---|---|"]
-    lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} |"
-              for r in rows]
+             "| type | outcome | what the user sees | commit |", "|---|---|---|---|"]
+    lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} | "
+              f"{r.get('commit', '')} |" for r in rows]
     (RESULTS / "hf_survey.md").write_text("\n".join(lines) + "\n")
-    PARTIAL.unlink()
+    PARTIAL.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
