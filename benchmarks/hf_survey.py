@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -56,6 +57,34 @@ def try_type(name: str, timeout: float) -> dict:
         return out | {"outcome": "mismatch", "line": "; ".join(r["problems"][:2])}
     line = next((x for x in err if x.startswith("meshplan: error:")), err[-1] if err else "")
     return out | {"outcome": "refused", "line": line.removeprefix("meshplan: error: ")}
+
+
+# Why a type is refused, by the first pattern its line matches (the README's list)
+CLASSES = (
+    ("mixture of experts", r"grouped_mm|mixture-of-experts"),
+    ("a config field not sized", r"at these sizes"),
+    ("the config rejects the sizes", r"offline from its config"),
+    ("no language-model head", r"has no causal-LM"),
+    ("torch.export fails", r"torch\.export failed"),
+    ("an op or value meshplan cannot capture", r"cannot capture|neither an aten op|unsupported"),
+)
+
+
+def refusal_class(line: str) -> str:
+    return next((name for name, rx in CLASSES if re.search(rx, line)), "other")
+
+
+def by_class(rows: list[dict]) -> list[str]:
+    """Markdown: each refusal class, its types and one line a user sees."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["outcome"] == "refused":
+            groups.setdefault(refusal_class(r.get("line", "")), []).append(r)
+    out = ["| class | types | e.g. the line of the first |", "|---|---|---|"]
+    for name, rs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        types = ", ".join(f"`{r['type']}`" for r in rs)
+        out.append(f"| {name} ({len(rs)}) | {types} | {rs[0].get('line', '').replace('|', '/')} |")
+    return out
 
 
 def _commit() -> str:
@@ -106,6 +135,7 @@ def main() -> None:
              "in a fresh process (`benchmarks/hf_survey.py`); each row at the meshplan commit "
              "it names.", "",
              ", ".join(f"{v} {k}" for k, v in counts.items()), "",
+             "## Refused, by class", "", *by_class(rows), "", "## Every type", "",
              "| type | outcome | what the user sees | commit |", "|---|---|---|---|"]
     lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} | "
               f"{r.get('commit', '')} |" for r in rows]

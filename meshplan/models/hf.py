@@ -148,7 +148,7 @@ def _fields(probe, cfg) -> dict:
         if getattr(probe, "decoder_start_token_id", None) is None:  # T5: the decoder starts
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
     for name, v in vars(probe).items():  # head and MLP widths, under their many names
-        if isinstance(v, int) and not isinstance(v, bool):
+        if isinstance(v, int) and not isinstance(v, bool) or (name, v) == ("head_dim", None):
             width = _width(name, v, probe, cfg)
             if width is not None:
                 kw[name] = width
@@ -175,7 +175,7 @@ def _fields(probe, cfg) -> dict:
     return kw
 
 
-def _width(name: str, v: int, probe, cfg) -> int | None:
+def _width(name: str, v: int | None, probe, cfg) -> int | None:
     """Our size for the config's integer field `name` (default `v`), or None
     to leave it: heads, MLP widths, multi-head latent attention (DeepSeek's
     ranks and its rotary part of a head), experts, vocabularies."""
@@ -190,7 +190,7 @@ def _width(name: str, v: int, probe, cfg) -> int | None:
         return head // 2
     if name in ("v_head_dim", "qk_head_dim"):
         return head
-    if name in _EXPERTS:
+    if name in _EXPERTS and v is not None:
         return min(v, _EXPERTS[name])
     if name.endswith("vocab_size") or name.startswith("vocab_size"):
         return cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocabulary
