@@ -4,7 +4,8 @@ Invariants:
 - Facts, not decisions: the layer list, the tensor-parallel entries the
   model itself declares (transformers' `_tp_plan`, or its config's
   `base_model_tp_plan`) or that its structure shows (the vocabulary
-  embedding and head), and the head, key/value-head and vocabulary counts.
+  embedding and head, and the MLP's Megatron pairs by module name), and
+  the head, key/value-head and vocabulary counts.
   `passes/auto_plan.py` turns them into a plan once the tp degree is known.
 - They live in the graph's `meta` under `auto:` keys (strings; lists as
   JSON), so a captured graph carries them into planning, caches and files.
