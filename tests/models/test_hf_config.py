@@ -1,0 +1,55 @@
+"""The offline builder's arithmetic (models/hf.py): each type's task, the
+per-layer lists, the widths, the size guard, and the layer lists capture
+records for an encoder-decoder."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from meshplan.capture.structure import auto_facts  # noqa: E402
+from meshplan.errors import ConfigError  # noqa: E402
+from meshplan.models import build_model, example_batch, model_config  # noqa: E402
+from meshplan.models import hf  # noqa: E402
+
+
+@pytest.mark.parametrize("model_type, task", [
+    ("gpt2", hf.CAUSAL), ("llama", hf.CAUSAL), ("bert", hf.MASKED), ("xlm-roberta", hf.MASKED),
+    ("t5", hf.SEQ2SEQ), ("bart", hf.SEQ2SEQ), ("marian", hf.SEQ2SEQ)])
+def test_each_type_is_trained_as_its_task(model_type, task):
+    assert hf.task_of(model_config(f"hf:{model_type}")) == task
+
+
+@pytest.mark.parametrize("n, layers", [(26, 4), (35, 4), (5, 2), (8, 8), (3, 7)])
+def test_per_layer_lists_keep_their_first_and_last_kind(n, layers):
+    kinds = ["sliding"] * (n - 1) + ["full"]
+    got = hf._per_layer(SimpleNamespace(num_hidden_layers=n, layer_types=kinds,
+                                        by_index={0: "a", n - 1: "b"}), layers)
+    if n == layers:
+        assert got == {}
+        return
+    assert len(got["layer_types"]) == layers
+    assert got["layer_types"][0] == "sliding" and got["layer_types"][-1] == "full"
+    assert set(got["by_index"]) == {k for k in (0, n - 1) if k < layers}
+
+
+def test_an_encoder_decoder_gets_our_sizes_in_both_stacks_and_both_layer_lists():
+    cfg = model_config("hf:t5", "tiny", layers=3)
+    conf = hf.hf_config(cfg)
+    assert (conf.num_layers, conf.num_decoder_layers, conf.d_model, conf.d_kv) == (3, 3, 64, 16)
+    assert conf.dropout_rate == 0.0 and conf.tie_word_embeddings  # T5 ties, by its default
+    module = build_model(cfg, device="meta")
+    facts = dict(auto_facts(module))
+    assert facts["auto:layers"] == "model.encoder.block,model.decoder.block"
+    inputs, labels = example_batch(cfg, 2)
+    assert (labels != -100).all() and (inputs == 0).any()  # denoise the whole sequence
+
+
+def test_a_model_far_larger_than_its_sizes_is_refused_naming_its_largest_parameter(monkeypatch):
+    monkeypatch.setattr(hf, "TOO_LARGE", 0.5)  # tiny gpt2 is about 1x its sizes
+    with pytest.raises(ConfigError) as e:
+        build_model(model_config("hf:gpt2", "tiny"))
+    assert "\n" not in str(e.value) and "the largest, transformer." in str(e.value)
