@@ -12,8 +12,12 @@ pytest.importorskip("transformers")
 
 from meshplan.capture.structure import auto_facts  # noqa: E402
 from meshplan.errors import ConfigError  # noqa: E402
-from meshplan.models import build_model, example_batch, model_config  # noqa: E402
-from meshplan.models import hf  # noqa: E402
+from meshplan.models import (  # noqa: E402
+    build_model,
+    example_batch,
+    hf,  # noqa: E402
+    model_config,
+)
 
 
 @pytest.mark.parametrize("model_type, task", [
