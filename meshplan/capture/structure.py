@@ -4,7 +4,7 @@ Invariants:
 - Facts, not decisions: the layer list, the tensor-parallel entries the
   model itself declares (transformers' `_tp_plan`, or its config's
   `base_model_tp_plan`) or that its structure shows (the vocabulary
-  embedding and head, and the MLP's Megatron pairs by module name), and
+  embedding and head, and Megatron's pairs by module name), and
   the head, key/value-head and vocabulary counts.
   `passes/auto_plan.py` turns them into a plan once the tp degree is known.
 - They live in the graph's `meta` under `auto:` keys (strings; lists as
@@ -37,8 +37,9 @@ def auto_facts(module: nn.Module) -> tuple[tuple[str, str], ...]:
         named = _named_pairs(module, layers)
         tp = named + [[re.escape(p), "vocab", "structure"]
                       for p in _vocab_modules(module, vocab, layers)]
-        tp_from = ("structure: the MLP's Megatron pairs by module name (fc1 colwise, fc2 "
-                   "rowwise, ...) and the vocabulary embedding and head" if named else
+        tp_from = ("structure: Megatron's pairs by module name (q/k/v and fc1 colwise, "
+                   "their out and fc2 rowwise, ...) and the vocabulary embedding and head"
+                   if named else
                    "structure: the vocabulary embedding and head only")
     facts = {
         "layers": layers, "layers_from": layers_from, "tp": json.dumps(tp), "tp_from": tp_from,
@@ -126,18 +127,19 @@ def _declared_tp(hf_path: str, hf) -> tuple[list, str]:
     return out, where
 
 
-# The MLP layers Megatron splits, by their names in transformers' models: a
-# column-split group and the row-split layer that reads it, in one parent.
-# (Not attention's q/k/v/o: a masked `scaled_dot_product_attention`, as
-# BART's and T5's, has no head-split rule yet, so its heads would be gathered.)
-_COLWISE = frozenset({"fc1", "wi", "wi_0", "wi_1", "up_proj", "gate_proj"})
-_ROWWISE = frozenset({"fc2", "wo", "down_proj"})
+# The layers Megatron splits, by their names in transformers' models: a
+# column-split group and the row-split layer that reads it, in one parent
+# (attention's q/k/v and its output; the MLP's up and down projections)
+_COLWISE = frozenset({"q_proj", "k_proj", "v_proj", "q", "k", "v", "fc1", "wi", "wi_0", "wi_1",
+                      "up_proj", "gate_proj"})
+_ROWWISE = frozenset({"out_proj", "o_proj", "o", "fc2", "wo", "down_proj"})
 
 
 def _named_pairs(module: nn.Module, layers: str) -> list[list[str]]:
     """tp entries for the Linear layers of the first block of each layer list
     whose names pair a column split with a row split under one parent (BART's
-    fc1 with fc2, T5's wi with wo); any block index."""
+    self_attn.q_proj/k_proj/v_proj with out_proj, fc1 with fc2; T5's q/k/v
+    with o, wi with wo); any block index."""
     out = []
     for path in filter(None, layers.split(",")):
         blocks = module.get_submodule(path)

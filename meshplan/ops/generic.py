@@ -5,6 +5,12 @@ inputs and differentiates it with `torch.func.vjp`. It is correct for every
 differentiable aten op, at the price of one extra forward.
 Its args are `(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt)` where `wrt`
 indexes the forward op's tensor arguments in traversal order.
+
+Its SBP signatures (`vjp_sbp`), for a forward kind of `SPLIT_VJP`, are the
+forward's own splits: where the forward computes each output shard from
+its inputs' shards (no Partial output), the vjp of a shard gives the
+gradient of each split input's shard, and of a replicated (broadcast)
+input that shard's share of its gradient: Partial. Other kinds: replicated.
 """
 
 from __future__ import annotations
@@ -16,7 +22,12 @@ import torch
 from meshplan.ir import Op, Ref, TensorMeta
 from meshplan.ir.kinds import VJP
 from meshplan.ops.resolve import resolve_aten
+from meshplan.ir.sbp import Partial, Replicate, Shard
 from meshplan.ops.rule import Emits, Gouts, Grads, Needs
+from meshplan.ops.sbp_sig import Outs, SbpSig, replicated, tensors
+
+# Forward kinds with SBP rules and no exact gradient, whose vjp splits as they do
+SPLIT_VJP = frozenset({"aten.scaled_dot_product_attention.default"})
 
 
 def _tensor_slots(op: Op) -> list[Ref]:
@@ -33,6 +44,26 @@ def vjp_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
         VJP, op.kind, op.args, op.kwargs, tuple(gouts), wrt
     )
     return [(slots[i], g) for i, g in zip(wrt, outs)]
+
+
+def vjp_sbp(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """The vjp's signatures, from its forward op's (see the module docstring)."""
+    kind, fwd_args, fwd_kwargs, gouts, wrt = args
+    n_in = len(tensors((args, kwargs)))
+    if kind not in SPLIT_VJP:
+        return [replicated(n_in, len(outs))]
+    from meshplan.ops.table import rule_for  # the table holds this rule
+
+    fwd_outs = tuple(g if isinstance(g, TensorMeta) else None for g in gouts)
+    sigs = []
+    for sig in rule_for(kind).sbp(fwd_args, dict(fwd_kwargs), fwd_outs, n):
+        if sig.variant or not all(isinstance(o, Shard) for o in sig.outs if o is not None):
+            continue
+        grads = tuple(Partial() if isinstance(sig.ins[i], Replicate) else sig.ins[i]
+                      for i in wrt)
+        gout_ins = tuple(o for o, g in zip(sig.outs, gouts) if isinstance(g, TensorMeta))
+        sigs.append(SbpSig(sig.ins + gout_ins, grads))
+    return sigs + [replicated(n_in, len(outs))]
 
 
 def vjp_infer(sig_args: tuple, sig_kwargs: dict) -> tuple[TensorMeta, ...]:

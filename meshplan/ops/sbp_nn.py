@@ -135,6 +135,24 @@ def attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     return sigs + [replicated(len(ts), len(outs))]
 
 
+def masked_attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """`scaled_dot_product_attention` with a mask (BART's, T5's position
+    bias): a batch or head shard of q, k, v and the output, with the mask
+    split alike where it has that dim, broadcast where it broadcasts."""
+    ts = tensors((args, kwargs))
+    q, k = ts[0], ts[1]
+    sigs = []
+    for d in (0, 1):
+        if q.shape[d] == 1 or k.shape[d] != q.shape[d]:  # grouped-query heads: batch only
+            continue
+        mask = []
+        for m in ts[3:]:
+            md = d - (len(q.shape) - len(m.shape))  # the mask broadcasts from the right
+            mask.append(Shard(md) if md >= 0 and m.shape[md] == q.shape[d] else R)
+        sigs.append(SbpSig((Shard(d),) * 3 + tuple(mask), (Shard(d),)))
+    return sigs + [replicated(len(ts), len(outs))]
+
+
 def conv2d(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     ts = tensors((args, kwargs))
     has_b = len(ts) == 3

@@ -77,6 +77,7 @@ SBP: dict[str, SbpRule] = {
     "aten.embedding_dense_backward.default": nn.embedding_backward,
     "aten.nll_loss_forward.default": nn.nll_loss,
     "aten.nll_loss_backward.default": nn.nll_loss_backward,
+    "aten.scaled_dot_product_attention.default": nn.masked_attention,
     "aten._scaled_dot_product_flash_attention_for_cpu.default": nn.attention,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": nn.attention,
     "aten.conv2d.default": nn.conv2d,

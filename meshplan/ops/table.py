@@ -22,7 +22,7 @@ from meshplan.ops import grads_pointwise as pw
 from meshplan.ops import grads_shape as sh
 from meshplan.ops.canonical import CANONICAL
 from meshplan.ops.device_kernels import DEVICES, Values
-from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel
+from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel, vjp_sbp
 from meshplan.ops.policy import PRECISION, recompute_class
 from meshplan.ops.resolve import resolve_aten
 from meshplan.ops.rule import Category, OpRule
@@ -197,7 +197,8 @@ _HIDDEN_MUTATION = frozenset({"aten.batch_norm.default", "aten.instance_norm.def
 def rule_for(kind: str) -> OpRule:
     """The rule of `kind`: exact if listed, else the generic rule."""
     if kind in _MESHPLAN_KINDS:
-        return replace(_MESHPLAN_KINDS[kind], sbp=SBP.get(kind, replicated_rule))
+        return replace(_MESHPLAN_KINDS[kind],
+                       sbp=vjp_sbp if kind == k.VJP else SBP.get(kind, replicated_rule))
     if not kind.startswith("aten."):
         why = next((w for k, w in _KNOWN_CUSTOM.items() if kind.startswith(k)),
                    "meshplan trains aten ops and its own")

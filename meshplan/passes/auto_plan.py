@@ -34,8 +34,8 @@ AUTO = "auto"
 _NEAR = {"colwise_rep": TpStyle.COLWISE, "colwise_gather_output": TpStyle.COLWISE,
          "rowwise_rep": TpStyle.ROWWISE, "embedding_rowwise": TpStyle.VOCAB,
          "local_colwise": TpStyle.COLWISE, "local_rowwise": TpStyle.ROWWISE}
-_KV = ("k_proj", "v_proj", "key", "value", "wk", "wv")
-_ATTN = ("q_proj", "query", "wq", "c_attn", "qkv", "Wqkv")
+_KV = ("k_proj", "v_proj", "key", "value", "wk", "wv", "k", "v")
+_ATTN = ("q_proj", "query", "wq", "c_attn", "qkv", "Wqkv", "q")
 
 
 def is_auto(strategy: Strategy) -> bool:
