@@ -21,8 +21,8 @@ import torch
 
 from meshplan.ir import Op, Ref, TensorMeta
 from meshplan.ir.kinds import VJP
-from meshplan.ops.resolve import resolve_aten
 from meshplan.ir.sbp import Partial, Replicate, Shard
+from meshplan.ops.resolve import resolve_aten
 from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 from meshplan.ops.sbp_sig import Outs, SbpSig, replicated, tensors
 
