@@ -15,7 +15,7 @@ input that shard's share of its gradient: Partial. Other kinds: replicated.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,7 +24,7 @@ from meshplan.ir.kinds import VJP
 from meshplan.ir.sbp import Partial, Replicate, Shard
 from meshplan.ops.resolve import resolve_aten
 from meshplan.ops.rule import Emits, Gouts, Grads, Needs
-from meshplan.ops.sbp_sig import Outs, SbpSig, replicated, tensors
+from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
 
 # Forward kinds with SBP rules and no exact gradient, whose vjp splits as they do
 SPLIT_VJP = frozenset({"aten.scaled_dot_product_attention.default"})
@@ -46,17 +46,17 @@ def vjp_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     return [(slots[i], g) for i, g in zip(wrt, outs)]
 
 
-def vjp_sbp(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
-    """The vjp's signatures, from its forward op's (see the module docstring)."""
+def vjp_sbp(sbp_of: Callable[[str], SbpRule], args: tuple, kwargs: dict, outs: Outs,
+            n: int) -> list[SbpSig]:
+    """The vjp's signatures, from its forward op's (`sbp_of(kind)`, the rule
+    table's; see the module docstring)."""
     kind, fwd_args, fwd_kwargs, gouts, wrt = args
     n_in = len(tensors((args, kwargs)))
     if kind not in SPLIT_VJP:
         return [replicated(n_in, len(outs))]
-    from meshplan.ops.table import rule_for  # the table holds this rule
-
     fwd_outs = tuple(g if isinstance(g, TensorMeta) else None for g in gouts)
     sigs = []
-    for sig in rule_for(kind).sbp(fwd_args, dict(fwd_kwargs), fwd_outs, n):
+    for sig in sbp_of(kind)(fwd_args, dict(fwd_kwargs), fwd_outs, n):
         if sig.variant or not all(isinstance(o, Shard) for o in sig.outs if o is not None):
             continue
         grads = tuple(Partial() if isinstance(sig.ins[i], Replicate) else sig.ins[i]

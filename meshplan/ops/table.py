@@ -10,7 +10,7 @@ any other kind is refused.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 from typing import Any, Callable
 
 from meshplan.errors import CaptureError
@@ -193,12 +193,16 @@ _KNOWN_CUSTOM = {
 _HIDDEN_MUTATION = frozenset({"aten.batch_norm.default", "aten.instance_norm.default"})
 
 
+def _sbp_of(kind: str):
+    return rule_for(kind).sbp
+
+
 @cache
 def rule_for(kind: str) -> OpRule:
     """The rule of `kind`: exact if listed, else the generic rule."""
     if kind in _MESHPLAN_KINDS:
-        return replace(_MESHPLAN_KINDS[kind],
-                       sbp=vjp_sbp if kind == k.VJP else SBP.get(kind, replicated_rule))
+        return replace(_MESHPLAN_KINDS[kind], sbp=partial(vjp_sbp, _sbp_of) if kind == k.VJP
+                       else SBP.get(kind, replicated_rule))
     if not kind.startswith("aten."):
         why = next((w for k, w in _KNOWN_CUSTOM.items() if kind.startswith(k)),
                    "meshplan trains aten ops and its own")

@@ -13,9 +13,9 @@ from torch.nn import functional as F
 
 import meshplan.api as mp
 from meshplan.ir import DType, Phase, TensorMeta
-from meshplan.ir.kinds import ALL_GATHER
+from meshplan.ir.kinds import ALL_GATHER, VJP
 from meshplan.ir.sbp import Partial, Shard
-from meshplan.ops.generic import vjp_sbp
+from meshplan.ops.table import rule_for
 
 H, T, D = 4, 6, 8
 
@@ -61,8 +61,8 @@ def test_a_broadcast_mask_gets_a_partial_gradient_under_a_batch_split():
     q = TensorMeta((4, H, T, D // H), f32)
     mask = TensorMeta((1, H, T, T), f32)
     fwd = (q, q, q, mask)
-    sigs = vjp_sbp(("aten.scaled_dot_product_attention.default", fwd, (), (q,), (0, 3)), {},
-                   (q, mask), 2)
+    sigs = rule_for(VJP).sbp(("aten.scaled_dot_product_attention.default", fwd, (), (q,),
+                              (0, 3)), {}, (q, mask), 2)
     batch = next(s for s in sigs if s.ins[0] == Shard(0))
     assert batch.ins[3] != Shard(0) and batch.outs == (Shard(0), Partial())
     heads = next(s for s in sigs if s.ins[0] == Shard(1))

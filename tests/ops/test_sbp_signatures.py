@@ -222,6 +222,16 @@ CASES: dict[str, Case] = {
                 lambda: (*_flash(), 0.0, True)),
     "flash_backward": _c("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
                          _flash_backward),
+    # masked attention: a float mask of every dim, one broadcast over the batch
+    # (T5's position bias), one over the heads (BART's padding mask), a bool one
+    "sdpa_mask_full": _c("aten.scaled_dot_product_attention.default",
+                         lambda: (*_flash(), f(6, 6, 4, 4))),
+    "sdpa_mask_heads": _c("aten.scaled_dot_product_attention.default",
+                          lambda: (*_flash(), f(1, 6, 4, 4))),
+    "sdpa_mask_batch": _c("aten.scaled_dot_product_attention.default",
+                          lambda: (*_flash(), f(6, 1, 4, 4))),
+    "sdpa_mask_2d_bool": _c("aten.scaled_dot_product_attention.default",
+                            lambda: (*_flash(), torch.ones(4, 4, dtype=torch.bool).tril())),
     "conv2d": _c("aten.conv2d.default",
                  lambda: (f(6, 6, 5, 5), f(12, 6, 3, 3), f(12), (1, 1), (1, 1), (1, 1), 1)),
     "conv2d_groups": _c("aten.conv2d.default",
