@@ -143,5 +143,7 @@ def test_auto_plans_on_the_zoo_gpt():
                      tp_plan="auto", layer_pattern="auto")
     job = plan_model("gpt", "tiny", Mesh(1, 4), s, tie_embeddings=True).job
     assert job.strategy.layer_pattern == r"blocks\.(\d+)"
-    assert job.strategy.tp_plan == (("wte", "vocab"), ("head", "vocab"))
+    assert job.strategy.tp_plan == ((r"blocks\.\d+\.mlp\.fc1$", "colwise"),  # Megatron's
+                                    (r"blocks\.\d+\.mlp\.fc2$", "rowwise"),  # MLP pair
+                                    ("wte", "vocab"), ("head", "vocab"))
     assert any("tp_plan auto from structure" in n for n in job.notes)
