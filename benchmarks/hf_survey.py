@@ -5,6 +5,7 @@ type, equal to eager, refused with one line (the line), or a traceback.
 
     python benchmarks/hf_survey.py [--jobs 2] [--timeout 300] [TYPE ...]
     python benchmarks/hf_survey.py --again TYPE ...   # measure these anew, keep the rest
+    python benchmarks/hf_survey.py --render           # the tables from hf_survey.json
 
 Each row names the meshplan commit it was measured at.
 """
@@ -87,6 +88,23 @@ def by_class(rows: list[dict]) -> list[str]:
     return out
 
 
+README = Path(__file__).parents[1] / "README.md"
+MARKS = ("<!-- hf-refused -->", "<!-- /hf-refused -->")
+
+
+def _readme(rows: list[dict], counts: dict) -> None:
+    """The README's list of refused families: this survey's, between MARKS."""
+    text = README.read_text()
+    if MARKS[0] not in text:
+        return
+    head, rest = text.split(MARKS[0], 1)
+    tail = rest.split(MARKS[1], 1)[1]
+    summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+    block = [f"Of {len(rows)} types: {summary}. Refused, by class (each row: the line a user "
+             "sees for the first of its types):", "", *by_class(rows)]
+    README.write_text(head + MARKS[0] + "\n" + "\n".join(block) + "\n" + MARKS[1] + tail)
+
+
 def _commit() -> str:
     p = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                        cwd=Path(__file__).parent)
@@ -100,6 +118,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--again", action="store_true",
                     help="measure the TYPEs anew and keep the other rows of hf_survey.json")
+    ap.add_argument("--render", action="store_true",
+                    help="write hf_survey.md and the README's list from hf_survey.json only")
     a = ap.parse_args()
     import transformers
 
@@ -123,8 +143,11 @@ def main() -> None:
         print(f"{r['type']:<28} {r['outcome']:<9} {r.get('line', '')[:150]}", flush=True)
         return r
 
-    with ThreadPoolExecutor(a.jobs) as pool:
-        rows = list(pool.map(one, names))
+    if a.render:
+        rows = json.loads((RESULTS / "hf_survey.json").read_text())["rows"]
+    else:
+        with ThreadPoolExecutor(a.jobs) as pool:
+            rows = list(pool.map(one, names))
     data = {"transformers": transformers.__version__, "command":
             "meshplan verify --hf TYPE --steps 2 --json", "rows": rows}
     (RESULTS / "hf_survey.json").write_text(json.dumps(data, indent=1) + "\n")
@@ -140,6 +163,7 @@ def main() -> None:
     lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} | "
               f"{r.get('commit', '')} |" for r in rows]
     (RESULTS / "hf_survey.md").write_text("\n".join(lines) + "\n")
+    _readme(rows, counts)
     PARTIAL.unlink(missing_ok=True)
 
 
