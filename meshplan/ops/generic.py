@@ -61,7 +61,8 @@ def vjp_sbp(sbp_of: Callable[[str], SbpRule], args: tuple, kwargs: dict, outs: O
             continue
         grads = tuple(Partial() if isinstance(sig.ins[i], Replicate) else sig.ins[i]
                       for i in wrt)
-        gout_ins = tuple(o for o, g in zip(sig.outs, gouts) if isinstance(g, TensorMeta))
+        gout_ins = tuple(o for o, g in zip(sig.outs, gouts) if isinstance(g, TensorMeta)
+                         and o is not None)
         sigs.append(SbpSig(sig.ins + gout_ins, grads))
     return sigs + [replicated(n_in, len(outs))]
 
