@@ -6,7 +6,7 @@ differentiable aten op, at the price of one extra forward.
 Its args are `(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt)` where `wrt`
 indexes the forward op's tensor arguments in traversal order.
 
-Its SBP signatures (`vjp_sbp`), for a forward kind of `SPLIT_VJP`, are the
+Its SBP signatures (`vjp_sbp`), for a forward kind of `sbp_table.SPLIT_VJP`, are the
 forward's own splits: where the forward computes each output shard from
 its inputs' shards (no Partial output), the vjp of a shard gives the
 gradient of each split input's shard, and of a replicated (broadcast)
@@ -25,9 +25,7 @@ from meshplan.ir.sbp import Partial, Replicate, Shard
 from meshplan.ops.resolve import resolve_aten
 from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
-
-# Forward kinds with SBP rules and no exact gradient, whose vjp splits as they do
-SPLIT_VJP = frozenset({"aten.scaled_dot_product_attention.default"})
+from meshplan.ops.sbp_table import SPLIT_VJP
 
 
 def _tensor_slots(op: Op) -> list[Ref]:

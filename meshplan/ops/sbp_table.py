@@ -95,6 +95,10 @@ SBP: dict[str, SbpRule] = {
 }
 
 
+# Forward kinds with an SBP rule and no exact gradient, whose generic vjp
+# takes the forward's own splits (ops/generic.py: vjp_sbp)
+SPLIT_VJP = frozenset({"aten.scaled_dot_product_attention.default"})
+
 def replicated_rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """The default: every tensor replicated (correct for any op)."""
     return [replicated(len(tensors((args, kwargs))), len(outs))]

@@ -204,7 +204,7 @@ def rule_for(kind: str) -> OpRule:
         return replace(_MESHPLAN_KINDS[kind], sbp=partial(vjp_sbp, _sbp_of) if kind == k.VJP
                        else SBP.get(kind, replicated_rule))
     if not kind.startswith("aten."):
-        why = next((w for k, w in _KNOWN_CUSTOM.items() if kind.startswith(k)),
+        why = next((w for prefix, w in _KNOWN_CUSTOM.items() if kind.startswith(prefix)),
                    "meshplan trains aten ops and its own")
         raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op ({why})")
     kernel = resolve_aten(kind)
