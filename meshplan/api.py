@@ -228,10 +228,7 @@ def verify(job, module, batches: Sequence[tuple], bounds=None,
 
 def optimizer_of(job):
     """The `OptimizerConfig` the Job's train step was built with."""
-    meta = dict(job.graph.meta)
-    if "optimizer_config" not in meta:
-        raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
-    return OptimizerConfig.from_json(meta["optimizer_config"])
+    return OptimizerConfig.of_job(job)
 
 
 def _checked(job, batches: Sequence[tuple]) -> list[tuple]:

@@ -102,6 +102,14 @@ class OptimizerConfig:
         d["lr_schedule"] = LrSchedule(**d["lr_schedule"])
         return OptimizerConfig(**d)
 
+    @staticmethod
+    def of_job(job) -> OptimizerConfig:
+        """The config the Job's train step was built with (its meta)."""
+        meta = dict(job.graph.meta)
+        if "optimizer_config" not in meta:
+            raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
+        return OptimizerConfig.from_json(meta["optimizer_config"])
+
     @property
     def guard(self) -> NonFinite | None:
         """What a non-finite gradient norm does, when the norm is computed."""

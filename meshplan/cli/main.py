@@ -40,6 +40,8 @@ from meshplan.cli.flags import (
 from meshplan.cli.progress import Progress
 from meshplan.cli.run_cmd import cmd_run, loss_table
 from meshplan.cli.show_cmd import cmd_show
+from meshplan.cli.train_cmd import EPILOG as EPILOG_TRAIN
+from meshplan.cli.train_cmd import add_train_flags, cmd_train
 from meshplan.cli.verdict import add_tolerance_flag, bounds_of, verdict_lines
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.choices import Precision, Recompute
@@ -103,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
                  "train beside eager PyTorch, draw the schedule and losses, write a trace",
                  EPILOG_DEMO, cmd_demo, planning=False)
     add_demo_flags(p)
+
+    p = add_verb(sub, "train", "train a language model on a prepared token directory: "
+                 "metrics, evaluation, loss.png and the trained weights (no arguments: the "
+                 "main job)", EPILOG_TRAIN, cmd_train)
+    add_training_flags(p, steps=60)
+    add_device_flags(p)
+    add_train_flags(p)
+
+    p = add_verb(sub, "prepare-data", "turn text files (or JSONL, or a local datasets "
+                 "directory) into a token directory for `meshplan train`", EPILOG_PREPARE,
+                 cmd_prepare_data, planning=False, json_help="print the index as JSON")
+    add_prepare_flags(p)
 
     p = add_verb(sub, "inspect", "capture a model on the meta device and count it",
                  EPILOG_INSPECT, _cmd_inspect, planning=False)
@@ -276,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                                               logging.INFO if args.verbose else logging.WARNING)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     args.progress = Progress(quiet=args.quiet)
+    args.argv = argv
     with _checks_when(args.debug):
         if getattr(args, "hf", None):  # --hf gpt2 is the model hf:gpt2
             args.model = "hf:" + args.hf

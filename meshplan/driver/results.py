@@ -53,6 +53,8 @@ class RunResult(JsonResult):
     # the guard's `--on-nonfinite skip`: the steps no rank applied (norm inf/nan)
     skipped_steps: list[int] = field(default_factory=list)
     state_slices: dict[int, dict] | None = field(default=None, repr=False)
+    # samples each rank's token reader read (None: the rank had no reader)
+    rows_read: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def grad_norms(self) -> list[float]:

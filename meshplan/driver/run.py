@@ -116,26 +116,31 @@ def run_devices(device: str, backend: str, ranks_here: int) -> tuple[str, str]:
 
 
 def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None,
-           on_step=None) -> RunResult:
-    """Run `spec` on `job.mesh.world` local processes (results in a temporary
-    folder; `saved`, weights and batches, if given, go there as the ranks'
-    `module_file`, tensors only)
-    and merge what they report."""
-
-    with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
-        module_file = ""
-        if saved is not None:
-            module_file = str(Path(results) / "inputs.bin")
-            save_inputs(Path(module_file), saved["weights"], saved["batches"])
-        spec = replace(spec, results=results, module_file=module_file)
-        log.info("starting %d rank processes for %d steps (plans: %s)", job.mesh.world,
-                 spec.steps, spec.plan_dir or "each rank lowers its own")
-        per_rank = launch_local(spec, job.mesh.world, job.to_bytes(),
-                                deadline_s=60 + spec.steps * 60, on_step=on_step)
-        slices = {r: read_tensors(Path(results) / f"state_{r}.bin", STATE)[0]
-                  for r in range(job.mesh.world)} if spec.report_state else None
+           on_step=None, results: str = "", eval_job=None) -> RunResult:
+    """Run `spec` on `job.mesh.world` local processes and merge what they
+    report. Results go to a temporary folder (or `results`, which the caller
+    reads while the run goes on); `saved`, weights and batches, if given, go
+    there as the ranks' `module_file` (tensors only), and `eval_job` (the
+    forward-only Job) as their `eval_job` file."""
+    if not results:
+        with tempfile.TemporaryDirectory(prefix="meshplan-run-") as tmp:
+            return launch(job, spec, t0, trace, saved, on_step, tmp, eval_job)
+    module_file = eval_file = ""
+    if saved is not None:
+        module_file = str(Path(results) / "inputs.bin")
+        save_inputs(Path(module_file), saved["weights"], saved["batches"])
+    if eval_job is not None:
+        eval_file = str(Path(results) / "eval_job.bin")
+        write_atomic(Path(eval_file), eval_job.to_bytes())
+    spec = replace(spec, results=results, module_file=module_file, eval_job=eval_file)
+    log.info("starting %d rank processes for %d steps (plans: %s)", job.mesh.world,
+             spec.steps, spec.plan_dir or "each rank lowers its own")
+    per_rank = launch_local(spec, job.mesh.world, job.to_bytes(), on_step=on_step)
+    slices = {r: read_tensors(Path(results) / f"state_{r}.bin", STATE)[0]
+              for r in range(job.mesh.world)} if spec.report_state else None
     out = merge(per_rank, job, time.perf_counter() - t0, trace)
     out.state_slices = slices
+    out.rows_read = {str(r): v.get("rows_read") for r, v in sorted(per_rank.items())}
     return out
 
 

@@ -98,12 +98,16 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Return mean cross-entropy of predicting `targets` from `tokens` (both B, T)."""
+        logits = self.logits(tokens)
+        return F.cross_entropy(logits.view(-1, self.vocab), targets.view(-1))
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next-token logits (B, T, vocab) of `tokens` (B, T)."""
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, self.vocab), targets.view(-1))
+        return self.head(self.ln_f(x))
 
 
 def init_weights(model: nn.Module) -> None:

@@ -234,3 +234,15 @@ def plan_job(graph: Graph, mesh: Mesh, strategy: Strategy, checks: bool | None =
     applied) for `strategy` on `mesh`: `PASSES` without those two."""
     c = PASSES.run(Compilation(graph, mesh, strategy), skip=TRAIN_STEP_PASSES, checks=checks)
     return c.job
+
+
+def plan_forward(graph: Graph, mesh: Mesh, strategy: Strategy,
+                 checks: bool | None = None) -> Job:
+    """The forward-only Job of `graph` (a captured forward, ending in its
+    loss) for evaluation: `PASSES` without autodiff, so it has no backward,
+    no gradient and no optimizer op. Its ranks run F actions only (the
+    schedule's B actions and STEP find nothing to do), each micro-batch's
+    loss on the last stage, with the train Job's placement, layouts and
+    stages, so an evaluating rank reads the parameters the train plan keeps."""
+    c = PASSES.run(Compilation(graph, mesh, strategy), skip=("autodiff",), checks=checks)
+    return c.job

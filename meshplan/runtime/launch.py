@@ -5,7 +5,13 @@ Invariants:
   ran a kernel, so they start fast and clean.
 - If a rank exits non-zero (it raised, or was killed), every other rank is
   ended within seconds, and the launch fails with one line naming the rank
-  and the action it was in. A global deadline bounds the whole run.
+  and the action it was in.
+- No overall deadline: a run takes as long as its steps. A heartbeat bounds
+  it instead: each rank stamps `time.monotonic()` (one clock for every
+  process of the machine) at each action, and a rank whose stamp is older
+  than `spec.stall_s` ends the run, named with its action. The ranks that
+  wait on a stalled rank stop stamping after it, so the oldest stamp names
+  the rank that stalled first.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ def _context():
     return ctx
 
 
-def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float = 600.0,
+def launch_local(spec: RunSpec, world: int, job_bytes: bytes,
                  on_step=None) -> dict[int, dict]:
     """Run `world` ranks locally; returns each rank's result.
     `on_step(k)` is called whenever every rank has finished k steps."""
@@ -46,15 +52,16 @@ def launch_local(spec: RunSpec, world: int, job_bytes: bytes, deadline_s: float 
     ctx = _context()
     progress = ctx.Array("i", [-1] * world, lock=False)
     steps_done = ctx.Array("i", [0] * world, lock=False)
+    beats = ctx.Array("d", [time.monotonic()] * world, lock=False)
     procs = [ctx.Process(target=spawn_entry,
                          args=(spec.to_json(), r, world, str(job_path), port, progress,
-                               steps_done),
+                               steps_done, beats),
                          name=f"meshplan-rank-{r}") for r in range(world)]
     for p in procs:
         p.start()
     try:
-        _watch(procs, results, deadline_s, progress, job_bytes,
-               _step_reporter(steps_done, on_step))
+        _watch(procs, results, spec.stall_s, progress, job_bytes,
+               _step_reporter(steps_done, on_step), beats)
     finally:
         for p in procs:
             if p.is_alive():
@@ -77,16 +84,14 @@ def _step_reporter(steps_done, on_step):
     return poll
 
 
-def _watch(procs, results: Path, deadline_s: float, progress, job_bytes,
-           poll=lambda: None) -> None:
-    start = time.monotonic()
+def _watch(procs, results: Path, stall_s: float, progress, job_bytes,
+           poll=lambda: None, beats=None) -> None:
     while any(p.is_alive() for p in procs):
         time.sleep(0.05)
         poll()
         _raise_if_failed(procs, results, progress, job_bytes)
-        if time.monotonic() - start > deadline_s:
-            raise RuntimeFault(f"the run exceeded its {deadline_s:.0f} s deadline; ranks still "
-                               f"running: {[r for r, p in enumerate(procs) if p.is_alive()]}")
+        if beats is not None:
+            _raise_if_stalled(procs, beats, stall_s, progress, job_bytes)
     for p in procs:  # all ended: possibly all failed between two polls
         p.join(timeout=5)
     _raise_if_failed(procs, results, progress, job_bytes)
@@ -106,6 +111,24 @@ def _raise_if_failed(procs, results: Path, progress, job_bytes) -> None:
         if error.startswith("KernelFault: "):  # the input's fault (2) or meshplan's (1)
             raise KernelFault(message, first.get("exit_code", 1))
         raise RuntimeFault(message)
+
+
+def _raise_if_stalled(procs, beats, stall_s: float, progress, job_bytes) -> None:
+    """A live rank whose last action began more than `stall_s` ago ends the
+    run: the one with the oldest heartbeat is named."""
+    now = time.monotonic()
+    live = [r for r, p in enumerate(procs) if p.is_alive()]
+    stalled = [r for r in live if now - beats[r] > stall_s]
+    if not stalled:
+        return
+    r = min(stalled, key=lambda k: beats[k])
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    raise RuntimeFault(f"rank {r} made no progress for {now - beats[r]:.0f} s (--stall-timeout "
+                       f"{stall_s:g}) in action {_action_of(r, progress, job_bytes)}; the run "
+                       "was stopped. Look at that rank's host, or raise --stall-timeout if its "
+                       "steps are that slow")
 
 
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:

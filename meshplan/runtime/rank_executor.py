@@ -69,6 +69,7 @@ from meshplan.lowering.rankplan import (
 from meshplan.runtime.amp import initial_loss_scale, next_scale
 from meshplan.runtime.bind import RankContext, bind_task, deferred_all_reduce, localize
 from meshplan.runtime.codegen import compile_segment, failing_ops
+from meshplan.runtime.data import data_rows
 from meshplan.runtime.early_collectives import EarlyCollectives
 from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
@@ -101,6 +102,7 @@ class RankExecutor:
         self.updates = {u.value: (u.name, roles.get(u.name)) for u in g.updates}
         self.data_ids = [v.id for v in g.inputs_by_role(Role.DATA)]
         self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
+        self.trains = bool(self.grad_names)  # a forward-only Job (evaluation) has no STEP work
         self.placement = job.strategy.stage_placement
         self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
@@ -116,6 +118,7 @@ class RankExecutor:
         self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
             if comm is not None and job.strategy.zero == 3 else None
         self._build(plan)
+        self.rows = data_rows(self.ctx, [v for v in self.data_ids if v in self.used])
         self.transfers = Transfers(job, plan, self.ctx, self.device,
                                    p2p=getattr(comm, "p2p", None))
         self.next_recv = _next_recv(plan.actions)
@@ -220,14 +223,16 @@ class RankExecutor:
         return state
 
     # ------------------------------------------------------------ the step
-    def step(self, state: dict, microbatches) -> list[torch.Tensor]:
-        """Run the rank's actions over `microbatches` (global micro-batches);
-        returns this rank's loss per micro-batch (empty if it holds none)."""
+    def step(self, state: dict, microbatches, local_rows: bool = False) -> list[torch.Tensor]:
+        """Run the rank's actions over `microbatches` (global micro-batches,
+        or with `local_rows` only this rank's `rows` of each: a reader that
+        reads no more than the rank needs); returns this rank's loss per
+        micro-batch (empty if it holds none)."""
         for name in self.grad_names:
             self._swap(state, name, None)
         if LOSS_SCALE in state:  # the state is the truth: a checkpoint may have set it
             self.loss_scale = float(state[LOSS_SCALE])
-        envs = [self._data_env(mb) for mb in microbatches]
+        envs = [self._data_env(mb, local_rows) for mb in microbatches]
         self.nonfinite = None
         self.left: list[dict[int, int]] = [{} for _ in microbatches]
         if self.buckets is not None:
@@ -294,6 +299,8 @@ class RankExecutor:
     def _action(self, action, envs: list[dict], state: dict, losses: dict) -> None:
         t = action.type
         if t is ActionType.STEP:
+            if not self.trains:
+                return
             if self.schedule is not None:
                 schedule, base = self.schedule
                 state[LR].fill_(schedule.lr_at(base, int(state[STEP_COUNT])))
@@ -357,12 +364,15 @@ class RankExecutor:
         elif vid in env:
             self.mem.drop(env.pop(vid))
 
-    def _data_env(self, batch) -> dict:
+    def _data_env(self, batch, local_rows: bool = False) -> dict:
         env = {}
         for vid, t in zip(self.data_ids, batch):
             if vid not in self.used:
                 continue
             box = self.ctx.box(vid)
+            if local_rows:  # dim 0 holds this rank's rows only
+                assert self.rows is not None and t.shape[0] == self.rows[1] - self.rows[0]
+                box = ((box[0][0] - self.rows[0], box[0][1] - self.rows[0]),) + tuple(box[1:])
             local = t
             for d, (a, b) in enumerate(box):
                 if (a, b) != (0, t.shape[d]):

@@ -56,6 +56,13 @@ class RunSpec:
     gather: bool = False
     module_file: str = ""  # a user's weights and batches (tensors only), not a zoo model
     report_state: bool = False  # write the final state's slices (verify compares them)
+    data: str = ""        # a `TokenFeed` (JSON): each rank reads its own rows of a token file
+    eval_data: str = ""   # the validation split's `TokenFeed` (JSON)
+    eval_job: str = ""    # the forward-only Job's file (`passes/plan.plan_forward`)
+    eval_every: int = 0   # evaluate before the first step and after every this many
+    eval_batches: int = 0
+    step_rows: bool = False  # append each step's row to `<results>/steps_<rank>.jsonl`
+    stall_s: float = 300.0   # a rank with no action for this long ends the run (launcher)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -73,13 +80,15 @@ def _groups(plan) -> list[tuple[int, ...]]:
 
 def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
               init_method: str | None = None, progress=None, master=None,
-              steps_done=None) -> int:
+              steps_done=None, beats=None) -> int:
     """Run one rank; returns its exit code (0 ok, 1 failed and reported).
 
     Under torchrun `job_bytes` is None: rank 0 runs `master()` (capture and
     planning) and broadcasts the Job's bytes; every rank lowers itself.
     `progress[rank]` is set to each action's index before it runs,
-    `steps_done[rank]` to the steps finished (counting resumed ones)."""
+    `steps_done[rank]` to the steps finished (counting resumed ones),
+    `beats[rank]` to `time.monotonic()` at each action (the heartbeat the
+    launcher's stall check reads)."""
     try:
         torch.set_num_threads(spec.threads)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -96,7 +105,7 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
 
             job_bytes = broadcast_bytes(master() if rank == 0 else None, src=0)
         job = Job.from_bytes(job_bytes)
-        return _train(spec, job, rank, world, progress, steps_done, device, backend)
+        return _train(spec, job, rank, world, progress, steps_done, device, backend, beats)
     except Exception as e:  # reported, then the launcher ends the others
         ex = _CURRENT.get("executor")
         where = ex.current if ex is not None else "setup"
@@ -119,12 +128,11 @@ _CURRENT: dict = {}
 
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
-           steps_done=None, device=None, backend: str = "gloo") -> int:
+           steps_done=None, device=None, backend: str = "gloo", beats=None) -> int:
     from meshplan.lowering.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
-    from meshplan.runtime.data import split_microbatches
-    from meshplan.runtime.rank_executor import NonFiniteNorm, RankExecutor, halted
+    from meshplan.runtime.rank_executor import RankExecutor
 
     if world != job.mesh.world:
         raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
@@ -138,40 +146,16 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
     ex = RankExecutor(job, plan, comm, device=device)
     _CURRENT["executor"] = ex
-    if progress is not None:
-        def report(index: int) -> None:
-            progress[rank] = index
-
-        ex.on_action = report
-    module, batch_of = _source(spec, job)
+    ex.on_action = _reporter(rank, progress, beats)
+    module, feed = _source(spec, job, ex)
     state = ex.init_state(module)
-    s = job.strategy
+    evaluator = _evaluator(spec, job, rank, comm, device, ex.on_action)
     start = 0
     if spec.resume:
         ex.current = "load checkpoint"
         start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
-    losses, norms, times, trace, skipped = [], [], [], None, []
-    clock = StepClock(device)
-    for step in range(start, spec.steps):
-        mbs = split_microbatches(batch_of(step), s.num_microbatches)
-        clock.start()
-        if spec.trace and step == spec.steps - 1:
-            out, trace = _traced_step(ex, comm, state, mbs)
-        else:
-            try:
-                out = ex.step(state, mbs)
-            except NonFiniteNorm as e:
-                raise halted(step, e, ex.step_losses.values()) from None
-        if ex.nonfinite is not None:  # skipped, on every rank alike
-            skipped.append(step)
-        times.append(clock.stop())
-        if out:
-            losses.append(float(torch.stack(out).mean()))
-        norm = ex.grad_norm(state)
-        if norm is not None:
-            norms.append(norm)
-        if steps_done is not None:
-            steps_done[rank] = step + 1
+    done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done)
+    losses, norms, times, trace, skipped, rows_read = done
     if spec.save_dir:
         ex.current = "save checkpoint"
         checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
@@ -188,7 +172,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
               "measured_peak_bytes": measured_peak(device, ex.mem),
               "live_peak_bytes": ex.mem.peak, "device": str(device),
               "attention_fallbacks": dict(FALLBACKS), "attention_ran": dict(RAN),
-              "trace": trace}
+              "trace": trace, "rows_read": rows_read}
     data = json.dumps(result).encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
         from meshplan.runtime.comm import gather_bytes
@@ -202,25 +186,141 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     return 0
 
 
-def _source(spec: RunSpec, job: Job):
-    """The module (with its initial weights) and `batch_of(step)`, the global
-    batch of each step: a zoo model built from its config and seed, or the
+def _source(spec: RunSpec, job: Job, ex):
+    """The module's initial weights and `feed(step) -> (micro-batches,
+    local_rows)`: the rank's own rows of a token file (`spec.data`), the
     user's weights and batches saved by the launcher (`module_file`, tensors
-    only: `runtime/tensor_file.py`)."""
+    only: `runtime/tensor_file.py`), or a zoo model built from its config
+    and seed with its synthetic batches."""
+    from meshplan.runtime.data import split_microbatches
+
+    m = job.strategy.num_microbatches
     if spec.module_file:
         from meshplan.runtime.tensor_file import load_inputs
 
         weights, batches = load_inputs(Path(spec.module_file))
-        return weights, lambda step: batches[step]
+        if spec.data:
+            return weights, _token_feed(spec.data, job, ex.rows)
+        return weights, lambda step: (split_microbatches(batches[step], m), False)
     from meshplan.models import build_model, example_batch, model_config
 
     cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
     torch.manual_seed(spec.seed)
     gbs = job.strategy.global_batch_size
-    return build_model(cfg), lambda step: example_batch(cfg, gbs, seed=spec.seed + step)
+    return build_model(cfg), lambda step: (
+        split_microbatches(example_batch(cfg, gbs, seed=spec.seed + step), m), False)
 
 
-def _traced_step(ex, comm, state: dict, mbs) -> tuple[list, list]:
+def _token_feed(text: str, job: Job, rows):
+    """`feed(step)`: this rank's rows of each micro-batch, read from the
+    token file (nothing for a rank whose plan reads no data)."""
+    from meshplan.data.feed import FeedReader, TokenFeed
+
+    reader = FeedReader(TokenFeed.from_json(text), job.strategy.global_batch_size,
+                        job.strategy.num_microbatches)
+    m = job.strategy.num_microbatches
+
+    def feed(step: int):
+        if rows is None:
+            return [() for _ in range(m)], True
+        return reader.microbatches(step, rows), True
+
+    feed.reader = reader  # type: ignore[attr-defined]  # its rows_read are reported
+    return feed
+
+
+def _reporter(rank: int, progress, beats):
+    """The executor's per-action hook: the action's index for the launcher's
+    failure line, and the heartbeat its stall check reads."""
+    if progress is None and beats is None:
+        return None
+
+    def report(index: int) -> None:
+        if progress is not None:
+            progress[rank] = index
+        if beats is not None:
+            beats[rank] = time.monotonic()
+
+    return report
+
+
+def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, rank: int,
+          device, steps_done):
+    """The steps from `start` to `spec.steps`, evaluating as asked; returns
+    (losses, norms, step times, trace, skipped steps, rows read)."""
+    from meshplan.runtime.rank_executor import NonFiniteNorm, halted
+
+    losses, norms, times, trace, skipped = [], [], [], None, []
+    clock = StepClock(device)
+    rows = _StepRows(spec, rank, ex)
+    if evaluator is not None and start == 0:
+        rows.eval(0, evaluator.run(state))
+    for step in range(start, spec.steps):
+        clock.start()
+        mbs, local = feed(step)
+        if spec.trace and step == spec.steps - 1:
+            out, trace = _traced_step(ex, comm, state, mbs, local)
+        else:
+            try:
+                out = ex.step(state, mbs, local)
+            except NonFiniteNorm as e:
+                raise halted(step, e, ex.step_losses.values()) from None
+        if ex.nonfinite is not None:  # skipped, on every rank alike
+            skipped.append(step)
+        times.append(clock.stop())
+        loss = float(torch.stack(out).mean()) if out else None
+        if loss is not None:
+            losses.append(loss)
+        norm = ex.grad_norm(state)
+        if norm is not None:
+            norms.append(norm)
+        rows.train(step + 1, loss, norm, state, times[-1])
+        if evaluator is not None and (step + 1) % spec.eval_every == 0:
+            rows.eval(step + 1, evaluator.run(state))
+        if steps_done is not None:
+            steps_done[rank] = step + 1
+    reader = getattr(feed, "reader", None)
+    return losses, norms, times, trace, skipped, reader.rows_read if reader else None
+
+
+class _StepRows:
+    """With `spec.step_rows`, each step's and evaluation's numbers as one JSON
+    line of `<results>/steps_<rank>.jsonl`, flushed as it happens, so the
+    driver writes metrics while the run goes on."""
+
+    def __init__(self, spec: RunSpec, rank: int, ex):
+        self.ex = ex
+        self.file = open(Path(spec.results) / f"steps_{rank}.jsonl", "a") \
+            if spec.step_rows else None  # noqa: SIM115 - closed with the process
+
+    def _write(self, row: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+    def train(self, step: int, loss, norm, state: dict, step_s: float) -> None:
+        from meshplan.ir import LR
+
+        lr = float(state[LR]) if LR in state else None
+        self._write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr,
+                     "step_s": step_s, "peak_bytes": measured_peak(self.ex.device,
+                                                                   self.ex.mem)})
+
+    def eval(self, step: int, loss) -> None:
+        self._write({"eval_step": step, "eval_loss": loss})
+
+
+def _evaluator(spec: RunSpec, job: Job, rank: int, comm, device, on_action):
+    """The forward-only plan's executor over the validation feed, or None."""
+    if not spec.eval_job or spec.eval_every <= 0:
+        return None
+    from meshplan.runtime.evaluate import Evaluator
+
+    return Evaluator(Job.from_bytes(Path(spec.eval_job).read_bytes()), job, rank, comm,
+                     device, spec.eval_data, spec.eval_batches, on_action)
+
+
+def _traced_step(ex, comm, state: dict, mbs, local: bool = False) -> tuple[list, list]:
     """One step with every action and collective timed: its losses, and its
     spans (`Span.to_json` rows) in seconds from a barrier all ranks leave
     together, so ranks on different machines share the origin up to the
@@ -233,7 +333,7 @@ def _traced_step(ex, comm, state: dict, mbs) -> tuple[list, list]:
     if comm is not None:
         comm.spans = spans
     try:
-        out = ex.step(state, mbs)
+        out = ex.step(state, mbs, local)
     finally:
         ex.spans = None
         if comm is not None:
@@ -285,11 +385,11 @@ def measured_peak(device, live) -> int:
 
 
 def spawn_entry(spec_json: str, rank: int, world: int, job_path: str, port: int,
-                progress=None, steps_done=None) -> None:
+                progress=None, steps_done=None, beats=None) -> None:
     """Target of a locally spawned rank process."""
     spec = RunSpec.from_json(spec_json)
     job_bytes = Path(job_path).read_bytes()
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     code = rank_main(spec, rank, world, job_bytes, f"tcp://127.0.0.1:{port}", progress,
-                     steps_done=steps_done)
+                     steps_done=steps_done, beats=beats)
     raise SystemExit(code)

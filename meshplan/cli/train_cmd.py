@@ -1,0 +1,229 @@
+"""The `train` verb: a training run of a language model on a prepared token
+directory, from the user's flags (or a TOML config) to a trained model.
+
+Invariants:
+- Every mistake the flags, the config or the data can hold is found before
+  the run's directory is written: one line, exit 2, no partial files.
+- The verb's defaults are the main job: GPT small on the Python standard
+  library's own sources (byte tokens, prepared on first use under
+  `$MESHPLAN_HOME/data/`), 8 local ranks (dp2 tp2 pp2 vpp2, interleaved),
+  AdamW with a cosine schedule, clipping at 1.0, evaluation every 10 steps.
+- The run's directory holds `config.toml` (the resolved config: every
+  flag's value), `metrics.jsonl` (and `tensorboard/` when installed),
+  `loss.png` and the trained weights (`model.safetensors`, or `model.pt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from meshplan.cli.flags import mesh_of, optimizer_config, overrides
+from meshplan.errors import ConfigError
+
+EPILOG = """examples:
+  meshplan train                                   # the main job (3-5 min on 2 cores)
+  meshplan prepare-data --input 'corpus/*.txt' --out data/ --tokenizer bpe:4096
+  meshplan train --data data/ --size tiny --devices-per-node 4 --tp 1 --pp 2 --vpp 1 \\
+      --steps 30 --eval-every 10 --out run1/
+  meshplan train --config run.toml --set lr=3e-4 --set steps=200
+  meshplan train --hf llama --size tiny --data data/ --devices-per-node 2 --tp 1 --pp 2 --vpp 1"""
+
+MAIN_JOB = {"size": "small", "devices_per_node": 8, "tp": 2, "pp": 2, "vpp": 2,
+            "optimizer": "adamw", "lr": 2e-3, "lr_schedule": "cosine", "warmup_steps": 5,
+            "min_lr": 2e-4, "clip_grad_norm": 1.0, "global_batch_size": 16,
+            "micro_batch_size": 2}
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """The train-only flags, and the main job's defaults for the shared ones."""
+    from meshplan.cli.train_config import add_config_file_flags
+
+    g = p.add_argument_group("the run")
+    g.add_argument("--data", default="", metavar="DIR",
+                   help="a token directory written by `meshplan prepare-data` (default: the "
+                   "Python standard library's sources, byte tokens, prepared on first use)")
+    g.add_argument("--out", default="meshplan-train", metavar="DIR",
+                   help="the run's directory: config, metrics, loss.png, weights "
+                   "(default meshplan-train/)")
+    g.add_argument("--tokens", type=int, default=None, metavar="N",
+                   help="train on N tokens (steps = N / (global batch x seq-len), rounded up); "
+                   "instead of --steps")
+    g.add_argument("--eval-every", type=int, default=10, metavar="N",
+                   help="evaluate on the validation split before the first step and every N "
+                   "steps (0: never; default 10)")
+    g.add_argument("--eval-batches", type=int, default=4, metavar="B",
+                   help="global batches per evaluation (default 4)")
+    g.add_argument("--stall-timeout", type=float, default=300.0, metavar="S",
+                   help="a rank with no progress for S seconds ends the run, named "
+                   "(default 300); there is no overall time limit")
+    g.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    g.add_argument("--sample-tokens", type=int, default=120, metavar="N",
+                   help="print N tokens the trained model writes after a validation prompt "
+                   "(0: none)")
+    g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="also write TensorBoard events (default: when tensorboard is installed)")
+    add_config_file_flags(g)
+    p.set_defaults(steps=60, **MAIN_JOB)
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    """Plan, run and report one training run."""
+    from meshplan.cli.auto_cmd import strategy_of
+    from meshplan.data.feed import TokenFeed
+    from meshplan.driver.train import tokens_to_steps
+    from meshplan.driver.train_model import language_model, sized_config
+
+    a = _resolved(a)
+    _check(a)
+    data_dir = a.data or default_corpus(a.progress)
+    cfg = sized_config(a.model, a.size, data_dir, overrides(a))
+    a.vocab = cfg.vocab  # the data's, for --auto's search too
+    strategy = strategy_of(a, cfg)
+    steps = tokens_to_steps(a.tokens, strategy.global_batch_size, cfg.seq_len) \
+        if a.tokens else a.steps
+    a.steps = steps
+    lm = language_model(a.model, a.size, data_dir, mesh_of(a), strategy, optimizer_config(a),
+                        a.seed, overrides(a))
+    s = lm.job.strategy
+    feed = TokenFeed(data_dir, "train", cfg.seq_len, a.seed, lm.layout)
+    eval_feed = TokenFeed(data_dir, "validation", cfg.seq_len, a.seed, lm.layout, shuffle=False)
+    if a.eval_every:
+        _check_validation(eval_feed, a.eval_batches, s.global_batch_size)
+    _prepare_out(a)
+    return _run(a, lm, feed, eval_feed, steps, data_dir)
+
+
+def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
+    from meshplan.cli.pictures import draw_training
+    from meshplan.driver.train import train_job
+    from meshplan.driver.train_model import (
+        perplexity,
+        sample_text,
+        unigram_entropy,
+        write_weights,
+    )
+
+    with a.progress.task("training steps", steps) as update:
+        r = train_job(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,
+                      eval_data=eval_feed, eval_every=a.eval_every,
+                      eval_batches=a.eval_batches, seed=a.seed, threads=a.threads,
+                      timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
+                      device=a.device, backend=a.backend, tensorboard=a.tensorboard,
+                      on_step=update)
+    lm.module.load_state_dict({k: v for k, v in r.weights.items()}, strict=False)
+    weights = write_weights(r.weights, a.out)
+    entropy = unigram_entropy(data_dir)
+    draw_training(r.metrics + [{"kind": "eval", "step": k, "eval_loss": x}
+                               for k, x in r.evals], str(Path(a.out) / "loss.png"),
+                  reference=entropy, reference_label="unigram entropy")
+    summary = {"steps": steps, "losses": r.losses, "evals": r.evals, "wall_s": r.wall_s,
+               "unigram_entropy": entropy, "weights": str(weights), "out": a.out,
+               "tokens_per_s": _median([m["tokens_per_s"] for m in r.metrics]),
+               "mfu": _median([m["mfu"] for m in r.metrics])}
+    if a.sample_tokens:
+        prompt, text = sample_text(lm.module, data_dir, lm.cfg.seq_len, a.sample_tokens, a.seed)
+        summary["sample"] = {"prompt": prompt, "continuation": text}
+    if a.json:
+        print(json.dumps(summary))
+        return 0
+    _print_summary(summary, perplexity)
+    return 0
+
+
+def _print_summary(s: dict, perplexity) -> None:
+    first, last = s["losses"][0], s["losses"][-1]
+    print(f"trained {s['steps']} steps in {s['wall_s']:.0f} s: loss {first:.4f} -> {last:.4f}; "
+          f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.2%}")
+    if s["evals"]:
+        (k0, e0), (k1, e1) = s["evals"][0], s["evals"][-1]
+        print(f"eval loss {e0:.4f} at step {k0} -> {e1:.4f} at step {k1} (perplexity "
+              f"{perplexity(e1):.2f}; {1 - e1 / e0:.0%} lower); unigram entropy "
+              f"{s['unigram_entropy']:.4f}")
+    print(f"wrote {s['out']}/: metrics.jsonl, loss.png, config.toml, {Path(s['weights']).name}")
+    if "sample" in s:
+        print("sample (prompt, then the model's continuation):")
+        print(s["sample"]["prompt"] + "\u2502" + s["sample"]["continuation"])
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def _weights(module) -> dict:
+    from meshplan.runtime.state import weights_of
+
+    return weights_of(module)
+
+
+def _resolved(a: argparse.Namespace) -> argparse.Namespace:
+    """The flags with `--config FILE.toml` and `--set` applied (a flag on the
+    command line wins over --set, which wins over the file)."""
+    from meshplan.cli.train_config import is_config_file, resolve
+
+    path = a.config if a.config and is_config_file(a.config) else None
+    if path is None and not a.set:
+        return a
+    argv = a.argv[a.argv.index("train") + 1:]
+    b = resolve(a.flag_parser, argv, path, a.set)
+    for key in ("progress", "argv", "run", "quiet", "debug", "verbose"):
+        if hasattr(a, key):
+            setattr(b, key, getattr(a, key))
+    b.config = None
+    return b
+
+
+def _check(a: argparse.Namespace) -> None:
+    for flag, value in (("--eval-every", a.eval_every), ("--eval-batches", a.eval_batches)):
+        if value < 0:
+            raise ConfigError(f"{flag} {value} must be >= 0")
+    if a.tokens is not None and a.tokens < 1:
+        raise ConfigError(f"--tokens {a.tokens} must be a positive number of tokens")
+    if a.steps < 1:
+        raise ConfigError(f"--steps {a.steps} must be >= 1")
+    if not a.stall_timeout > 0:
+        raise ConfigError(f"--stall-timeout {a.stall_timeout} must be a positive number of "
+                          "seconds, e.g. --stall-timeout 300")
+
+
+def _check_validation(feed, batches: int, gbs: int) -> None:
+    from meshplan.data.tokens import TokenData
+
+    n = (len(TokenData(feed.data_dir, "validation").tokens) - 1) // feed.seq_len
+    if n < batches * gbs:
+        raise ConfigError(f"the validation split of {feed.data_dir} has {n} samples of "
+                          f"seq_len {feed.seq_len}; --eval-batches {batches} x global batch "
+                          f"{gbs} needs {batches * gbs}. Lower --eval-batches, or prepare the "
+                          "data with a larger --val-fraction")
+
+
+def _prepare_out(a: argparse.Namespace) -> None:
+    """The run's directory, with the resolved config written first."""
+    from meshplan.cli.train_config import write_resolved
+
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {a.out} is a file; give a directory for the run")
+    out.mkdir(parents=True, exist_ok=True)
+    write_resolved(a.flag_parser, a, str(out / "config.toml"))
+
+
+def default_corpus(progress) -> str:
+    """The main job's data: the standard library's sources as byte tokens,
+    prepared once under `$MESHPLAN_HOME/data/stdlib-bytes`."""
+    from meshplan.costmodel.load import meshplan_home
+    from meshplan.data.prepare import prepare_data
+    from meshplan.driver.train_model import stdlib_files
+
+    out = Path(meshplan_home()) / "data" / "stdlib-bytes"
+    if (out / "index.json").is_file():
+        return str(out)
+    files = stdlib_files()
+    print(f"preparing the main job's data: {len(files)} standard-library sources -> {out}",
+          file=sys.stderr)
+    with progress.task("files", len(files)) as update:
+        prepare_data(files, str(out), "bytes", 0.02, progress=lambda done, total: update(done))
+    return str(out)

@@ -1,0 +1,94 @@
+"""Feeds: a prepared token directory as a model's micro-batches, read rank by
+rank.
+
+Invariants:
+- A feed is plain data (`TokenFeed`, JSON): what a rank needs to read its
+  own rows, and the very thing the eager reference reads with, so both see
+  the same samples.
+- Sample `j` of step `k`'s global batch is the sampler's global position
+  `k * global_batch_size + j` (`data/sampler.py`): a pure function of
+  (seed, step, sample index), so a run resumed at another dp reads exactly
+  the samples the first would have read next.
+- Micro-batch `i` holds the global batch's samples `[i * b, (i + 1) * b)`,
+  `b = global_batch_size / num_microbatches`; a rank reads rows `[lo, hi)`
+  of each (`runtime/data.data_rows`), nothing else, and none at all when its
+  plan reads no data.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+import numpy as np
+import torch
+
+
+class Layout(StrEnum):
+    """How a sample of `seq_len + 1` tokens becomes a model's (inputs, labels)."""
+
+    NEXT_TOKEN = "next-token"  # (s[:-1], s[1:]): the labels are the next tokens (the zoo)
+    SHIFTED_BY_MODEL = "shifted-by-model"  # (s[:-1], s[:-1]): the model shifts (transformers)
+
+
+def token_batch(samples: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's (inputs, labels) from `samples` [n, seq_len + 1]."""
+    x = samples[:, :-1].contiguous()
+    if layout is Layout.NEXT_TOKEN:
+        return x, samples[:, 1:].contiguous()
+    return x, x.clone()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenFeed:
+    """One split of a token directory, read as a model's batches."""
+
+    data_dir: str
+    split: str  # train | validation
+    seq_len: int
+    seed: int
+    layout: str = Layout.NEXT_TOKEN
+    shuffle: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> TokenFeed:
+        return TokenFeed(**json.loads(text))
+
+
+class FeedReader:
+    """A `TokenFeed` opened on one process: micro-batches by step, counting
+    the samples it read (`rows_read`)."""
+
+    def __init__(self, feed: TokenFeed, global_batch_size: int, num_microbatches: int):
+        from meshplan.data.sampler import SampleReader
+        from meshplan.data.tokens import TokenData
+
+        self.feed = feed
+        self.data = TokenData(feed.data_dir, feed.split)
+        self.reader = SampleReader(self.data, feed.seq_len, feed.seed, shuffle=feed.shuffle)
+        self.gbs, self.m = global_batch_size, num_microbatches
+        self.layout = Layout(feed.layout)
+
+    @property
+    def rows_read(self) -> int:
+        return self.reader.rows_read
+
+    def microbatches(self, step: int, rows: tuple[int, int] | None = None) -> list[tuple]:
+        """Step `step`'s micro-batches: rows `[lo, hi)` of each (all of them
+        when `rows` is None); [] per micro-batch for `rows` () (no data)."""
+        b = self.gbs // self.m
+        lo, hi = rows if rows is not None else (0, b)
+        out = []
+        for i in range(self.m):
+            positions = step * self.gbs + i * b + np.arange(lo, hi, dtype=np.int64)
+            out.append(token_batch(self.reader.read(positions), self.layout))
+        return out
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s whole global batch (the eager reference's)."""
+        parts = self.microbatches(step)
+        return tuple(torch.cat([p[k] for p in parts]) for k in range(2))  # type: ignore[return-value]

@@ -1,0 +1,214 @@
+"""train: a training run, from a Job, its weights and its data to a trained
+model and its metrics.
+
+Invariants:
+- The ranks get the Job, the weights (tensors) and a data source: a
+  `TokenFeed` (each rank reads only its own rows of the token file) or the
+  global batches given in memory. Nothing else: no model config to rebuild.
+- Evaluation runs the forward-only Job (`passes/plan.plan_forward`), lowered
+  once per rank, on the validation split before the first step and after
+  every `eval_every` steps.
+- Metrics are written while the run goes on: each rank appends its step's
+  row to its own file, and a step's metrics row is written once every rank
+  has reported it (`StepMerger`). No overall time limit: a rank that makes
+  no progress for `stall_s` ends the run (`runtime/launch.py`).
+- The trained weights come back whole: every rank's final slices, placed at
+  their boxes (`compare.assemble`), every element covered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from meshplan.errors import RuntimeFault
+from meshplan.ir import Phase, Role
+from meshplan.ir.job import Job
+
+TOKEN_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_s", "peak_bytes")
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What a training run gives back."""
+
+    losses: list[float]                       # per step, the global batch's mean loss
+    evals: list[tuple[int, float]]            # (steps done, validation loss)
+    weights: dict[str, torch.Tensor] = field(repr=False)  # FQN -> full tensor (aliases too)
+    metrics: list[dict] = field(default_factory=list)    # the rows of metrics.jsonl
+    rows_read: dict[str, int | None] = field(default_factory=dict)
+    wall_s: float = 0.0
+    first_step: int = 0
+
+
+def step_flops(job: Job) -> float:
+    """The FLOPs of one training step of `job`: every op's (exact for
+    matmuls, attention and convolution; 0 for the rest) at its logical
+    shapes, forward and backward once per micro-batch, the optimizer once.
+    With recompute the recomputed forward counts too (hardware FLOPs)."""
+    from meshplan.ops.infer import to_sig
+    from meshplan.ops.table import rule_for
+
+    g, m = job.graph, job.strategy.num_microbatches
+    total = 0.0
+    for op in g.ops:
+        fn = rule_for(op.kind).flops
+        if fn is None:
+            continue
+        sig = to_sig(op.args, lambda i: g.values[i].meta)
+        total += fn(sig) * (1 if op.phase is Phase.OPTIMIZER else m)
+    return total
+
+
+def device_peak_flops(device: str, dtype: str = "float32") -> float:
+    """The datasheet peak FLOP/s of one device of this machine (MFU's
+    denominator): a known GPU model by its name, else this machine's
+    calibrated `cpu-local` model, else the built-in CPU default."""
+    from meshplan.costmodel import known_device_models, load_device_model
+    from meshplan.costmodel.device import CPU_DEFAULT
+
+    if device == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for known in known_device_models():
+            if known.split("-")[0] in name:
+                return load_device_model(known).peak_flops_for(dtype)
+    try:
+        return load_device_model("cpu-local").peak_flops_for(dtype)
+    except Exception:  # noqa: BLE001 - not calibrated: the default
+        return CPU_DEFAULT.peak_flops_for(dtype)
+
+
+class StepMerger:
+    """Every rank's step rows (`steps_<rank>.jsonl`, appended as they run)
+    merged into one metrics row per step, written once every rank has
+    reported that step; evaluation rows once every loss holder has."""
+
+    def __init__(self, results: Path, world: int, log, tokens_per_step: int,
+                 flops_per_step: float, peak_flops: float, base_lr: float):
+        self.results, self.world, self.log = results, world, log
+        self.tokens, self.flops = tokens_per_step, flops_per_step
+        self.capacity = peak_flops * world
+        self.base_lr = base_lr
+        self.offsets = [0] * world
+        self.pending: dict[int, dict[int, dict]] = {}
+        self.evals: dict[int, dict[int, float | None]] = {}
+        self.written: list[dict] = []
+        self.eval_written: list[tuple[int, float]] = []
+
+    def poll(self, final: bool = False) -> None:
+        """Read what the ranks appended; write the rows now complete."""
+        for r in range(self.world):
+            self._read(r)
+        for step in sorted(self.evals):
+            got = self.evals[step]
+            holders = [x for x in got.values() if x is not None]
+            if len(got) == self.world or (final and holders):
+                del self.evals[step]
+                if holders:
+                    self.log.log_eval(step, holders[0])
+                    self.eval_written.append((step, holders[0]))
+        for step in sorted(self.pending):
+            if len(self.pending[step]) == self.world:
+                self._write(step, self.pending.pop(step))
+
+    def _read(self, r: int) -> None:
+        path = self.results / f"steps_{r}.jsonl"
+        if not path.is_file():
+            return
+        with open(path) as f:
+            f.seek(self.offsets[r])
+            text = f.read()
+        complete = text[:text.rfind("\n") + 1]  # a line being written waits for the next poll
+        self.offsets[r] += len(complete.encode())
+        for line in complete.splitlines():
+            row = json.loads(line)
+            if "eval_step" in row:
+                self.evals.setdefault(row["eval_step"], {})[r] = row["eval_loss"]
+            else:
+                self.pending.setdefault(row["step"], {})[r] = row
+
+    def _write(self, step: int, rows: dict[int, dict]) -> None:
+        losses = [x["loss"] for x in rows.values() if x["loss"] is not None]
+        norms = [x["grad_norm"] for x in rows.values() if x["grad_norm"] is not None]
+        lrs = [x["lr"] for x in rows.values() if x["lr"] is not None]
+        step_s = max(x["step_s"] for x in rows.values())
+        row = {"step": step, "loss": losses[0] if losses else None,
+               "grad_norm": norms[0] if norms else None,
+               "lr": lrs[0] if lrs else self.base_lr,
+               "tokens_per_s": self.tokens / step_s,
+               "mfu": self.flops / step_s / self.capacity,
+               "step_s": step_s, "peak_bytes": max(x["peak_bytes"] for x in rows.values())}
+        self.log.log_train(**row)
+        self.written.append(row)
+
+
+def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out: str,
+              *, eval_job: Job | None = None, eval_data=None, eval_every: int = 0,
+              eval_batches: int = 0, seed: int = 0, threads: int = 1,
+              timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
+              backend: str = "", tensorboard: bool | None = None, on_step=None,
+              append: bool = False) -> TrainResult:
+    """Train `job` from `weights` for `steps` steps on `job.mesh.world` local
+    processes; `data` is a `TokenFeed` or a list of global batches (one per
+    step). Metrics go to `out/metrics.jsonl` (and TensorBoard) as the steps
+    finish; returns the losses, evaluations and the trained weights."""
+    import tempfile
+
+    from meshplan.autodiff import OptimizerConfig
+    from meshplan.data.feed import TokenFeed
+    from meshplan.driver.metrics import MetricsLog
+    from meshplan.driver.run import launch
+    from meshplan.runtime.worker import RunSpec
+
+    t0 = time.perf_counter()
+    tokens = isinstance(data, TokenFeed)
+    s = job.strategy
+    spec = RunSpec("custom", "", (), steps, seed, "", threads, timeout_s, device=device,
+                   backend=backend, report_state=True, step_rows=True, stall_s=stall_s,
+                   data=data.to_json() if tokens else "",
+                   eval_data=eval_data.to_json() if eval_data is not None else "",
+                   eval_every=eval_every if eval_job is not None else 0,
+                   eval_batches=eval_batches)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    per_step = s.global_batch_size * (data.seq_len if tokens else 1)
+    with MetricsLog(out, tensorboard=tensorboard, append=append) as log, \
+            tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:
+        merger = StepMerger(Path(results), job.mesh.world, log, per_step, step_flops(job),
+                            device_peak_flops(device), OptimizerConfig.of_job(job).lr)
+
+        def stepped(k: int) -> None:
+            merger.poll()
+            if on_step is not None:
+                on_step(k)
+
+        saved = {"weights": weights, "batches": [] if tokens else list(data)}
+        r = launch(job, spec, t0, saved=saved, on_step=stepped, results=results,
+                   eval_job=eval_job)
+        merger.poll(final=True)
+    return TrainResult(r.losses, merger.eval_written, trained_weights(job, r.state_slices),
+                       merger.written, r.rows_read, time.perf_counter() - t0, r.first_step)
+
+
+def trained_weights(job: Job, slices) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `job`, whole, from the ranks' final
+    slices, under each of its names (a tied weight's aliases too)."""
+    from meshplan.driver.compare import assemble
+
+    g = job.graph
+    shapes = {v.name: tuple(v.meta.shape) for v in g.values
+              if v.role in (Role.PARAM, Role.BUFFER) and v.id in g.inputs}
+    got = assemble(slices, shapes)
+    if got.uncovered:
+        raise RuntimeFault(f"the ranks' final state leaves out part of {got.uncovered[0]}; "
+                           "this is meshplan's fault: report it")
+    return {alias: t for name, t in got.full.items() for alias in g.names_of(name)}
+
+
+def tokens_to_steps(tokens: int, global_batch_size: int, seq_len: int) -> int:
+    """The steps `--tokens N` asks for: enough to train on N tokens."""
+    return max(1, math.ceil(tokens / (global_batch_size * seq_len)))

@@ -1,0 +1,155 @@
+"""A zoo or transformers language model trained on a prepared token
+directory: the model sized from the data, its train and eval Jobs, and what
+the run leaves behind (the weights file, a sample).
+
+Invariants:
+- The model's vocabulary is the data's: a `--vocab` that differs is one line
+  (exit 2), as is a sequence longer than the data allows.
+- The weights the ranks start from are the module built here (seeded), the
+  very weights an eager reference would start from.
+- The eval Job is the forward graph planned with the train Job's strategy
+  (after `resolve_auto`), so both lay every parameter out alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshplan.errors import ConfigError
+
+_ZOO_LAYOUTS = {"gpt": "next-token"}
+
+
+@dataclass(frozen=True)
+class LanguageModel:
+    """A model ready to train on token data: config, module, both Jobs."""
+
+    cfg: object
+    module: torch.nn.Module
+    job: object
+    eval_job: object
+    layout: str
+
+
+def sized_config(model: str, size: str, data_dir: str, overrides: dict):
+    """`model`'s config with the data's vocabulary; its sequence checked
+    against the data (one line for each mismatch)."""
+    from meshplan.data.tokens import TokenData
+    from meshplan.models import model_config
+
+    data = TokenData(data_dir, "train")
+    vocab = overrides.get("vocab")
+    if vocab is not None and vocab != data.vocab_size:
+        raise ConfigError(f"--vocab {vocab} differs from the vocabulary of {data_dir} "
+                          f"({data.vocab_size} tokens, its tokenizer's); leave --vocab out to "
+                          "take the data's, or prepare the data with a matching tokenizer")
+    cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size}))
+    data.check_seq_len(cfg.seq_len)
+    return cfg
+
+
+def layout_of(model: str, cfg) -> str:
+    """How token samples feed `model` (`data/feed.Layout`)."""
+    if model in _ZOO_LAYOUTS:
+        return _ZOO_LAYOUTS[model]
+    if model.startswith("hf:"):
+        from meshplan.models.hf import CAUSAL, task_of
+
+        if task_of(cfg) == CAUSAL:
+            return "shifted-by-model"
+    raise ConfigError(f"meshplan train reads token data into causal language models (--model "
+                      f"gpt, or a causal --hf type such as gpt2 or llama); {model} is not one. "
+                      "Train it on synthetic data with `meshplan run`")
+
+
+def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimizer,
+                   seed: int, overrides: dict) -> LanguageModel:
+    """The model, sized from the data, with its train and eval Jobs."""
+    from meshplan.driver.plan import capture_zoo, plan_model
+    from meshplan.models import build_model
+    from meshplan.passes.plan import plan_forward
+
+    cfg = sized_config(model, size, data_dir, overrides)
+    layout = layout_of(model, cfg)
+    sized = overrides | {"vocab": cfg.vocab}
+    job = plan_model(model, size, mesh, strategy, optimizer, None, **sized).job
+    s = job.strategy
+    eval_job = plan_forward(capture_zoo(cfg, s.micro_batch_size * s.dp), mesh, s)
+    torch.manual_seed(seed)
+    return LanguageModel(cfg, build_model(cfg), job, eval_job, layout)
+
+
+def unigram_entropy(data_dir: str) -> float:
+    """The entropy (nats) of the training split's token frequencies: the
+    loss of a model that knows only how often each token occurs."""
+    from meshplan.data.tokens import TokenData
+
+    data = TokenData(data_dir, "train")
+    counts = np.zeros(data.vocab_size, dtype=np.int64)
+    chunk = 1 << 24
+    for i in range(0, len(data.tokens), chunk):
+        counts += np.bincount(np.asarray(data.tokens[i:i + chunk]),
+                              minlength=data.vocab_size)[:data.vocab_size]
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def write_weights(weights: dict[str, torch.Tensor], out: str) -> Path:
+    """The trained weights as one consolidated file: `model.safetensors`
+    (each tensor once; a tied tensor's other names in its metadata) when
+    safetensors is installed, else torch's `model.pt` (every name)."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        path = Path(out) / "model.pt"
+        torch.save(dict(weights), path)
+        return path
+    unique: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in weights.items():
+        first = unique.setdefault(id(t), name)
+        if first != name:
+            aliases[name] = first
+    path = Path(out) / "model.safetensors"
+    save_file({n: weights[n].contiguous() for n in unique.values()}, str(path),
+              metadata={"format": "pt", "aliases": json.dumps(aliases)})
+    return path
+
+
+def sample_text(module, data_dir: str, seq_len: int, new_tokens: int = 120,
+                seed: int = 0) -> tuple[str, str]:
+    """(prompt, continuation): the start of the validation split followed by
+    what the model writes after it (top-k 5 sampling, eager PyTorch)."""
+    from meshplan.data.tokenizer import load_tokenizer
+    from meshplan.data.tokens import TokenData
+    from meshplan.models.generate import generate
+
+    tok = load_tokenizer(data_dir)
+    val = TokenData(data_dir, "validation")
+    n = min(len(val.tokens), max(8, seq_len // 2))
+    prompt = [int(x) for x in val.tokens[:n] if int(x) != tok.eod]
+    ids = generate(module, prompt, new_tokens, seq_len, top_k=5, seed=seed)
+    return tok.decode(prompt), tok.decode([i for i in ids[len(prompt):] if i != tok.eod])
+
+
+def stdlib_files() -> list[str]:
+    """The Python standard library's own source files (not site-packages,
+    not its tests): real text every machine with Python has."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "turtledemo"}
+    return sorted(str(p) for p in root.rglob("*.py") if not skip & set(p.parts))
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where it overflows."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
