@@ -7,6 +7,7 @@
     res   = check("plans/")                          # consistent? bubble, peaks
     out   = run(job, module, batches)                # one local process per rank
     out   = verify(job, module, batches)             # run, beside eager PyTorch
+    res   = train(job, module, data, out="run/")     # a run: metrics, eval, trained weights
     best  = search("gpt", "small", mesh, 16, "a100-80gb")  # the fastest strategy that fits
 
 Invariants:
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshplan.autodiff import OptimizerConfig
+from meshplan.data.feed import TokenFeed
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.runtime.state import weights_of
@@ -35,8 +37,8 @@ from meshplan.runtime.state import weights_of
 if TYPE_CHECKING:
     from meshplan.driver.results import LowerResult, RunResult, VerifyResult
 
-__all__ = ["Mesh", "OptimizerConfig", "Strategy", "capture", "check", "compile", "plan", "run",
-           "search", "verify"]
+__all__ = ["Mesh", "OptimizerConfig", "Strategy", "TokenFeed", "capture", "check", "compile",
+           "plan", "plan_eval", "run", "search", "train", "verify"]
 
 
 def capture(module, inputs: tuple, loss_fn=None, targets: tuple = (), self_check: bool = True):
@@ -224,6 +226,62 @@ def verify(job, module, batches: Sequence[tuple], bounds=None,
     rest = {k: v for k, v in mine.to_json().items() if k not in ("losses", "rank_losses")}
     return VerifyResult.of(verdict, mine.losses, ref.losses, mine.rank_losses, **rest,
                            ref_grad_norms=ref.grad_norms)
+
+
+def plan_eval(graph, job):
+    """The forward-only Job of `graph` (from `capture`) for evaluating
+    `job`'s model: no backward, no optimizer, laid out as `job` is (its
+    mesh and strategy), so an evaluating rank reads the weights in place."""
+    from meshplan.passes.plan import plan_forward
+
+    return plan_forward(graph, job.mesh, job.strategy)
+
+
+def train(job, module, data, steps: int | None = None, out: str | Path = "meshplan-train",
+          eval_job=None, eval_data: TokenFeed | None = None, eval_every: int = 0,
+          eval_batches: int = 0, load: bool = True, timeout_s: float = 300.0,
+          stall_s: float = 300.0, threads: int = 1, device: str = "cpu", backend: str = "",
+          tensorboard: bool | None = None, on_step=None):
+    """Train `module` (from its current weights) on `job.mesh.world` local
+    processes, one per rank, and give the trained weights back.
+
+    `data` is a `TokenFeed` (a split of a `meshplan prepare-data` directory:
+    each rank reads only its own rows; `steps` required) or a list of global
+    batches, one per step. With `eval_job` (`plan_eval`) and `eval_data`,
+    the validation loss is computed before the first step and every
+    `eval_every` steps. Metrics stream to `out/metrics.jsonl` (and TensorBoard
+    when installed). Returns a `TrainResult` (`losses`, `evals`, `metrics`,
+    `weights`: FQN -> full tensor); with `load` (the default) the trained
+    weights are also copied into `module`, else `module` is left as it was."""
+    from meshplan.driver.run import run_devices
+    from meshplan.driver.train import train_job
+    from meshplan.runtime.state import weights_of
+
+    if isinstance(data, TokenFeed):
+        if steps is None or steps < 1:
+            raise ConfigError("train on a TokenFeed needs steps=N (N >= 1)")
+    else:
+        data = _checked(job, data)
+        steps = len(data) if steps is None else steps
+        if steps > len(data):
+            raise ConfigError(f"steps={steps} but {len(data)} batches were given; give one "
+                              "global batch per step")
+        data = data[:steps]
+    if eval_job is not None and (eval_data is None or eval_every < 1 or eval_batches < 1):
+        raise ConfigError("evaluation needs eval_data (a TokenFeed of the validation split), "
+                          "eval_every >= 1 and eval_batches >= 1")
+    device, backend = run_devices(device, backend, job.mesh.world)
+    res = train_job(job, weights_of(module), data, steps, str(out), eval_job=eval_job,
+                    eval_data=eval_data, eval_every=eval_every, eval_batches=eval_batches,
+                    threads=threads, timeout_s=timeout_s, stall_s=stall_s, device=device,
+                    backend=backend, tensorboard=tensorboard, on_step=on_step)
+    if load:
+        import torch
+
+        with torch.no_grad():
+            for name, t in weights_of(module).items():
+                t.copy_(res.weights[name])
+    return res
 
 
 def optimizer_of(job):

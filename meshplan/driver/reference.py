@@ -64,11 +64,13 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer | None = None,
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
     precision: Precision = Precision.FP32, init_scale: float = INIT_SCALE, device: str = "cpu",
+    after_step=None,
 ) -> EagerRun:
     """Train `module` in place on `batches`; returns losses, step seconds and
     the final state (on the CPU). On `device` cuda the module moves there,
     each micro-batch is copied there, and a step's time ends at a device
-    synchronize."""
+    synchronize. `after_step(k)` is called after the k-th step (k from 1),
+    e.g. to evaluate."""
     dev = torch.device(device)
     module.to(dev)
     opt = optimizer.torch_optimizer(module)
@@ -109,4 +111,22 @@ def eager_train(
                 sched.step()
         losses.append(float(total / num_microbatches))  # a sync on a GPU
         times.append(time.perf_counter() - t0)
+        if after_step is not None:
+            after_step(len(losses))
     return EagerRun(losses, times, eager_state(module, opt, scaler), norms)
+
+
+def eager_eval(module: nn.Module, batches, num_microbatches: int) -> float:
+    """The evaluation loss of `module` on `batches`: each batch's loss the
+    mean of its micro-batches', the mean over the batches (as the ranks'
+    forward-only plan computes it), in eval mode and without gradients."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            per_batch = [float(torch.stack([module(*mb) for mb in
+                                            split_microbatches(b, num_microbatches)]).mean())
+                         for b in batches]
+    finally:
+        module.train(was_training)
+    return sum(per_batch) / len(per_batch)
