@@ -88,7 +88,7 @@ def file_texts(path: str, text_field: str = "text") -> Iterator[str]:
     """The documents of one input file (see the module docstring)."""
     if path.endswith(".jsonl"):
         yield from _jsonl_texts(path, text_field)
-    elif os.path.getsize(path) > 0:
+    else:
         text = _read_text(path)
         if text:
             yield text
