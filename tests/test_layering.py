@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom first. "meshplan" is the root package (`__version__` only).
 LAYERS = [
     "meshplan", "errors",
+    "data",  # token directories, samplers, tokenizers: import only errors
     "models",  # plain nn.Modules: import only errors
     "ir",  # Graph, Job, SBP, Mesh: pure data
     "costmodel",  # device models: data, and the seconds of a kernel or collective

@@ -1,0 +1,185 @@
+"""The token directory: what `meshplan prepare-data` writes and training reads.
+
+A token directory holds
+- `train.bin`, `validation.bin`: flat token ids, little-endian `uint16` when
+  `vocab_size <= 65536`, else `uint32`; every document's tokens are followed
+  by the end-of-document id `eod` (the nanoGPT / Megatron convention);
+- `index.json`: `{"format": "meshplan.tokens", "version": 1, "dtype", "vocab_size",
+  "eod", "tokenizer": {spec}, "splits": {split: {"documents", "tokens",
+  "longest_document"}}, "sources", "val_fraction"}`;
+- `tokenizer.json` when the tokenizer is a BPE trained by prepare.
+
+Invariants:
+- `TokenData` never reads a whole `.bin` into memory: `tokens` is a
+  read-only `np.memmap` (an empty split is an empty array).
+- A `.bin` whose size disagrees with `index.json` is refused on opening, so
+  every later read is in bounds.
+- `longest_document` counts a document's tokens with its eod.
+- `TokenWriter` appends one document at a time: no list of all tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from meshplan.errors import ConfigError
+
+FORMAT = "meshplan.tokens"
+VERSION = 1
+INDEX = "index.json"
+SPLITS = ("train", "validation")
+FIX = "run `meshplan prepare-data --input FILES --out DIR` to make one"
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """The on-disk token dtype: little-endian uint16 up to 65536 ids, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+def bin_path(data_dir: str | Path, split: str) -> Path:
+    """`DIR/<split>.bin`."""
+    return Path(data_dir) / f"{split}.bin"
+
+
+def is_token_dir(path: str | Path) -> bool:
+    """True when `path` is a directory with an index.json of our format."""
+    index = Path(path) / INDEX
+    if not index.is_file():
+        return False
+    try:
+        return json.loads(index.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_index(data_dir: str | Path) -> dict:
+    """The checked index of the token directory `data_dir` (ConfigError if it is not one)."""
+    path = Path(data_dir)
+    if not path.is_dir():
+        raise ConfigError(f"data directory {path} does not exist or is not a directory; {FIX}")
+    try:
+        index = json.loads((path / INDEX).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is not a token directory (no {INDEX}); {FIX}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path / INDEX} cannot be read ({e}); {FIX} again") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ConfigError(f"{path / INDEX} is not a meshplan token index "
+                          f"(format is not {FORMAT!r}); {FIX}")
+    if index.get("version") != VERSION:
+        raise ConfigError(f"{path} has token format version {index.get('version')!r}; this "
+                          f"meshplan reads version {VERSION}: prepare it again with this "
+                          "version's `meshplan prepare-data`")
+    return index
+
+
+@dataclass(frozen=True, slots=True)
+class SplitStats:
+    """The size of one split: documents, tokens (eods included), longest document."""
+
+    documents: int = 0
+    tokens: int = 0
+    longest_document: int = 0
+
+    def add(self, length: int) -> SplitStats:
+        """The stats with one more document of `length` tokens (its eod included)."""
+        return SplitStats(self.documents + 1, self.tokens + length,
+                          max(self.longest_document, length))
+
+
+class TokenData:
+    """One split of a token directory, memory-mapped read-only.
+
+    Attributes: `data_dir`, `split`, `index` (the dict of index.json),
+    `vocab_size`, `eod`, `dtype`, `tokens` (the memmap), `longest_document`.
+    """
+
+    def __init__(self, data_dir: str | Path, split: str = "train"):
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.index = read_index(self.data_dir)
+        if split not in SPLITS:
+            raise ConfigError(f"unknown split {split!r}: choose one of {', '.join(SPLITS)}")
+        try:
+            stats = SplitStats(**self.index["splits"][split])
+            self.vocab_size = int(self.index["vocab_size"])
+            self.eod = int(self.index["eod"])
+            self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{self.data_dir / INDEX} is damaged ({e!r} is wrong or "
+                              f"missing); {FIX} again") from None
+        self.longest_document = stats.longest_document
+        self.documents = stats.documents
+        self.tokens = self._map(stats.tokens)
+
+    def _map(self, count: int) -> np.ndarray:
+        path = bin_path(self.data_dir, self.split)
+        size = path.stat().st_size if path.is_file() else None
+        if size != count * self.dtype.itemsize:
+            found = "is missing" if size is None else f"has {size} bytes"
+            raise ConfigError(f"{path} {found}, but {INDEX} says {count} {self.dtype.name} "
+                              f"tokens ({count * self.dtype.itemsize} bytes); the directory "
+                              f"is incomplete or damaged: {FIX} again")
+        if count == 0:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(path, dtype=self.dtype, mode="r", shape=(count,))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """ConfigError unless the split holds a sample of `seq_len + 1` tokens
+        and some document is at least that long."""
+        where = f"the {self.split} split of {self.data_dir}"
+        if seq_len < 1:
+            raise ConfigError(f"seq_len {seq_len} must be at least 1")
+        if len(self.tokens) < seq_len + 1:
+            raise ConfigError(f"{where} has {len(self.tokens)} tokens, fewer than one sample "
+                              f"of seq_len+1 = {seq_len + 1}; lower --seq-len or prepare "
+                              "more text")
+        if seq_len + 1 > self.longest_document:
+            raise ConfigError(f"seq_len {seq_len} is longer than every document of "
+                              f"{self.data_dir} (the longest has {self.longest_document} "
+                              "tokens); lower --seq-len or prepare longer documents")
+
+
+class TokenWriter:
+    """Writes a token directory's `.bin` files one document at a time, then
+    its index (`finish`). Use as a context manager: the files close on exit."""
+
+    def __init__(self, data_dir: str | Path, vocab_size: int, eod: int):
+        self.data_dir = Path(data_dir)
+        self.vocab_size, self.eod = vocab_size, eod
+        self.dtype = dtype_for(vocab_size)
+        self.stats = {s: SplitStats() for s in SPLITS}
+        self._files: dict[str, BinaryIO] = {s: open(bin_path(data_dir, s), "wb") for s in SPLITS}
+
+    def __enter__(self) -> TokenWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def add(self, split: str, ids) -> None:
+        """Append one document (`ids`, without its eod) to `split`."""
+        arr = np.empty(len(ids) + 1, dtype=self.dtype)
+        arr[:-1] = ids
+        arr[-1] = self.eod
+        self._files[split].write(arr.tobytes())
+        self.stats[split] = self.stats[split].add(len(arr))
+
+    def finish(self, tokenizer: dict, sources: list[str], val_fraction: float) -> dict:
+        """Close the `.bin` files, write index.json and return the index."""
+        self.__exit__()
+        index = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name,
+                 "vocab_size": self.vocab_size, "eod": self.eod, "tokenizer": tokenizer,
+                 "splits": {s: asdict(st) for s, st in self.stats.items()},
+                 "sources": sources, "val_fraction": val_fraction}
+        (self.data_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return index
