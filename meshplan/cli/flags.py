@@ -291,9 +291,19 @@ def checked_orders(text: str, path: str, pp: int, vpp: int, microbatches: int):
 
 
 def apply_config(a: argparse.Namespace) -> None:
-    """Fill the flags from `--config NAME`; a flag given too must agree with it."""
+    """Fill the flags from `--config NAME`; a flag given too must agree with it.
+    A `--config FILE.toml` is left to verbs that read settings files
+    (`train_config.resolve`); any other verb refuses it."""
     if not getattr(a, "config", None):
         return
+    from meshplan.cli.train_config import is_config_file
+
+    if is_config_file(a.config):
+        if getattr(a, "config_files", False):
+            return
+        raise ConfigError(f"--config {a.config}: this verb takes a configuration name, not a "
+                          "TOML file (`meshplan train` reads those); give a name, e.g. "
+                          "gpt_nl4_nah4_hs64_FP32_actrue_mp2_pp1_mb4_gb8_1n4g")
     from meshplan.cli.config_name import parse_config_name
 
     parser = a.flag_parser

@@ -10,13 +10,18 @@ Invariants:
   their kind and micro-batch when the box is wide enough; a SEND is a
   triangle on the row's top edge, a RECV a tick on its bottom edge with a
   grey bar while it waits; bubbles stay white.
+- The training picture (`draw_training`) reads metrics rows as
+  `driver/metrics.py` writes them: a train loss that is null (NaN) is a gap
+  in the line, not a point; it is written atomically (`write_atomic`).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from meshplan.ir.fileio import write_atomic
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.trace import Span, action_of
@@ -155,3 +160,40 @@ def draw_losses(steps: Sequence[int], mine: Sequence[float], reference: Sequence
     fig.savefig(path)
     plt.close(fig)
     return Path(path)
+
+
+def draw_training(rows: Sequence[Mapping], path: str | Path, reference: float | None = None,
+                  reference_label: str = "", title: str = "training loss") -> Path:
+    """A training run's loss as a PNG at `path`: the train loss per step (a
+    line), the eval loss at its steps (markers and a line), and a dashed
+    line at `reference` (e.g. the unigram entropy) if given."""
+    plt = _pyplot()
+    train = [(r["step"], _nan_if_none(r.get("loss"))) for r in rows if r.get("kind") == "train"]
+    evals = [(r["step"], r["eval_loss"]) for r in rows
+             if r.get("kind") == "eval" and r.get("eval_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), color="#0072B2", linewidth=1.2, label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), color="#D55E00", marker="o", markersize=5, linewidth=1.2,
+                label="eval loss")
+    if reference is not None:
+        ax.axhline(reference, color="0.35", linestyle="--", linewidth=1.0,
+                   label=f"{reference_label or 'reference'} ({reference:.3g})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over the batch)")
+    ax.set_title(title)
+    ax.grid(color="0.9")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
+    fig.tight_layout()
+    data = io.BytesIO()
+    fig.savefig(data, format="png")
+    plt.close(fig)
+    write_atomic(path, data.getvalue())
+    return Path(path)
+
+
+def _nan_if_none(value) -> float:
+    return float("nan") if value is None else float(value)

@@ -92,3 +92,34 @@ def test_a_picture_path_that_cannot_be_written_is_one_line(plans, tmp_path):
 
     bad = tmp_path / "missing" / "dir" / "s.png"
     assert_user_error(run("show", str(plans[2]), "--png", str(bad)), "cannot use")
+
+
+def _training_rows(evals: bool) -> list[dict]:
+    rows = [{"kind": "train", "step": s, "loss": 6.0 * 0.97 ** s + 0.05 * (s % 3)}
+            for s in range(60)]
+    rows[30]["loss"] = None  # a NaN step: a gap, not a point
+    if evals:
+        rows += [{"kind": "eval", "step": s, "eval_loss": 6.1 * 0.97 ** s, "eval_ppl": None}
+                 for s in range(0, 60, 10)]
+    return rows
+
+
+def test_training_png(tmp_path):
+    from meshplan.cli.pictures import draw_training
+
+    path = draw_training(_training_rows(evals=True), tmp_path / "loss.png", reference=4.2,
+                         reference_label="unigram entropy")
+    assert path == tmp_path / "loss.png" and path.stat().st_size > 0
+    img = assert_real_png(path, min_colours=30)
+    eval_orange = np.array([0xD5, 0x5E, 0x00]) / 255
+    assert (np.abs(img[..., :3] - eval_orange).sum(axis=-1) < 0.05).any()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_training_png_without_eval_rows_or_reference(tmp_path):
+    from meshplan.cli.pictures import draw_training
+
+    path = draw_training(_training_rows(evals=False), tmp_path / "loss.png")
+    assert_real_png(path, min_colours=20)
+    draw_training([], tmp_path / "empty.png")  # no rows yet: an empty frame, no error
+    assert (tmp_path / "empty.png").stat().st_size > 0

@@ -1,0 +1,168 @@
+"""Where a training run's numbers go: `OUT/metrics.jsonl`, and TensorBoard.
+
+Invariants:
+- `OUT/metrics.jsonl` is always written: one JSON object per line, each
+  line flushed as it is logged, so a crash loses at most the line being
+  written. A row is `{"kind": "train", step, loss, grad_norm, lr,
+  tokens_per_s, mfu, step_s, peak_bytes}` or `{"kind": "eval", step,
+  eval_loss, eval_ppl}`: exactly those keys.
+- The file is strict JSON (any JSON reader takes it): a number that is not
+  finite (a NaN loss, an overflowed perplexity) and a value not measured
+  are written as `null`.
+- A resumed run (`append=True`) adds to the file; otherwise it starts empty.
+  A line a killed run left half-written is cut before appending, and
+  `read_metrics` skips a torn last line (any other bad line is an error).
+- With TensorBoard (`tensorboard=None`: when the package is installed), the
+  same numbers go to `OUT/tensorboard/` as scalars `train/<key>` and
+  `eval/loss`, `eval/ppl` at their step (a value not measured is skipped).
+  `torch.utils.tensorboard` is imported only then: importing this module
+  never needs tensorboard.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+from meshplan.errors import ConfigError
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+TRAIN_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_s", "peak_bytes")
+
+
+class MetricsLog:
+    """The numbers of one training run, written as they come (see the module
+    docstring); a context manager that closes its files."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool | None = None,
+                 append: bool = False):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard is None:
+            tensorboard = tensorboard_available()
+        elif tensorboard and not tensorboard_available():
+            raise ConfigError("TensorBoard logging needs tensorboard: pip install tensorboard "
+                              "(or log to metrics.jsonl only)")
+        self.path = self.out_dir / METRICS_FILE
+        if append:
+            _drop_torn_line(self.path)
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.out_dir / TENSORBOARD_DIR),
+                                         flush_secs=10)
+
+    def log_train(self, step: int, loss, grad_norm, lr, tokens_per_s, mfu, step_s,
+                  peak_bytes) -> None:
+        """One training step's row (None: not measured)."""
+        values = dict(zip(TRAIN_KEYS, (loss, grad_norm, lr, tokens_per_s, mfu, step_s,
+                                       peak_bytes), strict=True))
+        self._write({"kind": "train", "step": int(step)} | values)
+        self._scalars("train", step, values)
+
+    def log_eval(self, step: int, eval_loss) -> None:
+        """One evaluation's row: its loss and perplexity exp(loss) (inf when
+        that overflows; null in the file)."""
+        loss = None if eval_loss is None else float(eval_loss)
+        ppl = None if loss is None else _exp(loss)
+        self._write({"kind": "eval", "step": int(step), "eval_loss": loss, "eval_ppl": ppl})
+        self._scalars("eval", step, {"loss": loss, "ppl": ppl})
+
+    def _write(self, row: dict) -> None:
+        row = {k: _json_number(v) for k, v in row.items()}
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def _scalars(self, group: str, step: int, values: dict) -> None:
+        if self._writer is None:
+            return
+        for key, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(f"{group}/{key}", float(value), int(step))
+
+    def close(self) -> None:
+        """Flush and close the files (again: nothing)."""
+        if not self._file.closed:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def tensorboard_available() -> bool:
+    """Whether the tensorboard package is installed (not imported here)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut the half-written last line a killed run may have left, so that
+    the rows appended next start on a line of their own."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        pass
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def _json_number(value):
+    """`value` as JSON takes it: ints and strings as they are, other numbers
+    (tensors too) as float, a non-finite one as None."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a `metrics.jsonl` (a file or the run directory holding
+    it), in the order written; a torn last line is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # a run killed mid-write
+                break
+            raise ConfigError(f"{path} line {i + 1} is not JSON; it was edited or damaged: "
+                              "delete that line") from None
+    return rows
+
+
+def read_tensorboard(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the TensorBoard event files under `log_dir` (a run's
+    `OUT/tensorboard`): tag -> [(step, value)] in the order written."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        EventAccumulator,
+    )
+
+    acc = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"]}
