@@ -22,6 +22,8 @@ from meshplan.cli.calibrate_cmd import (
     cmd_devices,
 )
 from meshplan.cli.compile_cmds import cmd_check, cmd_compile
+from meshplan.cli.data_cmd import EPILOG as EPILOG_PREPARE
+from meshplan.cli.data_cmd import add_prepare_flags, cmd_prepare_data
 from meshplan.cli.demo_cmd import EPILOG as EPILOG_DEMO
 from meshplan.cli.demo_cmd import add_demo_flags, cmd_demo
 from meshplan.cli.flags import (

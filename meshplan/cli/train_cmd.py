@@ -98,6 +98,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
     from meshplan.cli.pictures import draw_training
+    from meshplan.driver.metrics import read_metrics
     from meshplan.driver.train import train_job
     from meshplan.driver.train_model import (
         perplexity,
@@ -116,8 +117,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
     lm.module.load_state_dict({k: v for k, v in r.weights.items()}, strict=False)
     weights = write_weights(r.weights, a.out)
     entropy = unigram_entropy(data_dir)
-    draw_training(r.metrics + [{"kind": "eval", "step": k, "eval_loss": x}
-                               for k, x in r.evals], str(Path(a.out) / "loss.png"),
+    draw_training(read_metrics(Path(a.out) / "metrics.jsonl"), str(Path(a.out) / "loss.png"),
                   reference=entropy, reference_label="unigram entropy")
     summary = {"steps": steps, "losses": r.losses, "evals": r.evals, "wall_s": r.wall_s,
                "unigram_entropy": entropy, "weights": str(weights), "out": a.out,

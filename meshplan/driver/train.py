@@ -206,7 +206,7 @@ def trained_weights(job: Job, slices) -> dict[str, torch.Tensor]:
     if got.uncovered:
         raise RuntimeFault(f"the ranks' final state leaves out part of {got.uncovered[0]}; "
                            "this is meshplan's fault: report it")
-    return {alias: t for name, t in got.full.items() for alias in g.names_of(name)}
+    return {alias: t for name, t in got.tensors.items() for alias in g.names_of(name)}
 
 
 def tokens_to_steps(tokens: int, global_batch_size: int, seq_len: int) -> int:

@@ -213,16 +213,15 @@ def _source(spec: RunSpec, job: Job, ex):
 
 def _token_feed(text: str, job: Job, rows):
     """`feed(step)`: this rank's rows of each micro-batch, read from the
-    token file (nothing for a rank whose plan reads no data)."""
+    token file; a rank whose plan reads no data opens no file at all."""
     from meshplan.data.feed import FeedReader, TokenFeed
 
-    reader = FeedReader(TokenFeed.from_json(text), job.strategy.global_batch_size,
-                        job.strategy.num_microbatches)
     m = job.strategy.num_microbatches
+    if rows is None:
+        return lambda step: ([() for _ in range(m)], True)
+    reader = FeedReader(TokenFeed.from_json(text), job.strategy.global_batch_size, m)
 
     def feed(step: int):
-        if rows is None:
-            return [() for _ in range(m)], True
         return reader.microbatches(step, rows), True
 
     feed.reader = reader  # type: ignore[attr-defined]  # its rows_read are reported
