@@ -13,7 +13,8 @@ Invariants:
   a hash of (seed, epoch, round)), cycle-walked back below N (a walk
   repeats the bijection, so it stays a permutation of range(N)); never a
   materialized `np.random.permutation(N)`.
-- `SampleReader.read` touches only the memmap pages of the samples asked for.
+- `SampleReader.read` touches only the memmap pages of the samples asked for,
+  and unmaps them again (`TokenData.release`).
 """
 
 from __future__ import annotations
@@ -113,5 +114,6 @@ class SampleReader:
         ids = self.sample_ids(positions)
         idx = ids[:, None] * self.seq_len + self._offsets[None, :]
         rows = np.asarray(self.data.tokens[idx]).astype(np.int64)
+        self.data.release()  # resident memory stays flat (tokens.py)
         self.rows_read += len(ids)
         return torch.from_numpy(rows)

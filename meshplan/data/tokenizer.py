@@ -178,7 +178,7 @@ class HFTokenizer(Tokenizer):
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode([int(i) for i in ids if int(i) != self.eod])
+        return str(self._tok.decode([int(i) for i in ids if int(i) != self.eod]))
 
     def spec(self) -> dict:
         return {"kind": TokenizerKind.PATH.value, "path": self.path}

@@ -12,6 +12,14 @@ A token directory holds
 Invariants:
 - `TokenData` never reads a whole `.bin` into memory: `tokens` is a
   read-only `np.memmap` (an empty split is an empty array).
+- `release()` keeps the process's resident memory flat however large the
+  file: it unmaps the pages read so far (MADV_DONTNEED; the page cache keeps
+  them, so a re-read is a minor fault). Without it the kernel maps whole
+  large folios of cached file around each read ("fault-around"); measured
+  (benchmarks/data.py, kernel 6.18): 3200 shuffled reads of 258 bytes left
+  ~380 MiB of a warm 381 MiB file resident; with a release after each read
+  the file-backed resident memory was the same 79 MiB (mostly libraries)
+  for a 38 and a 381 MiB file. Cost, measured in a bare loop: +0.06 ms a read.
 - A `.bin` whose size disagrees with `index.json` is refused on opening, so
   every later read is in bounds.
 - `longest_document` counts a document's tokens with its eod.
@@ -21,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import mmap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -131,6 +140,12 @@ class TokenData:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def release(self) -> None:
+        """Unmap the pages read so far (see the module docstring); reads stay valid."""
+        raw = getattr(self.tokens, "_mmap", None)
+        if raw is not None and hasattr(mmap, "MADV_DONTNEED"):
+            raw.madvise(mmap.MADV_DONTNEED)
 
     def check_seq_len(self, seq_len: int) -> None:
         """ConfigError unless the split holds a sample of `seq_len + 1` tokens

@@ -111,6 +111,15 @@ def test_a_local_hf_dataset(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+def test_a_missing_datasets_library_is_one_line(monkeypatch, tmp_path):
+    from tests.data.test_tokenizer import without
+
+    without(monkeypatch, "datasets")
+    with pytest.raises(ConfigError, match="needs the datasets library: pip install datasets"):
+        prepare_data([], str(tmp_path / "o"), hf_dataset=str(tmp_path))
+    assert leftovers(tmp_path) == [] and not (tmp_path / "o").exists()
+
+
 def bad_jsonl(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n{"text": \n')
     return [str(tmp_path / "b.jsonl")]

@@ -67,15 +67,23 @@ def test_parse_tokenizer_arg(tmp_path):
         HFTokenizer(str(tmp_path))
 
 
-def test_a_missing_tokenizers_library_is_one_line(monkeypatch):
+def without(monkeypatch, library):
+    """Make `import library` fail, as where it is not installed."""
     import builtins
     real = builtins.__import__
 
-    def no_tokenizers(name, *args, **kwargs):
-        if name == "tokenizers":
+    def guarded(name, *args, **kwargs):
+        if name.split(".")[0] == library:
             raise ImportError(name)
         return real(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+    monkeypatch.setattr(builtins, "__import__", guarded)
+
+
+def test_a_missing_optional_library_is_one_line(monkeypatch, tmp_path):
+    without(monkeypatch, "tokenizers")
     with pytest.raises(ConfigError, match="needs the tokenizers library: pip install tokenizers"):
         BPETokenizer.train(iter(["abc"]), 300)
+    without(monkeypatch, "transformers")
+    with pytest.raises(ConfigError, match="needs the transformers library: pip install"):
+        HFTokenizer(str(tmp_path))

@@ -101,3 +101,11 @@ def test_check_seq_len(tmp_path):
     with pytest.raises(ConfigError, match=r"has 2 tokens, fewer than one sample of "
                                           r"seq_len\+1 = 3"):
         TokenData(d, "validation").check_seq_len(2)
+
+
+def test_release_keeps_reads_valid(tmp_path):
+    d = write_dir(tmp_path / "d", list(range(100)) + [256])
+    data = TokenData(d)
+    view = data.tokens[10:20]
+    data.release()
+    assert view.tolist() == list(range(10, 20)) and data.tokens[-1] == 256
