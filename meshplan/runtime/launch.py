@@ -7,11 +7,14 @@ Invariants:
   ended within seconds, and the launch fails with one line naming the rank
   and the action it was in.
 - No overall deadline: a run takes as long as its steps. A heartbeat bounds
-  it instead: each rank stamps `time.monotonic()` (one clock for every
-  process of the machine) at each action, and a rank whose stamp is older
-  than `spec.stall_s` ends the run, named with its action. The ranks that
-  wait on a stalled rank stop stamping after it, so the oldest stamp names
-  the rank that stalled first.
+  it instead. Each rank stamps `time.monotonic()` (one clock for every
+  process of the machine) at each action it starts (progress), and a thread
+  of it stamps every half second while the process runs (liveness). The run
+  ends, naming one rank and its action, when no rank has progressed for
+  `spec.stall_s`, or a rank has been frozen that long (no liveness: stopped,
+  swapped out, its host hung). The rank named is the frozen one, else the
+  one whose progress is oldest (a rank hung inside a kernel, whose peers
+  then wait on it; in a deadlock every rank waits, and the oldest is named).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def launch_local(spec: RunSpec, world: int, job_bytes: bytes,
     ctx = _context()
     progress = ctx.Array("i", [-1] * world, lock=False)
     steps_done = ctx.Array("i", [0] * world, lock=False)
-    beats = ctx.Array("d", [time.monotonic()] * world, lock=False)
+    beats = ctx.Array("d", [time.monotonic()] * (2 * world), lock=False)  # progress, liveness
     procs = [ctx.Process(target=spawn_entry,
                          args=(spec.to_json(), r, world, str(job_path), port, progress,
                                steps_done, beats),
@@ -114,21 +117,25 @@ def _raise_if_failed(procs, results: Path, progress, job_bytes) -> None:
 
 
 def _raise_if_stalled(procs, beats, stall_s: float, progress, job_bytes) -> None:
-    """A live rank whose last action began more than `stall_s` ago ends the
-    run: the one with the oldest heartbeat is named."""
-    now = time.monotonic()
+    """End the run when no rank has progressed for `stall_s`, or one has been
+    frozen that long (`beats`: progress times, then liveness times)."""
+    now, world = time.monotonic(), len(procs)
     live = [r for r, p in enumerate(procs) if p.is_alive()]
-    stalled = [r for r in live if now - beats[r] > stall_s]
-    if not stalled:
+    if not live:
         return
-    r = min(stalled, key=lambda k: beats[k])
+    frozen = [r for r in live if now - beats[world + r] > min(stall_s, 5.0)]
+    if now - max(beats[r] for r in live) <= stall_s and \
+            not any(now - beats[world + r] > stall_s for r in frozen):
+        return
+    r = max(frozen, key=lambda k: now - beats[world + k]) if frozen else \
+        min(live, key=lambda k: beats[k])
     for p in procs:
         if p.is_alive():
             p.kill()
     raise RuntimeFault(f"rank {r} made no progress for {now - beats[r]:.0f} s (--stall-timeout "
-                       f"{stall_s:g}) in action {_action_of(r, progress, job_bytes)}; the run "
-                       "was stopped. Look at that rank's host, or raise --stall-timeout if its "
-                       "steps are that slow")
+                       f"{stall_s:g}{'; its process is frozen' if frozen else ''}) in action "
+                       f"{_action_of(r, progress, job_bytes)}; the run was stopped. Look at that "
+                       "rank's host, or raise --stall-timeout if its steps are that slow")
 
 
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:

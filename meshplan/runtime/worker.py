@@ -87,8 +87,9 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
     planning) and broadcasts the Job's bytes; every rank lowers itself.
     `progress[rank]` is set to each action's index before it runs,
     `steps_done[rank]` to the steps finished (counting resumed ones),
-    `beats[rank]` to `time.monotonic()` at each action (the heartbeat the
-    launcher's stall check reads)."""
+    `beats[rank]` to `time.monotonic()` at each action (the rank's last
+    progress), and `beats[world + rank]` every half second while the process
+    runs (its liveness): the launcher's stall check reads both."""
     try:
         torch.set_num_threads(spec.threads)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
@@ -149,7 +150,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     ex.on_action = _reporter(rank, progress, beats)
     module, feed = _source(spec, job, ex)
     state = ex.init_state(module)
-    evaluator = _evaluator(spec, job, rank, comm, device, ex.on_action)
+    evaluator = _evaluator(spec, job, rank, comm, device, _progress_only(beats, rank))
     start = 0
     if spec.resume:
         ex.current = "load checkpoint"
@@ -230,7 +231,8 @@ def _token_feed(text: str, job: Job, rows):
 
 def _reporter(rank: int, progress, beats):
     """The executor's per-action hook: the action's index for the launcher's
-    failure line, and the heartbeat its stall check reads."""
+    failure line, and the time of the rank's last progress (`beats[rank]`)
+    its stall check reads."""
     if progress is None and beats is None:
         return None
 
@@ -241,6 +243,31 @@ def _reporter(rank: int, progress, beats):
             beats[rank] = time.monotonic()
 
     return report
+
+
+def _progress_only(beats, rank: int):
+    """The evaluator's hook: progress, without an index of the train plan."""
+    if beats is None:
+        return None
+
+    def report(index: int) -> None:
+        beats[rank] = time.monotonic()
+
+    return report
+
+
+def start_liveness(alive, rank: int, every_s: float = 0.5) -> None:
+    """A daemon thread stamping `alive[rank]` every `every_s`: it stops only
+    when the whole process stops (frozen, swapped out, stopped by a signal),
+    which tells the launcher which rank is frozen rather than waiting."""
+    import threading
+
+    def stamp() -> None:
+        while True:
+            alive[rank] = time.monotonic()
+            time.sleep(every_s)
+
+    threading.Thread(target=stamp, name="meshplan-liveness", daemon=True).start()
 
 
 def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, rank: int,
@@ -389,6 +416,8 @@ def spawn_entry(spec_json: str, rank: int, world: int, job_path: str, port: int,
     spec = RunSpec.from_json(spec_json)
     job_bytes = Path(job_path).read_bytes()
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    if beats is not None:
+        start_liveness(beats, world + rank)
     code = rank_main(spec, rank, world, job_bytes, f"tcp://127.0.0.1:{port}", progress,
                      steps_done=steps_done, beats=beats)
     raise SystemExit(code)
