@@ -190,23 +190,28 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
         r = launch(job, spec, t0, saved=saved, on_step=stepped, results=results,
                    eval_job=eval_job)
         merger.poll(final=True)
-    return TrainResult(r.losses, merger.eval_written, trained_weights(job, r.state_slices),
+    return TrainResult(r.losses, merger.eval_written, trained_weights(job, r.state_slices, weights),
                        merger.written, r.rows_read, time.perf_counter() - t0, r.first_step)
 
 
-def trained_weights(job: Job, slices) -> dict[str, torch.Tensor]:
+def trained_weights(job: Job, slices, initial: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `job`, whole, from the ranks' final
-    slices, under each of its names (a tied weight's aliases too)."""
+    slices, under each of its names (a tied weight's aliases too); a buffer
+    no rank holds (no op reads it) keeps its `initial` value."""
     from meshplan.driver.compare import assemble
 
     g = job.graph
-    shapes = {v.name: tuple(v.meta.shape) for v in g.values
-              if v.role in (Role.PARAM, Role.BUFFER) and v.id in g.inputs}
-    got = assemble(slices, shapes)
-    if got.uncovered:
-        raise RuntimeFault(f"the ranks' final state leaves out part of {got.uncovered[0]}; "
-                           "this is meshplan's fault: report it")
-    return {alias: t for name, t in got.tensors.items() for alias in g.names_of(name)}
+    values = [g.values[i] for i in g.inputs if g.values[i].role in (Role.PARAM, Role.BUFFER)]
+    got = assemble(slices, {v.name: tuple(v.meta.shape) for v in values})
+    full = dict(got.tensors)
+    for v in values:
+        if v.name in got.uncovered:
+            if v.role is Role.PARAM or v.name in got.tensors:
+                raise RuntimeFault(f"the ranks' final state leaves out part of '{v.name}'; "
+                                   "this is meshplan's fault: report it")
+            full[v.name] = initial[v.name].detach().clone()
+    return {alias: t for name, t in full.items() for alias in g.names_of(name)}
 
 
 def tokens_to_steps(tokens: int, global_batch_size: int, seq_len: int) -> int:
