@@ -197,7 +197,7 @@ def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = 
 
     batches = _checked(job, batches)
     device, backend = run_devices(device, backend, job.mesh.world)
-    spec = RunSpec("custom", "", (), len(batches), 0, "", threads, timeout_s,
+    spec = RunSpec(len(batches), "", threads, timeout_s,
                    plan_dir=str(plan_dir), trace=bool(trace), report_state=report_state,
                    device=device, backend=backend)
     return launch(job, spec, time.perf_counter(), trace,

@@ -34,6 +34,8 @@ LAYERS = [
 ]
 COMPILER = {"capture", "autodiff", "passes"}
 READS_THE_JOB = {"schedules", "lowering", "runtime"}  # below the compiler, yet never import it
+# A rank gets the Job, the weights and its data source: it never builds a model.
+NEVER_BUILDS_A_MODEL = READS_THE_JOB
 
 
 def layer_of(module: str) -> str:
@@ -77,6 +79,8 @@ def violations(path: str, source: str) -> list[str]:
             found.append(f"{path} imports {module} ({theirs} is above {mine})")
         elif mine in READS_THE_JOB and theirs in COMPILER:
             found.append(f"{path} imports {module} ({theirs} made the Job {mine} reads)")
+        elif mine in NEVER_BUILDS_A_MODEL and theirs == "models":
+            found.append(f"{path} imports {module} (a rank never builds a model)")
     return found
 
 
@@ -105,6 +109,12 @@ def test_an_upward_import_is_reported_wherever_it_is():
         "meshplan/runtime/x.py imports meshplan.driver (driver is above runtime)",
         "meshplan/runtime/x.py imports meshplan.passes.plan (passes made the Job runtime reads)",
     ]
+
+
+def test_a_rank_that_builds_a_model_is_reported():
+    source = "def source(cfg):\n    from meshplan.models import build_model\n"
+    assert violations("meshplan/runtime/worker.py", source) == [
+        "meshplan/runtime/worker.py imports meshplan.models (a rank never builds a model)"]
 
 
 def test_a_relative_upward_import_is_reported():

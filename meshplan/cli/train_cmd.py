@@ -99,7 +99,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
     from meshplan.cli.pictures import draw_training
     from meshplan.driver.metrics import read_metrics
-    from meshplan.driver.train import train_job
+    from meshplan.driver.train import peak_capacity, train_job
     from meshplan.driver.train_model import (
         perplexity,
         sample_text,
@@ -110,7 +110,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
     with a.progress.task("training steps", steps) as update:
         r = train_job(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,
                       eval_data=eval_feed, eval_every=a.eval_every,
-                      eval_batches=a.eval_batches, seed=a.seed, threads=a.threads,
+                      eval_batches=a.eval_batches, threads=a.threads,
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
                       device=a.device, backend=a.backend, tensorboard=a.tensorboard,
                       on_step=update)
@@ -122,6 +122,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
     summary = {"steps": steps, "losses": r.losses, "evals": r.evals, "wall_s": r.wall_s,
                "unigram_entropy": entropy, "weights": str(weights), "out": a.out,
                "tokens_per_s": _median([m["tokens_per_s"] for m in r.metrics]),
+               "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
                "mfu": _median([m["mfu"] for m in r.metrics])}
     if a.sample_tokens:
         prompt, text = sample_text(lm.module, data_dir, lm.cfg.seq_len, a.sample_tokens, a.seed)
@@ -136,7 +137,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
 def _print_summary(s: dict, perplexity) -> None:
     first, last = s["losses"][0], s["losses"][-1]
     print(f"trained {s['steps']} steps in {s['wall_s']:.0f} s: loss {first:.4f} -> {last:.4f}; "
-          f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.2%}")
+          f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of {s['mfu_of']}'s peak)")
     if s["evals"]:
         (k0, e0), (k1, e1) = s["evals"][0], s["evals"][-1]
         print(f"eval loss {e0:.4f} at step {k0} -> {e1:.4f} at step {k1} (perplexity "

@@ -99,11 +99,31 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         job = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides).job
     if resume:
         check_resumable(save_dir, job)
-    spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, "", threads,
-                   timeout_s, plan_dir=plan_dir, save_dir=save_dir, resume=resume,
-                   trace=bool(trace), report_state=report_state, device=device,
+    spec = RunSpec(steps, "", threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir,
+                   resume=resume, trace=bool(trace), report_state=report_state, device=device,
                    backend=backend)
-    return launch(job, spec, t0, trace, on_step=on_step)
+    weights, batches = zoo_source(model, size, seed, steps, job.strategy.global_batch_size,
+                                  overrides)
+    return launch(job, spec, t0, trace, saved={"weights": weights, "batches": batches},
+                  on_step=on_step)
+
+
+def zoo_source(model: str, size: str, seed: int, steps: int, global_batch_size: int,
+               overrides: dict) -> tuple[dict, list]:
+    """A zoo model's initial weights (built from its config after
+    `torch.manual_seed(seed)`, as the eager reference builds it) and its
+    synthetic global batch of each step (seed + step): what the ranks
+    receive, so no rank builds a model."""
+    import torch
+
+    from meshplan.models import build_model, example_batch, model_config
+    from meshplan.runtime.state import weights_of
+
+    cfg = model_config(model, size, **overrides)
+    torch.manual_seed(seed)
+    weights = weights_of(build_model(cfg))
+    return weights, [example_batch(cfg, global_batch_size, seed=seed + step)
+                     for step in range(steps)]
 
 
 def run_devices(device: str, backend: str, ranks_here: int) -> tuple[str, str]:
@@ -173,10 +193,10 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
                           **overrides).job.to_bytes()
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
-        spec = RunSpec(model, size, tuple(sorted(overrides.items())), steps, seed, results,
-                       threads, timeout_s, gather=True, trace=bool(trace), save_dir=save_dir,
-                       device=device, backend=backend)
-        code = rank_main(spec, rank, world, None, "env://", master=master)
+        spec = RunSpec(steps, results, threads, timeout_s, gather=True, trace=bool(trace),
+                       save_dir=save_dir, device=device, backend=backend)
+        source = zoo_source(model, size, seed, steps, strategy.global_batch_size, overrides)
+        code = rank_main(spec, rank, world, None, "env://", master=master, source=source)
         if code != 0:
             fail = json.loads((Path(results) / f"fail_{rank}.json").read_text())
             raise RuntimeFault(f"rank {rank} failed in action {fail['action']}: "

@@ -65,10 +65,16 @@ def step_flops(job: Job) -> float:
     return total
 
 
-def device_peak_flops(device: str, dtype: str = "float32") -> float:
-    """The datasheet peak FLOP/s of one device of this machine (MFU's
-    denominator): a known GPU model by its name, else this machine's
-    calibrated `cpu-local` model, else the built-in CPU default."""
+def peak_capacity(device: str, world: int, threads: int = 1,
+                  dtype: str = "float32") -> tuple[float, str]:
+    """MFU's denominator: the datasheet peak FLOP/s of the devices the local
+    ranks run on. GPUs: one each (a known model, by its name). CPU: the
+    ranks share this machine's cores, so its cores count (as many as the
+    ranks' threads use), each at the calibrated `cpu-local` model's rate,
+    else the built-in CPU default's (a guess, not a measurement). Returns
+    (FLOP/s, the device model's name)."""
+    import os
+
     from meshplan.costmodel import known_device_models, load_device_model
     from meshplan.costmodel.device import CPU_DEFAULT
 
@@ -76,11 +82,12 @@ def device_peak_flops(device: str, dtype: str = "float32") -> float:
         name = torch.cuda.get_device_name().lower()
         for known in known_device_models():
             if known.split("-")[0] in name:
-                return load_device_model(known).peak_flops_for(dtype)
+                return world * load_device_model(known).peak_flops_for(dtype), known
     try:
-        return load_device_model("cpu-local").peak_flops_for(dtype)
+        model = load_device_model("cpu-local")
     except Exception:  # noqa: BLE001 - not calibrated: the default
-        return CPU_DEFAULT.peak_flops_for(dtype)
+        model = CPU_DEFAULT
+    return model.peak_flops_for(dtype) * min(world * threads, os.cpu_count() or 1), model.name
 
 
 class StepMerger:
@@ -89,10 +96,10 @@ class StepMerger:
     reported that step; evaluation rows once every loss holder has."""
 
     def __init__(self, results: Path, world: int, log, tokens_per_step: int,
-                 flops_per_step: float, peak_flops: float, base_lr: float):
+                 flops_per_step: float, capacity: float, base_lr: float):
         self.results, self.world, self.log = results, world, log
         self.tokens, self.flops = tokens_per_step, flops_per_step
-        self.capacity = peak_flops * world
+        self.capacity = capacity
         self.base_lr = base_lr
         self.offsets = [0] * world
         self.pending: dict[int, dict[int, dict]] = {}
@@ -149,7 +156,7 @@ class StepMerger:
 
 def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out: str,
               *, eval_job: Job | None = None, eval_data=None, eval_every: int = 0,
-              eval_batches: int = 0, seed: int = 0, threads: int = 1,
+              eval_batches: int = 0, threads: int = 1,
               timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
               backend: str = "", tensorboard: bool | None = None, on_step=None,
               append: bool = False) -> TrainResult:
@@ -168,7 +175,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     t0 = time.perf_counter()
     tokens = isinstance(data, TokenFeed)
     s = job.strategy
-    spec = RunSpec("custom", "", (), steps, seed, "", threads, timeout_s, device=device,
+    spec = RunSpec(steps, "", threads, timeout_s, device=device,
                    backend=backend, report_state=True, step_rows=True, stall_s=stall_s,
                    data=data.to_json() if tokens else "",
                    eval_data=eval_data.to_json() if eval_data is not None else "",
@@ -179,7 +186,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     with MetricsLog(out, tensorboard=tensorboard, append=append) as log, \
             tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:
         merger = StepMerger(Path(results), job.mesh.world, log, per_step, step_flops(job),
-                            device_peak_flops(device), OptimizerConfig.of_job(job).lr)
+                            peak_capacity(device, job.mesh.world, threads)[0],
+                            OptimizerConfig.of_job(job).lr)
 
         def stepped(k: int) -> None:
             merger.poll()

@@ -38,8 +38,7 @@ def free_port() -> int:
 
 def _context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["meshplan.runtime.worker", "meshplan.runtime.rank_executor",
-                                "meshplan.models"])
+    ctx.set_forkserver_preload(["meshplan.runtime.worker", "meshplan.runtime.rank_executor"])
     return ctx
 
 

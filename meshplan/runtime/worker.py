@@ -4,8 +4,11 @@ plan, train, report.
 Invariants:
 - A rank lowers only its own plan, from the Job's bytes (rank 0's master
   made them); nothing else crosses processes but tensors.
-- The model is built from its config and seed in every process, so every
-  rank slices the very weights the eager reference starts from.
+- A rank never builds a model: it gets the Job, the module's weights
+  (tensors: the launcher's `module_file`, or in memory under torchrun,
+  where the driver of each process builds them) and its data source (the
+  batches given, or its own rows of a token file), so every rank slices the
+  very weights the eager reference starts from.
 - Any exception is written to `<results>/fail_<rank>.json` with the action
   the rank was in, then the process exits non-zero; the launcher reports it.
 - Every collective is bounded by the process group's timeout.
@@ -37,14 +40,11 @@ from meshplan.runtime.devices import rank_device
 
 @dataclass(frozen=True, slots=True)
 class RunSpec:
-    """What every rank needs besides the Job: data, steps, where to report."""
+    """What every rank needs besides the Job and the weights: the data
+    source, the steps, where to report."""
 
-    model: str
-    size: str
-    overrides: tuple[tuple[str, int], ...]
     steps: int
-    seed: int
-    results: str
+    results: str = ""
     threads: int = 1
     timeout_s: float = 60.0
     device: str = "cpu"              # cpu | cuda (resolved: never auto)
@@ -54,7 +54,7 @@ class RunSpec:
     save_dir: str = ""
     resume: bool = False
     gather: bool = False
-    module_file: str = ""  # a user's weights and batches (tensors only), not a zoo model
+    module_file: str = ""  # the module's weights and the batches given (tensors only)
     report_state: bool = False  # write the final state's slices (verify compares them)
     data: str = ""        # a `TokenFeed` (JSON): each rank reads its own rows of a token file
     eval_data: str = ""   # the validation split's `TokenFeed` (JSON)
@@ -69,9 +69,7 @@ class RunSpec:
 
     @staticmethod
     def from_json(text: str) -> RunSpec:
-        d = json.loads(text)
-        d["overrides"] = tuple(tuple(x) for x in d["overrides"])
-        return RunSpec(**d)
+        return RunSpec(**json.loads(text))
 
 
 def _groups(plan) -> list[tuple[int, ...]]:
@@ -80,11 +78,12 @@ def _groups(plan) -> list[tuple[int, ...]]:
 
 def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
               init_method: str | None = None, progress=None, master=None,
-              steps_done=None, beats=None) -> int:
+              steps_done=None, beats=None, source=None) -> int:
     """Run one rank; returns its exit code (0 ok, 1 failed and reported).
 
     Under torchrun `job_bytes` is None: rank 0 runs `master()` (capture and
-    planning) and broadcasts the Job's bytes; every rank lowers itself.
+    planning) and broadcasts the Job's bytes; every rank lowers itself, and
+    `source` (weights, batches) comes from the driver of its own process.
     `progress[rank]` is set to each action's index before it runs,
     `steps_done[rank]` to the steps finished (counting resumed ones),
     `beats[rank]` to `time.monotonic()` at each action (the rank's last
@@ -106,7 +105,8 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
 
             job_bytes = broadcast_bytes(master() if rank == 0 else None, src=0)
         job = Job.from_bytes(job_bytes)
-        return _train(spec, job, rank, world, progress, steps_done, device, backend, beats)
+        return _train(spec, job, rank, world, progress, steps_done, device, backend, beats,
+                      source)
     except Exception as e:  # reported, then the launcher ends the others
         ex = _CURRENT.get("executor")
         where = ex.current if ex is not None else "setup"
@@ -129,7 +129,8 @@ _CURRENT: dict = {}
 
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
-           steps_done=None, device=None, backend: str = "gloo", beats=None) -> int:
+           steps_done=None, device=None, backend: str = "gloo", beats=None,
+           source=None) -> int:
     from meshplan.lowering.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.comm import Comm, job_groups
@@ -148,7 +149,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     ex = RankExecutor(job, plan, comm, device=device)
     _CURRENT["executor"] = ex
     ex.on_action = _reporter(rank, progress, beats)
-    module, feed = _source(spec, job, ex)
+    module, feed = _source(spec, job, ex, source)
     state = ex.init_state(module)
     evaluator = _evaluator(spec, job, rank, comm, device, _progress_only(beats, rank))
     start = 0
@@ -187,29 +188,24 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     return 0
 
 
-def _source(spec: RunSpec, job: Job, ex):
+def _source(spec: RunSpec, job: Job, ex, given=None):
     """The module's initial weights and `feed(step) -> (micro-batches,
-    local_rows)`: the rank's own rows of a token file (`spec.data`), the
-    user's weights and batches saved by the launcher (`module_file`, tensors
-    only: `runtime/tensor_file.py`), or a zoo model built from its config
-    and seed with its synthetic batches."""
+    local_rows)`: from `given` (weights, batches) in memory, or the
+    launcher's `module_file` (tensors only: `runtime/tensor_file.py`); the
+    data the batches given, or this rank's own rows of a token file
+    (`spec.data`)."""
     from meshplan.runtime.data import split_microbatches
 
-    m = job.strategy.num_microbatches
-    if spec.module_file:
+    if given is not None:
+        weights, batches = given
+    else:
         from meshplan.runtime.tensor_file import load_inputs
 
         weights, batches = load_inputs(Path(spec.module_file))
-        if spec.data:
-            return weights, _token_feed(spec.data, job, ex.rows)
-        return weights, lambda step: (split_microbatches(batches[step], m), False)
-    from meshplan.models import build_model, example_batch, model_config
-
-    cfg = model_config(spec.model, spec.size, **dict(spec.overrides))
-    torch.manual_seed(spec.seed)
-    gbs = job.strategy.global_batch_size
-    return build_model(cfg), lambda step: (
-        split_microbatches(example_batch(cfg, gbs, seed=spec.seed + step), m), False)
+    if spec.data:
+        return weights, _token_feed(spec.data, job, ex.rows)
+    m = job.strategy.num_microbatches
+    return weights, lambda step: (split_microbatches(batches[step], m), False)
 
 
 def _token_feed(text: str, job: Job, rows):
