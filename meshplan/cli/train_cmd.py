@@ -7,7 +7,8 @@ Invariants:
 - The verb's defaults are the main job: GPT small on the Python standard
   library's own sources (byte tokens, prepared on first use under
   `$MESHPLAN_HOME/data/`), 8 local ranks (dp2 tp2 pp2 vpp2, interleaved),
-  AdamW with a cosine schedule, clipping at 1.0, evaluation every 10 steps.
+  AdamW with a cosine schedule, clipping at 1.0, 200 steps, evaluation
+  every 25.
 - The run's directory holds `config.toml` (the resolved config: every
   flag's value), `metrics.jsonl` (and `tensorboard/` when installed),
   `loss.png` and the trained weights (`model.safetensors`, or `model.pt`).
@@ -23,18 +24,24 @@ from pathlib import Path
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides
 from meshplan.errors import ConfigError
 
-EPILOG = """examples:
+EPILOG = """defaults (the main job; the per-flag defaults above are the other verbs'):
+  --size small --devices-per-node 8 --tp 2 --pp 2 --vpp 2 --global-batch-size 16
+  --micro-batch-size 2 --optimizer adamw --lr 3e-3 --lr-schedule cosine --warmup-steps 10
+  --min-lr 3e-4 --clip-grad-norm 1.0 --steps 200 --eval-every 25
+examples:
   meshplan train                                   # the main job (3-5 min on 2 cores)
   meshplan prepare-data --input 'corpus/*.txt' --out data/ --tokenizer bpe:4096
   meshplan train --data data/ --size tiny --devices-per-node 4 --tp 1 --pp 2 --vpp 1 \\
       --steps 30 --eval-every 10 --out run1/
   meshplan train --config run.toml --set lr=3e-4 --set steps=200
-  meshplan train --hf llama --size tiny --data data/ --devices-per-node 2 --tp 1 --pp 2 --vpp 1"""
+  meshplan train --hf llama --size tiny --data data/ --devices-per-node 2 --tp 1 --pp 2 --vpp 1
+  meshplan train --module mymodels:tiny_lm --data data/ --devices-per-node 2 --tp 1 --pp 2 \
+      --vpp 1 --seq-len 64"""
 
 MAIN_JOB = {"size": "small", "devices_per_node": 8, "tp": 2, "pp": 2, "vpp": 2,
-            "optimizer": "adamw", "lr": 2e-3, "lr_schedule": "cosine", "warmup_steps": 5,
-            "min_lr": 2e-4, "clip_grad_norm": 1.0, "global_batch_size": 16,
-            "micro_batch_size": 2}
+            "optimizer": "adamw", "lr": 3e-3, "lr_schedule": "cosine", "warmup_steps": 10,
+            "min_lr": 3e-4, "clip_grad_norm": 1.0, "global_batch_size": 16,
+            "micro_batch_size": 2, "steps": 200, "eval_every": 25}
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -45,15 +52,19 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", default="", metavar="DIR",
                    help="a token directory written by `meshplan prepare-data` (default: the "
                    "Python standard library's sources, byte tokens, prepared on first use)")
+    g.add_argument("--module", default="", metavar="PKG.MODULE:FACTORY",
+                   help="train your own nn.Module instead of --model/--hf: FACTORY(vocab_size=, "
+                   "seq_len=) (the keywords it takes) returns a module whose forward(inputs, "
+                   "targets) returns the next-token loss")
     g.add_argument("--out", default="meshplan-train", metavar="DIR",
                    help="the run's directory: config, metrics, loss.png, weights "
                    "(default meshplan-train/)")
     g.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="train on N tokens (steps = N / (global batch x seq-len), rounded up); "
                    "instead of --steps")
-    g.add_argument("--eval-every", type=int, default=10, metavar="N",
+    g.add_argument("--eval-every", type=int, default=25, metavar="N",
                    help="evaluate on the validation split before the first step and every N "
-                   "steps (0: never; default 10)")
+                   "steps (0: never; default 25)")
     g.add_argument("--eval-batches", type=int, default=4, metavar="B",
                    help="global batches per evaluation (default 4)")
     g.add_argument("--stall-timeout", type=float, default=300.0, metavar="S",
@@ -66,34 +77,62 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="also write TensorBoard events (default: when tensorboard is installed)")
     add_config_file_flags(g)
-    p.set_defaults(steps=60, **MAIN_JOB)
+    p.set_defaults(**MAIN_JOB)
 
 
 def cmd_train(a: argparse.Namespace) -> int:
     """Plan, run and report one training run."""
-    from meshplan.cli.auto_cmd import strategy_of
     from meshplan.data.feed import TokenFeed
-    from meshplan.driver.train import tokens_to_steps
-    from meshplan.driver.train_model import language_model, sized_config
 
     a = _resolved(a)
     _check(a)
     data_dir = a.data or default_corpus(a.progress)
-    cfg = sized_config(a.model, a.size, data_dir, overrides(a))
-    a.vocab = cfg.vocab  # the data's, for --auto's search too
-    strategy = strategy_of(a, cfg)
-    steps = tokens_to_steps(a.tokens, strategy.global_batch_size, cfg.seq_len) \
-        if a.tokens else a.steps
-    a.steps = steps
-    lm = language_model(a.model, a.size, data_dir, mesh_of(a), strategy, optimizer_config(a),
-                        a.seed, overrides(a))
+    lm = _user_model(a, data_dir) if a.module else _language_model(a, data_dir)
     s = lm.job.strategy
-    feed = TokenFeed(data_dir, "train", cfg.seq_len, a.seed, lm.layout)
-    eval_feed = TokenFeed(data_dir, "validation", cfg.seq_len, a.seed, lm.layout, shuffle=False)
+    feed = TokenFeed(data_dir, "train", lm.seq_len, a.seed, lm.layout)
+    eval_feed = TokenFeed(data_dir, "validation", lm.seq_len, a.seed, lm.layout,
+                          shuffle=False)
     if a.eval_every:
         _check_validation(eval_feed, a.eval_batches, s.global_batch_size)
     _prepare_out(a)
-    return _run(a, lm, feed, eval_feed, steps, data_dir)
+    return _run(a, lm, feed, eval_feed, a.steps, data_dir)
+
+
+def _language_model(a: argparse.Namespace, data_dir: str):
+    """A zoo or transformers model sized from the data, and its Jobs."""
+    from meshplan.cli.auto_cmd import strategy_of
+    from meshplan.driver.train_model import language_model, sized_config
+
+    cfg = sized_config(a.model, a.size, data_dir, overrides(a))
+    a.vocab = cfg.vocab  # the data's, for --auto's search too
+    strategy = strategy_of(a, cfg)
+    _steps_of(a, strategy.global_batch_size, cfg.seq_len)
+    return language_model(a.model, a.size, data_dir, mesh_of(a), strategy,
+                          optimizer_config(a), a.seed, overrides(a))
+
+
+def _user_model(a: argparse.Namespace, data_dir: str):
+    """The user's module (`--module`), and its Jobs."""
+    from meshplan.cli.flags import strategy_fields
+    from meshplan.driver.train_model import user_model
+    from meshplan.ir.mesh import Strategy
+
+    fields = strategy_fields(a)
+    fields.setdefault("layer_pattern", "auto")
+    if a.tp > 1:
+        fields.setdefault("tp_plan", "auto")
+    seq_len = a.seq_len or 128
+    _steps_of(a, fields["global_batch_size"], seq_len)
+    return user_model(a.module, data_dir, seq_len, mesh_of(a), Strategy(**fields),
+                      optimizer_config(a), a.seed)
+
+
+def _steps_of(a: argparse.Namespace, global_batch_size: int, seq_len: int) -> None:
+    """`--tokens N` as steps (before the optimizer's schedule is made of them)."""
+    from meshplan.driver.train import tokens_to_steps
+
+    if a.tokens:
+        a.steps = tokens_to_steps(a.tokens, global_batch_size, seq_len)
 
 
 def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
@@ -124,8 +163,8 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
                "tokens_per_s": _median([m["tokens_per_s"] for m in r.metrics]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
                "mfu": _median([m["mfu"] for m in r.metrics])}
-    if a.sample_tokens:
-        prompt, text = sample_text(lm.module, data_dir, lm.cfg.seq_len, a.sample_tokens, a.seed)
+    if a.sample_tokens and (hasattr(lm.module, "logits") or hasattr(lm.module, "model")):
+        prompt, text = sample_text(lm.module, data_dir, lm.seq_len, a.sample_tokens, a.seed)
         summary["sample"] = {"prompt": prompt, "continuation": text}
     if a.json:
         print(json.dumps(summary))

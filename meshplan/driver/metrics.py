@@ -58,12 +58,16 @@ class MetricsLog:
                                          flush_secs=10)
 
     def log_train(self, step: int, loss, grad_norm, lr, tokens_per_s, mfu, step_s,
-                  peak_bytes) -> None:
-        """One training step's row (None: not measured)."""
+                  peak_bytes, peak_bytes_per_stage: list | None = None) -> None:
+        """One training step's row (None: not measured); with
+        `peak_bytes_per_stage`, each pipeline stage's measured peak too."""
         values = dict(zip(TRAIN_KEYS, (loss, grad_norm, lr, tokens_per_s, mfu, step_s,
                                        peak_bytes), strict=True))
-        self._write({"kind": "train", "step": int(step)} | values)
-        self._scalars("train", step, values)
+        stages = {} if peak_bytes_per_stage is None else \
+            {"peak_bytes_per_stage": [int(x) for x in peak_bytes_per_stage]}
+        self._write({"kind": "train", "step": int(step)} | values | stages)
+        self._scalars("train", step, values | {f"peak_bytes_stage{i}": x for i, x in
+                                               enumerate(peak_bytes_per_stage or ())})
 
     def log_eval(self, step: int, eval_loss) -> None:
         """One evaluation's row: its loss and perplexity exp(loss) (inf when
@@ -129,6 +133,8 @@ def _json_number(value):
     (tensors too) as float, a non-finite one as None."""
     if value is None or isinstance(value, bool | int | str):
         return value
+    if isinstance(value, list):
+        return [_json_number(v) for v in value]
     value = float(value)
     return value if math.isfinite(value) else None
 

@@ -95,13 +95,14 @@ class StepMerger:
     merged into one metrics row per step, written once every rank has
     reported that step; evaluation rows once every loss holder has."""
 
-    def __init__(self, results: Path, world: int, log, tokens_per_step: int,
+    def __init__(self, results: Path, job: Job, log, tokens_per_step: int,
                  flops_per_step: float, capacity: float, base_lr: float):
-        self.results, self.world, self.log = results, world, log
+        self.results, self.world, self.log = results, job.mesh.world, log
+        self.stage_of = [job.strategy.stage_of_rank(r) for r in range(self.world)]
         self.tokens, self.flops = tokens_per_step, flops_per_step
         self.capacity = capacity
         self.base_lr = base_lr
-        self.offsets = [0] * world
+        self.offsets = [0] * self.world
         self.pending: dict[int, dict[int, dict]] = {}
         self.evals: dict[int, dict[int, float | None]] = {}
         self.written: list[dict] = []
@@ -149,7 +150,10 @@ class StepMerger:
                "lr": lrs[0] if lrs else self.base_lr,
                "tokens_per_s": self.tokens / step_s,
                "mfu": self.flops / step_s / self.capacity,
-               "step_s": step_s, "peak_bytes": max(x["peak_bytes"] for x in rows.values())}
+               "step_s": step_s, "peak_bytes": max(x["peak_bytes"] for x in rows.values()),
+               "peak_bytes_per_stage": [max(x["peak_bytes"] for r, x in rows.items()
+                                            if self.stage_of[r] == s)
+                                        for s in range(max(self.stage_of) + 1)]}
         self.log.log_train(**row)
         self.written.append(row)
 
@@ -185,7 +189,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     per_step = s.global_batch_size * (data.seq_len if tokens else 1)
     with MetricsLog(out, tensorboard=tensorboard, append=append) as log, \
             tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:
-        merger = StepMerger(Path(results), job.mesh.world, log, per_step, step_flops(job),
+        merger = StepMerger(Path(results), job, log, per_step, step_flops(job),
                             peak_capacity(device, job.mesh.world, threads)[0],
                             OptimizerConfig.of_job(job).lr)
 

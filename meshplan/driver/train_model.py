@@ -29,9 +29,9 @@ _ZOO_LAYOUTS = {"gpt": "next-token"}
 
 @dataclass(frozen=True)
 class LanguageModel:
-    """A model ready to train on token data: config, module, both Jobs."""
+    """A model ready to train on token data: module, both Jobs."""
 
-    cfg: object
+    seq_len: int
     module: torch.nn.Module
     job: object
     eval_job: object
@@ -83,7 +83,47 @@ def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimiz
     s = job.strategy
     eval_job = plan_forward(capture_zoo(cfg, s.micro_batch_size * s.dp), mesh, s)
     torch.manual_seed(seed)
-    return LanguageModel(cfg, build_model(cfg), job, eval_job, layout)
+    return LanguageModel(cfg.seq_len, build_model(cfg), job, eval_job, layout)
+
+
+def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer,
+               seed: int) -> LanguageModel:
+    """A user's `nn.Module` from `PKG.MODULE:FACTORY`: the factory is called
+    with the keyword arguments it takes of `vocab_size` (the data's) and
+    `seq_len`, and returns a module whose `forward(inputs, targets)` returns
+    the loss of predicting `targets`, the next tokens. It is captured on the
+    data's first micro-batch (and self-checked), then planned for training
+    and for evaluation."""
+    import importlib
+    import inspect
+
+    from meshplan.data.feed import FeedReader, Layout, TokenFeed
+    from meshplan.data.tokens import TokenData
+    from meshplan.driver.capture_check import checked_capture
+    from meshplan.passes.plan import PASSES, Compilation, plan_forward
+
+    modname, _, attr = path.partition(":")
+    try:
+        factory = getattr(importlib.import_module(modname), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"--module {path}: cannot import it ({err}); give PKG.MODULE:FACTORY "
+                          "of a function on the Python path that returns an nn.Module"
+                          ) from None
+    data = TokenData(data_dir, "train")
+    data.check_seq_len(seq_len)
+    given = {"vocab_size": data.vocab_size, "seq_len": seq_len}
+    wants = inspect.signature(factory).parameters
+    torch.manual_seed(seed)
+    module = factory(**{k: v for k, v in given.items() if k in wants})
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"--module {path} returned {type(module).__name__}, not an nn.Module")
+    reader = FeedReader(TokenFeed(data_dir, "train", seq_len, seed), strategy.global_batch_size,
+                        strategy.num_microbatches)
+    x, y = reader.microbatches(0)[0]
+    graph = checked_capture(module, (x, y))
+    job = PASSES.run(Compilation(graph, mesh, strategy, optimizer)).job
+    eval_job = plan_forward(graph, mesh, job.strategy)
+    return LanguageModel(seq_len, module, job, eval_job, Layout.NEXT_TOKEN)
 
 
 def unigram_entropy(data_dir: str) -> float:

@@ -149,3 +149,70 @@ def test_each_rank_reads_only_its_rows(tmp_path):
         else:
             assert n == steps * per_step, (rank, n)
     assert json.loads(json.dumps(r.rows_read))  # reported as plain JSON
+
+
+MODULE = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab_size, width=32, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, inputs, targets):
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def build(vocab_size):
+    return TinyLM(vocab_size)
+'''
+
+
+@pytest.mark.slow
+def test_a_users_module_trains_from_the_command_line(trained, tmp_path, monkeypatch):
+    """`--module PKG.MODULE:FACTORY`: the user's own module, at pp2, equal to
+    eager on the same token file."""
+    from safetensors.torch import load_file
+
+    from meshplan.autodiff import OptimizerConfig
+
+    data, _ = trained
+    (tmp_path / "my_lm.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["-q", "train", "--module", "my_lm:build", "--data", str(data), "--out",
+                 str(out), "--devices-per-node", "2", "--tp", "1", "--pp", "2", "--vpp", "1",
+                 "--seq-len", "32", "--steps", "4", "--eval-every", "2", "--eval-batches", "1",
+                 "--optimizer", "sgd", "--lr", "0.1", "--lr-schedule", "constant",
+                 "--warmup-steps", "0", "--clip-grad-norm", "1.0", "--json"]) == 0
+    import my_lm
+
+    torch.manual_seed(0)
+    module = my_lm.build(257)
+    reader = FeedReader(TokenFeed(str(data), "train", 32, 0), 16, 4)
+    ref = eager_train(module, [reader.batch(k) for k in range(4)], 4,
+                      OptimizerConfig.of("sgd", 0.1, max_grad_norm=1.0))
+    rows = read_metrics(out / "metrics.jsonl")
+    mine = [r["loss"] for r in rows if r["kind"] == "train"]
+    assert max(abs(a - b) for a, b in zip(mine, ref.losses)) < 1e-5
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 4]
+    assert all(len(r["peak_bytes_per_stage"]) == 2 for r in rows if r["kind"] == "train")
+    weights = load_file(str(out / "model.safetensors"))
+    for name, t in module.state_dict().items():
+        assert torch.allclose(weights[name], t, atol=1e-5, rtol=1e-5), name
