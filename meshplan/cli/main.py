@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_verb(sub, "train", "train a language model on a prepared token directory: "
                  "metrics, evaluation, loss.png and the trained weights (no arguments: the "
                  "main job)", EPILOG_TRAIN, cmd_train)
-    add_training_flags(p, steps=200)
+    add_training_flags(p, steps=160)
     add_device_flags(p)
     add_train_flags(p)
 

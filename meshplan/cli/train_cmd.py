@@ -7,8 +7,8 @@ Invariants:
 - The verb's defaults are the main job: GPT small on the Python standard
   library's own sources (byte tokens, prepared on first use under
   `$MESHPLAN_HOME/data/`), 8 local ranks (dp2 tp2 pp2 vpp2, interleaved),
-  AdamW with a cosine schedule, clipping at 1.0, 200 steps, evaluation
-  every 25.
+  AdamW with a cosine schedule, clipping at 1.0, 160 steps, evaluation
+  every 20.
 - The run's directory holds `config.toml` (the resolved config: every
   flag's value), `metrics.jsonl` (and `tensorboard/` when installed),
   `loss.png` and the trained weights (`model.safetensors`, or `model.pt`).
@@ -27,7 +27,7 @@ from meshplan.errors import ConfigError
 EPILOG = """defaults (the main job; the per-flag defaults above are the other verbs'):
   --size small --devices-per-node 8 --tp 2 --pp 2 --vpp 2 --global-batch-size 16
   --micro-batch-size 2 --optimizer adamw --lr 3e-3 --lr-schedule cosine --warmup-steps 10
-  --min-lr 3e-4 --clip-grad-norm 1.0 --steps 200 --eval-every 25
+  --min-lr 3e-4 --clip-grad-norm 1.0 --steps 160 --eval-every 20
 examples:
   meshplan train                                   # the main job (3-5 min on 2 cores)
   meshplan prepare-data --input 'corpus/*.txt' --out data/ --tokenizer bpe:4096
@@ -41,7 +41,7 @@ examples:
 MAIN_JOB = {"size": "small", "devices_per_node": 8, "tp": 2, "pp": 2, "vpp": 2,
             "optimizer": "adamw", "lr": 3e-3, "lr_schedule": "cosine", "warmup_steps": 10,
             "min_lr": 3e-4, "clip_grad_norm": 1.0, "global_batch_size": 16,
-            "micro_batch_size": 2, "steps": 200, "eval_every": 25}
+            "micro_batch_size": 2, "steps": 160, "eval_every": 20}
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -62,9 +62,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="train on N tokens (steps = N / (global batch x seq-len), rounded up); "
                    "instead of --steps")
-    g.add_argument("--eval-every", type=int, default=25, metavar="N",
+    g.add_argument("--eval-every", type=int, default=20, metavar="N",
                    help="evaluate on the validation split before the first step and every N "
-                   "steps (0: never; default 25)")
+                   "steps (0: never; default 20)")
     g.add_argument("--eval-batches", type=int, default=4, metavar="B",
                    help="global batches per evaluation (default 4)")
     g.add_argument("--stall-timeout", type=float, default=300.0, metavar="S",
