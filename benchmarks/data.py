@@ -3,8 +3,9 @@ against the size of the token file.
 
 Time: GPT small (seq_len 128, vocab 1024) at dp2*pp2 with micro_batch_size
 4 and 4 micro-batches: a rank reads 16 samples a step (global batch 32, its
-data-parallel half). `SampleReader.read` of one step's shuffled positions is
-timed against one eager forward+backward+AdamW step of GPT small on 16
+data-parallel half: rows 0-3 of each micro-batch of 8). What the rank runs,
+`FeedReader.microbatches(step, rows)` (a read per micro-batch, then the
+model's (inputs, labels)), is timed against one eager forward+backward+AdamW step of GPT small on 16
 samples, alternated so that machine noise hits both; the ratio is
 read / step (target <= 2%). The token file is warm in the page cache (it was
 just written): this times the reader, not the disk.
@@ -43,12 +44,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import machine, median, write  # noqa: E402
-from meshplan.data.sampler import SampleReader  # noqa: E402
-from meshplan.data.tokens import TokenData, TokenWriter  # noqa: E402
+from meshplan.data.feed import FeedReader, TokenFeed  # noqa: E402
+from meshplan.data.tokens import TokenWriter  # noqa: E402
 from meshplan.models import build_model, example_batch, model_config  # noqa: E402
 
 SEQ_LEN, VOCAB, DOC_LEN = 128, 1024, 4096
 GLOBAL_BATCH, RANK_SAMPLES = 32, 16  # dp2 x micro_batch_size 4 x 4 micro-batches
+MICROBATCHES, ROWS = 4, (0, 4)  # dp rank 0's rows of each micro-batch of 8
 MiB = 2 ** 20
 
 
@@ -72,9 +74,9 @@ def make_token_dir(path: Path, n_tokens: int) -> None:
     (path / "index.json").write_text(json.dumps(index))
 
 
-def positions(step: int) -> np.ndarray:
-    """The global positions rank 0 (dp rank 0) reads at `step`."""
-    return step * GLOBAL_BATCH + np.arange(RANK_SAMPLES)
+def rank_reader(data_dir) -> FeedReader:
+    """The reader a dp2*pp2 rank of the first stage opens."""
+    return FeedReader(TokenFeed(str(data_dir), "train", SEQ_LEN, 0), GLOBAL_BATCH, MICROBATCHES)
 
 
 def time_reader_and_step(data_dir: Path, steps: int, reads_per_step: int) -> dict:
@@ -83,15 +85,15 @@ def time_reader_and_step(data_dir: Path, steps: int, reads_per_step: int) -> dic
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = example_batch(cfg, RANK_SAMPLES)
-    reader = SampleReader(TokenData(data_dir), SEQ_LEN, seed=0)
+    reader = rank_reader(data_dir)
     read_s, step_s, k = [], [], 0
     for i in range(steps + 2):
         for _ in range(reads_per_step):
             t0 = time.perf_counter()
-            rows = reader.read(positions(k))
+            mbs = reader.microbatches(k, ROWS)
             read_s.append(time.perf_counter() - t0)
             k += 1
-        assert rows.shape == (RANK_SAMPLES, SEQ_LEN + 1)
+        assert sum(x.shape[0] for x, _ in mbs) == RANK_SAMPLES
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         model(*batch).backward()
@@ -107,10 +109,10 @@ def time_reader_and_step(data_dir: Path, steps: int, reads_per_step: int) -> dic
 
 def child(data_dir: str, steps: int) -> None:
     """In a fresh process: read `steps` shuffled steps; print the memory as JSON."""
-    reader = SampleReader(TokenData(data_dir), SEQ_LEN, seed=0)
+    reader = rank_reader(data_dir)
     total = 0
     for s in range(steps):
-        total += int(reader.read(positions(s)).sum())
+        total += sum(int(x.sum()) for x, _ in reader.microbatches(s, ROWS))
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text()
                   .splitlines() if ":" in line)
     kb = lambda key: int(status.get(key, "0 kB").split()[0]) * 1024  # noqa: E731
