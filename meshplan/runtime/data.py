@@ -38,3 +38,29 @@ def local_rows(microbatches, rows: tuple[int, int] | None) -> list[tuple[torch.T
         return [() for _ in microbatches]
     lo, hi = rows
     return [tuple(t[lo:hi] for t in mb) for mb in microbatches]
+
+
+def batch_feed(batches, m: int):
+    """`feed(step) -> (micro-batches, local_rows)` of global batches given:
+    step `k`'s batch split into `m` micro-batches (every rank gets them whole
+    and keeps its box)."""
+    return lambda step: (split_microbatches(batches[step], m), False)
+
+
+def token_feed(text: str, job, rows):
+    """`feed(step)`: this rank's rows of each micro-batch, read from the
+    token file; a rank whose plan reads no data opens no file at all."""
+    from meshplan.data.feed import FeedReader, TokenFeed
+
+    m = job.strategy.num_microbatches
+    if rows is None:
+        return lambda step: ([() for _ in range(m)], True)
+    reader = FeedReader(TokenFeed.from_json(text), job.strategy.global_batch_size, m)
+
+    def feed(step: int):
+        return reader.microbatches(step, rows), True
+
+    feed.reader = reader  # type: ignore[attr-defined]  # its rows_read are reported
+    return feed
+
+

@@ -36,6 +36,7 @@ from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.runtime.devices import rank_device
+from meshplan.runtime.progress import StepRows, progress_only, reporter, start_liveness
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +149,10 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
     ex = RankExecutor(job, plan, comm, device=device)
     _CURRENT["executor"] = ex
-    ex.on_action = _reporter(rank, progress, beats)
+    ex.on_action = reporter(rank, progress, beats)
     module, feed = _source(spec, job, ex, source)
     state = ex.init_state(module)
-    evaluator = _evaluator(spec, job, rank, comm, device, _progress_only(beats, rank))
+    evaluator = _evaluator(spec, job, rank, comm, device, progress_only(beats, rank))
     start = 0
     if spec.resume:
         ex.current = "load checkpoint"
@@ -194,7 +195,7 @@ def _source(spec: RunSpec, job: Job, ex, given=None):
     launcher's `module_file` (tensors only: `runtime/tensor_file.py`); the
     data the batches given, or this rank's own rows of a token file
     (`spec.data`)."""
-    from meshplan.runtime.data import split_microbatches
+    from meshplan.runtime.data import batch_feed, token_feed
 
     if given is not None:
         weights, batches = given
@@ -203,67 +204,8 @@ def _source(spec: RunSpec, job: Job, ex, given=None):
 
         weights, batches = load_inputs(Path(spec.module_file))
     if spec.data:
-        return weights, _token_feed(spec.data, job, ex.rows)
-    m = job.strategy.num_microbatches
-    return weights, lambda step: (split_microbatches(batches[step], m), False)
-
-
-def _token_feed(text: str, job: Job, rows):
-    """`feed(step)`: this rank's rows of each micro-batch, read from the
-    token file; a rank whose plan reads no data opens no file at all."""
-    from meshplan.data.feed import FeedReader, TokenFeed
-
-    m = job.strategy.num_microbatches
-    if rows is None:
-        return lambda step: ([() for _ in range(m)], True)
-    reader = FeedReader(TokenFeed.from_json(text), job.strategy.global_batch_size, m)
-
-    def feed(step: int):
-        return reader.microbatches(step, rows), True
-
-    feed.reader = reader  # type: ignore[attr-defined]  # its rows_read are reported
-    return feed
-
-
-def _reporter(rank: int, progress, beats):
-    """The executor's per-action hook: the action's index for the launcher's
-    failure line, and the time of the rank's last progress (`beats[rank]`)
-    its stall check reads."""
-    if progress is None and beats is None:
-        return None
-
-    def report(index: int) -> None:
-        if progress is not None:
-            progress[rank] = index
-        if beats is not None:
-            beats[rank] = time.monotonic()
-
-    return report
-
-
-def _progress_only(beats, rank: int):
-    """The evaluator's hook: progress, without an index of the train plan."""
-    if beats is None:
-        return None
-
-    def report(index: int) -> None:
-        beats[rank] = time.monotonic()
-
-    return report
-
-
-def start_liveness(alive, rank: int, every_s: float = 0.5) -> None:
-    """A daemon thread stamping `alive[rank]` every `every_s`: it stops only
-    when the whole process stops (frozen, swapped out, stopped by a signal),
-    which tells the launcher which rank is frozen rather than waiting."""
-    import threading
-
-    def stamp() -> None:
-        while True:
-            alive[rank] = time.monotonic()
-            time.sleep(every_s)
-
-    threading.Thread(target=stamp, name="meshplan-liveness", daemon=True).start()
+        return weights, token_feed(spec.data, job, ex.rows)
+    return weights, batch_feed(batches, job.strategy.num_microbatches)
 
 
 def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, rank: int,
@@ -274,7 +216,8 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
 
     losses, norms, times, trace, skipped = [], [], [], None, []
     clock = StepClock(device)
-    rows = _StepRows(spec, rank, ex)
+    rows = StepRows(Path(spec.results) / f"steps_{rank}.jsonl" if spec.step_rows else None,
+                    lambda: measured_peak(device, ex.mem))
     if evaluator is not None and start == 0:
         rows.eval(0, evaluator.run(state))
     for step in range(start, spec.steps):
@@ -303,33 +246,6 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
             steps_done[rank] = step + 1
     reader = getattr(feed, "reader", None)
     return losses, norms, times, trace, skipped, reader.rows_read if reader else None
-
-
-class _StepRows:
-    """With `spec.step_rows`, each step's and evaluation's numbers as one JSON
-    line of `<results>/steps_<rank>.jsonl`, flushed as it happens, so the
-    driver writes metrics while the run goes on."""
-
-    def __init__(self, spec: RunSpec, rank: int, ex):
-        self.ex = ex
-        self.file = open(Path(spec.results) / f"steps_{rank}.jsonl", "a") \
-            if spec.step_rows else None  # noqa: SIM115 - closed with the process
-
-    def _write(self, row: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-
-    def train(self, step: int, loss, norm, state: dict, step_s: float) -> None:
-        from meshplan.ir import LR
-
-        lr = float(state[LR]) if LR in state else None
-        self._write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr,
-                     "step_s": step_s, "peak_bytes": measured_peak(self.ex.device,
-                                                                   self.ex.mem)})
-
-    def eval(self, step: int, loss) -> None:
-        self._write({"eval_step": step, "eval_loss": loss})
 
 
 def _evaluator(spec: RunSpec, job: Job, rank: int, comm, device, on_action):
