@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from statistics import median
 
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides
 from meshplan.errors import ConfigError
@@ -139,12 +140,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
     from meshplan.cli.pictures import draw_training
     from meshplan.driver.metrics import read_metrics
     from meshplan.driver.train import peak_capacity, train_job
-    from meshplan.driver.train_model import (
-        perplexity,
-        sample_text,
-        unigram_entropy,
-        write_weights,
-    )
+    from meshplan.driver.train_model import sample_text, unigram_entropy, write_weights
 
     with a.progress.task("training steps", steps) as update:
         r = train_job(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,
@@ -153,27 +149,30 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
                       device=a.device, backend=a.backend, tensorboard=a.tensorboard,
                       on_step=update)
-    lm.module.load_state_dict({k: v for k, v in r.weights.items()}, strict=False)
+    lm.module.load_state_dict(r.weights, strict=False)  # every name, a tied one's aliases too
     weights = write_weights(r.weights, a.out)
     entropy = unigram_entropy(data_dir)
     draw_training(read_metrics(Path(a.out) / "metrics.jsonl"), str(Path(a.out) / "loss.png"),
                   reference=entropy, reference_label="unigram entropy")
     summary = {"steps": steps, "losses": r.losses, "evals": r.evals, "wall_s": r.wall_s,
                "unigram_entropy": entropy, "weights": str(weights), "out": a.out,
-               "tokens_per_s": _median([m["tokens_per_s"] for m in r.metrics]),
+               "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
-               "mfu": _median([m["mfu"] for m in r.metrics])}
+               "mfu": median([m["mfu"] for m in r.metrics])}
     if a.sample_tokens and (hasattr(lm.module, "logits") or hasattr(lm.module, "model")):
         prompt, text = sample_text(lm.module, data_dir, lm.seq_len, a.sample_tokens, a.seed)
         summary["sample"] = {"prompt": prompt, "continuation": text}
     if a.json:
         print(json.dumps(summary))
         return 0
-    _print_summary(summary, perplexity)
+    print_summary(summary)
     return 0
 
 
-def _print_summary(s: dict, perplexity) -> None:
+def print_summary(s: dict) -> None:
+    """The lines a run ends with (its `--json` summary, for people)."""
+    from meshplan.driver.metrics import perplexity
+
     first, last = s["losses"][0], s["losses"][-1]
     print(f"trained {s['steps']} steps in {s['wall_s']:.0f} s: loss {first:.4f} -> {last:.4f}; "
           f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of {s['mfu_of']}'s peak)")
@@ -186,11 +185,6 @@ def _print_summary(s: dict, perplexity) -> None:
     if "sample" in s:
         print("sample (prompt, then the model's continuation):")
         print(s["sample"]["prompt"] + "\u2502" + s["sample"]["continuation"])
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else 0.0
 
 
 def _weights(module) -> dict:

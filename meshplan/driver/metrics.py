@@ -73,7 +73,7 @@ class MetricsLog:
         """One evaluation's row: its loss and perplexity exp(loss) (inf when
         that overflows; null in the file)."""
         loss = None if eval_loss is None else float(eval_loss)
-        ppl = None if loss is None else _exp(loss)
+        ppl = None if loss is None else perplexity(loss)
         self._write({"kind": "eval", "step": int(step), "eval_loss": loss, "eval_ppl": ppl})
         self._scalars("eval", step, {"loss": loss, "ppl": ppl})
 
@@ -121,9 +121,10 @@ def _drop_torn_line(path: Path) -> None:
         pass
 
 
-def _exp(x: float) -> float:
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where it overflows."""
     try:
-        return math.exp(x)
+        return math.exp(loss)
     except OverflowError:
         return math.inf
 

@@ -30,8 +30,6 @@ from meshplan.errors import RuntimeFault
 from meshplan.ir import Phase, Role
 from meshplan.ir.job import Job
 
-TOKEN_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_s", "peak_bytes")
-
 
 @dataclass(slots=True)
 class TrainResult:

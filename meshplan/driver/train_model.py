@@ -14,7 +14,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,11 +184,3 @@ def stdlib_files() -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "turtledemo"}
     return sorted(str(p) for p in root.rglob("*.py") if not skip & set(p.parts))
-
-
-def perplexity(loss: float) -> float:
-    """exp(loss), inf where it overflows."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return float("inf")
