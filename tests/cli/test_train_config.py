@@ -183,3 +183,27 @@ def test_is_config_file_and_other_verbs_refuse_a_toml_config(parser):
     a.config_files = False
     with pytest.raises(ConfigError, match="not a TOML file"):
         apply_config(a)
+
+
+def real_train_parser() -> argparse.ArgumentParser:
+    """The `meshplan train` verb's own parser."""
+    from meshplan.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+def test_the_train_verbs_every_flag_is_a_config_key_and_the_two_agree(tmp_path):
+    test_every_flag_is_a_config_key_and_the_two_agree(real_train_parser(), tmp_path)
+
+
+def test_the_train_verbs_resolved_config_reads_back_the_same(tmp_path):
+    parser = real_train_parser()
+    a = resolve(parser, ["--data", "d", "--tp", "1", "--lr", "1e-4", "--module", "m:f"], None,
+                [])
+    path = tmp_path / "config.toml"
+    write_resolved(parser, a, path)
+    back = resolve(parser, [], str(path), [])
+    for key, action in config_keys(parser).items():
+        assert getattr(back, action.dest) == getattr(a, action.dest), key
+    assert (back.steps, back.size, back.tp, back.lr) == (160, "small", 1, 1e-4)  # main job's

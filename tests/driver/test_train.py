@@ -18,7 +18,7 @@ import torch
 
 from meshplan.cli.main import main
 from meshplan.data.feed import FeedReader, TokenFeed
-from meshplan.driver.metrics import read_metrics
+from meshplan.driver.metrics import read_metrics, read_tensorboard
 from meshplan.driver.reference import eager_eval, eager_train
 
 RUN_TOML = """\
@@ -82,6 +82,10 @@ def test_metrics_every_step_and_eval_every_ten(trained):
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 10, 20, 30]
     for name in ("config.toml", "loss.png", "model.safetensors"):
         assert (out / name).stat().st_size > 0
+    events = read_tensorboard(out / "tensorboard")  # the same numbers, read back
+    assert [k for k, _ in events["train/loss"]] == list(range(1, 31))
+    assert [v for _, v in events["train/loss"]] == pytest.approx([r["loss"] for r in train])
+    assert [k for k, _ in events["eval/loss"]] == [0, 10, 20, 30]
 
 
 @pytest.mark.slow
@@ -216,3 +220,12 @@ def test_a_users_module_trains_from_the_command_line(trained, tmp_path, monkeypa
     weights = load_file(str(out / "model.safetensors"))
     for name, t in module.state_dict().items():
         assert torch.allclose(weights[name], t, atol=1e-5, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("tokens, gbs, seq_len, steps", [
+    (1, 8, 16, 1), (128, 8, 16, 1), (129, 8, 16, 2), (10_000, 16, 128, 5), (4096, 16, 128, 2)])
+def test_tokens_as_steps_cover_them(tokens, gbs, seq_len, steps):
+    from meshplan.driver.train import tokens_to_steps
+
+    assert tokens_to_steps(tokens, gbs, seq_len) == steps
+    assert steps * gbs * seq_len >= tokens > (steps - 1) * gbs * seq_len or steps == 1
