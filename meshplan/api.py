@@ -239,7 +239,8 @@ def plan_eval(graph, job):
 
 def train(job, module, data, steps: int | None = None, out: str | Path = "meshplan-train",
           eval_job=None, eval_data: TokenFeed | None = None, eval_every: int = 0,
-          eval_batches: int = 0, load: bool = True, timeout_s: float = 300.0,
+          eval_batches: int = 0, checkpoint_every: int = 0, keep: int = 0,
+          resume_from: str = "", load: bool = True, timeout_s: float = 300.0,
           stall_s: float = 300.0, threads: int = 1, device: str = "cpu", backend: str = "",
           tensorboard: bool | None = None, on_step=None):
     """Train `module` (from its current weights) on `job.mesh.world` local
@@ -250,7 +251,10 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     batches, one per step. With `eval_job` (`plan_eval`) and `eval_data`,
     the validation loss is computed before the first step and every
     `eval_every` steps. Metrics stream to `out/metrics.jsonl` (and TensorBoard
-    when installed). Returns a `TrainResult` (`losses`, `evals`, `metrics`,
+    when installed). With `checkpoint_every` the ranks save
+    `out/checkpoints/step_<k>` (the newest `keep` complete ones kept; 0:
+    all); `resume_from` (a complete checkpoint of any layout) continues a
+    run. Returns a `TrainResult` (`losses`, `evals`, `metrics`,
     `weights`: FQN -> full tensor); with `load` (the default) the trained
     weights are also copied into `module`, else `module` is left as it was."""
     from meshplan.driver.run import run_devices
@@ -273,6 +277,7 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     device, backend = run_devices(device, backend, job.mesh.world)
     res = train_job(job, weights_of(module), data, steps, str(out), eval_job=eval_job,
                     eval_data=eval_data, eval_every=eval_every, eval_batches=eval_batches,
+                    checkpoint_every=checkpoint_every, keep=keep, resume_from=resume_from,
                     threads=threads, timeout_s=timeout_s, stall_s=stall_s, device=device,
                     backend=backend, tensorboard=tensorboard, on_step=on_step)
     if load:

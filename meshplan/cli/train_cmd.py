@@ -71,6 +71,16 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stall-timeout", type=float, default=300.0, metavar="S",
                    help="a rank with no progress for S seconds ends the run, named "
                    "(default 300); there is no overall time limit")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint (DCP shards of every rank, any layout can resume "
+                   "it) in OUT/checkpoints/step_K every N steps (default 0: never)")
+    g.add_argument("--keep", type=int, default=3, metavar="K",
+                   help="keep the newest K complete checkpoints; an older one is deleted only "
+                   "once a newer one is complete (default 3; 0: all)")
+    g.add_argument("--resume", nargs="?", const="latest", default="", metavar="DIR",
+                   help="continue from a checkpoint: the newest complete one under --out "
+                   "(no DIR), or DIR (a checkpoint, or a run's directory); any parallel "
+                   "layout, the same global batch and seed")
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     g.add_argument("--sample-tokens", type=int, default=120, metavar="N",
                    help="print N tokens the trained model writes after a validation prompt "
@@ -95,8 +105,9 @@ def cmd_train(a: argparse.Namespace) -> int:
                           shuffle=False)
     if a.eval_every:
         _check_validation(eval_feed, a.eval_batches, s.global_batch_size)
-    _prepare_out(a)
-    return _run(a, lm, feed, eval_feed, a.steps, data_dir)
+    resume_from = _resume_point(a, lm.job, feed) if a.resume else ""
+    _prepare_out(a, feed, s.global_batch_size)
+    return _run(a, lm, feed, eval_feed, a.steps, data_dir, resume_from)
 
 
 def _language_model(a: argparse.Namespace, data_dir: str):
@@ -136,7 +147,7 @@ def _steps_of(a: argparse.Namespace, global_batch_size: int, seq_len: int) -> No
         a.steps = tokens_to_steps(a.tokens, global_batch_size, seq_len)
 
 
-def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
+def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "") -> int:
     from meshplan.cli.pictures import draw_training
     from meshplan.driver.metrics import read_metrics
     from meshplan.driver.train import peak_capacity, train_job
@@ -146,6 +157,8 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str) -> int:
         r = train_job(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,
                       eval_data=eval_feed, eval_every=a.eval_every,
                       eval_batches=a.eval_batches, threads=a.threads,
+                      checkpoint_every=a.checkpoint_every, keep=a.keep,
+                      resume_from=resume_from,
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
                       device=a.device, backend=a.backend, tensorboard=a.tensorboard,
                       on_step=update)
@@ -211,7 +224,8 @@ def _resolved(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def _check(a: argparse.Namespace) -> None:
-    for flag, value in (("--eval-every", a.eval_every), ("--eval-batches", a.eval_batches)):
+    for flag, value in (("--eval-every", a.eval_every), ("--eval-batches", a.eval_batches),
+                        ("--checkpoint-every", a.checkpoint_every), ("--keep", a.keep)):
         if value < 0:
             raise ConfigError(f"{flag} {value} must be >= 0")
     if a.tokens is not None and a.tokens < 1:
@@ -234,15 +248,58 @@ def _check_validation(feed, batches: int, gbs: int) -> None:
                           "data with a larger --val-fraction")
 
 
-def _prepare_out(a: argparse.Namespace) -> None:
-    """The run's directory, with the resolved config written first."""
+def _prepare_out(a: argparse.Namespace, feed, global_batch_size: int) -> None:
+    """The run's directory, with the resolved config written first, and what
+    a resume must match (`run.json`: the data order's seed and batch)."""
     from meshplan.cli.train_config import write_resolved
+    from meshplan.ir.fileio import write_atomic
 
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {a.out} is a file; give a directory for the run")
     out.mkdir(parents=True, exist_ok=True)
     write_resolved(a.flag_parser, a, str(out / "config.toml"))
+    write_atomic(out / RUN_FILE, json.dumps(_run_identity(feed, global_batch_size)).encode())
+
+
+RUN_FILE = "run.json"  # what a resumed run must share with the first: its data order
+
+
+def _run_identity(feed, global_batch_size: int) -> dict:
+    return {"seed": feed.seed, "global_batch_size": global_batch_size,
+            "seq_len": feed.seq_len, "data": str(Path(feed.data_dir).resolve())}
+
+
+def _resume_point(a: argparse.Namespace, job, feed) -> str:
+    """The complete checkpoint `--resume` names, checked against the Job
+    (its model) and against the first run's data order (one line if not)."""
+    from meshplan.driver.train import CHECKPOINTS, complete_checkpoints
+    from meshplan.runtime.checkpoint import COMPLETE, check_resumable
+
+    where = Path(a.out if a.resume == "latest" else a.resume)
+    if (where / COMPLETE).is_file():
+        point = where
+    else:
+        found = complete_checkpoints(where / CHECKPOINTS) or complete_checkpoints(where)
+        if not found:
+            raise ConfigError(f"--resume: no complete checkpoint under {where} (a run saves "
+                              "them with --checkpoint-every N); start without --resume")
+        point = found[-1]
+    step = check_resumable(str(point), job)
+    first = point.parent.parent / RUN_FILE
+    if first.is_file():
+        was, now = json.loads(first.read_text()), _run_identity(feed, job.strategy
+                                                                 .global_batch_size)
+        for key in ("global_batch_size", "seed", "seq_len"):
+            if was[key] != now[key]:
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(f"--resume {point}: that run read its data with {key} "
+                                  f"{was[key]}, this one {now[key]}; resume with {flag} "
+                                  f"{was[key]}, so the data goes on where it stopped")
+    if step >= a.steps:
+        raise ConfigError(f"--resume {point}: it is already {step} steps into the run and "
+                          f"--steps is {a.steps}; raise --steps to train further")
+    return str(point)
 
 
 def default_corpus(progress) -> str:

@@ -158,14 +158,20 @@ class StepMerger:
 
 def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out: str,
               *, eval_job: Job | None = None, eval_data=None, eval_every: int = 0,
-              eval_batches: int = 0, threads: int = 1,
+              eval_batches: int = 0, checkpoint_every: int = 0, keep: int = 0,
+              resume_from: str = "", threads: int = 1,
               timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
               backend: str = "", tensorboard: bool | None = None, on_step=None,
               append: bool = False) -> TrainResult:
     """Train `job` from `weights` for `steps` steps on `job.mesh.world` local
     processes; `data` is a `TokenFeed` or a list of global batches (one per
     step). Metrics go to `out/metrics.jsonl` (and TensorBoard) as the steps
-    finish; returns the losses, evaluations and the trained weights."""
+    finish; returns the losses, evaluations and the trained weights.
+
+    With `checkpoint_every` the ranks save `out/checkpoints/step_<k>` every
+    that many steps, and once one is complete only the newest `keep` complete
+    ones are kept (0: all). `resume_from` (a complete checkpoint, of any
+    layout) is where the run starts; its metrics are appended."""
     import tempfile
 
     from meshplan.autodiff import OptimizerConfig
@@ -182,10 +188,12 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                    data=data.to_json() if tokens else "",
                    eval_data=eval_data.to_json() if eval_data is not None else "",
                    eval_every=eval_every if eval_job is not None else 0,
-                   eval_batches=eval_batches)
+                   eval_batches=eval_batches, resume_from=resume_from,
+                   checkpoint_every=checkpoint_every,
+                   checkpoint_root=str(Path(out) / CHECKPOINTS))
     Path(out).mkdir(parents=True, exist_ok=True)
     per_step = s.global_batch_size * (data.seq_len if tokens else 1)
-    with MetricsLog(out, tensorboard=tensorboard, append=append) as log, \
+    with MetricsLog(out, tensorboard=tensorboard, append=append or bool(resume_from)) as log, \
             tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:
         merger = StepMerger(Path(results), job, log, per_step, step_flops(job),
                             peak_capacity(device, job.mesh.world, threads)[0],
@@ -193,6 +201,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
 
         def stepped(k: int) -> None:
             merger.poll()
+            if keep:
+                prune_checkpoints(Path(out) / CHECKPOINTS, keep)
             if on_step is not None:
                 on_step(k)
 
@@ -200,6 +210,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
         r = launch(job, spec, t0, saved=saved, on_step=stepped, results=results,
                    eval_job=eval_job)
         merger.poll(final=True)
+        if keep:
+            prune_checkpoints(Path(out) / CHECKPOINTS, keep)
     return TrainResult(r.losses, merger.eval_written, trained_weights(job, r.state_slices, weights),
                        merger.written, r.rows_read, time.perf_counter() - t0, r.first_step)
 
@@ -222,6 +234,35 @@ def trained_weights(job: Job, slices, initial: dict[str, torch.Tensor]
                                    "this is meshplan's fault: report it")
             full[v.name] = initial[v.name].detach().clone()
     return {alias: t for name, t in full.items() for alias in g.names_of(name)}
+
+
+CHECKPOINTS = "checkpoints"  # OUT/checkpoints/step_<k>: the checkpoint after k steps
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root` (`step_<k>` with its COMPLETE
+    marker, written last), oldest first."""
+    from meshplan.runtime.checkpoint import COMPLETE
+
+    found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints; delete the older complete
+    ones and any incomplete one older than the newest complete (a save cut
+    short). A checkpoint is deleted only once a newer one is complete."""
+    import shutil
+
+    done = complete_checkpoints(root)
+    if not done:
+        return
+    newest = int(done[-1].name[5:])
+    for p in done[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob("step_*"):
+        if p.name[5:].isdigit() and int(p.name[5:]) < newest and p not in done:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def tokens_to_steps(tokens: int, global_batch_size: int, seq_len: int) -> int:

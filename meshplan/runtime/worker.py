@@ -64,6 +64,9 @@ class RunSpec:
     eval_batches: int = 0
     step_rows: bool = False  # append each step's row to `<results>/steps_<rank>.jsonl`
     stall_s: float = 300.0   # a rank with no action for this long ends the run (launcher)
+    resume_from: str = ""    # a checkpoint to start from (else save_dir with resume)
+    checkpoint_every: int = 0  # save `<checkpoint_root>/step_<k>` after every this many steps
+    checkpoint_root: str = ""
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -154,9 +157,10 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     state = ex.init_state(module)
     evaluator = _evaluator(spec, job, rank, comm, device, progress_only(beats, rank))
     start = 0
-    if spec.resume:
+    resume_from = spec.resume_from or (spec.save_dir if spec.resume else "")
+    if resume_from:
         ex.current = "load checkpoint"
-        start = checkpoint.load(spec.save_dir, state, job, ex.ctx)
+        start = checkpoint.load(resume_from, state, job, ex.ctx)
     done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done)
     losses, norms, times, trace, skipped, rows_read = done
     if spec.save_dir:
@@ -212,6 +216,7 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
           device, steps_done):
     """The steps from `start` to `spec.steps`, evaluating as asked; returns
     (losses, norms, step times, trace, skipped steps, rows read)."""
+    from meshplan.runtime import checkpoint
     from meshplan.runtime.rank_executor import NonFiniteNorm, halted
 
     losses, norms, times, trace, skipped = [], [], [], None, []
@@ -242,6 +247,10 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
         rows.train(step + 1, loss, norm, state, times[-1])
         if evaluator is not None and (step + 1) % spec.eval_every == 0:
             rows.eval(step + 1, evaluator.run(state))
+        if spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0:
+            ex.current = "save checkpoint"
+            checkpoint.save(str(Path(spec.checkpoint_root) / f"step_{step + 1}"), state, ex.job,
+                            ex.ctx, step + 1)
         if steps_done is not None:
             steps_done[rank] = step + 1
     reader = getattr(feed, "reader", None)
