@@ -148,6 +148,8 @@ def _sample(action: argparse.Action):
     if action.nargs == "+":
         return ["p", "q"], [flag, "p", "q"]
     value = {int: 3, float: 0.25}.get(action.type, "x1")
+    if value == action.default:  # e.g. --keep 3
+        value = {int: 4, float: 0.5}.get(action.type, "x2")
     return value, [flag, str(value)]
 
 
