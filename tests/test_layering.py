@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom first. "meshplan" is the root package (`__version__` only).
 LAYERS = [
     "meshplan", "errors",
-    "data",  # token directories, samplers, tokenizers: import only errors
     "models",  # plain nn.Modules: import only errors
     "ir",  # Graph, Job, SBP, Mesh: pure data
+    "data",  # token directories, samplers, tokenizers (files written through ir.fileio)
     "costmodel",  # device models: data, and the seconds of a kernel or collective
     "ops",
     "capture", "autodiff", "passes",  # the compiler, up to the Job

@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ from typing import BinaryIO
 import numpy as np
 
 from meshplan.errors import ConfigError
+from meshplan.ir.fileio import atomic_stream, write_atomic
 
 FORMAT = "meshplan.tokens"
 VERSION = 1
@@ -172,14 +174,15 @@ class TokenWriter:
         self.vocab_size, self.eod = vocab_size, eod
         self.dtype = dtype_for(vocab_size)
         self.stats = {s: SplitStats() for s in SPLITS}
-        self._files: dict[str, BinaryIO] = {s: open(bin_path(data_dir, s), "wb") for s in SPLITS}
+        self._stack = contextlib.ExitStack()
+        self._files: dict[str, BinaryIO] = {
+            s: self._stack.enter_context(atomic_stream(bin_path(data_dir, s))) for s in SPLITS}
 
     def __enter__(self) -> TokenWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        for f in self._files.values():
-            f.close()
+        self._stack.__exit__(*(exc or (None, None, None)))  # an error: no .bin is kept
 
     def add(self, split: str, ids) -> None:
         """Append one document (`ids`, without its eod) to `split`."""
@@ -191,10 +194,10 @@ class TokenWriter:
 
     def finish(self, tokenizer: dict, sources: list[str], val_fraction: float) -> dict:
         """Close the `.bin` files, write index.json and return the index."""
-        self.__exit__()
+        self._stack.close()
         index = {"format": FORMAT, "version": VERSION, "dtype": self.dtype.name,
                  "vocab_size": self.vocab_size, "eod": self.eod, "tokenizer": tokenizer,
                  "splits": {s: asdict(st) for s, st in self.stats.items()},
                  "sources": sources, "val_fraction": val_fraction}
-        (self.data_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        write_atomic(self.data_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         return index

@@ -27,6 +27,7 @@ import math
 from pathlib import Path
 
 from meshplan.errors import ConfigError
+from meshplan.ir.fileio import LineLog
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -47,9 +48,7 @@ class MetricsLog:
             raise ConfigError("TensorBoard logging needs tensorboard: pip install tensorboard "
                               "(or log to metrics.jsonl only)")
         self.path = self.out_dir / METRICS_FILE
-        if append:
-            _drop_torn_line(self.path)
-        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+        self._file = LineLog(self.path, append)
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -79,8 +78,7 @@ class MetricsLog:
 
     def _write(self, row: dict) -> None:
         row = {k: _json_number(v) for k, v in row.items()}
-        self._file.write(json.dumps(row, allow_nan=False) + "\n")
-        self._file.flush()
+        self._file.write(json.dumps(row, allow_nan=False))
 
     def _scalars(self, group: str, step: int, values: dict) -> None:
         if self._writer is None:
@@ -107,18 +105,6 @@ class MetricsLog:
 def tensorboard_available() -> bool:
     """Whether the tensorboard package is installed (not imported here)."""
     return importlib.util.find_spec("tensorboard") is not None
-
-
-def _drop_torn_line(path: Path) -> None:
-    """Cut the half-written last line a killed run may have left, so that
-    the rows appended next start on a line of their own."""
-    try:
-        with open(path, "rb+") as f:
-            data = f.read()
-            if data and not data.endswith(b"\n"):
-                f.truncate(data.rfind(b"\n") + 1)
-    except FileNotFoundError:
-        pass
 
 
 def perplexity(loss: float) -> float:

@@ -141,14 +141,17 @@ def unigram_entropy(data_dir: str) -> float:
 
 
 def write_weights(weights: dict[str, torch.Tensor], out: str) -> Path:
-    """The trained weights as one consolidated file: `model.safetensors`
-    (each tensor once; a tied tensor's other names in its metadata) when
-    safetensors is installed, else torch's `model.pt` (every name)."""
+    """The trained weights as one consolidated file, written atomically:
+    `model.safetensors` (each tensor once; a tied tensor's other names in
+    its metadata) when safetensors is installed, else torch's `model.pt`
+    (every name)."""
+    from meshplan.ir.fileio import write_atomic, write_torch
+
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
     except ImportError:
         path = Path(out) / "model.pt"
-        torch.save(dict(weights), path)
+        write_torch(path, dict(weights))
         return path
     unique: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -157,8 +160,8 @@ def write_weights(weights: dict[str, torch.Tensor], out: str) -> Path:
         if first != name:
             aliases[name] = first
     path = Path(out) / "model.safetensors"
-    save_file({n: weights[n].contiguous() for n in unique.values()}, str(path),
-              metadata={"format": "pt", "aliases": json.dumps(aliases)})
+    write_atomic(path, save({n: weights[n].contiguous() for n in unique.values()},
+                            metadata={"format": "pt", "aliases": json.dumps(aliases)}))
     return path
 
 

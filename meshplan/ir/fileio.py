@@ -19,6 +19,11 @@ Invariants:
   it needs. The whole file is still one JSON document.
 - Every failure to read is a `PlanError` of one line: what, where, and how
   to fix it. Nothing here uses pickle: reading a file never runs code.
+- Two writers stream: `atomic_stream` (a file too large to hold in memory,
+  such as a token split, written through a temp file renamed into place on
+  success, like `write_atomic`), and `LineLog` (an append-only log of whole
+  lines, each flushed as written: a reader sees whole lines, and at most one
+  last line still being written, which a reader skips).
 """
 
 from __future__ import annotations
@@ -63,6 +68,73 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_stream(path: str | os.PathLike):
+    """A binary file object whose bytes become `path` only when the block
+    ends without an exception (temp file, fsync, `os.replace`); else nothing
+    is left behind."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fchmod(f.fileno(), _NEW_FILE_MODE)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _fsync_dir(path.parent)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def write_torch(path: str | os.PathLike, obj) -> None:
+    """`torch.save(obj)` to `path`, atomically (a state_dict for people and
+    tools; meshplan itself never reads pickles back)."""
+    import torch
+
+    with atomic_stream(path) as f:
+        torch.save(obj, f)
+
+
+class LineLog:
+    """An append-only log of lines at `path`, each written whole and
+    flushed; `close()` when done. Without `append` the file starts empty;
+    with it, a half-written last line (a killed writer's) is cut first, so
+    the next line starts on a line of its own."""
+
+    def __init__(self, path: str | os.PathLike, append: bool = True):
+        self.path = Path(path)
+        if append:
+            _drop_torn_line(self.path)
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+
+    def write(self, line: str) -> None:
+        """Append `line` (no newline in it) and flush it."""
+        assert "\n" not in line
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _drop_torn_line(path: Path) -> None:
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        pass
 
 
 def _fsync_dir(directory: Path) -> None:

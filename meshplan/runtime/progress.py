@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from meshplan.ir import LR
+from meshplan.ir.fileio import LineLog
 
 
 def reporter(rank: int, progress, beats):
@@ -67,12 +68,11 @@ class StepRows:
 
     def __init__(self, path: Path | None, peak):
         self.peak = peak  # () -> the rank's measured peak bytes so far
-        self.file = open(path, "a") if path is not None else None  # noqa: SIM115
+        self.log = LineLog(path) if path is not None else None
 
     def _write(self, row: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+        if self.log is not None:
+            self.log.write(json.dumps(row))
 
     def train(self, step: int, loss, norm, state: dict, step_s: float) -> None:
         lr = float(state[LR]) if LR in state else None

@@ -86,7 +86,10 @@ def test_one_rank_equals_eager_autocast_and_tracks_fp32(model, precision):
     # task its losses sit between the two references (8.6e-5 vs 5.1e-5)
     ("bert", "fp16", dict(dp=2, pp=2), False),
     ("gpt", "fp16", dict(tp=2), False),
-    ("bert", "bf16", dict(tp=2), False),
+    # 10 steps: at 12, on an avx512_fp16 CPU (Sapphire Rapids), eager's own
+    # reversed-sample noise reaches 9.3e-3, past the 5e-3 chaos bound (the
+    # run itself stays 3e-4 from fp32); at 10 it is judged and passes
+    ("bert", "bf16", dict(tp=2, steps=10), False),
 ])
 def test_distributed_mixed_precision_tracks_both_references(model, precision, fields, closer):
     """Judged against eager autocast, losses and state, within the precision's
@@ -95,10 +98,12 @@ def test_distributed_mixed_precision_tracks_both_references(model, precision, fi
     bf16/fp16 before the all-reduce (as Megatron does), and dp each rank's
     gradient, so not there. 12 steps: by 20, eager's own reordering noise on
     GPT bf16 reaches 5.7e-3 on an avx512_bf16 CPU, past what can be judged."""
+    fields = dict(fields)
+    steps = fields.pop("steps", 12)
     world = fields.get("dp", 1) * fields.get("tp", 1) * fields.get("pp", 1)
     s = zoo_strategy(model, model_config(model, "tiny"), global_batch_size=8,
                      micro_batch_size=2, precision=precision, **fields)
-    r = verify(model, "tiny", steps=12, mesh=Mesh(1, world), strategy=s)
+    r = verify(model, "tiny", steps=steps, mesh=Mesh(1, world), strategy=s)
     assert r["ok"], r["problems"]
     assert r["vs_fp32"]["mean_rel_diff"] <= TOL, r["vs_fp32"]
     if closer:
