@@ -76,14 +76,15 @@ def atomic_stream(path: str | os.PathLike):
     ends without an exception (temp file, fsync, `os.replace`); else nothing
     is left behind."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp: str | None = name
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fchmod(f.fileno(), _NEW_FILE_MODE)
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(name, path)
         tmp = None
         _fsync_dir(path.parent)
     finally:
