@@ -45,44 +45,31 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
 
     Raises `PlanError` when the file cannot be written; no temp file is left
     behind, whatever fails."""
-    path = Path(path)
     try:
-        mode = path.stat().st_mode & 0o777
-    except OSError:
-        mode = _NEW_FILE_MODE
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_stream(path) as f:
             f.write(data)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(path.parent)
     except OSError as e:
         raise PlanError(f"cannot write {path}: {e.strerror or e}; "
                         "check that its directory exists and is writable") from e
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 @contextlib.contextmanager
 def atomic_stream(path: str | os.PathLike):
     """A binary file object whose bytes become `path` only when the block
-    ends without an exception (temp file, fsync, `os.replace`); else nothing
-    is left behind."""
+    ends without an exception (temp file, fsync, `os.replace`; the file's
+    mode kept if it existed); else nothing is left behind."""
     path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        mode = _NEW_FILE_MODE
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     tmp: str | None = name
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
-            os.fchmod(f.fileno(), _NEW_FILE_MODE)
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(name, path)
         tmp = None
