@@ -257,6 +257,7 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     run. Returns a `TrainResult` (`losses`, `evals`, `metrics`,
     `weights`: FQN -> full tensor); with `load` (the default) the trained
     weights are also copied into `module`, else `module` is left as it was."""
+    from meshplan.driver.model_record import model_record
     from meshplan.driver.run import run_devices
     from meshplan.driver.train import train_job
     from meshplan.runtime.state import weights_of
@@ -279,7 +280,9 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
                     eval_data=eval_data, eval_every=eval_every, eval_batches=eval_batches,
                     checkpoint_every=checkpoint_every, keep=keep, resume_from=resume_from,
                     threads=threads, timeout_s=timeout_s, stall_s=stall_s, device=device,
-                    backend=backend, tensorboard=tensorboard, on_step=on_step)
+                    backend=backend, tensorboard=tensorboard, on_step=on_step,
+                    record=model_record(job, module, "module",
+                                        data.data_dir if isinstance(data, TokenFeed) else ""))
     if load:
         import torch
 

@@ -150,6 +150,7 @@ def _steps_of(a: argparse.Namespace, global_batch_size: int, seq_len: int) -> No
 def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "") -> int:
     from meshplan.cli.pictures import draw_training
     from meshplan.driver.metrics import read_metrics
+    from meshplan.driver.model_record import model_record
     from meshplan.driver.train import peak_capacity, train_job
     from meshplan.driver.train_model import sample_text, unigram_entropy, write_weights
 
@@ -161,7 +162,9 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                       resume_from=resume_from,
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
                       device=a.device, backend=a.backend, tensorboard=a.tensorboard,
-                      on_step=update)
+                      on_step=update,
+                      record=model_record(lm.job, lm.module, f"module:{a.module}" if a.module
+                                          else a.model, data_dir))
     lm.module.load_state_dict(r.weights, strict=False)  # every name, a tied one's aliases too
     weights = write_weights(r.weights, a.out)
     entropy = unigram_entropy(data_dir)

@@ -162,7 +162,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
               resume_from: str = "", threads: int = 1,
               timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
               backend: str = "", tensorboard: bool | None = None, on_step=None,
-              append: bool = False) -> TrainResult:
+              append: bool = False, record: dict | None = None) -> TrainResult:
     """Train `job` from `weights` for `steps` steps on `job.mesh.world` local
     processes; `data` is a `TokenFeed` or a list of global batches (one per
     step). Metrics go to `out/metrics.jsonl` (and TensorBoard) as the steps
@@ -171,7 +171,9 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     With `checkpoint_every` the ranks save `out/checkpoints/step_<k>` every
     that many steps, and once one is complete only the newest `keep` complete
     ones are kept (0: all). `resume_from` (a complete checkpoint, of any
-    layout) is where the run starts; its metrics are appended."""
+    layout) is where the run starts; its metrics are appended. Each
+    checkpoint also holds `out/config.toml` (when the CLI wrote one) and
+    `record` (`driver/model_record.py`) as `model.json`, written to `out`."""
     import tempfile
 
     from meshplan.autodiff import OptimizerConfig
@@ -180,8 +182,16 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     from meshplan.driver.run import launch
     from meshplan.runtime.worker import RunSpec
 
+    from meshplan.driver.model_record import MODEL_FILE
+    from meshplan.ir.fileio import write_atomic
+
     t0 = time.perf_counter()
     tokens = isinstance(data, TokenFeed)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    if record is not None:
+        write_atomic(Path(out) / MODEL_FILE, json.dumps(record, indent=1).encode())
+    files = tuple(str(Path(out) / f) for f in ("config.toml", MODEL_FILE)
+                  if (Path(out) / f).is_file())
     s = job.strategy
     spec = RunSpec(steps, "", threads, timeout_s, device=device,
                    backend=backend, report_state=True, step_rows=True, stall_s=stall_s,
@@ -190,8 +200,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                    eval_every=eval_every if eval_job is not None else 0,
                    eval_batches=eval_batches, resume_from=resume_from,
                    checkpoint_every=checkpoint_every,
-                   checkpoint_root=str(Path(out) / CHECKPOINTS))
-    Path(out).mkdir(parents=True, exist_ok=True)
+                   checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files)
     per_step = s.global_batch_size * (data.seq_len if tokens else 1)
     with MetricsLog(out, tensorboard=tensorboard, append=append or bool(resume_from)) as log, \
             tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:

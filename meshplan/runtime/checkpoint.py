@@ -21,6 +21,9 @@ Invariants:
 - A tied tensor is one state entry, saved once under its graph input's
   name (each stage's copy is the same slice under the same key, which DCP
   writes once), and found on load under any of its names.
+- Files the driver names (`RunSpec.checkpoint_files`: the resolved
+  `config.toml`, the `model.json` an export reads) are copied in by rank 0
+  before `COMPLETE`, which holds each one's sha256.
 - The data position (the next step) is saved with it; data is a pure
   function of the step, so a resumed run sees exactly the batches an
   uninterrupted one would.
@@ -83,8 +86,9 @@ def state_slices(state: dict, job, ctx, primary_only: bool = False,
     return out
 
 
-def save(path: str, state: dict, job, ctx, next_step: int) -> None:
-    """Write this rank's shard; rank 0 marks the checkpoint complete.
+def save(path: str, state: dict, job, ctx, next_step: int, files=()) -> None:
+    """Write this rank's shard; rank 0 copies `files` in and marks the
+    checkpoint complete.
 
     An older `COMPLETE` in `path` is removed before any shard is overwritten,
     so a save cut short never leaves a marker over a mix of old and new
@@ -101,7 +105,13 @@ def save(path: str, state: dict, job, ctx, next_step: int) -> None:
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path)}
+        copied = {}
+        for f in map(Path, files):
+            data = f.read_bytes()
+            write_atomic(Path(path) / f.name, data)
+            copied[f.name] = hashlib.sha256(data).hexdigest()
+        meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path),
+                                            "files": copied}
         write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
 
 

@@ -67,13 +67,16 @@ class RunSpec:
     resume_from: str = ""    # a checkpoint to start from (else save_dir with resume)
     checkpoint_every: int = 0  # save `<checkpoint_root>/step_<k>` after every this many steps
     checkpoint_root: str = ""
+    checkpoint_files: tuple[str, ...] = ()  # copied into each checkpoint (config, model record)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
 
     @staticmethod
     def from_json(text: str) -> RunSpec:
-        return RunSpec(**json.loads(text))
+        fields = json.loads(text)
+        fields["checkpoint_files"] = tuple(fields.get("checkpoint_files", ()))
+        return RunSpec(**fields)
 
 
 def _groups(plan) -> list[tuple[int, ...]]:
@@ -250,7 +253,7 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
         if spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0:
             ex.current = "save checkpoint"
             checkpoint.save(str(Path(spec.checkpoint_root) / f"step_{step + 1}"), state, ex.job,
-                            ex.ctx, step + 1)
+                            ex.ctx, step + 1, spec.checkpoint_files)
         if steps_done is not None:
             steps_done[rank] = step + 1
     reader = getattr(feed, "reader", None)
