@@ -38,7 +38,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def overrides(a: argparse.Namespace) -> dict:
-    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings")
+    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings", "source")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

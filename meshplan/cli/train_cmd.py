@@ -81,6 +81,11 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="continue from a checkpoint: the newest complete one under --out "
                    "(no DIR), or DIR (a checkpoint, or a run's directory); any parallel "
                    "layout, the same global batch and seed")
+    g.add_argument("--init-from", default="", metavar="PATH",
+                   help="start from these weights: a transformers save_pretrained directory "
+                   "(its config.json is the model: --hf and sizes may be left out), a torch "
+                   "state-dict or .safetensors file, or a meshplan checkpoint (weights only); "
+                   "each rank reads only its own slices")
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     g.add_argument("--sample-tokens", type=int, default=120, metavar="N",
                    help="print N tokens the trained model writes after a validation prompt "
@@ -98,7 +103,9 @@ def cmd_train(a: argparse.Namespace) -> int:
     a = _resolved(a)
     _check(a)
     data_dir = a.data or default_corpus(a.progress)
+    _pretrained(a)
     lm = _user_model(a, data_dir) if a.module else _language_model(a, data_dir)
+    init_from = _init_source(a, lm) if a.init_from else ""
     s = lm.job.strategy
     feed = TokenFeed(data_dir, "train", lm.seq_len, a.seed, lm.layout)
     eval_feed = TokenFeed(data_dir, "validation", lm.seq_len, a.seed, lm.layout,
@@ -107,7 +114,30 @@ def cmd_train(a: argparse.Namespace) -> int:
         _check_validation(eval_feed, a.eval_batches, s.global_batch_size)
     resume_from = _resume_point(a, lm.job, feed) if a.resume else ""
     _prepare_out(a, feed, s.global_batch_size)
-    return _run(a, lm, feed, eval_feed, a.steps, data_dir, resume_from)
+    return _run(a, lm, feed, eval_feed, a.steps, data_dir, resume_from, init_from)
+
+
+def _pretrained(a: argparse.Namespace) -> None:
+    """`--init-from` a save_pretrained directory: the model is the one its
+    config.json describes (`--hf`, if given, must name its type)."""
+    from meshplan.driver.init_from import is_pretrained_dir
+
+    a.source = None
+    if a.init_from and is_pretrained_dir(a.init_from):
+        if a.module:
+            raise ConfigError(f"--init-from {a.init_from} is a transformers model; leave "
+                              "--module out (its config.json says what the model is)")
+        a.source = a.init_from
+        if not a.hf:
+            a.model = "hf:"
+
+
+def _init_source(a: argparse.Namespace, lm) -> str:
+    """The checked source of the starting weights (one line if they do not fit)."""
+    from meshplan.driver.init_from import weight_source
+    from meshplan.models.hf import HFLoss
+
+    return weight_source(a.init_from, lm.job, "model." if isinstance(lm.module, HFLoss) else "")
 
 
 def _language_model(a: argparse.Namespace, data_dir: str):
@@ -116,7 +146,9 @@ def _language_model(a: argparse.Namespace, data_dir: str):
     from meshplan.driver.train_model import language_model, sized_config
 
     cfg = sized_config(a.model, a.size, data_dir, overrides(a))
-    a.vocab = cfg.vocab  # the data's, for --auto's search too
+    a.model = cfg.model  # hf:<type>, when --init-from's config said it
+    if not a.source:
+        a.vocab = cfg.vocab  # the data's, for --auto's search too
     strategy = strategy_of(a, cfg)
     _steps_of(a, strategy.global_batch_size, cfg.seq_len)
     return language_model(a.model, a.size, data_dir, mesh_of(a), strategy,
@@ -147,10 +179,10 @@ def _steps_of(a: argparse.Namespace, global_batch_size: int, seq_len: int) -> No
         a.steps = tokens_to_steps(a.tokens, global_batch_size, seq_len)
 
 
-def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "") -> int:
+def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "",
+         init_from: str = "") -> int:
     from meshplan.cli.pictures import draw_training
     from meshplan.driver.metrics import read_metrics
-    from meshplan.driver.model_record import model_record
     from meshplan.driver.train import peak_capacity, train_job
     from meshplan.driver.train_model import sample_text, unigram_entropy, write_weights
 
@@ -159,12 +191,11 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                       eval_data=eval_feed, eval_every=a.eval_every,
                       eval_batches=a.eval_batches, threads=a.threads,
                       checkpoint_every=a.checkpoint_every, keep=a.keep,
-                      resume_from=resume_from,
+                      resume_from=resume_from, init_from=init_from,
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
                       device=a.device, backend=a.backend, tensorboard=a.tensorboard,
                       on_step=update,
-                      record=model_record(lm.job, lm.module, f"module:{a.module}" if a.module
-                                          else a.model, data_dir))
+                      record=_record(a, lm, data_dir))
     lm.module.load_state_dict(r.weights, strict=False)  # every name, a tied one's aliases too
     weights = write_weights(r.weights, a.out)
     entropy = unigram_entropy(data_dir)
@@ -172,9 +203,9 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                   reference=entropy, reference_label="unigram entropy")
     summary = {"steps": steps, "losses": r.losses, "evals": r.evals, "wall_s": r.wall_s,
                "unigram_entropy": entropy, "weights": str(weights), "out": a.out,
-               "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics]),
+               "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics] or [0.0]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
-               "mfu": median([m["mfu"] for m in r.metrics])}
+               "mfu": median([m["mfu"] for m in r.metrics] or [0.0])}
     if a.sample_tokens and (hasattr(lm.module, "logits") or hasattr(lm.module, "model")):
         prompt, text = sample_text(lm.module, data_dir, lm.seq_len, a.sample_tokens, a.seed)
         summary["sample"] = {"prompt": prompt, "continuation": text}
@@ -185,13 +216,25 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
     return 0
 
 
+def _record(a: argparse.Namespace, lm, data_dir: str) -> dict:
+    """What each checkpoint says of the model (`driver/model_record.py`): a
+    saved transformers model's own config.json, as it was given."""
+    from meshplan.driver.model_record import model_record
+    from meshplan.models.hf import saved_config
+
+    return model_record(lm.job, lm.module, f"module:{a.module}" if a.module else a.model,
+                        data_dir, saved_config(a.source) if a.source else None)
+
+
 def print_summary(s: dict) -> None:
     """The lines a run ends with (its `--json` summary, for people)."""
     from meshplan.driver.metrics import perplexity
 
-    first, last = s["losses"][0], s["losses"][-1]
-    print(f"trained {s['steps']} steps in {s['wall_s']:.0f} s: loss {first:.4f} -> {last:.4f}; "
-          f"{s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of {s['mfu_of']}'s peak)")
+    if s["losses"]:
+        first, last = s["losses"][0], s["losses"][-1]
+        print(f"trained {s['steps']} steps in {s['wall_s']:.0f} s: loss {first:.4f} -> "
+              f"{last:.4f}; {s['tokens_per_s']:.0f} tokens/s, MFU {s['mfu']:.1%} (of "
+              f"{s['mfu_of']}'s peak)")
     if s["evals"]:
         (k0, e0), (k1, e1) = s["evals"][0], s["evals"][-1]
         print(f"eval loss {e0:.4f} at step {k0} -> {e1:.4f} at step {k1} (perplexity "
@@ -233,8 +276,10 @@ def _check(a: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value} must be >= 0")
     if a.tokens is not None and a.tokens < 1:
         raise ConfigError(f"--tokens {a.tokens} must be a positive number of tokens")
-    if a.steps < 1:
-        raise ConfigError(f"--steps {a.steps} must be >= 1")
+    if a.steps < 0:
+        raise ConfigError(f"--steps {a.steps} must be >= 0 (0: evaluate and export only)")
+    if a.steps == 0:
+        a.lr_schedule = "constant"  # no step is taken: no schedule to check
     if not a.stall_timeout > 0:
         raise ConfigError(f"--stall-timeout {a.stall_timeout} must be a positive number of "
                           "seconds, e.g. --stall-timeout 300")

@@ -51,7 +51,10 @@ def zoo_strategy(model: str, cfg, **fields) -> Strategy:
 def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
     """The forward Graph of a zoo model for one micro-batch of `batch_size`,
     captured on the meta device (no weights) and cached by config and shape."""
-    key = capture_key(config=cfg, batch_size=batch_size, kind="zoo")
+    from meshplan.models.hf import saved_config
+
+    key = capture_key(config=cfg, batch_size=batch_size, kind="zoo",
+                      saved=saved_config(cfg.source) if cfg.source else None)
 
     return cached(key, lambda: capture_built(cfg, batch_size), enabled=use_cache)[0]
 

@@ -162,7 +162,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
               resume_from: str = "", threads: int = 1,
               timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
               backend: str = "", tensorboard: bool | None = None, on_step=None,
-              append: bool = False, record: dict | None = None) -> TrainResult:
+              append: bool = False, record: dict | None = None,
+              init_from: str = "") -> TrainResult:
     """Train `job` from `weights` for `steps` steps on `job.mesh.world` local
     processes; `data` is a `TokenFeed` or a list of global batches (one per
     step). Metrics go to `out/metrics.jsonl` (and TensorBoard) as the steps
@@ -173,7 +174,9 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     ones are kept (0: all). `resume_from` (a complete checkpoint, of any
     layout) is where the run starts; its metrics are appended. Each
     checkpoint also holds `out/config.toml` (when the CLI wrote one) and
-    `record` (`driver/model_record.py`) as `model.json`, written to `out`."""
+    `record` (`driver/model_record.py`) as `model.json`, written to `out`.
+    `init_from` (`driver/init_from.weight_source`) is where the ranks read
+    their starting weights, each its own slices; else `weights`."""
     import tempfile
 
     from meshplan.autodiff import OptimizerConfig
@@ -200,7 +203,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                    eval_every=eval_every if eval_job is not None else 0,
                    eval_batches=eval_batches, resume_from=resume_from,
                    checkpoint_every=checkpoint_every,
-                   checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files)
+                   checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files,
+                   init_from=init_from)
     per_step = s.global_batch_size * (data.seq_len if tokens else 1)
     with MetricsLog(out, tensorboard=tensorboard, append=append or bool(resume_from)) as log, \
             tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:

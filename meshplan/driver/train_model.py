@@ -49,7 +49,14 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
         raise ConfigError(f"--vocab {vocab} differs from the vocabulary of {data_dir} "
                           f"({data.vocab_size} tokens, its tokenizer's); leave --vocab out to "
                           "take the data's, or prepare the data with a matching tokenizer")
-    cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size}))
+    if overrides.get("source"):  # a saved model's vocabulary is its own: the data's fits in it
+        cfg = model_config(model, size, **overrides)
+        if data.vocab_size > cfg.vocab:
+            raise ConfigError(f"{data_dir} has {data.vocab_size} token ids but the model in "
+                              f"{cfg.source} embeds {cfg.vocab}; prepare the data with the "
+                              "model's own tokenizer (--tokenizer PATH)")
+    else:
+        cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size}))
     data.check_seq_len(cfg.seq_len)
     return cfg
 

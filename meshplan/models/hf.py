@@ -17,6 +17,11 @@ Invariants:
   each get `layers` layers.
 - Tying follows the config (`tie_word_embeddings`), overridable through
   `ModelConfig.tie_embeddings`.
+- A model may instead come from a `save_pretrained` directory
+  (`ModelConfig.source`, `config_from_dir`): its config.json is the model,
+  exactly, but for dropout (off, as above); the ModelConfig's sizes are read
+  from it (a size given beside it must agree), its sequence length is the
+  one trained at (the preset's, capped by the model's positions).
 """
 
 from __future__ import annotations
@@ -106,9 +111,82 @@ def _transformers():
     return transformers
 
 
+CONFIG_FILE = "config.json"  # transformers' config in a save_pretrained directory
+_SIZE_FIELDS = {"layers": ("num_hidden_layers", "n_layer", "num_layers"),
+                "heads": ("num_attention_heads", "n_head", "num_heads"),
+                "hidden": ("hidden_size", "n_embd", "d_model"),
+                "vocab": ("vocab_size",)}
+_POSITIONS = ("max_position_embeddings", "n_positions")
+
+
+def saved_config(path: str) -> dict:
+    """The config.json of the `save_pretrained` directory `path` (one line
+    if there is none, or it is not JSON)."""
+    import json
+    from pathlib import Path
+
+    file = Path(path) / CONFIG_FILE
+    try:
+        conf = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{file}: cannot read it as transformers' config ({e}); give a "
+                          "directory written by save_pretrained") from None
+    if not isinstance(conf, dict) or "model_type" not in conf:
+        raise ConfigError(f"{file} has no model_type; give a directory written by "
+                          "save_pretrained")
+    return conf
+
+
+def config_from_dir(path: str, model: str, size: str, given: dict):
+    """The ModelConfig of the model saved in `path`: sizes from its
+    config.json; `given` sizes must agree with it; `model` ("hf:" alone, or
+    `hf:<type>` to check) names its type."""
+    from pathlib import Path
+
+    from meshplan.models.registry import ModelConfig
+
+    conf = saved_config(path)
+    kind = PREFIX + conf["model_type"]
+    if model not in (PREFIX, kind):
+        raise ConfigError(f"--init-from {path} holds a {conf['model_type']} model, not "
+                          f"{model.removeprefix(PREFIX)}; leave --hf out (the directory's "
+                          "config says what the model is)")
+    sizes = {}
+    for key, names in _SIZE_FIELDS.items():
+        name = next((n for n in names if isinstance(conf.get(n), int)), None)
+        if name is None:
+            raise ConfigError(f"{Path(path) / CONFIG_FILE} has no {' or '.join(names)}; "
+                              "meshplan reads a transformer's sizes from it")
+        sizes[key] = conf[name]
+        if given.get(key, conf[name]) != conf[name]:
+            raise ConfigError(f"--{key} {given[key]} differs from {name} {conf[name]} in "
+                              f"{Path(path) / CONFIG_FILE}; leave --{key} out (the saved "
+                              "model's own size is used)")
+    longest = next((conf[n] for n in _POSITIONS if isinstance(conf.get(n), int)), None)
+    seq_len = given.get("seq_len") or preset(conf["model_type"], size)["seq_len"]
+    if longest is not None:
+        if "seq_len" in given and given["seq_len"] > longest:
+            raise ConfigError(f"--seq-len {given['seq_len']} is longer than the saved model's "
+                              f"{longest} positions; give --seq-len {longest} or less")
+        seq_len = min(seq_len, longest)
+    tied = bool(conf.get("tie_word_embeddings", _tied_by_default(conf["model_type"])))
+    if given.get("tie_embeddings", tied) != tied:
+        raise ConfigError(f"--tie-embeddings differs from the saved model's "
+                          f"tie_word_embeddings {tied}; leave it out")
+    return ModelConfig(kind, seq_len=seq_len, tie_embeddings=tied,
+                       source=str(Path(path).resolve()), **sizes)
+
+
 def hf_config(cfg):
-    """The transformers config of `cfg` (a ModelConfig named `hf:<type>`)."""
+    """The transformers config of `cfg` (a ModelConfig named `hf:<type>`):
+    built from our sizes, or the one saved in `cfg.source` (dropout off)."""
     tf = _transformers()
+    if cfg.source:
+        conf = tf.AutoConfig.from_pretrained(cfg.source)
+        for name, v in conf.to_dict().items():  # dropout off, whatever its name
+            if isinstance(v, float) and ("dropout" in name or name.endswith("pdrop")):
+                setattr(conf, name, 0.0)
+        return conf
     model_type = cfg.model.removeprefix(PREFIX)
     if model_type not in tf.CONFIG_MAPPING:
         raise ConfigError(f"transformers {tf.__version__} has no model_type {model_type!r}; "

@@ -52,6 +52,7 @@ class ModelConfig:
     num_classes: int = 0
     blocks: tuple[int, ...] = ()
     tie_embeddings: bool = False  # gpt: the head's weight is the token embedding's
+    source: str = ""  # hf: a `save_pretrained` directory whose config.json is the model's
 
 
 def _transformer(model: str, layers: int, heads: int, hidden: int,
@@ -133,6 +134,9 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
 
 def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
     given = {k: v for k, v in overrides.items() if v is not None}
+    source = given.pop("source", "")
+    if source:
+        return hf.config_from_dir(source, model, size, given)
     bad = sorted(set(given) - _GPT_KEYS)
     if bad:
         raise ConfigError(f"{model}: override {bad[0]!r} does not apply; use only "

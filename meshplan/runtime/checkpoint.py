@@ -237,3 +237,23 @@ def load(path: str, state: dict, job, ctx) -> int:
         src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(part, box))
         target[dst] = request[key][src].to(target.device)
     return int(request[STEP_KEY])
+
+
+def load_weights(path: str, state: dict, job, ctx) -> None:
+    """Fill this rank's parameters and buffers (not its optimizer slots, not
+    the step) from the checkpoint at `path`, of any layout: `--init-from`."""
+    kept = {v.name for v in job.graph.values if v.role in (Role.PARAM, Role.BUFFER)}
+    weights = {name: t for name, t in state.items() if t is not None and name in kept}
+    load(path, weights, job, ctx)  # fills the tensors in place: `state` holds the same ones
+
+
+def saved_state(path: str) -> dict[str, list]:
+    """State name -> [shape, dtype] of what the complete checkpoint at `path`
+    holds (its manifest; one line if it is incomplete or damaged)."""
+    if not (Path(path) / COMPLETE).is_file():
+        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker)")
+    try:
+        return read_sealed(Path(path) / COMPLETE, KIND, VERSION)["state"]
+    except (PlanError, KeyError):
+        raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker; use another "
+                           "checkpoint") from None

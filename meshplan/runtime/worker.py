@@ -68,6 +68,7 @@ class RunSpec:
     checkpoint_every: int = 0  # save `<checkpoint_root>/step_<k>` after every this many steps
     checkpoint_root: str = ""
     checkpoint_files: tuple[str, ...] = ()  # copied into each checkpoint (config, model record)
+    init_from: str = ""   # the starting weights' source (JSON: `runtime/init_weights.py`)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -164,6 +165,11 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     if resume_from:
         ex.current = "load checkpoint"
         start = checkpoint.load(resume_from, state, job, ex.ctx)
+    elif spec.init_from:
+        from meshplan.runtime.init_weights import load_weights
+
+        ex.current = "load weights"
+        load_weights(spec.init_from, state, job, ex.ctx)
     done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done)
     losses, norms, times, trace, skipped, rows_read = done
     if spec.save_dir:
