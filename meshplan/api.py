@@ -242,7 +242,8 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
           eval_batches: int = 0, checkpoint_every: int = 0, keep: int = 0,
           resume_from: str = "", load: bool = True, timeout_s: float = 300.0,
           stall_s: float = 300.0, threads: int = 1, device: str = "cpu", backend: str = "",
-          tensorboard: bool | None = None, on_step=None):
+          tensorboard: bool | None = None, on_step=None, init_from: str = "",
+          max_restarts: int = 0):
     """Train `module` (from its current weights) on `job.mesh.world` local
     processes, one per rank, and give the trained weights back.
 
@@ -254,7 +255,10 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     when installed). With `checkpoint_every` the ranks save
     `out/checkpoints/step_<k>` (the newest `keep` complete ones kept; 0:
     all); `resume_from` (a complete checkpoint of any layout) continues a
-    run. Returns a `TrainResult` (`losses`, `evals`, `metrics`,
+    run; `max_restarts` restarts a run whose rank failed from its newest
+    complete checkpoint. `init_from` (a save_pretrained directory, a state
+    dict or a checkpoint) is read for the starting weights instead of
+    `module`'s, each rank reading its own slices. Returns a `TrainResult` (`losses`, `evals`, `metrics`,
     `weights`: FQN -> full tensor); with `load` (the default) the trained
     weights are also copied into `module`, else `module` is left as it was."""
     from meshplan.driver.model_record import model_record
@@ -276,13 +280,19 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
         raise ConfigError("evaluation needs eval_data (a TokenFeed of the validation split), "
                           "eval_every >= 1 and eval_batches >= 1")
     device, backend = run_devices(device, backend, job.mesh.world)
+    if init_from:
+        from meshplan.driver.init_from import weight_source
+        from meshplan.models.hf import HFLoss
+
+        init_from = weight_source(init_from, job, "model." if isinstance(module, HFLoss) else "")
     res = train_job(job, weights_of(module), data, steps, str(out), eval_job=eval_job,
                     eval_data=eval_data, eval_every=eval_every, eval_batches=eval_batches,
                     checkpoint_every=checkpoint_every, keep=keep, resume_from=resume_from,
                     threads=threads, timeout_s=timeout_s, stall_s=stall_s, device=device,
                     backend=backend, tensorboard=tensorboard, on_step=on_step,
                     record=model_record(job, module, "module",
-                                        data.data_dir if isinstance(data, TokenFeed) else ""))
+                                        data.data_dir if isinstance(data, TokenFeed) else ""),
+                    init_from=init_from, max_restarts=max_restarts)
     if load:
         import torch
 

@@ -77,6 +77,10 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep", type=int, default=3, metavar="K",
                    help="keep the newest K complete checkpoints; an older one is deleted only "
                    "once a newer one is complete (default 3; 0: all)")
+    g.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a rank fails (killed, stalled), restart the run from the newest "
+                   "complete checkpoint, up to N times (default 0: the run ends; needs "
+                   "--checkpoint-every)")
     g.add_argument("--resume", nargs="?", const="latest", default="", metavar="DIR",
                    help="continue from a checkpoint: the newest complete one under --out "
                    "(no DIR), or DIR (a checkpoint, or a run's directory); any parallel "
@@ -192,6 +196,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                       eval_batches=a.eval_batches, threads=a.threads,
                       checkpoint_every=a.checkpoint_every, keep=a.keep,
                       resume_from=resume_from, init_from=init_from,
+                      max_restarts=a.max_restarts,
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
                       device=a.device, backend=a.backend, tensorboard=a.tensorboard,
                       on_step=update,
@@ -271,9 +276,13 @@ def _resolved(a: argparse.Namespace) -> argparse.Namespace:
 
 def _check(a: argparse.Namespace) -> None:
     for flag, value in (("--eval-every", a.eval_every), ("--eval-batches", a.eval_batches),
-                        ("--checkpoint-every", a.checkpoint_every), ("--keep", a.keep)):
+                        ("--checkpoint-every", a.checkpoint_every), ("--keep", a.keep),
+                        ("--max-restarts", a.max_restarts)):
         if value < 0:
             raise ConfigError(f"{flag} {value} must be >= 0")
+    if a.max_restarts and not a.checkpoint_every:
+        raise ConfigError(f"--max-restarts {a.max_restarts} restarts from checkpoints: give "
+                          "--checkpoint-every N too")
     if a.tokens is not None and a.tokens < 1:
         raise ConfigError(f"--tokens {a.tokens} must be a positive number of tokens")
     if a.steps < 0:

@@ -12,6 +12,10 @@ Invariants:
 - A resumed run (`append=True`) adds to the file; otherwise it starts empty.
   A line a killed run left half-written is cut before appending, and
   `read_metrics` skips a torn last line (any other bad line is an error).
+- A resume (by `--resume`, or a restart after a failure) writes `{"kind":
+  "resume", "step": k, "checkpoint": DIR, "reason": TEXT}`: the rows after
+  step k written before it are the failed attempt's, and `read_metrics`
+  drops them, so it gives the run's history as it was continued.
 - With TensorBoard (`tensorboard=None`: when the package is installed), the
   same numbers go to `OUT/tensorboard/` as scalars `train/<key>` and
   `eval/loss`, `eval/ppl` at their step (a value not measured is skipped).
@@ -76,6 +80,11 @@ class MetricsLog:
         self._write({"kind": "eval", "step": int(step), "eval_loss": loss, "eval_ppl": ppl})
         self._scalars("eval", step, {"loss": loss, "ppl": ppl})
 
+    def log_resume(self, step: int, checkpoint: str, reason: str) -> None:
+        """The run continues from `checkpoint`, after `step` steps."""
+        self._write({"kind": "resume", "step": int(step), "checkpoint": str(checkpoint),
+                     "reason": reason})
+
     def _write(self, row: dict) -> None:
         row = {k: _json_number(v) for k, v in row.items()}
         self._file.write(json.dumps(row, allow_nan=False))
@@ -128,7 +137,8 @@ def _json_number(value):
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a `metrics.jsonl` (a file or the run directory holding
-    it), in the order written; a torn last line is skipped."""
+    it), in the order written, less those a resume superseded (the module
+    docstring); a torn last line is skipped."""
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
@@ -144,6 +154,9 @@ def read_metrics(path: str | Path) -> list[dict]:
                 break
             raise ConfigError(f"{path} line {i + 1} is not JSON; it was edited or damaged: "
                               "delete that line") from None
+        if rows[-1].get("kind") == "resume":
+            k = rows[-1]["step"]
+            rows[:-1] = [r for r in rows[:-1] if r["step"] <= k]
     return rows
 
 

@@ -19,9 +19,10 @@ Invariants:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +30,8 @@ import torch
 from meshplan.errors import RuntimeFault
 from meshplan.ir import Phase, Role
 from meshplan.ir.job import Job
+
+log_line = logging.getLogger("meshplan")
 
 
 @dataclass(slots=True)
@@ -163,7 +166,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
               timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
               backend: str = "", tensorboard: bool | None = None, on_step=None,
               append: bool = False, record: dict | None = None,
-              init_from: str = "") -> TrainResult:
+              init_from: str = "", max_restarts: int = 0) -> TrainResult:
     """Train `job` from `weights` for `steps` steps on `job.mesh.world` local
     processes; `data` is a `TokenFeed` or a list of global batches (one per
     step). Metrics go to `out/metrics.jsonl` (and TensorBoard) as the steps
@@ -176,17 +179,20 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     checkpoint also holds `out/config.toml` (when the CLI wrote one) and
     `record` (`driver/model_record.py`) as `model.json`, written to `out`.
     `init_from` (`driver/init_from.weight_source`) is where the ranks read
-    their starting weights, each its own slices; else `weights`."""
+    their starting weights, each its own slices; else `weights`. A rank that
+    fails (killed, stalled) ends the attempt; with `max_restarts` the run
+    restarts, up to that many times, from the newest complete checkpoint
+    (metrics: a `resume` row, `driver/metrics.py`)."""
     import tempfile
 
     from meshplan.autodiff import OptimizerConfig
     from meshplan.data.feed import TokenFeed
     from meshplan.driver.metrics import MetricsLog
-    from meshplan.driver.run import launch
-    from meshplan.runtime.worker import RunSpec
-
     from meshplan.driver.model_record import MODEL_FILE
+    from meshplan.driver.run import launch
     from meshplan.ir.fileio import write_atomic
+    from meshplan.runtime.checkpoint import check_resumable
+    from meshplan.runtime.worker import RunSpec
 
     t0 = time.perf_counter()
     tokens = isinstance(data, TokenFeed)
@@ -206,27 +212,63 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                    checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files,
                    init_from=init_from)
     per_step = s.global_batch_size * (data.seq_len if tokens else 1)
-    with MetricsLog(out, tensorboard=tensorboard, append=append or bool(resume_from)) as log, \
-            tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:
-        merger = StepMerger(Path(results), job, log, per_step, step_flops(job),
-                            peak_capacity(device, job.mesh.world, threads)[0],
-                            OptimizerConfig.of_job(job).lr)
+    saved = {"weights": weights, "batches": [] if tokens else list(data)}
+    first = check_resumable(resume_from, job) if resume_from else 0
+    rows: list[dict] = []            # earlier attempts' metrics rows, up to their restart
+    evals: list[tuple[int, float]] = []
+    with MetricsLog(out, tensorboard=tensorboard, append=append or bool(resume_from)) as log:
+        if resume_from:
+            log.log_resume(first, resume_from, "resumed")
+        for attempt in range(max_restarts + 1):
+            with tempfile.TemporaryDirectory(prefix="meshplan-train-") as results:
+                merger = StepMerger(Path(results), job, log, per_step, step_flops(job),
+                                    peak_capacity(device, job.mesh.world, threads)[0],
+                                    OptimizerConfig.of_job(job).lr)
 
-        def stepped(k: int) -> None:
-            merger.poll()
-            if keep:
-                prune_checkpoints(Path(out) / CHECKPOINTS, keep)
-            if on_step is not None:
-                on_step(k)
+                def stepped(k: int) -> None:
+                    merger.poll()
+                    if keep:
+                        prune_checkpoints(Path(out) / CHECKPOINTS, keep)
+                    if on_step is not None:
+                        on_step(k)
 
-        saved = {"weights": weights, "batches": [] if tokens else list(data)}
-        r = launch(job, spec, t0, saved=saved, on_step=stepped, results=results,
-                   eval_job=eval_job)
-        merger.poll(final=True)
-        if keep:
-            prune_checkpoints(Path(out) / CHECKPOINTS, keep)
-    return TrainResult(r.losses, merger.eval_written, trained_weights(job, r.state_slices, weights),
-                       merger.written, r.rows_read, time.perf_counter() - t0, r.first_step)
+                try:
+                    r = launch(job, spec, t0, saved=saved, on_step=stepped, results=results,
+                               eval_job=eval_job)
+                except RuntimeFault as e:
+                    merger.poll(final=True)
+                    point = _restart_point(e, out, attempt, max_restarts)
+                    k = check_resumable(str(point), job)
+                    rows = [x for x in rows + merger.written if x["step"] <= k]
+                    evals = [x for x in evals + merger.eval_written if x[0] <= k]
+                    log.log_resume(k, str(point), str(e))
+                    log_line.warning("%s; restarting from %s (restart %d of %d)", e, point,
+                                     attempt + 1, max_restarts)
+                    spec = replace(spec, resume_from=str(point))
+                    continue
+                merger.poll(final=True)
+                if keep:
+                    prune_checkpoints(Path(out) / CHECKPOINTS, keep)
+                break
+    losses = [x["loss"] for x in rows] + r.losses
+    return TrainResult(losses, evals + merger.eval_written,
+                       trained_weights(job, r.state_slices, weights), rows + merger.written,
+                       r.rows_read, time.perf_counter() - t0, first)
+
+
+def _restart_point(error: RuntimeFault, out: str, attempt: int, max_restarts: int) -> Path:
+    """The newest complete checkpoint a failed attempt restarts from; the
+    failure again when no restart is left, none is complete, or it would
+    only fail the same way (a halt on a non-finite norm, a kernel's fault)."""
+    from meshplan.errors import KernelFault, TrainingHalted
+
+    done = complete_checkpoints(Path(out) / CHECKPOINTS)
+    if attempt == max_restarts or isinstance(error, (TrainingHalted, KernelFault)):
+        raise error
+    if not done:
+        raise RuntimeFault(f"{error}; no complete checkpoint to restart from yet (save them "
+                           "with --checkpoint-every N)") from None
+    return done[-1]
 
 
 def trained_weights(job: Job, slices, initial: dict[str, torch.Tensor]
