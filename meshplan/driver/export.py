@@ -182,7 +182,8 @@ def export(source: Source, fmt: ExportFormat, out: str,
     check_format(source.record, fmt, source.where)
     max_bytes = parse_size(max_shard_size)
     path = check_out(out)
-    tensors = _hf_tensors(source) if fmt is ExportFormat.HF else _torch_tensors(source)
+    model = _meta_model(source.record) if fmt is ExportFormat.HF else None
+    tensors = _hf_tensors(source, model) if model is not None else _torch_tensors(source)
     made = [p for p in path.absolute().parents if not p.exists()]
     path.absolute().parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.absolute().parent))
@@ -191,8 +192,8 @@ def export(source: Source, fmt: ExportFormat, out: str,
         ext = "safetensors" if fmt is ExportFormat.HF else "pt"
         files = write_shards(tmp, tensors, source.fetch, ext, max_bytes)
         notes: list[str] = []
-        if fmt is ExportFormat.HF:
-            files += _write_config(tmp, source.record)
+        if model is not None:
+            files += _write_config(tmp, source.record, type(model).__name__)
             files += _write_tokenizer(tmp, source.record, notes)
         os.rename(tmp, path)  # onto an empty directory too (check_out allowed only that)
     except BaseException:
@@ -211,11 +212,14 @@ def _torch_tensors(source: Source) -> list[OutTensor]:
             for key, (shape, dtype) in source.tensors.items()]
 
 
-def _hf_tensors(source: Source) -> list[OutTensor]:
-    """The tensors under transformers' names (see the module docstring)."""
+def _meta_model(record: dict) -> torch.nn.Module:
     from meshplan.models.hf import meta_model
 
-    model = meta_model(source.record["hf_config"])
+    return meta_model(record["hf_config"])
+
+
+def _hf_tensors(source: Source, model: torch.nn.Module) -> list[OutTensor]:
+    """The tensors under transformers' names (see the module docstring)."""
     params = dict(model.named_parameters())
     every_param = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     keep = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in every_param}
@@ -241,11 +245,9 @@ def _hf_tensors(source: Source) -> list[OutTensor]:
     return out
 
 
-def _write_config(tmp: Path, record: dict) -> list[str]:
-    from meshplan.models.hf import meta_model
-
+def _write_config(tmp: Path, record: dict, architecture: str) -> list[str]:
     config = dict(record["hf_config"])
-    config["architectures"] = [type(meta_model(config)).__name__]
+    config["architectures"] = [architecture]
     write_atomic(tmp / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n")
                  .encode())
     return ["config.json"]

@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -264,7 +265,9 @@ def read_tensor(path: str, name: str, boxes: list[tuple], shape: tuple[int, ...]
                            "checkpoint")
     request = {f"{name}|{box_key(box)}": full[tuple(slice(a, b) for a, b in box)]
                for box in boxes}
-    dcp.load(request, checkpoint_id=path, no_dist=True)  # this one process reads it all
+    with warnings.catch_warnings():  # "assuming ... a single process": it is, by design
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(request, checkpoint_id=path, no_dist=True)
     return full
 
 
