@@ -7,7 +7,8 @@ Invariants:
   reads it, and `model.json` against the marker's `files` digest. Each
   failure is one line, before anything is written.
 - Only parameters and buffers are exported: optimizer slots and the
-  step-level `optim@`/`amp@` entries (state names, `is_state`) never are.
+  step-level `optim@`/`amp@` entries (state names, `is_state`) never are,
+  nor a buffer no rank held a value of (no slice saved: one no op reads).
 - Streaming: a checkpoint's tensors are read one at a time (`read_tensor`,
   each whole, in manifest order) and each is dropped once written; names,
   shapes and dtypes, hence every file's layout, come from the manifest
@@ -22,7 +23,9 @@ Invariants:
   transformers can load it (a BPE's `tokenizer.json`, a tokenizer
   directory's files), else a note says there is none.
 - `torch`: the trained module's own state names (prefix kept), every alias
-  of a tied tensor the same tensor.
+  of a tied tensor the same tensor; of a transformers model only what its
+  state dict holds (no non-persistent buffer), so `load_state_dict` takes
+  it strictly.
 - All is written into a temporary sibling of `--out`, renamed into place at
   the end: a failure leaves nothing, and an existing non-empty `--out` is
   refused (never overwritten).
@@ -138,10 +141,9 @@ def checkpoint_source(path: str) -> Source:
     tensors = {name: (tuple(shape), _dtype(dtype, root, name))
                for name, (shape, dtype) in sorted(state.items()) if not is_state(name)}
     boxes = saved_boxes(str(root))  # the pickle, only now that its digest is checked
-    for name in tensors:
-        if name not in boxes:
-            raise RuntimeFault(f"checkpoint {root} lists '{name}' but holds no slice of it "
-                               "(damaged); export another checkpoint")
+    # a name no rank held a value of (a buffer no op reads, e.g. llama's
+    # original_inv_freq) has no slice: DCP's index, checked above, is whole
+    tensors = {name: v for name, v in tensors.items() if name in boxes}
 
     def fetch(name: str) -> torch.Tensor:
         shape, dtype = tensors[name]
@@ -182,8 +184,9 @@ def export(source: Source, fmt: ExportFormat, out: str,
     check_format(source.record, fmt, source.where)
     max_bytes = parse_size(max_shard_size)
     path = check_out(out)
-    model = _meta_model(source.record) if fmt is ExportFormat.HF else None
-    tensors = _hf_tensors(source, model) if model is not None else _torch_tensors(source)
+    model = _meta_model(source.record) if source.record.get("hf_config") else None
+    tensors = _hf_tensors(source, model) if fmt is ExportFormat.HF else \
+        _torch_tensors(source, model)
     made = [p for p in path.absolute().parents if not p.exists()]
     path.absolute().parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.absolute().parent))
@@ -192,7 +195,7 @@ def export(source: Source, fmt: ExportFormat, out: str,
         ext = "safetensors" if fmt is ExportFormat.HF else "pt"
         files = write_shards(tmp, tensors, source.fetch, ext, max_bytes)
         notes: list[str] = []
-        if model is not None:
+        if fmt is ExportFormat.HF:
             files += _write_config(tmp, source.record, type(model).__name__)
             files += _write_tokenizer(tmp, source.record, notes)
         os.rename(tmp, path)  # onto an empty directory too (check_out allowed only that)
@@ -206,10 +209,18 @@ def export(source: Source, fmt: ExportFormat, out: str,
                     time.perf_counter() - start, tuple(notes))
 
 
-def _torch_tensors(source: Source) -> list[OutTensor]:
+def _torch_tensors(source: Source, model: torch.nn.Module | None) -> list[OutTensor]:
+    """The tensors under the module's names; of a transformers model only the
+    names its state dict holds (not a non-persistent buffer such as a rotary
+    table), so `load_state_dict(strict=True)` takes the file."""
     aliases = source.record.get("aliases") or {}
-    return [OutTensor(tuple(aliases.get(key, [key])), key, shape, dtype)
-            for key, (shape, dtype) in source.tensors.items()]
+    out = [OutTensor(tuple(aliases.get(key, [key])), key, shape, dtype)
+           for key, (shape, dtype) in source.tensors.items()]
+    if model is None:
+        return out
+    prefix = source.record.get("prefix", "")
+    known = {prefix + n for n in model.state_dict()}
+    return [t for t in out if t.names[0] in known]
 
 
 def _meta_model(record: dict) -> torch.nn.Module:

@@ -154,4 +154,6 @@ def write_torch_shard(path: Path, tensors: list[OutTensor], fetch: Fetch) -> Non
 
 def _checked(data: torch.Tensor, t: OutTensor) -> torch.Tensor:
     assert tuple(data.shape) == t.shape and data.dtype == t.dtype, (t, data.shape, data.dtype)
-    return data.detach().cpu().contiguous()
+    if data.requires_grad or data.device.type != "cpu" or not data.is_contiguous():
+        data = data.detach().cpu().contiguous()
+    return data  # the fetched object itself when it can be: nothing else refers to it
