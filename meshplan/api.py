@@ -258,9 +258,10 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     run; `max_restarts` restarts a run whose rank failed from its newest
     complete checkpoint. `init_from` (a save_pretrained directory, a state
     dict or a checkpoint) is read for the starting weights instead of
-    `module`'s, each rank reading its own slices. Returns a `TrainResult` (`losses`, `evals`, `metrics`,
-    `weights`: FQN -> full tensor); with `load` (the default) the trained
-    weights are also copied into `module`, else `module` is left as it was."""
+    `module`'s, each rank reading its own slices. Returns a `TrainResult`
+    (`losses`, `evals`, `metrics`, `weights`: FQN -> full tensor); with
+    `load` (the default) the trained weights are also copied into `module`,
+    else `module` is left as it was."""
     from meshplan.driver.model_record import model_record
     from meshplan.driver.run import run_devices
     from meshplan.driver.train import train_job

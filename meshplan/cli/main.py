@@ -26,6 +26,8 @@ from meshplan.cli.data_cmd import EPILOG as EPILOG_PREPARE
 from meshplan.cli.data_cmd import add_prepare_flags, cmd_prepare_data
 from meshplan.cli.demo_cmd import EPILOG as EPILOG_DEMO
 from meshplan.cli.demo_cmd import add_demo_flags, cmd_demo
+from meshplan.cli.export_cmd import EPILOG as EPILOG_EXPORT
+from meshplan.cli.export_cmd import add_export_flags, cmd_export
 from meshplan.cli.flags import (
     add_device_flags,
     add_model_flags,
@@ -119,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                  "directory) into a token directory for `meshplan train`", EPILOG_PREPARE,
                  cmd_prepare_data, planning=False, json_help="print the index as JSON")
     add_prepare_flags(p)
+
+    p = add_verb(sub, "export", "write a checkpoint's weights for transformers "
+                 "(from_pretrained) or torch (load_state_dict)", EPILOG_EXPORT, cmd_export,
+                 planning=False, json_help="print what was written as JSON")
+    add_export_flags(p)
 
     p = add_verb(sub, "inspect", "capture a model on the meta device and count it",
                  EPILOG_INSPECT, _cmd_inspect, planning=False)

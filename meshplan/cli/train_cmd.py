@@ -90,6 +90,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    "(its config.json is the model: --hf and sizes may be left out), a torch "
                    "state-dict or .safetensors file, or a meshplan checkpoint (weights only); "
                    "each rank reads only its own slices")
+    g.add_argument("--export-hf", default="", metavar="DIR",
+                   help="at the end, also write the trained transformers model (--hf) to the "
+                   "new directory DIR for from_pretrained, as `meshplan export --format hf`")
+    g.add_argument("--export-torch", default="", metavar="DIR",
+                   help="at the end, also write the trained weights as torch state dicts to "
+                   "the new directory DIR, as `meshplan export --format torch`")
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     g.add_argument("--sample-tokens", type=int, default=120, metavar="N",
                    help="print N tokens the trained model writes after a validation prompt "
@@ -110,6 +116,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     _pretrained(a)
     lm = _user_model(a, data_dir) if a.module else _language_model(a, data_dir)
     init_from = _init_source(a, lm) if a.init_from else ""
+    _check_exports(a, lm)
     s = lm.job.strategy
     feed = TokenFeed(data_dir, "train", lm.seq_len, a.seed, lm.layout)
     eval_feed = TokenFeed(data_dir, "validation", lm.seq_len, a.seed, lm.layout,
@@ -190,6 +197,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
     from meshplan.driver.train import peak_capacity, train_job
     from meshplan.driver.train_model import sample_text, unigram_entropy, write_weights
 
+    record = _record(a, lm, data_dir)
     with a.progress.task("training steps", steps) as update:
         r = train_job(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,
                       eval_data=eval_feed, eval_every=a.eval_every,
@@ -199,10 +207,10 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                       max_restarts=a.max_restarts,
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
                       device=a.device, backend=a.backend, tensorboard=a.tensorboard,
-                      on_step=update,
-                      record=_record(a, lm, data_dir))
+                      on_step=update, record=record)
     lm.module.load_state_dict(r.weights, strict=False)  # every name, a tied one's aliases too
     weights = write_weights(r.weights, a.out)
+    exports = _export(a, r.weights, record)
     entropy = unigram_entropy(data_dir)
     draw_training(read_metrics(Path(a.out) / "metrics.jsonl"), str(Path(a.out) / "loss.png"),
                   reference=entropy, reference_label="unigram entropy")
@@ -210,7 +218,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                "unigram_entropy": entropy, "weights": str(weights), "out": a.out,
                "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics] or [0.0]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
-               "mfu": median([m["mfu"] for m in r.metrics] or [0.0])}
+               "mfu": median([m["mfu"] for m in r.metrics] or [0.0]), "exports": exports}
     if a.sample_tokens and (hasattr(lm.module, "logits") or hasattr(lm.module, "model")):
         prompt, text = sample_text(lm.module, data_dir, lm.seq_len, a.sample_tokens, a.seed)
         summary["sample"] = {"prompt": prompt, "continuation": text}
@@ -246,9 +254,44 @@ def print_summary(s: dict) -> None:
               f"{perplexity(e1):.2f}; {1 - e1 / e0:.0%} lower); unigram entropy "
               f"{s['unigram_entropy']:.4f}")
     print(f"wrote {s['out']}/: metrics.jsonl, loss.png, config.toml, {Path(s['weights']).name}")
+    for line in s.get("exports", []):
+        print(line)
     if "sample" in s:
         print("sample (prompt, then the model's continuation):")
         print(s["sample"]["prompt"] + "\u2502" + s["sample"]["continuation"])
+
+
+def _check_exports(a: argparse.Namespace, lm) -> None:
+    """--export-hf/--export-torch, checked before the run: one line if not."""
+    from meshplan.driver.export import check_out
+    from meshplan.models.hf import HFLoss
+
+    if a.export_hf and not isinstance(lm.module, HFLoss):
+        what = f"--module {a.module}" if a.module else f"--model {a.model}"
+        raise ConfigError(f"--export-hf {a.export_hf}: {what} is not a transformers model; "
+                          "use --export-torch, or train with --hf TYPE")
+    if a.export_hf and a.export_hf == a.export_torch:
+        raise ConfigError(f"--export-hf and --export-torch are both {a.export_hf}; give each "
+                          "its own directory")
+    for flag, out in (("--export-hf", a.export_hf), ("--export-torch", a.export_torch)):
+        if out:
+            try:
+                check_out(out)
+            except ConfigError as e:
+                raise ConfigError(f"{flag}: {e}") from None
+
+
+def _export(a: argparse.Namespace, weights: dict, record: dict) -> list[str]:
+    """The --export-* directories, written from the weights in memory."""
+    from meshplan.cli.export_cmd import export_lines
+    from meshplan.driver.export import ExportFormat, export, memory_source
+
+    lines = []
+    for fmt, out in ((ExportFormat.HF, a.export_hf), (ExportFormat.TORCH, a.export_torch)):
+        if out:
+            r = export(memory_source(weights, record), fmt, out)
+            lines.append(export_lines("the trained weights", fmt.value, r))
+    return lines
 
 
 def _weights(module) -> dict:

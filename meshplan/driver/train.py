@@ -225,7 +225,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                                     peak_capacity(device, job.mesh.world, threads)[0],
                                     OptimizerConfig.of_job(job).lr)
 
-                def stepped(k: int) -> None:
+                def stepped(k: int, merger: StepMerger = merger) -> None:
                     merger.poll()
                     if keep:
                         prune_checkpoints(Path(out) / CHECKPOINTS, keep)

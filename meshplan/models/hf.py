@@ -322,20 +322,41 @@ def _positions_after_padding(model_type: str) -> bool:
 @lru_cache(maxsize=16)
 def task_of(cfg) -> str:
     """What `cfg`'s model is trained to do: CAUSAL, MASKED or SEQ2SEQ."""
+    return _task(cfg.model.removeprefix(PREFIX), type(hf_config(cfg)))
+
+
+def _task(model_type: str, conf_type) -> str:
     tf = _transformers()
-    conf = type(hf_config(cfg))
-    if cfg.model.removeprefix(PREFIX) in ENCODERS:
+    if model_type in ENCODERS:
         return MASKED
-    if conf in tf.AutoModelForSeq2SeqLM._model_mapping:
+    if conf_type in tf.AutoModelForSeq2SeqLM._model_mapping:
         return SEQ2SEQ
-    return CAUSAL if conf in tf.AutoModelForCausalLM._model_mapping else MASKED
+    return CAUSAL if conf_type in tf.AutoModelForCausalLM._model_mapping else MASKED
+
+
+def _auto_for(task: str):
+    tf = _transformers()
+    return {CAUSAL: tf.AutoModelForCausalLM, MASKED: tf.AutoModelForMaskedLM,
+            SEQ2SEQ: tf.AutoModelForSeq2SeqLM}[task]
 
 
 def _auto_class(cfg):
     """The transformers Auto class that builds `cfg`'s model for its task."""
+    return _auto_for(task_of(cfg))
+
+
+def meta_model(config: dict) -> nn.Module:
+    """The transformers model (no `HFLoss` around it) of a config dict (a
+    record's `hf_config`, `to_dict()`'s form), built on the meta device for
+    the task `task_of` trains its type as: its names, shapes and tying."""
     tf = _transformers()
-    return {CAUSAL: tf.AutoModelForCausalLM, MASKED: tf.AutoModelForMaskedLM,
-            SEQ2SEQ: tf.AutoModelForSeq2SeqLM}[task_of(cfg)]
+    model_type = config.get("model_type", "")
+    if model_type not in tf.CONFIG_MAPPING:
+        raise ConfigError(f"transformers {tf.__version__} has no model_type {model_type!r}; "
+                          "export it with --format torch")
+    conf = tf.CONFIG_MAPPING[model_type].from_dict(config)
+    with torch.device("meta"):
+        return _auto_for(_task(model_type, type(conf))).from_config(conf)
 
 
 def build_hf(cfg) -> nn.Module:

@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -257,3 +258,39 @@ def saved_state(path: str) -> dict[str, list]:
     except (PlanError, KeyError):
         raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker; use another "
                            "checkpoint") from None
+def saved_boxes(path: str) -> dict[str, list[tuple]]:
+    """Each saved tensor's slices, name -> boxes, from DCP's index (a pickle:
+    call this only once `COMPLETE`'s `metadata_sha256` is checked)."""
+    boxes: dict[str, list[tuple]] = {}
+    for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+        name, _, box = key.partition("|")
+        if box:
+            boxes.setdefault(name, []).append(parse_box(box))
+    return boxes
+
+
+def read_tensor(path: str, name: str, boxes: list[tuple], shape: tuple[int, ...],
+                dtype: torch.dtype) -> torch.Tensor:
+    """One whole saved tensor, its slices read straight into their places in
+    one new tensor: nothing else of the checkpoint is read or held. A tensor
+    its slices do not cover (they never overlap: one writer per slice) is a
+    damaged checkpoint, one line."""
+    full = torch.empty(shape, dtype=dtype)
+    covered = sum(_volume(box) for box in boxes)
+    if covered != full.numel():
+        raise RuntimeFault(f"checkpoint {path}: the saved slices of '{name}' cover {covered} "
+                           f"of its {full.numel()} elements (damaged); export another "
+                           "checkpoint")
+    request = {f"{name}|{box_key(box)}": full[tuple(slice(a, b) for a, b in box)]
+               for box in boxes}
+    with warnings.catch_warnings():  # "assuming ... a single process": it is, by design
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(request, checkpoint_id=path, no_dist=True)
+    return full
+
+
+def _volume(box: tuple) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
