@@ -45,20 +45,57 @@ def saved(tmp_path_factory):
     return tmp, {k: _saved(k, tmp) for k in ("gpt2", "llama")}
 
 
+def _model(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_a_pretrained_dir_starts_the_run_bit_for_bit(saved, kind, tmp_path):
-    """After 0 steps at tp2·pp2 the run's weights are the saved ones, bit for
-    bit: the model is the one config.json describes (no --hf, no sizes)."""
+def test_round_trip_through_transformers_at_the_start(saved, kind, tmp_path):
+    """Started from a save_pretrained directory at tp2·pp2 (the model is the
+    one its config.json describes: no --hf, no sizes) and exported after 0
+    steps: the run's weights are the saved ones, and the export's logits are
+    the original's, bit for bit."""
     tmp, models = saved
-    out = tmp_path / "run"
+    out, export = tmp_path / "run", tmp_path / "export"
     assert main(["-q", "train", "--data", str(tmp / "data"), "--out", str(out),
                  "--init-from", str(models[kind]), *TP2_PP2, "--steps", "0",
-                 "--eval-every", "1", "--eval-batches", "1"]) == 0
+                 "--eval-every", "1", "--eval-batches", "1", "--export-hf", str(export)]) == 0
     given = safetensors_torch.load_file(models[kind] / "model.safetensors")
     got = safetensors_torch.load_file(out / "model.safetensors")
     assert all(torch.equal(t, got["model." + k]) for k, t in given.items())
     assert json.loads((out / "model.json").read_text())["hf_config"]["model_type"] == kind
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(_model(export)(ids).logits, _model(models[kind])(ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_round_trip_after_training(saved, kind, tmp_path):
+    """After 5 steps at tp2·pp2, transformers' loss of the export on the
+    validation batch is meshplan's evaluation at step 5 within 1e-5."""
+    from meshplan.data.feed import FeedReader, TokenFeed
+    from meshplan.driver.metrics import read_metrics
+
+    tmp, models = saved
+    out, export = tmp_path / "run", tmp_path / "export"
+    assert main(["-q", "train", "--data", str(tmp / "data"), "--out", str(out),
+                 "--init-from", str(models[kind]), *TP2_PP2, "--steps", "5",
+                 "--warmup-steps", "1", "--eval-every", "5", "--eval-batches", "1",
+                 "--export-hf", str(export)]) == 0
+    ours = [r["eval_loss"] for r in read_metrics(out) if r["kind"] == "eval"
+            and r["step"] == 5]
+    seq_len = json.loads((out / "run.json").read_text())["seq_len"]  # 64: the model's
+    feed = TokenFeed(str(tmp / "data"), "validation", seq_len, 0, "shifted-by-model",
+                     shuffle=False)
+    model = _model(export)
+    with torch.no_grad():
+        losses = [model(input_ids=x, labels=y).loss
+                  for x, y in FeedReader(feed, 8, 4).microbatches(0)]
+    theirs = float(torch.stack(losses).mean())
+    assert ours and abs(ours[0] - theirs) <= 1e-5, (ours, theirs)
+    assert not torch.equal(model.lm_head.weight, _model(models[kind]).lm_head.weight)
 
 
 def test_each_rank_reads_only_its_slices(saved, monkeypatch):
