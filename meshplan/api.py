@@ -240,7 +240,7 @@ def plan_eval(graph, job):
 def train(job, module, data, steps: int | None = None, out: str | Path = "meshplan-train",
           eval_job=None, eval_data: TokenFeed | None = None, eval_every: int = 0,
           eval_batches: int = 0, checkpoint_every: int = 0, keep: int = 0,
-          resume_from: str = "", load: bool = True, timeout_s: float = 300.0,
+          async_checkpoint: bool = False, resume_from: str = "", load: bool = True, timeout_s: float = 300.0,
           stall_s: float = 300.0, threads: int = 1, device: str = "cpu", backend: str = "",
           tensorboard: bool | None = None, on_step=None):
     """Train `module` (from its current weights) on `job.mesh.world` local
@@ -253,8 +253,8 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     `eval_every` steps. Metrics stream to `out/metrics.jsonl` (and TensorBoard
     when installed). With `checkpoint_every` the ranks save
     `out/checkpoints/step_<k>` (the newest `keep` complete ones kept; 0:
-    all); `resume_from` (a complete checkpoint of any layout) continues a
-    run. Returns a `TrainResult` (`losses`, `evals`, `metrics`,
+    all), in the background with `async_checkpoint`; `resume_from` (a
+    complete checkpoint of any layout) continues a run. Returns a `TrainResult` (`losses`, `evals`, `metrics`,
     `weights`: FQN -> full tensor); with `load` (the default) the trained
     weights are also copied into `module`, else `module` is left as it was."""
     from meshplan.driver.model_record import model_record
@@ -278,7 +278,8 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     device, backend = run_devices(device, backend, job.mesh.world)
     res = train_job(job, weights_of(module), data, steps, str(out), eval_job=eval_job,
                     eval_data=eval_data, eval_every=eval_every, eval_batches=eval_batches,
-                    checkpoint_every=checkpoint_every, keep=keep, resume_from=resume_from,
+                    checkpoint_every=checkpoint_every, keep=keep,
+                    async_checkpoint=async_checkpoint, resume_from=resume_from,
                     threads=threads, timeout_s=timeout_s, stall_s=stall_s, device=device,
                     backend=backend, tensorboard=tensorboard, on_step=on_step,
                     record=model_record(job, module, "module",
