@@ -45,7 +45,8 @@ def main_job(steps: int):
     from meshplan.cli.progress import Progress
     from meshplan.data.feed import TokenFeed
 
-    a = build_parser().parse_args(["-q", "train", "--steps", str(steps), "--eval-every", "0",
+    a = build_parser().parse_args(["-q", "train", "--steps", str(steps), "--warmup-steps", "2",
+                                   "--eval-every", "0",
                                    "--sample-tokens", "0"])
     a.progress = Progress(quiet=True)
     a = t._resolved(a)

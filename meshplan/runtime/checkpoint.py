@@ -11,13 +11,30 @@ Invariants:
   arithmetic as stage transfers), so a checkpoint from tp=2 loads into tp=1,
   pp=2 into pp=1, and back.
 - `COMPLETE` is written by rank 0 only after every rank's shard is written
-  (a barrier): a checkpoint without it, e.g. one cut short by a killed rank,
-  is never loaded. It is a sealed file (versioned, checksummed) holding the
-  next step and a manifest of every state tensor's logical shape and dtype,
-  so `check_resumable` refuses a checkpoint of another model before any
-  rank starts. It also holds the sha256 of DCP's `.metadata` file, which
-  DCP reads with pickle: `load` checks the hash first, so only the bytes
-  this code wrote are ever unpickled.
+  (a barrier, or for an async save rank 0's save finishing: [Note: rank 0's
+  future]), and an older one is removed before any rank writes a shard: a
+  checkpoint without it, e.g. one cut short by a killed rank, is never
+  loaded. It is a sealed file (versioned, checksummed) holding the next
+  step, the Job's digest and world, and a manifest of every state tensor's
+  logical shape and dtype, so `check_resumable` refuses a checkpoint of
+  another model before any rank starts. It also holds the sha256 of DCP's
+  `.metadata` file, which DCP reads with pickle: `load` checks the hash
+  first, so only the bytes this code wrote are ever unpickled.
+- Sync and async saves share one path: `stage` (what a rank writes),
+  `_unmark` (the old marker gone), `_mark` (files copied, `COMPLETE`). An
+  async save (`AsyncSaver`) stages fresh host copies (the next step updates
+  the state in place; on CPU `.cpu()` is no copy), writes on a gloo group of
+  its own in a thread, at most one in flight per rank; its error is raised
+  by that rank at the next `poll`/`wait`.
+- Besides the state, a checkpoint holds everything a resume needs: the
+  next step (rank 0), the fp16 growth counter (rank 0; the same on every
+  rank) and each rank's RNG states (torch's CPU generator, the rank's CUDA
+  one on a GPU; one key per rank). The RNG states are restored only by the
+  same Job on the same world: at another layout a rank's random stream has
+  no counterpart (layout-invariant randomness is issue 36).
+- The one fault-injection point, for tests: `MESHPLAN_FAULT_KILL_AFTER_SHARD`
+  = `"<next step>:<rank>"` makes that rank `os._exit(137)` right after its
+  shard of that checkpoint is written (`_writer`).
 - A tied tensor is one state entry, saved once under its graph input's
   name (each stage's copy is the same slice under the same key, which DCP
   writes once), and found on load under any of its names.
