@@ -105,13 +105,15 @@ def summary(rounds: dict, steps: int) -> dict:
     return out
 
 
-def table(s: dict, steps: int, rounds: int) -> str:
+def table(s: dict, steps: int, rounds: int, busy: float = 0.0) -> str:
+    noisy = (f" The CPUs were {busy:.0%} busy before the runs (other processes): the "
+             "figures are noisy; rerun on a quiet machine to tighten them.") if busy > 0.5 else ""
     head = (f"GPT small (the main job: dp2 tp2 pp2 vpp2, 8 local processes, global batch 16) "
             f"for {steps} steps, a checkpoint every {EVERY}, the three modes alternated over "
             f"{rounds} rounds. A step's time is from the previous step's end to its own, as the "
             "launching process sees it (50 ms polls), save included. Cost per checkpoint: the "
             "steps from the first save to the end, minus the same steps without "
-            "checkpoints, per save.\n\n"
+            f"checkpoints, per save.{noisy}\n\n"
             "| mode | step that saves (ms) | other steps (ms) | cost per checkpoint (ms) "
             "| % of a step | checkpoint size (MiB) |\n|---|---|---|---|---|---|\n")
     rows = [f"| {m} | {s[m]['saving_step_s'] * 1e3:.0f} | {s[m]['other_step_s'] * 1e3:.0f} "
@@ -138,8 +140,8 @@ def main() -> None:
                             "bytes": r["bytes"]} for r in rounds[m]["rounds"]]
                        for m in MODES},
               "busy_before": {m: rounds[m]["busy_before"] for m in MODES}}
-    write("checkpoint", result, table(s, a.steps, a.rounds))
-    print(table(s, a.steps, a.rounds))
+    busy = median([b for m in MODES for b in rounds[m]["busy_before"]])
+    write("checkpoint", result, table(s, a.steps, a.rounds, busy))
 
 
 if __name__ == "__main__":
