@@ -240,7 +240,8 @@ def plan_eval(graph, job):
 def train(job, module, data, steps: int | None = None, out: str | Path = "meshplan-train",
           eval_job=None, eval_data: TokenFeed | None = None, eval_every: int = 0,
           eval_batches: int = 0, checkpoint_every: int = 0, keep: int = 0,
-          resume_from: str = "", load: bool = True, timeout_s: float = 300.0,
+          async_checkpoint: bool = False, resume_from: str = "", load: bool = True,
+          timeout_s: float = 300.0,
           stall_s: float = 300.0, threads: int = 1, device: str = "cpu", backend: str = "",
           tensorboard: bool | None = None, on_step=None, init_from: str = "",
           max_restarts: int = 0):
@@ -254,14 +255,15 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     `eval_every` steps. Metrics stream to `out/metrics.jsonl` (and TensorBoard
     when installed). With `checkpoint_every` the ranks save
     `out/checkpoints/step_<k>` (the newest `keep` complete ones kept; 0:
-    all); `resume_from` (a complete checkpoint of any layout) continues a
-    run; `max_restarts` restarts a run whose rank failed from its newest
-    complete checkpoint. `init_from` (a save_pretrained directory, a state
-    dict or a checkpoint) is read for the starting weights instead of
-    `module`'s, each rank reading its own slices. Returns a `TrainResult`
-    (`losses`, `evals`, `metrics`, `weights`: FQN -> full tensor); with
-    `load` (the default) the trained weights are also copied into `module`,
-    else `module` is left as it was."""
+    all), in the background with `async_checkpoint`; `resume_from` (a
+    complete checkpoint of any layout) continues a run; `max_restarts`
+    restarts a run whose rank failed from its newest complete checkpoint.
+    `init_from` (a save_pretrained directory, a state dict or a checkpoint)
+    is read for the starting weights instead of `module`'s, each rank
+    reading its own slices. Returns a `TrainResult` (`losses`, `evals`,
+    `metrics`, `weights`: FQN -> full tensor); with `load` (the default) the
+    trained weights are also copied into `module`, else `module` is left as
+    it was."""
     from meshplan.driver.model_record import model_record
     from meshplan.driver.run import run_devices
     from meshplan.driver.train import train_job
@@ -288,7 +290,8 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
         init_from = weight_source(init_from, job, "model." if isinstance(module, HFLoss) else "")
     res = train_job(job, weights_of(module), data, steps, str(out), eval_job=eval_job,
                     eval_data=eval_data, eval_every=eval_every, eval_batches=eval_batches,
-                    checkpoint_every=checkpoint_every, keep=keep, resume_from=resume_from,
+                    checkpoint_every=checkpoint_every, keep=keep,
+                    async_checkpoint=async_checkpoint, resume_from=resume_from,
                     threads=threads, timeout_s=timeout_s, stall_s=stall_s, device=device,
                     backend=backend, tensorboard=tensorboard, on_step=on_step,
                     record=model_record(job, module, "module",

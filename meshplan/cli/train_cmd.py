@@ -74,6 +74,10 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="save a checkpoint (DCP shards of every rank, any layout can resume "
                    "it) in OUT/checkpoints/step_K every N steps (default 0: never)")
+    g.add_argument("--async-checkpoint", action="store_true",
+                   help="save checkpoints in the background: each rank copies its state to "
+                   "host memory and trains on while a thread writes it (default: training "
+                   "waits for the save)")
     g.add_argument("--keep", type=int, default=3, metavar="K",
                    help="keep the newest K complete checkpoints; an older one is deleted only "
                    "once a newer one is complete (default 3; 0: all)")
@@ -203,6 +207,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                       eval_data=eval_feed, eval_every=a.eval_every,
                       eval_batches=a.eval_batches, threads=a.threads,
                       checkpoint_every=a.checkpoint_every, keep=a.keep,
+                      async_checkpoint=a.async_checkpoint,
                       resume_from=resume_from, init_from=init_from,
                       max_restarts=a.max_restarts,
                       timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,

@@ -162,7 +162,7 @@ class StepMerger:
 def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out: str,
               *, eval_job: Job | None = None, eval_data=None, eval_every: int = 0,
               eval_batches: int = 0, checkpoint_every: int = 0, keep: int = 0,
-              resume_from: str = "", threads: int = 1,
+              async_checkpoint: bool = False, resume_from: str = "", threads: int = 1,
               timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
               backend: str = "", tensorboard: bool | None = None, on_step=None,
               append: bool = False, record: dict | None = None,
@@ -174,8 +174,10 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
 
     With `checkpoint_every` the ranks save `out/checkpoints/step_<k>` every
     that many steps, and once one is complete only the newest `keep` complete
-    ones are kept (0: all). `resume_from` (a complete checkpoint, of any
-    layout) is where the run starts; its metrics are appended. Each
+    ones are kept (0: all); with `async_checkpoint` the ranks save in the
+    background and train on (`runtime/checkpoint.AsyncSaver`). `resume_from`
+    (a complete checkpoint, of any layout) is where the run starts; its
+    metrics are appended. Each
     checkpoint also holds `out/config.toml` (when the CLI wrote one) and
     `record` (`driver/model_record.py`) as `model.json`, written to `out`.
     `init_from` (`driver/init_from.weight_source`) is where the ranks read
@@ -208,7 +210,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                    eval_data=eval_data.to_json() if eval_data is not None else "",
                    eval_every=eval_every if eval_job is not None else 0,
                    eval_batches=eval_batches, resume_from=resume_from,
-                   checkpoint_every=checkpoint_every,
+                   checkpoint_every=checkpoint_every, async_checkpoint=async_checkpoint,
                    checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files,
                    init_from=init_from)
     per_step = s.global_batch_size * (data.seq_len if tokens else 1)

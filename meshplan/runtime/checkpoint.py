@@ -11,13 +11,30 @@ Invariants:
   arithmetic as stage transfers), so a checkpoint from tp=2 loads into tp=1,
   pp=2 into pp=1, and back.
 - `COMPLETE` is written by rank 0 only after every rank's shard is written
-  (a barrier): a checkpoint without it, e.g. one cut short by a killed rank,
-  is never loaded. It is a sealed file (versioned, checksummed) holding the
-  next step and a manifest of every state tensor's logical shape and dtype,
-  so `check_resumable` refuses a checkpoint of another model before any
-  rank starts. It also holds the sha256 of DCP's `.metadata` file, which
-  DCP reads with pickle: `load` checks the hash first, so only the bytes
-  this code wrote are ever unpickled.
+  (a barrier, or for an async save rank 0's save finishing: [Note: rank 0's
+  future]), and an older one is removed before any rank writes a shard: a
+  checkpoint without it, e.g. one cut short by a killed rank, is never
+  loaded. It is a sealed file (versioned, checksummed) holding the next
+  step, the Job's digest and world, and a manifest of every state tensor's
+  logical shape and dtype, so `check_resumable` refuses a checkpoint of
+  another model before any rank starts. It also holds the sha256 of DCP's
+  `.metadata` file, which DCP reads with pickle: `load` checks the hash
+  first, so only the bytes this code wrote are ever unpickled.
+- Sync and async saves share one path: `stage` (what a rank writes),
+  `_unmark` (the old marker gone), `_mark` (files copied, `COMPLETE`). An
+  async save (`AsyncSaver`) stages fresh host copies (the next step updates
+  the state in place; on CPU `.cpu()` is no copy), writes on a gloo group of
+  its own in a thread, at most one in flight per rank; its error is raised
+  by that rank at the next `poll`/`wait`.
+- Besides the state, a checkpoint holds everything a resume needs: the
+  next step (rank 0), the fp16 growth counter (rank 0; the same on every
+  rank) and each rank's RNG states (torch's CPU generator, the rank's CUDA
+  one on a GPU; one key per rank). The RNG states are restored only by the
+  same Job on the same world: at another layout a rank's random stream has
+  no counterpart (layout-invariant randomness is issue 36).
+- The one fault-injection point, for tests: `MESHPLAN_FAULT_KILL_AFTER_SHARD`
+  = `"<next step>:<rank>"` makes that rank `os._exit(137)` right after its
+  shard of that checkpoint is written (`_writer`).
 - A tied tensor is one state entry, saved once under its graph input's
   name (each stage's copy is the same slice under the same key, which DCP
   writes once), and found on load under any of its names.
@@ -32,7 +49,9 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +67,10 @@ from meshplan.ir.state_name import StateName, is_state
 COMPLETE = "COMPLETE"
 METADATA = ".metadata"  # DCP's index of the saved keys (a pickle)
 STEP_KEY = "meshplan/next_step"
+GOOD_STEPS_KEY = "meshplan/good_steps"  # fp16: steps since the loss scale last changed
+RNG_KEY = "meshplan/rng/{rank}"  # torch's CPU generator state, one per rank
+CUDA_RNG_KEY = "meshplan/cuda_rng/{rank}"  # the rank's CUDA generator state
+FAULT_KILL = "MESHPLAN_FAULT_KILL_AFTER_SHARD"  # "<next step>:<rank>": tests only
 KIND, VERSION = "meshplan.checkpoint", 1
 
 
@@ -87,33 +110,144 @@ def state_slices(state: dict, job, ctx, primary_only: bool = False,
     return out
 
 
-def save(path: str, state: dict, job, ctx, next_step: int, files=()) -> None:
-    """Write this rank's shard; rank 0 copies `files` in and marks the
-    checkpoint complete.
-
-    An older `COMPLETE` in `path` is removed before any shard is overwritten,
-    so a save cut short never leaves a marker over a mix of old and new
-    shards."""
-    # device tensors as they are: DCP's writer stages GPU tensors to host itself
+def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=None,
+          copy: bool = False) -> dict[str, torch.Tensor]:
+    """What this rank writes into a checkpoint: its primary slices, its RNG
+    states (`RNG_KEY`, and `CUDA_RNG_KEY` on a GPU) and, on rank 0, the next
+    step and the fp16 growth counter. With `copy` every tensor is a fresh
+    host copy (an async save: the next step updates the state in place, and
+    on CPU `.cpu()` is the tensor itself); else device tensors as they are
+    (DCP's writer stages GPU tensors to host itself)."""
     sd = state_slices(state, job, ctx, primary_only=True, host=False)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    if copy:
+        sd = {k: torch.empty(t.shape, dtype=t.dtype).copy_(t) for k, t in sd.items()}
+    rank = _rank()
     if rank == 0:
         sd[STEP_KEY] = torch.tensor(next_step)
+        sd[GOOD_STEPS_KEY] = torch.tensor(good_steps)
+    sd[RNG_KEY.format(rank=rank)] = torch.get_rng_state()
+    if device is not None and torch.device(device).type == "cuda":
+        sd[CUDA_RNG_KEY.format(rank=rank)] = torch.cuda.get_rng_state(device)
+    return sd
+
+
+def save(path: str, staged: dict, job, next_step: int, files=(), group=None) -> None:
+    """Write this rank's shard (`stage`'s dict) and wait for every rank's;
+    rank 0 then copies `files` in and marks the checkpoint complete."""
+    _unmark(path, group)
+    dcp.save(staged, storage_writer=_writer(path, next_step), process_group=group)
+    if dist.is_initialized():
+        dist.barrier(group)
+    _mark(path, job, next_step, files)
+
+
+class AsyncSaver:
+    """Saves in the background (`dcp.async_save` on a thread), at most one in
+    flight: `start` waits for the previous one first. `poll` (called at each
+    step) marks a finished save complete and raises its error, if any, as
+    this rank's; `wait` does so without polling (before the next save, and at
+    the run's end). `group` is a gloo group of every rank made once at setup,
+    so the background collectives never interleave with training's on the
+    default group; each of them is bounded by its timeout.
+
+    [Note: rank 0's future] DCP's save ends with `all_reduce("write", ...)`:
+    every rank writes its shard, waits for it, and sends its write results to
+    rank 0, which writes `.metadata` (state_dict_saver `_save_state_dict`,
+    utils `_DistWrapper.all_reduce`). So rank 0's future completes only after
+    every rank's shard is written, and `COMPLETE` needs no further barrier."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.pending: tuple | None = None  # (future, path, job, next_step, files)
+
+    def start(self, path: str, staged: dict, job, next_step: int, files=()) -> None:
+        """Wait for the save in flight, then start writing `staged` to `path`."""
+        self.wait()
+        _unmark(path, self.group)
+        fut = dcp.async_save(staged, storage_writer=_writer(path, next_step),
+                             process_group=self.group, async_stager=_AS_STAGED)
+        self.pending = (fut, path, job, next_step, tuple(files))
+
+    def poll(self) -> None:
+        """Mark the save in flight complete if it has finished."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (its error is raised here) and mark it."""
+        if self.pending is None:
+            return
+        fut, path, job, next_step, files = self.pending
+        self.pending = None
+        fut.result()
+        _mark(path, job, next_step, files)
+
+
+class _AsStaged:
+    """An `AsyncStager` that keeps the dict it is given: `stage(copy=True)`
+    already made the host copies (DCP's default stager would copy again)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict, **_):
+        return state_dict
+
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_AS_STAGED = _AsStaged()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _unmark(path: str, group) -> None:
+    """Rank 0 removes an older `COMPLETE` before any rank overwrites a shard
+    (a barrier), so a save cut short never leaves a marker over a mix of old
+    and new shards."""
+    if _rank() == 0:
         (Path(path) / COMPLETE).unlink(missing_ok=True)
     if dist.is_initialized():
-        dist.barrier()
-    dcp.save(sd, checkpoint_id=path)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        copied = {}
-        for f in map(Path, files):
-            data = f.read_bytes()
-            write_atomic(Path(path) / f.name, data)
-            copied[f.name] = hashlib.sha256(data).hexdigest()
-        meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path),
-                                            "files": copied}
-        write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
+        dist.barrier(group)
+
+
+def _mark(path: str, job, next_step: int, files) -> None:
+    """Rank 0, once every shard is written: copy `files` in, then write the
+    sealed `COMPLETE` (manifest, `.metadata`'s hash, the files' hashes)."""
+    if _rank() != 0:
+        return
+    copied = {}
+    for f in map(Path, files):
+        data = f.read_bytes()
+        write_atomic(Path(path) / f.name, data)
+        copied[f.name] = hashlib.sha256(data).hexdigest()
+    meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path),
+                                        "files": copied}
+    write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
+
+
+def _writer(path: str, next_step: int):
+    """DCP's file writer; under `FAULT_KILL` naming this step and rank, one
+    that ends the process right after this rank's shard is written."""
+    kill = os.environ.get(FAULT_KILL) == f"{next_step}:{_rank()}"
+    return (_KillAfterShard if kill else dcp.FileSystemWriter)(path)
+
+
+class _KillAfterShard(dcp.FileSystemWriter):
+    """Fault injection for tests (`FAULT_KILL`): the shard, then `os._exit(137)`."""
+
+    def write_data(self, plan, planner):
+        done = super().write_data(plan, planner)
+        done.wait()
+        os._exit(137)
 
 
 def _metadata_hash(path: str) -> str:
@@ -131,6 +265,11 @@ def check_resumable(path: str, job) -> int:
     """The step a run of `job` resumes at from the checkpoint at `path`;
     raises (one line) when there is none, it is incomplete, or it holds
     another model's state. Cheap: reads only the `COMPLETE` manifest."""
+    return _checked_manifest(path, job)["next_step"]
+
+
+def _checked_manifest(path: str, job) -> dict:
+    """`COMPLETE`'s manifest, once `check_resumable`'s checks pass."""
     if not path:
         raise ConfigError("--resume needs --save-dir: the directory of the checkpoint to "
                           "continue from")
@@ -170,7 +309,7 @@ def check_resumable(path: str, job) -> int:
     if not (root / METADATA).is_file() or _metadata_hash(path) != want:
         raise RuntimeFault(f"checkpoint {path}: {METADATA} is missing or not the one saved "
                            "with it (edited or corrupted); resume from another checkpoint")
-    return step
+    return meta
 
 
 def _saved_name(graph, name: str, saved) -> str:
@@ -201,17 +340,49 @@ def read_slices(path: str) -> dict[str, torch.Tensor]:
     return request
 
 
-def load(path: str, state: dict, job, ctx) -> int:
-    """Fill this rank's state from the checkpoint; returns the step to resume at."""
-    check_resumable(path, job)
-    saved: dict[str, list] = {}
-    for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
-        name, _, box = key.partition("|")
-        if box:
-            saved.setdefault(name, []).append(parse_box(box))
-    values = _state_values(job)
-    request, places = {STEP_KEY: torch.tensor(0)}, []
-    for name, vid in values.items():
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """What `load` restored besides the state: the step to resume at, the
+    fp16 growth counter, and whether this rank's RNG states were restored
+    (only from a checkpoint of the same Job and world)."""
+
+    next_step: int
+    good_steps: int = 0
+    rng: bool = False
+
+
+def load(path: str, state: dict, job, ctx, device=None) -> Resumed:
+    """Fill this rank's state from the checkpoint, restore its RNG states
+    when the checkpoint was saved by this very Job (same digest, same world:
+    at another layout a rank's random stream has no counterpart; randomness
+    that does not depend on the layout is issue 36), and return the step to
+    resume at and the fp16 growth counter (0 in a checkpoint without one)."""
+    meta = _checked_manifest(path, job)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    request, places = _requests(saved_boxes(path), state, job, ctx)
+    request[STEP_KEY] = torch.tensor(0)
+    if GOOD_STEPS_KEY in keys:
+        request[GOOD_STEPS_KEY] = torch.tensor(0)
+    rank, cuda = _rank(), device is not None and torch.device(device).type == "cuda"
+    rng = {RNG_KEY.format(rank=rank)} | ({CUDA_RNG_KEY.format(rank=rank)} if cuda else set())
+    same = meta.get("job") == job.digest() and meta.get("world") == job.mesh.world
+    rng = {k: torch.empty(tuple(keys[k].size), dtype=torch.uint8) for k in rng if k in keys} \
+        if same else {}
+    request |= rng
+    dcp.load(request, checkpoint_id=path)
+    _place(places, request, state, ctx)
+    if RNG_KEY.format(rank=rank) in rng:
+        torch.set_rng_state(rng[RNG_KEY.format(rank=rank)])
+    if CUDA_RNG_KEY.format(rank=rank) in rng:
+        torch.cuda.set_rng_state(rng[CUDA_RNG_KEY.format(rank=rank)], device)
+    return Resumed(int(request[STEP_KEY]), int(request.get(GOOD_STEPS_KEY, 0)), bool(rng))
+
+
+def _requests(saved: dict[str, list], state: dict, job, ctx) -> tuple[dict, list]:
+    """The saved slices this rank's boxes intersect (`<name>|<box>` ->
+    an empty tensor to load into), and where each part goes."""
+    request, places = {}, []
+    for name, vid in _state_values(job).items():
         if name not in state:
             continue
         want = ctx.box(vid)
@@ -227,7 +398,11 @@ def load(path: str, state: dict, job, ctx) -> int:
                 shape = tuple(b - a for a, b in box)
                 request[key] = torch.empty(shape, dtype=job.graph.values[vid].meta.dtype.torch)
             places.append((name, vid, key, box, part))
-    dcp.load(request, checkpoint_id=path)
+    return request, places
+
+
+def _place(places: list, request: dict, state: dict, ctx) -> None:
+    """Copy each loaded part into this rank's state tensor at its box."""
     for name, vid, key, box, part in places:
         target = state[name]
         if target is None or tuple(target.shape) != tuple(b - a for a, b in ctx.box(vid)):
@@ -237,15 +412,17 @@ def load(path: str, state: dict, job, ctx) -> int:
         dst = tuple(slice(a - m0, b - m0) for (a, b), (m0, _) in zip(part, mine))
         src = tuple(slice(a - s0, b - s0) for (a, b), (s0, _) in zip(part, box))
         target[dst] = request[key][src].to(target.device)
-    return int(request[STEP_KEY])
 
 
 def load_weights(path: str, state: dict, job, ctx) -> None:
     """Fill this rank's parameters and buffers (not its optimizer slots, not
     the step) from the checkpoint at `path`, of any layout: `--init-from`."""
+    _checked_manifest(path, job)
     kept = {v.name for v in job.graph.values if v.role in (Role.PARAM, Role.BUFFER)}
     weights = {name: t for name, t in state.items() if t is not None and name in kept}
-    load(path, weights, job, ctx)  # fills the tensors in place: `state` holds the same ones
+    request, places = _requests(saved_boxes(path), weights, job, ctx)
+    dcp.load(request, checkpoint_id=path)
+    _place(places, request, weights, ctx)  # in place: `state` holds the same tensors
 
 
 def saved_state(path: str) -> dict[str, list]:
@@ -258,6 +435,8 @@ def saved_state(path: str) -> dict[str, list]:
     except (PlanError, KeyError):
         raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker; use another "
                            "checkpoint") from None
+
+
 def saved_boxes(path: str) -> dict[str, list[tuple]]:
     """Each saved tensor's slices, name -> boxes, from DCP's index (a pickle:
     call this only once `COMPLETE`'s `metadata_sha256` is checked)."""

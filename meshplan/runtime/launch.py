@@ -150,9 +150,10 @@ def _action_of(rank: int, progress, job_bytes: bytes) -> str:
 
 def _failure(bad: list[tuple[int, int]], results: Path, progress,
              job_bytes: bytes) -> tuple[str, dict | None]:
-    """One line naming the rank that failed first: one killed by a signal
-    (its peers then fail on broken connections), else the first report
-    (returned too)."""
+    """One line naming the rank that failed first: one killed by a signal,
+    else one that exited without a report (killed: the OOM killer's 137,
+    `os._exit`), for its peers then fail on broken connections; else the
+    first report (returned too)."""
     signalled = [(r, code) for r, code in bad if code < 0]
     if signalled:
         r, code = signalled[0]
@@ -163,10 +164,11 @@ def _failure(bad: list[tuple[int, int]], results: Path, progress,
         f = results / f"fail_{r}.json"
         if f.is_file():
             reports.append(json.loads(f.read_text()))
-    if reports:
+    unreported = [(r, code) for r, code in bad if not (results / f"fail_{r}.json").is_file()]
+    if reports and not unreported:
         first = min(reports, key=lambda x: x.get("time", 0))
         return (f"rank {first['rank']} failed in action {first['action']}: {first['error']}; "
                 f"the other ranks were stopped"), first
-    r, code = bad[0]
+    r, code = unreported[0]
     return (f"rank {r} exited with code {code} without a report; the other ranks were "
             "stopped"), None

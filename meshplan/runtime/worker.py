@@ -69,6 +69,7 @@ class RunSpec:
     checkpoint_root: str = ""
     checkpoint_files: tuple[str, ...] = ()  # copied into each checkpoint (config, model record)
     init_from: str = ""   # the starting weights' source (JSON: `runtime/init_weights.py`)
+    async_checkpoint: bool = False  # periodic checkpoints saved in the background
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -164,17 +165,25 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     resume_from = spec.resume_from or (spec.save_dir if spec.resume else "")
     if resume_from:
         ex.current = "load checkpoint"
-        start = checkpoint.load(resume_from, state, job, ex.ctx)
+        resumed = checkpoint.load(resume_from, state, job, ex.ctx, device)
+        start, ex.good_steps = resumed.next_step, resumed.good_steps
     elif spec.init_from:
         from meshplan.runtime.init_weights import load_weights
 
         ex.current = "load weights"
         load_weights(spec.init_from, state, job, ex.ctx)
-    done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done)
+    # made once by every rank alike: the background saves' own collectives
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.timeout_s)) \
+        if spec.async_checkpoint and dist.is_initialized() else None
+    saver = checkpoint.AsyncSaver(group) if spec.async_checkpoint else None
+    done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done, saver)
     losses, norms, times, trace, skipped, rows_read = done
     if spec.save_dir:
         ex.current = "save checkpoint"
-        checkpoint.save(spec.save_dir, state, job, ex.ctx, max(start, spec.steps))
+        end = max(start, spec.steps)
+        checkpoint.save(spec.save_dir, checkpoint.stage(state, job, ex.ctx, end,
+                                                        good_steps=ex.good_steps, device=device),
+                        job, end)
     if spec.report_state and not spec.gather:
         from meshplan.runtime.tensor_file import STATE, write_tensors
 
@@ -222,10 +231,12 @@ def _source(spec: RunSpec, job: Job, ex, given=None):
 
 
 def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, rank: int,
-          device, steps_done):
-    """The steps from `start` to `spec.steps`, evaluating as asked; returns
-    (losses, norms, step times, trace, skipped steps, rows read)."""
-    from meshplan.runtime import checkpoint
+          device, steps_done, saver=None):
+    """The steps from `start` to `spec.steps`, evaluating and checkpointing
+    as asked (through `saver`, an `AsyncSaver`, in the background: a finished
+    save is marked complete at the next step's start, the last one waited
+    for at the end); returns (losses, norms, step times, trace, skipped
+    steps, rows read)."""
     from meshplan.runtime.rank_executor import NonFiniteNorm, halted
 
     losses, norms, times, trace, skipped = [], [], [], None, []
@@ -235,6 +246,9 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
     if evaluator is not None and start == 0:
         rows.eval(0, evaluator.run(state))
     for step in range(start, spec.steps):
+        if saver is not None:
+            ex.current = "async checkpoint"
+            saver.poll()
         clock.start()
         mbs, local = feed(step)
         if spec.trace and step == spec.steps - 1:
@@ -257,13 +271,29 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
         if evaluator is not None and (step + 1) % spec.eval_every == 0:
             rows.eval(step + 1, evaluator.run(state))
         if spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0:
-            ex.current = "save checkpoint"
-            checkpoint.save(str(Path(spec.checkpoint_root) / f"step_{step + 1}"), state, ex.job,
-                            ex.ctx, step + 1, spec.checkpoint_files)
+            _checkpoint(spec, ex, state, step + 1, device, saver)
         if steps_done is not None:
             steps_done[rank] = step + 1
+    if saver is not None:
+        ex.current = "async checkpoint"
+        saver.wait()
     reader = getattr(feed, "reader", None)
     return losses, norms, times, trace, skipped, reader.rows_read if reader else None
+
+
+def _checkpoint(spec: RunSpec, ex, state: dict, next_step: int, device, saver) -> None:
+    """Save `<checkpoint_root>/step_<next_step>`: now, or started in the
+    background (host copies staged first) when `saver` is given."""
+    from meshplan.runtime import checkpoint
+
+    ex.current = "save checkpoint"
+    path = str(Path(spec.checkpoint_root) / f"step_{next_step}")
+    staged = checkpoint.stage(state, ex.job, ex.ctx, next_step, good_steps=ex.good_steps,
+                              device=device, copy=saver is not None)
+    if saver is None:
+        checkpoint.save(path, staged, ex.job, next_step, spec.checkpoint_files)
+    else:
+        saver.start(path, staged, ex.job, next_step, spec.checkpoint_files)
 
 
 def _evaluator(spec: RunSpec, job: Job, rank: int, comm, device, on_action):

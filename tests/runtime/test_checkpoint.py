@@ -104,3 +104,81 @@ def test_tied_checkpoint_from_pp2_resumes_at_pp1_and_tp2(tmp_path):
                     save_dir=str(here), resume=True, **tie)
         assert other["first_step"] == 2
         assert max(abs(a - b) for a, b in zip(other["losses"], full["losses"][2:])) <= 1e-5
+
+
+def _one_rank(micro_batch_size: int = 8):
+    """gpt tiny on one rank (no processes): its Job, executor and state."""
+    from meshplan.driver.plan import plan_model
+    from meshplan.lowering.lower import lower
+    from meshplan.models import build_model
+    from meshplan.runtime.rank_executor import RankExecutor
+
+    cfg = model_config("gpt", "tiny")
+    s = zoo_strategy("gpt", cfg, global_batch_size=8, micro_batch_size=micro_batch_size)
+    job = plan_model("gpt", "tiny", Mesh(1, 1), s).job
+    ex = RankExecutor(job, lower(job, 0))
+    return job, ex, ex.init_state(build_model(cfg))
+
+
+def test_growth_counter_and_rng_round_trip(tmp_path):
+    """A checkpoint holds the fp16 growth counter and the rank's RNG state;
+    the same Job gets both back, another Job (another layout) only the
+    counter: its generator is left as it is."""
+    import torch
+
+    from meshplan.runtime import checkpoint
+
+    job, ex, state = _one_rank()
+    torch.manual_seed(7)
+    checkpoint.save(str(tmp_path), checkpoint.stage(state, job, ex.ctx, 3, good_steps=17), job, 3)
+    after_save = torch.rand(5)
+    torch.manual_seed(99)
+    got = checkpoint.load(str(tmp_path), state, job, ex.ctx)
+    assert got == checkpoint.Resumed(next_step=3, good_steps=17, rng=True)
+    assert torch.rand(5).equal(after_save)
+    other, ex2, state2 = _one_rank(micro_batch_size=4)
+    assert other.digest() != job.digest()
+    torch.manual_seed(99)
+    untouched = torch.rand(5)
+    torch.manual_seed(99)
+    assert checkpoint.load(str(tmp_path), state2, other, ex2.ctx) == \
+        checkpoint.Resumed(next_step=3, good_steps=17, rng=False)
+    assert torch.rand(5).equal(untouched)
+
+
+def test_async_save_writes_the_staged_copy_then_marks_it(tmp_path, monkeypatch):
+    """The shard is written while training goes on: what it holds is the
+    state when the save started (host copies), not what the next step wrote
+    over it in place, and `COMPLETE` appears only once the shard is
+    written. The writer is held back until the state has changed."""
+    import threading
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from meshplan.runtime import checkpoint
+
+    job, ex, state = _one_rank()
+    before = checkpoint.state_slices(state, job, ex.ctx)
+    before = {k: t.clone() for k, t in before.items()}
+    go = threading.Event()
+
+    class Held(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            assert go.wait(60)
+            return super().write_data(plan, planner)
+
+    monkeypatch.setattr(checkpoint, "_writer", lambda path, step: Held(path))
+    saver = checkpoint.AsyncSaver()
+    saver.start(str(tmp_path), checkpoint.stage(state, job, ex.ctx, 1, copy=True), job, 1)
+    for t in state.values():  # the next step's in-place update
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.add_(1.0)
+    saver.poll()
+    assert not (tmp_path / checkpoint.COMPLETE).exists()
+    go.set()
+    saver.wait()
+    assert (tmp_path / checkpoint.COMPLETE).is_file()
+    saved = checkpoint.read_slices(str(tmp_path))
+    assert saved.keys() == before.keys()
+    assert all(saved[k].equal(before[k]) for k in before)
