@@ -162,7 +162,7 @@ def _language_model(a: argparse.Namespace, data_dir: str):
 
     cfg = sized_config(a.model, a.size, data_dir, overrides(a))
     a.model = cfg.model  # hf:<type>, when --init-from's config said it
-    if not a.source:
+    if not getattr(a, "source", None):
         a.vocab = cfg.vocab  # the data's, for --auto's search too
     strategy = strategy_of(a, cfg)
     _steps_of(a, strategy.global_batch_size, cfg.seq_len)
