@@ -72,6 +72,7 @@ class FeedReader:
         self.reader = SampleReader(self.data, feed.seq_len, feed.seed, shuffle=feed.shuffle)
         self.gbs, self.m = global_batch_size, num_microbatches
         self.layout = Layout(feed.layout)
+        self.step_samples: list[int] = []  # the sample ids the last `microbatches` read
 
     @property
     def rows_read(self) -> int:
@@ -83,9 +84,11 @@ class FeedReader:
         b = self.gbs // self.m
         lo, hi = rows if rows is not None else (0, b)
         out = []
+        self.step_samples = []
         for i in range(self.m):
             positions = step * self.gbs + i * b + np.arange(lo, hi, dtype=np.int64)
             out.append(token_batch(self.reader.read(positions), self.layout))
+            self.step_samples += self.reader.last_ids.tolist()
         return out
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,7 @@ class SampleReader:
         self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
         self.num_samples = num_samples(len(data.tokens), seq_len)
         self.rows_read = 0
+        self.last_ids = np.empty(0, dtype=np.int64)  # the ids the last `read` read
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)
 
     def sample_ids(self, positions) -> np.ndarray:
@@ -111,7 +112,7 @@ class SampleReader:
 
     def read(self, positions) -> torch.Tensor:
         """The samples at global `positions`: LongTensor [len(positions), seq_len+1]."""
-        ids = self.sample_ids(positions)
+        ids = self.last_ids = self.sample_ids(positions)
         idx = ids[:, None] * self.seq_len + self._offsets[None, :]
         rows = np.asarray(self.data.tokens[idx]).astype(np.int64)
         self.data.release()  # resident memory stays flat (tokens.py)

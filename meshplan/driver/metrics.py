@@ -4,8 +4,10 @@ Invariants:
 - `OUT/metrics.jsonl` is always written: one JSON object per line, each
   line flushed as it is logged, so a crash loses at most the line being
   written. A row is `{"kind": "train", step, loss, grad_norm, lr,
-  tokens_per_s, mfu, step_s, peak_bytes}` or `{"kind": "eval", step,
-  eval_loss, eval_ppl}`: exactly those keys.
+  tokens_per_s, mfu, step_s, peak_bytes}` (with `peak_bytes_per_stage`,
+  and from token data `data_sha256`: the sha256 of the sorted ids of the
+  samples the step read, equal at any layout for the same samples) or
+  `{"kind": "eval", step, eval_loss, eval_ppl}`.
 - The file is strict JSON (any JSON reader takes it): a number that is not
   finite (a NaN loss, an overflowed perplexity) and a value not measured
   are written as `null`.
@@ -61,14 +63,17 @@ class MetricsLog:
                                          flush_secs=10)
 
     def log_train(self, step: int, loss, grad_norm, lr, tokens_per_s, mfu, step_s,
-                  peak_bytes, peak_bytes_per_stage: list | None = None) -> None:
+                  peak_bytes, peak_bytes_per_stage: list | None = None,
+                  data_sha256: str | None = None) -> None:
         """One training step's row (None: not measured); with
-        `peak_bytes_per_stage`, each pipeline stage's measured peak too."""
+        `peak_bytes_per_stage`, each pipeline stage's measured peak too; with
+        `data_sha256`, the fingerprint of the samples it read."""
         values = dict(zip(TRAIN_KEYS, (loss, grad_norm, lr, tokens_per_s, mfu, step_s,
                                        peak_bytes), strict=True))
         stages = {} if peak_bytes_per_stage is None else \
             {"peak_bytes_per_stage": [int(x) for x in peak_bytes_per_stage]}
-        self._write({"kind": "train", "step": int(step)} | values | stages)
+        data = {} if data_sha256 is None else {"data_sha256": data_sha256}
+        self._write({"kind": "train", "step": int(step)} | values | stages | data)
         self._scalars("train", step, values | {f"peak_bytes_stage{i}": x for i, x in
                                                enumerate(peak_bytes_per_stage or ())})
 

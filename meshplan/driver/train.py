@@ -146,6 +146,7 @@ class StepMerger:
         norms = [x["grad_norm"] for x in rows.values() if x["grad_norm"] is not None]
         lrs = [x["lr"] for x in rows.values() if x["lr"] is not None]
         step_s = max(x["step_s"] for x in rows.values())
+        samples = [x["samples"] for x in rows.values() if x.get("samples") is not None]
         row = {"step": step, "loss": losses[0] if losses else None,
                "grad_norm": norms[0] if norms else None,
                "lr": lrs[0] if lrs else self.base_lr,
@@ -154,9 +155,22 @@ class StepMerger:
                "step_s": step_s, "peak_bytes": max(x["peak_bytes"] for x in rows.values()),
                "peak_bytes_per_stage": [max(x["peak_bytes"] for r, x in rows.items()
                                             if self.stage_of[r] == s)
-                                        for s in range(max(self.stage_of) + 1)]}
+                                        for s in range(max(self.stage_of) + 1)],
+               "data_sha256": samples_digest(samples) if samples else None}
         self.log.log_train(**row)
         self.written.append(row)
+
+
+def samples_digest(parts) -> str:
+    """The fingerprint of the samples a step read: the sha256 of their sorted
+    distinct ids (int64), from the ranks' parts; equal for any two runs that
+    read the same samples, whatever their layouts."""
+    import hashlib
+
+    import numpy as np
+
+    ids = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+    return hashlib.sha256(ids.tobytes()).hexdigest()
 
 
 def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out: str,

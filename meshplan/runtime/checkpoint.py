@@ -35,6 +35,9 @@ Invariants:
 - The one fault-injection point, for tests: `MESHPLAN_FAULT_KILL_AFTER_SHARD`
   = `"<next step>:<rank>"` makes that rank `os._exit(137)` right after its
   shard of that checkpoint is written (`_writer`).
+- Every saved tensor's sha256 is written beside the shards, and checked by
+  whoever reads it (`runtime/shard_digests.py`): a corrupted shard is one
+  line, not silently wrong weights.
 - A tied tensor is one state entry, saved once under its graph input's
   name (each stage's copy is the same slice under the same key, which DCP
   writes once), and found on load under any of its names.
@@ -63,6 +66,7 @@ from meshplan.ir import Role
 from meshplan.ir.fileio import read_sealed, seal, write_atomic
 from meshplan.ir.sbp import Shard, intersect
 from meshplan.ir.state_name import StateName, is_state
+from meshplan.runtime import shard_digests
 
 COMPLETE = "COMPLETE"
 METADATA = ".metadata"  # DCP's index of the saved keys (a pickle)
@@ -134,7 +138,7 @@ def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=
 def save(path: str, staged: dict, job, next_step: int, files=(), group=None) -> None:
     """Write this rank's shard (`stage`'s dict) and wait for every rank's;
     rank 0 then copies `files` in and marks the checkpoint complete."""
-    _unmark(path, group)
+    _unmark(path, group, staged)
     dcp.save(staged, storage_writer=_writer(path, next_step), process_group=group)
     if dist.is_initialized():
         dist.barrier(group)
@@ -163,7 +167,7 @@ class AsyncSaver:
     def start(self, path: str, staged: dict, job, next_step: int, files=()) -> None:
         """Wait for the save in flight, then start writing `staged` to `path`."""
         self.wait()
-        _unmark(path, self.group)
+        _unmark(path, self.group, staged)
         fut = dcp.async_save(staged, storage_writer=_writer(path, next_step),
                              process_group=self.group, async_stager=_AS_STAGED)
         self.pending = (fut, path, job, next_step, tuple(files))
@@ -209,14 +213,17 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _unmark(path: str, group) -> None:
-    """Rank 0 removes an older `COMPLETE` before any rank overwrites a shard
-    (a barrier), so a save cut short never leaves a marker over a mix of old
-    and new shards."""
+def _unmark(path: str, group, staged: dict) -> None:
+    """Rank 0 removes an older `COMPLETE` (and its digests) before any rank
+    overwrites a shard (a barrier), so a save cut short never leaves a marker
+    over a mix of old and new shards; then each rank writes the digests of
+    what it is about to save (`runtime/shard_digests.py`)."""
     if _rank() == 0:
         (Path(path) / COMPLETE).unlink(missing_ok=True)
+        shard_digests.remove_old(path)
     if dist.is_initialized():
         dist.barrier(group)
+    shard_digests.write_digests(path, _rank(), staged)
 
 
 def _mark(path: str, job, next_step: int, files) -> None:
@@ -230,7 +237,8 @@ def _mark(path: str, job, next_step: int, files) -> None:
         write_atomic(Path(path) / f.name, data)
         copied[f.name] = hashlib.sha256(data).hexdigest()
     meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path),
-                                        "files": copied}
+                                        "files": copied,
+                                        "digests": shard_digests.digest_files(path)}
     write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
 
 
@@ -336,7 +344,7 @@ def read_slices(path: str) -> dict[str, torch.Tensor]:
     for key, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items():
         if "|" in key:
             request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    dcp.load(request, checkpoint_id=path)
+    shard_digests.load_verified(path, meta, request)
     return request
 
 
@@ -369,7 +377,7 @@ def load(path: str, state: dict, job, ctx, device=None) -> Resumed:
     rng = {k: torch.empty(tuple(keys[k].size), dtype=torch.uint8) for k in rng if k in keys} \
         if same else {}
     request |= rng
-    dcp.load(request, checkpoint_id=path)
+    shard_digests.load_verified(path, meta, request)
     _place(places, request, state, ctx)
     if RNG_KEY.format(rank=rank) in rng:
         torch.set_rng_state(rng[RNG_KEY.format(rank=rank)])
@@ -417,11 +425,11 @@ def _place(places: list, request: dict, state: dict, ctx) -> None:
 def load_weights(path: str, state: dict, job, ctx) -> None:
     """Fill this rank's parameters and buffers (not its optimizer slots, not
     the step) from the checkpoint at `path`, of any layout: `--init-from`."""
-    _checked_manifest(path, job)
+    meta = _checked_manifest(path, job)
     kept = {v.name for v in job.graph.values if v.role in (Role.PARAM, Role.BUFFER)}
     weights = {name: t for name, t in state.items() if t is not None and name in kept}
     request, places = _requests(saved_boxes(path), weights, job, ctx)
-    dcp.load(request, checkpoint_id=path)
+    shard_digests.load_verified(path, meta, request)
     _place(places, request, weights, ctx)  # in place: `state` holds the same tensors
 
 
@@ -464,7 +472,8 @@ def read_tensor(path: str, name: str, boxes: list[tuple], shape: tuple[int, ...]
                for box in boxes}
     with warnings.catch_warnings():  # "assuming ... a single process": it is, by design
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(request, checkpoint_id=path, no_dist=True)
+        shard_digests.load_verified(path, read_sealed(Path(path) / COMPLETE, KIND, VERSION),
+                                    request, no_dist=True)
     return full
 
 

@@ -74,10 +74,12 @@ class StepRows:
         if self.log is not None:
             self.log.write(json.dumps(row))
 
-    def train(self, step: int, loss, norm, state: dict, step_s: float) -> None:
+    def train(self, step: int, loss, norm, state: dict, step_s: float,
+              samples: list[int] | None = None) -> None:
+        """A step's row; `samples`: the sample ids this rank read for it."""
         lr = float(state[LR]) if LR in state else None
         self._write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr,
-                     "step_s": step_s, "peak_bytes": self.peak()})
+                     "step_s": step_s, "peak_bytes": self.peak(), "samples": samples})
 
     def eval(self, step: int, loss) -> None:
         self._write({"eval_step": step, "eval_loss": loss})

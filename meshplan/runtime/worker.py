@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.fileio import write_atomic
@@ -116,7 +117,7 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
         job = Job.from_bytes(job_bytes)
         return _train(spec, job, rank, world, progress, steps_done, device, backend, beats,
                       source)
-    except Exception as e:  # reported, then the launcher ends the others
+    except (Exception, CheckpointException) as e:  # reported; the launcher ends the others
         ex = _CURRENT.get("executor")
         where = ex.current if ex is not None else "setup"
         fail = {"rank": rank, "action": where, "time": time.time(),
@@ -267,7 +268,9 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
         norm = ex.grad_norm(state)
         if norm is not None:
             norms.append(norm)
-        rows.train(step + 1, loss, norm, state, times[-1])
+        reader = getattr(feed, "reader", None)
+        rows.train(step + 1, loss, norm, state, times[-1],
+                   reader.step_samples if reader is not None else None)
         if evaluator is not None and (step + 1) % spec.eval_every == 0:
             rows.eval(step + 1, evaluator.run(state))
         if spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0:

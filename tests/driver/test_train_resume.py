@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from meshplan.cli.main import main
+from meshplan.data.feed import FeedReader, TokenFeed
 from meshplan.driver.metrics import read_metrics
+from meshplan.driver.train import samples_digest
 
 JSON_DIR = Path(sysconfig.get_paths()["stdlib"]) / "json"
 COMMON = ["--size", "tiny", "--global-batch-size", "8", "--micro-batch-size", "2",
@@ -74,6 +76,54 @@ def test_resume_at_another_layout_within_1e_5(first, tmp_path, layout):
     whole, resumed = _losses(out), _losses(other)
     assert sorted(resumed) == [4, 5, 6]
     assert max(abs(resumed[k] - whole[k]) for k in resumed) < 1e-5, (resumed, whole)
+    # the samples read, by their ids: the ones the uninterrupted run read, and
+    # exactly those a global batch of the step holds (seed 0, seq_len 16)
+    assert _samples(other) == {k: v for k, v in _samples(out).items() if k > 3}
+    reader = FeedReader(TokenFeed(str(data), "train", 16, 0), 8, 4)
+    for k, fingerprint in _samples(other).items():
+        reader.microbatches(k - 1)
+        assert fingerprint == samples_digest([reader.step_samples]), k
+
+
+def _samples(out: Path) -> dict[int, str]:
+    return {r["step"]: r["data_sha256"] for r in read_metrics(out / "metrics.jsonl")
+            if r["kind"] == "train"}
+
+
+@pytest.mark.slow
+def test_a_corrupted_shard_is_one_line_and_nothing_is_overwritten(first, tmp_path, capsys):
+    """A flipped byte in a tensor's bytes of one rank's shard: resuming from
+    it, starting from it (--init-from) and exporting it are one line each,
+    exit 2; the run that would resume writes no weights."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    data, out = first
+    bad = tmp_path / "step_3"
+    shutil.copytree(out / "checkpoints" / "step_3", bad)
+    md = dcp.FileSystemReader(str(bad)).read_metadata()
+    key = max((k for k in md.state_dict_metadata if k.startswith("wte.weight|")),
+              key=lambda k: k)
+    info = next(v for i, v in md.storage_data.items() if i.fqn == key)
+    shard = bad / info.relative_path
+    good = shard.read_bytes()
+    for flipped, said in ((info.offset + info.length // 2, "'wte.weight|"),  # a weight's bytes
+                          (info.offset + info.length - 64, "cannot be read")):  # its zip index
+        raw = bytearray(good)
+        raw[flipped] ^= 0x40
+        shard.write_bytes(bytes(raw))
+        for i, args in enumerate((["--resume", str(bad)], ["--init-from", str(bad)])):
+            where = tmp_path / f"{flipped}_{i}"
+            assert main(["train", "--data", str(data), "--out", str(where), *COMMON, *DP2_PP2,
+                         *args]) == 2
+            err = capsys.readouterr().err.strip()
+            assert said in err and "corrupted" in err and len(err.splitlines()) == 1, err
+            assert not (where / "model.safetensors").exists()
+        assert main(["export", str(bad), "--format", "torch", "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "corrupted" in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "x").exists()
 
 
 def test_resume_of_a_run_directory_takes_its_newest_checkpoint(first, tmp_path, capsys):
