@@ -263,8 +263,19 @@ def _hf_tensors(source: Source, model: torch.nn.Module) -> list[OutTensor]:
 
 
 def _write_config(tmp: Path, record: dict, architecture: str) -> list[str]:
+    """The record's transformers config, with `architectures`, and with the
+    data's end-of-document id as eos and bos: the token the model learned to
+    end a document with, where `generate` should stop."""
+    from meshplan.data.tokens import read_index
+
     config = dict(record["hf_config"])
     config["architectures"] = [architecture]
+    try:
+        eod = read_index(record["data"]).get("eod") if record.get("data") else None
+    except (MeshplanError, OSError):
+        eod = None
+    if isinstance(eod, int):
+        config["eos_token_id"] = config["bos_token_id"] = eod
     write_atomic(tmp / "config.json", (json.dumps(config, indent=2, sort_keys=True) + "\n")
                  .encode())
     return ["config.json"]

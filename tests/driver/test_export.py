@@ -129,6 +129,8 @@ def test_tokenizer_loads(run, tmp_path):
     text = "def loads(s, *, cls=None):\n    return json.decoder(s)\n"
     assert tok(text, add_special_tokens=False).input_ids == ours.encode(text)
     assert tok.eos_token_id == ours.eod and tok.bos_token_id == ours.eod
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")  # generate stops there
+    assert config.eos_token_id == ours.eod and config.bos_token_id == ours.eod
 
 
 @pytest.mark.slow
