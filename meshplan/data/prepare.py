@@ -26,14 +26,13 @@ import glob
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from meshplan.data.tokenizer import BPE_FILE, BPETokenizer, make_tokenizer, parse_tokenizer_arg
 from meshplan.data.tokens import SPLITS, TokenWriter, is_token_dir
 from meshplan.errors import ConfigError
+from meshplan.ir.fileio import staged_directory
 
 SALT = b"meshplan.prepare.validation:"
 HF_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
@@ -184,30 +183,6 @@ def _check_out(out: str) -> Path:
     return path
 
 
-def _make_parents(path: Path) -> list[Path]:
-    """Create the missing parents of `path`; return them, deepest first."""
-    made = [p for p in path.absolute().parents if not p.exists()]
-    path.absolute().parent.mkdir(parents=True, exist_ok=True)
-    return made
-
-
-def _install(tmp: Path, out: Path) -> None:
-    """Put the complete `tmp` at `out`, replacing what is there only now."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.absolute().parent))
-    os.rename(out, old / out.name)
-    os.rename(tmp, out)
-    shutil.rmtree(old)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _check_args(inputs: list[str], hf_dataset: str | None, val_fraction: float) -> None:
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"--val-fraction {val_fraction} must be in [0, 1), e.g. 0.05")
@@ -229,10 +204,7 @@ def prepare_data(inputs: list[str], out: str, tokenizer: str = "bytes",
     out_path = _check_out(out)
     sources = files if hf_dataset is None else [hf_dataset]
     where = "the inputs " + (", ".join(inputs[:3]) if hf_dataset is None else hf_dataset)
-    made = _make_parents(out_path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=out_path.absolute().parent))
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0o700 would hide the data from others
+    with staged_directory(out_path) as tmp:
         tok = make_tokenizer(arg, _documents(files, hf_dataset, text_field, None))
         if isinstance(tok, BPETokenizer):
             tok.save(tmp / BPE_FILE)
@@ -240,11 +212,4 @@ def prepare_data(inputs: list[str], out: str, tokenizer: str = "bytes",
             texts = _documents(files, hf_dataset, text_field, progress)
             _write_documents(writer, tok.encode, texts, val_fraction, where)
             index = writer.finish(tok.spec(), sources, val_fraction)
-        _install(tmp, out_path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in made:
-            if p.exists() and not any(p.iterdir()):
-                p.rmdir()
-        raise
     return index

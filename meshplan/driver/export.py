@@ -36,9 +36,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,8 +44,8 @@ from pathlib import Path
 import torch
 
 from meshplan.driver.weights_out import OutTensor, parse_size, write_shards
-from meshplan.errors import ConfigError, MeshplanError, PlanError, RuntimeFault
-from meshplan.ir.fileio import read_sealed, write_atomic
+from meshplan.errors import ConfigError, MeshplanError, RuntimeFault
+from meshplan.ir.fileio import staged_directory, write_atomic
 from meshplan.ir.state_name import is_state
 
 DEFAULT_SHARD_SIZE = "5GB"
@@ -117,22 +114,10 @@ def checkpoint_source(path: str) -> Source:
     """The weights of the checkpoint `path` names (see `find_checkpoint`),
     checked as the module docstring says; tensors are read on fetch."""
     from meshplan.driver.model_record import MODEL_FILE
-    from meshplan.runtime.checkpoint import (
-        COMPLETE,
-        KIND,
-        METADATA,
-        VERSION,
-        read_tensor,
-        saved_boxes,
-    )
+    from meshplan.runtime.checkpoint import METADATA, read_marker, read_tensor, saved_boxes
 
     root = find_checkpoint(path)
-    try:
-        meta = read_sealed(root / COMPLETE, KIND, VERSION)
-    except PlanError as e:  # its wording ("recompile it") is for plans
-        what = str(e).split("; ")[0].removeprefix(str(root / COMPLETE)).lstrip(": ")
-        raise RuntimeFault(f"checkpoint {root} has a damaged {COMPLETE} marker ({what}); "
-                           "export another checkpoint") from None
+    meta = read_marker(root, "export another checkpoint")
     state, files = meta.get("state"), meta.get("files")
     if not isinstance(state, dict) or not isinstance(files, dict) or MODEL_FILE not in files:
         raise RuntimeFault(f"checkpoint {root} was saved without a model record ({MODEL_FILE} "
@@ -193,24 +178,13 @@ def export(source: Source, fmt: ExportFormat, out: str,
     model = _meta_model(source.record) if source.record.get("hf_config") else None
     tensors = _hf_tensors(source, model) if fmt is ExportFormat.HF else \
         _torch_tensors(source, model)
-    made = [p for p in path.absolute().parents if not p.exists()]
-    path.absolute().parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.absolute().parent))
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0o700 would hide it from others
+    notes: list[str] = []
+    with staged_directory(path) as tmp:  # check_out allowed only a new or empty one
         ext = "safetensors" if fmt is ExportFormat.HF else "pt"
         files = write_shards(tmp, tensors, source.fetch, ext, max_bytes)
-        notes: list[str] = []
         if fmt is ExportFormat.HF:
             files += _write_config(tmp, source.record, type(model).__name__)
             files += _write_tokenizer(tmp, source.record, notes)
-        os.rename(tmp, path)  # onto an empty directory too (check_out allowed only that)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in made:
-            if p.exists() and not any(p.iterdir()):
-                p.rmdir()
-        raise
     return Exported(str(path), tuple(files), len(tensors), sum(t.nbytes for t in tensors),
                     time.perf_counter() - start, tuple(notes))
 
@@ -344,7 +318,3 @@ def _dtype(name, root: Path, tensor: str) -> torch.dtype:
     return dtype
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

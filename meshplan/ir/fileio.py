@@ -24,6 +24,8 @@ Invariants:
   success, like `write_atomic`), and `LineLog` (an append-only log of whole
   lines, each flushed as written: a reader sees whole lines, and at most one
   last line still being written, which a reader skips).
+- A directory of files is written into a temporary sibling and renamed into
+  place only when all of it is there (`staged_directory`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,38 @@ def atomic_stream(path: str | os.PathLike):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def staged_directory(path: str | os.PathLike):
+    """Yield a new temporary sibling directory of `path`; once the block ends
+    without an error it is put at `path` (replacing what is there only then),
+    else it is removed, with any parent this call created: a directory is
+    never seen half written."""
+    import shutil
+
+    out = Path(path)
+    made = [p for p in out.absolute().parents if not p.exists()]
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.absolute().parent))
+    try:
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp's 0o700 would hide it from others
+        yield tmp
+        if out.exists() and any(out.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.absolute().parent))
+            os.rename(out, old / out.name)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)  # onto an empty directory too
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:
+            if p.exists() and not any(p.iterdir()):
+                p.rmdir()
+        raise
 
 
 def write_torch(path: str | os.PathLike, obj) -> None:

@@ -285,15 +285,7 @@ def _checked_manifest(path: str, job) -> dict:
     if not root.is_dir():
         raise RuntimeFault(f"checkpoint {path} does not exist; run with --save-dir {path} "
                            "first, or drop --resume")
-    if not (root / COMPLETE).is_file():
-        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker: a run was "
-                           "stopped while saving); resume from an earlier one or start afresh")
-    try:
-        meta = read_sealed(root / COMPLETE, KIND, VERSION)
-    except PlanError as e:  # its wording ("recompile it") is for plans
-        what = str(e).split("; ")[0].removeprefix(str(root / COMPLETE)).lstrip(": ")
-        raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker ({what}); "
-                           "resume from another checkpoint, or save it again") from None
+    meta = read_marker(path, "resume from an earlier one or start afresh")
     saved = meta.get("state")
     step = meta.get("next_step")
     if not isinstance(saved, dict) or not isinstance(step, int):
@@ -320,6 +312,22 @@ def _checked_manifest(path: str, job) -> dict:
     return meta
 
 
+def read_marker(path: str | Path, fix: str) -> dict:
+    """The sealed `COMPLETE` manifest of the checkpoint at `path`; one line
+    ending in `fix` when it is incomplete (no marker: a run was stopped
+    while saving) or the marker is damaged."""
+    root = Path(path)
+    if not (root / COMPLETE).is_file():
+        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker: a run was "
+                           f"stopped while saving); {fix}")
+    try:
+        return read_sealed(root / COMPLETE, KIND, VERSION)
+    except PlanError as e:  # its wording ("recompile it") is for plans
+        what = str(e).split("; ")[0].removeprefix(str(root / COMPLETE)).lstrip(": ")
+        raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker ({what}); "
+                           f"{fix}") from None
+
+
 def _saved_name(graph, name: str, saved) -> str:
     """The name state `name` was saved under: itself, or an alias of a tied
     tensor (`head.weight@exp_avg` for `wte.weight@exp_avg`)."""
@@ -334,10 +342,7 @@ def _saved_name(graph, name: str, saved) -> str:
 def read_slices(path: str) -> dict[str, torch.Tensor]:
     """Every state slice of a complete checkpoint (`<name>|<box>` -> tensor),
     read in this one process: what a run saved, for `verify`'s assembly."""
-    root = Path(path)
-    if not (root / COMPLETE).is_file():
-        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker)")
-    meta = read_sealed(root / COMPLETE, KIND, VERSION)
+    meta = read_marker(path, "use another checkpoint")
     if _metadata_hash(path) != meta.get("metadata_sha256"):
         raise RuntimeFault(f"checkpoint {path}: {METADATA} is not the one saved with it")
     request = {}
@@ -436,13 +441,11 @@ def load_weights(path: str, state: dict, job, ctx) -> None:
 def saved_state(path: str) -> dict[str, list]:
     """State name -> [shape, dtype] of what the complete checkpoint at `path`
     holds (its manifest; one line if it is incomplete or damaged)."""
-    if not (Path(path) / COMPLETE).is_file():
-        raise RuntimeFault(f"checkpoint {path} is incomplete (no {COMPLETE} marker)")
-    try:
-        return read_sealed(Path(path) / COMPLETE, KIND, VERSION)["state"]
-    except (PlanError, KeyError):
-        raise RuntimeFault(f"checkpoint {path} has a damaged {COMPLETE} marker; use another "
-                           "checkpoint") from None
+    state = read_marker(path, "use another checkpoint").get("state")
+    if not isinstance(state, dict):
+        raise RuntimeFault(f"checkpoint {path} lacks the state manifest; save it again with "
+                           "this meshplan")
+    return state
 
 
 def saved_boxes(path: str) -> dict[str, list[tuple]]:
@@ -472,7 +475,7 @@ def read_tensor(path: str, name: str, boxes: list[tuple], shape: tuple[int, ...]
                for box in boxes}
     with warnings.catch_warnings():  # "assuming ... a single process": it is, by design
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        shard_digests.load_verified(path, read_sealed(Path(path) / COMPLETE, KIND, VERSION),
+        shard_digests.load_verified(path, read_marker(path, "export another checkpoint"),
                                     request, no_dist=True)
     return full
 
