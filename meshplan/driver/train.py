@@ -189,7 +189,7 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     With `checkpoint_every` the ranks save `out/checkpoints/step_<k>` every
     that many steps, and once one is complete only the newest `keep` complete
     ones are kept (0: all); with `async_checkpoint` the ranks save in the
-    background and train on (`runtime/checkpoint.AsyncSaver`). `resume_from`
+    background and train on (`runtime/async_save.AsyncSaver`). `resume_from`
     (a complete checkpoint, of any layout) is where the run starts; its
     metrics are appended. Each
     checkpoint also holds `out/config.toml` (when the CLI wrote one) and

@@ -21,8 +21,8 @@ Invariants:
   `.metadata` file, which DCP reads with pickle: `load` checks the hash
   first, so only the bytes this code wrote are ever unpickled.
 - Sync and async saves share one path: `stage` (what a rank writes),
-  `_unmark` (the old marker gone), `_mark` (files copied, `COMPLETE`). An
-  async save (`AsyncSaver`) stages fresh host copies (the next step updates
+  `unmark` (the old marker gone), `mark` (files copied, `COMPLETE`). An
+  async save (`runtime/async_save.AsyncSaver`) stages fresh host copies (the next step updates
   the state in place; on CPU `.cpu()` is no copy), writes on a gloo group of
   its own in a thread, at most one in flight per rank; its error is raised
   by that rank at the next `poll`/`wait`.
@@ -34,7 +34,7 @@ Invariants:
   no counterpart (layout-invariant randomness is issue 36).
 - The one fault-injection point, for tests: `MESHPLAN_FAULT_KILL_AFTER_SHARD`
   = `"<next step>:<rank>"` makes that rank `os._exit(137)` right after its
-  shard of that checkpoint is written (`_writer`).
+  shard of that checkpoint is written (`shard_writer`).
 - Every saved tensor's sha256 is written beside the shards, and checked by
   whoever reads it (`runtime/shard_digests.py`): a corrupted shard is one
   line, not silently wrong weights.
@@ -138,82 +138,18 @@ def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=
 def save(path: str, staged: dict, job, next_step: int, files=(), group=None) -> None:
     """Write this rank's shard (`stage`'s dict) and wait for every rank's;
     rank 0 then copies `files` in and marks the checkpoint complete."""
-    _unmark(path, group, staged)
-    dcp.save(staged, storage_writer=_writer(path, next_step), process_group=group)
+    unmark(path, group, staged)
+    dcp.save(staged, storage_writer=shard_writer(path, next_step), process_group=group)
     if dist.is_initialized():
         dist.barrier(group)
-    _mark(path, job, next_step, files)
-
-
-class AsyncSaver:
-    """Saves in the background (`dcp.async_save` on a thread), at most one in
-    flight: `start` waits for the previous one first. `poll` (called at each
-    step) marks a finished save complete and raises its error, if any, as
-    this rank's; `wait` does so without polling (before the next save, and at
-    the run's end). `group` is a gloo group of every rank made once at setup,
-    so the background collectives never interleave with training's on the
-    default group; each of them is bounded by its timeout.
-
-    [Note: rank 0's future] DCP's save ends with `all_reduce("write", ...)`:
-    every rank writes its shard, waits for it, and sends its write results to
-    rank 0, which writes `.metadata` (state_dict_saver `_save_state_dict`,
-    utils `_DistWrapper.all_reduce`). So rank 0's future completes only after
-    every rank's shard is written, and `COMPLETE` needs no further barrier."""
-
-    def __init__(self, group=None):
-        self.group = group
-        self.pending: tuple | None = None  # (future, path, job, next_step, files)
-
-    def start(self, path: str, staged: dict, job, next_step: int, files=()) -> None:
-        """Wait for the save in flight, then start writing `staged` to `path`."""
-        self.wait()
-        _unmark(path, self.group, staged)
-        fut = dcp.async_save(staged, storage_writer=_writer(path, next_step),
-                             process_group=self.group, async_stager=_AS_STAGED)
-        self.pending = (fut, path, job, next_step, tuple(files))
-
-    def poll(self) -> None:
-        """Mark the save in flight complete if it has finished."""
-        if self.pending is not None and self.pending[0].done():
-            self.wait()
-
-    def wait(self) -> None:
-        """Wait for the save in flight (its error is raised here) and mark it."""
-        if self.pending is None:
-            return
-        fut, path, job, next_step, files = self.pending
-        self.pending = None
-        fut.result()
-        _mark(path, job, next_step, files)
-
-
-class _AsStaged:
-    """An `AsyncStager` that keeps the dict it is given: `stage(copy=True)`
-    already made the host copies (DCP's default stager would copy again)."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict, **_):
-        return state_dict
-
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-_AS_STAGED = _AsStaged()
+    mark(path, job, next_step, files)
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _unmark(path: str, group, staged: dict) -> None:
+def unmark(path: str, group, staged: dict) -> None:
     """Rank 0 removes an older `COMPLETE` (and its digests) before any rank
     overwrites a shard (a barrier), so a save cut short never leaves a marker
     over a mix of old and new shards; then each rank writes the digests of
@@ -226,7 +162,7 @@ def _unmark(path: str, group, staged: dict) -> None:
     shard_digests.write_digests(path, _rank(), staged)
 
 
-def _mark(path: str, job, next_step: int, files) -> None:
+def mark(path: str, job, next_step: int, files) -> None:
     """Rank 0, once every shard is written: copy `files` in, then write the
     sealed `COMPLETE` (manifest, `.metadata`'s hash, the files' hashes)."""
     if _rank() != 0:
@@ -242,7 +178,7 @@ def _mark(path: str, job, next_step: int, files) -> None:
     write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
 
 
-def _writer(path: str, next_step: int):
+def shard_writer(path: str, next_step: int):
     """DCP's file writer; under `FAULT_KILL` naming this step and rank, one
     that ends the process right after this rank's shard is written."""
     kill = os.environ.get(FAULT_KILL) == f"{next_step}:{_rank()}"

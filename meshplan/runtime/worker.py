@@ -143,6 +143,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
            source=None) -> int:
     from meshplan.lowering.lower import lower
     from meshplan.runtime import checkpoint
+    from meshplan.runtime.async_save import AsyncSaver
     from meshplan.runtime.comm import Comm, job_groups
     from meshplan.runtime.rank_executor import RankExecutor
 
@@ -176,7 +177,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     # made once by every rank alike: the background saves' own collectives
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.timeout_s)) \
         if spec.async_checkpoint and dist.is_initialized() else None
-    saver = checkpoint.AsyncSaver(group) if spec.async_checkpoint else None
+    saver = AsyncSaver(group) if spec.async_checkpoint else None  # runtime/async_save.py
     done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done, saver)
     losses, norms, times, trace, skipped, rows_read = done
     if spec.save_dir:

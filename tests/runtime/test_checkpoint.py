@@ -157,6 +157,7 @@ def test_async_save_writes_the_staged_copy_then_marks_it(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from meshplan.runtime import checkpoint
+    from meshplan.runtime.async_save import AsyncSaver
 
     job, ex, state = _one_rank()
     before = checkpoint.state_slices(state, job, ex.ctx)
@@ -168,8 +169,8 @@ def test_async_save_writes_the_staged_copy_then_marks_it(tmp_path, monkeypatch):
             assert go.wait(60)
             return super().write_data(plan, planner)
 
-    monkeypatch.setattr(checkpoint, "_writer", lambda path, step: Held(path))
-    saver = checkpoint.AsyncSaver()
+    monkeypatch.setattr(checkpoint, "shard_writer", lambda path, step: Held(path))
+    saver = AsyncSaver()
     saver.start(str(tmp_path), checkpoint.stage(state, job, ex.ctx, 1, copy=True), job, 1)
     for t in state.values():  # the next step's in-place update
         if isinstance(t, torch.Tensor) and t.is_floating_point():
