@@ -198,28 +198,39 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
          init_from: str = "") -> int:
     from meshplan.cli.pictures import draw_training
     from meshplan.driver.metrics import read_metrics
+    from meshplan.driver.run import under_torchrun
     from meshplan.driver.train import peak_capacity, train_job
     from meshplan.driver.train_model import sample_text, unigram_entropy, write_weights
+    from meshplan.driver.train_torchrun import train_here
 
     record = _record(a, lm, data_dir)
+    run = dict(eval_data=eval_feed, eval_every=a.eval_every, eval_batches=a.eval_batches,
+               threads=a.threads, checkpoint_every=a.checkpoint_every,
+               async_checkpoint=a.async_checkpoint, init_from=init_from,
+               timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout, device=a.device,
+               backend=a.backend)
     with a.progress.task("training steps", steps) as update:
-        r = train_job(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,
-                      eval_data=eval_feed, eval_every=a.eval_every,
-                      eval_batches=a.eval_batches, threads=a.threads,
-                      checkpoint_every=a.checkpoint_every, keep=a.keep,
-                      async_checkpoint=a.async_checkpoint,
-                      resume_from=resume_from, init_from=init_from,
-                      max_restarts=a.max_restarts,
-                      timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout,
-                      device=a.device, backend=a.backend, tensorboard=a.tensorboard,
-                      on_step=update, record=record)
+        if under_torchrun():  # this process is one rank; global rank 0 reports
+            r = train_here(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,
+                           keep=a.keep, tensorboard=a.tensorboard, on_step=update,
+                           record=record, resume_from=resume_from, **run)
+            if r is None:
+                return 0
+        else:
+            r = train_job(lm.job, _weights(lm.module), feed, steps, a.out,
+                          eval_job=lm.eval_job, keep=a.keep, resume_from=resume_from,
+                          max_restarts=a.max_restarts, tensorboard=a.tensorboard,
+                          on_step=update, record=record, **run)
     lm.module.load_state_dict(r.weights, strict=False)  # every name, a tied one's aliases too
     weights = write_weights(r.weights, a.out)
     exports = _export(a, r.weights, record)
     entropy = unigram_entropy(data_dir)
-    draw_training(read_metrics(Path(a.out) / "metrics.jsonl"), str(Path(a.out) / "loss.png"),
-                  reference=entropy, reference_label="unigram entropy")
-    summary = {"steps": steps, "losses": r.losses, "evals": r.evals, "wall_s": r.wall_s,
+    history = read_metrics(Path(a.out) / "metrics.jsonl")  # the run as continued, resumes too
+    draw_training(history, str(Path(a.out) / "loss.png"), reference=entropy,
+                  reference_label="unigram entropy")
+    summary = {"steps": steps, "wall_s": r.wall_s,
+               "losses": [x["loss"] for x in history if x["kind"] == "train"],
+               "evals": [(x["step"], x["eval_loss"]) for x in history if x["kind"] == "eval"],
                "unigram_entropy": entropy, "weights": str(weights), "out": a.out,
                "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics] or [0.0]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
@@ -328,6 +339,11 @@ def _check(a: argparse.Namespace) -> None:
                         ("--max-restarts", a.max_restarts)):
         if value < 0:
             raise ConfigError(f"{flag} {value} must be >= 0")
+    from meshplan.driver.run import under_torchrun
+
+    if a.max_restarts and under_torchrun():
+        raise ConfigError(f"--max-restarts {a.max_restarts} restarts local ranks; under "
+                          "torchrun give torchrun's own --max-restarts")
     if a.max_restarts and not a.checkpoint_every:
         raise ConfigError(f"--max-restarts {a.max_restarts} restarts from checkpoints: give "
                           "--checkpoint-every N too")

@@ -113,6 +113,9 @@ class StepMerger:
         """Read what the ranks appended; write the rows now complete."""
         for r in range(self.world):
             self._read(r)
+        for step in sorted(self.pending):
+            if len(self.pending[step]) == self.world:
+                self._write(step, self.pending.pop(step))
         for step in sorted(self.evals):
             got = self.evals[step]
             holders = [x for x in got.values() if x is not None]
@@ -121,9 +124,6 @@ class StepMerger:
                 if holders:
                     self.log.log_eval(step, holders[0])
                     self.eval_written.append((step, holders[0]))
-        for step in sorted(self.pending):
-            if len(self.pending[step]) == self.world:
-                self._write(step, self.pending.pop(step))
 
     def _read(self, r: int) -> None:
         path = self.results / f"steps_{r}.jsonl"
@@ -204,30 +204,17 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     from meshplan.autodiff import OptimizerConfig
     from meshplan.data.feed import TokenFeed
     from meshplan.driver.metrics import MetricsLog
-    from meshplan.driver.model_record import MODEL_FILE
     from meshplan.driver.run import launch
-    from meshplan.ir.fileio import write_atomic
     from meshplan.runtime.checkpoint import check_resumable
-    from meshplan.runtime.worker import RunSpec
 
     t0 = time.perf_counter()
     tokens = isinstance(data, TokenFeed)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    if record is not None:
-        write_atomic(Path(out) / MODEL_FILE, json.dumps(record, indent=1).encode())
-    files = tuple(str(Path(out) / f) for f in ("config.toml", MODEL_FILE)
-                  if (Path(out) / f).is_file())
-    s = job.strategy
-    spec = RunSpec(steps, "", threads, timeout_s, device=device,
-                   backend=backend, report_state=True, step_rows=True, stall_s=stall_s,
-                   data=data.to_json() if tokens else "",
-                   eval_data=eval_data.to_json() if eval_data is not None else "",
-                   eval_every=eval_every if eval_job is not None else 0,
-                   eval_batches=eval_batches, resume_from=resume_from,
-                   checkpoint_every=checkpoint_every, async_checkpoint=async_checkpoint,
-                   checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files,
-                   init_from=init_from)
-    per_step = s.global_batch_size * (data.seq_len if tokens else 1)
+    spec = run_spec(job, data, steps, out, record, eval_job=eval_job, eval_data=eval_data,
+                    eval_every=eval_every, eval_batches=eval_batches,
+                    checkpoint_every=checkpoint_every, async_checkpoint=async_checkpoint,
+                    resume_from=resume_from, threads=threads, timeout_s=timeout_s,
+                    stall_s=stall_s, device=device, backend=backend, init_from=init_from)
+    per_step = job.strategy.global_batch_size * (data.seq_len if tokens else 1)
     saved = {"weights": weights, "batches": [] if tokens else list(data)}
     first = check_resumable(resume_from, job) if resume_from else 0
     rows: list[dict] = []            # earlier attempts' metrics rows, up to their restart
@@ -270,6 +257,35 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     return TrainResult(losses, evals + merger.eval_written,
                        trained_weights(job, r.state_slices, weights), rows + merger.written,
                        r.rows_read, time.perf_counter() - t0, first)
+
+
+def run_spec(job: Job, data, steps: int, out: str, record: dict | None, *, eval_job=None,
+             eval_data=None, eval_every: int = 0, eval_batches: int = 0,
+             checkpoint_every: int = 0, async_checkpoint: bool = False,
+             resume_from: str = "", threads: int = 1, timeout_s: float = 300.0,
+             stall_s: float = 300.0, device: str = "cpu", backend: str = "",
+             init_from: str = ""):
+    """What every rank of a training run is told (`RunSpec`); writes `record`
+    as `out/model.json`, copied, with `out/config.toml`, into each checkpoint."""
+    from meshplan.data.feed import TokenFeed
+    from meshplan.driver.model_record import MODEL_FILE
+    from meshplan.ir.fileio import write_atomic
+    from meshplan.runtime.worker import RunSpec
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    if record is not None:
+        write_atomic(Path(out) / MODEL_FILE, json.dumps(record, indent=1).encode())
+    files = tuple(str(Path(out) / f) for f in ("config.toml", MODEL_FILE)
+                  if (Path(out) / f).is_file())
+    return RunSpec(steps, "", threads, timeout_s, device=device,
+                   backend=backend, report_state=True, step_rows=True, stall_s=stall_s,
+                   data=data.to_json() if isinstance(data, TokenFeed) else "",
+                   eval_data=eval_data.to_json() if eval_data is not None else "",
+                   eval_every=eval_every if eval_job is not None else 0,
+                   eval_batches=eval_batches, resume_from=resume_from,
+                   checkpoint_every=checkpoint_every, async_checkpoint=async_checkpoint,
+                   checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files,
+                   init_from=init_from)
 
 
 def _restart_point(error: RuntimeFault, out: str, attempt: int, max_restarts: int) -> Path:

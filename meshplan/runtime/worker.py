@@ -108,8 +108,8 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
             # With NCCL, CPU tensors (the Job's bytes, results, the fp16 flag)
             # still go through gloo: one process group, two backends.
             pg = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-            dist.init_process_group(pg, init_method=init_method, rank=rank,
-                                    world_size=world, timeout=timeout)
+            dist.init_process_group(pg, rank=rank, world_size=world, timeout=timeout,
+                                    **_rendezvous(init_method, rank, world, timeout))
         if job_bytes is None:
             from meshplan.runtime.comm import broadcast_bytes
 
@@ -136,6 +136,17 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
 
 
 _CURRENT: dict = {}
+
+
+def _rendezvous(init_method: str | None, rank: int, world: int, timeout) -> dict:
+    """How the process group meets: `init_method`, or under torchrun (env://)
+    its store with a prefix per torchrun restart, for torchrun's store
+    outlives a restart and the last attempt's addresses are still in it."""
+    if init_method != "env://":
+        return {"init_method": init_method}
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"meshplan/attempt_{attempt}", store)}
 
 
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
