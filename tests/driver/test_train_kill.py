@@ -7,6 +7,7 @@ uninterrupted run's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -77,6 +78,19 @@ def _kill_one_rank_after(proc, out: Path, step: int, rng: random.Random) -> int:
     pytest.fail(f"step {step} not reached in {WAIT_S} s")
 
 
+@contextlib.contextmanager
+def _running(proc):
+    """`proc`, and nothing of it left running after the test, passed or not."""
+    try:
+        yield proc
+    finally:
+        for pid in _ranks_of(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _start(data: Path, out: Path, *extra: str):
     return subprocess.Popen([sys.executable, "-m", "meshplan", "-q", "train", "--data",
                              str(data), "--out", str(out), *RUN, *extra],
@@ -89,9 +103,9 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
     rng = random.Random()
     step = rng.choice([4, 5])  # between the checkpoints after steps 3 and 6
     out = tmp_path / "killed"
-    proc = _start(data, out)
-    _kill_one_rank_after(proc, out, step, rng)
-    _, err = proc.communicate(timeout=WAIT_S)
+    with _running(_start(data, out)) as proc:
+        _kill_one_rank_after(proc, out, step, rng)
+        _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode != 0
     assert "died (signal 9)" in err and len(err.strip().splitlines()) == 1, err
     assert main(["-q", "train", "--data", str(data), "--out", str(out), *RUN,
@@ -110,9 +124,9 @@ def test_max_restarts_restarts_from_the_newest_checkpoint(uninterrupted, tmp_pat
     rng = random.Random()
     step = rng.choice([4, 5])
     out = tmp_path / "restarted"
-    proc = _start(data, out, "--max-restarts", "1")
-    _kill_one_rank_after(proc, out, step, rng)
-    _, err = proc.communicate(timeout=WAIT_S)
+    with _running(_start(data, out, "--max-restarts", "1")) as proc:
+        _kill_one_rank_after(proc, out, step, rng)
+        _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, err
     resumes = [r for r in read_metrics(out) if r["kind"] == "resume"]
     assert len(resumes) == 1 and "died (signal 9)" in resumes[0]["reason"], resumes

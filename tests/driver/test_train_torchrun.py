@@ -58,18 +58,25 @@ def test_torchrun_restarts_a_killed_worker_from_the_newest_checkpoint(tmp_path):
                              "4", "--max-restarts", "1", "-m", "meshplan", "-q", "train",
                              "--data", str(data), "--out", str(out), *RUN],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + WAIT_S
-    killed = None
-    while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").is_file() and 3 in _losses(out) and \
-                (out / "checkpoints" / "step_2" / "COMPLETE").is_file():
-            workers = _workers(proc.pid)
-            if len(workers) == 4:
-                killed = workers[1]
-                os.kill(killed, signal.SIGKILL)
-        time.sleep(0.05)
-    assert killed is not None, "step 3 not reached, or the run ended first"
-    _, err = proc.communicate(timeout=WAIT_S)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        killed = None
+        while killed is None and time.monotonic() < deadline and proc.poll() is None:
+            if (out / "metrics.jsonl").is_file() and 3 in _losses(out) and \
+                    (out / "checkpoints" / "step_2" / "COMPLETE").is_file():
+                workers = _workers(proc.pid)
+                if len(workers) == 4:
+                    killed = workers[1]
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        assert killed is not None, "step 3 not reached, or the run ended first"
+        _, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        for pid in _workers(proc.pid) + [proc.pid]:  # nothing outlives a failed test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert proc.returncode == 0, err[-3000:]
     resumes = [r for r in read_metrics(out) if r["kind"] == "resume"]
     assert len(resumes) == 1 and "torchrun restart 1" in resumes[0]["reason"], resumes
