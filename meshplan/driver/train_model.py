@@ -148,15 +148,16 @@ def unigram_entropy(data_dir: str) -> float:
 
 
 def write_weights(weights: dict[str, torch.Tensor], out: str) -> Path:
-    """The trained weights as one consolidated file, written atomically:
-    `model.safetensors` (each tensor once; a tied tensor's other names in
-    its metadata) when safetensors is installed, else torch's `model.pt`
-    (every name)."""
-    from meshplan.ir.fileio import write_atomic, write_torch
+    """The trained weights as one consolidated file, written atomically and
+    the same bytes for the same weights: `model.safetensors` (each tensor
+    once, by name; a tied tensor's other names in its metadata) when
+    safetensors is installed to read it, else torch's `model.pt` (every name)."""
+    import importlib.util
 
-    try:
-        from safetensors.torch import save
-    except ImportError:
+    from meshplan.driver.weights_out import OutTensor, write_safetensors
+    from meshplan.ir.fileio import write_torch
+
+    if importlib.util.find_spec("safetensors") is None:
         path = Path(out) / "model.pt"
         write_torch(path, dict(weights))
         return path
@@ -166,9 +167,11 @@ def write_weights(weights: dict[str, torch.Tensor], out: str) -> Path:
         first = unique.setdefault(id(t), name)
         if first != name:
             aliases[name] = first
+    tensors = [OutTensor((n,), n, tuple(weights[n].shape), weights[n].dtype)
+               for n in sorted(unique.values())]
     path = Path(out) / "model.safetensors"
-    write_atomic(path, save({n: weights[n].contiguous() for n in unique.values()},
-                            metadata={"format": "pt", "aliases": json.dumps(aliases)}))
+    write_safetensors(path, tensors, weights.__getitem__,
+                      {"aliases": json.dumps(aliases, sort_keys=True)})
     return path
 
 

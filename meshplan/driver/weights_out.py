@@ -119,24 +119,26 @@ def write_shards(out: Path, tensors: list[OutTensor], fetch: Fetch, ext: str,
     return files + [index]
 
 
-def safetensors_header(tensors: list[OutTensor]) -> bytes:
-    """The 8-byte length and the padded JSON header of a file of `tensors`."""
+def safetensors_header(tensors: list[OutTensor], metadata: dict | None = None) -> bytes:
+    """The 8-byte length and the padded JSON header of a file of `tensors`
+    (`metadata`: string values, beside `format`), the same bytes each time."""
     header: dict = {}
     at = 0
     for t in tensors:
         header[t.names[0]] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                               "data_offsets": [at, at + t.nbytes]}
         at += t.nbytes
-    header["__metadata__"] = {"format": "pt"}
+    header["__metadata__"] = {"format": "pt", **(metadata or {})}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
-def write_safetensors(path: Path, tensors: list[OutTensor], fetch: Fetch) -> None:
+def write_safetensors(path: Path, tensors: list[OutTensor], fetch: Fetch,
+                      metadata: dict | None = None) -> None:
     """One safetensors file of `tensors`, each fetched, written and dropped in turn."""
     with atomic_stream(path) as f:
-        f.write(safetensors_header(tensors))
+        f.write(safetensors_header(tensors, metadata))
         for t in tensors:
             data = _checked(fetch(t.key), t)
             f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
