@@ -148,25 +148,28 @@ def _action_of(rank: int, progress, job_bytes: bytes) -> str:
     return str(lower(Job.from_bytes(job_bytes), rank).actions[index])
 
 
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def _failure(bad: list[tuple[int, int]], results: Path, progress,
              job_bytes: bytes) -> tuple[str, dict | None]:
     """One line naming the rank that failed first: one killed by a signal,
     else one that exited without a report (killed: the OOM killer's 137,
     `os._exit`), for its peers then fail on broken connections; else the
-    first report (returned too)."""
+    first report (returned too) of a rank's own error, before any report of
+    a lost connection to a peer."""
     signalled = [(r, code) for r, code in bad if code < 0]
     if signalled:
         r, code = signalled[0]
         return (f"rank {r} died (signal {-code}) in action {_action_of(r, progress, job_bytes)};"
                 " the other ranks were stopped"), None
-    reports = []
-    for r, _ in bad:
-        f = results / f"fail_{r}.json"
-        if f.is_file():
-            reports.append(json.loads(f.read_text()))
+    # every report, of a rank still exiting too (its peers' broken connections
+    # may end them first); a rank's own error before a peer's lost connection
+    reports = [json.loads(f.read_text()) for f in sorted(results.glob("fail_*.json"))]
     unreported = [(r, code) for r, code in bad if not (results / f"fail_{r}.json").is_file()]
     if reports and not unreported:
-        first = min(reports, key=lambda x: x.get("time", 0))
+        own = [x for x in reports if not any(s in x.get("error", "") for s in _PEER_LOST)]
+        first = min(own or reports, key=lambda x: x.get("time", 0))
         return (f"rank {first['rank']} failed in action {first['action']}: {first['error']}; "
                 f"the other ranks were stopped"), first
     r, code = unreported[0]
