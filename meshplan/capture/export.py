@@ -87,9 +87,15 @@ class _Ctx:
     env: dict = field(default_factory=dict)
     input_name: dict[str, str] = field(default_factory=dict)  # export target -> input name
     frozen: frozenset[str] = frozenset()  # parameters that take no gradient (requires_grad off)
+    random_ops: int = 0  # random ops so far: the next one's key (ops/random_ops.py)
 
     def ref(self, node) -> Ref:
         return self.env[node]
+
+    def random_key(self) -> int:
+        """The next random op's key: its ordinal in program order."""
+        self.random_ops += 1
+        return self.random_ops - 1
 
 
 class _quiet:

@@ -35,10 +35,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the output head shares the token embedding's weight (gpt, --hf)")
+    g.add_argument("--dropout", type=float, default=None,
+                   help="dropout probability of every dropout (gpt, bert, --hf; default 0): "
+                        "the masks are the same at any layout (docs/concepts/randomness.md)")
 
 
 def overrides(a: argparse.Namespace) -> dict:
-    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings", "source")
+    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings", "dropout", "source")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

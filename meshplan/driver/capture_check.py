@@ -6,8 +6,8 @@ Invariants:
 - The captured forward runs through meshplan's own executor code
   (`runtime.codegen.compile_segment`, the rule table's kernels), the
   module through its own eager `forward`, each on its own copy of the
-  inputs, from one seed (random ops draw in the program's order on both
-  sides, so dropout masks agree), under `no_grad`.
+  inputs, under `no_grad`; the module's random calls draw the numbers the
+  graph's random ops draw (`same_masks.py`, at step 0, micro-batch 0).
 - The module is left as it was: its buffers (BatchNorm's running stats,
   counters) and the RNG state are restored.
 - A loss beyond rounding of the module's own is a `CaptureError` naming the
@@ -26,6 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from meshplan.capture.export import Traced, trace, where
+from meshplan.driver.same_masks import SameMasks
 from meshplan.errors import CaptureError
 from meshplan.ir import Graph, Ref, Role
 from meshplan.runtime.codegen import compile_segment
@@ -105,8 +106,9 @@ def _copies(tensors: tuple) -> tuple:
 
 
 def _eager_loss(module, inputs: tuple, loss_fn, targets: tuple) -> torch.Tensor:
-    out = module(*_copies(inputs))
-    return loss_fn(out, *_copies(targets)) if loss_fn is not None else out
+    with SameMasks().at(0, 0):  # the captured graph's random ops draw at (0, 0) alike
+        out = module(*_copies(inputs))
+        return loss_fn(out, *_copies(targets)) if loss_fn is not None else out
 
 
 def _run_graph(graph: Graph, module, args: tuple, keeps: list[int]) -> dict[int, torch.Tensor]:

@@ -14,6 +14,7 @@ every step (a skipped fp16 step included).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import NamedTuple
@@ -64,13 +65,14 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer | None = None,
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
     precision: Precision = Precision.FP32, init_scale: float = INIT_SCALE, device: str = "cpu",
-    after_step=None,
+    after_step=None, masks=None,
 ) -> EagerRun:
     """Train `module` in place on `batches`; returns losses, step seconds and
     the final state (on the CPU). On `device` cuda the module moves there,
     each micro-batch is copied there, and a step's time ends at a device
     synchronize. `after_step(k)` is called after the k-th step (k from 1),
-    e.g. to evaluate."""
+    e.g. to evaluate. With `masks` (a `same_masks.SameMasks`) each
+    micro-batch's random calls draw meshplan's numbers; else torch's own."""
     dev = torch.device(device)
     module.to(dev)
     opt = optimizer.torch_optimizer(module)
@@ -81,13 +83,14 @@ def eager_train(
                                   growth_interval=GROWTH_INTERVAL) \
         if precision == Precision.FP16 else None
     losses, times, norms = [], [], []
-    for batch in batches:
+    for step, batch in enumerate(batches):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for mb in split_microbatches(batch, num_microbatches):
+        for k, mb in enumerate(split_microbatches(batch, num_microbatches)):
             mb = tuple(t.to(dev) for t in mb)
-            with torch.autocast(dev.type, dtype=LOW.get(precision), enabled=precision in LOW):
+            with torch.autocast(dev.type, dtype=LOW.get(precision), enabled=precision in LOW), \
+                    masks.at(step, k) if masks is not None else contextlib.nullcontext():
                 loss = module(*mb)
             scaled = loss / num_microbatches if num_microbatches > 1 else loss
             (scaler.scale(scaled) if scaler else scaled).backward()

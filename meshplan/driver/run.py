@@ -101,7 +101,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         check_resumable(save_dir, job)
     spec = RunSpec(steps, "", threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir,
                    resume=resume, trace=bool(trace), report_state=report_state, device=device,
-                   backend=backend)
+                   backend=backend, seed=seed)
     weights, batches = zoo_source(model, size, seed, steps, job.strategy.global_batch_size,
                                   overrides)
     return launch(job, spec, t0, trace, saved={"weights": weights, "batches": batches},
@@ -194,7 +194,7 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(steps, results, threads, timeout_s, gather=True, trace=bool(trace),
-                       save_dir=save_dir, device=device, backend=backend)
+                       save_dir=save_dir, device=device, backend=backend, seed=seed)
         source = zoo_source(model, size, seed, steps, strategy.global_batch_size, overrides)
         code = rank_main(spec, rank, world, None, "env://", master=master, source=source)
         if code != 0:

@@ -285,7 +285,7 @@ def run_spec(job: Job, data, steps: int, out: str, record: dict | None, *, eval_
                    eval_batches=eval_batches, resume_from=resume_from,
                    checkpoint_every=checkpoint_every, async_checkpoint=async_checkpoint,
                    checkpoint_root=str(Path(out) / CHECKPOINTS), checkpoint_files=files,
-                   init_from=init_from)
+                   init_from=init_from, seed=data.seed if isinstance(data, TokenFeed) else 0)
 
 
 def _restart_point(error: RuntimeFault, out: str, attempt: int, max_restarts: int) -> Path:

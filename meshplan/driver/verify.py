@@ -37,6 +37,7 @@ from meshplan.driver.compare import (
 from meshplan.driver.executor import Executor
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
 from meshplan.driver.results import VerifyResult
+from meshplan.driver.same_masks import SameMasks
 from meshplan.driver.run import run
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import OptimizerKind, Precision, Recompute
@@ -112,7 +113,7 @@ def verify(
     reset_peak(device)
     verdict, ref = against_eager(mine["rank_losses"], mine.pop("slices"), reference, batches,
                                  num_microbatches, opt, precision, init_scale, bounds, device,
-                                 mine.get("rank_grad_norms"))
+                                 mine.get("rank_grad_norms"), seed)
     ref_peak = peak_of(device)
     extra = {"precision": precision, "device": device, "ref_measured_peak_bytes": ref_peak}
     if precision != Precision.FP32:  # the second judge, for information: full-precision eager
@@ -134,14 +135,21 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
                   batches: list[tuple], m: int, opt: OptimizerConfig,
                   precision: Precision = Precision.FP32,
                   init_scale: float = INIT_SCALE, bounds: Bounds | None = None,
-                  device: str = "cpu", rank_grad_norms: dict | None = None):
+                  device: str = "cpu", rank_grad_norms: dict | None = None,
+                  seed: int | None = 0):
     """Train `module` (its starting weights; not changed) eagerly on `batches`
     on `device`, and once more on `reordered` batches for the noise; returns
     (`judge`'s verdict on the run's losses and state slices, the reference
-    `EagerRun`)."""
-    ref = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale, device)
+    `EagerRun`). The reference's random ops draw the run's numbers from
+    `seed` (`same_masks.py`; the twin's follow its reversed samples), or with
+    `seed` None torch's own (a statistical comparison only)."""
+    def masks(flip: int = 0):
+        return SameMasks(seed, flip) if seed is not None else None
+
+    ref = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale, device,
+                      masks=masks())
     twin = eager_train(copy.deepcopy(module), reordered(batches, m), m, opt, precision,
-                       init_scale, device)
+                       init_scale, device, masks=masks(batches[0][0].shape[0] // m))
     flips = adam_flips(ref.state, opt.lr, len(batches), opt.betas) \
         if opt.kind == OptimizerKind.ADAMW else None
     return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,

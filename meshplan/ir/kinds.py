@@ -14,6 +14,10 @@ PREFIX = "meshplan."
 GRAD_SUM = "meshplan.grad_sum"  # the sum of a value's gradient contributions
 ACCUMULATE_GRAD = "meshplan.accumulate_grad"  # a micro-batch's gradient into the step's total
 VJP = "meshplan.vjp"  # the generic gradient (ops/generic.py)
+# random draws, layout-invariant (ops/random_ops.py)
+DROPOUT = "meshplan.dropout"  # (out, mask) of x
+RANDOM_LIKE = "meshplan.random_like"  # rand_like / randn_like / bernoulli
+RANDOM = "meshplan.random"  # rand / randn / randint of a shape
 # optimizers
 SGD = "meshplan.sgd"
 ADAMW = "meshplan.adamw"

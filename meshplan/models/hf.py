@@ -4,7 +4,7 @@ Invariants:
 - A model is named `hf:<model_type>` (`hf:gpt2`, `hf:bert`, `hf:llama`);
   it is built from `transformers`' own config class for that type with the
   `ModelConfig`'s sizes, random weights (the global RNG, as zoo models),
-  dropout off, and nothing downloaded: `transformers` is an optional extra
+  every dropout `ModelConfig.dropout` (0 unless asked), and nothing downloaded: `transformers` is an optional extra
   (`pip install -e '.[hf]'`), imported only when such a model is asked for.
 - The module is `HFLoss(model)`: `forward(input_ids, labels)` returns the
   model's own `.loss`, so it captures like a zoo model. A type is trained
@@ -19,7 +19,7 @@ Invariants:
   `ModelConfig.tie_embeddings`.
 - A model may instead come from a `save_pretrained` directory
   (`ModelConfig.source`, `config_from_dir`): its config.json is the model,
-  exactly, but for dropout (off, as above); the ModelConfig's sizes are read
+  exactly, but for dropout (as above); the ModelConfig's sizes are read
   from it (a size given beside it must agree), its sequence length is the
   one trained at (the preset's, capped by the model's positions).
 """
@@ -179,13 +179,14 @@ def config_from_dir(path: str, model: str, size: str, given: dict):
 
 def hf_config(cfg):
     """The transformers config of `cfg` (a ModelConfig named `hf:<type>`):
-    built from our sizes, or the one saved in `cfg.source` (dropout off)."""
+    built from our sizes, or the one saved in `cfg.source` (its dropouts
+    `cfg.dropout`, 0 unless asked)."""
     tf = _transformers()
     if cfg.source:
         conf = tf.AutoConfig.from_pretrained(cfg.source)
-        for name, v in conf.to_dict().items():  # dropout off, whatever its name
+        for name, v in conf.to_dict().items():  # our dropout, whatever its name
             if isinstance(v, float) and ("dropout" in name or name.endswith("pdrop")):
-                setattr(conf, name, 0.0)
+                setattr(conf, name, cfg.dropout)
         return conf
     model_type = cfg.model.removeprefix(PREFIX)
     if model_type not in tf.CONFIG_MAPPING:
@@ -232,7 +233,7 @@ def _fields(probe, cfg) -> dict:
                 kw[name] = width
     if hasattr(probe, "num_key_value_heads"):
         kw["num_key_value_heads"] = max(1, cfg.heads // 2)  # grouped-query attention
-    kw.update({d: 0.0 for d, v in probe.to_dict().items()  # dropout off, whatever its name
+    kw.update({d: cfg.dropout for d, v in probe.to_dict().items()  # whatever its name
                if isinstance(v, float) and ("dropout" in d or d.endswith("pdrop"))})
     kw["tie_word_embeddings"] = cfg.tie_embeddings
     kw.update(_per_layer(probe, cfg.layers))

@@ -18,6 +18,7 @@ import torch
 
 from meshplan.errors import CaptureError
 from meshplan.ir import Ref
+from meshplan.ops import random_ops
 from meshplan.ops.rule import CanonicalFn, Emits
 
 
@@ -72,13 +73,15 @@ def dropout(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     train = args[2] if len(args) > 2 else kw.get("train", True)
     if p == 0 or not train:
         return (x,)  # no op at all: dropout off is the identity
-    return _first(e.call_multi("aten.native_dropout.default", x, p, train))
+    return _first(random_ops.dropout(e, x, p, ctx))
 
 
 def sdpa(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     opts = dict(zip(names, args[3:]))
     opts.update(kw)
+    if opts.get("dropout_p", 0.0):  # with our mask: the same at any layout
+        return (random_ops.attention(e, *args[:3], opts, ctx),)
     if opts.get("attn_mask") is not None or opts.get("enable_gqa", False):
         return (e.call("aten.scaled_dot_product_attention.default", *args, **kw),)
     out = e.call_multi(
@@ -118,5 +121,6 @@ CANONICAL: dict[str, CanonicalFn] = {
     "aten.dropout.default": dropout,
     "aten.scaled_dot_product_attention.default": sdpa,
     "aten.max_pool2d.default": max_pool2d,
+    **random_ops.CANONICAL,
     "aten.adaptive_avg_pool2d.default": adaptive_avg_pool2d,
 }

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from meshplan.errors import CaptureError
-from meshplan.ir import DType, Ref, TensorMeta
+from meshplan.ir import DEVICE, DType, Ref, TensorMeta
 from meshplan.ops.table import rule_for
 
 Metas = tuple[Optional[TensorMeta], ...]  # an op's output metas (None: an absent output)
@@ -51,6 +51,8 @@ def materialize(sig: Any, device: str = "meta") -> Any:
         return torch.empty(sig.shape, dtype=sig.dtype.torch, device=device)
     if isinstance(sig, DType):
         return sig.torch
+    if isinstance(sig, str) and sig == DEVICE:  # made where it runs: here, `device`
+        return torch.device(device)
     if isinstance(sig, tuple):
         return [materialize(x, device) for x in sig]
     return sig

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from meshplan.ir.kinds import ACCUMULATE_GRAD, ADAMW, GRAD_SQ, GRAD_SUM, SGD, SQ_SUM
+from meshplan.ir.kinds import (
+    ACCUMULATE_GRAD,
+    ADAMW,
+    DROPOUT,
+    GRAD_SQ,
+    GRAD_SUM,
+    RANDOM_LIKE,
+    SGD,
+    SQ_SUM,
+)
+from meshplan.ops import random_ops as rnd
 from meshplan.ops import sbp_nn as nn
 from meshplan.ops import sbp_rules as r
 from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
@@ -29,8 +39,7 @@ SBP: dict[str, SbpRule] = {
     "aten.silu_backward.default": _LINEAR_IN_0,
     "aten.native_dropout_backward.default": _LINEAR_IN_0,
     **{f"aten.{k}.default": r.pointwise() for k in (
-        "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu",
-        "native_dropout")},
+        "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu")},
     "aten.pow.Tensor_Scalar": r.pointwise(),
     "aten.ne.Scalar": r.pointwise(),
     "aten.zeros_like.default": r.like,
@@ -86,6 +95,8 @@ SBP: dict[str, SbpRule] = {
         "aten.max_pool2d_with_indices.default", "aten.max_pool2d_with_indices_backward.default",
         "aten.avg_pool2d.default", "aten.avg_pool2d_backward.default",
         "aten._adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d_backward.default")},
+    DROPOUT: rnd.dropout_sbp,
+    RANDOM_LIKE: rnd.random_like_sbp,
     GRAD_SUM: nn.grad_sum,
     ACCUMULATE_GRAD: nn.accumulate,
     SGD: nn.optimizer,

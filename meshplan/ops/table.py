@@ -20,6 +20,7 @@ from meshplan.ops import cost, kernels
 from meshplan.ops import grads_nn as nn
 from meshplan.ops import grads_pointwise as pw
 from meshplan.ops import grads_shape as sh
+from meshplan.ops import random_ops as rnd
 from meshplan.ops.canonical import CANONICAL
 from meshplan.ops.device_kernels import DEVICES, Values
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel, vjp_sbp
@@ -174,6 +175,10 @@ _MESHPLAN_KINDS = {rule.kind: rule for rule in (
     _meshplan_rule(k.GRAD_SQ, kernels.grad_sq, infer=_scalar),
     _meshplan_rule(k.SQ_SUM, kernels.sq_sum, infer=_scalar),
     _meshplan_rule(k.CLIP_COEF, kernels.clip_coef, infer=lambda a, kw: (a[0], a[0])),
+    OpRule(k.DROPOUT, rnd.dropout_kernel, grad=nn.dropout_grad, infer=rnd.dropout_infer,
+           grad_outputs=(0,)),
+    _meshplan_rule(k.RANDOM_LIKE, rnd.random_like_kernel, infer=rnd.random_like_infer),
+    _meshplan_rule(k.RANDOM, rnd.random_kernel, infer=rnd.random_infer),
     _boxing_rule(k.ALL_REDUCE, Category.COLLECTIVE),
     _boxing_rule(k.REDUCE_SCATTER, Category.COLLECTIVE),
     _boxing_rule(k.ALL_GATHER, Category.COLLECTIVE),

@@ -21,7 +21,9 @@ from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import Box, local_box
 from meshplan.lowering.rankplan import Task, TaskKind
+from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.device_kernels import adapter
+from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
@@ -33,7 +35,9 @@ Group = tuple[int, ...]
 
 
 class RankContext:
-    """Where this rank sits: its placement and grid coordinate."""
+    """Where this rank sits: its placement and grid coordinate; and where its
+    run stands, for the random ops (`random`: seed, step, micro-batch, set
+    by the executor)."""
 
     def __init__(self, job: Job, rank: int):
         s = job.strategy
@@ -42,6 +46,7 @@ class RankContext:
         self.stage = s.stage_of_rank(rank)
         self.place: Placement = s.placement(self.stage)
         self.coord = self.place.coord(rank)
+        self.random = RandomCounter()
 
     def box(self, vid: int, coord: tuple[int, ...] | None = None) -> Box:
         meta = self.job.graph.values[vid].meta
@@ -68,11 +73,25 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
             return None  # a group of one: the logical kernel (the identity) is exact
         return _slot_aware(op, ctx, _COLLECTIVES[op.kind](op, dict(op.kwargs), task.group,
                                                            ctx, comm))
+    if op.kind in RANDOM_KERNELS:
+        return _random(op, ctx)
     if any(task.variant):
         return _variant(op, task, ctx)
     if task.kernel:  # the device's own kernel, with the logical op's signature
         return adapter(task.kernel)
     return None
+
+
+def _random(op: Op, ctx: RankContext) -> Callable:
+    """A random op drawing this rank's box of its logical output, under the
+    key of where the run stands when it runs (`ops/random_ops.py`)."""
+    kernel, out, key = RANDOM_KERNELS[op.kind], op.outputs[0], op.args[-1]
+    box, shape, counter = ctx.box(out), ctx.job.graph.values[out].meta.shape, ctx.random
+
+    def draw(*args, **kw):
+        return kernel(*args, **kw, draw={"box": box, "shape": shape, "key": counter.key(key)})
+
+    return draw
 
 
 def _slot_aware(op: Op, ctx: RankContext, kernel: Callable) -> Callable:

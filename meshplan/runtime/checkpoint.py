@@ -72,6 +72,7 @@ COMPLETE = "COMPLETE"
 METADATA = ".metadata"  # DCP's index of the saved keys (a pickle)
 STEP_KEY = "meshplan/next_step"
 GOOD_STEPS_KEY = "meshplan/good_steps"  # fp16: steps since the loss scale last changed
+SEED_KEY = "meshplan/seed"  # the random ops' seed (ops/counter_rng.py)
 RNG_KEY = "meshplan/rng/{rank}"  # torch's CPU generator state, one per rank
 CUDA_RNG_KEY = "meshplan/cuda_rng/{rank}"  # the rank's CUDA generator state
 FAULT_KILL = "MESHPLAN_FAULT_KILL_AFTER_SHARD"  # "<next step>:<rank>": tests only
@@ -118,7 +119,7 @@ def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=
           copy: bool = False) -> dict[str, torch.Tensor]:
     """What this rank writes into a checkpoint: its primary slices, its RNG
     states (`RNG_KEY`, and `CUDA_RNG_KEY` on a GPU) and, on rank 0, the next
-    step and the fp16 growth counter. With `copy` every tensor is a fresh
+    step, the fp16 growth counter and the random ops' seed. With `copy` every tensor is a fresh
     host copy (an async save: the next step updates the state in place, and
     on CPU `.cpu()` is the tensor itself); else device tensors as they are
     (DCP's writer stages GPU tensors to host itself)."""
@@ -129,6 +130,7 @@ def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=
     if rank == 0:
         sd[STEP_KEY] = torch.tensor(next_step)
         sd[GOOD_STEPS_KEY] = torch.tensor(good_steps)
+        sd[SEED_KEY] = torch.tensor(ctx.random.seed)
     sd[RNG_KEY.format(rank=rank)] = torch.get_rng_state()
     if device is not None and torch.device(device).type == "cuda":
         sd[CUDA_RNG_KEY.format(rank=rank)] = torch.cuda.get_rng_state(device)
@@ -301,17 +303,20 @@ class Resumed:
 
 
 def load(path: str, state: dict, job, ctx, device=None) -> Resumed:
-    """Fill this rank's state from the checkpoint, restore its RNG states
-    when the checkpoint was saved by this very Job (same digest, same world:
-    at another layout a rank's random stream has no counterpart; randomness
-    that does not depend on the layout is issue 36), and return the step to
-    resume at and the fp16 growth counter (0 in a checkpoint without one)."""
+    """Fill this rank's state from the checkpoint, set the random ops' seed
+    (`ctx.random`: their numbers do not depend on the layout), restore the
+    rank's torch RNG states when the checkpoint was saved by this very Job
+    (same digest, same world: only aten's own random ops, which meshplan
+    does not rewrite, draw from them, and at another layout a rank's stream
+    has no counterpart), and return the step to resume at and the fp16
+    growth counter (0 in a checkpoint without one)."""
     meta = _checked_manifest(path, job)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     request, places = _requests(saved_boxes(path), state, job, ctx)
     request[STEP_KEY] = torch.tensor(0)
-    if GOOD_STEPS_KEY in keys:
-        request[GOOD_STEPS_KEY] = torch.tensor(0)
+    for key in (GOOD_STEPS_KEY, SEED_KEY):
+        if key in keys:
+            request[key] = torch.tensor(0)
     rank, cuda = _rank(), device is not None and torch.device(device).type == "cuda"
     rng = {RNG_KEY.format(rank=rank)} | ({CUDA_RNG_KEY.format(rank=rank)} if cuda else set())
     same = meta.get("job") == job.digest() and meta.get("world") == job.mesh.world
@@ -320,6 +325,8 @@ def load(path: str, state: dict, job, ctx, device=None) -> Resumed:
     request |= rng
     shard_digests.load_verified(path, meta, request)
     _place(places, request, state, ctx)
+    if SEED_KEY in request:
+        ctx.random.seed = int(request[SEED_KEY])
     if RNG_KEY.format(rank=rank) in rng:
         torch.set_rng_state(rng[RNG_KEY.format(rank=rank)])
     if CUDA_RNG_KEY.format(rank=rank) in rng:

@@ -84,7 +84,7 @@ _PER_MICROBATCH = (Role.BUFFER, Role.GRAD)
 class RankExecutor:
     """Runs `plan` (this rank's part of `job`) step after step."""
 
-    def __init__(self, job: Job, plan: RankPlan, comm=None, device="cpu"):
+    def __init__(self, job: Job, plan: RankPlan, comm=None, device="cpu", seed: int = 0):
         self.job, self.plan, self.comm = job, plan, comm
         self.device = torch.device(device)
         if plan.device != self.device.type:
@@ -92,6 +92,8 @@ class RankExecutor:
                               f"runs on {self.device.type}; compile with --device "
                               f"{self.device.type}, or run with --device {plan.device}")
         self.ctx = RankContext(job, plan.rank)
+        self.ctx.random.seed = seed
+        self.next_step = 0  # the random ops' step: `step` counts it on
         self.mem = LiveBytes()
         self.current = "load"
         self.on_action = None  # called with each action's index (a launcher's watchdog)
@@ -226,8 +228,11 @@ class RankExecutor:
     def step(self, state: dict, microbatches, local_rows: bool = False) -> list[torch.Tensor]:
         """Run the rank's actions over `microbatches` (global micro-batches,
         or with `local_rows` only this rank's `rows` of each: a reader that
-        reads no more than the rank needs); returns this rank's loss per
+        reads no more than the rank needs) as step `next_step` (the random
+        ops' step; a resumed run sets it); returns this rank's loss per
         micro-batch (empty if it holds none)."""
+        self.ctx.random.step = self.next_step
+        self.next_step += 1
         for name in self.grad_names:
             self._swap(state, name, None)
         if LOSS_SCALE in state:  # the state is the truth: a checkpoint may have set it
@@ -312,6 +317,7 @@ class RankExecutor:
                 state[STEP_COUNT] += 1
         elif t.is_compute:
             env, left = envs[action.microbatch], self.left[action.microbatch]
+            self.ctx.random.microbatch = action.microbatch
             for key in action_templates(action, self.placement):
                 self._run(key, env, state, left)
             if self.job.graph.loss in env and action.microbatch not in losses:

@@ -71,6 +71,7 @@ class RunSpec:
     checkpoint_files: tuple[str, ...] = ()  # copied into each checkpoint (config, model record)
     init_from: str = ""   # the starting weights' source (JSON: `runtime/init_weights.py`)
     async_checkpoint: bool = False  # periodic checkpoints saved in the background
+    seed: int = 0  # the random ops' seed (a resumed run takes its checkpoint's)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -168,7 +169,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         dist.all_reduce(torch.zeros(1, device=device))   # (batch_isend_irecv's rule)
     missing = set(_groups(plan)) - set(comm.groups if comm else ())
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
-    ex = RankExecutor(job, plan, comm, device=device)
+    ex = RankExecutor(job, plan, comm, device=device, seed=spec.seed)
     _CURRENT["executor"] = ex
     ex.on_action = reporter(rank, progress, beats)
     module, feed = _source(spec, job, ex, source)
@@ -180,6 +181,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         ex.current = "load checkpoint"
         resumed = checkpoint.load(resume_from, state, job, ex.ctx, device)
         start, ex.good_steps = resumed.next_step, resumed.good_steps
+        ex.next_step = start
     elif spec.init_from:
         from meshplan.runtime.init_weights import load_weights
 

@@ -1,0 +1,177 @@
+"""Counter-based random numbers: every random value a pure function of
+(seed, step, micro-batch, the op's key, the element's logical index).
+
+A rank holding a piece of a logical tensor (its box: [lo, hi) per dim)
+draws exactly that piece's elements, by index, and nothing else; replicas
+draw the same elements alike; a recompute draws them again; the eager
+reference (`driver/same_masks.py`) draws them whole. So a random tensor
+does not depend on the layout.
+
+The generator: a keyed integer hash of the element's index, two rounds of a
+xorshift-multiply mixer (the structure of MurmurHash3's finalizer) with odd
+multipliers below 2^31, on int64 tensors holding 32-bit words:
+`h = mix(mix(lo ^ k0) ^ mix(hi ^ k1))`, `lo`/`hi` the index's 32-bit
+halves, `k0`/`k1` the key's words. Why not Philox (torch's on CUDA) or
+torch's generators: a generator's state advances per call and per launch
+configuration, so it cannot draw element i of a tensor without drawing its
+predecessors; Philox itself is counter-based but needs 32x32->64-bit
+products, which int64 tensors overflow. Here every product is below 2^63,
+so the arithmetic is exact and the bits are the same on CPU and CUDA (the
+integer ops are; `randn`'s log and cosine are float32 and may differ in
+the last bits between devices).
+
+Invariants:
+- `bits(box, shape, key)` is `bits(whole, shape, key)` sliced to `box`,
+  for any box (tested property).
+- A value is drawn in chunks of at most `CHUNK` elements, so the temporary
+  int64 words stay small beside the bool or float result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+M32 = (1 << 32) - 1
+_C1 = 0x7FEB352D  # odd, < 2^31: a 32-bit word times it stays below 2^63
+_C2 = 0x5BD1E995
+CHUNK = 1 << 20
+_U24 = 1 << 24  # uniforms are 24-bit: exact in float32
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(slots=True)
+class RandomCounter:
+    """What a random op's key adds to its own identity: the run's seed and
+    where the step stands. The executor sets `step` and `microbatch` before
+    each action; plans never change per step."""
+
+    seed: int = 0
+    step: int = 0
+    microbatch: int = 0
+
+    def key(self, op_key: int) -> tuple[int, int]:
+        return key_words(self.seed, self.step, self.microbatch, op_key)
+
+
+def mix(x: int) -> int:
+    """The mixer on one 32-bit word (Python ints): `_mix_` element-wise."""
+    x ^= x >> 16
+    x = (x * _C1) & M32
+    x ^= x >> 15
+    x = (x * _C2) & M32
+    return x ^ (x >> 16)
+
+
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """`mix` in place on an int64 tensor of 32-bit words."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(_C1).bitwise_and_(M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_C2).bitwise_and_(M32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def key_words(*words: int) -> tuple[int, int]:
+    """Two 32-bit key words folded from non-negative integers of any size."""
+    out = []
+    for lane in (0x9E3779B9, 0x85EBCA6B):
+        h = lane
+        for w in words:
+            assert w >= 0, "random keys are non-negative"
+            h = mix(h ^ (w & M32))
+            h = mix(h ^ ((w >> 32) & M32))
+        out.append(h)
+    return out[0], out[1]
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, s = [], 1
+    for n in reversed(shape):
+        out.append(s)
+        s *= n
+    return out[::-1]
+
+
+def bits(box: Box, shape: tuple[int, ...], key: tuple[int, int],
+         device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 32-bit words (int64) of `box` of a logical tensor of `shape`."""
+    out = torch.empty([b - a for a, b in box], dtype=torch.int64, device=device)
+    return _fill(out, box, shape, key, lambda w: w)
+
+
+def _chunks(box: Box, shape: tuple[int, ...], key: tuple[int, int], device):
+    """(out view, its words) for each chunk of `box`: the leading dims are
+    walked one index at a time until the rest holds at most CHUNK elements."""
+    local = [b - a for a, b in box]
+    strides = _strides(shape)
+    split = 0
+    while split < len(local) and math.prod(local[split:]) > CHUNK:
+        split += 1
+    inner = torch.zeros((), dtype=torch.int64, device=device)
+    for d in range(split, len(local)):
+        r = torch.arange(box[d][0], box[d][1], dtype=torch.int64, device=device) * strides[d]
+        inner = inner.unsqueeze(-1) + r
+    big = math.prod(shape) > M32  # the index's high word varies
+    k0, k1 = key
+    high = mix(k1)  # mix(hi ^ k1) for hi == 0
+    outer = itertools.product(*(range(a, b) for a, b in box[:split]))
+    for idx in outer:
+        base = sum(i * s for i, s in zip(idx, strides))
+        x = inner + base
+        lo = x.bitwise_and(M32).bitwise_xor_(k0)
+        _mix_(lo)
+        if big:
+            lo.bitwise_xor_(_mix_(x.bitwise_right_shift(32).bitwise_xor_(k1)))
+        else:
+            lo.bitwise_xor_(high)
+        yield tuple(i - a for i, (a, _) in zip(idx, box)), _mix_(lo)
+
+
+def _fill(out: torch.Tensor, box: Box, shape: tuple[int, ...], key: tuple[int, int],
+          finish) -> torch.Tensor:
+    for pos, words in _chunks(box, shape, key, out.device):
+        out[pos].copy_(finish(words))
+    return out
+
+
+def keep_mask(box: Box, shape: tuple[int, ...], p: float, key: tuple[int, int],
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """Dropout's keep mask (bool): kept with probability 1 - p (to 2^-24)."""
+    threshold = round(p * _U24)
+    out = torch.empty([b - a for a, b in box], dtype=torch.bool, device=device)
+    return _fill(out, box, shape, key, lambda w: (w >> 8) >= threshold)
+
+
+def uniform(box: Box, shape: tuple[int, ...], key: tuple[int, int], dtype: torch.dtype,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform in [0, 1), 24 random bits each."""
+    out = torch.empty([b - a for a, b in box], dtype=dtype, device=device)
+    return _fill(out, box, shape, key,
+                 lambda w: (w >> 8).to(torch.float32).mul_(1.0 / _U24))
+
+
+def normal(box: Box, shape: tuple[int, ...], key: tuple[int, int], dtype: torch.dtype,
+           device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard normal by Box-Muller, from two uniforms of two keys."""
+    u1 = uniform(box, shape, key, torch.float32, device)
+    u2 = uniform(box, shape, key_words(*key, 1), torch.float32, device)
+    r = torch.sqrt(-2.0 * torch.log1p(-u1))
+    return (r * torch.cos((2 * math.pi) * u2)).to(dtype)
+
+
+def integers(box: Box, shape: tuple[int, ...], key: tuple[int, int], low: int, high: int,
+             dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Integers in [low, high) (modulo a 32-bit word: a bias below
+    (high - low) / 2^32)."""
+    assert 0 < high - low <= M32
+    out = torch.empty([b - a for a, b in box], dtype=dtype, device=device)
+    return _fill(out, box, shape, key, lambda w: w.remainder_(high - low).add_(low))
+
+
+def whole(shape) -> Box:
+    return tuple((0, n) for n in shape)
