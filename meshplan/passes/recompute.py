@@ -17,8 +17,11 @@ Invariants:
   outputs of the expensive ops (matmuls, attention, convolutions) and of
   communication (`OpRule.recompute == "keep"`), and recomputes the cheap
   ones between them.
-- Cross-stage transfers are never cloned, and a region with a random op
-  (dropout) is refused: replaying it would need the forward's RNG state.
+- Cross-stage transfers are never cloned. A random op is cloned like any
+  other: its numbers are a function of its key and where the step stands
+  (`ops/random_ops.py`), so the clone draws the forward's mask again. A
+  region with an aten random op meshplan does not rewrite (it draws from
+  torch's generator) is refused: a replay would need that generator's state.
 - Ops keep their relative order; clones are inserted, never moved, so the
   graph stays topologically ordered and every `grad_of` points backward.
 """
@@ -102,9 +105,10 @@ def _regions(g: Graph, pattern: str, mode: Recompute) -> dict[int, str]:
         if where is None or (mode == Recompute.SELECTIVE and policy == "keep"):
             continue
         if policy == "random":
-            raise ConfigError(f"cannot recompute {op.kind} at '{op.module_path}': replaying a "
-                              "random op needs its RNG state; set its probability to 0 or "
-                              "exclude it with --recompute-pattern")
+            raise ConfigError(f"cannot recompute {op.kind} at '{op.module_path}': it draws "
+                              "from torch's generator, whose state a replay would need "
+                              "(meshplan's own random ops, dropout and rand/randn/randint/"
+                              "bernoulli, replay); exclude it with --recompute-pattern")
         out[op.id] = where
     if not out and mode == Recompute.FULL:
         raise ConfigError(f"recompute pattern '{pattern}' matches no forward module path; "
