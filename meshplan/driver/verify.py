@@ -37,8 +37,8 @@ from meshplan.driver.compare import (
 from meshplan.driver.executor import Executor
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
 from meshplan.driver.results import VerifyResult
-from meshplan.driver.same_masks import SameMasks
 from meshplan.driver.run import run
+from meshplan.driver.same_masks import SameMasks
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import OptimizerKind, Precision, Recompute
 from meshplan.ir.mesh import Mesh, Strategy

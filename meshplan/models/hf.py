@@ -4,8 +4,9 @@ Invariants:
 - A model is named `hf:<model_type>` (`hf:gpt2`, `hf:bert`, `hf:llama`);
   it is built from `transformers`' own config class for that type with the
   `ModelConfig`'s sizes, random weights (the global RNG, as zoo models),
-  every dropout `ModelConfig.dropout` (0 unless asked), and nothing downloaded: `transformers` is an optional extra
-  (`pip install -e '.[hf]'`), imported only when such a model is asked for.
+  every dropout `ModelConfig.dropout` (0 unless asked), and nothing
+  downloaded: `transformers` is an optional extra (`pip install -e
+  '.[hf]'`), imported only when such a model is asked for.
 - The module is `HFLoss(model)`: `forward(input_ids, labels)` returns the
   model's own `.loss`, so it captures like a zoo model. A type is trained
   as one task (`task_of`): a causal LM takes labels equal to the inputs

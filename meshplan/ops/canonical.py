@@ -81,7 +81,7 @@ def sdpa(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     opts = dict(zip(names, args[3:]))
     opts.update(kw)
     if opts.get("dropout_p", 0.0):  # with our mask: the same at any layout
-        return (random_ops.attention(e, *args[:3], opts, ctx),)
+        return (random_ops.attention(e, args[0], args[1], args[2], opts, ctx),)
     if opts.get("attn_mask") is not None or opts.get("enable_gqa", False):
         return (e.call("aten.scaled_dot_product_attention.default", *args, **kw),)
     out = e.call_multi(

@@ -30,7 +30,7 @@ from meshplan.ir.sbp import Shard
 from meshplan.ops import counter_rng as rng
 from meshplan.ops.rule import Emits
 from meshplan.ops.sbp_rules import pointwise
-from meshplan.ops.sbp_sig import P, R, Outs, SbpSig, replicated, tensors
+from meshplan.ops.sbp_sig import Outs, P, R, SbpSig, replicated, tensors
 
 Draw = dict  # box, shape, key, as `runtime/bind.py` binds them
 

@@ -10,6 +10,7 @@ import pytest
 
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.errors import PlanError
+from meshplan.ir.kinds import DROPOUT
 from meshplan.ir.mesh import Mesh
 from meshplan.lowering.check import check_plans
 from meshplan.lowering.files import plan_from_bytes, plan_to_bytes
@@ -111,9 +112,13 @@ def test_attention_choice_follows_eager_dispatch():
     assert choose("float32", 6) == dk.MATH
 
 
-def test_attention_dropout_on_cuda_is_a_plan_error():
-    job = job_of("gpt", "fp32")
-    op = next(o for o in job.graph.ops if o.kind == dk.SDPA_CPU)
-    dropped = replace(op, args=op.args[:3] + (0.1,) + op.args[4:])
-    with pytest.raises(PlanError, match="dropout_p=0.1"):
-        dk.cuda_sdpa(dropped, job.graph.values)
+def test_attention_dropout_lowers_for_cuda():
+    """Attention with dropout is aten ops and a `meshplan.dropout` (its mask
+    layout-invariant), so no fused kernel draws a mask of its own and CUDA
+    plans it like any op (the refusal it had is gone)."""
+    cfg = model_config("gpt", "tiny", dropout=0.1)
+    strategy = zoo_strategy("gpt", cfg, tp=2, global_batch_size=4, micro_batch_size=2)
+    job = plan_model("gpt", "tiny", Mesh(1, 2), strategy, dropout=0.1).job
+    kinds = {op.kind for op in job.graph.ops}
+    assert DROPOUT in kinds and dk.SDPA_CPU not in kinds
+    assert all(lower(job, r, "cuda").tasks for r in range(2))

@@ -22,7 +22,10 @@ from meshplan.autodiff.backward import build_train_step
 from meshplan.autodiff.optimizer import OptimizerConfig
 from meshplan.capture import capture
 from meshplan.driver.executor import Executor
+from meshplan.driver.same_masks import SameMasks
 from meshplan.ir import Phase
+from meshplan.ir.kinds import DROPOUT
+from meshplan.ops import counter_rng
 from meshplan.ops.table import exact_kinds
 
 F64, F32 = torch.float64, torch.float32
@@ -334,25 +337,27 @@ def test_every_exact_rule_has_a_case():
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_dropout_matches_eager_under_the_same_seed(p):
-    # [Note: dropout RNG] eager F.dropout and aten.native_dropout both draw
-    # the mask with one `bernoulli_(1 - p)` on the CPU generator, so
-    # re-seeding before each run gives the same mask (measured: bit-equal).
-    case = Case(lambda a: F.dropout(a, p, True), ((16, 8),), "aten.native_dropout.default")
+def test_dropout_matches_eager_drawing_the_same_mask(p):
+    """Capture makes dropout a `meshplan.dropout` drawing from the
+    counter-based generator; eager under `SameMasks` draws the same mask
+    (step 0, micro-batch 0: the one-step executor's), so the gradients are
+    equal bit for bit, with its exact rule (no vjp)."""
+    case = Case(lambda a: F.dropout(a, p, True), ((16, 8),), DROPOUT)
     torch.manual_seed(0)
     module = OpModule(case)
     module.add_cotangents()
-    step, state, loss = train_one_step(module, (), seed=123)
-    want = eager_one_step(module, (), seed=123)
+    step, state, loss = train_one_step(module, ())
+    with SameMasks().at(0, 0):
+        want = eager_one_step(module, ())
     kinds = {op.kind for op in step.ops}
     assert not any("dropout" in k for k in kinds) if p == 0 else case.kind in kinds
     assert "meshplan.vjp" not in kinds
-    assert math.isclose(loss, want, rel_tol=1e-12)
-    assert_grads_match(module, state, 1e-12)
+    assert loss == want
+    assert_grads_match(module, state, 0.0)
     if p:  # the mask itself: zero where dropped, cot / (1 - p) where kept
         grad, cot = state["p0@grad"], module.cot0
-        torch.manual_seed(123)
-        kept = F.dropout(torch.ones_like(cot), p, True) != 0
+        kept = counter_rng.keep_mask(counter_rng.whole(cot.shape), tuple(cot.shape), p,
+                                     counter_rng.RandomCounter().key(0))
         assert 0 < kept.sum() < kept.numel()
         assert torch.equal(grad == 0, ~kept)
         torch.testing.assert_close(grad[kept], cot[kept] / (1 - p), rtol=1e-12, atol=0)

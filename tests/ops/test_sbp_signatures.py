@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import pytest
 import torch
 
 from meshplan.ir import TensorMeta
+from meshplan.ir.kinds import DROPOUT, RANDOM_LIKE
 from meshplan.ir.sbp import Partial, Shard, split_range
+from meshplan.ops.counter_rng import RandomCounter
+from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
 from meshplan.ops.sbp_sig import P, R, SbpSig
 from meshplan.ops.sbp_table import SBP
 from meshplan.ops.table import rule_for
@@ -90,6 +94,13 @@ _LINEAR_BACKWARD = {
     "silu_backward": lambda: (f(6, 6), f(6, 6)),
     "native_dropout_backward": lambda: (f(6, 6), mask(6, 6), 2.0),
 }
+_RANDOM = {  # meshplan's random ops: each rank draws its box of the logical draw
+    "dropout": _c(DROPOUT, lambda: (f(6, 6), 0.3, 5)),
+    **{f"random_like_{d}": _c(RANDOM_LIKE, lambda d=d: (f(6, 6), d, 0.4, 3))
+       for d in ("uniform", "normal", "bernoulli_p")},
+    "random_like_bernoulli": _c(RANDOM_LIKE, lambda: (torch.rand(6, 6, dtype=F64),
+                                                      "bernoulli", 0.0, 2)),
+}
 _POOL = {
     "max_pool2d_with_indices": lambda: (f(6, 6, 4, 4), (2, 2), (2, 2)),
     "avg_pool2d": lambda: (f(6, 6, 4, 4), (2, 2), (2, 2)),
@@ -132,7 +143,7 @@ CASES: dict[str, Case] = {
     **{k: _c(f"aten.{k}.default", make) for k, make in _LINEAR_BACKWARD.items()},
     **{k: _c(f"aten.{k}.default", lambda: (pos(6, 6),)) for k in _UNARY},
     "gelu_tanh": _c("aten.gelu.default", lambda: (f(6, 6),), approximate="tanh"),
-    "native_dropout": _c("aten.native_dropout.default", lambda: (f(6, 6), 0.0, True)),
+    **_RANDOM,
     "pow": _c("aten.pow.Tensor_Scalar", lambda: (f(6, 6), 2.0)),
     "ne": _c("aten.ne.Scalar", lambda: (ints(3, 6, 6), 1)),
     "zeros_like": _c("aten.zeros_like.default", lambda: (f(6, 6),)),
@@ -299,9 +310,16 @@ def _pieces(t: torch.Tensor, s, n: int) -> list[torch.Tensor]:
 
 
 def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
-    """The rank's kernel: the rule's, wrapped per `sig.variant`."""
+    """The rank's kernel: the rule's, wrapped per `sig.variant`; a random
+    op's drawing rank i's box of its output (as `runtime/bind.py` binds it)."""
     kernel = rule_for(kind).kernel
     ts = _tensors(args)
+    if kind in RANDOM_KERNELS:
+        shape = tuple(whole[0].shape)
+        part = _part(shape, sig.outs[0], n, i)
+        box = tuple(sl.indices(size)[:2] for sl, size in zip(part, shape))
+        return partial(kernel, draw={"box": box, "shape": shape,
+                                     "key": RandomCounter().key(args[-1])})
     if sig.variant == "bias_first":
         return lk.bias_first(kernel, i == 0)
     if sig.variant == "replica_first":

@@ -16,9 +16,12 @@ from meshplan.ir.kinds import (
     ALL_REDUCE,
     ALL_TO_ALL,
     CLIP_COEF,
+    DROPOUT,
     GRAD_SQ,
     GRAD_SUM,
     LOCAL_SLICE,
+    RANDOM,
+    RANDOM_LIKE,
     REDUCE_SCATTER,
     SGD,
     SQ_SUM,
@@ -41,14 +44,16 @@ CATEGORY = {
     ALL_REDUCE: Category.COLLECTIVE, REDUCE_SCATTER: Category.COLLECTIVE,
     ALL_GATHER: Category.COLLECTIVE, ALL_TO_ALL: Category.COLLECTIVE,
     LOCAL_SLICE: Category.LOCAL_SLICE, TRANSFER: Category.TRANSFER,
+    DROPOUT: Category.COMPUTE, RANDOM_LIKE: Category.COMPUTE, RANDOM: Category.COMPUTE,
 }
+DIFFERENTIABLE = {DROPOUT}  # the one meshplan op autodiff differentiates: its rule's gradient
 
 
 def test_every_meshplan_kind_has_its_own_rule():
     assert KINDS == meshplan_kinds() == set(CATEGORY)
     for kind in KINDS:
         rule = rule_for(kind)
-        assert rule.kind == kind and not rule.differentiable
+        assert rule.kind == kind and rule.differentiable == (kind in DIFFERENTIABLE)
         assert rule.category is CATEGORY[kind], kind
 
 

@@ -20,8 +20,7 @@ from meshplan.driver.verify import against_eager
 from meshplan.ir.kinds import DROPOUT
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
-from meshplan.ops import counter_rng
-from meshplan.ops import random_ops
+from meshplan.ops import counter_rng, random_ops
 from meshplan.runtime import bind
 from meshplan.runtime.local import run_local
 
