@@ -46,7 +46,12 @@ from meshplan.cli.run_cmd import cmd_run, loss_table
 from meshplan.cli.show_cmd import cmd_show
 from meshplan.cli.train_cmd import EPILOG as EPILOG_TRAIN
 from meshplan.cli.train_cmd import add_train_flags, cmd_train
-from meshplan.cli.verdict import add_tolerance_flag, bounds_of, verdict_lines
+from meshplan.cli.verdict import (
+    add_reference_rng_flags,
+    add_tolerance_flag,
+    bounds_of,
+    verdict_lines,
+)
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.choices import Precision, Recompute
 
@@ -136,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_flags(p, steps=20)
     add_device_flags(p)
     add_tolerance_flag(p)
+    add_reference_rng_flags(p)
 
     p = add_verb(sub, "plan", "plan a model on a mesh and print the Job summary",
                  EPILOG_PLAN, _cmd_plan)
@@ -226,13 +232,15 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         strategy = strategy_of(a, cfg)
         r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a), seed=a.seed,
                    mesh=mesh_of(a), strategy=strategy, lr=a.lr, bounds=bounds_of(a),
-                   device=a.device, run_options={"backend": a.backend}, **overrides(a))
+                   device=a.device, run_options={"backend": a.backend},
+                   reference_rng=a.reference_rng, ref_runs=a.ref_runs, **overrides(a))
     else:
         m = a.num_microbatches or 1
         r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a),
                    global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
                    num_microbatches=m, seed=a.seed, lr=a.lr, bounds=bounds_of(a),
-                   device=a.device, **overrides(a))
+                   device=a.device, reference_rng=a.reference_rng, ref_runs=a.ref_runs,
+                   **overrides(a))
     if a.json:
         print(json.dumps(r.to_json()))
         return 0 if r.ok else 1

@@ -16,6 +16,16 @@ def add_tolerance_flag(p: argparse.ArgumentParser) -> None:
                    "docs/concepts/verify.md); exit 1 above it")
 
 
+def add_reference_rng_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reference-rng", choices=("same", "torch"), default="same",
+                   help="the eager reference's random ops (dropout): 'same' draws meshplan's "
+                   "numbers, judged exactly (default); 'torch' draws torch's own in "
+                   "--ref-runs runs of other seeds, the losses judged against their spread "
+                   "(docs/concepts/verify.md)")
+    p.add_argument("--ref-runs", type=int, default=5, metavar="N",
+                   help="eager runs for --reference-rng torch (3 to 10; default 5)")
+
+
 def bounds_of(a: argparse.Namespace) -> Bounds | None:
     t = a.tolerance
     return None if t is None else Bounds(loss_atol=t, atol=t, rtol=t)
@@ -40,6 +50,10 @@ def verdict_lines(r: dict) -> str:
                      f"last {r['grad_norms'][-1] if r.get('grad_norms') else float('nan'):.6g}")
     if r.get("bit_identical") and r.get("loss_noise", 0.0) > b["chaos"]:
         lines.append("  bit for bit equal to eager, so judged though eager is chaotic here")
+    if r.get("reference_rng") == "torch":
+        lines.append(f"  against {r['ref_runs']} eager runs drawing torch's own random numbers: "
+                     "each step's loss within their spread's 99.9% prediction interval; "
+                     "parameters not compared")
     lines += [f"  {p}" for p in r["problems"][:8]]
     if len(r["problems"]) > 8:
         lines.append(f"  ... {len(r['problems']) - 8} more (see --json)")

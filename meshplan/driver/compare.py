@@ -46,6 +46,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -309,3 +310,35 @@ def compare_norms(rank_norms: dict[str, list[float]], ref: list[float],
 def worst(params: dict, n: int = 3) -> list[tuple[str, dict]]:
     """The `n` tensors furthest from the reference, failing ones first."""
     return sorted(params.items(), key=lambda kv: (kv[1]["ok"], -kv[1]["max_rel"]))[:n]
+
+
+# Student's t at 99.9% two-sided, by degrees of freedom (the runs less one)
+_T999 = {2: 31.60, 3: 12.92, 4: 8.610, 5: 6.869, 6: 5.959, 7: 5.408, 8: 5.041, 9: 4.781}
+
+
+def spread_verdict(rank_losses: dict[str, list[float]], runs: list[list[float]]) -> dict:
+    """A run against eager runs whose random ops drew other numbers (torch's
+    own generator, one seed each): a statistical judgement, losses only.
+    At each step the run's loss must lie in the 99.9% prediction interval
+    of one more such run, from the runs' mean m and sample deviation s:
+    |loss - m| <= t * s * sqrt(1 + 1/n) (t Student's at n - 1 degrees of
+    freedom; docs/concepts/verify.md). Parameters are not compared: other
+    masks make other weights."""
+    n = len(runs)
+    assert n - 1 in _T999, f"{n} eager runs; the spread needs 3 to 10"
+    steps = len(runs[0])
+    mean = [statistics.fmean(r[k] for r in runs) for k in range(steps)]
+    sd = [statistics.stdev([r[k] for r in runs]) for k in range(steps)]
+    bound = [_T999[n - 1] * s * math.sqrt(1 + 1 / n) for s in sd]
+    problems, worst = [], 0.0
+    for rank, losses in sorted(rank_losses.items(), key=lambda kv: int(kv[0])):
+        for k, (a, m, b) in enumerate(zip(losses, mean, bound, strict=True)):
+            worst = max(worst, abs(a - m))
+            if abs(a - m) > b:
+                problems.append(f"rank {rank} step {k}: loss {a:.6f} is {abs(a - m):.2e} from "
+                                f"the {n} eager runs' mean {m:.6f}, beyond their spread's "
+                                f"99.9% bound {b:.2e}")
+    return {"ok": not problems, "problems": problems, "max_abs_diff": worst,
+            "params": {}, "optimizer_state": {}, "ref_runs": n, "ref_mean": mean,
+            "ref_sd": sd, "spread_bound": bound,
+            "bounds": {"loss_atol": max(bound), "atol": 0.0, "rtol": 0.0, "chaos": 0.0}}

@@ -46,10 +46,10 @@ class SameMasks(TorchFunctionMode):
             yield self
 
     def _draw(self, shape) -> dict:
-        key = self.counter.key(self.calls)
-        self.calls += 1
         shape = tuple(int(n) for n in shape)
-        return {"box": rng.whole(shape), "shape": shape, "key": key}
+        stream = self.counter.stream(self.calls, shape)
+        self.calls += 1
+        return {"box": rng.whole(shape), "shape": shape, "stream": stream}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,7 +72,7 @@ def _dropout(m: SameMasks, x, p=0.5, training=True, inplace=False):
         out = torch.zeros_like(x)
     else:  # the arithmetic of `random_ops.dropout_kernel`
         d = m._draw(x.shape)
-        mask = m._rows(rng.keep_mask(d["box"], d["shape"], p, d["key"], x.device))
+        mask = m._rows(rng.keep_mask(d["box"], d["shape"], p, d["stream"], x.device))
         out = x.mul(mask).mul_(1.0 / (1.0 - p))
     return x.copy_(out) if inplace else out
 
@@ -91,7 +91,7 @@ def _attention(m: SameMasks, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=F
 
 def _uniform(m: SameMasks, x) -> torch.Tensor:
     d = m._draw(x.shape)
-    return m._rows(rng.uniform(d["box"], d["shape"], d["key"], torch.float32, x.device))
+    return m._rows(rng.uniform(d["box"], d["shape"], d["stream"], torch.float32, x.device))
 
 
 def _like(dist: str):
@@ -99,7 +99,7 @@ def _like(dist: str):
         if dist == "uniform":
             return _uniform(m, x).to(dtype or x.dtype)
         d = m._draw(x.shape)
-        return m._rows(rng.normal(d["box"], d["shape"], d["key"], dtype or x.dtype, x.device))
+        return m._rows(rng.normal(d["box"], d["shape"], d["stream"], dtype or x.dtype, x.device))
     return draw
 
 
@@ -118,7 +118,7 @@ def _shaped(dist: str):
         shape = _size(size)
         d = m._draw(shape)
         make = rng.normal if dist == "normal" else rng.uniform
-        return m._rows(make(d["box"], d["shape"], d["key"], dtype or torch.get_default_dtype(),
+        return m._rows(make(d["box"], d["shape"], d["stream"], dtype or torch.get_default_dtype(),
                             device or "cpu"))
     return draw
 
@@ -127,7 +127,7 @@ def _randint(m: SameMasks, *args, dtype=None, device=None, **_kw):
     low, high, size = (0, *args) if len(args) == 2 else args
     shape = _size((size,))
     d = m._draw(shape)
-    return m._rows(rng.integers(d["box"], d["shape"], d["key"], int(low), int(high),
+    return m._rows(rng.integers(d["box"], d["shape"], d["stream"], int(low), int(high),
                                 dtype or torch.int64, device or "cpu"))
 
 

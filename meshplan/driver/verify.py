@@ -33,6 +33,7 @@ from meshplan.driver.compare import (
     compare_norms,
     compare_state,
     max_abs,
+    spread_verdict,
 )
 from meshplan.driver.executor import Executor
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
@@ -65,6 +66,8 @@ def verify(
     run_options: dict | None = None,
     bounds: Bounds | None = None,
     device: str = "cpu",
+    reference_rng: str = "same",
+    ref_runs: int = 5,
     **overrides,
 ) -> VerifyResult:
     """Train `steps` steps both ways; returns losses, per-tensor state
@@ -75,7 +78,13 @@ def verify(
     batches, split into the same micro-batches (of micro_batch_size x dp);
     `run_options` go to `driver.run.run` (plan_dir, trace, on_step, backend,
     ...). `device` (cpu | cuda | auto) is where both meshplan and the eager
-    reference run. `bounds` defaults to the precision's (`compare.BOUNDS`)."""
+    reference run. `bounds` defaults to the precision's (`compare.BOUNDS`).
+
+    The reference's random ops (dropout, ...) draw meshplan's numbers
+    (`reference_rng` "same", `same_masks.py`), so equality is judged as
+    without them; with "torch" they draw from torch's own generator in
+    `ref_runs` eager runs of other seeds, and the losses are judged against
+    their spread (`compare.spread_verdict`), parameters not at all."""
     from meshplan.runtime.devices import resolve_device
 
     device = resolve_device(device)
@@ -110,6 +119,9 @@ def verify(
                                            for r in result.ranks.values())}
     else:
         mine = _single(module, batches, opt, num_microbatches, precision, init_scale, device)
+    if reference_rng == "torch":
+        return _against_spread(mine, reference, batches, num_microbatches, opt, precision,
+                               init_scale, device, seed, ref_runs)
     reset_peak(device)
     verdict, ref = against_eager(mine["rank_losses"], mine.pop("slices"), reference, batches,
                                  num_microbatches, opt, precision, init_scale, bounds, device,
@@ -129,6 +141,25 @@ def verify(
         global_batch_size=global_batch_size, num_microbatches=num_microbatches, **mine,
         ref_step_s=statistics.median(ref.step_s), ref_grad_norms=ref.grad_norms,
         grad_norms=next(iter((mine.get("rank_grad_norms") or {}).values()), []))
+
+
+def _against_spread(mine: dict, module, batches, m: int, opt: OptimizerConfig,
+                    precision: Precision, init_scale: float, device: str, seed: int,
+                    runs: int) -> VerifyResult:
+    """verify's statistical judgement (`reference_rng` "torch")."""
+    curves, times = [], []
+    for k in range(runs):
+        torch.manual_seed(seed + 1 + k)  # the module's weights are built: the draws only
+        run_k = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale,
+                            device)
+        curves.append(run_k.losses)
+        times += run_k.step_s
+    verdict = spread_verdict(mine["rank_losses"], curves)
+    mine.pop("slices")
+    losses, rank_losses = mine.pop("losses"), mine.pop("rank_losses")
+    return VerifyResult.of(verdict, losses, verdict["ref_mean"], rank_losses, **mine,
+                           reference_rng="torch", ref_step_s=statistics.median(times),
+                           ref_curves=curves)
 
 
 def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], module,

@@ -1,5 +1,5 @@
 """Counter-based random numbers: every random value a pure function of
-(seed, step, micro-batch, the op's key, the element's logical index).
+(seed, step, the op's key, micro-batch, the element's logical index).
 
 A rank holding a piece of a logical tensor (its box: [lo, hi) per dim)
 draws exactly that piece's elements, by index, and nothing else; replicas
@@ -11,7 +11,11 @@ The generator: a keyed integer hash of the element's index, two rounds of a
 xorshift-multiply mixer (the structure of MurmurHash3's finalizer) with odd
 multipliers below 2^31, on int64 tensors holding 32-bit words:
 `h = mix(mix(lo ^ k0) ^ mix(hi ^ k1))`, `lo`/`hi` the index's 32-bit
-halves, `k0`/`k1` the key's words. Why not Philox (torch's on CUDA) or
+halves, `k0`/`k1` the key's words (of seed, step and op). The index is the
+element's within its micro-batch's tensor plus micro-batch x its size: the
+step's micro-batches laid end to end, so a tensor whose first dim is the
+batch (or batch-major) draws each sample's numbers wherever the sample's
+micro-batch boundaries fall (a resume with other micro-batches). Why not Philox (torch's on CUDA) or
 torch's generators: a generator's state advances per call and per launch
 configuration, so it cannot draw element i of a tensor without drawing its
 predecessors; Philox itself is counter-based but needs 32x32->64-bit
@@ -21,8 +25,8 @@ integer ops are; `randn`'s log and cosine are float32 and may differ in
 the last bits between devices).
 
 Invariants:
-- `bits(box, shape, key)` is `bits(whole, shape, key)` sliced to `box`,
-  for any box (tested property).
+- `bits(box, shape, stream)` is `bits(whole, shape, stream)` sliced to
+  `box`, for any box (tested property).
 - A value is drawn in chunks of at most `CHUNK` elements, so the temporary
   int64 words stay small beside the bool or float result.
 """
@@ -44,6 +48,14 @@ _U24 = 1 << 24  # uniforms are 24-bit: exact in float32
 Box = tuple[tuple[int, int], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One draw: its key's two words and the index of its first element."""
+
+    key: tuple[int, int]
+    offset: int = 0
+
+
 @dataclass(slots=True)
 class RandomCounter:
     """What a random op's key adds to its own identity: the run's seed and
@@ -54,8 +66,10 @@ class RandomCounter:
     step: int = 0
     microbatch: int = 0
 
-    def key(self, op_key: int) -> tuple[int, int]:
-        return key_words(self.seed, self.step, self.microbatch, op_key)
+    def stream(self, op_key: int, shape: tuple[int, ...]) -> Stream:
+        """Op `op_key`'s draw of a logical tensor of `shape`, this micro-batch's."""
+        return Stream(key_words(self.seed, self.step, op_key),
+                      self.microbatch * math.prod(shape))
 
 
 def mix(x: int) -> int:
@@ -97,14 +111,14 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
     return out[::-1]
 
 
-def bits(box: Box, shape: tuple[int, ...], key: tuple[int, int],
+def bits(box: Box, shape: tuple[int, ...], stream: Stream,
          device: torch.device | str = "cpu") -> torch.Tensor:
     """The 32-bit words (int64) of `box` of a logical tensor of `shape`."""
     out = torch.empty([b - a for a, b in box], dtype=torch.int64, device=device)
-    return _fill(out, box, shape, key, lambda w: w)
+    return _fill(out, box, shape, stream, lambda w: w)
 
 
-def _chunks(box: Box, shape: tuple[int, ...], key: tuple[int, int], device):
+def _chunks(box: Box, shape: tuple[int, ...], stream: Stream, device):
     """(out view, its words) for each chunk of `box`: the leading dims are
     walked one index at a time until the rest holds at most CHUNK elements."""
     local = [b - a for a, b in box]
@@ -116,12 +130,12 @@ def _chunks(box: Box, shape: tuple[int, ...], key: tuple[int, int], device):
     for d in range(split, len(local)):
         r = torch.arange(box[d][0], box[d][1], dtype=torch.int64, device=device) * strides[d]
         inner = inner.unsqueeze(-1) + r
-    big = math.prod(shape) > M32  # the index's high word varies
-    k0, k1 = key
+    big = stream.offset + math.prod(shape) > M32  # the index's high word varies
+    k0, k1 = stream.key
     high = mix(k1)  # mix(hi ^ k1) for hi == 0
     outer = itertools.product(*(range(a, b) for a, b in box[:split]))
     for idx in outer:
-        base = sum(i * s for i, s in zip(idx, strides))
+        base = stream.offset + sum(i * s for i, s in zip(idx, strides))
         x = inner + base
         lo = x.bitwise_and(M32).bitwise_xor_(k0)
         _mix_(lo)
@@ -132,45 +146,46 @@ def _chunks(box: Box, shape: tuple[int, ...], key: tuple[int, int], device):
         yield tuple(i - a for i, (a, _) in zip(idx, box)), _mix_(lo)
 
 
-def _fill(out: torch.Tensor, box: Box, shape: tuple[int, ...], key: tuple[int, int],
+def _fill(out: torch.Tensor, box: Box, shape: tuple[int, ...], stream: Stream,
           finish) -> torch.Tensor:
-    for pos, words in _chunks(box, shape, key, out.device):
+    for pos, words in _chunks(box, shape, stream, out.device):
         out[pos].copy_(finish(words))
     return out
 
 
-def keep_mask(box: Box, shape: tuple[int, ...], p: float, key: tuple[int, int],
+def keep_mask(box: Box, shape: tuple[int, ...], p: float, stream: Stream,
               device: torch.device | str = "cpu") -> torch.Tensor:
     """Dropout's keep mask (bool): kept with probability 1 - p (to 2^-24)."""
     threshold = round(p * _U24)
     out = torch.empty([b - a for a, b in box], dtype=torch.bool, device=device)
-    return _fill(out, box, shape, key, lambda w: (w >> 8) >= threshold)
+    return _fill(out, box, shape, stream, lambda w: (w >> 8) >= threshold)
 
 
-def uniform(box: Box, shape: tuple[int, ...], key: tuple[int, int], dtype: torch.dtype,
+def uniform(box: Box, shape: tuple[int, ...], stream: Stream, dtype: torch.dtype,
             device: torch.device | str = "cpu") -> torch.Tensor:
     """Uniform in [0, 1), 24 random bits each."""
     out = torch.empty([b - a for a, b in box], dtype=dtype, device=device)
-    return _fill(out, box, shape, key,
+    return _fill(out, box, shape, stream,
                  lambda w: (w >> 8).to(torch.float32).mul_(1.0 / _U24))
 
 
-def normal(box: Box, shape: tuple[int, ...], key: tuple[int, int], dtype: torch.dtype,
+def normal(box: Box, shape: tuple[int, ...], stream: Stream, dtype: torch.dtype,
            device: torch.device | str = "cpu") -> torch.Tensor:
     """Standard normal by Box-Muller, from two uniforms of two keys."""
-    u1 = uniform(box, shape, key, torch.float32, device)
-    u2 = uniform(box, shape, key_words(*key, 1), torch.float32, device)
+    u1 = uniform(box, shape, stream, torch.float32, device)
+    u2 = uniform(box, shape, Stream(key_words(*stream.key, 1), stream.offset), torch.float32,
+                 device)
     r = torch.sqrt(-2.0 * torch.log1p(-u1))
     return (r * torch.cos((2 * math.pi) * u2)).to(dtype)
 
 
-def integers(box: Box, shape: tuple[int, ...], key: tuple[int, int], low: int, high: int,
+def integers(box: Box, shape: tuple[int, ...], stream: Stream, low: int, high: int,
              dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """Integers in [low, high) (modulo a 32-bit word: a bias below
     (high - low) / 2^32)."""
     assert 0 < high - low <= M32
     out = torch.empty([b - a for a, b in box], dtype=dtype, device=device)
-    return _fill(out, box, shape, key, lambda w: w.remainder_(high - low).add_(low))
+    return _fill(out, box, shape, stream, lambda w: w.remainder_(high - low).add_(low))
 
 
 def whole(shape) -> Box:

@@ -9,8 +9,8 @@ Invariants:
   The key is a literal of the op: passes keep it, a recompute's clone
   copies it, so a clone draws the same numbers.
 - A kernel draws the box of its output it holds (`box`: [lo, hi) per dim
-  of the logical `shape`) under the key of (seed, step, micro-batch, op
-  key): `runtime/bind.py` binds them per rank; the logical kernel here
+  of the logical `shape`) from the stream of (seed, step, op key,
+  micro-batch): `runtime/bind.py` binds them per rank; the logical kernel here
   draws the whole tensor at step 0, micro-batch 0, seed 0.
 - Dropout's output follows its input's layout; a Partial input stays
   Partial (dropout is linear in x, every holder draws the same mask) and
@@ -32,20 +32,20 @@ from meshplan.ops.rule import Emits
 from meshplan.ops.sbp_rules import pointwise
 from meshplan.ops.sbp_sig import Outs, P, R, SbpSig, replicated, tensors
 
-Draw = dict  # box, shape, key, as `runtime/bind.py` binds them
+Draw = dict  # box, shape, stream, as `runtime/bind.py` binds them
 
 
 def _draw(shape, key: int, draw: Draw | None) -> tuple:
     if draw is None:  # the logical kernel: the whole tensor, seed 0, step 0, micro-batch 0
-        return rng.whole(shape), tuple(shape), rng.RandomCounter().key(key)
-    return draw["box"], draw["shape"], draw["key"]
+        return rng.whole(shape), tuple(shape), rng.RandomCounter().stream(key, tuple(shape))
+    return draw["box"], draw["shape"], draw["stream"]
 
 
 # ------------------------------------------------------------------ kernels
 def dropout_kernel(x: torch.Tensor, p: float, key: int, *, draw: Draw | None = None):
     """(x * mask * 1/(1-p), mask): the arithmetic of aten's `native_dropout`."""
-    box, shape, words = _draw(x.shape, key, draw)
-    mask = rng.keep_mask(box, shape, p, words, x.device)
+    box, shape, stream = _draw(x.shape, key, draw)
+    mask = rng.keep_mask(box, shape, p, stream, x.device)
     return x.mul(mask).mul_(1.0 / (1.0 - p)), mask
 
 
@@ -53,10 +53,10 @@ def random_like_kernel(x: torch.Tensor, dist: str, p: float, key: int, *,
                        draw: Draw | None = None) -> torch.Tensor:
     """`rand_like` ("uniform"), `randn_like` ("normal"), `bernoulli(x)`
     ("bernoulli": x the probabilities) and `bernoulli(x, p)` ("bernoulli_p")."""
-    box, shape, words = _draw(x.shape, key, draw)
+    box, shape, stream = _draw(x.shape, key, draw)
     if dist == "normal":
-        return rng.normal(box, shape, words, x.dtype, x.device)
-    u = rng.uniform(box, shape, words, torch.float32, x.device)
+        return rng.normal(box, shape, stream, x.dtype, x.device)
+    u = rng.uniform(box, shape, stream, torch.float32, x.device)
     if dist == "uniform":
         return u.to(x.dtype)
     return (u < (x if dist == "bernoulli" else p)).to(x.dtype)
@@ -65,12 +65,12 @@ def random_like_kernel(x: torch.Tensor, dist: str, p: float, key: int, *,
 def random_kernel(size, dist: str, low: int, high: int, dtype: Any, key: int, *,
                   device: Any = None, draw: Draw | None = None) -> torch.Tensor:
     """`rand` / `randn` / `randint` of a shape."""
-    box, shape, words = _draw(tuple(size), key, draw)
+    box, shape, stream = _draw(tuple(size), key, draw)
     dtype = dtype or torch.get_default_dtype()
     if dist == "integers":
-        return rng.integers(box, shape, words, low, high, dtype, device or "cpu")
+        return rng.integers(box, shape, stream, low, high, dtype, device or "cpu")
     make = rng.normal if dist == "normal" else rng.uniform
-    return make(box, shape, words, dtype, device or "cpu")
+    return make(box, shape, stream, dtype, device or "cpu")
 
 
 KERNELS = {DROPOUT: dropout_kernel, RANDOM_LIKE: random_like_kernel, RANDOM: random_kernel}

@@ -36,6 +36,7 @@ from meshplan.ir.mesh import AXES, Mesh, Strategy
 from meshplan.passes.auto_plan import resolve_auto
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
+from meshplan.passes.eval_mode import eval_mode
 from meshplan.passes.grad_norm import split_norm
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
@@ -243,6 +244,8 @@ def plan_forward(graph: Graph, mesh: Mesh, strategy: Strategy,
     no gradient and no optimizer op. Its ranks run F actions only (the
     schedule's B actions and STEP find nothing to do), each micro-batch's
     loss on the last stage, with the train Job's placement, layouts and
-    stages, so an evaluating rank reads the parameters the train plan keeps."""
-    c = PASSES.run(Compilation(graph, mesh, strategy), skip=("autodiff",), checks=checks)
+    stages, so an evaluating rank reads the parameters the train plan keeps.
+    Dropout is off, as in `module.eval()` (`eval_mode.py`)."""
+    c = PASSES.run(Compilation(eval_mode(graph), mesh, strategy), skip=("autodiff",),
+                   checks=checks)
     return c.job

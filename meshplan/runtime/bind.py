@@ -89,7 +89,8 @@ def _random(op: Op, ctx: RankContext) -> Callable:
     box, shape, counter = ctx.box(out), ctx.job.graph.values[out].meta.shape, ctx.random
 
     def draw(*args, **kw):
-        return kernel(*args, **kw, draw={"box": box, "shape": shape, "key": counter.key(key)})
+        return kernel(*args, **kw, draw={"box": box, "shape": shape,
+                                         "stream": counter.stream(key, shape)})
 
     return draw
 

@@ -1,7 +1,10 @@
 """Periodic checkpoints in `meshplan train` and `--resume`: at the same
 layout the steps after the checkpoint are bit for bit the uninterrupted
 run's; at another layout (dp4 with ZeRO 3, tp2 pp2) within 1e-5, reading the
-same samples (the data order is a function of the step, not the layout)."""
+same samples (the data order is a function of the step, not the layout).
+Dropout is on: its masks do not depend on the layout, nor, the model's
+tensors being batch-major, on where micro-batches split the batch (dp4 runs
+one micro-batch where dp2 pp2 ran two)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ JSON_DIR = Path(sysconfig.get_paths()["stdlib"]) / "json"
 COMMON = ["--size", "tiny", "--global-batch-size", "8", "--micro-batch-size", "2",
           "--steps", "6", "--optimizer", "adamw", "--lr", "3e-3", "--lr-schedule", "cosine",
           "--warmup-steps", "2", "--min-lr", "0", "--clip-grad-norm", "1.0",
-          "--eval-every", "0", "--sample-tokens", "0", "--tensorboard"]
+          "--eval-every", "0", "--sample-tokens", "0", "--tensorboard", "--dropout", "0.1"]
 DP2_PP2 = ["--devices-per-node", "4", "--tp", "1", "--pp", "2", "--vpp", "1"]
 
 

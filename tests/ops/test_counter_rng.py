@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from meshplan.ops import counter_rng as rng
 
 
-def _element(index: int, key: tuple[int, int]) -> int:
+def _element(index: int, key: tuple[int, int], offset: int = 0) -> int:
     """The generator's word for one index, in Python ints (the docstring's formula)."""
+    index += offset
     lo, hi = index & rng.M32, index >> 32
     return rng.mix(rng.mix(lo ^ key[0]) ^ rng.mix(hi ^ key[1]))
 
@@ -34,7 +35,7 @@ def _boxes(draw):
 @given(_boxes(), st.integers(0, 2**40))
 def test_a_box_is_the_whole_draw_sliced(case, seed):
     shape, box, chunk = case
-    key = rng.key_words(seed, 3, 1, 7)
+    key = rng.Stream(rng.key_words(seed, 3, 7), seed % 1000)
     whole = rng.bits(rng.whole(shape), shape, key)
     old, rng.CHUNK = rng.CHUNK, chunk  # chunked or not, the same words
     try:
@@ -45,10 +46,10 @@ def test_a_box_is_the_whole_draw_sliced(case, seed):
 
 
 def test_every_word_is_the_hash_of_its_index():
-    key = rng.key_words(5, 0, 2, 11)
+    key = rng.key_words(5, 0, 11)
     shape = (3, 7)
-    words = rng.bits(rng.whole(shape), shape, key).flatten().tolist()
-    assert words == [_element(i, key) for i in range(21)]
+    words = rng.bits(rng.whole(shape), shape, rng.Stream(key, 42)).flatten().tolist()
+    assert words == [_element(i, key, 42) for i in range(21)]
     x = torch.tensor([0, 1, 12345, rng.M32])
     assert rng._mix_(x.clone()).tolist() == [rng.mix(int(v)) for v in x]
 
@@ -59,16 +60,29 @@ def test_an_index_past_two_to_the_32_uses_its_high_word():
     shape = (1 << 21, 1 << 12)  # 2^33 elements, never allocated
     key = rng.key_words(1, 2, 3, 4)
     box = ((shape[0] - 2, shape[0]), (shape[1] - 3, shape[1]))
-    got = rng.bits(box, shape, key).flatten().tolist()
+    got = rng.bits(box, shape, rng.Stream(key)).flatten().tolist()
     want = [_element(r * shape[1] + c, key) for r in range(*box[0]) for c in range(*box[1])]
     assert got == want
     assert want[0] != _element((shape[0] - 2) * shape[1] + shape[1] - 3 & rng.M32, key)
 
 
+def test_micro_batches_lie_end_to_end():
+    """Micro-batch m's draw continues where m - 1's ends: two micro-batches of
+    2 rows draw what one of 4 rows does."""
+    counter, shape = rng.RandomCounter(7, 3), (2, 5)
+    parts = []
+    for m in range(2):
+        counter.microbatch = m
+        parts.append(rng.bits(rng.whole(shape), shape, counter.stream(4, shape)))
+    counter.microbatch = 0
+    one = rng.bits(rng.whole((4, 5)), (4, 5), counter.stream(4, (4, 5)))
+    assert torch.equal(torch.cat(parts), one)
+
+
 def test_keys_are_distinct_and_order_sensitive():
-    keys = {rng.key_words(0, s, m, k) for s in range(8) for m in range(8) for k in range(32)}
-    assert len(keys) == 8 * 8 * 32
-    assert rng.key_words(0, 1, 2, 3) != rng.key_words(0, 2, 1, 3)
+    keys = {rng.key_words(0, s, k) for s in range(64) for k in range(32)}
+    assert len(keys) == 64 * 32
+    assert rng.key_words(0, 1, 2) != rng.key_words(0, 2, 1)
     with pytest.raises(AssertionError):
         rng.key_words(-1)
 
@@ -76,7 +90,7 @@ def test_keys_are_distinct_and_order_sensitive():
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_keep_rate_and_uniform_and_normal_moments(p):
     n = 1 << 20
-    key = rng.key_words(9, 0, 0, 0)
+    key = rng.Stream(rng.key_words(9, 0, 0))
     kept = rng.keep_mask(rng.whole((n,)), (n,), p, key).double().mean().item()
     assert abs(kept - (1 - p)) < 3 * math.sqrt(p * (1 - p) / n)
     u = rng.uniform(rng.whole((n,)), (n,), key, torch.float64)
@@ -91,8 +105,8 @@ def test_keep_rate_and_uniform_and_normal_moments(p):
 
 def test_neighbouring_elements_and_keys_are_uncorrelated():
     n = 1 << 18
-    a = rng.uniform(rng.whole((n,)), (n,), rng.key_words(0, 0, 0, 0), torch.float64)
-    b = rng.uniform(rng.whole((n,)), (n,), rng.key_words(0, 0, 0, 1), torch.float64)
+    a = rng.uniform(rng.whole((n,)), (n,), rng.Stream(rng.key_words(0, 0, 0)), torch.float64)
+    b = rng.uniform(rng.whole((n,)), (n,), rng.Stream(rng.key_words(0, 0, 1)), torch.float64)
     bound = 4 / math.sqrt(n)
     assert abs(torch.corrcoef(torch.stack([a[1:], a[:-1]]))[0, 1]) < bound
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < bound

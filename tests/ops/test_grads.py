@@ -357,7 +357,7 @@ def test_dropout_matches_eager_drawing_the_same_mask(p):
     if p:  # the mask itself: zero where dropped, cot / (1 - p) where kept
         grad, cot = state["p0@grad"], module.cot0
         kept = counter_rng.keep_mask(counter_rng.whole(cot.shape), tuple(cot.shape), p,
-                                     counter_rng.RandomCounter().key(0))
+                                     counter_rng.RandomCounter().stream(0, tuple(cot.shape)))
         assert 0 < kept.sum() < kept.numel()
         assert torch.equal(grad == 0, ~kept)
         torch.testing.assert_close(grad[kept], cot[kept] / (1 - p), rtol=1e-12, atol=0)

@@ -319,7 +319,7 @@ def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
         part = _part(shape, sig.outs[0], n, i)
         box = tuple(sl.indices(size)[:2] for sl, size in zip(part, shape))
         return partial(kernel, draw={"box": box, "shape": shape,
-                                     "key": RandomCounter().key(args[-1])})
+                                     "stream": RandomCounter().stream(args[-1], shape)})
     if sig.variant == "bias_first":
         return lk.bias_first(kernel, i == 0)
     if sig.variant == "replica_first":

@@ -36,9 +36,9 @@ LAYOUTS = {
 }
 
 
-def _labels(ops: int = 64) -> dict:
-    """key words -> (step, micro-batch, op key) of seed 0."""
-    return {counter_rng.key_words(0, s, m, k): (s, m, k)
+def _labels(shape, ops: int = 64) -> dict:
+    """The stream of a draw of `shape` -> its (step, micro-batch, op key), seed 0."""
+    return {counter_rng.RandomCounter(0, s, m).stream(k, shape): (s, m, k)
             for s in range(STEPS) for m in range(M) for k in range(ops)}
 
 
@@ -52,7 +52,7 @@ def _masks(monkeypatch, layout: str, shift: bool = False) -> tuple[dict, bool]:
     cfg = model_config("gpt", "tiny", dropout=P)
     s = zoo_strategy("gpt", cfg, global_batch_size=BATCH, **fields)
     job = plan_model("gpt", "tiny", Mesh(1, world), s, dropout=P).job
-    labels, lock, pieces = _labels(), threading.Lock(), {}
+    lock, pieces = threading.Lock(), {}
 
     def recording(x, p, key, *, draw):
         box = draw["box"]
@@ -60,7 +60,8 @@ def _masks(monkeypatch, layout: str, shift: bool = False) -> tuple[dict, bool]:
             draw = dict(draw, box=tuple((0, b - a) for a, b in box))
         out, mask = random_ops.dropout_kernel(x, p, key, draw=draw)
         with lock:
-            seen = pieces.setdefault(labels[draw["key"]], (draw["shape"], {}))[1]
+            seen = pieces.setdefault(_labels(draw["shape"])[draw["stream"]],
+                                     (draw["shape"], {}))[1]
             old = seen.setdefault(box, mask.clone())
             assert torch.equal(old, mask), "a box drawn twice differs (a replica, a recompute)"
         return out, mask
