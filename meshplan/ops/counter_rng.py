@@ -42,7 +42,7 @@ import torch
 M32 = (1 << 32) - 1
 _C1 = 0x7FEB352D  # odd, < 2^31: a 32-bit word times it stays below 2^63
 _C2 = 0x5BD1E995
-CHUNK = 1 << 20
+CHUNK = 1 << 18
 _U24 = 1 << 24  # uniforms are 24-bit: exact in float32
 
 Box = tuple[tuple[int, int], ...]
@@ -81,13 +81,12 @@ def mix(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _mix_(x: torch.Tensor) -> torch.Tensor:
-    """`mix` in place on an int64 tensor of 32-bit words."""
-    x.bitwise_xor_(x >> 16)
-    x.mul_(_C1).bitwise_and_(M32)
-    x.bitwise_xor_(x >> 15)
-    x.mul_(_C2).bitwise_and_(M32)
-    return x.bitwise_xor_(x >> 16)
+def _mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """`mix` in place on an int64 tensor of 32-bit words (`tmp`: scratch of its size)."""
+    for shift, mult in ((16, _C1), (15, _C2)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=tmp))
+        x.mul_(mult).bitwise_and_(M32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=tmp))
 
 
 def key_words(*words: int) -> tuple[int, int]:
@@ -119,35 +118,56 @@ def bits(box: Box, shape: tuple[int, ...], stream: Stream,
 
 
 def _chunks(box: Box, shape: tuple[int, ...], stream: Stream, device):
-    """(out view, its words) for each chunk of `box`: the leading dims are
-    walked one index at a time until the rest holds at most CHUNK elements."""
+    """(out index, its words) for each chunk of `box`: the dims before `d`
+    one index at a time, dim `d` in blocks, so that a chunk holds at most
+    CHUNK elements (its scratch stays in cache) and at least as many as
+    whole rows past `d` allow."""
     local = [b - a for a, b in box]
     strides = _strides(shape)
-    split = 0
-    while split < len(local) and math.prod(local[split:]) > CHUNK:
-        split += 1
-    inner = torch.zeros((), dtype=torch.int64, device=device)
-    for d in range(split, len(local)):
-        r = torch.arange(box[d][0], box[d][1], dtype=torch.int64, device=device) * strides[d]
-        inner = inner.unsqueeze(-1) + r
+    d = 0
+    while d < len(local) - 1 and math.prod(local[d + 1:]) > CHUNK:
+        d += 1
+    row = math.prod(local[d + 1:])
+    block = max(1, min(local[d], CHUNK // max(row, 1)))
+    inner = _index(((0, block),) + box[d + 1:], (block,) + shape[d + 1:], strides[d:], device)
     big = stream.offset + math.prod(shape) > M32  # the index's high word varies
     k0, k1 = stream.key
     high = mix(k1)  # mix(hi ^ k1) for hi == 0
-    outer = itertools.product(*(range(a, b) for a, b in box[:split]))
-    for idx in outer:
-        base = stream.offset + sum(i * s for i, s in zip(idx, strides))
-        x = inner + base
-        lo = x.bitwise_and(M32).bitwise_xor_(k0)
-        _mix_(lo)
+    tmp = torch.empty_like(inner)
+    starts = range(box[d][0], box[d][1], block)
+    for idx in itertools.product(*(range(a, b) for a, b in box[:d]), starts):
+        at = idx[-1]
+        n = min(block, box[d][1] - at)
+        base = stream.offset + sum(i * st for i, st in zip(idx, strides))
+        x, scratch = inner[:n].add(base), tmp[:n]
         if big:
-            lo.bitwise_xor_(_mix_(x.bitwise_right_shift(32).bitwise_xor_(k1)))
+            hi = _mix_(x.bitwise_right_shift(32).bitwise_xor_(k1), scratch)
+            x.bitwise_and_(M32).bitwise_xor_(k0)
+            _mix_(x, scratch).bitwise_xor_(hi)
         else:
-            lo.bitwise_xor_(high)
-        yield tuple(i - a for i, (a, _) in zip(idx, box)), _mix_(lo)
+            _mix_(x.bitwise_xor_(k0), scratch).bitwise_xor_(high)
+        pos = tuple(i - a for i, (a, _) in zip(idx[:-1], box))
+        yield pos + (slice(at - box[d][0], at - box[d][0] + n),), _mix_(x, scratch)
+
+
+def _index(box: Box, shape, strides: list[int], device) -> torch.Tensor:
+    """Each element's linear index in a tensor of `shape` (strides `strides`)
+    over `box`: one range where the box is whole past its first dim."""
+    if all(box[d] == (0, shape[d]) for d in range(1, len(box))):
+        a, b = box[0]
+        return torch.arange(a * strides[0], b * strides[0], dtype=torch.int64,
+                            device=device).view([b - a, *shape[1:]])
+    out = torch.zeros((), dtype=torch.int64, device=device)
+    for (a, b), s in zip(box, strides):
+        out = out.unsqueeze(-1) + torch.arange(a, b, dtype=torch.int64, device=device) * s
+    return out
 
 
 def _fill(out: torch.Tensor, box: Box, shape: tuple[int, ...], stream: Stream,
           finish) -> torch.Tensor:
+    if not box:  # a scalar: the one element of a 1-element vector
+        _fill(out.view(1), ((0, 1),), (1,), stream, finish)
+        return out
     for pos, words in _chunks(box, shape, stream, out.device):
         out[pos].copy_(finish(words))
     return out
@@ -156,9 +176,9 @@ def _fill(out: torch.Tensor, box: Box, shape: tuple[int, ...], stream: Stream,
 def keep_mask(box: Box, shape: tuple[int, ...], p: float, stream: Stream,
               device: torch.device | str = "cpu") -> torch.Tensor:
     """Dropout's keep mask (bool): kept with probability 1 - p (to 2^-24)."""
-    threshold = round(p * _U24)
+    threshold = round(p * _U24) << 8  # the word's top 24 bits at or above p * 2^24
     out = torch.empty([b - a for a, b in box], dtype=torch.bool, device=device)
-    return _fill(out, box, shape, stream, lambda w: (w >> 8) >= threshold)
+    return _fill(out, box, shape, stream, lambda w: w >= threshold)
 
 
 def uniform(box: Box, shape: tuple[int, ...], stream: Stream, dtype: torch.dtype,

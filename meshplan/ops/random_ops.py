@@ -139,7 +139,7 @@ def attention(e: Emits, q: Ref, k: Ref, v: Ref, opts: dict, ctx: Any) -> Ref:
 def attention_math(call, info, q, k, v, opts: dict, drop, lit: dict):
     """Attention as aten ops (`call(kind, *args, **kwargs)`; `info(x)`: x's
     shape and whether it is bool), the math of aten's
-    `_scaled_dot_product_attention_math`: softmax(q k^T * scale + mask),
+    `_scaled_dot_product_attention_math`: softmax((q * scale) k^T + mask),
     `drop` applied, times v. Capture emits it; the eager reference
     (`driver/same_masks.py`) runs it, so both compute alike."""
     qs, ks = info(q)[0], info(k)[0]
@@ -147,8 +147,8 @@ def attention_math(call, info, q, k, v, opts: dict, drop, lit: dict):
     if opts.get("enable_gqa") and len(qs) > 2 and qs[-3] != ks[-3]:
         k = call("aten.repeat_interleave.self_int", k, qs[-3] // ks[-3], -3)
         v = call("aten.repeat_interleave.self_int", v, qs[-3] // ks[-3], -3)
-    s = call("aten.mul.Tensor", call("aten.matmul.default", q,
-                                     call("aten.transpose.int", k, -2, -1)), scale)
+    q = call("aten.mul.Tensor", q, scale)  # q (.., L, E) is smaller than the scores (.., L, S)
+    s = call("aten.matmul.default", q, call("aten.transpose.int", k, -2, -1))
     mask = opts.get("attn_mask")
     if opts.get("is_causal"):  # torch refuses a mask beside it
         ones = call("aten.ones.default", (qs[-2], ks[-2]), dtype=lit["bool"],

@@ -51,7 +51,7 @@ def test_every_word_is_the_hash_of_its_index():
     words = rng.bits(rng.whole(shape), shape, rng.Stream(key, 42)).flatten().tolist()
     assert words == [_element(i, key, 42) for i in range(21)]
     x = torch.tensor([0, 1, 12345, rng.M32])
-    assert rng._mix_(x.clone()).tolist() == [rng.mix(int(v)) for v in x]
+    assert rng._mix_(x.clone(), torch.empty_like(x)).tolist() == [rng.mix(int(v)) for v in x]
 
 
 def test_an_index_past_two_to_the_32_uses_its_high_word():
