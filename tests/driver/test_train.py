@@ -20,12 +20,14 @@ from meshplan.cli.main import main
 from meshplan.data.feed import FeedReader, TokenFeed
 from meshplan.driver.metrics import read_metrics, read_tensorboard
 from meshplan.driver.reference import eager_eval, eager_train
+from meshplan.driver.same_masks import SameMasks
 
 RUN_TOML = """\
 # GPT tiny at dp2 pp2 on 4 local ranks
 [model]
 model = "gpt"
 size = "tiny"
+dropout = 0.1
 
 [parallel]
 devices-per-node = 4
@@ -91,7 +93,9 @@ def test_metrics_every_step_and_eval_every_ten(trained):
 @pytest.mark.slow
 def test_losses_evals_and_weights_equal_an_eager_loop(trained):
     """fp32: every step's loss, every evaluation and every trained parameter
-    within 1e-5 of eager PyTorch reading the same file with the same sampler."""
+    within 1e-5 of eager PyTorch reading the same file with the same sampler,
+    its dropout drawing the run's masks (seed 0, the data's) and off in
+    evaluation (`module.eval()`; the ranks' forward-only plan has none)."""
     from safetensors.torch import load_file
 
     from meshplan.autodiff import OptimizerConfig
@@ -99,7 +103,7 @@ def test_losses_evals_and_weights_equal_an_eager_loop(trained):
     from meshplan.models import build_model, model_config
 
     data, out = trained
-    cfg = model_config("gpt", "tiny", vocab=257)
+    cfg = model_config("gpt", "tiny", vocab=257, dropout=0.1)
     torch.manual_seed(0)
     module = build_model(cfg)
     feed = TokenFeed(str(data), "train", cfg.seq_len, 0)
@@ -113,7 +117,8 @@ def test_losses_evals_and_weights_equal_an_eager_loop(trained):
         if k % 10 == 0:
             evals[k] = eager_eval(module, [val.batch(b) for b in range(2)], 4)
 
-    ref = eager_train(module, [reader.batch(k) for k in range(30)], 4, opt, after_step=evaluate)
+    ref = eager_train(module, [reader.batch(k) for k in range(30)], 4, opt, after_step=evaluate,
+                      masks=SameMasks(0))
     rows = read_metrics(out / "metrics.jsonl")
     mine = [r["loss"] for r in rows if r["kind"] == "train"]
     assert max(abs(a - b) for a, b in zip(mine, ref.losses)) < 1e-5
