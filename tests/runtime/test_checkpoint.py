@@ -120,22 +120,25 @@ def _one_rank(micro_batch_size: int = 8):
     return job, ex, ex.init_state(build_model(cfg))
 
 
-def test_growth_counter_and_rng_round_trip(tmp_path):
-    """A checkpoint holds the fp16 growth counter and the rank's RNG state;
-    the same Job gets both back, another Job (another layout) only the
-    counter: its generator is left as it is."""
+def test_growth_counter_seed_and_rng_round_trip(tmp_path):
+    """A checkpoint holds the fp16 growth counter, the random ops' seed and
+    the rank's torch RNG state; the same Job gets all back, another Job
+    (another layout) the counter and the seed (the random ops' numbers do
+    not depend on the layout), its torch generator left as it is."""
     import torch
 
     from meshplan.runtime import checkpoint
 
     job, ex, state = _one_rank()
     torch.manual_seed(7)
+    ex.ctx.random.seed = 1234
     checkpoint.save(str(tmp_path), checkpoint.stage(state, job, ex.ctx, 3, good_steps=17), job, 3)
     after_save = torch.rand(5)
     torch.manual_seed(99)
+    ex.ctx.random.seed = 0
     got = checkpoint.load(str(tmp_path), state, job, ex.ctx)
     assert got == checkpoint.Resumed(next_step=3, good_steps=17, rng=True)
-    assert torch.rand(5).equal(after_save)
+    assert torch.rand(5).equal(after_save) and ex.ctx.random.seed == 1234
     other, ex2, state2 = _one_rank(micro_batch_size=4)
     assert other.digest() != job.digest()
     torch.manual_seed(99)
@@ -143,7 +146,7 @@ def test_growth_counter_and_rng_round_trip(tmp_path):
     torch.manual_seed(99)
     assert checkpoint.load(str(tmp_path), state2, other, ex2.ctx) == \
         checkpoint.Resumed(next_step=3, good_steps=17, rng=False)
-    assert torch.rand(5).equal(untouched)
+    assert torch.rand(5).equal(untouched) and ex2.ctx.random.seed == 1234
 
 
 def test_async_save_writes_the_staged_copy_then_marks_it(tmp_path, monkeypatch):
