@@ -4,9 +4,11 @@
   float input cast down) and "fp32" kinds in fp32 (low inputs cast back);
   the lists are CUDA autocast's. Kinds not listed follow type promotion.
 - `RECOMPUTE`: under selective activation checkpointing, "keep" kinds (costly
-  to redo: matmuls, attention, convolution) keep their outputs. Kinds whose
-  name says they draw random numbers are "random": they cannot be replayed
-  (see `recompute_class`).
+  to redo: matmuls, attention, convolution) keep their outputs. aten kinds
+  whose name says they draw random numbers are "random": they draw from
+  torch's generator and cannot be replayed (see `recompute_class`); capture
+  makes the common ones meshplan's own random ops, which replay
+  (`random_ops.py`).
 
 `table.rule_for` copies these into each `OpRule` (`precision`, `recompute`).
 """

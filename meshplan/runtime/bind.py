@@ -2,7 +2,8 @@
 
 Invariant: a task gets a callable here only when this rank runs it
 differently from the logical op (a rank-dependent variant, a collective, a
-local slice, the device's own kernel named by `Task.kernel`); every other
+local slice, the device's own kernel named by `Task.kernel`, a random op
+drawing its box of the logical draw); every other
 task runs the op's aten kernel, bound by the segment compiler. Everything
 rank-dependent (boxes, groups, offsets) is computed here, once, at load time.
 """

@@ -28,10 +28,11 @@ Invariants:
   by that rank at the next `poll`/`wait`.
 - Besides the state, a checkpoint holds everything a resume needs: the
   next step (rank 0), the fp16 growth counter (rank 0; the same on every
-  rank) and each rank's RNG states (torch's CPU generator, the rank's CUDA
-  one on a GPU; one key per rank). The RNG states are restored only by the
-  same Job on the same world: at another layout a rank's random stream has
-  no counterpart (layout-invariant randomness is issue 36).
+  rank), the random ops' seed (rank 0; restored at any layout) and each
+  rank's torch RNG states (torch's CPU generator, the rank's CUDA one on a
+  GPU; one key per rank), which only random aten ops capture does not
+  rewrite draw from. They are restored only by the same Job on the same
+  world: at another layout a rank's stream has no counterpart.
 - The one fault-injection point, for tests: `MESHPLAN_FAULT_KILL_AFTER_SHARD`
   = `"<next step>:<rank>"` makes that rank `os._exit(137)` right after its
   shard of that checkpoint is written (`shard_writer`).
