@@ -14,6 +14,8 @@ budget (default 450 s, under 8 minutes on one H200):
   pytest_cuda      the tests marked `cuda` (pytest -m cuda)
   verify_pp2_vpp2  pp=2 vpp=2 on one GPU, two ranks, host-staged gloo
   verify_tp2       tp=2 on one GPU, two ranks, host-staged gloo
+  dropout          counter-based random bits on the GPU equal the CPU's, and
+                     GPT tiny dropout 0.1 tp=2 verifies (same masks as eager)
   speed_profile    one profiled step of meshplan and of eager: where time goes
 
 and writes benchmarks/results/gpu.json and gpu.md after every part, so a run
@@ -49,7 +51,7 @@ from gpu_report import write_report  # noqa: E402  (this folder is on sys.path)
 # important first, so a short budget still answers the main questions.
 PARTS = [
     ("verify_fp32", 90), ("verify_bf16", 90), ("speed_meshplan", 150), ("speed_eager", 90),
-    ("pytest_cuda", 150), ("verify_pp2_vpp2", 120), ("verify_tp2", 100),
+    ("pytest_cuda", 150), ("verify_pp2_vpp2", 120), ("verify_tp2", 100), ("dropout", 100),
     ("speed_compile", 180), ("speed_profile", 120),
 ]
 MIN_PART_S = 20  # a part is not started with less budget left than this

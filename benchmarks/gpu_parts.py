@@ -116,15 +116,17 @@ def part_verify_bf16(res: Result, a) -> None:
                    "verdict (bf16 bounds; vs fp32 for information)")
 
 
-def _two_ranks(res: Result, a, judged: str, **fields) -> None:
+def _two_ranks(res: Result, a, judged: str, dropout: float = 0.0, **fields) -> dict:
     from meshplan.driver.verify import verify
     from meshplan.ir.mesh import Mesh
 
     backend = "gloo"  # two ranks share one GPU: host-staged
+    over = {"dropout": dropout} if dropout else {}
     r = verify("gpt", "tiny", steps=a.steps, optimizer="adamw", mesh=Mesh(1, 2),
                strategy=_tiny_strategy(**fields), device=a.device,
-               run_options={"backend": backend, "timeout_s": 120.0})
+               run_options={"backend": backend, "timeout_s": 120.0}, **over)
     _verify_result(res, r, judged)
+    return r
 
 
 def part_verify_pp2_vpp2(res: Result, a) -> None:
@@ -136,6 +138,27 @@ def part_verify_pp2_vpp2(res: Result, a) -> None:
 def part_verify_tp2(res: Result, a) -> None:
     _two_ranks(res, a, "GPT tiny tp=2, 2 ranks on one device, host-staged gloo: "
                "verify's verdict", tp=2, global_batch_size=8, micro_batch_size=8)
+
+
+def part_dropout(res: Result, a) -> None:
+    """Layout-invariant dropout on the device (issue 36): the counter-based
+    generator's words on it equal the CPU's bit for bit, and GPT tiny with
+    dropout 0.1 (attention's too, as aten ops) at tp=2 verifies equal to
+    eager on the device drawing the same masks."""
+    import torch
+
+    from meshplan.ops import counter_rng as rng
+
+    shape = (8, 8, 128, 128)
+    stream = rng.Stream(rng.key_words(3, 5, 7), 11)
+    box = ((0, 8), (2, 6), (0, 128), (0, 128))
+    same = all(torch.equal(f(box, shape, stream, a.device).cpu(), f(box, shape, stream))
+               for f in (rng.bits, lambda *x: rng.keep_mask(*x[:2], 0.1, *x[2:])))
+    say(f"counter-based words on {a.device} equal the CPU's: {same}")
+    r = _two_ranks(res, a, "GPT tiny dropout 0.1 tp=2, 2 ranks on one device: verify's "
+                   "verdict against eager drawing the same masks", dropout=0.1, tp=2,
+                   global_batch_size=8, micro_batch_size=8)
+    res.set(ok=r["ok"] and same, bits_equal_cpu=same)
 
 
 # ------------------------------------------------------------------ speed
@@ -396,6 +419,7 @@ PARTS = {
     "verify_bf16": part_verify_bf16,
     "verify_pp2_vpp2": part_verify_pp2_vpp2,
     "verify_tp2": part_verify_tp2,
+    "dropout": part_dropout,
     "speed_meshplan": part_speed_meshplan,
     "speed_eager": part_speed_eager,
     "speed_compile": part_speed_compile,
