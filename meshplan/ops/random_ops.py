@@ -1,6 +1,6 @@
-"""Random ops, layout-invariant: dropout, attention's dropout mask, and the
-draws of `rand`/`randn`/`randint`/`bernoulli`, as meshplan ops whose
-numbers come from the counter-based generator (`counter_rng.py`).
+"""Random ops, layout-invariant: dropout (attention's too, its math as aten
+ops), and the draws of `rand`/`randn`/`randint`/`bernoulli`, as meshplan
+ops whose numbers come from the counter-based generator (`counter_rng.py`).
 
 Invariants:
 - Capture gives each random op a key, its ordinal among the forward's
