@@ -120,6 +120,15 @@ def _pow_scalar(e: Emits, g: Ref, x: Ref, y: Ref, op: Op) -> Ref:
 pow_scalar_grad = _unary(_pow_scalar)
 
 
+def masked_fill_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    """x.masked_fill(mask, value): the gradient passes where not filled (as an
+    elementwise op its SBP follows x's; the generic vjp would replicate it)."""
+    x, mask = tensor(op, 0), tensor(op, 1)
+    if not needs(x):
+        return []
+    return [(x, e.call("aten.masked_fill.Scalar", only(gouts), mask, 0.0))]
+
+
 def to_copy_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = only(gouts)
     x = tensor(op, 0)

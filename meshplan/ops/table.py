@@ -52,6 +52,7 @@ _GRADS = {
     "aten.contiguous.default": pw.identity_grad,
     "aten.alias.default": pw.identity_grad,
     "aten._to_copy.default": pw.to_copy_grad,
+    "aten.masked_fill.Scalar": pw.masked_fill_grad,
     "aten.to.dtype": pw.to_copy_grad,
     # layout and views
     "aten.view.default": sh.view_grad,

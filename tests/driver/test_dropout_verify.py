@@ -19,6 +19,8 @@ from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
+from meshplan.ops.rule import Category
+from meshplan.ops.table import rule_for
 from meshplan.runtime.local import run_local
 from tests.runtime.test_random_layouts import BATCH, LAYOUTS, M
 
@@ -102,3 +104,21 @@ def test_verify_command_with_dropout_on_processes(capsys):
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
     assert '"ok": true' in out
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf:llama"])
+def test_dropout_adds_no_collective_at_tp2(model):
+    """Dropout's masks are drawn where the values live: the tp plan with
+    dropout (attention's as aten ops, with exact rules) makes exactly the
+    collectives of the plan without."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
+
+    def collectives(p: float):
+        cfg = model_config(model, "tiny", dropout=p)
+        s = zoo_strategy(model, cfg, tp=2, global_batch_size=8, micro_batch_size=8)
+        job = plan_model(model, "tiny", Mesh(1, 2), s, dropout=p).job
+        return sorted((op.kind, op.phase.name) for op in job.graph.ops
+                      if rule_for(op.kind).category is Category.COLLECTIVE)
+
+    assert collectives(0.1) == collectives(0.0)
