@@ -126,7 +126,8 @@ def masked_fill_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     x, mask = tensor(op, 0), tensor(op, 1)
     if not needs(x):
         return []
-    return [(x, e.call("aten.masked_fill.Scalar", only(gouts), mask, 0.0))]
+    g = e.call("aten.masked_fill.Scalar", only(gouts), mask, 0.0)
+    return [(x, sum_to(e, g, e.meta(x).shape))]  # x may broadcast against the mask
 
 
 def to_copy_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:

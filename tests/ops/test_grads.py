@@ -159,6 +159,8 @@ CASES = {
     "masked_fill": C(lambda a: a.masked_fill(a > 0, -0.5), ((3, 4),), "aten.masked_fill.Scalar"),
     "masked_fill_bcast": C(lambda a, b: (a * b).masked_fill(b < 0, 2.0), ((3, 4), (4,)),
                            "aten.masked_fill.Scalar"),
+    "masked_fill_bcast_x": C(lambda a, b: a.masked_fill(b > 0, 2.0) * b, ((1, 4), (3, 4)),
+                             "aten.masked_fill.Scalar"),
     "neg": C(torch.neg, ((3, 4),), "aten.neg.default"),
     "exp": C(torch.exp, ((3, 4),), "aten.exp.default"),
     "log": C(torch.log, ((3, 4),), "aten.log.default", positive=True),
