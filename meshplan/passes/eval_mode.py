@@ -20,7 +20,8 @@ def eval_mode(g: Graph) -> Graph:
     rb = Rebuild(g)
     for op in g.ops:
         if op.kind == DROPOUT:  # its mask is read by its backward only: none here
-            rb.vmap[op.outputs[0]] = rb.vmap.get(op.args[0].id, op.args[0].id)
+            x = op.ref(0).id
+            rb.vmap[op.outputs[0]] = rb.vmap.get(x, x)
             continue
         rb.keep(op, [rb.vmap.get(r, r) for r in op.refs()])
     return rb.build(g)
