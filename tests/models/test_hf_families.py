@@ -47,7 +47,16 @@ def train(model_type: str, layout: str):
     return job, verdict, cfg
 
 
-CASES = [pytest.param(t, "1rank", id=f"{t}-1rank") for t in TESTED] + [
+# T5 at one rank with one sample per micro-batch: verify's twin (each
+# micro-batch's samples reversed) is then the run itself, so no rounding noise
+# is measured, and on an AMD EPYC CPU (not on the CPUs before it) T5's step-2
+# momentum buffers differ from eager's by up to 1.4e-5 against a 1.01e-5
+# bound, every slot within 2e-8 after step 1, the losses bit-equal: rounding
+# amplified, which the twin cannot see. With 2 samples per micro-batch it is
+# measured (and passes).
+ONE_RANK = {"t5": "1rank-mb2"}
+LAYOUTS["1rank-mb2"] = (1, dict(micro_batch_size=2))
+CASES = [pytest.param(t, ONE_RANK.get(t, "1rank"), id=f"{t}-1rank") for t in TESTED] + [
     pytest.param(t, "tp2" if t == "albert" else "tp2pp2", id=f"{t}-split")
     for t in SPLIT_TESTED] + [
     # the encoder's output (and masks) go from stage 1 to both decoder stages, 2 and 3:
