@@ -126,3 +126,76 @@ def test_a_relative_upward_import_is_reported():
 def test_the_compiler_importing_the_runtime_is_reported():
     assert violations("meshplan/passes/x.py", "from meshplan.runtime import comm\n") == [
         "meshplan/passes/x.py imports meshplan.runtime (runtime is above passes)"]
+
+
+def imported_modules(path: str, tree: ast.AST, known: set[str]) -> set[str]:
+    """The modules in `known` that `tree` imports, anywhere in it: `from a import b`
+    names module `a.b` where that is a file, else `a`."""
+    package = module_of(path).split(".")
+    if not path.endswith("__init__.py"):
+        package = package[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package[:len(package) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                out |= {full} if full in known else {base} & known
+    return out - {module_of(path)}
+
+
+def import_cycles(files: dict[str, str]) -> list[list[str]]:
+    """The import cycles among `files` (path -> source): each strongly connected
+    set of two or more modules, sorted (Tarjan's algorithm, iterative)."""
+    known = {module_of(p) for p in files}
+    edges = {module_of(p): sorted(imported_modules(p, ast.parse(s), known))
+             for p, s in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = stack[stack.index(v):]
+                    del stack[stack.index(v):]
+                    if len(comp) > 1:
+                        cycles.append(sorted(comp))
+            elif w not in index:
+                index[w] = low[w] = len(index)
+                stack.append(w)
+                work.append((w, iter(edges[w])))
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+    return sorted(cycles)
+
+
+def test_no_two_files_import_each_other():
+    files = {p.relative_to(ROOT).as_posix(): p.read_text() for p in sources()}
+    assert import_cycles(files) == []
+
+
+def test_a_cycle_through_a_function_level_import_is_reported():
+    files = {"meshplan/cli/a.py": "from meshplan.cli import b\n",
+             "meshplan/cli/b.py": "def f():\n    from meshplan.cli.c import g\n",
+             "meshplan/cli/c.py": "from .a import x\n",
+             "meshplan/cli/d.py": "import meshplan.cli.a\n"}
+    assert import_cycles(files) == [["meshplan.cli.a", "meshplan.cli.b", "meshplan.cli.c"]]
+    files["meshplan/cli/c.py"] = "x = 1\n"
+    assert import_cycles(files) == []

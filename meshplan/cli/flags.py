@@ -10,6 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
+from meshplan.cli.auto_flags import add_auto_flags
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.choices import (
     LrScheduleKind,
@@ -87,8 +88,6 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--stage-layers", default=None,
                    help="layers per virtual stage, comma-separated, e.g. 3,4,4,3 (an uneven "
                    "layout; what --layer-stages auto and --auto choose)")
-    from meshplan.cli.auto_cmd import add_auto_flags
-
     add_auto_flags(p.add_argument_group("automatic strategy (the search)"))
     g = p.add_argument_group("training step")
     g.add_argument("--precision", choices=names(Precision), default="fp32",

@@ -57,7 +57,6 @@ from meshplan.errors import ScheduleError
 from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import CLIP_COEF, TRANSFER
-from meshplan.ir.sbp import box_numel
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.action_times import action_costs
 from meshplan.lowering.buckets import misplaced, plan_buckets
@@ -437,10 +436,6 @@ def _simulate(job: Job, plans, res: CheckResult) -> None:
 def _dst_stage(job: Job, t) -> int:
     op = job.graph.ops[t.op]
     return job.strategy.stage_placement.stage_at(job.stage[op.id], job.chunk[op.id])
-
-
-def piece_bytes(box, itemsize: int) -> int:
-    return box_numel(box) * itemsize
 
 
 def _devices(job: Job, plans) -> list[str]:

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections import Counter
 
 from meshplan.ir import Op, Ref
+from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, GRAD_SQ, SQ_SUM
-from meshplan.ir.sbp import box_numel
-from meshplan.lowering.lower import local_box_of
+from meshplan.ir.sbp import box_numel, local_box
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 
@@ -69,7 +69,7 @@ def norm_coverage(job, plans) -> list[str]:
             if dict(sq.kwargs).get("counted") is False:
                 continue  # a tied weight's copy another stage counts
             counted[r].append((g.values[_root(sq.args[0].id, producer)].name,
-                               local_box_of(job, r, sq.args[1].id)))
+                               _local_box(job, r, sq.args[1].id)))
     if errors or not chains:
         return errors
     sources = _sources(chains)
@@ -159,3 +159,10 @@ def _overlap(boxes: list) -> bool:
             if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
                 return True
     return False
+
+
+def _local_box(job: Job, rank: int, vid: int):
+    """The logical slice of value `vid` that `rank` holds."""
+    place = job.strategy.placement(job.strategy.stage_of_rank(rank))
+    return local_box(job.graph.values[vid].meta.shape, job.sbp[vid], place.grid,
+                     place.coord(rank))

@@ -27,7 +27,7 @@ from meshplan.ir.job import Job, StageView
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
-from meshplan.ir.sbp import NdSbp, local_box, local_shape
+from meshplan.ir.sbp import NdSbp, local_shape
 from meshplan.lowering.actions import rank_actions
 from meshplan.lowering.ids import (
     COLLECTIVE_STREAM,
@@ -310,11 +310,3 @@ def _buffers(low: _Lowering, inflight: dict[tuple[int, Phase], int]) -> tuple[Bu
                           meta.dtype, nbytes, copies, cat))
     return tuple(sorted(out, key=lambda x: x.id))
 
-
-def local_box_of(job: Job, rank: int, vid: int):
-    """The logical slice of value `vid` that `rank` holds (for runtimes and checks)."""
-    s = job.strategy
-    stage = s.stage_of_rank(rank)
-    place = s.placement(stage)
-    meta = job.graph.values[vid].meta
-    return local_box(meta.shape, job.sbp[vid], place.grid, place.coord(rank))

@@ -19,7 +19,7 @@ Invariants:
 - Tying follows the config (`tie_word_embeddings`), overridable through
   `ModelConfig.tie_embeddings`.
 - A model may instead come from a `save_pretrained` directory
-  (`ModelConfig.source`, `config_from_dir`): its config.json is the model,
+  (`ModelConfig.source`, `saved_fields`): its config.json is the model,
   exactly, but for dropout (as above); the ModelConfig's sizes are read
   from it (a size given beside it must agree), its sequence length is the
   one trained at (the preset's, capped by the model's positions).
@@ -138,13 +138,11 @@ def saved_config(path: str) -> dict:
     return conf
 
 
-def config_from_dir(path: str, model: str, size: str, given: dict):
-    """The ModelConfig of the model saved in `path`: sizes from its
+def saved_fields(path: str, model: str, size: str, given: dict) -> dict:
+    """The ModelConfig fields of the model saved in `path`: sizes from its
     config.json; `given` sizes must agree with it; `model` ("hf:" alone, or
     `hf:<type>` to check) names its type."""
     from pathlib import Path
-
-    from meshplan.models.registry import ModelConfig
 
     conf = saved_config(path)
     kind = PREFIX + conf["model_type"]
@@ -174,8 +172,8 @@ def config_from_dir(path: str, model: str, size: str, given: dict):
     if given.get("tie_embeddings", tied) != tied:
         raise ConfigError(f"--tie-embeddings differs from the saved model's "
                           f"tie_word_embeddings {tied}; leave it out")
-    return ModelConfig(kind, seq_len=seq_len, tie_embeddings=tied,
-                       source=str(Path(path).resolve()), **sizes)
+    return {"model": kind, "seq_len": seq_len, "tie_embeddings": tied,
+            "source": str(Path(path).resolve()), **sizes}
 
 
 def hf_config(cfg):

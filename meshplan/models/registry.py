@@ -136,7 +136,7 @@ def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
     given = {k: v for k, v in overrides.items() if v is not None}
     source = given.pop("source", "")
     if source:
-        return hf.config_from_dir(source, model, size, given)
+        return ModelConfig(**hf.saved_fields(source, model, size, given))
     bad = sorted(set(given) - _GPT_KEYS)
     if bad:
         raise ConfigError(f"{model}: override {bad[0]!r} does not apply; use only "

@@ -21,8 +21,3 @@ def resolve_aten(kind: str) -> Callable:
         return getattr(getattr(getattr(torch.ops, ns), name), overload)
     except (AttributeError, RuntimeError) as e:
         raise CaptureError(f"unknown torch op {kind!r}: {e}") from e
-
-
-def kind_of(target: object) -> str:
-    """The kind string of an fx call target (an `OpOverload`)."""
-    return str(target)
