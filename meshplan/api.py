@@ -78,7 +78,10 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None,
 
     opt = OptimizerConfig.of(optimizer, lr)
     if strategy.auto:
-        strategy = _searched(graph, mesh, strategy, opt, device_model, memory_per_device)
+        from meshplan.search.graph_search import searched_strategy
+
+        strategy = searched_strategy(graph, mesh, strategy, opt, device_model,
+                                     memory_per_device)
     strategy = check_strategy(mesh, strategy)
     want = strategy.micro_batch_size * strategy.dp
     for v in graph.inputs_by_role(Role.DATA):
@@ -88,48 +91,6 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None,
                 f"micro-batch is micro_batch_size {strategy.micro_batch_size} x dp "
                 f"{strategy.dp} = {want} samples; capture on a batch of {want}")
     return PASSES.run(Compilation(graph, mesh, strategy, opt)).job
-
-
-def _searched(graph, mesh, strategy, opt, device_model: str, memory_per_device: int | None):
-    """`Strategy(auto=True)`: the search's proven winner on a captured graph."""
-    from dataclasses import replace
-
-    from meshplan.capture.structure import KEY
-    from meshplan.costmodel import load_device_model
-    from meshplan.ir import Role
-    from meshplan.passes.auto_plan import auto_layer_pattern
-    from meshplan.passes.pipeline import find_layers
-    from meshplan.search.probe import GraphSpec, forget_probes
-    from meshplan.search.search import search as _search
-
-    pattern = strategy.layer_pattern
-    if pattern in ("", "auto"):
-        pattern = auto_layer_pattern(graph)
-    layers = len(find_layers(graph, pattern)[0]) if pattern else 0
-    if layers < 3:
-        raise ConfigError(f"Strategy(auto=True) prices one layer from a graph of at least 3 "
-                          f"layers, and finds {layers} (layer pattern '{pattern}'); give "
-                          "Strategy(layer_pattern=...) that matches each layer, or choose "
-                          "the strategy by hand")
-    sizes = {v.meta.shape[0] for v in graph.inputs_by_role(Role.DATA) if v.meta.shape}
-    if len(sizes) != 1:
-        raise ConfigError(f"Strategy(auto=True) needs one batch size across the graph's "
-                          f"inputs; they have {sorted(sizes)}")
-    model = dict(graph.meta).get(KEY + "model", "model")
-    base = replace(strategy, layer_pattern=pattern,
-                   tp_plan=strategy.tp_plan or "auto", stage_layers=(), layer_stages=())
-    spec = GraphSpec(graph, base, opt, layers, sizes.pop(),
-                     f"the captured {model} ({layers} layers)")
-    try:
-        res = _search(spec, mesh, strategy.global_batch_size, load_device_model(device_model),
-                      memory_limit=memory_per_device, bucket_mb=strategy.bucket_mb)
-    finally:
-        forget_probes()  # this graph's probes are of no use to another search
-    c = res.winner.cand
-    return spec.strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
-                         micro_batch_size=c.micro_batch_size, recompute=c.recompute,
-                         zero=c.zero,
-                         stage_layers=res.winner.pred.stage_layers if c.pp > 1 else ())
 
 
 def search(model: str, size: str, mesh, global_batch_size: int, device_model: str,
@@ -220,7 +181,7 @@ def verify(job, module, batches: Sequence[tuple], bounds=None,
     mine = run(job, module, batches, report_state=True, **(run_options | {"device": device}))
     s = job.strategy
     verdict, ref = against_eager(mine.rank_losses, mine.state_slices, module,
-                                 list(batches), s.num_microbatches, optimizer_of(job),
+                                 list(batches), s.num_microbatches, OptimizerConfig.of_job(job),
                                  s.precision, s.initial_loss_scale, bounds, device,
                                  mine.rank_grad_norms)
     rest = {k: v for k, v in mine.to_json().items() if k not in ("losses", "rank_losses")}
@@ -304,11 +265,6 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
             for name, t in weights_of(module).items():
                 t.copy_(res.weights[name])
     return res
-
-
-def optimizer_of(job):
-    """The `OptimizerConfig` the Job's train step was built with."""
-    return OptimizerConfig.of_job(job)
 
 
 def _checked(job, batches: Sequence[tuple]) -> list[tuple]:

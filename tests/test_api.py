@@ -56,7 +56,7 @@ def test_run_checks_batches_and_the_optimizer_round_trips():
     graph = mp.capture(_tiny(), (x,), loss_fn=torch.nn.functional.cross_entropy, targets=(y,))
     job = mp.plan(graph, mp.Mesh(1, 1), mp.Strategy(global_batch_size=4, micro_batch_size=4),
                   optimizer="adamw", lr=3e-3)
-    assert mp.optimizer_of(job) == mp.OptimizerConfig.default("adamw", 3e-3)
+    assert mp.OptimizerConfig.of_job(job) == mp.OptimizerConfig.default("adamw", 3e-3)
     with pytest.raises(ConfigError, match="global batch is 4"):
         mp.run(job, _tiny(), [(torch.randn(3, 8), torch.randint(0, 3, (3,)))])
     with pytest.raises(ConfigError, match="at least one batch"):

@@ -51,7 +51,7 @@ def test_readme_classifier_trains_as_eager(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     r = mp.train(job, model, batches, out=str(tmp_path), load=False, tensorboard=False)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # load=False
-    ref = eager_train(eager, batches, job.strategy.num_microbatches, mp.optimizer_of(job))
+    ref = eager_train(eager, batches, job.strategy.num_microbatches, mp.OptimizerConfig.of_job(job))
     assert max(abs(a - b) for a, b in zip(r.losses, ref.losses)) < 1e-5
     _equal_weights(r.weights, eager)
     mp.train(job, model, batches, out=str(tmp_path / "again"), tensorboard=False)
@@ -77,7 +77,7 @@ def test_transformers_llm_trains_as_eager_on_a_token_file(tmp_path):
     job = mp.plan(mp.capture(model, (x[:4], y[:4])), mp.Mesh(1, 4), strategy,
                   optimizer=mp.OptimizerConfig.of("adamw", 3e-3, max_grad_norm=1.0))
     r = mp.train(job, model, feed, steps=4, out=str(tmp_path / "run"), tensorboard=False)
-    ref = eager_train(eager, [reader.batch(k) for k in range(4)], 2, mp.optimizer_of(job))
+    ref = eager_train(eager, [reader.batch(k) for k in range(4)], 2, mp.OptimizerConfig.of_job(job))
     assert max(abs(a - b) for a, b in zip(r.losses, ref.losses)) < 1e-5
     _equal_weights(r.weights, eager)
     _equal_weights(dict(model.named_parameters()), eager)

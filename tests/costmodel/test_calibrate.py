@@ -1,4 +1,4 @@
-"""`meshplan calibrate` (cli/calibrate_cmd.py): it writes a loadable
+"""`meshplan calibrate` (cli/calibrate_cmd.py, driver/calibrate.py): it writes a loadable
 cpu-local model, atomically; a bad --out is one line."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.cli.calibrate_cmd import fit
+from meshplan.driver.calibrate import fit
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import meshplan.api as mp
-from meshplan.api import optimizer_of
+from meshplan.autodiff import OptimizerConfig
 from meshplan.cli.main import main
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
@@ -57,7 +57,7 @@ TP_PLAN = ((r"blocks\.\d+\.fc1", "colwise"), (r"blocks\.\d+\.fc2", "rowwise"))
 def _verdict(job, module, batches) -> dict:
     mine = run_local(job, module, batches)
     verdict, _ = against_eager(mine.rank_losses, mine.slices, module, batches, M,
-                               optimizer_of(job))
+                               OptimizerConfig.of_job(job))
     assert len(verdict["params"]) == len(dict(module.named_parameters()))
     return verdict
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshplan.api import optimizer_of
+from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.verify import against_eager
 from meshplan.models import build_model, example_batch
 from meshplan.runtime.local import run_local
@@ -19,5 +19,5 @@ def local_verdict(job, cfg, batch_size: int, steps: int = 2) -> bool:
     batches = [example_batch(cfg, batch_size, seed=i) for i in range(steps)]
     mine = run_local(job, module, batches)
     verdict, _ = against_eager(mine.rank_losses, mine.slices, module, batches,
-                               job.strategy.num_microbatches, optimizer_of(job))
+                               job.strategy.num_microbatches, OptimizerConfig.of_job(job))
     return verdict["ok"]

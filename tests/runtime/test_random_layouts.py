@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from meshplan.api import optimizer_of
+from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
 from meshplan.ir.kinds import DROPOUT
@@ -72,7 +72,7 @@ def _masks(monkeypatch, layout: str, shift: bool = False) -> tuple[dict, bool]:
     batches = [example_batch(cfg, BATCH, seed=i) for i in range(STEPS)]
     mine = run_local(job, module, batches)
     verdict, _ = against_eager(mine.rank_losses, mine.slices, module, batches, M,
-                               optimizer_of(job))
+                               OptimizerConfig.of_job(job))
     return {k: _assemble(shape, boxes) for k, (shape, boxes) in pieces.items()}, verdict["ok"]
 
 
