@@ -3,9 +3,11 @@ package and the packages below it, never one above. Function-level imports
 count as much as module-level ones.
 
 The layers follow the data: capture -> autodiff -> passes -> Job -> lower ->
-check -> runtime -> driver -> cli/api (`ir` and `ops` below all). One more
-rule: the Job (`ir/job.py`) is the one thing the compiler (capture,
-autodiff, passes) and the runtime half (schedules, lowering, runtime) share, so
+check -> runtime -> driver -> cli/api (`ir` and `ops` below all; the
+schedules just above `ir`, since the compiler and the runtime both ask what
+a schedule is). One more rule: the Job (`ir/job.py`) is the one thing the
+compiler (capture, autodiff, passes) and the runtime half (schedules,
+lowering, runtime) share, so
 lowering, checking or running a plan never imports the code that made it
 (the runtime does not depend on the compiler; the driver, the CLI and the
 API, above both, tie them together).
@@ -21,11 +23,11 @@ LAYERS = [
     "meshplan", "errors",
     "models",  # plain nn.Modules: import only errors
     "ir",  # Graph, Job, SBP, Mesh: pure data
+    "schedules",  # what each pipeline schedule is (its registry), orders, checks: ir only
     "data",  # token directories, samplers, tokenizers (files written through ir.fileio)
     "costmodel",  # device models: data, and the seconds of a kernel or collective
     "ops",
     "capture", "autodiff", "passes",  # the compiler, up to the Job
-    "schedules",
     "lowering",  # lower a Job to RankPlans, and check them
     "runtime",
     "driver",

@@ -20,14 +20,13 @@ from pathlib import Path
 
 from meshplan.cli.verdict import add_tolerance_flag, bounds_of, verdict_lines
 from meshplan.errors import ConfigError, PlanError
-from meshplan.ir.choices import Schedule
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.mesh import Mesh
 
 MODEL, SIZE = "gpt", "tiny"
 MESH = Mesh(nodes=2, devices_per_node=4)
 STRATEGY = dict(dp=2, tp=2, pp=2, vpp=2, micro_batch_size=1, global_batch_size=16,
-                schedule=Schedule.INTERLEAVED)
+                schedule="interleaved")
 
 EPILOG = """examples:
   meshplan demo

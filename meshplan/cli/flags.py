@@ -18,10 +18,10 @@ from meshplan.ir.choices import (
     OptimizerKind,
     Precision,
     Recompute,
-    Schedule,
     names,
 )
 from meshplan.ir.mesh import Mesh
+from meshplan.schedules.registry import CSV, default_schedule, searched, spec_of
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="samples per micro-batch per dp rank")
     g.add_argument("--num-microbatches", type=int, default=None,
                    help="shorthand: global batch = this x micro-batch x dp")
-    g.add_argument("--schedule", choices=[n for n in names(Schedule) if n != Schedule.CSV],
+    g.add_argument("--schedule", choices=searched(),
                    default=None, help="pipeline schedule (default 1f1b; interleaved when "
                    "vpp > 1); zb1p and zbv split the backward into I and W (zero bubble)")
     g.add_argument("--schedule-csv", default=None, metavar="FILE",
@@ -217,7 +217,7 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     dp = a.dp if a.dp is not None else max(1, world // max(1, a.tp * a.pp))
     csv_text = read_schedule_csv(a.schedule_csv) if a.schedule_csv else ""
     vpp = a.vpp or (csv_vpp(csv_text, a.pp) if csv_text
-                    else 2 if a.schedule == Schedule.ZBV else 1)
+                    else (spec_of(a.schedule).chunks or 1) if a.schedule else 1)
     mbs = a.micro_batch_size
     if a.num_microbatches is not None:
         mbs = mbs or 1
@@ -229,9 +229,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     else:
         gbs = a.global_batch_size or a.default_gbs
         mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if vpp > 1 else 1)))
-    default_schedule = Schedule.INTERLEAVED if vpp > 1 else Schedule.ONE_F_ONE_B
     fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "global_batch_size": gbs,
-              "micro_batch_size": mbs, "schedule": a.schedule or default_schedule,
+              "micro_batch_size": mbs, "schedule": a.schedule or default_schedule(vpp),
               "precision": a.precision, "recompute": a.recompute,
               "initial_loss_scale": a.initial_loss_scale, "zero": a.zero,
               "bucket_mb": a.bucket_mb}
@@ -239,7 +238,7 @@ def strategy_fields(a: argparse.Namespace) -> dict:
         if a.schedule:
             raise ConfigError(f"--schedule {a.schedule} and --schedule-csv {a.schedule_csv} "
                               "both name the schedule; give one")
-        fields |= {"schedule": Schedule.CSV, "schedule_orders": checked_orders(
+        fields |= {"schedule": CSV, "schedule_orders": checked_orders(
             csv_text, a.schedule_csv, a.pp, vpp, gbs // (mbs * dp))}
     if a.recompute_pattern:
         fields["recompute_pattern"] = a.recompute_pattern

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from meshplan.errors import ConfigError
+from meshplan.schedules import stage_placement
 
 
 def _mib(n: int) -> str:
@@ -52,7 +53,7 @@ def schedule_png(job, plans, path: str | Path) -> dict:
              f"vpp={s.vpp} "
              f"dp={s.dp} tp={s.tp}, {s.num_microbatches} micro-batches, "
              f"bubble ratio {sim.bubble_ratio:.2f}")
-    draw_schedule(rows_of(spans_of(sim), by_stage), s.stage_placement, path, title)
+    draw_schedule(rows_of(spans_of(sim), by_stage), stage_placement(s), path, title)
     return {"path": str(path), "bubble_ratio": sim.bubble_ratio, "step_s": sim.step_time}
 
 

@@ -1,10 +1,12 @@
 """The closed sets a user or a rule picks from by name.
 
 Invariants:
-- Each member's value is the string users write (`--schedule 1f1b`, config
+- Each member's value is the string users write (`--precision bf16`, config
   names, plan files). A `StrEnum` member *is* that string: it compares,
   hashes, formats and encodes to JSON as it, so plans stay byte for byte
   what they were with bare strings.
+- Pipeline schedules are not here: a schedule is a record of
+  `schedules/registry.py` (open to a new one), named by a plain string.
 - `choose` is the one way a user's string becomes a member: a bad value is
   one `ConfigError` line naming the choices.
 """
@@ -15,27 +17,6 @@ import enum
 from typing import TypeVar
 
 from meshplan.errors import ConfigError
-
-
-class Schedule(enum.StrEnum):
-    """A pipeline schedule (`schedules/`)."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZB1P = "zb1p"        # zero bubble ZB-H1, interleaved (backward split into I and W)
-    ZBV = "zbv"          # zero bubble with two chunks per rank in a V
-    CSV = "csv"          # the user's own, read from a CSV (`Strategy.schedule_orders`)
-
-    @property
-    def splits_backward(self) -> bool:
-        """True for the zero-bubble schedules, which run I and W apart."""
-        return self in (Schedule.ZB1P, Schedule.ZBV)
-
-    @property
-    def interleaves(self) -> bool:
-        """True for the schedules that may run several chunks per rank."""
-        return self in (Schedule.INTERLEAVED, Schedule.ZB1P, Schedule.ZBV, Schedule.CSV)
 
 
 class Precision(enum.StrEnum):

@@ -6,22 +6,23 @@ Invariants:
   innermost: rank of grid coordinate `(d, t)` is `stage_ranks[s][d * tp + t]`.
   By default stage `s` owns the contiguous block `[s*dp*tp, (s+1)*dp*tp)`,
   so a tp group stays inside one node whenever `tp <= devices_per_node`.
-- Plain data. The named choices (schedule, precision, recompute, tp styles)
-  become `ir/choices` members on construction, so a bad name fails there in
-  one `ConfigError` line; every other check lives in `passes/strategy.py`.
+- Plain data. The named choices (precision, recompute, tp styles) become
+  `ir/choices` members on construction, so a bad name fails there in one
+  `ConfigError` line; every other check lives in `passes/strategy.py`.
+- `schedule` is a schedule's name, a record of `schedules/registry.py`
+  (which sits above `ir`): its placement, backward split and rules are
+  asked there (`schedules.stage_placement(strategy)`), and a bad name
+  fails in `check_strategy`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from meshplan.errors import ConfigError
-from meshplan.ir.choices import Precision, Recompute, Schedule, TpStyle, choose
-from meshplan.ir.stage_placement import StagePlacement, placement_of
+from meshplan.ir.choices import Precision, Recompute, TpStyle, choose
 
 AXES = ("dp", "tp")  # names of the placement grid's axes, outermost first
-_SPLIT = re.compile(r"\d+[IW]\d+")  # an I or W action's text
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +70,7 @@ class Strategy:
     vpp: int = 1
     global_batch_size: int = 1
     micro_batch_size: int = 1
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: str = "1f1b"          # a name in schedules/registry.py
     layer_pattern: str = ""          # regex over module paths; "" = the model's; "auto"
     layer_stages: tuple[int, ...] = ()   # optional user stage per layer
     # optional layers per virtual stage (virtual-stage order, pp*vpp entries):
@@ -92,7 +93,6 @@ class Strategy:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: parse the names once, here
-        set_(self, "schedule", choose(Schedule, self.schedule, "schedule"))
         set_(self, "precision", choose(Precision, self.precision, "precision"))
         set_(self, "recompute", choose(Recompute, self.recompute, "recompute mode"))
         if isinstance(self.stage_layers, str) and self.stage_layers != "auto":
@@ -111,19 +111,6 @@ class Strategy:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
-
-    @property
-    def stage_placement(self) -> StagePlacement:
-        """Which pipeline stage (rank position) runs each virtual stage: the
-        V for zbv, else interleaved (`ir/stage_placement.py`)."""
-        return placement_of(self.schedule, self.pp, self.vpp, self.schedule_orders)
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether the schedule runs I and W apart (the Job then splits the backward)."""
-        if self.schedule == Schedule.CSV:
-            return any(_SPLIT.fullmatch(a) for order in self.schedule_orders for a in order)
-        return self.schedule.splits_backward
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -13,9 +13,10 @@ Invariants:
         stage   0  1  2  3 | 4  5  6  7        (pp = 4, vpp = 2)
         V       0  1  2  3 | 3  2  1  0        interleaved  0 1 2 3 | 0 1 2 3
 
-- `placement_of(schedule, pp, vpp)` is the one place that knows which
-  schedule uses which placement; `Strategy.stage_placement` asks it (a
-  schedule read from a CSV carries its own, read off its rows).
+- Which schedule uses which placement is the schedule's record
+  (`schedules/registry.py`, `placement_of` there); this module only holds
+  the placements, so the Job and the schedules read the same data (a
+  schedule read from a CSV carries its own, `placement_read_off`).
 - Lives in `ir/` because the Job's layout (`passes/pipeline.py`) and every
   rank (lowering, the runtime) read it: a pipeline stage (a rank's position,
   `Strategy.stage_of_rank`) holds virtual stages `stages_of(stage)`, its
@@ -26,11 +27,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import cache
 
 from meshplan.errors import ScheduleError
-
-V_SCHEDULES = frozenset({"zbv"})  # schedules that place their stages in a V
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,20 +108,6 @@ def placement_for(pp: int, num_stages: int,
                             f"{placement.num_stages} stages does not fit pp={pp} with "
                             f"{num_stages} stages; derive it with placement_of(schedule, pp, vpp)")
     return placement
-
-
-@cache
-def placement_of(schedule: str, pp: int, vpp: int,
-                 orders: tuple[tuple[str, ...], ...] = ()) -> StagePlacement:
-    """The placement schedule `schedule` runs its stages in; a schedule given
-    as compute orders (`orders[rank]`, actions as text) runs each stage where
-    its actions are. Cached: `Strategy.stage_placement` asks on every use
-    (a CSV's orders would otherwise be read again each time)."""
-    if orders:
-        return placement_read_off(pp, orders)
-    if schedule in V_SCHEDULES:
-        return StagePlacement.v(pp, vpp)
-    return StagePlacement.interleaved(pp, vpp)
 
 
 _STAGE = re.compile(r"\d+")

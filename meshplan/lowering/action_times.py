@@ -24,6 +24,7 @@ from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.ops.cost import bytes_moved
 from meshplan.ops.infer import to_sig
 from meshplan.ops.table import rule_for
+from meshplan.schedules import stage_placement
 
 
 @cache
@@ -56,7 +57,7 @@ def action_costs(job, reps: dict[int, RankPlan], dev: DeviceModel = CPU_DEFAULT)
 
     I is the backward phase's tasks, W the weight phase's: in a Job without
     the split every backward task is I, W costs 0, and B = I + W."""
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     out: dict = {}
     for stage, p in reps.items():
         metas = {b.id: TensorMeta(b.shape, b.dtype) for b in p.buffers}

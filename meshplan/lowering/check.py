@@ -65,6 +65,7 @@ from meshplan.lowering.check_norm import norm_coverage
 from meshplan.lowering.check_shared import shared_copies
 from meshplan.lowering.ids import DEVICE_TYPES, TaskId
 from meshplan.lowering.rankplan import RankPlan, TaskKind, action_templates, template_of
+from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import format_grid
 from meshplan.schedules.simulate import simulate
@@ -262,7 +263,7 @@ def _p2p(job: Job, plans) -> list[str]:
 
 def _p2p_actions(job: Job, plans) -> list[str]:
     """Every SEND action instance has its peer's RECV action instance."""
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     recvs = set()
     for r, p in plans.items():
         for a in p.actions:
@@ -332,7 +333,7 @@ def _instance(op):
 
 
 def _collectives(job: Job, plans) -> list[str]:
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     per_group: dict[tuple, dict[int, list]] = defaultdict(dict)
     errors = []
     for r, p in plans.items():
@@ -381,7 +382,7 @@ def _stage_plans(job: Job, plans) -> dict[int, RankPlan] | None:
 
 def _edges(job: Job, reps: dict[int, RankPlan]) -> list[tuple[int, int, str]]:
     """The stage-crossing transfers the plans send: (src, dst virtual stage, F|B)."""
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     return sorted({(where.stage_at(p.stage, t.chunk), _dst_stage(job, t),
                     "F" if t.phase is Phase.FORWARD else "B")
                    for p in reps.values() for t in p.tasks if t.kind is TaskKind.SEND})
@@ -399,7 +400,7 @@ def _schedule(job: Job, plans) -> list[str]:
     s = job.strategy
     try:
         validate({st: list(p.actions) for st, p in reps.items()}, s.pp, s.vpp,
-                 s.num_microbatches, edges=_edges(job, reps), placement=s.stage_placement)
+                 s.num_microbatches, edges=_edges(job, reps), placement=stage_placement(s))
     except ScheduleError as e:
         return [str(e)]
     return []
@@ -419,7 +420,7 @@ def simulate_plans(job: Job, plans, dev: DeviceModel = CPU_DEFAULT):
                     cost_i=lambda v: cost[(v, "I")], cost_w=lambda v: cost[(v, "W")],
                     cost_comm=lambda kind, src, dst: cost.get(("comm", src, dst), 0.0),
                     cost_step=max(cost.get(("step", s), 0.0) for s in reps),
-                    edges=_edges(job, reps), placement=job.strategy.stage_placement)
+                    edges=_edges(job, reps), placement=stage_placement(job.strategy))
 
 
 def _simulate(job: Job, plans, res: CheckResult) -> None:
@@ -435,7 +436,7 @@ def _simulate(job: Job, plans, res: CheckResult) -> None:
 
 def _dst_stage(job: Job, t) -> int:
     op = job.graph.ops[t.op]
-    return job.strategy.stage_placement.stage_at(job.stage[op.id], job.chunk[op.id])
+    return stage_placement(job.strategy).stage_at(job.stage[op.id], job.chunk[op.id])
 
 
 def _devices(job: Job, plans) -> list[str]:

@@ -28,11 +28,12 @@ from meshplan.lowering.rankplan import (
     action_templates,
     template_of,
 )
+from meshplan.schedules import stage_placement
 
 
 def split_and_live(job, plans: dict[int, RankPlan]) -> list[str]:
     """Errors of proof 7 (empty when every rank keeps what it defers)."""
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     errors: list[str] = []
     for r, p in sorted(plans.items()):
         errors += _i_before_w(r, p)

@@ -48,6 +48,7 @@ from meshplan.lowering.rankplan import (
 )
 from meshplan.ops.rule import Category
 from meshplan.ops.table import physical_kernel, rule_for
+from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
 
 # what `ir.pieces` needs of a transfer: (shape, src placement, src SBP, dst placement, dst SBP)
@@ -176,7 +177,7 @@ class _Lowering:
         src_place, dst_place = s.placement(src_stage), s.placement(dst_stage)
         phase = Phase(kw["src_phase"])
         direction = "F" if phase is Phase.FORWARD else "B"
-        where = s.stage_placement
+        where = stage_placement(s)
         self.edges.add((where.stage_at(src_stage, kw["src_chunk"]),
                         where.stage_at(dst_stage, view.op_chunk[op.id]), direction))
         args = (shape, src_place, view.sbp[src], dst_place, view.sbp[dst])
@@ -213,7 +214,7 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     for op in sorted(view.ops, key=_run_order):
         low.visit(op)
     actions = rank_actions(view.strategy, low.stage, sorted(low.edges))
-    inflight = in_flight(actions, view.strategy.stage_placement)
+    inflight = in_flight(actions, stage_placement(view.strategy))
     buffers = _buffers(low, inflight)
     memory = plan_memory(low, buffers)
     return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest,

@@ -48,6 +48,7 @@ from meshplan.passes.shared import param_readers, share_params
 from meshplan.passes.strategy import check_strategy
 from meshplan.passes.temps import kernel_temps
 from meshplan.passes.tp_plan import tensor_parallel
+from meshplan.schedules import splits_backward, stage_placement
 
 TP_AXIS = AXES.index("tp")
 
@@ -118,7 +119,7 @@ def _assign_stages(c: Compilation) -> None:
         c.stages = StageAssignment((0,) * n, (0,) * n, (), (), (), ())
     else:
         c.stages = assign_stages(c.graph, s.pp, s.vpp, s.layer_pattern, s.layer_stages,
-                                 s.stage_placement, s.stage_layers)
+                                 stage_placement(s), s.stage_layers)
 
 
 def _share_params(c: Compilation) -> None:
@@ -221,7 +222,7 @@ PASSES = PassManager([
     Pass("recompute", _recompute, F({"boxed"}), F({"recompute_clones"}),
          when=lambda c: c.strategy.recompute != Recompute.NONE),
     Pass("split_backward", _split_backward, F({"boxed", "recompute_clones"}),
-         F({"weight_split"}), when=lambda c: c.strategy.splits_backward),
+         F({"weight_split"}), when=lambda c: splits_backward(c.strategy)),
     Pass("kernel_temps", _kernel_temps, F({"boxed", "recompute_clones", "weight_split"}),
          F({"temps"})),
     Pass("make_job", _make_job, F({"boxed", "temps"}), F({"job"})),

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.errors import ConfigError
-from meshplan.ir.choices import Schedule, TpStyle
+from meshplan.ir.choices import TpStyle
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.schedules import spec_of, stage_placement
+from meshplan.schedules.registry import MicroBatches
 
 # The Megatron plan for the zoo's transformers: qkv and fc1 column-parallel,
 # proj and fc2 row-parallel, embedding and head vocab-parallel.
@@ -47,8 +49,10 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
             f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose dp, tp, pp "
             f"whose product is {mesh.world}")
-    if s.vpp > 1 and not s.schedule.interleaves:
-        s = replace(s, schedule=Schedule.INTERLEAVED)
+    spec = spec_of(s.schedule)
+    if spec.at_vpp(s.vpp) != s.schedule:
+        s = replace(s, schedule=spec.at_vpp(s.vpp))
+        spec = spec_of(s.schedule)
     if s.bucket_mb < 0:
         raise ConfigError(f"bucket_mb={s.bucket_mb} must be >= 0; pass --bucket-mb 25 (DDP's "
                           "default) or 0 for no buckets")
@@ -56,16 +60,16 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
         raise ConfigError(f"zero={s.zero} is not a ZeRO stage; use --zero 0 (plain data "
                           "parallel), 1 (optimizer state), 2 (and gradients) or 3 (and "
                           "parameters)")
-    if (s.schedule == Schedule.CSV) != bool(s.schedule_orders):
+    if (spec.actions is None) != bool(s.schedule_orders):
         raise ConfigError("a schedule read from a CSV comes with its orders: give "
                           "--schedule-csv FILE (Strategy.schedule_orders), not --schedule csv")
-    if s.schedule_orders and len(s.stage_placement.ranks) != s.pp * s.vpp:
-        raise ConfigError(f"the schedule CSV runs {len(s.stage_placement.ranks)} stages but "
+    if s.schedule_orders and len(stage_placement(s).ranks) != s.pp * s.vpp:
+        raise ConfigError(f"the schedule CSV runs {len(stage_placement(s).ranks)} stages but "
                           f"pp*vpp = {s.pp}*{s.vpp}; pass --vpp "
-                          f"{len(s.stage_placement.ranks) // s.pp}")
-    if s.schedule == Schedule.ZBV and s.vpp != 2:
-        raise ConfigError(f"schedule zbv places two stages on each rank in a V (rank r runs "
-                          f"stages r and 2*pp-1-r), got vpp={s.vpp}; pass --vpp 2")
+                          f"{len(stage_placement(s).ranks) // s.pp}")
+    if spec.chunks and s.vpp != spec.chunks:
+        raise ConfigError(f"schedule {s.schedule} places {spec.chunks} virtual stages on each "
+                          f"rank, got vpp={s.vpp}; pass --vpp {spec.chunks}")
     per_step = s.micro_batch_size * s.dp
     if s.global_batch_size % per_step:
         raise ConfigError(
@@ -74,12 +78,11 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"{per_step * max(1, s.global_batch_size // per_step)} or "
             f"{per_step * (s.global_batch_size // per_step + 1)}")
     m = s.num_microbatches
-    rounds = (Schedule.INTERLEAVED, Schedule.ZB1P)  # micro-batches in rounds of pp
-    if s.schedule in (Schedule.ONE_F_ONE_B, *rounds) and m < s.pp:
+    if spec.microbatches != MicroBatches.ANY and m < s.pp:
         raise ConfigError(
             f"{s.schedule} needs num_microbatches >= pp, got {m} < {s.pp}; raise the global "
             f"batch to {s.pp * per_step} or use --schedule gpipe")
-    if s.schedule in rounds and m % s.pp:
+    if spec.microbatches == MicroBatches.ROUNDS_OF_PP and m % s.pp:
         lo, hi = (m // s.pp) * s.pp, (m // s.pp + 1) * s.pp
         raise ConfigError(
             f"{s.schedule} needs num_microbatches to be a multiple of pp, got {m} for pp={s.pp}; "

@@ -75,6 +75,7 @@ from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.transfers import Transfers
+from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.trace import Span, Track, action_span
 
@@ -105,7 +106,7 @@ class RankExecutor:
         self.data_ids = [v.id for v in g.inputs_by_role(Role.DATA)]
         self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
         self.trains = bool(self.grad_names)  # a forward-only Job (evaluation) has no STEP work
-        self.placement = job.strategy.stage_placement
+        self.placement = stage_placement(job.strategy)
         self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self.clips = any(v.name == GRAD_NORM for v in g.inputs_by_role(Role.OPT_STATE))

@@ -17,6 +17,7 @@ import torch
 
 from meshplan.ir import Phase
 from meshplan.lowering.rankplan import TaskKind
+from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
 
 
@@ -27,7 +28,7 @@ def _slices(box, base) -> tuple[slice, ...]:
 class Transfers:
     def __init__(self, job, plan, ctx, device, p2p=None):
         """`p2p`: how to post pieces (default `runtime.comm.p2p`, i.e. gloo)."""
-        where = job.strategy.stage_placement
+        where = stage_placement(job.strategy)
         self.device = device
         self._p2p = p2p
         # keyed by action: (virtual stage, type, peer virtual stage); a stage may

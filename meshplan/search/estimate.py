@@ -48,12 +48,11 @@ from functools import cache
 
 from meshplan.costmodel import DeviceModel
 from meshplan.ir import Phase
-from meshplan.ir.choices import Precision, Schedule
+from meshplan.ir.choices import Precision
 from meshplan.ir.mesh import Mesh
-from meshplan.ir.stage_placement import placement_of
 from meshplan.lowering.lower import in_flight
 from meshplan.passes.balance import balance
-from meshplan.schedules import compute_actions
+from meshplan.schedules import compute_actions, placement_of, spec_of
 from meshplan.schedules.simulate import finish_times
 from meshplan.search.probe import Probe
 from meshplan.search.space import Candidate, schedule_takes
@@ -136,7 +135,7 @@ class Priced:
         c = self.cand
         g = _geometry(c.schedule, c.pp, c.vpp)
         cost, comm = self.cost, self.comm
-        drains = not Schedule(c.schedule).splits_backward
+        drains = not spec_of(c.schedule).splits_backward
         best = 0.0
         for r, mine in enumerate(g.stages):
             first = min(mine)
@@ -163,7 +162,7 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
     dp_cross = _dp_crosses(cand, st.mesh)
-    split = Schedule(cand.schedule).splits_backward
+    split = spec_of(cand.schedule).splits_backward
     priced = [_in_action(w, cand, st, dp_cross, split) for w in works]
     cost = {(v, k): x for v, fiw in enumerate(priced) for k, x in zip("fiw", fiw)}
     step = tuple(_step_seconds([works[v] for v in mine], [priced[v] for v in mine], cand, st,
@@ -212,7 +211,7 @@ def memory(cand: Candidate, works: list[Work], counts: tuple[int, ...],
     ("state", which recompute and the schedule do not change)."""
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
-    split = Schedule(cand.schedule).splits_backward
+    split = spec_of(cand.schedule).splits_backward
     live = ({},) * cand.pp if part == "state" else _live(cand.schedule, cand.pp, cand.vpp, m)
     return tuple(_peak([works[v] for v in mine], [g.chunk[v] for v in mine],
                        [counts[v] for v in mine], live[r], cand, m, st, split, part)
@@ -397,10 +396,12 @@ def _dp_bytes(w: Work, phases: tuple[str, ...], kind: str) -> int:
 def _live(schedule: str, pp: int, vpp: int, m: int) -> tuple[dict, ...]:
     """Per rank: micro-batches in flight per (chunk, phase) (`lower.in_flight`);
     past `STEADY * pp` micro-batches the counts stop growing, so they are
-    taken there (a test holds this conservative for pp <= 16)."""
-    if schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):  # closed forms (tested)
-        return tuple({(0, ph): m if schedule == Schedule.GPIPE else min(m, pp - r)
-                      for ph in (Phase.BACKWARD, Phase.WEIGHT)} for r in range(pp))
+    taken there (a test holds this conservative for pp <= 16). A schedule
+    with a closed form (`ScheduleSpec.live`, one chunk) is not simulated."""
+    closed = spec_of(schedule).live
+    if closed is not None:  # closed forms (tested)
+        return tuple({(0, ph): closed(pp, m, r) for ph in (Phase.BACKWARD, Phase.WEIGHT)}
+                     for r in range(pp))
     return _live_at(schedule, pp, vpp, min(m, _steady_m(schedule, pp, vpp, m)))
 
 

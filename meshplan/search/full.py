@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.errors import ConfigError, ScheduleError
+from meshplan.schedules import stage_placement
 from meshplan.search.estimate import Prediction, Setting, price
 from meshplan.search.probe import Spec
 from meshplan.search.space import Candidate
@@ -59,7 +60,7 @@ def fits(spec: Spec, cand: Candidate, st: Setting, stage_layers: tuple[int, ...]
 
 
 def _layers_per_stage(job, strategy) -> tuple[int, ...]:
-    where = strategy.stage_placement
+    where = stage_placement(strategy)
     counts = [0] * where.num_stages
     for s, c in zip(job.layer_stage, job.layer_chunk):
         counts[where.stage_at(s, c)] += 1

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.mesh import Mesh
+from meshplan.schedules.registry import CSV
 from meshplan.search.work import Work, read_work
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ class ModelSpec:
         n = PROBE_LAYERS
         strategy = self.strategy(n, dp=dp, tp=tp, pp=n, vpp=1, zero=zero,
                                  global_batch_size=2 * mbs * dp, micro_batch_size=mbs,
-                                 schedule="csv", schedule_orders=_orders(), recompute=recompute,
+                                 schedule=CSV, schedule_orders=_orders(), recompute=recompute,
                                  bucket_mb=0)
         return self.plan(Mesh(1, n * tp * dp), strategy, n), strategy, 1
 
@@ -141,7 +142,7 @@ class GraphSpec:
         d = dp if dp > 1 else b // mbs  # a rank's micro-batch is the probe's
         mid = self.layers - 2
         strategy = self.strategy(dp=d, tp=tp, pp=n, vpp=1, zero=zero, global_batch_size=2 * b,
-                                 micro_batch_size=b // d, schedule="csv",
+                                 micro_batch_size=b // d, schedule=CSV,
                                  schedule_orders=_orders(), recompute=recompute, bucket_mb=0,
                                  stage_layers=(1, mid, 1), layer_stages=())
         return self.plan(Mesh(1, n * tp * d), strategy), strategy, mid

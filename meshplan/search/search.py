@@ -34,8 +34,9 @@ from dataclasses import dataclass, field, replace
 
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError
-from meshplan.ir.choices import Recompute, Schedule
+from meshplan.ir.choices import Recompute
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.schedules import spec_of
 from meshplan.search.estimate import (
     Prediction,
     Priced,
@@ -85,7 +86,7 @@ class SearchResult:
     def strategy(self, i: int = 0, layer_pattern: str = "", **fields) -> Strategy:
         """Ranked candidate `i` as a Strategy (its uneven layout included)."""
         c, pred = self.ranked[i].cand, self.ranked[i].pred
-        return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=Schedule(c.schedule),
+        return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
                         micro_batch_size=c.micro_batch_size, recompute=Recompute(c.recompute),
                         zero=c.zero, stage_layers=pred.stage_layers if c.pp > 1 else (),
                         layer_pattern=layer_pattern, **fields)
@@ -229,7 +230,7 @@ class _Pricer:
         p = self.probe(key) if p0 is not None and key != base else p0
         if p is None or p0 is None:
             return None
-        split = Schedule(cand.schedule).splits_backward
+        split = spec_of(cand.schedule).splits_backward
         n = cand.pp * cand.vpp
         if (base, n) not in self.layouts:
             self.layouts[(base, n)] = layout(p0, cand, self.layers)

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from functools import cache
 
 from meshplan.errors import ScheduleError
-from meshplan.ir.choices import Recompute, Schedule
+from meshplan.ir.choices import Recompute
 from meshplan.ir.mesh import Mesh
-from meshplan.schedules import compute_actions
+from meshplan.schedules import compute_actions, spec_of
+from meshplan.schedules.registry import DEFAULT, searched
 
-SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB1P, Schedule.ZBV,
-             Schedule.GPIPE)
 RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 ZERO = (0, 1, 2, 3)
 MAX_VPP = 4
@@ -66,7 +65,7 @@ class Candidate:
 class Space:
     """What the search may vary (each a tuple of allowed values; () = all)."""
 
-    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    schedules: tuple[str, ...] = searched()  # the registry's, in its order
     recompute: tuple[str, ...] = tuple(RECOMPUTE)
     zero: tuple[int, ...] = ZERO
     micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES
@@ -96,12 +95,11 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
                     continue
                 m = global_batch // (dp * mbs)
                 for schedule, vpp in _schedules(pp, m, layers, space):
-                    if not _planner_takes(mesh, dp, tp, pp, vpp, str(schedule),
-                                          global_batch, mbs):
+                    if not _planner_takes(mesh, dp, tp, pp, vpp, schedule, global_batch, mbs):
                         continue
                     for rc in space.recompute:
                         for z in space.zero if dp > 1 else (0,):
-                            yield Candidate(dp, tp, pp, vpp, str(schedule), mbs, str(rc), z)
+                            yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc), z)
 
 
 def _divisors(n: int) -> list[int]:
@@ -112,18 +110,17 @@ def _micro_batches(share: int, allowed: Sequence[int]) -> list[int]:
     return [b for b in _divisors(share) if b in allowed]
 
 
-def _schedules(pp: int, m: int, layers: int, space: Space) -> Iterator[tuple[Schedule, int]]:
+def _schedules(pp: int, m: int, layers: int, space: Space) -> Iterator[tuple[str, int]]:
+    """(schedule, vpp) pairs to try: at one stage only the default (every
+    schedule degenerates there); else each schedule at the vpps its record
+    lets the search try."""
     if pp == 1:
-        yield Schedule.ONE_F_ONE_B, 1
+        yield DEFAULT, 1
         return
     for schedule in space.schedules:
-        vpps = {Schedule.ONE_F_ONE_B: (1,), Schedule.GPIPE: (1,), Schedule.ZBV: (2,)}.get(
-            Schedule(schedule), tuple(range(2, space.max_vpp + 1)))
-        if schedule == Schedule.ZB1P:
-            vpps = tuple(range(1, space.max_vpp + 1))
-        for vpp in vpps:
-            if pp * vpp <= layers and schedule_takes(str(schedule), pp, vpp, m):
-                yield Schedule(schedule), vpp
+        for vpp in spec_of(schedule).vpps_to_search(space.max_vpp):
+            if pp * vpp <= layers and schedule_takes(schedule, pp, vpp, m):
+                yield schedule, vpp
 
 
 @cache
@@ -145,7 +142,7 @@ def _planner_takes(mesh: Mesh, dp: int, tp: int, pp: int, vpp: int, schedule: st
     from meshplan.passes.strategy import check_strategy
 
     try:
-        check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=Schedule(schedule),
+        check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule,
                                       global_batch_size=global_batch, micro_batch_size=mbs))
     except (ConfigError, ScheduleError):
         return False

@@ -32,6 +32,7 @@ from meshplan.ir import Phase, TensorMeta
 from meshplan.ir.kinds import short
 from meshplan.lowering.action_times import compute_cost, full_bytes, send_bytes
 from meshplan.lowering.rankplan import BufferCategory, RankPlan, TaskKind
+from meshplan.schedules import stage_placement
 
 _PHASE = {Phase.FORWARD: "f", Phase.BACKWARD: "i", Phase.WEIGHT: "w", Phase.OPTIMIZER: "step"}
 _STATE = {BufferCategory.PARAM: "param", BufferCategory.BUFFER: "param",
@@ -109,7 +110,7 @@ class StageWork:
 
 def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
     """The Work of each virtual stage `plan`'s rank runs, priced on `dev`."""
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     acc: dict[int, dict] = {}
     metas = {b.id: TensorMeta(b.shape, b.dtype) for b in plan.buffers}
     value_meta = {b.value: metas[b.id] for b in plan.buffers}

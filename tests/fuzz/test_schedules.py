@@ -22,10 +22,9 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from meshplan.errors import ScheduleError
-from meshplan.ir.stage_placement import placement_of
 from meshplan.lowering.check import check_plans, simulate_plans
 from meshplan.lowering.rankplan import TaskKind
-from meshplan.schedules import add_comm, compute_actions, simulate, validate
+from meshplan.schedules import add_comm, compute_actions, placement_of, simulate, validate
 from meshplan.schedules.action import ActionType
 from tests.lowering.jobs import job_of, plans_of
 

@@ -15,6 +15,7 @@ from meshplan.lowering.buckets import plan_buckets
 from meshplan.lowering.check import check_plans, expand_collectives
 from meshplan.lowering.lower import lower
 from meshplan.models import model_config
+from meshplan.schedules import stage_placement
 from tests.runtime._util import local_verdict
 
 TINY_BUCKETS = 0.2  # MiB: GPT tiny's 53 gradients in 4 buckets at dp=4
@@ -73,7 +74,7 @@ def test_the_check_orders_buckets_where_they_start():
     job = _job(TINY_BUCKETS)
     plans = {r: lower(job, r) for r in range(4)}
     assert check_plans(job, plans).ok
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     seq = expand_collectives(plans[0], where, job.graph.ops, plan_buckets(job, plans[0]))
     (group,) = seq
     buckets = [(k, item) for k, item in enumerate(seq[group]) if isinstance(item[0], tuple)]
@@ -261,7 +262,7 @@ def test_the_check_orders_microbatch_buckets_in_every_microbatch():
     job = _job(TINY_BUCKETS, zero=2)
     plans = {r: lower(job, r) for r in range(4)}
     assert check_plans(job, plans).ok
-    where = job.strategy.stage_placement
+    where = stage_placement(job.strategy)
     seq = expand_collectives(plans[0], where, job.graph.ops, plan_buckets(job, plans[0]))
     (group,) = seq
     m = job.strategy.num_microbatches

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from meshplan.ir.stage_placement import placement_of
-from meshplan.schedules import SCHEDULES, add_comm, compute_actions
+from meshplan.schedules import REGISTRY, add_comm, compute_actions, placement_of
 from meshplan.schedules.action import Action
 from meshplan.schedules.simulate import simulate
 
-ZERO_BUBBLE_SCHEDULES = [name for name in SCHEDULES if name.splits_backward]
+SCHEDULES = sorted(name for name, spec in REGISTRY.items() if spec.actions is not None)
+ZERO_BUBBLE_SCHEDULES = [name for name in SCHEDULES if REGISTRY[name].splits_backward]
 
 # The (schedule, pp, vpp, num_microbatches) grid every B schedule is checked on.
 GRID = [
     (name, pp, vpp, k * pp)
-    for name in SCHEDULES if not name.splits_backward
+    for name in SCHEDULES if not REGISTRY[name].splits_backward
     for pp in (1, 2, 3, 4, 8)
     for vpp in ((1, 2, 3) if name == "interleaved" else (1,))
     for k in (1, 2, 4)

@@ -3,7 +3,8 @@
 import pytest
 
 from meshplan.errors import ScheduleError
-from meshplan.ir.stage_placement import StagePlacement, placement_of
+from meshplan.ir.stage_placement import StagePlacement
+from meshplan.schedules import placement_of
 from meshplan.schedules.csv_io import dump_csv, load_csv
 
 from ._util import ZB_GRID, compute, grid_id, lowered, parse_lists

@@ -3,9 +3,10 @@
 import pytest
 
 from meshplan.errors import ScheduleError
-from meshplan.ir.stage_placement import StagePlacement, placement_of
-from meshplan.schedules import SCHEDULES, add_comm, validate
+from meshplan.ir.stage_placement import StagePlacement
+from meshplan.schedules import add_comm, placement_of, validate
 from meshplan.schedules.action import ActionType
+from tests.schedules._util import SCHEDULES
 
 from ._util import compute, lowered, parse_lists
 

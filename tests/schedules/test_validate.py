@@ -3,8 +3,7 @@
 import pytest
 
 from meshplan.errors import ScheduleError
-from meshplan.ir.stage_placement import placement_of
-from meshplan.schedules import format_grid, validate
+from meshplan.schedules import format_grid, placement_of, validate
 from meshplan.schedules.action import Action
 from meshplan.schedules.validate import find_fault
 

@@ -14,8 +14,7 @@ import re
 import pytest
 
 from meshplan.errors import ScheduleError
-from meshplan.ir.stage_placement import placement_of
-from meshplan.schedules import compute_actions, validate
+from meshplan.schedules import compute_actions, placement_of, validate
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.grid import ascii_timeline
 from meshplan.schedules.zb1p import split_backward
