@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from meshplan.costmodel import load_device_model
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.ir.mesh import Mesh
 from meshplan.lowering.check import check_plans
@@ -131,13 +132,9 @@ def test_a_toy_schedule_is_one_record_through_plan_check_simulate_and_search():
         assert [a for a in plans[0].actions if a.type.is_compute] == orders[0]
         assert check_plans(job, plans).ok
 
-        res = search(ModelSpec("gpt", "tiny"), Mesh(1, pp), m, _dev(), prove=False,
+        res = search(ModelSpec("gpt", "tiny"), Mesh(1, pp), m, load_device_model("a100-80gb"),
+                     prove=False,
                      space=Space(schedules=("lifo",), recompute=("none",), zero=(0,),
                                  micro_batch_sizes=(1,)))
         assert {r.cand.schedule for r in res.ranked if r.cand.pp > 1} == {"lifo"}
     assert "lifo" not in REGISTRY
-
-
-def _dev():
-    from meshplan.costmodel import load_device_model
-    return load_device_model("a100-80gb")
