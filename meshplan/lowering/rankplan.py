@@ -4,7 +4,7 @@ Invariants:
 - Tasks are static: each runs once per micro-batch (forward, backward,
   weight phase) or once per step (optimizer phase), as the rank's `actions`
   order them. An action on virtual stage `v` runs, in order, the tasks of
-  `v`'s chunk (its place in `Strategy.stage_placement`) that
+  `v`'s chunk (its place in `schedules.stage_placement`) that
   `action_templates` names: F the forward ones; I the backward ones (the
   input gradients); W the weight phase's (weight gradients, only in a Job
   for a zero-bubble schedule); B both, I then W; `STEP` the

@@ -9,7 +9,7 @@ Invariants (of `assign_stages`' result, for a train-step Graph):
   before the first layer belong to the first one.
 - By default the L layers form `pp * vpp` equal segments in model order and
   segment `i` is virtual stage `i`, run where the schedule's stage placement
-  (`Strategy.stage_placement`) puts it: interleaved (Megatron), stage
+  (`schedules.stage_placement`) puts it: interleaved (Megatron), stage
   `i % pp`, chunk `i // pp`; the V of zbv, stage `i` then `2pp-1-i`:
 
       L = 8, pp = 2, vpp = 2        segment:  0     1     2     3

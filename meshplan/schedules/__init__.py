@@ -65,7 +65,7 @@ def compute_actions(name: str, pp: int, vpp: int, num_microbatches: int,
             raise ScheduleError(f"schedule {name}: {label} must be a positive integer, "
                                 f"got {value!r}")
     if not isinstance(stage, int) or not 0 <= stage < pp:
-        raise ScheduleError(f"schedule {name}: rank must be in 0..{pp - 1} for pp={pp}, "
+        raise ScheduleError(f"schedule {name}: stage must be in 0..{pp - 1} for pp={pp}, "
                             f"got {stage!r}")
     own = spec.actions(pp, vpp, num_microbatches, stage)
     if vpp == 1 and spec.one_chunk:

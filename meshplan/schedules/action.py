@@ -2,9 +2,11 @@
 
 Invariants:
 - `stage` is a VIRTUAL stage index, the model's pieces in order
-  0..pp*vpp-1 (the numbering of torch.distributed.pipelining). The rank
-  that runs it is the schedule's `ir.stage_placement.StagePlacement`: by
-  default (interleaved) stage `chunk * pp + rank`.
+  0..pp*vpp-1 (the numbering of torch.distributed.pipelining). The
+  pipeline stage (position 0..pp-1, the `stage` argument of a schedule's
+  action function; for pp-only layouts its rank) that runs it is the
+  schedule's placement (`schedules.placement_of`): by default
+  (interleaved) virtual stage `chunk * pp + stage`.
   STEP has `stage == microbatch == -1`.
 - Compute actions have `peer == -1`: F (forward), B (the whole backward),
   or the backward split in two, I (gradients of the stage's inputs, which

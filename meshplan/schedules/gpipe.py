@@ -22,14 +22,14 @@ from meshplan.errors import ScheduleError
 from meshplan.schedules.action import Action, ActionType
 
 
-def schedule_gpipe(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Action]:
-    """Rank `rank`'s compute order: F0..F(m-1), then B0..B(m-1)."""
+def schedule_gpipe(pp: int, vpp: int, num_microbatches: int, stage: int) -> list[Action]:
+    """Pipeline stage `stage`'s compute order: F0..F(m-1), then B0..B(m-1)."""
     if vpp != 1:
         raise ScheduleError(
             f"gpipe runs one stage per rank but got vpp={vpp}; "
             f"use --vpp 1 or --schedule interleaved"
         )
     m = num_microbatches
-    forwards = [Action(rank, ActionType.F, mb) for mb in range(m)]
-    backwards = [Action(rank, ActionType.B, mb) for mb in range(m)]
+    forwards = [Action(stage, ActionType.F, mb) for mb in range(m)]
+    backwards = [Action(stage, ActionType.B, mb) for mb in range(m)]
     return forwards + backwards

@@ -40,13 +40,13 @@ from meshplan.schedules.action import Action
 from meshplan.schedules.one_f_one_b import OpMap, order_1f1b
 
 
-def interleaved_warmup(pp: int, vpp: int, num_microbatches: int, rank: int) -> int:
-    """Number of warmup forwards of `rank` (torch's formula, capped at vpp*m)."""
-    return min(2 * (pp - rank - 1) + (vpp - 1) * pp, vpp * num_microbatches)
+def interleaved_warmup(pp: int, vpp: int, num_microbatches: int, stage: int) -> int:
+    """Number of warmup forwards of pipeline stage `stage` (torch's formula, capped at vpp*m)."""
+    return min(2 * (pp - stage - 1) + (vpp - 1) * pp, vpp * num_microbatches)
 
 
-def schedule_interleaved(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Action]:
-    """Rank `rank`'s interleaved 1F1B compute order (see the module docstring)."""
+def schedule_interleaved(pp: int, vpp: int, num_microbatches: int, stage: int) -> list[Action]:
+    """Pipeline stage `stage`'s interleaved 1F1B compute order (see the module docstring)."""
     m = num_microbatches
     if m % pp != 0:
         below, above = (m // pp) * pp, (m // pp + 1) * pp
@@ -56,12 +56,13 @@ def schedule_interleaved(pp: int, vpp: int, num_microbatches: int, rank: int) ->
             f"num_microbatches={m} pp={pp}; use --num-microbatches {valid}"
         )
 
-    warmup = interleaved_warmup(pp, vpp, m, rank)
-    return order_1f1b(vpp * m, warmup, *rounds_of(pp, vpp, pp, rank))
+    warmup = interleaved_warmup(pp, vpp, m, stage)
+    return order_1f1b(vpp * m, warmup, *rounds_of(pp, vpp, pp, stage))
 
 
-def rounds_of(pp: int, vpp: int, per_round: int, rank: int) -> tuple[OpMap, OpMap]:
-    """The k-th forward / backward of `rank` -> (stage, microbatch), depth first.
+def rounds_of(pp: int, vpp: int, per_round: int, stage: int) -> tuple[OpMap, OpMap]:
+    """The k-th forward / backward of pipeline stage `stage` -> (virtual stage,
+    microbatch), depth first.
 
     Micro-batches go in rounds of `per_round`: forwards run a round on chunk
     0, the same round on chunk 1, ..., then the next round; backwards mirror
@@ -71,9 +72,9 @@ def rounds_of(pp: int, vpp: int, per_round: int, rank: int) -> tuple[OpMap, OpMa
         return (k // (per_round * vpp)) * per_round + k % per_round
 
     def fwd(k: int) -> tuple[int, int]:
-        return ((k // per_round) % vpp) * pp + rank, mb_of(k)
+        return ((k // per_round) % vpp) * pp + stage, mb_of(k)
 
     def bwd(j: int) -> tuple[int, int]:
-        return (vpp - 1 - (j // per_round) % vpp) * pp + rank, mb_of(j)
+        return (vpp - 1 - (j // per_round) % vpp) * pp + stage, mb_of(j)
 
     return fwd, bwd

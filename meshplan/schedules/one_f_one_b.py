@@ -52,8 +52,8 @@ def _stage_b(stage_mb: tuple[int, int]) -> tuple[int, ActionType, int]:
     return stage_mb[0], ActionType.B, stage_mb[1]
 
 
-def schedule_1f1b(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Action]:
-    """Rank `rank`'s 1F1B compute order (see the module docstring)."""
+def schedule_1f1b(pp: int, vpp: int, num_microbatches: int, stage: int) -> list[Action]:
+    """Pipeline stage `stage`'s 1F1B compute order (see the module docstring)."""
     m = num_microbatches
     if vpp != 1:
         raise ScheduleError(
@@ -65,5 +65,5 @@ def schedule_1f1b(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[A
             f"1f1b needs num_microbatches >= pp, got num_microbatches={m} pp={pp}; "
             f"use --num-microbatches {pp} or more, or --schedule gpipe"
         )
-    warmup = min(pp - rank - 1, m)
-    return order_1f1b(m, warmup, lambda k: (rank, k), lambda k: (rank, k))
+    warmup = min(pp - stage - 1, m)
+    return order_1f1b(m, warmup, lambda k: (stage, k), lambda k: (stage, k))

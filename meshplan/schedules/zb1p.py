@@ -56,13 +56,13 @@ def zb1p_per_round(pp: int, num_microbatches: int) -> int:
     return m // rounds
 
 
-def schedule_zb1p(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Action]:
-    """Rank `rank`'s ZB1P compute order (see the module docstring)."""
+def schedule_zb1p(pp: int, vpp: int, num_microbatches: int, stage: int) -> list[Action]:
+    """Pipeline stage `stage`'s ZB1P compute order (see the module docstring)."""
     m = num_microbatches
     per_round = zb1p_per_round(pp, m)
-    warmup = min((vpp - 1) * per_round + pp - 1 - rank, vpp * m)
-    order = order_1f1b(vpp * m, warmup, *rounds_of(pp, vpp, per_round, rank))
-    return split_backward(order, lag=rank)
+    warmup = min((vpp - 1) * per_round + pp - 1 - stage, vpp * m)
+    order = order_1f1b(vpp * m, warmup, *rounds_of(pp, vpp, per_round, stage))
+    return split_backward(order, lag=stage)
 
 
 def split_backward(order: list[Action], lag: int) -> list[Action]:

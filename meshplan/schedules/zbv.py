@@ -48,29 +48,29 @@ from meshplan.schedules.action import Action, ActionType
 F, I, W = ActionType.F, ActionType.I, ActionType.W  # noqa: E741
 
 
-def schedule_zbv(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Action]:
-    """Rank `rank`'s ZB-V compute order (see the module docstring)."""
+def schedule_zbv(pp: int, vpp: int, num_microbatches: int, stage: int) -> list[Action]:
+    """Pipeline stage `stage`'s ZB-V compute order (see the module docstring)."""
     if vpp != 2:
         raise ScheduleError(f"zbv places two stages per rank in a V, got vpp={vpp}; use --vpp 2")
     m, n = num_microbatches, max(num_microbatches, 2 * pp - 1)
-    down, up = rank, 2 * pp - 1 - rank
-    count: Counter[tuple[ActionType, int]] = Counter()  # actions emitted per (type, stage)
+    down, up = stage, 2 * pp - 1 - stage
+    count: Counter[tuple[ActionType, int]] = Counter()  # actions emitted per (type, virtual stage)
     out: list[Action] = []
 
     def run(*steps: tuple[ActionType, int]) -> None:
-        for kind, stage in steps:
-            out.append(Action(stage, kind, count[kind, stage]))
-            count[kind, stage] += 1
+        for kind, virtual in steps:
+            out.append(Action(virtual, kind, count[kind, virtual]))
+            count[kind, virtual] += 1
 
-    run(*[(F, down)] * (2 * (pp - rank) - 1))
-    run(*[(F, up), (F, down)] * rank)
-    run(*[(F, up), (I, up), (W, up)] * (pp - rank))
+    run(*[(F, down)] * (2 * (pp - stage) - 1))
+    run(*[(F, up), (F, down)] * stage)
+    run(*[(F, up), (I, up), (W, up)] * (pp - stage))
     while count[F, down] < n or count[F, up] < count[F, down]:
         if count[F, down] < n:
             run((F, down))
         run((I, down), (W, down), (F, up), (I, up), (W, up))
-    run(*[(I, down), (I, up)] * rank)
-    run(*[(I, down), (W, down)] * (pp - rank))
+    run(*[(I, down), (I, up)] * stage)
+    run(*[(I, down), (W, down)] * (pp - stage))
     run(*[(W, up)] * (count[I, up] - count[W, up]))
     run(*[(W, down)] * (count[I, down] - count[W, down]))
     return [a for a in out if a.microbatch < m]

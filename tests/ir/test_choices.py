@@ -9,8 +9,8 @@ from meshplan.autodiff import OptimizerConfig
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import Precision, TpStyle
 from meshplan.ir.mesh import Mesh, Strategy
-from meshplan.passes.strategy import check_strategy
 from meshplan.ir.state_name import StateName, is_state
+from meshplan.passes.strategy import check_strategy
 
 
 @pytest.mark.parametrize("build, message", [
