@@ -168,7 +168,8 @@ def splits_backward(s: Strategy) -> bool:
 @contextmanager
 def registered(spec: ScheduleSpec) -> Iterator[ScheduleSpec]:
     """`spec` added to the registry for the `with` block (a test's toy
-    schedule); the caches keyed by schedule name are cleared on both ends."""
+    schedule); `placement_of`'s cache is cleared on both ends. The search
+    caches by name too: give each toy record a name of its own."""
     assert spec.name not in REGISTRY, f"schedule {spec.name} is registered already"
     placement_of.cache_clear()
     REGISTRY[spec.name] = spec
