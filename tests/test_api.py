@@ -85,7 +85,7 @@ def test_readme_transformers_example_runs(tmp_path):
     p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "layer_pattern auto = 'model\\.transformer\\.h\\.(\\d+)'" in p.stdout
+    assert "layer_pattern derived = 'model\\.transformer\\.h\\.(\\d+)'" in p.stdout
     m = re.search(r"^ok True: max \|diff\| (\S+), 52 parameter tensors", p.stdout, re.M)
     assert m and float(m.group(1)) <= 1e-5, p.stdout
 

@@ -71,7 +71,7 @@ def test_transformers_llm_trains_as_eager_on_a_token_file(tmp_path):
     eager = copy.deepcopy(model)
     feed = TokenFeed(str(data), "train", cfg.seq_len, 3, Layout.SHIFTED_BY_MODEL)
     strategy = mp.Strategy(dp=2, pp=2, global_batch_size=8, micro_batch_size=2,
-                           layer_pattern="auto")
+                           layer_pattern="derived")
     reader = FeedReader(feed, 8, 2)
     x, y = reader.batch(0)
     job = mp.plan(mp.capture(model, (x[:4], y[:4])), mp.Mesh(1, 4), strategy,

@@ -19,7 +19,7 @@ Invariants:
 - A tied parameter (one tensor under several names) is one input; its
   other names are recorded as aliases (`Graph.aliases`).
 - The module's structure (layer list, declared tp plan, head and vocabulary
-  counts) is recorded for "auto" plans (`capture/structure.py`).
+  counts) is recorded for derived plans (`capture/structure.py`).
 - A tensor constant that is no parameter or buffer (transformers' attention
   lifts some) becomes an `aten.full` op when its elements are equal.
 - Shapes are export's own (`node.meta["val"]`); inference runs only for ops

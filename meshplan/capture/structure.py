@@ -1,4 +1,4 @@
-"""What capture records about a module's structure, for "auto" plans.
+"""What capture records about a module's structure, for derived plans.
 
 Invariants:
 - Facts, not decisions: the layer list, the tensor-parallel entries the
@@ -6,7 +6,7 @@ Invariants:
   `base_model_tp_plan`) or that its structure shows (the vocabulary
   embedding and head, and Megatron's pairs by module name), and
   the head, key/value-head and vocabulary counts.
-  `passes/auto_plan.py` turns them into a plan once the tp degree is known.
+  `passes/derive.py` turns them into a plan once the tp degree is known.
 - They live in the graph's `meta` under `auto:` keys (strings; lists as
   JSON), so a captured graph carries them into planning, caches and files.
 - The layer list is transformers' `_pp_plan` ModuleList if declared, else

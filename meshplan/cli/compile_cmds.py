@@ -31,10 +31,10 @@ def cmd_compile(a: argparse.Namespace) -> int:
     strategy = strategy_of(a, cfg)
     ranks = parse_ranks(a.ranks)
     device = a.device
-    if device == "auto":  # lowering needs no GPU: only auto asks this machine
+    if device == "best":  # lowering needs no GPU: only best asks this machine
         from meshplan.runtime.devices import resolve_device
 
-        device = resolve_device("auto")
+        device = resolve_device("best")
     with a.progress.task("lowering ranks", len(ranks or range(mesh_of(a).world))) as update:
         stats = compile_model(a.model, a.size, mesh_of(a), strategy, a.out, optimizer_config(a),
                               lr=a.lr, ranks=ranks, workers=a.workers,

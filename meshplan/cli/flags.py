@@ -20,7 +20,8 @@ from meshplan.ir.choices import (
     Recompute,
     names,
 )
-from meshplan.ir.mesh import Mesh
+from meshplan.ir.mesh import BALANCED, DERIVED, Mesh
+from meshplan.runtime.devices import DEVICES
 from meshplan.schedules.registry import CSV, default_schedule, searched, spec_of
 
 
@@ -29,7 +30,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="gpt", help="gpt, bert or resnet (default gpt)")
     g.add_argument("--hf", default=None, metavar="MODEL_TYPE",
                    help="a transformers model built offline from its config instead of a zoo "
-                   "model: gpt2, bert, llama, ... (tp plan and layers derived: 'auto')")
+                   "model: gpt2, bert, llama, ... (tp plan and layers derived: 'derived')")
     g.add_argument("--size", default="tiny", help="preset: tiny, small, gpt3-175b, "
                    "bert-large, resnet50 (default tiny)")
     for flag in ("layers", "heads", "hidden", "seq-len", "vocab"):
@@ -78,16 +79,16 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    "in the step)")
     g.add_argument("--layer-pattern", default=None,
                    help=r"regex over module paths naming a layer (default: blocks\.(\d+)); "
-                   "'auto': the model's longest list of same-class blocks")
-    g.add_argument("--tp-plan", choices=("auto",), default=None,
-                   help="auto: derive the tensor-parallel plan from the model (transformers' "
+                   "'derived': the model's longest list of same-class blocks")
+    g.add_argument("--tp-plan", choices=(DERIVED,), default=None,
+                   help="derived: the tensor-parallel plan read off the model (transformers' "
                    "own plan, else its vocabulary embedding and head)")
     g.add_argument("--layer-stages", default=None,
-                   help="stage of each layer, comma-separated, e.g. 0,0,1,1; 'auto': layers "
-                   "per virtual stage balanced by cost (embedding, head and loss counted)")
+                   help="stage of each layer, comma-separated, e.g. 0,0,1,1")
     g.add_argument("--stage-layers", default=None,
                    help="layers per virtual stage, comma-separated, e.g. 3,4,4,3 (an uneven "
-                   "layout; what --layer-stages auto and --auto choose)")
+                   "layout, as --auto chooses); 'balanced': balanced by cost (embedding, head "
+                   "and loss counted)")
     add_auto_flags(p.add_argument_group("automatic strategy (the search)"))
     g = p.add_argument_group("training step")
     g.add_argument("--precision", choices=names(Precision), default="fp32",
@@ -171,7 +172,7 @@ BACKEND_HELP = ("gloo or nccl (default: nccl on cuda, gloo on cpu). With --devic
 def add_device_flags(p: argparse.ArgumentParser, backend: bool = True) -> None:
     """`--device` (and `--backend`, for verbs that run ranks)."""
     g = p.add_argument_group("device")
-    g.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+    g.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where ranks compute (default cpu); auto: cuda when this machine "
                    "has one. Plans are lowered per device type (its kernels)")
     if backend:
@@ -246,11 +247,11 @@ def strategy_fields(a: argparse.Namespace) -> dict:
         fields["layer_pattern"] = a.layer_pattern
     if getattr(a, "tp_plan", None):
         fields["tp_plan"] = a.tp_plan
-    if a.layer_stages == "auto":
-        fields["stage_layers"] = "auto"
+    if a.stage_layers == BALANCED:
+        fields["stage_layers"] = BALANCED
     elif a.stage_layers:
-        fields["stage_layers"] = _ints(a.stage_layers, "--stage-layers", "3,4,4,3")
-    if a.layer_stages and a.layer_stages != "auto":
+        fields["stage_layers"] = _ints(a.stage_layers, "--stage-layers", f"3,4,4,3, or {BALANCED}")
+    if a.layer_stages:
         fields["layer_stages"] = _ints(a.layer_stages, "--layer-stages", "0,0,1,1")
     return fields
 

@@ -54,6 +54,7 @@ from meshplan.cli.verdict import (
 )
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.choices import Precision, Recompute
+from meshplan.runtime.devices import DEVICES
 
 EPILOG_INSPECT = """examples:
   meshplan inspect --model gpt --size gpt3-175b
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="worker processes (default: the number of cores)")
     p.add_argument("--no-cache", action="store_true", help="lower every rank afresh")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+    p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="device type to lower for (default cpu): it picks each task's "
                    "kernel, e.g. CUDA attention. Needs no GPU; auto: cuda when this machine "
                    "has one")

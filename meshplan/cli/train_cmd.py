@@ -24,6 +24,7 @@ from statistics import median
 
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides
 from meshplan.errors import ConfigError
+from meshplan.ir.mesh import DERIVED
 
 EPILOG = """defaults (the main job; the per-flag defaults above are the other verbs'):
   --size small --devices-per-node 8 --tp 2 --pp 2 --vpp 2 --global-batch-size 16
@@ -177,9 +178,9 @@ def _user_model(a: argparse.Namespace, data_dir: str):
     from meshplan.ir.mesh import Strategy
 
     fields = strategy_fields(a)
-    fields.setdefault("layer_pattern", "auto")
+    fields.setdefault("layer_pattern", DERIVED)
     if a.tp > 1:
-        fields.setdefault("tp_plan", "auto")
+        fields.setdefault("tp_plan", DERIVED)
     seq_len = a.seq_len or 128
     _steps_of(a, fields["global_batch_size"], seq_len)
     return user_model(a.module, data_dir, seq_len, mesh_of(a), Strategy(**fields),

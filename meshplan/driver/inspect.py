@@ -9,7 +9,7 @@ from meshplan.driver.plan import capture_built
 from meshplan.ir import Role
 from meshplan.models import build_model, layer_pattern, model_config
 from meshplan.ops.table import rule_for
-from meshplan.passes.auto_plan import AUTO, auto_layer_pattern
+from meshplan.passes.derive import derived_layer_pattern
 
 
 def inspect_model(model: str, size: str, batch_size: int = 1, **overrides) -> dict:
@@ -21,8 +21,7 @@ def inspect_model(model: str, size: str, batch_size: int = 1, **overrides) -> di
     graph = capture_built(cfg, batch_size, module)
     t2 = time.perf_counter()
     params = graph.inputs_by_role(Role.PARAM)
-    pattern = re.compile(auto_layer_pattern(graph) if layer_pattern(cfg) == AUTO
-                         else layer_pattern(cfg))
+    pattern = re.compile(layer_pattern(cfg) or derived_layer_pattern(graph))
     layers = {m.group(0) for op in graph.ops if (m := pattern.match(op.module_path))}
     generic = sorted({op.kind for op in graph.ops if not rule_for(op.kind).exact})
     return {

@@ -20,7 +20,7 @@ from meshplan.ir import Phase, Role
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE, short
-from meshplan.ir.mesh import AXES, Mesh, Strategy
+from meshplan.ir.mesh import AXES, DERIVED, Mesh, Strategy
 from meshplan.ir.sbp import fmt
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.models.hf import PREFIX as HF
@@ -40,11 +40,11 @@ class Planned:
 
 def zoo_strategy(model: str, cfg, **fields) -> Strategy:
     """A Strategy with the zoo's defaults: its layer pattern, the Megatron plan."""
-    fields.setdefault("layer_pattern", layer_pattern(cfg))
+    fields.setdefault("layer_pattern", layer_pattern(cfg) or DERIVED)
     if fields.get("tp", 1) > 1 and model in ("gpt", "bert"):
         fields.setdefault("tp_plan", MEGATRON_PLAN)
     elif fields.get("tp", 1) > 1 and model.startswith(HF):
-        fields.setdefault("tp_plan", "auto")
+        fields.setdefault("tp_plan", DERIVED)
     return Strategy(**fields)
 
 

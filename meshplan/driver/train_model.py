@@ -8,7 +8,7 @@ Invariants:
 - The weights the ranks start from are the module built here (seeded), the
   very weights an eager reference would start from.
 - The eval Job is the forward graph planned with the train Job's strategy
-  (after `resolve_auto`), so both lay every parameter out alike.
+  (after `resolve_derived`), so both lay every parameter out alike.
 """
 
 from __future__ import annotations

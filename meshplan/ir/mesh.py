@@ -60,6 +60,12 @@ class Placement:
         return self.ranks[i]
 
 
+# A Strategy's words (docs/architecture.md, Vocabulary): `auto` is only the search
+# (`Strategy.auto`); a tp plan or layer pattern read off the module is DERIVED
+# (passes/derive.py); layers per virtual stage balanced by cost are BALANCED.
+DERIVED = "derived"
+BALANCED = "balanced"
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """How to parallelize: Megatron's names and meanings."""
@@ -71,13 +77,13 @@ class Strategy:
     global_batch_size: int = 1
     micro_batch_size: int = 1
     schedule: str = "1f1b"          # a name in schedules/registry.py
-    layer_pattern: str = ""          # regex over module paths; "" = the model's; "auto"
+    layer_pattern: str = ""          # regex over module paths; "" = the model's; DERIVED
     layer_stages: tuple[int, ...] = ()   # optional user stage per layer
     # optional layers per virtual stage (virtual-stage order, pp*vpp entries):
-    # an uneven layout; "auto": balanced by cost (passes/auto_plan.py)
+    # an uneven layout; BALANCED: balanced by cost (passes/derive.py)
     stage_layers: tuple[int, ...] | str = ()
     stage_ranks: tuple[tuple[int, ...], ...] = ()  # optional explicit ranks per stage
-    tp_plan: tuple[tuple[str, TpStyle], ...] | str = ()  # (module-path regex, style), or "auto"
+    tp_plan: tuple[tuple[str, TpStyle], ...] | str = ()  # (module-path regex, style), or DERIVED
     precision: Precision = Precision.FP32
     recompute: Recompute = Recompute.NONE
     recompute_pattern: str = ""      # regex of checkpointed regions; "" = the layer pattern
@@ -95,13 +101,14 @@ class Strategy:
         set_ = object.__setattr__  # frozen: parse the names once, here
         set_(self, "precision", choose(Precision, self.precision, "precision"))
         set_(self, "recompute", choose(Recompute, self.recompute, "recompute mode"))
-        if isinstance(self.stage_layers, str) and self.stage_layers != "auto":
-            raise ConfigError(f"stage_layers '{self.stage_layers}' is unknown: give 'auto' or "
-                              "a layer count per virtual stage, e.g. (3, 4, 4, 3)")
+        if isinstance(self.stage_layers, str) and self.stage_layers != BALANCED:
+            raise ConfigError(f"stage_layers '{self.stage_layers}' is unknown: give "
+                              f"'{BALANCED}' or a layer count per virtual stage, e.g. "
+                              "(3, 4, 4, 3)")
         if isinstance(self.tp_plan, str):
-            if self.tp_plan != "auto":
-                raise ConfigError(f"tp_plan '{self.tp_plan}' is unknown: give 'auto' or a list "
-                                  "of (module-path regex, style) pairs, styles "
+            if self.tp_plan != DERIVED:
+                raise ConfigError(f"tp_plan '{self.tp_plan}' is unknown: give '{DERIVED}' or a "
+                                  "list of (module-path regex, style) pairs, styles "
                                   f"{', '.join(TpStyle)}")
             return
         set_(self, "tp_plan", tuple(

@@ -20,12 +20,13 @@ from collections import defaultdict
 
 from meshplan.ir import Role
 from meshplan.ir.kinds import ALL_GATHER
+from meshplan.ir.mesh import DERIVED
 from meshplan.lowering.rankplan import TaskKind, template_of
 
 
 def gather_groups(tasks, op_of, values, layer_pattern: str) -> dict[tuple, list[list]]:
     """{task group: [[gather task, ...] per layer, in task order]}."""
-    rx = re.compile(layer_pattern) if layer_pattern and layer_pattern != "auto" else None
+    rx = re.compile(layer_pattern) if layer_pattern and layer_pattern != DERIVED else None
     out: dict[tuple, list[list]] = defaultdict(list)
     last: dict[tuple, str] = {}
     for t in tasks:

@@ -11,7 +11,8 @@ Invariants:
   drawn on CPU from a private `torch.Generator`, so it is the same on every
   rank and device and never touches the global RNG.
 - `hf:<model_type>` names a transformers model (models/hf.py) with the
-  transformer fields; its layer pattern and tp plan are "auto".
+  transformer fields; its layer pattern and tp plan are derived from the
+  module (`passes/derive.py`).
 - For resnet, `layers == sum(blocks)` and `hidden == width`; `heads=1`,
   `seq_len=0` and `vocab=0` are placeholders.
 """
@@ -33,7 +34,6 @@ from meshplan.models.resnet import STAGE_STRIDES, ResNet
 
 MODELS = ("gpt", "bert", "resnet")
 LAYER_PATTERN = r"blocks\.(\d+)"
-AUTO = "auto"  # a plan derived from the module itself (passes/auto_plan.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,8 +268,9 @@ def batch_spec(
 
 def layer_pattern(cfg: ModelConfig) -> str:
     """Regex over module paths whose group(1) is a layer index (`blocks.3`);
-    "auto" (derived from the module at capture) for a transformers model."""
-    return AUTO if cfg.model.startswith(hf.PREFIX) else LAYER_PATTERN
+    "" for a transformers model (its layers are derived from the module at
+    capture: `passes/derive.py`)."""
+    return "" if cfg.model.startswith(hf.PREFIX) else LAYER_PATTERN
 
 
 def param_count(model: nn.Module) -> int:

@@ -80,7 +80,7 @@ def assign_stages(graph: Graph, pp: int, vpp: int, layer_pattern: str,
         raise ConfigError(f"pp={pp} and vpp={vpp} must both be >= 1; pass --pp and --vpp >= 1")
     layers, op_layer = find_layers(graph, layer_pattern)
     where = placement or StagePlacement.interleaved(pp, vpp)
-    assert not isinstance(stage_layers, str), "stage_layers 'auto' is resolved before this pass"
+    assert not isinstance(stage_layers, str), "stage_layers 'balanced' is resolved before this pass"
     if stage_layers:
         if layer_stages:
             raise ConfigError("layer_stages and stage_layers both give the layout; pass one "

@@ -3,7 +3,7 @@
     PASSES (in order; `docs/architecture.md` has the table of what each
     requires and ensures):
     check_strategy -> apply_precision (bf16, fp16) -> autodiff
-        -> resolve_auto ("auto" plans) -> expand_batch_norm (dp > 1)
+        -> resolve_derived (derived and balanced plans) -> expand_batch_norm (dp > 1)
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
         -> split_norm (clipping: the norm's squares summed per stage, pp > 1)
@@ -33,9 +33,9 @@ from meshplan.ir import Graph, Role, check_well_formed
 from meshplan.ir.choices import Precision, Recompute, TpStyle
 from meshplan.ir.job import Job, check_job_well_formed
 from meshplan.ir.mesh import AXES, Mesh, Strategy
-from meshplan.passes.auto_plan import resolve_auto
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
+from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
 from meshplan.passes.grad_norm import split_norm
 from meshplan.passes.log_softmax import expand_log_softmax
@@ -100,8 +100,8 @@ def _autodiff(c: Compilation) -> None:
     c.graph = build_train_step(c.graph, c.optimizer, s.num_microbatches, loss_scale=scale)
 
 
-def _resolve_auto(c: Compilation) -> None:
-    c.strategy, notes = resolve_auto(c.graph, c.strategy)
+def _resolve_derived(c: Compilation) -> None:
+    c.strategy, notes = resolve_derived(c.graph, c.strategy)
     c.notes += notes
 
 
@@ -192,7 +192,7 @@ def _check(c: Compilation) -> None:
 
 def _vocab_tp(c: Compilation) -> bool:
     plan = c.strategy.tp_plan
-    assert not isinstance(plan, str), "resolve_auto replaced 'auto'"
+    assert not isinstance(plan, str), "resolve_derived replaced 'derived'"
     return c.strategy.tp > 1 and any(style == TpStyle.VOCAB for _, style in plan)
 
 
@@ -202,7 +202,7 @@ PASSES = PassManager([
     Pass("apply_precision", _apply_precision, F({"valid_strategy"}), F({"casts"}),
          when=lambda c: c.strategy.precision != Precision.FP32),
     Pass("autodiff", _autodiff, F({"valid_strategy", "casts"}), F({"train_step"})),
-    Pass("resolve_auto", _resolve_auto, F({"valid_strategy", "train_step"}),
+    Pass("resolve_derived", _resolve_derived, F({"valid_strategy", "train_step"}),
          F({"concrete_strategy"})),
     Pass("expand_batch_norm", _expand_batch_norm, F({"train_step", "concrete_strategy"}),
          F({"batch_sums"}), when=lambda c: c.strategy.dp > 1),

@@ -22,7 +22,7 @@ import torch
 
 from meshplan.errors import ConfigError
 
-DEVICES = ("cpu", "cuda", "auto")
+DEVICES = ("cpu", "cuda", "best")
 BACKENDS = ("gloo", "nccl")
 
 
@@ -31,15 +31,15 @@ def cuda_count() -> int:
 
 
 def resolve_device(device: str) -> str:
-    """`cpu` or `cuda` for `device` (cpu | cuda | auto)."""
+    """`cpu` or `cuda` for `device` (cpu | cuda | best)."""
     if device not in DEVICES:
         raise ConfigError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
-    if device == "auto":
+    if device == "best":
         return "cuda" if cuda_count() else "cpu"
     if device == "cuda" and not cuda_count():
         raise ConfigError(f"--device cuda: no CUDA device here (torch {torch.__version__}, "
                           f"built for CUDA {torch.version.cuda or 'none'}); use --device "
-                          "cpu, or --device auto to take a GPU only where there is one")
+                          "cpu, or --device best to take a GPU only where there is one")
     return device
 
 

@@ -19,7 +19,8 @@ from meshplan.capture.structure import KEY
 from meshplan.costmodel import load_device_model
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
-from meshplan.passes.auto_plan import auto_layer_pattern
+from meshplan.ir.mesh import DERIVED
+from meshplan.passes.derive import derived_layer_pattern
 from meshplan.passes.pipeline import find_layers
 from meshplan.search.probe import GraphSpec, forget_probes
 from meshplan.search.search import search
@@ -29,8 +30,8 @@ def searched_strategy(graph, mesh, strategy, opt, device_model: str,
                       memory_per_device: int | None):
     """`Strategy(auto=True)`: the search's proven winner on a captured graph."""
     pattern = strategy.layer_pattern
-    if pattern in ("", "auto"):
-        pattern = auto_layer_pattern(graph)
+    if pattern in ("", DERIVED):
+        pattern = derived_layer_pattern(graph)
     layers = len(find_layers(graph, pattern)[0]) if pattern else 0
     if layers < 3:
         raise ConfigError(f"Strategy(auto=True) prices one layer from a graph of at least 3 "
@@ -43,7 +44,7 @@ def searched_strategy(graph, mesh, strategy, opt, device_model: str,
                           f"inputs; they have {sorted(sizes)}")
     model = dict(graph.meta).get(KEY + "model", "model")
     base = replace(strategy, layer_pattern=pattern,
-                   tp_plan=strategy.tp_plan or "auto", stage_layers=(), layer_stages=())
+                   tp_plan=strategy.tp_plan or DERIVED, stage_layers=(), layer_stages=())
     spec = GraphSpec(graph, base, opt, layers, sizes.pop(),
                      f"the captured {model} ({layers} layers)")
     try:

@@ -73,8 +73,8 @@ def _plan_tied(tmp):
     return plan_job(graph, Mesh(1, 2), s)
 
 
-def _auto_no_layers(tmp):
-    """layer_pattern='auto' on a model with no list of blocks, at pp=2."""
+def _derived_no_layers(tmp):
+    """layer_pattern='derived' on a model with no list of blocks, at pp=2."""
     from meshplan.autodiff import OptimizerConfig, build_train_step
     from meshplan.capture import capture
     from meshplan.ir.mesh import Mesh, Strategy
@@ -82,7 +82,7 @@ def _auto_no_layers(tmp):
 
     graph = build_train_step(capture(models.NoList(), models.example()),
                              OptimizerConfig.default("sgd"), 2)
-    s = Strategy(pp=2, global_batch_size=8, micro_batch_size=4, layer_pattern="auto")
+    s = Strategy(pp=2, global_batch_size=8, micro_batch_size=4, layer_pattern="derived")
     return plan_job(graph, Mesh(1, 2), s)
 
 
@@ -199,8 +199,8 @@ CASES: list[Case] = [
         "plan", "--devices-per-node", "2", "--pp", "2", "--layer-stages", "0,x"),
     py("tied-styles", "layers", ConfigError, "give the modules sharing it styles that split",
        _plan_tied),
-    py("auto-no-layers", "layers", ConfigError, "layer_pattern 'auto' found no layer list",
-       _auto_no_layers),
+    py("derived-no-layers", "layers", ConfigError, "layer_pattern 'derived' found no layer list",
+       _derived_no_layers),
     # ---- transformers models (--hf) ---------------------------------------------------
     cli("hf-unknown-type", "model", ConfigError, "has no model_type 'nosuch'",
         "compile", "--hf", "nosuch", *OUT),

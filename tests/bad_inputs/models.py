@@ -84,7 +84,7 @@ class Tied(nn.Module):
 
 
 class NoList(nn.Module):
-    """Layers as plain attributes: no nn.ModuleList for an "auto" layer list."""
+    """Layers as plain attributes: no nn.ModuleList for a derived layer list."""
 
     def __init__(self):
         super().__init__()

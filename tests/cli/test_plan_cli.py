@@ -33,6 +33,21 @@ def test_plan_table_and_non_monotone_note():
     assert "stage chunk" in p.stdout and "note:" in p.stdout and "not monotone" in p.stdout
 
 
+def test_stage_layers_balanced_is_planned_by_cost():
+    """`--stage-layers balanced`: the layers per virtual stage the cost
+    model balances (the embedding and head weigh on the ends), noted."""
+    p = run("plan", "--model", "gpt", "--layers", "8", "--vocab", "8192", "--devices-per-node", "2",
+            "--pp", "2",
+            "--vpp", "2", "--stage-layers", "balanced", "--global-batch-size", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    chunks = sorted(r["chunks"], key=lambda c: c["chunk"] * 2 + c["stage"])
+    counts = [len(c["layers"]) for c in chunks]
+    assert sum(counts) == 8 and counts[-1] < counts[0] and min(counts) >= 1, counts
+    assert any("stage_layers balanced = " in n for n in r["notes"]), r["notes"]
+    assert_user_error(run("plan", "--stage-layers", "auto"), "is not a comma-separated list")
+
+
 @pytest.mark.parametrize("args, phrase", [
     (("--devices-per-node", "4", "--dp", "1", "--tp", "2", "--pp", "1"), "dp*tp*pp = 1*2*1 = 2"),
     (("--devices-per-node", "3", "--tp", "3"), "tp=3 does not divide heads=4"),

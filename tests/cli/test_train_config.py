@@ -95,7 +95,7 @@ def test_a_required_flag_may_come_from_the_file_but_not_from_nowhere(parser, tmp
     ("auto = 1\n", [], ["'auto'", "true or false"]),
     ("model = 3\n", [], ["'model'", "a string"]),
     ("tags = \"a\"\n", [], ["'tags'", "a list"]),
-    ("tp = 2\ntp-plan = \"auto\"\n[x]\ntp = 3\n", [], ["'tp'", "twice"]),
+    ("tp = 2\ntp-plan = \"derived\"\n[x]\ntp = 3\n", [], ["'tp'", "twice"]),
     ("tp = = 2\n", [], ["run.toml", "line 2", "bad TOML"]),
     ("", ["lr"], ["--set 'lr'", "KEY=VALUE"]),
     ("", ["lerning_rate=3"], ["'lerning_rate'", "--set", "'lr'"]),

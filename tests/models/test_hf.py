@@ -1,7 +1,7 @@
 """transformers models as first-class input: GPT2LMHeadModel (tied),
 BertForMaskedLM (tied weight and bias), LlamaForCausalLM (tied and untied)
-built offline from tiny configs, planned with tp_plan="auto" and
-layer_pattern="auto", trained for 5 steps with losses and every parameter
+built offline from tiny configs, planned with tp_plan="derived" and
+layer_pattern="derived", trained for 5 steps with losses and every parameter
 and optimizer slot equal to eager within 1e-5 (driver.verify's verdict, each
 copy of a tied weight included).
 

@@ -137,13 +137,13 @@ def test_weights_load_under_any_alias():
         own_tensor({}, g, "blocks.0.weight")
 
 
-def test_auto_plans_on_the_zoo_gpt():
+def test_derived_plans_on_the_zoo_gpt():
     cfg = model_config("gpt", "tiny", tie_embeddings=True)
     s = zoo_strategy("gpt", cfg, tp=2, pp=2, global_batch_size=8, micro_batch_size=2,
-                     tp_plan="auto", layer_pattern="auto")
+                     tp_plan="derived", layer_pattern="derived")
     job = plan_model("gpt", "tiny", Mesh(1, 4), s, tie_embeddings=True).job
     assert job.strategy.layer_pattern == r"blocks\.(\d+)"
     assert job.strategy.tp_plan == ((r"blocks\.\d+\.mlp\.fc1$", "colwise"),  # Megatron's
                                     (r"blocks\.\d+\.mlp\.fc2$", "rowwise"),  # MLP pair
                                     ("wte", "vocab"), ("head", "vocab"))
-    assert any("tp_plan auto from structure" in n for n in job.notes)
+    assert any("tp_plan derived from structure" in n for n in job.notes)

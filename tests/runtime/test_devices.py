@@ -1,5 +1,5 @@
 """Device and backend choice: refused before any process starts, one line
-each; `auto` picks cpu where there is no CUDA."""
+each; `best` picks cpu where there is no CUDA."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ NO_CUDA = not torch.cuda.is_available()
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
-def test_auto_is_cpu_without_cuda():
-    assert devices.resolve_device("auto") == "cpu"
+def test_best_is_cpu_without_cuda():
+    assert devices.resolve_device("best") == "cpu"
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")

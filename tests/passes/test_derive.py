@@ -1,4 +1,4 @@
-"""passes/auto_plan.py: "auto" plans from what capture recorded. transformers'
+"""passes/derive.py: derived plans from what capture recorded. transformers'
 own tp plan with each inexact style noted; GQA key/value heads that tp does
 not divide are replicated (and still train as eager)."""
 

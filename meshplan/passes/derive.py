@@ -1,6 +1,6 @@
-"""Resolve `Strategy(tp_plan="auto", layer_pattern="auto")` from the facts
-capture recorded about the module (`capture/structure.py`), and
-`stage_layers="auto"` from the op cost model (`passes/balance.py`).
+"""Work out `Strategy(tp_plan="derived", layer_pattern="derived")` from the
+facts capture recorded about the module (`capture/structure.py`), and
+`stage_layers="balanced"` from the op cost model (`passes/balance.py`).
 
 Invariants:
 - The result is an ordinary strategy (a regex layer pattern, a tuple tp
@@ -26,10 +26,9 @@ from meshplan.capture.structure import KEY
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph
 from meshplan.ir.choices import Recompute, TpStyle
-from meshplan.ir.mesh import Strategy
+from meshplan.ir.mesh import BALANCED, DERIVED, Strategy
 from meshplan.passes.balance import balance, graph_layer_weights
 
-AUTO = "auto"
 # transformers' tp-plan styles -> ours: the same name, or the nearest
 _NEAR = {"colwise_rep": TpStyle.COLWISE, "colwise_gather_output": TpStyle.COLWISE,
          "rowwise_rep": TpStyle.ROWWISE, "embedding_rowwise": TpStyle.VOCAB,
@@ -38,52 +37,53 @@ _KV = ("k_proj", "v_proj", "key", "value", "wk", "wv", "k", "v")
 _ATTN = ("q_proj", "query", "wq", "c_attn", "qkv", "Wqkv", "q")
 
 
-def is_auto(strategy: Strategy) -> bool:
-    return strategy.tp_plan == AUTO or strategy.layer_pattern == AUTO
+def derives(strategy: Strategy) -> bool:
+    """Whether `strategy` has a tp plan or a layer pattern to read off the module."""
+    return strategy.tp_plan == DERIVED or strategy.layer_pattern == DERIVED
 
 
-def resolve_auto(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str, ...]]:
-    """`strategy` with its "auto" fields derived; returns it and the notes."""
+def resolve_derived(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str, ...]]:
+    """`strategy` with its derived and balanced fields worked out; returns it and the notes."""
     strategy, notes = _resolve_structure(graph, strategy)
-    if strategy.stage_layers == AUTO:
+    if strategy.stage_layers == BALANCED:
         counts = balance(graph_layer_weights(graph, strategy.layer_pattern),
                          strategy.pp * strategy.vpp)
         strategy = replace(strategy, stage_layers=counts)
-        notes += (f"stage_layers auto = {list(counts)} layers per virtual stage (balanced by "
+        notes += (f"stage_layers {BALANCED} = {list(counts)} layers per virtual stage (balanced by "
                   "the op cost model, embedding, head and loss counted)",)
     return strategy, notes
 
 
 def _resolve_structure(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str, ...]]:
-    if not is_auto(strategy):
+    if not derives(strategy):
         return strategy, ()
     facts = {k[len(KEY):]: v for k, v in graph.meta if k.startswith(KEY)}
     if not facts:
-        raise ConfigError("an 'auto' plan needs a graph captured by this meshplan (it records "
+        raise ConfigError(f"a {DERIVED} plan needs a graph captured by this meshplan (it records "
                           "the module's structure); capture the model again")
     notes: list[str] = []
-    if strategy.layer_pattern == AUTO:
+    if strategy.layer_pattern == DERIVED:
         strategy = replace(strategy, layer_pattern=_layer_pattern(facts, strategy, notes))
-    if strategy.tp_plan == AUTO:
+    if strategy.tp_plan == DERIVED:
         strategy = replace(strategy, tp_plan=_tp_plan(facts, strategy.tp, notes))
     return strategy, tuple(notes)
 
 
-def auto_layer_pattern(graph: Graph) -> str:
-    """The layer regex "auto" stands for in `graph` ("" without a layer list)."""
-    return resolve_auto(graph, Strategy(layer_pattern=AUTO))[0].layer_pattern
+def derived_layer_pattern(graph: Graph) -> str:
+    """The layer regex derived from `graph`'s module ("" without a layer list)."""
+    return resolve_derived(graph, Strategy(layer_pattern=DERIVED))[0].layer_pattern
 
 
 def _layer_pattern(facts: dict, s: Strategy, notes: list[str]) -> str:
     path = facts.get("layers", "")
     if not path:
         if s.pp > 1 or s.vpp > 1 or (s.recompute != Recompute.NONE and not s.recompute_pattern):
-            raise ConfigError(f"layer_pattern 'auto' found no layer list in {facts['model']} "
+            raise ConfigError(f"layer_pattern '{DERIVED}' found no layer list in {facts['model']} "
                               "(no nn.ModuleList of blocks of one class); pass --layer-pattern "
                               "with a regex naming one layer, e.g. 'blocks\\.\\d+'")
         return ""
     pattern = "|".join(p.replace(".", r"\.") + r"\.(\d+)" for p in path.split(","))
-    notes.append(f"layer_pattern auto = '{pattern}' ({facts['layers_from']})")
+    notes.append(f"layer_pattern {DERIVED} = '{pattern}' ({facts['layers_from']})")
     return pattern
 
 
@@ -112,7 +112,7 @@ def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, TpStyle
         elif mine != style and given != "structure":
             notes.append(f"'{pattern}': transformers style '{style}' mapped to '{mine}'")
         plan.append((pattern, mine))
-    notes.append(f"tp_plan auto from {facts['tp_from']}: " +
+    notes.append(f"tp_plan {DERIVED} from {facts['tp_from']}: " +
                  ", ".join(f"{p}={s}" for p, s in plan))
     return tuple(plan)
 
