@@ -81,7 +81,7 @@ class Job:
                if self.stage[op.id] == stage or op.kind == TRANSFER
                and dict(op.kwargs)["src_stage"] == stage]
         return _view(self.mesh, self.strategy, stage, self.digest(), dict(self.temps),
-                     {u.value for u in g.updates},
+                     {u.name: u.value for u in g.updates},
                      [(g.ops[i], self.stage[i], self.chunk[i], self.variant[i]) for i in ids],
                      lambda v: (g.values[v], self.sbp[v]))
 
@@ -106,6 +106,8 @@ class StageView:
     sbp: dict[int, NdSbp]
     updates: frozenset[int]
     temps: dict[str, int]
+    # state name -> the value of its update, for the updates among `values`
+    finals: dict[str, int]
 
     @staticmethod
     def from_bytes(data: bytes, stage: int, where: str = "<bytes>") -> StageView:
@@ -141,7 +143,7 @@ class JobReader:
             values = {r[0]: r for r in rows_v}
             return _view(self.mesh, self.strategy, stage, self.digest,
                          dict(_pairs(self.head["temps"])),
-                         set(self.head["update_values"]),
+                         dict(self.parts.load("graph")["updates"]),
                          [(op_from_row(r[:9]), st, r[9], tuple(r[10])) for r, st in rows],
                          lambda v: _value(values[v]))
 
@@ -176,8 +178,8 @@ class _Reading:
 
 def _view(mesh, strategy, stage, digest, temps, updates, ops, value_of) -> StageView:
     """A StageView from (op, stage, chunk, variant) in Job order; `value_of(v)`
-    gives (Value, sbp) for each value the ops touch; `updates`: the values
-    that update a state."""
+    gives (Value, sbp) for each value the ops touch; `updates`: {state name:
+    the value that updates it}."""
     values, sbp = {}, {}
     for op, *_ in ops:
         for v in op.refs() + op.outputs:
@@ -186,7 +188,8 @@ def _view(mesh, strategy, stage, digest, temps, updates, ops, value_of) -> Stage
     return StageView(mesh, strategy, stage, digest, tuple(o[0] for o in ops),
                      {o[0].id: o[1] for o in ops}, {o[0].id: o[2] for o in ops},
                      {o[0].id: o[3] for o in ops}, values, sbp,
-                     frozenset(v for v in updates if v in values), temps)
+                     frozenset(v for v in updates.values() if v in values), temps,
+                     {n: v for n, v in updates.items() if v in values})
 
 
 _TOKEN = re.compile(r"S\((\d+)\)|P\((\w+)\)|P|R")

@@ -61,12 +61,10 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from meshplan.ir import Op, Phase
 from meshplan.ir.choices import Precision
 from meshplan.ir.kinds import ACCUMULATE_GRAD, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from meshplan.lowering.rankplan import RankPlan, TaskKind, template_of
+from meshplan.lowering.rankplan import Bucket, RankPlan, TaskKind, template_of
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 
@@ -91,20 +89,6 @@ def per_microbatch(op: Op, readers) -> bool:
     reading it) by `accumulate_grad` only."""
     return (op.kind == REDUCE_SCATTER and op.phase in (Phase.BACKWARD, Phase.WEIGHT)
             and bool(readers) and all(r.kind == ACCUMULATE_GRAD for r in readers))
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """Reductions (op ids) carried by one flat all-reduce."""
-
-    group: tuple[int, ...]
-    ops: tuple[int, ...]          # the reductions, in the order their values are made
-    sources: tuple[int, ...]      # per reduction: the value it reduces
-    after: int                    # the op that makes the last source: the bucket is full
-    template: tuple               # the task group that op runs in
-    every_run: bool = False       # starts in every run of its group (not the last only)
-    kind: str = ALL_REDUCE        # the flat collective: ALL_REDUCE, or ALL_GATHER
-    slots: tuple[int, ...] = ()   # per reduction: the accumulate_grad writing its slot, or -1
 
 
 def bound(strategy) -> int:

@@ -25,6 +25,7 @@ from meshplan.ir.job import Job
 from meshplan.lowering.ids import TASK_LOCAL_BITS
 from meshplan.lowering.rankplan import (
     Block,
+    Bucket,
     Buffer,
     BufferCategory,
     MemoryPlan,
@@ -34,7 +35,7 @@ from meshplan.lowering.rankplan import (
 )
 from meshplan.schedules.action import Action
 
-KIND, VERSION = "meshplan.rankplan", 3
+KIND, VERSION = "meshplan.rankplan", 4  # 4: buckets, run order and gathers
 JOB_FILE = "job.json"
 _PLAN_FILE = re.compile(r"rank_(\d+)\.plan")
 
@@ -70,6 +71,16 @@ def plan_body(p: RankPlan, task_base: int) -> bytes:
         return row + [t.kernel] if t.kernel else row
 
     tasks = [rows_of(t) for t in p.tasks]
+    extra = {}  # written only where a plan has them
+    if p.buckets:
+        extra["buckets"] = [[groups.setdefault(b.group, len(groups)), list(b.ops),
+                             list(b.sources), b.after, [b.template[0], b.template[1].value],
+                             b.every_run, b.kind, list(b.slots)] for b in p.buckets]
+    if p.run_ids:
+        extra["run_ids"] = [i - task_base for i in p.run_ids]
+    if p.gathers:
+        extra["gathers"] = [[[c, ph.value], [list(layer) for layer in layers]]
+                            for (c, ph), layers in p.gathers]
     return encode_part({
         "groups": [list(g) for g in groups],
         "tasks": tasks,
@@ -81,7 +92,7 @@ def plan_body(p: RankPlan, task_base: int) -> bytes:
                                [x - own for x in b.buffers]] for b in p.memory.blocks],
                    "peak": [list(x) for x in p.memory.peak]},
         "actions": [str(a) for a in p.actions],
-    })
+    } | extra)
 
 
 def seal_plan(head: dict, body: bytes) -> bytes:
@@ -127,9 +138,16 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
                             tuple(Block(i + own, c + own, o, s, ids(b, own))
                                   for i, c, o, s, b in m["blocks"]),
                             tuple(_t(x) for x in m["peak"]))
+        buckets = tuple(Bucket(groups[grp], _t(ops), _t(src), after, (c, Phase(ph)), every,
+                               kind, _t(slots))
+                        for grp, ops, src, after, (c, ph), every, kind, slots
+                        in d.get("buckets", ()))
+        gathers = tuple(((c, Phase(ph)), tuple(_t(layer) for layer in layers))
+                        for (c, ph), layers in d.get("gathers", ()))
         return RankPlan(h["rank"], h["world"], h["stage"], _t(h["coord"]), h["job_digest"],
                         tasks, buffers, memory, tuple(Action.parse(a) for a in d["actions"]),
-                        h.get("device", "cpu"))
+                        h.get("device", "cpu"), buckets, ids(d.get("run_ids", ()), base),
+                        gathers)
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body "
                         f"({type(e).__name__}: {str(e)[:80]}); recompile it") from None

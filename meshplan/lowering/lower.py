@@ -29,6 +29,7 @@ from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.ir.sbp import NdSbp, local_shape
 from meshplan.lowering.actions import rank_actions
+from meshplan.lowering.buckets import bound, grad_buckets, run_order
 from meshplan.lowering.ids import (
     COLLECTIVE_STREAM,
     COMPUTE_STREAM,
@@ -38,6 +39,7 @@ from meshplan.lowering.ids import (
     task_id,
 )
 from meshplan.lowering.memory import plan_memory
+from meshplan.lowering.prefetch import gather_groups
 from meshplan.lowering.rankplan import (
     STATE_CATEGORIES,
     Buffer,
@@ -217,8 +219,19 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     inflight = in_flight(actions, stage_placement(view.strategy))
     buffers = _buffers(low, inflight)
     memory = plan_memory(low, buffers)
-    return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest,
-                    tuple(low.tasks), buffers, memory, tuple(actions), device_type)
+    tasks, op_of = tuple(low.tasks), low.op_of.__getitem__
+    s = view.strategy
+    nbytes = {b.value: b.nbytes for b in buffers}
+    buckets = grad_buckets(tasks, op_of, view.values, view.finals, bound(s),
+                           nbytes.__getitem__) if bound(s) else ()
+    ordered = run_order(tasks, buckets, op_of)
+    run_ids = tuple(t.id for t in ordered) if ordered != list(tasks) else ()
+    gathers = tuple((key, tuple(tuple(t.op for t in layer) for layer in layers))
+                    for key, layers in gather_groups(tasks, op_of, view.values,
+                                                     s.layer_pattern).items()) \
+        if s.zero == 3 else ()
+    return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest, tasks, buffers,
+                    memory, tuple(actions), device_type, buckets, run_ids, gathers)
 
 
 class RankClasses:

@@ -27,6 +27,7 @@ import enum
 from dataclasses import dataclass
 
 from meshplan.ir import DType, Phase
+from meshplan.ir.kinds import ALL_REDUCE
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.schedules.action import Action, ActionType
 
@@ -120,6 +121,20 @@ class Block:
 
 
 @dataclass(frozen=True, slots=True)
+class Bucket:
+    """Reductions (op ids) carried by one flat collective (`lowering/buckets.py`)."""
+
+    group: tuple[int, ...]
+    ops: tuple[int, ...]          # the reductions, in the order their values are made
+    sources: tuple[int, ...]      # per reduction: the value it reduces
+    after: int                    # the op that makes the last source: the bucket is full
+    template: tuple               # the task group that op runs in
+    every_run: bool = False       # starts in every run of its group (not the last only)
+    kind: str = ALL_REDUCE        # the flat collective: ALL_REDUCE, or ALL_GATHER
+    slots: tuple[int, ...] = ()   # per reduction: the accumulate_grad writing its slot, or -1
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryPlan:
     arenas: tuple[tuple[int, str, int], ...]   # (id, name, size)
     blocks: tuple[Block, ...]
@@ -141,6 +156,13 @@ class RankPlan:
     memory: MemoryPlan
     actions: tuple[Action, ...]
     device: str = "cpu"             # the device type it was lowered for (cpu | cuda)
+    buckets: tuple[Bucket, ...] = ()  # gradient buckets (`lowering/buckets.py`); () when off
+    # task ids in the order the runtime runs them, where buckets move tasks
+    # (`buckets.run_order`); (): the order of `tasks`
+    run_ids: tuple[int, ...] = ()
+    # ZeRO-3's gathers prefetched a layer ahead (`lowering/prefetch.py`): per
+    # task group (chunk, phase), the gather ops of each layer in order
+    gathers: tuple[tuple[tuple[int, Phase], tuple[tuple[int, ...], ...]], ...] = ()
 
     def kernel_of(self, task: Task, graph) -> str:
         """The kernel `task` runs: its device kernel, else its op's kind."""

@@ -2,7 +2,8 @@
 
 Invariants:
 - `kernel(task)` replaces a prefetchable gather's kernel
-  (`lowering/prefetch.py` groups them by layer within a task group): when
+  (the plan's `gathers`: `lowering/prefetch.py` groups them by layer
+  within a task group): when
   layer j's first gather is needed, layers j and j+1, if not yet started,
   are started asynchronously from the parameter shards in the state, each
   as one collective (per group and dtype: `Comm.all_gather_many_async`,
@@ -20,7 +21,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-from meshplan.lowering.prefetch import gather_groups
 from meshplan.runtime.bind import gathered_parts
 
 
@@ -28,13 +28,10 @@ class GatherPrefetch:
     def __init__(self, job, plan, ctx, comm, names: dict):
         self.comm = comm
         self.state: dict = {}
-        values = job.graph.values
         self.order: dict[int, tuple] = {}      # gather op -> (template, index)
         self.items: dict[tuple, list] = {}     # template -> [(op, layer index)]
-        groups = gather_groups(plan.tasks, job.graph.ops.__getitem__, values,
-                               job.strategy.layer_pattern)
-        for key, layers in groups.items():
-            self.items[key] = [(t.op, j) for j, layer in enumerate(layers) for t in layer]
+        for key, layers in plan.gathers:  # lowered: `lowering/prefetch.py`
+            self.items[key] = [(op, j) for j, layer in enumerate(layers) for op in layer]
             for i, (op, _) in enumerate(self.items[key]):
                 self.order[op] = (key, i)
         self.start_of: dict[tuple, int] = {}  # (template, layer) -> index of its first gather

@@ -23,7 +23,7 @@ Invariants:
   background; the STEP waits for them. At ZeRO 2 and 3 each micro-batch's
   gradient reduce-scatters do the same within the backward, and run, with
   the accumulation of their results, once the next bucket has started
-  (`buckets.run_order`); at ZeRO 1 and 2 the STEP's all-gathers of updated
+  (the plan's `run_ids`, `buckets.run_order`); at ZeRO 1 and 2 the STEP's all-gathers of updated
   parameter shards too. ZeRO-3's parameter gathers start one layer ahead,
   a layer's as one collective (`gather_prefetch.py`).
 - On a GPU, each micro-batch's inputs are sliced on the host, pinned and
@@ -58,7 +58,6 @@ from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF
 from meshplan.ir.lr_schedule import LrSchedule
-from meshplan.lowering.buckets import plan_buckets, run_order
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
     RankPlan,
@@ -116,8 +115,9 @@ class RankExecutor:
         self.guard = meta.get("on_nonfinite")  # halt | skip | None (no norm)
         self.nonfinite: float | None = None  # the last step's norm, when not finite
         self.step_losses: dict = {}  # this step's losses so far (a halt reports them)
-        buckets = plan_buckets(job, plan) if comm is not None else ()
-        self.buckets = GradBuckets(buckets, self.ctx, comm, self.mem) if buckets else None
+        self.buckets = GradBuckets(plan.buckets, self.ctx, comm, self.mem) \
+            if comm is not None and plan.buckets else None
+        self.run_at = {i: k for k, i in enumerate(plan.run_ids)} if self.buckets else {}
         self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
             if comm is not None and job.strategy.zero == 3 else None
         self._build(plan)
@@ -167,8 +167,8 @@ class RankExecutor:
 
     def _segment(self, key, tasks):
         g = self.job.graph
-        if self.buckets is not None:  # per-micro-batch reductions after their bucket starts
-            tasks = run_order(tasks, self.buckets.buckets, g.ops.__getitem__)
+        if self.run_at:  # per-micro-batch reductions after their bucket starts
+            tasks = sorted(tasks, key=lambda t: self.run_at[t.id])
         hooks = self.buckets.hooks(key) if self.buckets else {}
         if self.guard is not None and key == STEP_TEMPLATE:  # a non-finite norm: no update
             for t in tasks:

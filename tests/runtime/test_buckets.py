@@ -6,6 +6,8 @@ final fails the run's equality, and a misplaced one the check (planted)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from meshplan.driver.plan import plan_model, zoo_strategy
@@ -39,6 +41,29 @@ def test_buckets_are_bounded_and_in_backward_order():
     assert afters == sorted(afters)  # each starts as soon as the backward completes it
     assert plan_buckets(_job(0), lower(_job(0), 0)) == ()
     assert plan_buckets(_job(25, precision="fp16"), lower(_job(25, precision="fp16"), 0)) == ()
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_rank_plans_carry_their_buckets_run_order_and_gathers(zero):
+    """What the runtime runs is lowered into the plan and read back from its
+    file: the buckets the Job implies, the order buckets move tasks into, and
+    (ZeRO 3) the gathers a layer ahead; no rank works them out again."""
+    from meshplan.lowering.buckets import run_order
+    from meshplan.lowering.files import plan_from_bytes, plan_to_bytes
+    from meshplan.lowering.prefetch import gather_groups
+
+    job = _job(TINY_BUCKETS, zero=zero)
+    for rank in range(4):
+        plan = lower(job, rank)
+        ops = job.graph.ops.__getitem__
+        assert plan.buckets and plan.buckets == plan_buckets(job, plan)
+        moved = [t.id for t in run_order(plan.tasks, plan.buckets, ops)]
+        assert (plan.run_ids or tuple(t.id for t in plan.tasks)) == tuple(moved)
+        assert bool(plan.run_ids) == (zero >= 2)  # per-micro-batch buckets move tasks
+        groups = gather_groups(plan.tasks, ops, job.graph.values, job.strategy.layer_pattern)
+        assert dict(plan.gathers) == ({k: tuple(tuple(t.op for t in g) for g in v)
+                                       for k, v in groups.items()} if zero == 3 else {})
+        assert plan_from_bytes(plan_to_bytes(plan)) == plan
 
 
 def _close_at_the_bound(buckets, size) -> bool:
@@ -187,8 +212,8 @@ def test_the_memory_plan_counts_a_bucket_as_its_accumulators_second_copy(
 
 @pytest.mark.parametrize("zero", [0, 2])
 def test_the_check_fails_when_members_bucket_differently(monkeypatch, zero):
-    """Planted: rank 1 forms its buckets with another bound than the others."""
-    import meshplan.lowering.check as check
+    """Planted: rank 1's plan carries buckets formed with another bound than
+    the others'."""
     from meshplan.lowering.buckets import grad_buckets
 
     def uneven(job, plan):
@@ -201,9 +226,10 @@ def test_the_check_fails_when_members_bucket_differently(monkeypatch, zero):
     job = _job(TINY_BUCKETS, zero=zero)
     plans = {r: lower(job, r) for r in range(4)}
     assert check_plans(job, plans).ok
-    monkeypatch.setattr(check, "plan_buckets", uneven)
+    plans[1] = replace(plans[1], buckets=uneven(job, plans[1]))
     res = check_plans(job, plans)
     assert any("collective order differs" in e for e in res.errors), res.errors
+    assert any("rank 1: its plan's gradient buckets" in e for e in res.errors), res.errors
 
 
 # ---------------------------------------------- per micro-batch (ZeRO 2 and 3)
@@ -309,18 +335,15 @@ def test_step_gathers_of_updated_shards_travel_in_buckets(zero):
 def test_the_check_fails_on_a_misplaced_microbatch_bucket(monkeypatch, plant):
     """Planted: a bucket starts after its first gradient is made, not its
     last; or its reductions run where they were, before the bucket starts."""
-    from dataclasses import replace
-
     import meshplan.lowering.buckets as bk
-    import meshplan.lowering.check as check
 
     job = _job(TINY_BUCKETS, zero=2)
     plans = {r: lower(job, r) for r in range(4)}
     assert check_plans(job, plans).ok
     if plant == "start early":
         made = {o: t.op for t in plans[0].tasks for o in job.graph.ops[t.op].outputs}
-        monkeypatch.setattr(check, "plan_buckets", lambda job, plan: tuple(
-            replace(b, after=made[b.sources[0]]) for b in bk.plan_buckets(job, plan)))
+        plans[0] = replace(plans[0], buckets=tuple(
+            replace(b, after=made[b.sources[0]]) for b in plans[0].buckets))
         want = "starts after op"
     else:
         monkeypatch.setattr(bk, "run_order", lambda tasks, buckets, op_of: list(tasks))
