@@ -201,3 +201,43 @@ def test_a_cycle_through_a_function_level_import_is_reported():
     assert import_cycles(files) == [["meshplan.cli.a", "meshplan.cli.b", "meshplan.cli.c"]]
     files["meshplan/cli/c.py"] = "x = 1\n"
     assert import_cycles(files) == []
+
+
+# Executing a plan needs only the plan: runtime/ imports from lowering/ only
+# the plan's types and its file reader, and one module lowers a rank's own
+# plan (`runtime/own_plan.py`: the rank-per-process compile).
+PLAN_ONLY = {"meshplan.lowering.rankplan", "meshplan.lowering.files"}
+OWN_LOWERING = ("meshplan/runtime/own_plan.py", "meshplan.lowering.lower")
+
+
+def plan_only_violations(path: str, source: str) -> list[str]:
+    """One line per import of `lowering/` by a runtime module beyond the plan."""
+    if layer_of(module_of(path)) != "runtime":
+        return []
+    return [f"{path} imports {module} (executing a plan needs only the plan: "
+            "lowering.rankplan and lowering.files)"
+            for module in imported(path, ast.parse(source))
+            if layer_of(module) == "lowering" and module not in PLAN_ONLY
+            and (path, module) != OWN_LOWERING]
+
+
+def test_the_runtime_needs_only_the_plan():
+    found = [v for p in sources()
+             for v in plan_only_violations(p.relative_to(ROOT).as_posix(), p.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_a_runtime_module_deriving_from_the_job_is_reported():
+    source = ("from meshplan.lowering.rankplan import RankPlan\n"
+              "def f(job, plan):\n"
+              "    from meshplan.lowering.buckets import plan_buckets\n"
+              "    from meshplan.lowering import lower\n")
+    assert plan_only_violations("meshplan/runtime/rank_executor.py", source) == [
+        "meshplan/runtime/rank_executor.py imports meshplan.lowering.buckets (executing a plan "
+        "needs only the plan: lowering.rankplan and lowering.files)",
+        "meshplan/runtime/rank_executor.py imports meshplan.lowering (executing a plan needs "
+        "only the plan: lowering.rankplan and lowering.files)"]
+    own = "from meshplan.lowering.lower import lower\n"
+    assert plan_only_violations("meshplan/runtime/own_plan.py", own) == []
+    assert plan_only_violations("meshplan/runtime/local.py", own) != []
+    assert plan_only_violations("meshplan/driver/plan.py", own) == []

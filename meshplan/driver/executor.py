@@ -13,8 +13,8 @@ import torch
 from meshplan.ir import Graph
 from meshplan.ir.choices import Precision
 from meshplan.ir.mesh import Mesh, Strategy
-from meshplan.lowering.lower import lower
 from meshplan.passes.plan import plan_job
+from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.rank_executor import RankExecutor
 
 
@@ -28,7 +28,7 @@ class Executor:
         self.job = plan_job(graph, Mesh(1, 1), strategy)
         self.graph = self.job.graph
         device = torch.device(device)
-        self.rank = RankExecutor(self.job, lower(self.job, 0, device.type), device=device)
+        self.rank = RankExecutor(self.job, rank_plan(self.job, 0, device.type), device=device)
         self.mem = self.rank.mem
 
     def init_state(self, module) -> dict:

@@ -21,7 +21,7 @@ from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import Box, local_box
-from meshplan.lowering.rankplan import Task, TaskKind
+from meshplan.lowering.rankplan import RankPlan, Task, TaskKind
 from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.device_kernels import adapter
 from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
@@ -36,17 +36,15 @@ Group = tuple[int, ...]
 
 
 class RankContext:
-    """Where this rank sits: its placement and grid coordinate; and where its
-    run stands, for the random ops (`random`: seed, step, micro-batch, set
-    by the executor)."""
+    """Where this rank sits, as its plan says (its stage and grid coordinate;
+    the stage's placement from the Job); and where its run stands, for the
+    random ops (`random`: seed, step, micro-batch, set by the executor)."""
 
-    def __init__(self, job: Job, rank: int):
-        s = job.strategy
+    def __init__(self, job: Job, plan: RankPlan):
         self.job = job
-        self.rank = rank
-        self.stage = s.stage_of_rank(rank)
-        self.place: Placement = s.placement(self.stage)
-        self.coord = self.place.coord(rank)
+        self.rank, self.stage, self.coord = plan.rank, plan.stage, plan.coord
+        self.place: Placement = job.strategy.placement(self.stage)
+        assert self.place.coord(self.rank) == self.coord, "a plan of another Job's layout"
         self.random = RandomCounter()
 
     def box(self, vid: int, coord: tuple[int, ...] | None = None) -> Box:

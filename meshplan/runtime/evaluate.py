@@ -27,17 +27,17 @@ from meshplan.ir.job import Job
 class Evaluator:
     """One rank's evaluation: `run(state)` is the validation loss."""
 
-    def __init__(self, eval_job: Job, train_job: Job, rank: int, comm, device,
-                 feed_json: str, batches: int, on_action=None):
+    def __init__(self, eval_job: Job, train, comm, device, feed_json: str, batches: int,
+                 on_action=None):
+        """`train`: the train executor's `RankContext` (its Job and this rank)."""
         from meshplan.data.feed import FeedReader, TokenFeed
-        from meshplan.lowering.lower import lower
-        from meshplan.runtime.bind import RankContext
+        from meshplan.runtime.own_plan import rank_plan
         from meshplan.runtime.rank_executor import RankExecutor
 
-        self.ex = RankExecutor(eval_job, lower(eval_job, rank, torch.device(device).type),
+        self.ex = RankExecutor(eval_job, rank_plan(eval_job, train.rank, torch.device(device).type),
                                comm, device=device)
         self.ex.on_action = on_action
-        _same_boxes(eval_job, train_job, self.ex.ctx, RankContext(train_job, rank))
+        _same_boxes(eval_job, train.job, self.ex.ctx, train)
         s = eval_job.strategy
         self.reader = FeedReader(TokenFeed.from_json(feed_json), s.global_batch_size,
                                  s.num_microbatches)

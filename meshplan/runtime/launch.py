@@ -140,12 +140,12 @@ def _raise_if_stalled(procs, beats, stall_s: float, progress, job_bytes) -> None
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:
     """The action a rank was in when it died (its plan, lowered here)."""
     from meshplan.ir.job import Job
-    from meshplan.lowering.lower import lower
+    from meshplan.runtime.own_plan import rank_plan
 
     index = progress[rank]
     if index < 0:
         return "setup"
-    return str(lower(Job.from_bytes(job_bytes), rank).actions[index])
+    return str(rank_plan(Job.from_bytes(job_bytes), rank).actions[index])
 
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")

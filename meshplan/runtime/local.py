@@ -162,8 +162,8 @@ class LocalRun:
 def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     """(hub, [(executor, state)] per rank) for `job` from `module`'s weights;
     `plans` (rank -> RankPlan) replaces lowering, e.g. plans read from files."""
-    from meshplan.lowering.lower import lower
     from meshplan.runtime.comm import job_groups
+    from meshplan.runtime.own_plan import rank_plan
     from meshplan.runtime.rank_executor import RankExecutor
 
     world, hub = job.mesh.world, Hub(timeout_s)
@@ -171,7 +171,7 @@ def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     ranks = []
     for r in range(world):
         comm = LocalComm(r, groups, hub, world) if world > 1 else None
-        ex = RankExecutor(job, plans[r] if plans is not None else lower(job, r), comm)
+        ex = RankExecutor(job, plans[r] if plans is not None else rank_plan(job, r), comm)
         ranks.append((ex, ex.init_state(module)))
     return hub, ranks
 

@@ -91,7 +91,7 @@ class RankExecutor:
             raise ConfigError(f"rank {plan.rank}'s plan was lowered for {plan.device} but "
                               f"runs on {self.device.type}; compile with --device "
                               f"{self.device.type}, or run with --device {plan.device}")
-        self.ctx = RankContext(job, plan.rank)
+        self.ctx = RankContext(job, plan)
         self.ctx.random.seed = seed
         self.next_step = 0  # the random ops' step: `step` counts it on
         self.mem = LiveBytes()

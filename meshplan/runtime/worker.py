@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from meshplan.errors import PlanError, RuntimeFault
+from meshplan.errors import RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.runtime.devices import rank_device
+from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.progress import StepRows, progress_only, reporter, start_liveness
 
 
@@ -153,7 +154,6 @@ def _rendezvous(init_method: str | None, rank: int, world: int, timeout) -> dict
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
            steps_done=None, device=None, backend: str = "gloo", beats=None,
            source=None) -> int:
-    from meshplan.lowering.lower import lower
     from meshplan.runtime import checkpoint
     from meshplan.runtime.async_save import AsyncSaver
     from meshplan.runtime.comm import Comm, job_groups
@@ -163,7 +163,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
                            "started; start as many ranks as the plan's mesh has")
     device = device if device is not None else torch.device(spec.device)
-    plan = _plan(spec, job, rank, lower, device.type)
+    plan = rank_plan(job, rank, device.type, spec.plan_dir)
     comm = Comm(rank, job_groups(job.strategy, job), backend, device) if world > 1 else None
     if backend == "nccl" and world > 1:  # the first NCCL call must involve every rank
         dist.all_reduce(torch.zeros(1, device=device))   # (batch_isend_irecv's rule)
@@ -174,7 +174,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     ex.on_action = reporter(rank, progress, beats)
     module, feed = _source(spec, job, ex, source)
     state = ex.init_state(module)
-    evaluator = _evaluator(spec, job, rank, comm, device, progress_only(beats, rank))
+    evaluator = _evaluator(spec, ex.ctx, comm, device, progress_only(beats, rank))
     start = 0
     resume_from = spec.resume_from or (spec.save_dir if spec.resume else "")
     if resume_from:
@@ -313,14 +313,14 @@ def _checkpoint(spec: RunSpec, ex, state: dict, next_step: int, device, saver) -
         saver.start(path, staged, ex.job, next_step, spec.checkpoint_files)
 
 
-def _evaluator(spec: RunSpec, job: Job, rank: int, comm, device, on_action):
+def _evaluator(spec: RunSpec, train_ctx, comm, device, on_action):
     """The forward-only plan's executor over the validation feed, or None."""
     if not spec.eval_job or spec.eval_every <= 0:
         return None
     from meshplan.runtime.evaluate import Evaluator
 
-    return Evaluator(Job.from_bytes(Path(spec.eval_job).read_bytes()), job, rank, comm,
-                     device, spec.eval_data, spec.eval_batches, on_action)
+    return Evaluator(Job.from_bytes(Path(spec.eval_job).read_bytes()), train_ctx, comm, device,
+                     spec.eval_data, spec.eval_batches, on_action)
 
 
 def _traced_step(ex, comm, state: dict, mbs, local: bool = False) -> tuple[list, list]:
@@ -343,17 +343,6 @@ def _traced_step(ex, comm, state: dict, mbs, local: bool = False) -> tuple[list,
             comm.spans = None
     return out, [replace(s, start=s.start - origin, end=s.end - origin).to_json()
                  for s in spans]
-
-
-def _plan(spec: RunSpec, job: Job, rank: int, lower, device_type: str = "cpu"):
-    if spec.plan_dir:
-        from meshplan.lowering.files import read_plan
-
-        plan = read_plan(Path(spec.plan_dir), rank)
-        if plan.job_digest != job.digest():
-            raise PlanError(f"{spec.plan_dir} holds plans of another Job; recompile it")
-        return plan
-    return lower(job, rank, device_type)
 
 
 class StepClock:

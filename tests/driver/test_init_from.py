@@ -104,6 +104,7 @@ def test_each_rank_reads_only_its_slices(saved, monkeypatch):
     from meshplan.driver.init_from import weight_source
     from meshplan.driver.plan import plan_model, zoo_strategy
     from meshplan.ir.mesh import Mesh
+    from meshplan.lowering.lower import lower
     from meshplan.models import model_config
     from meshplan.runtime import init_weights
     from meshplan.runtime.bind import RankContext
@@ -113,7 +114,7 @@ def test_each_rank_reads_only_its_slices(saved, monkeypatch):
     job = plan_model(cfg.model, "tiny", Mesh(1, 2), zoo_strategy(cfg.model, cfg, tp=2,
                      global_batch_size=2, micro_batch_size=2), source=cfg.source).job
     source = weight_source(str(models["gpt2"]), job, "model.")
-    ctx = RankContext(job, 1)
+    ctx = RankContext(job, lower(job, 1))
     ids = {job.graph.values[i].name: i for i in job.graph.inputs}
     state = {n: torch.zeros([b - a for a, b in ctx.box(ids[n])])
              for n in json.loads(source)["tensors"]}
