@@ -118,7 +118,7 @@ class RankExecutor:
         buckets = plan_buckets(job, plan) if comm is not None else ()
         self.buckets = GradBuckets(buckets, self.ctx, comm, self.mem) if buckets else None
         self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
-            if comm is not None and job.strategy.zero == 3 else None
+            if comm is not None and job.strategy.zero.regathers else None
         self._build(plan)
         self.rows = data_rows(self.ctx, [v for v in self.data_ids if v in self.used])
         self.transfers = Transfers(job, plan, self.ctx, self.device,

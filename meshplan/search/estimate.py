@@ -275,14 +275,14 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
     loss, gather = got.get("loss", (0, 0)), got.get("gather", (0, 0))
     shard, rest = got.get("reduce_scatter", (0, 0)), got.get("all_reduce", (0, 0))
     grads = "w" if split else "i"
-    if z == 3:
+    if z.regathers:
         ops = list(pattern.dp)
     else:
         ops = [(("f", "all_reduce"), loss)] if loss[0] else []
-        if z == 0:
+        if not z.shards_optimizer:
             ops.append((("step", "all_reduce"), (shard[0] + rest[0], shard[1] + rest[1])))
         else:
-            where = "step" if z == 1 else grads
+            where = grads if z.reduce_scatters else "step"
             ops += [((where, "reduce_scatter"), shard), (("step", "all_gather"), gather)]
             if rest[0]:
                 ops.append(((where, "all_reduce"), rest))
@@ -291,10 +291,11 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
     g_frac = min(1.0, shard[1] / work.grad) if work.grad else 0.0
     return replace(
         work, dp=tuple(sorted(ops)),
-        param=int(work.param * (1 - p_frac * keep)) if z >= 3 else work.param,
-        grad=int(work.grad * (1 - g_frac * keep)) if z >= 2 else work.grad,
-        optimizer=int(work.optimizer * (1 - p_frac * keep)) if z >= 1 else work.optimizer,
-        step=work.step * (1 - g_frac * keep) if z >= 1 else work.step)
+        param=int(work.param * (1 - p_frac * keep)) if z.regathers else work.param,
+        grad=int(work.grad * (1 - g_frac * keep)) if z.reduce_scatters else work.grad,
+        optimizer=int(work.optimizer * (1 - p_frac * keep)) if z.shards_optimizer
+        else work.optimizer,
+        step=work.step * (1 - g_frac * keep) if z.shards_optimizer else work.step)
 
 
 def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool,
@@ -366,7 +367,7 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
     if part == "floor":
         return int(kept * (1 - FLOOR_SLACK))
     transient = iw + scratch + max(w.transient for w in works)
-    if z == 3 and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
+    if z.regathers and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
         transient += 3 * max(_dp_bytes(w, ("f",), "all_gather") // k
                              for w, k in zip(works, layers))
     if d > 1 and st.buckets:  # the transient buckets (`lowering/memory.py`)
