@@ -21,6 +21,7 @@ import re
 
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import Precision, Recompute
+from meshplan.ir.zero import ZeroLevel
 
 PRECISIONS = {p.value.upper(): p for p in Precision}  # FP32 -> fp32, ...
 GRAMMAR = ("{model}_nl{L}_nah{H}_hs{D}_{FP16|BF16|FP32}_ac{true|false}_mp{tp}_pp{pp}"
@@ -50,6 +51,16 @@ def _int(name: str, field: str, prefix: str, what: str) -> int:
     return value
 
 
+def _zero(name: str, field: str) -> ZeroLevel:
+    level = _int(name, field, "zero", "ZeRO stage")
+    try:
+        return ZeroLevel(level)
+    except ValueError:
+        *sharded, last = (f"zero{z}" for z in ZeroLevel if z is not ZeroLevel.NONE)
+        raise _bad(name, field, f"is not a ZeRO stage; use {', '.join(sharded)} or {last}") \
+            from None
+
+
 def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resnet")) -> dict:
     """The flag values a configuration name stands for (flag dest -> value)."""
     fields = name.strip().split("_")
@@ -75,14 +86,12 @@ def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resn
     for dest, prefix, what in _PARALLEL:
         out[dest] = _int(name, next(it), prefix, what)
     field = next(it)
-    out["vpp"], out["zero"] = 1, 0
+    out["vpp"], out["zero"] = 1, ZeroLevel.NONE
     if len(fields) > 11 and field.startswith("vpp"):
         out["vpp"] = _int(name, field, "vpp", "virtual stages per stage")
         field = next(it)
     if len(fields) - 11 > (out["vpp"] > 1):
-        out["zero"] = _int(name, field, "zero", "ZeRO stage")
-        if out["zero"] > 3:
-            raise _bad(name, field, "gives ZeRO stage above 3; use zero1, zero2 or zero3")
+        out["zero"] = _zero(name, field)
         field = next(it)
     for (dest, prefix, what), f in zip(_BATCH, (field, next(it))):
         out[dest] = _int(name, f, prefix, what)
@@ -102,7 +111,7 @@ def format_config_name(f: dict) -> str:
              *(f"{p}{f[d]}" for d, p, _ in _PARALLEL)]
     if f.get("vpp", 1) > 1:
         parts.append(f"vpp{f['vpp']}")
-    if f.get("zero", 0) > 0:
+    if ZeroLevel(f.get("zero", ZeroLevel.NONE)) is not ZeroLevel.NONE:
         parts.append(f"zero{f['zero']}")
     parts += [f"{p}{f[d]}" for d, p, _ in _BATCH]
     parts.append(f"{f['nodes']}n{f['devices_per_node']}g")

@@ -21,6 +21,7 @@ from meshplan.ir.choices import (
     names,
 )
 from meshplan.ir.mesh import BALANCED, DERIVED, Mesh
+from meshplan.ir.zero import ZeroLevel
 from meshplan.runtime.devices import DEVICES
 from meshplan.schedules.registry import CSV, default_schedule, searched, spec_of
 
@@ -68,7 +69,7 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--schedule-csv", default=None, metavar="FILE",
                    help="run a hand-written schedule: torch's pipeline CSV, one row of "
                    "compute actions (0F0, 1I2, 1W2, 3B1) per pipeline rank")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+    g.add_argument("--zero", type=int, choices=[int(z) for z in ZeroLevel], default=0,
                    help="sharded data parallel (ZeRO): 1 shards the optimizer state over dp, "
                    "2 the gradients too, 3 the parameters too (gathered before each use, "
                    "as FSDP does); default 0, plain data parallel")

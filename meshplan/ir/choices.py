@@ -36,6 +36,22 @@ class Recompute(enum.StrEnum):
     SELECTIVE = "selective"
 
 
+class OpPrecision(enum.StrEnum):
+    """How an op computes under mixed precision (`OpRule.precision`, autocast's lists)."""
+
+    PROMOTE = ""   # follow type promotion
+    LOW = "low"    # in bf16/fp16: every floating-point input cast down
+    FP32 = "fp32"  # in fp32: low-precision inputs cast back
+
+
+class OpRecompute(enum.StrEnum):
+    """What selective recompute does with an op (`OpRule.recompute`)."""
+
+    FREE = ""          # recompute it freely
+    KEEP = "keep"      # keep its output (costly to redo, or communication)
+    RANDOM = "random"  # draws from torch's generator: it cannot be replayed
+
+
 class TpStyle(enum.StrEnum):
     """How a tensor-parallel plan splits one module (`passes/tp_plan.py`)."""
 

@@ -7,8 +7,9 @@ Invariants:
   By default stage `s` owns the contiguous block `[s*dp*tp, (s+1)*dp*tp)`,
   so a tp group stays inside one node whenever `tp <= devices_per_node`.
 - Plain data. The named choices (precision, recompute, tp styles) become
-  `ir/choices` members on construction, so a bad name fails there in one
-  `ConfigError` line; every other check lives in `passes/strategy.py`.
+  `ir/choices` members on construction, and the ZeRO level an
+  `ir/zero.ZeroLevel`, so a bad one fails there in one `ConfigError` line;
+  every other check lives in `passes/strategy.py`.
 - `schedule` is a schedule's name, a record of `schedules/registry.py`
   (which sits above `ir`): its placement, backward split and rules are
   asked there (`schedules.stage_placement(strategy)`), and a bad name
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import Precision, Recompute, TpStyle, choose
+from meshplan.ir.zero import ZeroLevel
 
 AXES = ("dp", "tp")  # names of the placement grid's axes, outermost first
 
@@ -91,7 +93,7 @@ class Strategy:
     # schedule "csv": each pipeline rank's compute actions as text (`2I0`), rank 0 first
     schedule_orders: tuple[tuple[str, ...], ...] = ()
     # sharded data parallel, ZeRO's stages: 1 optimizer state, 2 + gradients, 3 + parameters
-    zero: int = 0
+    zero: ZeroLevel = ZeroLevel.NONE
     bucket_mb: float = 25.0  # gradient buckets' bound (MiB, DDP's default); 0: none
     # search dp, tp, pp, vpp, schedule, micro-batch, recompute and ZeRO
     # (`api.plan` does, on a device model); the fields above it searches are ignored
@@ -101,6 +103,7 @@ class Strategy:
         set_ = object.__setattr__  # frozen: parse the names once, here
         set_(self, "precision", choose(Precision, self.precision, "precision"))
         set_(self, "recompute", choose(Recompute, self.recompute, "recompute mode"))
+        set_(self, "zero", ZeroLevel.parse(self.zero))
         if isinstance(self.stage_layers, str) and self.stage_layers != BALANCED:
             raise ConfigError(f"stage_layers '{self.stage_layers}' is unknown: give "
                               f"'{BALANCED}' or a layer count per virtual stage, e.g. "

@@ -71,7 +71,7 @@ def plan_body(p: RankPlan, task_base: int) -> bytes:
         return row + [t.kernel] if t.kernel else row
 
     tasks = [rows_of(t) for t in p.tasks]
-    extra = {}  # written only where a plan has them
+    extra: dict[str, list] = {}  # written only where a plan has them
     if p.buckets:
         extra["buckets"] = [[groups.setdefault(b.group, len(groups)), list(b.ops),
                              list(b.sources), b.after, [b.template[0], b.template[1].value],

@@ -229,7 +229,7 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     gathers = tuple((key, tuple(tuple(t.op for t in layer) for layer in layers))
                     for key, layers in gather_groups(tasks, op_of, view.values,
                                                      s.layer_pattern).items()) \
-        if s.zero == 3 else ()
+        if s.zero.regathers else ()
     return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest, tasks, buffers,
                     memory, tuple(actions), device_type, buckets, run_ids, gathers)
 

@@ -137,7 +137,7 @@ def plan_memory(low, buffers) -> MemoryPlan:
     # ZeRO-3: this and the next layer's gathered parameters (`prefetch.py`)
     ahead = prefetched_bytes(low.tasks, low.op_of.__getitem__, low.view.values,
                              low.view.strategy.layer_pattern, _padded(low, buffers)) \
-        if low.view.strategy.zero == 3 else 0
+        if low.view.strategy.zero.regathers else 0
     peak["activation"] = saved_extent + extent + ahead
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
     peak["temp"] = _temp(low)

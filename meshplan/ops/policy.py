@@ -1,19 +1,22 @@
 """Per-op policies of the training-step passes, as tables.
 
-- `PRECISION`: under mixed precision, "low" kinds compute in bf16/fp16 (every
-  float input cast down) and "fp32" kinds in fp32 (low inputs cast back);
+- `PRECISION`: under mixed precision, `LOW` kinds compute in bf16/fp16 (every
+  float input cast down) and `FP32` kinds in fp32 (low inputs cast back);
   the lists are CUDA autocast's. Kinds not listed follow type promotion.
-- `RECOMPUTE`: under selective activation checkpointing, "keep" kinds (costly
+- `RECOMPUTE`: under selective activation checkpointing, `KEEP` kinds (costly
   to redo: matmuls, attention, convolution) keep their outputs. aten kinds
-  whose name says they draw random numbers are "random": they draw from
+  whose name says they draw random numbers are `RANDOM`: they draw from
   torch's generator and cannot be replayed (see `recompute_class`); capture
   makes the common ones meshplan's own random ops, which replay
   (`random_ops.py`).
 
-`table.rule_for` copies these into each `OpRule` (`precision`, `recompute`).
+`table.rule_for` copies these into each `OpRule` (`precision`, `recompute`),
+as `ir/choices` members (`OpPrecision`, `OpRecompute`).
 """
 
 from __future__ import annotations
+
+from meshplan.ir.choices import OpPrecision, OpRecompute
 
 _LOW = (
     "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
@@ -37,16 +40,17 @@ _FP32 = (
     "aten.rsqrt.default", "aten.var.correction", "aten.var_mean.correction",
     "aten.norm.ScalarOpt_dim", "aten.linalg_vector_norm.default", "aten.cdist.default",
 )
-PRECISION: dict[str, str] = {k: "low" for k in _LOW} | {k: "fp32" for k in _FP32}
+PRECISION: dict[str, OpPrecision] = ({k: OpPrecision.LOW for k in _LOW}
+                                     | {k: OpPrecision.FP32 for k in _FP32})
 
 # The expensive kinds are exactly those that compute in low precision.
-RECOMPUTE: dict[str, str] = {k: "keep" for k in _LOW}
+RECOMPUTE: dict[str, OpRecompute] = {k: OpRecompute.KEEP for k in _LOW}
 _RANDOM_WORDS = ("dropout", "bernoulli", "rand")
 
 
-def recompute_class(kind: str) -> str:
-    """"keep", "random" or "" (recompute freely) for an aten kind."""
+def recompute_class(kind: str) -> OpRecompute:
+    """What selective recompute does with an aten kind."""
     name = kind.split(".")[1] if "." in kind else kind
     if any(w in name for w in _RANDOM_WORDS):
-        return "random"
-    return RECOMPUTE.get(kind, "")
+        return OpRecompute.RANDOM
+    return RECOMPUTE.get(kind, OpRecompute.FREE)

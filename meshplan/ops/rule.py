@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Any, Callable, Optional, Protocol
 
 from meshplan.ir import Arg, Op, Ref, TensorMeta
+from meshplan.ir.choices import OpPrecision, OpRecompute
 from meshplan.ops.sbp_sig import SbpRule
 
 
@@ -97,12 +98,12 @@ class OpRule:
     # (argument position, output index): the argument is a shape that must
     # equal that output's shape; lowering puts the rank's local shape there.
     shape_args: tuple[tuple[int, int], ...] = ()
-    # Mixed precision: "low" (compute in bf16/fp16), "fp32", or "" (follow
-    # type promotion); see `ops/policy.py`.
-    precision: str = ""
-    # Selective recompute: "keep" (keep the output), "random" (cannot be
-    # replayed), or "" (recompute freely).
-    recompute: str = ""
+    # Mixed precision: compute in bf16/fp16, in fp32, or follow type
+    # promotion; see `ops/policy.py`.
+    precision: OpPrecision = OpPrecision.PROMOTE
+    # Selective recompute: keep the output, cannot be replayed, or recompute
+    # freely.
+    recompute: OpRecompute = OpRecompute.FREE
     # Physical kernels per device type: ((device type, chooser(op, values) ->
     # kernel name), ...); a device not listed runs `kernel` itself. Asked only
     # at lowering (see `ops/device_kernels.py`).

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from meshplan.errors import CaptureError
 from meshplan.ir import DType, Op, TensorMeta
 from meshplan.ir import kinds as k
+from meshplan.ir.choices import OpPrecision, OpRecompute
 from meshplan.ops import cost, kernels
 from meshplan.ops import grads_nn as nn
 from meshplan.ops import grads_pointwise as pw
@@ -162,7 +163,7 @@ def _boxing_rule(kind: str, category: Category) -> OpRule:
     kernel is chosen by lowering and bound by the runtime. Its output is
     kept, never recomputed: communication is not redone."""
     return _meshplan_rule(kind, kernels.boxing_identity, category,
-                          infer=lambda a, kw: (a[0],), recompute="keep")
+                          infer=lambda a, kw: (a[0],), recompute=OpRecompute.KEEP)
 
 
 _MESHPLAN_KINDS = {rule.kind: rule for rule in (
@@ -228,7 +229,7 @@ def rule_for(kind: str) -> OpRule:
         grad_outputs=_GRAD_OUTPUTS.get(kind),
         sbp=SBP.get(kind, replicated_rule),
         shape_args=_SHAPE_ARGS.get(kind, ()),
-        precision=PRECISION.get(kind, ""),
+        precision=PRECISION.get(kind, OpPrecision.PROMOTE),
         recompute=recompute_class(kind),
         devices=DEVICES.get(kind, ()),
         mutates=kind in _HIDDEN_MUTATION or _schema_mutates(kernel),

@@ -151,7 +151,7 @@ def _propagate_sbp(c: Compilation) -> None:
 def _add_boxing(c: Compilation) -> None:
     st = c.staged()
     regather = frozenset(v.id for v in c.graph.inputs_by_role(Role.PARAM)) \
-        if c.strategy.zero == 3 else frozenset()
+        if c.strategy.zero.regathers else frozenset()
     c.boxed = add_boxing(c.graph, c.laid_out(), st.stage, st.chunk, len(c.strategy.grid),
                          c.copies, regather)
     c.graph = c.boxed.graph

@@ -9,9 +9,9 @@ of a weight as the activation it is, next to the fp32 master weight.
 
 The rules are torch.autocast's, in the op rule table (`OpRule.precision`,
 listed in `ops/policy.py`):
-- "low": matmul, linear, attention, convolution: every floating-point input
+- `LOW`: matmul, linear, attention, convolution: every floating-point input
   is cast to the low dtype, so the op computes (and answers) in it;
-- "fp32": norms, softmax, losses and reductions: low-precision inputs are
+- `FP32`: norms, softmax, losses and reductions: low-precision inputs are
   cast back to fp32;
 - any other op runs in whatever its inputs promote to (a residual add of an
   fp32 stream and a bf16 branch is fp32).
@@ -24,7 +24,7 @@ One cast is made per (value, dtype) and shared by its readers.
 from __future__ import annotations
 
 from meshplan.ir import DType, Graph, Phase, Ref
-from meshplan.ir.choices import Precision
+from meshplan.ir.choices import OpPrecision, Precision
 from meshplan.ir.graph import refs_in
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
@@ -67,7 +67,8 @@ def apply_precision(graph: Graph, precision: Precision) -> Graph:
     for op in graph.ops:
         e = rb.emitter(op)
         policy = rule_for(op.kind).precision
-        want = low if policy == "low" else FP32 if policy == "fp32" else None
+        want = low if policy is OpPrecision.LOW else FP32 if policy is OpPrecision.FP32 \
+            else None
         args = tuple(arg(e, a, want) for a in op.args)
         kwargs = tuple((k, arg(e, v, want)) for k, v in op.kwargs)
         same = all(b.meta(vmap[r]) == graph.values[r].meta for r in op.refs()) and \

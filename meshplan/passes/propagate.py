@@ -8,10 +8,11 @@ Invariants:
 - Fixed layouts: data inputs Shard(0) on dp, Replicate on tp; parameters as
   the tensor-parallel plan says (Replicate on dp); optimizer state follows
   its parameter; a gradient accumulator takes whatever its first use needs.
-  Sharded data parallel (`zero`, ZeRO's stages) changes only these layouts
-  at rest, on the dp axis (`zero_layout`): zero >= 1 shards the optimizer
-  state, >= 2 the gradient accumulators too, 3 the parameters too; boxing
-  then makes the reduce-scatters and all-gathers. A zero-3 parameter is
+  Sharded data parallel (`zero`, a `ZeroLevel`) changes only these layouts
+  at rest, on the dp axis (`zero_layout`), for the roles its level shards
+  (`ZeroLevel.shards`: the optimizer state, then the gradient accumulators,
+  then the parameters); boxing then makes the reduce-scatters and
+  all-gathers. A parameter the level regathers is
   seen whole over dp by its consumers (gathered before each use, as FSDP
   does), not split into a model-parallel op over the dp axis.
 - A hint ({value: {axis: Sbp}}) re-boxes a value right after its producer;
@@ -33,6 +34,7 @@ from meshplan.ir import Graph, Phase, Role, TensorMeta
 from meshplan.ir.kinds import GRAD_SQ
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
+from meshplan.ir.zero import ZeroLevel
 from meshplan.ops.infer import to_sig
 from meshplan.ops.rule import Category
 from meshplan.ops.sbp_sig import SbpSig
@@ -73,7 +75,6 @@ def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int) -> float:
 
 
 DP_AXIS = 0
-_SHARDED_FROM = {Role.OPT_STATE: 1, Role.GRAD: 2, Role.PARAM: 3}  # role -> least zero level
 
 
 def zero_layout(layout: NdSbp, shape: tuple[int, ...], grid) -> NdSbp:
@@ -89,7 +90,7 @@ def zero_layout(layout: NdSbp, shape: tuple[int, ...], grid) -> NdSbp:
 
 
 def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int,
-                   zero: int = 0) -> dict[int, NdSbp]:
+                   zero: ZeroLevel = ZeroLevel.NONE) -> dict[int, NdSbp]:
     layouts: dict[int, NdSbp] = {}
     params = {}
     for vid in graph.inputs:
@@ -112,11 +113,11 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int,
         elif v.role is Role.OPT_STATE and owner is not None:
             p, layout = owner
             layouts[vid] = layout if v.meta.shape == p.meta.shape else (R,) * len(grid)
-        elif v.role is Role.GRAD and owner is not None and zero >= 2:
+        elif v.role is Role.GRAD and owner is not None and zero.shards(Role.GRAD):
             layouts[vid] = owner[1]  # fixed at rest (else laid out by its first use)
     for vid, layout in list(layouts.items()):
         v = graph.values[vid]
-        if zero >= _SHARDED_FROM.get(v.role, 4) and v.meta.shape != ():
+        if zero.shards(v.role) and v.meta.shape != ():
             layouts[vid] = zero_layout(layout, v.meta.shape, grid)
     return layouts
 
@@ -135,13 +136,14 @@ def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
 
 
 def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
-                  hints: dict, tp_axis: int = 1, zero: int = 0) -> SbpPlan:
+                  hints: dict, tp_axis: int = 1,
+                  zero: ZeroLevel = ZeroLevel.NONE) -> SbpPlan:
     """Choose each op's signatures; returns the layouts of every value
-    (`zero`: the ZeRO stage, which states rest sharded over dp)."""
+    (`zero`: the ZeRO level, which states rest sharded over dp)."""
     produced = _input_layouts(graph, grid, param_tp, tp_axis, zero)
     hints = state_hints(graph, produced, hints)
     visible = dict(produced)
-    for v in graph.inputs_by_role(Role.PARAM) if zero == 3 else ():
+    for v in graph.inputs_by_role(Role.PARAM) if zero.regathers else ():
         # consumers see the parameter whole over dp, as FSDP gathers it before
         # each use; boxing gathers it from its shard (and again per phase)
         visible[v.id] = tuple(R if a == DP_AXIS else s for a, s in enumerate(produced[v.id]))

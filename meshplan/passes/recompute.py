@@ -15,7 +15,7 @@ Invariants:
   so recomputation is bit-identical to the forward it repeats.
 - `full` recomputes every forward op of a region; `selective` keeps the
   outputs of the expensive ops (matmuls, attention, convolutions) and of
-  communication (`OpRule.recompute == "keep"`), and recomputes the cheap
+  communication (`OpRule.recompute` is `OpRecompute.KEEP`), and recomputes the cheap
   ones between them.
 - Cross-stage transfers are never cloned. A random op is cloned like any
   other: its numbers are a function of its key and where the step stands
@@ -34,7 +34,7 @@ from functools import partial
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Phase
-from meshplan.ir.choices import Recompute
+from meshplan.ir.choices import OpRecompute, Recompute
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ops.table import rule_for
 from meshplan.passes.boxing import Boxed
@@ -102,9 +102,9 @@ def _regions(g: Graph, pattern: str, mode: Recompute) -> dict[int, str]:
             continue
         where = _region_of(rx, op.module_path)
         policy = rule_for(op.kind).recompute
-        if where is None or (mode == Recompute.SELECTIVE and policy == "keep"):
+        if where is None or (mode == Recompute.SELECTIVE and policy is OpRecompute.KEEP):
             continue
-        if policy == "random":
+        if policy is OpRecompute.RANDOM:
             raise ConfigError(f"cannot recompute {op.kind} at '{op.module_path}': it draws "
                               "from torch's generator, whose state a replay would need "
                               "(meshplan's own random ops, dropout and rand/randn/randint/"

@@ -56,10 +56,6 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
     if s.bucket_mb < 0:
         raise ConfigError(f"bucket_mb={s.bucket_mb} must be >= 0; pass --bucket-mb 25 (DDP's "
                           "default) or 0 for no buckets")
-    if s.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"zero={s.zero} is not a ZeRO stage; use --zero 0 (plain data "
-                          "parallel), 1 (optimizer state), 2 (and gradients) or 3 (and "
-                          "parameters)")
     if (spec.actions is None) != bool(s.schedule_orders):
         raise ConfigError("a schedule read from a CSV comes with its orders: give "
                           "--schedule-csv FILE (Strategy.schedule_orders), not --schedule csv")

@@ -119,7 +119,7 @@ class RankExecutor:
             if comm is not None and plan.buckets else None
         self.run_at = {i: k for k, i in enumerate(plan.run_ids)} if self.buckets else {}
         self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
-            if comm is not None and job.strategy.zero == 3 else None
+            if comm is not None and job.strategy.zero.regathers else None
         self._build(plan)
         self.rows = data_rows(self.ctx, [v for v in self.data_ids if v in self.used])
         self.transfers = Transfers(job, plan, self.ctx, self.device,

@@ -56,7 +56,7 @@ from meshplan.schedules import compute_actions, placement_of, spec_of
 from meshplan.schedules.simulate import finish_times
 from meshplan.search.probe import Probe
 from meshplan.search.space import Candidate, schedule_takes
-from meshplan.search.work import Work
+from meshplan.search.work import DpKey, DpKind, Slot, Work
 
 MiB = 1 << 20
 STEADY = 2  # micro-batches per pipeline stage after which in-flight counts stop growing
@@ -67,6 +67,7 @@ STEADY = 2  # micro-batches per pipeline stage after which in-flight counts stop
 # 8 devices that estimate reached at most 0.991 of the full plans' peaks
 # (`benchmarks/auto_plan.py` part 2 rechecks it on every run).
 FLOOR_SLACK = 0.05
+_BACKWARD = (Slot.I, Slot.W)  # the slots a gradient's reduction runs in
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +236,7 @@ def _geometry(schedule: str, pp: int, vpp: int) -> _Geometry:
 
 
 def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool) -> float:
-    """Seconds of `work`'s dp collectives of the (phase, kind) `keys`, as the
+    """Seconds of `work`'s dp collectives of the `DpKey`s `keys`, as the
     runtime issues them: ZeRO-3's gathers one collective per layer
     (`gather_prefetch.py`), the rest in buckets of `bucket_mb` when buckets
     are on (`grad_buckets.py`), else one per tensor."""
@@ -243,11 +244,11 @@ def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool) -> f
     for key, (count, nbytes) in work.dp:
         if key not in keys or count <= 0:
             continue
-        if key[1] == "all_gather" and key[0] != "step":
+        if key.kind is DpKind.ALL_GATHER and key.phase is not Slot.STEP:
             count = min(count, max(1, work.layers))
         elif st.buckets:
             count = max(1, math.ceil(nbytes / (st.bucket_mb * MiB)))
-        total += count * st.dev.collective_seconds(key[1], nbytes // count, cand.dp, cross)
+        total += count * st.dev.collective_seconds(key.kind, nbytes // count, cand.dp, cross)
     return total
 
 
@@ -264,36 +265,40 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
         return work
     z, d = cand.zero, cand.dp
     got: dict = {}
-    for (phase, kind), (n, size) in pattern.dp:
-        key = "loss" if phase == "f" and kind == "all_reduce" else \
-            "gather" if phase == "f" and kind == "all_gather" else \
-            kind if phase in ("i", "w") and kind != "all_gather" else None
+    for k, (n, size) in pattern.dp:
+        key = "loss" if k == DpKey(Slot.F, DpKind.ALL_REDUCE) else \
+            "gather" if k == DpKey(Slot.F, DpKind.ALL_GATHER) else \
+            k.kind if k.phase in _BACKWARD and k.kind is not DpKind.ALL_GATHER else None
         if key is not None:
             c, b = got.get(key, (0, 0))
             got[key] = (c + n, b + size)
     loss, gather = got.get("loss", (0, 0)), got.get("gather", (0, 0))
-    shard, rest = got.get("reduce_scatter", (0, 0)), got.get("all_reduce", (0, 0))
-    grads = "w" if split else "i"
-    if z == 3:
+    shard = got.get(DpKind.REDUCE_SCATTER, (0, 0))
+    rest = got.get(DpKind.ALL_REDUCE, (0, 0))
+    grads = Slot.W if split else Slot.I
+    step = Slot.STEP
+    if z.regathers:
         ops = list(pattern.dp)
     else:
-        ops = [(("f", "all_reduce"), loss)] if loss[0] else []
-        if z == 0:
-            ops.append((("step", "all_reduce"), (shard[0] + rest[0], shard[1] + rest[1])))
+        ops = [(DpKey(Slot.F, DpKind.ALL_REDUCE), loss)] if loss[0] else []
+        if not z.shards_optimizer:
+            ops.append((DpKey(step, DpKind.ALL_REDUCE), (shard[0] + rest[0], shard[1] + rest[1])))
         else:
-            where = "step" if z == 1 else grads
-            ops += [((where, "reduce_scatter"), shard), (("step", "all_gather"), gather)]
+            where = grads if z.reduce_scatters else step
+            ops += [(DpKey(where, DpKind.REDUCE_SCATTER), shard),
+                    (DpKey(step, DpKind.ALL_GATHER), gather)]
             if rest[0]:
-                ops.append(((where, "all_reduce"), rest))
+                ops.append((DpKey(where, DpKind.ALL_REDUCE), rest))
     keep = 1 - 1 / d  # the part of a sharded tensor a rank does not hold
     p_frac = min(1.0, gather[1] / work.param) if work.param else 0.0
     g_frac = min(1.0, shard[1] / work.grad) if work.grad else 0.0
     return replace(
         work, dp=tuple(sorted(ops)),
-        param=int(work.param * (1 - p_frac * keep)) if z >= 3 else work.param,
-        grad=int(work.grad * (1 - g_frac * keep)) if z >= 2 else work.grad,
-        optimizer=int(work.optimizer * (1 - p_frac * keep)) if z >= 1 else work.optimizer,
-        step=work.step * (1 - g_frac * keep) if z >= 1 else work.step)
+        param=int(work.param * (1 - p_frac * keep)) if z.regathers else work.param,
+        grad=int(work.grad * (1 - g_frac * keep)) if z.reduce_scatters else work.grad,
+        optimizer=int(work.optimizer * (1 - p_frac * keep)) if z.shards_optimizer
+        else work.optimizer,
+        step=work.step * (1 - g_frac * keep) if z.shards_optimizer else work.step)
 
 
 def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool,
@@ -305,26 +310,29 @@ def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool,
 
     def comm(*phases):
         return dp_seconds(w, {k for ph in phases for k in _keys(ph)}, cand, st, cross)
-    f = max(w.f, comm("f"))
+    f = max(w.f, comm(Slot.F))
     if split:
-        return f, max(w.i, comm("i")), max(w.w, comm("w"))
-    return f, max(w.i + w.w, comm("i", "w")), 0.0
+        return f, max(w.i, comm(Slot.I)), max(w.w, comm(Slot.W))
+    return f, max(w.i + w.w, comm(Slot.I, Slot.W)), 0.0
 
 
-def _keys(phase: str):
-    return {(phase, kind) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+def _keys(phase: Slot) -> set[DpKey]:
+    return {DpKey(phase, kind) for kind in (DpKind.ALL_GATHER, DpKind.REDUCE_SCATTER,
+                                            DpKind.ALL_REDUCE)}
 
 
 def _step_seconds(works: list[Work], priced: list[tuple], cand: Candidate, st: Setting,
                   cross: bool) -> float:
     own = sum(w.step for w in works)
-    reduce = sum(dp_seconds(w, {("step", "all_reduce"), ("step", "reduce_scatter")}, cand, st,
-                            cross) for w in works)
+    reduce = sum(dp_seconds(w, {DpKey(Slot.STEP, DpKind.ALL_REDUCE),
+                                DpKey(Slot.STEP, DpKind.REDUCE_SCATTER)}, cand, st, cross)
+                 for w in works)
     if st.buckets and reduce:  # overlapped with the last backward, but for the last bucket
         grads = sum(w.grad for w in works)
         last = reduce / max(1, math.ceil(grads / (st.bucket_mb * MiB)))
         reduce = max(reduce - sum(p[1] + p[2] for p in priced), last)
-    gather = sum(dp_seconds(w, {("step", "all_gather")}, cand, st, cross) for w in works)
+    gather = sum(dp_seconds(w, {DpKey(Slot.STEP, DpKind.ALL_GATHER)}, cand, st, cross)
+                 for w in works)
     return own + reduce + gather
 
 
@@ -365,16 +373,16 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
     if part == "floor":
         return int(kept * (1 - FLOOR_SLACK))
     transient = iw + scratch + max(w.transient for w in works)
-    if z == 3 and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
-        transient += 3 * max(_dp_bytes(w, ("f",), "all_gather") // k
+    if z.regathers and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
+        transient += 3 * max(_dp_bytes(w, (Slot.F,), DpKind.ALL_GATHER) // k
                              for w, k in zip(works, layers))
     if d > 1 and st.buckets:  # the transient buckets (`lowering/memory.py`)
         cap = int(st.bucket_mb * MiB)
-        reduced = sum(_dp_bytes(w, ("i", "w"), "reduce_scatter") +
-                      _dp_bytes(w, ("i", "w"), "all_reduce") for w in works)
+        reduced = sum(_dp_bytes(w, _BACKWARD, DpKind.REDUCE_SCATTER) +
+                      _dp_bytes(w, _BACKWARD, DpKind.ALL_REDUCE) for w in works)
         # a micro-batch's reduce-scatter buckets: up to two flat copies live
         transient += _live_buckets(reduced, cap) * min(cap, reduced)
-        gathered = sum(_dp_bytes(w, ("step",), "all_gather") for w in works)
+        gathered = sum(_dp_bytes(w, (Slot.STEP,), DpKind.ALL_GATHER) for w in works)
         # the STEP's gather buckets: a flat copy of shards, what it gathers, and
         # the parameters' slices as they are copied out (d + 2 shards, as the
         # memory plan counts on GPT tiny; test_estimate holds it near)
@@ -388,8 +396,8 @@ def _live_buckets(nbytes: int, cap: int) -> int:
     return min(2, -(-nbytes // cap)) if nbytes else 0
 
 
-def _dp_bytes(w: Work, phases: tuple[str, ...], kind: str) -> int:
-    return sum(b for (phase, k), (_, b) in w.dp if phase in phases and k == kind)
+def _dp_bytes(w: Work, phases: tuple[Slot, ...], kind: DpKind) -> int:
+    return sum(b for key, (_, b) in w.dp if key.phase in phases and key.kind is kind)
 
 
 @cache

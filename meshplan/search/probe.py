@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from meshplan.costmodel import DeviceModel
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.mesh import Mesh
+from meshplan.ir.zero import ZeroLevel
 from meshplan.schedules.registry import CSV
 from meshplan.search.work import Work, read_work
 
@@ -97,7 +98,7 @@ class ModelSpec:
         return plan_model(self.model, self.size, mesh, strategy, optimizer=self.optimizer,
                           encode=False, **{**dict(self.overrides), **more}).job
 
-    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: int):
+    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel):
         """The probe's Job (three layers as three stages, `_orders`) and
         Strategy, and the layers of its middle stage."""
         n = PROBE_LAYERS
@@ -137,7 +138,7 @@ class GraphSpec:
         strategy = check_strategy(mesh, strategy)
         return PASSES.run(Compilation(self.graph, mesh, strategy, self.optimizer)).job
 
-    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: int):
+    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel):
         n, b = PROBE_LAYERS, self.samples
         d = dp if dp > 1 else b // mbs  # a rank's micro-batch is the probe's
         mid = self.layers - 2
@@ -176,7 +177,7 @@ class Probe:
 
 
 def probe(spec: Spec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
-          dp: int = 1, zero: int = 0) -> Probe:
+          dp: int = 1, zero: ZeroLevel = ZeroLevel.NONE) -> Probe:
     """One layer's Work at (tp, micro-batch `mbs`, `recompute`) on `dev`;
     raises the planner's ConfigError for a tp the model cannot use. With
     `dp` = 2 and a ZeRO level, its dp collectives are the level's pattern
@@ -189,7 +190,8 @@ def probe(spec: Spec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
 
 
 @cache
-def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1, zero: int = 0):
+def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1,
+             zero: ZeroLevel = ZeroLevel.NONE):
     from meshplan.lowering.lower import lower
 
     try:

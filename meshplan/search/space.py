@@ -24,11 +24,12 @@ from functools import cache
 from meshplan.errors import ScheduleError
 from meshplan.ir.choices import Recompute
 from meshplan.ir.mesh import Mesh
+from meshplan.ir.zero import ZeroLevel
 from meshplan.schedules import compute_actions, spec_of
 from meshplan.schedules.registry import DEFAULT, searched
 
 RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-ZERO = (0, 1, 2, 3)
+ZERO = tuple(ZeroLevel)
 MAX_VPP = 4
 MICRO_BATCH_SIZES = (1, 2, 4, 8)  # Megatron's usual sweep
 
@@ -42,7 +43,10 @@ class Candidate:
     schedule: str
     micro_batch_size: int
     recompute: str
-    zero: int
+    zero: ZeroLevel
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero", ZeroLevel.parse(self.zero))  # frozen
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch_size)
@@ -56,7 +60,7 @@ class Candidate:
         parts.append(f"mb{self.micro_batch_size}")
         if self.recompute != Recompute.NONE:
             parts.append(f"rc-{self.recompute}")
-        if self.zero:
+        if self.zero is not ZeroLevel.NONE:
             parts.append(f"zero{self.zero}")
         return " ".join(parts)
 
@@ -67,7 +71,7 @@ class Space:
 
     schedules: tuple[str, ...] = searched()  # the registry's, in its order
     recompute: tuple[str, ...] = tuple(RECOMPUTE)
-    zero: tuple[int, ...] = ZERO
+    zero: tuple[ZeroLevel, ...] = ZERO
     micro_batch_sizes: tuple[int, ...] = MICRO_BATCH_SIZES
     max_vpp: int = MAX_VPP
     # dp x micro-batch size when a captured graph's batch fixes it (0: free);
@@ -98,7 +102,7 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
                     if not _planner_takes(mesh, dp, tp, pp, vpp, schedule, global_batch, mbs):
                         continue
                     for rc in space.recompute:
-                        for z in space.zero if dp > 1 else (0,):
+                        for z in space.zero if dp > 1 else (ZeroLevel.NONE,):
                             yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc), z)
 
 

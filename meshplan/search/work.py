@@ -10,7 +10,8 @@ Invariants:
   per micro-batch of F, I and W, and per step of the optimizer); the tp
   group never leaves a node (the search keeps tp <= devices per node).
 - Data-parallel collectives are *not* priced here: they are kept as
-  (phase, kind) -> (count, bytes of the full tensors), because their price
+  `DpKey` (the `Slot` it runs in, its `DpKind`) -> (count, bytes of the
+  full tensors), because their price
   depends on the dp degree and on whether the group crosses nodes, which
   the search varies (`estimate.dp_seconds`). A probe planned at dp = 1 has
   none; `estimate` makes them from the parameter and gradient bytes.
@@ -23,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -34,7 +36,36 @@ from meshplan.lowering.action_times import compute_cost, full_bytes, send_bytes
 from meshplan.lowering.rankplan import BufferCategory, RankPlan, TaskKind
 from meshplan.schedules import stage_placement
 
-_PHASE = {Phase.FORWARD: "f", Phase.BACKWARD: "i", Phase.WEIGHT: "w", Phase.OPTIMIZER: "step"}
+
+class Slot(enum.StrEnum):
+    """Where work runs: a micro-batch's F, I or W, or the step's optimizer
+    (each value names the `Work` field of its seconds)."""
+
+    F = "f"
+    I = "i"  # noqa: E741 (the schedules' letter)
+    W = "w"
+    STEP = "step"
+
+
+class DpKind(enum.StrEnum):
+    """A data-parallel collective (its op kind's short name, which the device model prices)."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class DpKey:
+    """A `Work.dp` key: which collective, in which slot."""
+
+    phase: Slot
+    kind: DpKind
+
+
+_PHASE = {Phase.FORWARD: Slot.F, Phase.BACKWARD: Slot.I, Phase.WEIGHT: Slot.W,
+          Phase.OPTIMIZER: Slot.STEP}
 _STATE = {BufferCategory.PARAM: "param", BufferCategory.BUFFER: "param",
           BufferCategory.GRAD: "grad", BufferCategory.OPTIMIZER: "optimizer"}
 DP_AXIS = 0
@@ -55,7 +86,7 @@ class Work:
     saved_iw: int = 0         # ... from I to W (zero-bubble schedules only)
     params: int = 0           # parameter tensors (dp collectives: one each)
     layers: int = 0           # layers (ZeRO-3 gathers a layer's parameters at once)
-    dp: tuple[tuple[tuple[str, str], tuple[int, int]], ...] = ()  # (phase, kind) -> (n, bytes)
+    dp: tuple[tuple[DpKey, tuple[int, int]], ...] = ()  # key -> (n, bytes)
     transient: int = 0        # per stage, not additive: the largest action's scratch
     temp: int = 0
     send_f: int = 0           # bytes per micro-batch the stage sends on (its boundary)
@@ -126,8 +157,9 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
             full = full_bytes(short(op.kind), t, metas)
             kw = dict(op.kwargs)
             if kw.get("axis") == DP_AXIS or "stages" in kw:
-                w["dpn"][(key, short(op.kind))] += 1
-                w["dp"][(key, short(op.kind))] += full
+                dkey = DpKey(key, DpKind(short(op.kind)))
+                w["dpn"][dkey] += 1
+                w["dp"][dkey] += full
             else:
                 crosses = len({job.mesh.node_of(r) for r in t.group}) > 1
                 w[key] = w.get(key, 0.0) + dev.collective_seconds(
@@ -141,7 +173,7 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
             continue
         flops, seconds = compute_cost(job, t, value_meta, dev)
         w[key] = w.get(key, 0.0) + seconds
-        if key != "step":
+        if key is not Slot.STEP:
             w["flops"] = w.get("flops", 0.0) + flops
     _memory(plan, task_of, where, stage, acc)
     by_stage = {}

@@ -15,6 +15,7 @@ from meshplan.search.full import evaluate
 from meshplan.search.probe import ModelSpec
 from meshplan.search.search import _Pricer
 from meshplan.search.space import Candidate, schedule_takes
+from meshplan.search.work import DpKey, Slot
 
 SPEC = ModelSpec("gpt", "tiny")
 MESH = Mesh(1, 4)
@@ -49,8 +50,8 @@ def test_search_prices_like_the_full_plan(pricer, cand):
 def _merged(dp):
     """dp collectives with I and W as one backward (the full plan's, unsplit)."""
     out: dict = {}
-    for (phase, kind), (n, b) in dp:
-        key = ("i" if phase == "w" else phase, kind)
+    for key, (n, b) in dp:
+        key = DpKey(Slot.I, key.kind) if key.phase is Slot.W else key
         c, s = out.get(key, (0, 0))
         out[key] = (c + n, s + b)
     return out
