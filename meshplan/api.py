@@ -94,7 +94,6 @@ def _searched(graph, mesh, strategy, opt, device_model: str, memory_per_device: 
     """`Strategy(auto=True)`: the search's proven winner on a captured graph."""
     from dataclasses import replace
 
-    from meshplan.capture.structure import KEY
     from meshplan.costmodel import load_device_model
     from meshplan.ir import Role
     from meshplan.passes.auto_plan import auto_layer_pattern
@@ -115,7 +114,7 @@ def _searched(graph, mesh, strategy, opt, device_model: str, memory_per_device: 
     if len(sizes) != 1:
         raise ConfigError(f"Strategy(auto=True) needs one batch size across the graph's "
                           f"inputs; they have {sorted(sizes)}")
-    model = dict(graph.meta).get(KEY + "model", "model")
+    model = graph.facts.structure.model if graph.facts.structure else "model"
     base = replace(strategy, layer_pattern=pattern,
                    tp_plan=strategy.tp_plan or "auto", stage_layers=(), layer_stages=())
     spec = GraphSpec(graph, base, opt, layers, sizes.pop(),
