@@ -109,8 +109,8 @@ class RankExecutor:
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self.clips = any(v.name == GRAD_NORM for v in g.inputs_by_role(Role.OPT_STATE))
         train = g.facts.train
-        self.schedule = train and train.lr_schedule
-        self.guard = train and train.on_nonfinite  # halt | skip | None (no norm)
+        self.schedule = train.lr_schedule if train else None
+        self.guard = train.on_nonfinite if train else None  # halt | skip | None (no norm)
         self.nonfinite: float | None = None  # the last step's norm, when not finite
         self.step_losses: dict = {}  # this step's losses so far (a halt reports them)
         buckets = plan_buckets(job, plan) if comm is not None else ()
