@@ -23,6 +23,8 @@ Invariants:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.autodiff.optimizer import SLOTS, OptimizerConfig, slot_meta_shape
 from meshplan.errors import CaptureError
 from meshplan.ir import (
@@ -43,6 +45,7 @@ from meshplan.ir import (
     check_well_formed,
 )
 from meshplan.ir.builder import renumber_ops
+from meshplan.ir.graph_facts import TrainFacts
 from meshplan.ir.kinds import (
     ACCUMULATE_GRAD,
     CLIP_COEF,
@@ -69,18 +72,13 @@ def build_train_step(
     param_grads = _emit_backward(b, graph, needs, num_microbatches, scale)
     accs = _emit_accumulate(b, graph, param_grads)
     _emit_optimizer(b, graph, accs, optimizer)
-    meta = graph.meta + (("optimizer", optimizer.kind),
-                         ("num_microbatches", str(num_microbatches)),
-                         ("optimizer_config", optimizer.to_json()))
-    if optimizer.guard is not None:
-        meta += (("on_nonfinite", str(optimizer.guard)),)
-    if optimizer.lr_schedule.scheduled:
-        meta += (("lr_schedule",
-                  optimizer.lr_schedule.resolved(optimizer.lr).to_meta(optimizer.lr)),)
-    if loss_scale is not None:
-        meta += (("loss_scale", repr(float(loss_scale))),)
+    train = TrainFacts(
+        optimizer.kind, num_microbatches, optimizer.to_json(), optimizer.guard,
+        (optimizer.lr_schedule.resolved(optimizer.lr), optimizer.lr)
+        if optimizer.lr_schedule.scheduled else None,
+        None if loss_scale is None else float(loss_scale))
     b.ops = list(_accumulate_early(b.ops))
-    step = b.build(graph.loss, meta=meta)
+    step = b.build(graph.loss, replace(graph.facts, train=train))
     check_well_formed(step)
     return step
 

@@ -89,7 +89,7 @@ class OptimizerConfig:
                 ("eps", self.eps), ("weight_decay", self.weight_decay))
 
     def to_json(self) -> str:
-        """This config as JSON (the train step's meta "optimizer_config")."""
+        """This config as JSON (the train step's `TrainFacts.optimizer_config`)."""
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
         d["lr_schedule"] = {f: getattr(self.lr_schedule, f)
                             for f in self.lr_schedule.__dataclass_fields__}
@@ -104,11 +104,11 @@ class OptimizerConfig:
 
     @staticmethod
     def of_job(job) -> OptimizerConfig:
-        """The config the Job's train step was built with (its meta)."""
-        meta = dict(job.graph.meta)
-        if "optimizer_config" not in meta:
+        """The config the Job's train step was built with (its facts)."""
+        train = job.graph.facts.train
+        if train is None:
             raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
-        return OptimizerConfig.from_json(meta["optimizer_config"])
+        return OptimizerConfig.from_json(train.optimizer_config)
 
     @property
     def guard(self) -> NonFinite | None:

@@ -40,7 +40,6 @@ from torch import nn
 from meshplan.capture.structure import auto_facts
 from meshplan.errors import CaptureError
 from meshplan.ir import (
-    ALIAS,
     DEVICE,
     DType,
     Graph,
@@ -51,6 +50,7 @@ from meshplan.ir import (
     Update,
     check_well_formed,
 )
+from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 
@@ -157,7 +157,8 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
                        if not p.requires_grad)
     graph, env = _translate(ep, prefix, type(module).__name__, same, frozen)
-    graph = replace(graph, meta=graph.meta + _aliases(same, graph) + auto_facts(module))
+    graph = replace(graph, facts=replace(graph.facts, aliases=_aliases(same, graph),
+                                         structure=auto_facts(module)))
     check_well_formed(graph)
     return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix)
 
@@ -193,11 +194,11 @@ def _tensor_ids(module: nn.Module) -> dict[str, int]:
 
 
 def _aliases(same: dict[str, int], graph: Graph) -> tuple[tuple[str, str], ...]:
-    """(`alias:<name>`, graph input name) for every other name of a tied
+    """(name, graph input name) for every other name of a tied
     parameter or buffer: `named_parameters()` dedups, and export may name a
     shared tensor once or under each name, so only identity finds them all."""
     input_of = {same.get(graph.values[v].name): graph.values[v].name for v in graph.inputs}
-    out = [(ALIAS + name, input_of[key]) for name, key in same.items()
+    out = [(name, input_of[key]) for name, key in same.items()
            if key in input_of and input_of[key] != name]
     return tuple(sorted(out))
 
@@ -232,7 +233,7 @@ def _translate(ep, prefix: str, model_name: str, same: dict[str, int],
         elif node.op == "output":
             loss = _outputs(ctx, ep, node, model_name)
     assert loss is not None
-    return ctx.builder.build(loss.id, meta=(("model_class", model_name),)), ctx.env
+    return ctx.builder.build(loss.id, GraphFacts(model_class=model_name)), ctx.env
 
 
 def _outputs(ctx: _Ctx, ep, node, model_name: str) -> Ref:

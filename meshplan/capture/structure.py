@@ -7,8 +7,8 @@ Invariants:
   embedding and head, and Megatron's pairs by module name), and
   the head, key/value-head and vocabulary counts.
   `passes/derive.py` turns them into a plan once the tp degree is known.
-- They live in the graph's `meta` under `auto:` keys (strings; lists as
-  JSON), so a captured graph carries them into planning, caches and files.
+- They live in the graph's facts (`GraphFacts.structure`), so a captured
+  graph carries them into planning, caches and files.
 - The layer list is transformers' `_pp_plan` ModuleList if declared, else
   the longest `nn.ModuleList` whose children are all of one class; an
   encoder-decoder has two, the encoder's then the decoder's (`layers` holds
@@ -18,16 +18,15 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import re
 
 from torch import nn
 
-KEY = "auto:"
+from meshplan.ir.graph_facts import Structure
 
 
-def auto_facts(module: nn.Module) -> tuple[tuple[str, str], ...]:
-    """The `auto:` meta entries of `module`."""
+def auto_facts(module: nn.Module) -> Structure:
+    """The structure facts of `module`."""
     hf_path, hf = _transformers_model(module)
     conf = getattr(hf, "config", None)
     layers, layers_from = _layer_list(module, hf_path, hf)
@@ -41,14 +40,11 @@ def auto_facts(module: nn.Module) -> tuple[tuple[str, str], ...]:
                    "their out and fc2 rowwise, ...) and the vocabulary embedding and head"
                    if named else
                    "structure: the vocabulary embedding and head only")
-    facts = {
-        "layers": layers, "layers_from": layers_from, "tp": json.dumps(tp), "tp_from": tp_from,
-        "heads": str(_int(conf, "num_attention_heads", "n_head")),
-        "kv_heads": str(_int(conf, "num_key_value_heads") or _int(conf, "num_attention_heads",
-                                                                   "n_head")),
-        "vocab": str(vocab), "model": type(hf if hf is not None else module).__name__,
-    }
-    return tuple((KEY + k, v) for k, v in facts.items())
+    return Structure(
+        layers=layers, layers_from=layers_from, tp=tuple((p, s, g) for p, s, g in tp),
+        tp_from=tp_from, heads=_int(conf, "num_attention_heads", "n_head"),
+        kv_heads=_int(conf, "num_key_value_heads") or _int(conf, "num_attention_heads", "n_head"),
+        vocab=vocab, model=type(hf if hf is not None else module).__name__)
 
 
 def _int(conf, *names: str) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from meshplan.ir import Graph
-from meshplan.ir.choices import Precision
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.passes.plan import plan_job
 from meshplan.runtime.own_plan import rank_plan
@@ -22,9 +21,8 @@ class Executor:
     """Runs `graph` (a train step) on one device."""
 
     def __init__(self, graph: Graph, device: str | torch.device = "cpu"):
-        meta = dict(graph.meta)
-        m = int(meta.get("num_microbatches", "1"))
-        strategy = Strategy(global_batch_size=m, precision=meta.get("precision", Precision.FP32))
+        m = graph.facts.train.num_microbatches if graph.facts.train else 1
+        strategy = Strategy(global_batch_size=m, precision=graph.facts.precision)
         self.job = plan_job(graph, Mesh(1, 1), strategy)
         self.graph = self.job.graph
         device = torch.device(device)

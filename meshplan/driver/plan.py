@@ -202,9 +202,9 @@ def optimizer_summary(job: Job) -> dict:
         group = groups["decay" if dict(op.kwargs)["weight_decay"] else "no_decay"]
         group["params"] += 1
         group["elements"] += v.meta.numel
-    meta = dict(g.meta)
+    lr = g.facts.train and g.facts.train.lr_schedule
     return {"kind": kind and kind.removeprefix("meshplan."), "max_grad_norm": clip,
-            "lr_schedule": json.loads(meta["lr_schedule"]) if "lr_schedule" in meta else None,
+            "lr_schedule": json.loads(lr[0].to_meta(lr[1])) if lr else None,
             "weight_decay_groups": groups}
 
 

@@ -3,7 +3,6 @@
 from meshplan.ir.builder import GraphBuilder
 from meshplan.ir.graph import (
     ABSENT,
-    ALIAS,
     DEVICE,
     GRAD_NORM,
     LOSS_SCALE,
@@ -25,7 +24,7 @@ from meshplan.ir.serialize import graph_from_bytes, graph_to_bytes, load_graph, 
 from meshplan.ir.well_formed import check_well_formed
 
 __all__ = [
-    "ABSENT", "ALIAS", "DEVICE", "GRAD_NORM", "LOSS_SCALE", "LR", "STEP_COUNT", "Arg", "DType",
+    "ABSENT", "DEVICE", "GRAD_NORM", "LOSS_SCALE", "LR", "STEP_COUNT", "Arg", "DType",
     "Graph", "GraphBuilder", "Lit", "Op", "Phase", "Ref", "Role", "TensorMeta", "Update",
     "Value", "check_well_formed", "graph_from_bytes", "graph_to_bytes", "load_graph",
     "save_graph",

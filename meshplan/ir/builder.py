@@ -7,6 +7,7 @@ twice from the same inputs is identical, value ids included.
 from __future__ import annotations
 
 from meshplan.ir.graph import ABSENT, Arg, Graph, Op, Phase, Role, TensorMeta, Update, Value
+from meshplan.ir.graph_facts import GraphFacts
 
 
 class GraphBuilder:
@@ -54,14 +55,14 @@ class GraphBuilder:
     def meta(self, vid: int) -> TensorMeta:
         return self.values[vid].meta
 
-    def build(self, loss: int, meta: tuple[tuple[str, str], ...] = ()) -> Graph:
+    def build(self, loss: int, facts: GraphFacts | None = None) -> Graph:
         return Graph(
             values=tuple(self.values),
             ops=tuple(self.ops),
             inputs=tuple(self.inputs),
             loss=loss,
             updates=tuple(self.updates),
-            meta=meta,
+            facts=GraphFacts() if facts is None else facts,
             grads=tuple(self.grads),
         )
 

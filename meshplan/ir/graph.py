@@ -14,7 +14,7 @@ Invariants:
   per step (`Phase`).
 - A parameter or buffer reachable under several names (a tied weight) is
   one graph input, named as torch.export names it; its other names live in
-  `meta` as `("alias:<name>", "<input name>")` (`Graph.aliases`).
+  its facts (`GraphFacts.aliases`, `Graph.aliases`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 import torch
+
+from meshplan.ir.graph_facts import GraphFacts
 
 
 class Phase(enum.Enum):
@@ -113,7 +115,7 @@ class Value:
 ABSENT = -1  # the output id of an undefined (None) kernel output
 DEVICE = "$device"  # literal standing for "the device this runs on"
 # fp16 dynamic loss scaling: the step-level state holding the scale (its
-# first value is the train step's meta "loss_scale"; runtime/amp.py).
+# first value is the train step's `TrainFacts.loss_scale`; runtime/amp.py).
 LOSS_SCALE = "amp@loss_scale"
 GRAD_NORM = "optim@grad_norm"  # the step's global gradient norm (clipping)
 LR = "optim@lr"                # the step's learning rate (a schedule; ir/lr_schedule.py)
@@ -224,9 +226,6 @@ class Update:
     value: int
 
 
-ALIAS = "alias:"  # graph meta key prefix: ("alias:head.weight", "wte.weight")
-
-
 @dataclass(frozen=True, slots=True)
 class Graph:
     """A whole program: forward only after capture, the train step after
@@ -237,7 +236,7 @@ class Graph:
     inputs: tuple[int, ...]
     loss: int
     updates: tuple[Update, ...] = ()
-    meta: tuple[tuple[str, str], ...] = field(default=())
+    facts: GraphFacts = field(default=GraphFacts())
     # (forward value, its total gradient value), set by autodiff: passes use
     # it to place constraints on a gradient (e.g. a colwise input's grad).
     grads: tuple[tuple[int, int], ...] = ()
@@ -269,7 +268,7 @@ class Graph:
     def aliases(self) -> dict[str, str]:
         """Every other name of a shared (tied) parameter or buffer -> the name
         of its one graph input (`head.weight` -> `wte.weight`)."""
-        return {k[len(ALIAS):]: v for k, v in self.meta if k.startswith(ALIAS)}
+        return dict(self.facts.aliases)
 
     def names_of(self, name: str) -> tuple[str, ...]:
         """`name` (a graph input's) and all its aliases, the input's first."""

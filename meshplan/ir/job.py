@@ -31,7 +31,13 @@ from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard, fmt
-from meshplan.ir.serialize import Malformed, op_from_row, op_to_row
+from meshplan.ir.serialize import (
+    Malformed,
+    facts_from_pairs,
+    facts_to_pairs,
+    op_from_row,
+    op_to_row,
+)
 
 KIND = "meshplan.job"
 VERSION = 2
@@ -288,7 +294,7 @@ def _encode(job: Job) -> Parts:
     # what only a whole decode needs (names of updates run long: 144 KB on GPT-3)
     parts["graph"] = encode_part({"inputs": list(g.inputs),
                                   "updates": [[u.name, u.value] for u in g.updates],
-                                  "meta": [list(m) for m in g.meta],
+                                  "meta": facts_to_pairs(g.facts),
                                   "grads": [list(x) for x in g.grads]})
     for name, vids in [*((f"values/{st}", touched[st]) for st in sorted(touched)),
                        ("values/rest", rest)]:
@@ -318,7 +324,7 @@ def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
     graph = Graph(values=tuple(values), ops=tuple(op_from_row(r[:9]) for r, _ in ops),
                   inputs=tuple(rest["inputs"]), loss=head["loss"],
                   updates=tuple(Update(a, b) for a, b in rest["updates"]),
-                  meta=_pairs(rest["meta"]), grads=_pairs(rest["grads"]))
+                  facts=facts_from_pairs(rest["meta"]), grads=_pairs(rest["grads"]))
     return Job(graph=graph, mesh=mesh, strategy=strategy,
                stage=tuple(st for _, st in ops), chunk=tuple(r[9] for r, _ in ops),
                sbp=tuple(sbp), variant=tuple(tuple(r[10]) for r, _ in ops),

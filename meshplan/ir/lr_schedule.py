@@ -12,7 +12,7 @@
 Each is the formula torch users know; verify's reference runs torch's own
 scheduler classes (`autodiff/optimizer.py: torch_scheduler`), not these.
 
-Invariant: the Job carries the schedule (graph meta "lr_schedule", with the
+Invariant: the Job carries the schedule (`TrainFacts.lr_schedule`, with the
 base rate); the optimizer ops read the state LR, which the runtime sets
 from `lr_at(STEP_COUNT)` before each STEP, so the plan is the same at every
 step, and a checkpoint (which holds both states) resumes the schedule.

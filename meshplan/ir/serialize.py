@@ -12,16 +12,23 @@ Invariants:
   names below); enums (`Phase`, `Role`) are written by `.value`.
 - Files are sealed (`fileio`): atomic, versioned, checksummed, no pickle.
   A change to this layout bumps `VERSION`.
+- `GraphFacts` are written as the string pairs they were before they were
+  typed (`facts_to_pairs`, in the order the passes add them), so graph and
+  Job bytes do not change; `facts_from_pairs` reads exactly that form back.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
 from meshplan.errors import PlanError
+from meshplan.ir.choices import NonFinite, OptimizerKind, Precision
 from meshplan.ir.fileio import read_sealed, seal, unseal, write_atomic
 from meshplan.ir.graph import DType, Graph, Op, Phase, Ref, Role, TensorMeta, Update, Value
+from meshplan.ir.graph_facts import GraphFacts, Structure, TrainFacts
+from meshplan.ir.lr_schedule import LrSchedule
 
 KIND = "meshplan.graph"
 VERSION = 1
@@ -44,9 +51,61 @@ def graph_to_json(graph: Graph) -> dict:
         "inputs": list(graph.inputs),
         "loss": graph.loss,
         "updates": [[u.name, u.value] for u in graph.updates],
-        "meta": [[k, v] for k, v in graph.meta],
+        "meta": facts_to_pairs(graph.facts),
         "grads": [[v, g] for v, g in graph.grads],
     }
+
+
+ALIAS = "alias:"  # ("alias:head.weight", "wte.weight")
+AUTO = "auto:"  # `Structure`'s fields, in field order
+
+
+def facts_to_pairs(f: GraphFacts) -> list[list[str]]:
+    """`f` as [key, string] pairs: numbers by str (the loss scale by repr),
+    the tp entries and the lr schedule as JSON."""
+    out = [] if f.model_class is None else [["model_class", f.model_class]]
+    out += [[ALIAS + a, name] for a, name in f.aliases]
+    if (s := f.structure) is not None:
+        out += [[AUTO + k, v] for k, v in (
+            ("layers", s.layers), ("layers_from", s.layers_from),
+            ("tp", json.dumps([list(e) for e in s.tp])), ("tp_from", s.tp_from),
+            ("heads", str(s.heads)), ("kv_heads", str(s.kv_heads)), ("vocab", str(s.vocab)),
+            ("model", s.model))]
+    if f.precision != Precision.FP32:
+        out.append(["precision", str(f.precision)])
+    if (t := f.train) is not None:
+        out += [["optimizer", str(t.optimizer)], ["num_microbatches", str(t.num_microbatches)],
+                ["optimizer_config", t.optimizer_config]]
+        if t.on_nonfinite is not None:
+            out.append(["on_nonfinite", str(t.on_nonfinite)])
+        if t.lr_schedule is not None:
+            out.append(["lr_schedule", t.lr_schedule[0].to_meta(t.lr_schedule[1])])
+        if t.loss_scale is not None:
+            out.append(["loss_scale", repr(float(t.loss_scale))])
+    return out
+
+
+def facts_from_pairs(pairs) -> GraphFacts:
+    """The `GraphFacts` that `facts_to_pairs` wrote as `pairs` (`Malformed`
+    unless writing them again gives `pairs`: no key is lost or reordered)."""
+    rows = [[_str(k), _str(v)] for k, v in _list(pairs)]
+    d = dict(rows)
+    auto = {k[len(AUTO):]: v for k, v in rows if k.startswith(AUTO)}
+    structure = None if not auto else Structure(
+        auto["layers"], auto["layers_from"], tuple(tuple(e) for e in json.loads(auto["tp"])),
+        auto["tp_from"], int(auto["heads"]), int(auto["kv_heads"]), int(auto["vocab"]),
+        auto["model"])
+    train = None if "optimizer" not in d else TrainFacts(
+        OptimizerKind(d["optimizer"]), int(d["num_microbatches"]), d["optimizer_config"],
+        NonFinite(d["on_nonfinite"]) if "on_nonfinite" in d else None,
+        LrSchedule.from_meta(d["lr_schedule"]) if "lr_schedule" in d else None,
+        float(d["loss_scale"]) if "loss_scale" in d else None)
+    facts = GraphFacts(d.get("model_class"),
+                       tuple((k[len(ALIAS):], v) for k, v in rows if k.startswith(ALIAS)),
+                       structure, Precision(d.get("precision", Precision.FP32)), train)
+    if facts_to_pairs(facts) != rows:
+        raise Malformed(f"graph facts {[k for k, _ in rows]} are not in the written form")
+    return facts
 
 
 def op_to_row(op: Op) -> list:
@@ -89,7 +148,7 @@ def graph_from_json(d: dict, where: str = "<json>") -> Graph:
             inputs=tuple(_int(i) for i in d["inputs"]),
             loss=_int(d["loss"]),
             updates=tuple(Update(_str(n), _int(v)) for n, v in d["updates"]),
-            meta=tuple((_str(k), _str(v)) for k, v in d["meta"]),
+            facts=facts_from_pairs(d["meta"]),
             grads=tuple((_int(v), _int(g)) for v, g in d["grads"]),
         )
     except (Malformed, KeyError, TypeError, ValueError, RecursionError) as e:

@@ -120,7 +120,7 @@ def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
                 _apply_hint(ctx, o, op.module_path)
     updates = tuple(replace(u, value=ctx.default.get(u.value, u.value)) for u in graph.updates)
     loss = ctx.default.get(graph.loss, graph.loss)
-    boxed = Graph(tuple(rb.b.values), tuple(rb.b.ops), graph.inputs, loss, updates, graph.meta,
+    boxed = Graph(tuple(rb.b.values), tuple(rb.b.ops), graph.inputs, loss, updates, graph.facts,
                   graph.grads)
     sbp = tuple(ctx.layout.get(v.id, (Replicate(),) * naxes) for v in boxed.values)
     stage, chunk, variant = rb.annotations()

@@ -19,13 +19,12 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
-from meshplan.capture.structure import KEY
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph
 from meshplan.ir.choices import Recompute, TpStyle
+from meshplan.ir.graph_facts import Structure
 from meshplan.ir.mesh import BALANCED, DERIVED, Strategy
 from meshplan.passes.balance import balance, graph_layer_weights
 
@@ -57,8 +56,8 @@ def resolve_derived(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[s
 def _resolve_structure(graph: Graph, strategy: Strategy) -> tuple[Strategy, tuple[str, ...]]:
     if not derives(strategy):
         return strategy, ()
-    facts = {k[len(KEY):]: v for k, v in graph.meta if k.startswith(KEY)}
-    if not facts:
+    facts = graph.facts.structure
+    if facts is None:
         raise ConfigError(f"a {DERIVED} plan needs a graph captured by this meshplan (it records "
                           "the module's structure); capture the model again")
     notes: list[str] = []
@@ -74,25 +73,24 @@ def derived_layer_pattern(graph: Graph) -> str:
     return resolve_derived(graph, Strategy(layer_pattern=DERIVED))[0].layer_pattern
 
 
-def _layer_pattern(facts: dict, s: Strategy, notes: list[str]) -> str:
-    path = facts.get("layers", "")
+def _layer_pattern(facts: Structure, s: Strategy, notes: list[str]) -> str:
+    path = facts.layers
     if not path:
         if s.pp > 1 or s.vpp > 1 or (s.recompute != Recompute.NONE and not s.recompute_pattern):
-            raise ConfigError(f"layer_pattern '{DERIVED}' found no layer list in {facts['model']} "
+            raise ConfigError(f"layer_pattern '{DERIVED}' found no layer list in {facts.model} "
                               "(no nn.ModuleList of blocks of one class); pass --layer-pattern "
                               "with a regex naming one layer, e.g. 'blocks\\.\\d+'")
         return ""
     pattern = "|".join(p.replace(".", r"\.") + r"\.(\d+)" for p in path.split(","))
-    notes.append(f"layer_pattern {DERIVED} = '{pattern}' ({facts['layers_from']})")
+    notes.append(f"layer_pattern {DERIVED} = '{pattern}' ({facts.layers_from})")
     return pattern
 
 
-def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, TpStyle], ...]:
+def _tp_plan(facts: Structure, tp: int, notes: list[str]) -> tuple[tuple[str, TpStyle], ...]:
     if tp == 1:
         return ()
-    entries = json.loads(facts["tp"])
-    vocab, heads, kv = (int(facts[k] or 0) for k in ("vocab", "heads", "kv_heads"))
-    model = facts["model"]
+    entries = facts.tp
+    vocab, heads, kv, model = facts.vocab, facts.heads, facts.kv_heads, facts.model
     if vocab and vocab % tp:
         raise ConfigError(f"tp={tp} does not divide the vocabulary ({vocab}) of {model}; "
                           f"choose tp among {_divisors(vocab)}")
@@ -112,7 +110,7 @@ def _tp_plan(facts: dict, tp: int, notes: list[str]) -> tuple[tuple[str, TpStyle
         elif mine != style and given != "structure":
             notes.append(f"'{pattern}': transformers style '{style}' mapped to '{mine}'")
         plan.append((pattern, mine))
-    notes.append(f"tp_plan {DERIVED} from {facts['tp_from']}: " +
+    notes.append(f"tp_plan {DERIVED} from {facts.tp_from}: " +
                  ", ".join(f"{p}={s}" for p, s in plan))
     return tuple(plan)
 

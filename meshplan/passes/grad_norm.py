@@ -96,4 +96,4 @@ def split_norm(graph: Graph, places: list[Place]) -> tuple[Graph, list[Place], d
         new_places.append(places[op.id])
     b.ops = list(renumber_ops(ops))
     b.updates = updates
-    return b.build(graph.loss, graph.meta), new_places, copies
+    return b.build(graph.loss, graph.facts), new_places, copies

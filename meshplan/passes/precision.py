@@ -23,6 +23,8 @@ One cast is made per (value, dtype) and shared by its readers.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.ir import DType, Graph, Phase, Ref
 from meshplan.ir.choices import OpPrecision, Precision
 from meshplan.ir.graph import refs_in
@@ -85,5 +87,5 @@ def apply_precision(graph: Graph, precision: Precision) -> Graph:
     loss = Ref(vmap[graph.loss])
     if b.meta(loss.id).dtype != FP32:
         loss = Emitter(b, Phase.FORWARD, graph.ops[-1].module_path).call(CAST, loss, dtype=FP32)
-    return rb.build(graph, loss.id, graph.meta + (("precision", precision),))
+    return rb.build(graph, loss.id, replace(graph.facts, precision=precision))
 

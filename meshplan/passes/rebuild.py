@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshplan.ir import Graph, GraphBuilder, Op, Ref, Update
+from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ops.emit import Emitter
 
 Place = tuple[int, int, tuple[str, ...]]  # stage, chunk, kernel variant per mesh axis
@@ -111,14 +112,15 @@ class Rebuild:
             return tuple(self.ref(x) for x in a)
         return a
 
-    def build(self, graph: Graph, loss: int | None = None, meta: tuple | None = None) -> Graph:
+    def build(self, graph: Graph, loss: int | None = None,
+              facts: GraphFacts | None = None) -> Graph:
         """The rebuilt graph: `graph`'s updates, gradient links and loss
-        through `vmap` (the loss: `loss` if given), its meta unless `meta`."""
+        through `vmap` (the loss: `loss` if given), its facts unless `facts`."""
         vm = self.vmap
         self.b.updates = [Update(u.name, vm.get(u.value, u.value)) for u in graph.updates]
         self.b.grads = [(vm.get(v, v), vm.get(g, g)) for v, g in graph.grads]
         return self.b.build(vm.get(graph.loss, graph.loss) if loss is None else loss,
-                            graph.meta if meta is None else meta)
+                            graph.facts if facts is None else facts)
 
     def annotations(self) -> tuple[tuple, tuple, tuple]:
         """The new ops' stages, chunks and kernel variants."""

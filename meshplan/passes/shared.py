@@ -174,7 +174,7 @@ class _Rewrite:
         b.ops = list(renumber_ops(ops))
         b.updates = [u for u in self.updates if u.value not in gone]
         b.grads = [(v, x) for v, x in b.grads if x not in gone]
-        return Shared(b.build(self.graph.loss, self.graph.meta), tuple(places), self.copies)
+        return Shared(b.build(self.graph.loss, self.graph.facts), tuple(places), self.copies)
 
 
 def _new_values(b: GraphBuilder, like) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 Invariant: the scale is a step-level state every rank holds (and
 checkpoints) as `LOSS_SCALE`; the backward seed is multiplied by it. It
-starts at the train step's meta "loss_scale" (else `INIT_SCALE`), halves on
+starts at the train step's `TrainFacts.loss_scale` (else `INIT_SCALE`), halves on
 a step whose gradients overflow (the step is skipped) and doubles after
 `GROWTH_INTERVAL` good steps in a row.
 """
@@ -14,7 +14,8 @@ GROWTH_INTERVAL = 2000
 
 
 def initial_loss_scale(graph) -> float:
-    return float(dict(graph.meta).get("loss_scale", INIT_SCALE))
+    train = graph.facts.train
+    return INIT_SCALE if train is None or train.loss_scale is None else train.loss_scale
 
 
 def next_scale(scale: float, good_steps: int, overflow: bool) -> tuple[float, int]:

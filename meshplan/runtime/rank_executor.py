@@ -57,7 +57,6 @@ from meshplan.ir import GRAD_NORM, LOSS_SCALE, LR, STEP_COUNT, Role
 from meshplan.ir.choices import Precision
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF
-from meshplan.ir.lr_schedule import LrSchedule
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
     RankPlan,
@@ -109,10 +108,9 @@ class RankExecutor:
         self.fp16 = job.strategy.precision == Precision.FP16
         self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
         self.clips = any(v.name == GRAD_NORM for v in g.inputs_by_role(Role.OPT_STATE))
-        meta = dict(g.meta)
-        self.schedule = LrSchedule.from_meta(meta["lr_schedule"]) \
-            if "lr_schedule" in meta else None
-        self.guard = meta.get("on_nonfinite")  # halt | skip | None (no norm)
+        train = g.facts.train
+        self.schedule = train.lr_schedule if train else None
+        self.guard = train.on_nonfinite if train else None  # halt | skip | None (no norm)
         self.nonfinite: float | None = None  # the last step's norm, when not finite
         self.step_losses: dict = {}  # this step's losses so far (a halt reports them)
         self.buckets = GradBuckets(plan.buckets, self.ctx, comm, self.mem) \

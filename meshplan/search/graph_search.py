@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshplan.capture.structure import KEY
 from meshplan.costmodel import load_device_model
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
@@ -42,7 +41,7 @@ def searched_strategy(graph, mesh, strategy, opt, device_model: str,
     if len(sizes) != 1:
         raise ConfigError(f"Strategy(auto=True) needs one batch size across the graph's "
                           f"inputs; they have {sorted(sizes)}")
-    model = dict(graph.meta).get(KEY + "model", "model")
+    model = graph.facts.structure.model if graph.facts.structure else "model"
     base = replace(strategy, layer_pattern=pattern,
                    tp_plan=strategy.tp_plan or DERIVED, stage_layers=(), layer_stages=())
     spec = GraphSpec(graph, base, opt, layers, sizes.pop(),

@@ -11,6 +11,7 @@ import torch
 from meshplan.capture import cache
 from meshplan.capture.cache import cache_dir, cached, capture_key, entry_path
 from meshplan.ir import DType, Graph, Role, TensorMeta, Value, graph_to_bytes
+from meshplan.ir.graph_facts import GraphFacts
 from meshplan.models import model_config
 
 
@@ -22,7 +23,7 @@ def cache_env(tmp_path, monkeypatch):
 
 def _graph(n: int = 0) -> Graph:
     return Graph(values=(Value(0, TensorMeta((), DType("float32")), Role.DATA, f"x{n}"),),
-                 ops=(), inputs=(0,), loss=0, meta=(("model_class", "Toy"),))
+                 ops=(), inputs=(0,), loss=0, facts=GraphFacts(model_class="Toy"))
 
 
 class _Make:

@@ -30,6 +30,7 @@ from meshplan.ir import (
     check_well_formed,
 )
 from meshplan.ir.fileio import seal
+from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ir.serialize import (
     KIND,
     VERSION,
@@ -66,7 +67,8 @@ def small_graph() -> Graph:
         Op(3, "meshplan.sgd", (Ref(0), 0.5), (n + 2, n + 3), phase=Phase.OPTIMIZER),
     )
     return Graph(tuple(values), ops, tuple(range(n)), n + 1,
-                 updates=(Update("w0", n + 2),), meta=(("model_class", "Toy"), ("k", "v")))
+                 updates=(Update("w0", n + 2),),
+                 facts=GraphFacts(model_class="Toy", aliases=(("w1", "w0"),)))
 
 
 def same(a, b) -> bool:

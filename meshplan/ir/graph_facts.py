@@ -1,0 +1,57 @@
+"""Graph facts: what capture, the precision pass and autodiff record about a
+graph beside its ops (`Graph.facts`), as one typed, frozen record.
+
+Invariants:
+- Facts, not decisions: the model's class, the other names of tied tensors,
+  the module structure "auto" plans read, the precision the casts were made
+  for, and the train step's optimizer, micro-batch count and loss scale.
+- A pass adds its facts with `dataclasses.replace`; no field is a string
+  standing for a number or for JSON (but `TrainFacts.optimizer_config`, the
+  `OptimizerConfig` the compiler reads back itself).
+- Files hold them as the string pairs of `ir/serialize.py: facts_to_pairs`,
+  the one place that writes and reads that form (Job bytes unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.ir.choices import NonFinite, OptimizerKind, Precision
+from meshplan.ir.lr_schedule import LrSchedule
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """What capture records about a module's structure, for "auto" plans
+    (`capture/structure.py` finds them, `passes/auto_plan.py` reads them)."""
+
+    layers: str  # the layer lists' module paths, joined by commas ("" none)
+    layers_from: str  # where the layer list came from (a note for the user)
+    tp: tuple[tuple[str, str, str], ...]  # (module regex, tp style, where declared)
+    tp_from: str
+    heads: int  # 0: unknown
+    kv_heads: int
+    vocab: int
+    model: str  # the class name of the (transformers) model
+
+
+@dataclass(frozen=True, slots=True)
+class TrainFacts:
+    """What autodiff records about the train step it built."""
+
+    optimizer: OptimizerKind
+    num_microbatches: int
+    optimizer_config: str  # `OptimizerConfig.to_json()` (autodiff reads it back)
+    on_nonfinite: NonFinite | None = None  # None: no gradient norm is computed
+    lr_schedule: tuple[LrSchedule, float] | None = None  # resolved, and the base rate
+    loss_scale: float | None = None  # fp16's initial loss scale
+
+
+@dataclass(frozen=True, slots=True)
+class GraphFacts:
+    model_class: str | None = None
+    # (other name, graph input name) of each tied parameter or buffer, sorted
+    aliases: tuple[tuple[str, str], ...] = ()
+    structure: Structure | None = None
+    precision: Precision = Precision.FP32  # what apply_precision cast for
+    train: TrainFacts | None = None  # None: a forward graph
