@@ -65,7 +65,7 @@ def _speed_table(parts: dict) -> list[str]:
            f"{c['seq_len']}, vocab {c['vocab']}, batch {c['batch']}), bf16, AdamW, one device",
            "", "Model FLOPs per step = 6 x params x tokens + 12 x layers x hidden x seq x "
            "tokens (attention, full square).", "",
-           "| run | step (ms) | tokens/s | TFLOP/s | of peak | peak memory planned / measured "
+           "| run | step (ms) | tokens/s | TFLOP/s | of peak | peak memory layoutned / measured "
            "(GiB) |", "|---|---:|---:|---:|---:|---|"]
     for label, r in have:
         frac = f"{r['fraction_of_peak']:.1%}" if r.get("fraction_of_peak") else "-"

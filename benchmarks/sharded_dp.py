@@ -1,5 +1,5 @@
 """Sharded data parallel: meshplan --zero 0, 1, 2, 3 beside torch's DDP and
-FSDP2, per rank: memory planned and measured, bytes communicated, step time.
+FSDP2, per rank: memory layoutned and measured, bytes communicated, step time.
 
 Setup: the zoo's GPT small (8 layers, hidden 256, 8 heads, seq 128, vocab
 1024, 6.9M parameters) on 4 gloo processes over 127.0.0.1 (dp=4), one thread

@@ -230,7 +230,7 @@ def test_the_runtime_needs_only_the_plan():
 def test_a_runtime_module_deriving_from_the_job_is_reported():
     source = ("from meshplan.lowering.rankplan import RankPlan\n"
               "def f(job, plan):\n"
-              "    from meshplan.lowering.buckets import plan_buckets\n"
+              "    from meshplan.lowering.buckets import buckets_of\n"
               "    from meshplan.lowering import lower\n")
     assert plan_only_violations("meshplan/runtime/rank_executor.py", source) == [
         "meshplan/runtime/rank_executor.py imports meshplan.lowering.buckets (executing a plan "

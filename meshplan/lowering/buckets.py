@@ -44,7 +44,7 @@ Invariants:
   floats: `reduce_scatter_tensor` 81 ms, `reduce_scatter` (a list) 52 ms,
   `all_reduce` 45 ms.
 - Off for fp16 (the STEP unscales the accumulators before reducing them)
-  and with `bucket_mb == 0`. The memory plan counts the STEP reductions'
+  and with `bucket_mb == 0`. The memory layout counts the STEP reductions'
   flat tensors, kept from step to step, as gradient bytes (for the
   accumulators written into their slots, as their second copy), and the
   other buckets' as transients, alive from their start until their ops
@@ -56,7 +56,7 @@ Invariants:
   DDP's `gradient_as_bucket_view`.
 - Computed here, from a rank's plan, and used by the runtime
   (`runtime/rank_executor.py`, `runtime/grad_buckets.py`), the checker
-  and the memory plan alike.
+  and the memory layout alike.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def bound(strategy) -> int:
     return int(strategy.bucket_mb * 2**20)
 
 
-def plan_buckets(job, plan: RankPlan) -> tuple[Bucket, ...]:
+def buckets_of(job, plan: RankPlan) -> tuple[Bucket, ...]:
     """The buckets of `plan` (rank `plan.rank` of `job`); () when off."""
     if not bound(job.strategy):
         return ()
@@ -111,7 +111,7 @@ def plan_buckets(job, plan: RankPlan) -> tuple[Bucket, ...]:
 
 def bucketed_bytes(op_of, tasks, buffers, strategy) -> tuple[int, int]:
     """What the flat copies of a rank's bucketable STEP reductions take (the
-    memory plan's share of them): their inputs' local bytes; and of those,
+    memory layout's share of them): their inputs' local bytes; and of those,
     the bytes of the accumulators written into their slots (`writes_slot`)."""
     if not bound(strategy):
         return 0, 0

@@ -59,7 +59,7 @@ from meshplan.ir.job import Job
 from meshplan.ir.kinds import CLIP_COEF, TRANSFER
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.action_times import action_costs
-from meshplan.lowering.buckets import misplaced, plan_buckets, run_order
+from meshplan.lowering.buckets import buckets_of, misplaced, run_order
 from meshplan.lowering.check_live import split_and_live
 from meshplan.lowering.check_norm import norm_coverage
 from meshplan.lowering.check_shared import shared_copies
@@ -338,7 +338,7 @@ def _collectives(job: Job, plans) -> list[str]:
     errors = []
     for r, p in plans.items():
         buckets, op_of = p.buckets, job.graph.ops.__getitem__
-        if buckets != plan_buckets(job, p) or p.run_ids not in (
+        if buckets != buckets_of(job, p) or p.run_ids not in (
                 (), tuple(t.id for t in run_order(p.tasks, buckets, op_of))):
             errors.append(f"rank {r}: its plan's gradient buckets or their run order are not "
                           "the ones its Job implies; recompile the plan")

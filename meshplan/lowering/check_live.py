@@ -11,7 +11,7 @@ Proven on each rank's plan:
   deferred W, a received value) holds as many micro-batches as the rank's
   action order keeps alive at once: walking the actions, the most
   micro-batches between the action that writes it and the last that reads
-  it never exceed its `copies` (the memory plan's slots). Worked out here
+  it never exceed its `copies` (the memory layout's slots). Worked out here
   from the actions alone, not from lowering's own count.
 """
 
@@ -76,7 +76,7 @@ def _slots(rank: int, p: RankPlan, where) -> list[str]:
         if alive > b.copies:
             return [f"rank {rank}: buffer {b.id} (value {b.value}) has {b.copies} slot(s) "
                     f"but the action order keeps {alive} micro-batches of it alive at once; "
-                    "the memory plan undercounts what a deferred action keeps: recompile"]
+                    "the memory layout undercounts what a deferred action keeps: recompile"]
     return []
 
 

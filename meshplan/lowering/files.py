@@ -28,7 +28,7 @@ from meshplan.lowering.rankplan import (
     Bucket,
     Buffer,
     BufferCategory,
-    MemoryPlan,
+    MemoryLayout,
     RankPlan,
     Task,
     TaskKind,
@@ -134,7 +134,7 @@ def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
                                cp, BufferCategory(cat))
                         for i, v, pr, co, sh, dt, nb, cp, cat in d["buffers"])
         m = d["memory"]
-        memory = MemoryPlan(tuple((c + own, n, sz) for c, n, sz in m["arenas"]),
+        memory = MemoryLayout(tuple((c + own, n, sz) for c, n, sz in m["arenas"]),
                             tuple(Block(i + own, c + own, o, s, ids(b, own))
                                   for i, c, o, s, b in m["blocks"]),
                             tuple(_t(x) for x in m["peak"]))

@@ -38,7 +38,7 @@ from meshplan.lowering.ids import (
     local_id,
     task_id,
 )
-from meshplan.lowering.memory import plan_memory
+from meshplan.lowering.memory import memory_layout
 from meshplan.lowering.prefetch import gather_groups
 from meshplan.lowering.rankplan import (
     STATE_CATEGORIES,
@@ -94,7 +94,7 @@ class _Lowering:
 
     @cached_property
     def op_of(self) -> dict:
-        """The view's ops by id (asked by the memory plan, not by `RankClasses`)."""
+        """The view's ops by id (asked by the memory layout, not by `RankClasses`)."""
         return {op.id: op for op in self.view.ops}
 
     def next_id(self) -> int:
@@ -209,7 +209,7 @@ class _Lowering:
 
 def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan:
     """The physical plan of `rank` on `device_type` (cpu | cuda): tasks (with
-    the device's kernels), buffers, memory plan and actions. `job` may be the
+    the device's kernels), buffers, memory layout and actions. `job` may be the
     whole Job or the view of `rank`'s stage (`Job.view`, `StageView.from_bytes`)."""
     view = job if isinstance(job, StageView) else job.view(job.strategy.stage_of_rank(rank))
     low = _Lowering(view, rank, device_type)
@@ -218,7 +218,7 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     actions = rank_actions(view.strategy, low.stage, sorted(low.edges))
     inflight = in_flight(actions, stage_placement(view.strategy))
     buffers = _buffers(low, inflight)
-    memory = plan_memory(low, buffers)
+    memory = memory_layout(low, buffers)
     tasks, op_of = tuple(low.tasks), low.op_of.__getitem__
     s = view.strategy
     nbytes = {b.value: b.nbytes for b in buffers}

@@ -1,4 +1,4 @@
-"""The memory plan: where each buffer lives, and the rank's planned peak.
+"""The memory layout: where each buffer lives, and the rank's planned peak.
 
 Layout (two memory arenas):
 - "state": parameters, module buffers, gradient accumulators and optimizer
@@ -39,7 +39,7 @@ from meshplan.ir import TensorMeta
 from meshplan.ir.kinds import ALL_GATHER
 from meshplan.lowering.buckets import bound, bucketed_bytes, flat_intervals, grad_buckets, run_order
 from meshplan.lowering.prefetch import prefetched_bytes
-from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryPlan
+from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryLayout
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import has_temp, temp_key
 
@@ -94,7 +94,7 @@ def _release(holes: list[list[int]], off: int, size: int, top: int) -> int:
     return top
 
 
-def plan_memory(low, buffers) -> MemoryPlan:
+def memory_layout(low, buffers) -> MemoryLayout:
     """Blocks for every buffer, and the planned peak by category."""
     updates = low.view.updates
     blocks, arenas = [], []
@@ -145,7 +145,7 @@ def plan_memory(low, buffers) -> MemoryPlan:
         peak.setdefault(k, 0)
     total = sum(peak.values())
     order = ("param", "grad", "optimizer", "activation", "temp")
-    return MemoryPlan(tuple(arenas), tuple(blocks),
+    return MemoryLayout(tuple(arenas), tuple(blocks),
                       tuple((k, peak[k]) for k in order) + (("total", total),))
 
 

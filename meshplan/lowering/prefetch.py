@@ -9,7 +9,7 @@ Invariants:
 - The runtime (`runtime/gather_prefetch.py`) starts layer j+1's gathers,
   as one collective, when layer j's first one is needed, so at most two
   layers' gathered flat tensors are alive beyond what the task order alone
-  keeps; the memory plan counts the most two consecutive layers' take
+  keeps; the memory layout counts the most two consecutive layers' take
   (`prefetched_bytes`).
 """
 

@@ -135,7 +135,7 @@ class Bucket:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryPlan:
+class MemoryLayout:
     arenas: tuple[tuple[int, str, int], ...]   # (id, name, size)
     blocks: tuple[Block, ...]
     peak: tuple[tuple[str, int], ...]          # category -> bytes, and "total"
@@ -153,7 +153,7 @@ class RankPlan:
     job_digest: str
     tasks: tuple[Task, ...]
     buffers: tuple[Buffer, ...]
-    memory: MemoryPlan
+    memory: MemoryLayout
     actions: tuple[Action, ...]
     device: str = "cpu"             # the device type it was lowered for (cpu | cuda)
     buckets: tuple[Bucket, ...] = ()  # gradient buckets (`lowering/buckets.py`); () when off

@@ -50,7 +50,7 @@ from meshplan.ir.kinds import (
 )
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
 from meshplan.ops.emit import Emitter
-from meshplan.passes.propagate import SbpPlan
+from meshplan.passes.propagate import SbpAssignment
 from meshplan.passes.rebuild import Rebuild
 
 # Deterministic factories: made again on another stage rather than sent (not rand*).
@@ -71,7 +71,7 @@ class Boxed:
 @dataclass
 class _Ctx:
     rb: Rebuild
-    plan: SbpPlan
+    plan: SbpAssignment
     naxes: int
     layout: dict = field(default_factory=dict)     # value id -> NdSbp
     where: dict = field(default_factory=dict)      # value id -> (stage, chunk, phase)
@@ -91,7 +91,7 @@ class _Ctx:
         return out
 
 
-def add_boxing(graph: Graph, plan: SbpPlan, stage, chunk, naxes: int,
+def add_boxing(graph: Graph, plan: SbpAssignment, stage, chunk, naxes: int,
                copies: dict | None = None, regather: frozenset = frozenset()) -> Boxed:
     """Insert boxing ops; returns the boxed graph with its annotations.
 

@@ -42,7 +42,7 @@ from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
 from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.precision import apply_precision
-from meshplan.passes.propagate import SbpPlan, propagate_sbp
+from meshplan.passes.propagate import SbpAssignment, propagate_sbp
 from meshplan.passes.recompute import recompute
 from meshplan.passes.shared import param_readers, share_params
 from meshplan.passes.strategy import check_strategy
@@ -66,7 +66,7 @@ class Compilation:
     copies: dict = field(default_factory=dict)  # shared parameters' per-stage gradients
     param_tp: dict = field(default_factory=dict)
     hints: dict = field(default_factory=dict)
-    sbp: SbpPlan | None = None
+    sbp: SbpAssignment | None = None
     boxed: Boxed | None = None
     temps: tuple = ()
     job: Job | None = None
@@ -77,7 +77,7 @@ class Compilation:
         assert self.stages is not None, "assign_stages has not run"
         return self.stages
 
-    def laid_out(self) -> SbpPlan:
+    def laid_out(self) -> SbpAssignment:
         assert self.sbp is not None, "propagate_sbp has not run"
         return self.sbp
 

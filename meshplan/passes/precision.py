@@ -4,7 +4,7 @@ Runs on the forward Graph, before autodiff, so the gradients of the casts
 come out of the ordinary rules (the gradient of a cast is the cast back)
 and every later pass sees the casts as ops: SBP propagation lays them out,
 boxing communicates the low-precision values (a row-parallel all-reduce
-moves half the bytes), and the memory plan counts each low-precision copy
+moves half the bytes), and the memory layout counts each low-precision copy
 of a weight as the activation it is, next to the fp32 master weight.
 
 The rules are torch.autocast's, in the op rule table (`OpRule.precision`,

@@ -46,7 +46,7 @@ LATENCY_BYTES = 64 * 1024  # one collective's fixed cost, in bytes moved
 
 
 @dataclass(frozen=True, slots=True)
-class SbpPlan:
+class SbpAssignment:
     """Chosen signature per op (one per axis) and every value's layout."""
 
     sigs: dict            # op id -> tuple[SbpSig, ...] (one per axis)
@@ -137,7 +137,7 @@ def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
 
 def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
                   hints: dict, tp_axis: int = 1,
-                  zero: ZeroLevel = ZeroLevel.NONE) -> SbpPlan:
+                  zero: ZeroLevel = ZeroLevel.NONE) -> SbpAssignment:
     """Choose each op's signatures; returns the layouts of every value
     (`zero`: the ZeRO level, which states rest sharded over dp)."""
     produced = _input_layouts(graph, grid, param_tp, tp_axis, zero)
@@ -196,7 +196,7 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
             hint = hints.get(o)
             visible[o] = tuple(hint.get(a, x) for a, x in enumerate(layout)) if hint else layout
             value_stage[o] = stage
-    return SbpPlan(sigs, produced, visible)
+    return SbpAssignment(sigs, produced, visible)
 
 
 def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of):

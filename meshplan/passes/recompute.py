@@ -6,7 +6,7 @@ region, every backward op of the region that reads a forward value made in
 the region reads a *clone* instead: the forward op re-emitted, just before
 its first use, in the backward phase, with the original op's stage, chunk,
 kernel variant and the original outputs' layouts. So the forward task keeps
-only what crosses the region's boundary (its input), and the memory plan,
+only what crosses the region's boundary (its input), and the memory layout,
 which keeps a forward value alive until its last reader, sees the saving.
 
 Invariants:

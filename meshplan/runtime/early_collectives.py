@@ -18,7 +18,7 @@ Invariants:
   of them, the all-reduce starts (a hook); its own task, where it stands,
   waits for it. Every rank of the group does the same from the same plan,
   so the group's collectives are issued in the same order everywhere.
-- The memory plan does not see the move: the moved values are the few
+- The memory layout does not see the move: the moved values are the few
   bytes of a count (`SMALL_BYTES` bounds them).
 """
 

@@ -28,7 +28,7 @@ Invariants:
   Measured on the 2-core machine (`benchmarks/auto_plan.py`, part 4): this
   bound took the rank correlation of predicted and measured steps over 21
   strategies from 0.24 to 0.96.
-- Memory per rank follows the memory plan's rules (`lowering/memory.py`):
+- Memory per rank follows the memory layout's rules (`lowering/memory.py`):
   state split by dp as the ZeRO level says, gradients twice with several
   micro-batches (with buckets, the second copy is their flat tensors),
   saved bytes times the
@@ -159,7 +159,7 @@ class Priced:
 def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ...] = (),
           peaks: tuple[int, ...] | None = None) -> Priced:
     """Price `works` (one per virtual stage); the peak per rank is estimated
-    unless `peaks` (a memory plan's) is given."""
+    unless `peaks` (a memory layout's) is given."""
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
     dp_cross = _dp_crosses(cand, st.mesh)
@@ -385,7 +385,7 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
         gathered = sum(_dp_bytes(w, (Slot.STEP,), DpKind.ALL_GATHER) for w in works)
         # the STEP's gather buckets: a flat copy of shards, what it gathers, and
         # the parameters' slices as they are copied out (d + 2 shards, as the
-        # memory plan counts on GPT tiny; test_estimate holds it near)
+        # memory layout counts on GPT tiny; test_estimate holds it near)
         shards = gathered // d
         transient += _live_buckets(shards, cap) * (min(cap, shards) * (d + 2))
     return kept + transient

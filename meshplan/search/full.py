@@ -1,6 +1,6 @@
 """A candidate evaluated the long way: the whole model planned under its
 strategy, one rank per pipeline stage lowered, its Work read off those
-plans, its memory taken from their memory plans, and the same pricing and
+plans, its memory taken from their memory layouts, and the same pricing and
 simulation as the search (`estimate.price`).
 
 It is the search's proof (its winner is the fastest candidate whose full

@@ -133,7 +133,7 @@ def _lin(a, ka: int, b=(), kb: int = 0):
 
 @dataclass(frozen=True, slots=True)
 class StageWork:
-    """A rank's work per virtual stage it runs, and its memory plan's peak."""
+    """A rank's work per virtual stage it runs, and its memory layout's peak."""
 
     by_stage: dict = field(default_factory=dict)   # virtual stage -> Work
     peak: dict = field(default_factory=dict)       # category -> planned bytes

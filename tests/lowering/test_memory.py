@@ -1,4 +1,4 @@
-"""The memory plan is safe: no two buffer instances share bytes while both are live,
+"""The memory layout is safe: no two buffer instances share bytes while both are live,
 judged in EXECUTION order (the rank's actions expanded into tasks), not op order."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import verify
 from meshplan.ir.mesh import Mesh
-from meshplan.lowering.buckets import plan_buckets
+from meshplan.lowering.buckets import buckets_of
 from meshplan.lowering.check import check_plans, expand_collectives
 from meshplan.lowering.lower import lower
 from meshplan.models import model_config
@@ -32,15 +32,15 @@ def _job(bucket_mb: float, **fields):
 def test_buckets_are_bounded_and_in_backward_order():
     job = _job(TINY_BUCKETS)
     plan = lower(job, 0)
-    buckets = plan_buckets(job, plan)
+    buckets = buckets_of(job, plan)
     assert len(buckets) == 4 and sum(len(b.ops) for b in buckets) == 53
     size = {b.value: b.nbytes for b in plan.buffers}
     assert _close_at_the_bound(buckets, size)
     order = [t.op for t in plan.tasks]
     afters = [order.index(b.after) for b in buckets]
     assert afters == sorted(afters)  # each starts as soon as the backward completes it
-    assert plan_buckets(_job(0), lower(_job(0), 0)) == ()
-    assert plan_buckets(_job(25, precision="fp16"), lower(_job(25, precision="fp16"), 0)) == ()
+    assert buckets_of(_job(0), lower(_job(0), 0)) == ()
+    assert buckets_of(_job(25, precision="fp16"), lower(_job(25, precision="fp16"), 0)) == ()
 
 
 @pytest.mark.parametrize("zero", [0, 2, 3])
@@ -56,7 +56,7 @@ def test_rank_plans_carry_their_buckets_run_order_and_gathers(zero):
     for rank in range(4):
         plan = lower(job, rank)
         ops = job.graph.ops.__getitem__
-        assert plan.buckets and plan.buckets == plan_buckets(job, plan)
+        assert plan.buckets and plan.buckets == buckets_of(job, plan)
         moved = [t.id for t in run_order(plan.tasks, plan.buckets, ops)]
         assert (plan.run_ids or tuple(t.id for t in plan.tasks)) == tuple(moved)
         assert bool(plan.run_ids) == (zero >= 2)  # per-micro-batch buckets move tasks
@@ -85,7 +85,7 @@ def test_the_first_bucket_is_bounded_by_ddp_s_1_mib(zero):
     job = plan_model("gpt", "small", Mesh(1, 4), s, optimizer="adamw").job
     plan = lower(job, 0)
     size = {b.value: b.nbytes for b in plan.buffers}
-    buckets = plan_buckets(job, plan)
+    buckets = buckets_of(job, plan)
     sizes = [sum(size[v] for v in b.sources) for b in buckets]
     assert len(buckets) == 2 and sizes[0] == 2**20 == size[buckets[0].sources[0]]
     assert sizes[1] >= 25 * 2**20 > sizes[1] - size[buckets[1].sources[-1]]
@@ -100,7 +100,7 @@ def test_the_check_orders_buckets_where_they_start():
     plans = {r: lower(job, r) for r in range(4)}
     assert check_plans(job, plans).ok
     where = stage_placement(job.strategy)
-    seq = expand_collectives(plans[0], where, job.graph.ops, plan_buckets(job, plans[0]))
+    seq = expand_collectives(plans[0], where, job.graph.ops, buckets_of(job, plans[0]))
     (group,) = seq
     buckets = [(k, item) for k, item in enumerate(seq[group]) if isinstance(item[0], tuple)]
     assert [item[0][0] for _, item in buckets] == ["bucket"] * 4
@@ -207,7 +207,7 @@ def test_the_memory_plan_counts_a_bucket_as_its_accumulators_second_copy(
     accumulators = sum(b.nbytes for b in plan.buffers if b.category == BufferCategory.GRAD)
     copies = 2 if microbatches > 1 else 1
     assert (dict(plan.memory.peak)["grad"] == copies * accumulators) != planted
-    assert all(op >= 0 for b in plan_buckets(job, plan) for op in b.slots) != planted
+    assert all(op >= 0 for b in buckets_of(job, plan) for op in b.slots) != planted
 
 
 @pytest.mark.parametrize("zero", [0, 2])
@@ -238,7 +238,7 @@ def test_zero2_buckets_each_microbatch_reduce_scatters():
 
     job = _job(TINY_BUCKETS, zero=2)
     plan = lower(job, 0)
-    buckets = _microbatch(plan_buckets(job, plan))
+    buckets = _microbatch(buckets_of(job, plan))
     ops = job.graph.ops
     scatters = [t.op for t in plan.tasks if ops[t.op].kind == REDUCE_SCATTER]
     assert len(scatters) == 53  # one a gradient, in the backward
@@ -248,7 +248,7 @@ def test_zero2_buckets_each_microbatch_reduce_scatters():
     size = {b.value: b.nbytes for b in plan.buffers}
     assert all([ops[o].args[0].id for o in b.ops] == list(b.sources) for b in buckets)
     assert _close_at_the_bound(buckets, size)
-    assert not _microbatch(plan_buckets(_job(TINY_BUCKETS, zero=1),
+    assert not _microbatch(buckets_of(_job(TINY_BUCKETS, zero=1),
                                         lower(_job(TINY_BUCKETS, zero=1), 0)))
 
 
@@ -268,7 +268,7 @@ def test_a_bucket_s_reductions_run_after_the_next_bucket_starts():
 
     job = _job(TINY_BUCKETS, zero=2)
     plan = lower(job, 0)
-    everything = plan_buckets(job, plan)
+    everything = buckets_of(job, plan)
     buckets = _microbatch(everything)
     ops = job.graph.ops
     order = [t.op for t in run_order(plan.tasks, everything, ops.__getitem__)]
@@ -289,11 +289,11 @@ def test_the_check_orders_microbatch_buckets_in_every_microbatch():
     plans = {r: lower(job, r) for r in range(4)}
     assert check_plans(job, plans).ok
     where = stage_placement(job.strategy)
-    seq = expand_collectives(plans[0], where, job.graph.ops, plan_buckets(job, plans[0]))
+    seq = expand_collectives(plans[0], where, job.graph.ops, buckets_of(job, plans[0]))
     (group,) = seq
     m = job.strategy.num_microbatches
-    scatters = len(_microbatch(plan_buckets(job, plans[0])))
-    gathers = len(plan_buckets(job, plans[0])) - scatters  # the STEP's (`test_step_gathers_...`)
+    scatters = len(_microbatch(buckets_of(job, plans[0])))
+    gathers = len(buckets_of(job, plans[0])) - scatters  # the STEP's (`test_step_gathers_...`)
     buckets = [item for item in seq[group] if isinstance(item[0], tuple)]
     assert sorted(mb for _, mb in buckets) == sorted(list(range(m)) * scatters + [-1] * gathers)
     # 53 fewer reduce-scatters a micro-batch, a bucket each more; the STEP's 53 gathers in buckets
@@ -314,7 +314,7 @@ def test_step_gathers_of_updated_shards_travel_in_buckets(zero):
     job = _job(TINY_BUCKETS, zero=zero)
     plan = lower(job, 0)
     ops = job.graph.ops
-    everything = plan_buckets(job, plan)
+    everything = buckets_of(job, plan)
     buckets = [b for b in everything if b.kind == ALL_GATHER]
     gathers = [t.op for t in plan.tasks if ops[t.op].kind == ALL_GATHER]
     assert len(gathers) == 53 and sorted(o for b in buckets for o in b.ops) == sorted(gathers)

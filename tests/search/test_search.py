@@ -68,7 +68,7 @@ def _limits() -> dict:
             "median": peaks[len(peaks) // 2]}
 
 
-# few micro-batches in flight: the memory plan packs saved values by liveness
+# few micro-batches in flight: the memory layout packs saved values by liveness
 # there, so what a floor may count is tightest (one that counted the values an
 # I leaves for its W went to 1.078 of a full plan here: seen to fail)
 FEW = Space(schedules=("zbv", "zb1p", "1f1b"), recompute=("none",), zero=(0, 2, 3),
