@@ -28,14 +28,36 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from meshplan.autodiff import OptimizerConfig
+from meshplan.costmodel import load_device_model
 from meshplan.data.feed import TokenFeed
+from meshplan.driver.capture_check import checked_capture
+from meshplan.driver.compile import compile_job
+from meshplan.driver.init_from import weight_source
+from meshplan.driver.model_record import model_record
+from meshplan.driver.results import VerifyResult
+from meshplan.driver.run import launch, run_devices
+from meshplan.driver.train import train_job
+from meshplan.driver.verify import against_eager
 from meshplan.errors import ConfigError
+from meshplan.ir import Role
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.files import read_dir
+from meshplan.models.hf import HFLoss
+from meshplan.passes.plan import PASSES, Compilation, plan_forward
+from meshplan.passes.strategy import check_strategy
+from meshplan.runtime.devices import resolve_device
 from meshplan.runtime.state import weights_of
+from meshplan.runtime.worker import RunSpec
+from meshplan.search.graph_search import searched_strategy
+from meshplan.search.probe import ModelSpec
+from meshplan.search.search import search as _search
 
 if TYPE_CHECKING:
-    from meshplan.driver.results import LowerResult, RunResult, VerifyResult
+    from meshplan.driver.results import LowerResult, RunResult
 
 __all__ = ["Mesh", "OptimizerConfig", "Strategy", "TokenFeed", "capture", "check", "compile",
            "plan", "plan_eval", "run", "search", "train", "verify"]
@@ -50,8 +72,6 @@ def capture(module, inputs: tuple, loss_fn=None, targets: tuple = (), self_check
     captured forward is run once and compared with the module's own
     (`self_check=False` skips it): a `CaptureError` names the first op that
     differs."""
-    from meshplan.driver.capture_check import checked_capture
-
     return checked_capture(module, tuple(inputs), loss_fn, tuple(targets), self_check)
 
 
@@ -72,13 +92,8 @@ def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None,
     buckets, layer pattern, tp plan) are kept. The Job's strategy is the
     winner."""
 
-    from meshplan.ir import Role
-    from meshplan.passes.plan import PASSES, Compilation
-    from meshplan.passes.strategy import check_strategy
-
     opt = OptimizerConfig.of(optimizer, lr)
     if strategy.auto:
-        from meshplan.search.graph_search import searched_strategy
 
         strategy = searched_strategy(graph, mesh, strategy, opt, device_model,
                                      memory_per_device)
@@ -103,10 +118,6 @@ def search(model: str, size: str, mesh, global_batch_size: int, device_model: st
     `.strategy(i)`: candidate i as a `Strategy` to `plan` with. It rebuilds
     the model with fewer layers to price one layer, so it takes the model's
     name, not a captured graph."""
-    from meshplan.costmodel import load_device_model
-    from meshplan.search.probe import ModelSpec
-    from meshplan.search.search import search as _search
-
     spec = ModelSpec(model, size, tuple(sorted(overrides.items())), optimizer, precision)
     return _search(spec, mesh, global_batch_size, load_device_model(device_model),
                    memory_limit=memory_per_device, top=top)
@@ -118,8 +129,6 @@ def compile(job, out: str | Path, ranks: Sequence[int] | None = None,
     each rank lowered in a worker process for `device` (cpu | cuda: it picks
     each task's kernel; no GPU needed); returns timings per rank.
     `progress(done, total)` is called as ranks finish."""
-    from meshplan.driver.compile import compile_job
-
     return compile_job(job, out, None if ranks is None else list(ranks), workers,
                        progress=progress, device=device)
 
@@ -131,9 +140,6 @@ def check(plans: str | Path | tuple):
     `predicted_step_s`, per-rank peaks); never raises for a bad plan. Given
     only some ranks' plans it is `partial`, with the `missing` ranks and the
     proofs `skipped` for want of them."""
-    from meshplan.lowering.check import check_plans
-    from meshplan.lowering.files import read_dir
-
     job, by_rank = plans if isinstance(plans, tuple) else read_dir(Path(plans), partial=True)
     return check_plans(job, by_rank)
 
@@ -153,9 +159,6 @@ def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = 
     Returns `losses` (mean over the global batch, per step), `step_s`, memory
     per rank, and with `trace` (a path) the measured last step there; with
     `report_state`, every rank's final state slices ("state_slices")."""
-    from meshplan.driver.run import launch, run_devices
-    from meshplan.runtime.worker import RunSpec
-
     batches = _checked(job, batches)
     device, backend = run_devices(device, backend, job.mesh.world)
     spec = RunSpec(len(batches), "", threads, timeout_s,
@@ -173,10 +176,6 @@ def verify(job, module, batches: Sequence[tuple], bounds=None,
     and optimizer slot's difference after the last step (`params`,
     `optimizer_state`), and the verdict `ok` with its `problems`
     (`driver/compare.py`; `bounds` defaults to the Job's precision's)."""
-    from meshplan.driver.results import VerifyResult
-    from meshplan.driver.verify import against_eager
-    from meshplan.runtime.devices import resolve_device
-
     device = resolve_device(run_options.get("device", "cpu"))
     mine = run(job, module, batches, report_state=True, **(run_options | {"device": device}))
     s = job.strategy
@@ -193,8 +192,6 @@ def plan_eval(graph, job):
     """The forward-only Job of `graph` (from `capture`) for evaluating
     `job`'s model: no backward, no optimizer, laid out as `job` is (its
     mesh and strategy), so an evaluating rank reads the weights in place."""
-    from meshplan.passes.plan import plan_forward
-
     return plan_forward(graph, job.mesh, job.strategy)
 
 
@@ -225,11 +222,6 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
     `metrics`, `weights`: FQN -> full tensor); with `load` (the default) the
     trained weights are also copied into `module`, else `module` is left as
     it was."""
-    from meshplan.driver.model_record import model_record
-    from meshplan.driver.run import run_devices
-    from meshplan.driver.train import train_job
-    from meshplan.runtime.state import weights_of
-
     if isinstance(data, TokenFeed):
         if steps is None or steps < 1:
             raise ConfigError("train on a TokenFeed needs steps=N (N >= 1)")
@@ -245,8 +237,6 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
                           "eval_every >= 1 and eval_batches >= 1")
     device, backend = run_devices(device, backend, job.mesh.world)
     if init_from:
-        from meshplan.driver.init_from import weight_source
-        from meshplan.models.hf import HFLoss
 
         init_from = weight_source(init_from, job, "model." if isinstance(module, HFLoss) else "")
     res = train_job(job, weights_of(module), data, steps, str(out), eval_job=eval_job,
@@ -259,7 +249,6 @@ def train(job, module, data, steps: int | None = None, out: str | Path = "meshpl
                                         data.data_dir if isinstance(data, TokenFeed) else ""),
                     init_from=init_from, max_restarts=max_restarts)
     if load:
-        import torch
 
         with torch.no_grad():
             for name, t in weights_of(module).items():

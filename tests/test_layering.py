@@ -241,3 +241,35 @@ def test_a_runtime_module_deriving_from_the_job_is_reported():
     assert plan_only_violations("meshplan/runtime/own_plan.py", own) == []
     assert plan_only_violations("meshplan/runtime/local.py", own) != []
     assert plan_only_violations("meshplan/driver/plan.py", own) == []
+
+
+def unexplained_local_imports(path: str, source: str) -> list[str]:
+    """One line per import inside a function whose last line gives no reason
+    (a comment: `# optional` for an extra's library). Module-level imports
+    are the rule; a function-level one is deliberate and says why."""
+    lines = source.splitlines()
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and \
+                        "#" not in lines[node.end_lineno - 1]:
+                    found.append(f"{path}:{node.lineno} imports inside a function without "
+                                 "saying why; import at the top, or add `# <reason>`")
+    return sorted(set(found))
+
+
+def test_every_function_level_import_says_why():
+    found = [v for p in sources()
+             for v in unexplained_local_imports(p.relative_to(ROOT).as_posix(), p.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_an_unexplained_function_level_import_is_reported():
+    source = ("import json\n"
+              "def f():\n"
+              "    import transformers  # optional\n"
+              "    from meshplan.driver.plan import plan_model\n")
+    assert unexplained_local_imports("meshplan/cli/x.py", source) == [
+        "meshplan/cli/x.py:4 imports inside a function without saying why; import at the "
+        "top, or add `# <reason>`"]

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, replace
 
 import torch
+from torch.optim import lr_scheduler as L
 
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import LrScheduleKind, NonFinite, OptimizerKind, choose
@@ -143,8 +144,6 @@ class OptimizerConfig:
         """The schedule as torch's own scheduler classes (None: constant), for
         reference runs: LinearLR warmup, then LinearLR / CosineAnnealingLR /
         a stable LambdaLR(1) and LinearLR, chained by SequentialLR."""
-        from torch.optim import lr_scheduler as L
-
         s = self.lr_schedule.resolved(self.lr)
         if not s.scheduled:
             return None

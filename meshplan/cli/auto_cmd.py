@@ -16,17 +16,18 @@ import argparse
 import sys
 
 from meshplan.cli.auto_flags import parse_bytes
+from meshplan.cli.config_name import format_config_name
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides, strategy_fields
+from meshplan.costmodel import load_device_model
+from meshplan.driver.plan import zoo_strategy
 from meshplan.ir.mesh import Strategy
+from meshplan.search.probe import ModelSpec
+from meshplan.search.search import search
 
 
 def run_search(a: argparse.Namespace):
     """The search over the flags' model and mesh, its winner (`ranked[0]`)
     proven by its full plan: (SearchResult, DeviceModel, limit)."""
-    from meshplan.costmodel import load_device_model
-    from meshplan.search.probe import ModelSpec
-    from meshplan.search.search import search
-
     dev = load_device_model(a.device_model or "cpu-local")
     limit = parse_bytes(a.memory_per_device) if a.memory_per_device else dev.memory_bytes
     spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),
@@ -39,8 +40,6 @@ def run_search(a: argparse.Namespace):
 
 def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
     """The Strategy the flags say, or with --auto the search's winner."""
-    from meshplan.driver.plan import zoo_strategy
-
     if not getattr(a, "auto", False):
         return zoo_strategy(a.model, cfg, **strategy_fields(a))
     res, dev, _ = run_search(a)
@@ -55,8 +54,6 @@ def strategy_of(a: argparse.Namespace, cfg) -> Strategy:
 
 
 def winner_strategy(a: argparse.Namespace, cfg, ranked) -> Strategy:
-    from meshplan.driver.plan import zoo_strategy
-
     return zoo_strategy(a.model, cfg, **fields_of(a, ranked))
 
 
@@ -71,8 +68,6 @@ def fields_of(a: argparse.Namespace, ranked) -> dict:
 
 
 def config_name(a: argparse.Namespace, cfg, ranked) -> str:
-    from meshplan.cli.config_name import format_config_name
-
     return format_config_name(fields_of(a, ranked) | {
         "model": a.model, "layers": cfg.layers, "heads": cfg.heads, "hidden": cfg.hidden,
         "nodes": a.nodes, "devices_per_node": a.devices_per_node})

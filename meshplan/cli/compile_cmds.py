@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from meshplan.cli.auto_cmd import strategy_of
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides
+from meshplan.driver.compile import compile_model
 from meshplan.errors import ConfigError
+from meshplan.lowering.check import check_plans, spans
+from meshplan.lowering.files import read_dir
+from meshplan.models import model_config
+from meshplan.runtime.devices import resolve_device
 
 
 def parse_ranks(text: str | None) -> list[int] | None:
@@ -23,16 +29,11 @@ def parse_ranks(text: str | None) -> list[int] | None:
 
 
 def cmd_compile(a: argparse.Namespace) -> int:
-    from meshplan.cli.auto_cmd import strategy_of
-    from meshplan.driver.compile import compile_model
-    from meshplan.models import model_config
-
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = strategy_of(a, cfg)
     ranks = parse_ranks(a.ranks)
     device = a.device
     if device == "best":  # lowering needs no GPU: only best asks this machine
-        from meshplan.runtime.devices import resolve_device
 
         device = resolve_device("best")
     with a.progress.task("lowering ranks", len(ranks or range(mesh_of(a).world))) as update:
@@ -54,9 +55,6 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 
 def cmd_check(a: argparse.Namespace) -> int:
-    from meshplan.lowering.check import check_plans, spans
-    from meshplan.lowering.files import read_dir
-
     job, plans = read_dir(a.dir, partial=True)
     res = check_plans(job, plans)
     if a.json:

@@ -18,10 +18,22 @@ import json
 import time
 from pathlib import Path
 
+from meshplan.cli.flags import add_device_flags
+from meshplan.cli.pictures import draw_losses
+from meshplan.cli.progress import Progress
+from meshplan.cli.run_cmd import loss_table, trace_line
+from meshplan.cli.show_cmd import schedule_png
 from meshplan.cli.verdict import add_tolerance_flag, bounds_of, verdict_lines
+from meshplan.driver.compile import compile_job
+from meshplan.driver.plan import plan_model, zoo_strategy
+from meshplan.driver.run import run_devices
+from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError, PlanError
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.mesh import Mesh
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.files import read_dir
+from meshplan.models import model_config
 
 MODEL, SIZE = "gpt", "tiny"
 MESH = Mesh(nodes=2, devices_per_node=4)
@@ -50,14 +62,11 @@ def add_demo_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="compile worker processes (default: the number of cores)")
     add_tolerance_flag(p)
-    from meshplan.cli.flags import add_device_flags
 
     add_device_flags(p)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from meshplan.cli.run_cmd import loss_table, trace_line
-
     if a.steps < 1:
         raise ConfigError(f"--steps {a.steps}: the demo needs at least one step")
     r = demo(Path(a.out), a.steps, a.workers, a.progress, bounds_of(a), a.device, a.backend)
@@ -89,18 +98,7 @@ def demo(out: Path, steps: int = 10, workers: int | None = None, progress=None,
          bounds=None, device: str = "cpu", backend: str = "") -> dict:
     """Compile, check, train and draw the demo job into `out` (on `device`,
     cpu | cuda | auto, with `backend`); returns the figures."""
-    from meshplan.driver.run import run_devices
-
     device, backend = run_devices(device, backend, MESH.world)
-    from meshplan.cli.pictures import draw_losses
-    from meshplan.cli.progress import Progress
-    from meshplan.cli.show_cmd import schedule_png
-    from meshplan.driver.compile import compile_job
-    from meshplan.driver.plan import plan_model, zoo_strategy
-    from meshplan.driver.verify import verify
-    from meshplan.lowering.check import check_plans
-    from meshplan.lowering.files import read_dir
-    from meshplan.models import model_config
 
     progress = progress or Progress(quiet=True)
     t0 = time.perf_counter()

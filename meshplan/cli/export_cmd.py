@@ -10,6 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from meshplan.driver.export import (
+    DEFAULT_SHARD_SIZE,
+    ExportFormat,
+    check_out,
+    checkpoint_source,
+    export,
+)
+from meshplan.driver.weights_out import parse_size
+
 EPILOG = """examples:
   meshplan export run/ --format hf --out gpt2-export/          # run/'s newest checkpoint
   meshplan export run/checkpoints/step_40 --format torch --out weights/
@@ -18,8 +27,6 @@ EPILOG = """examples:
 
 def add_export_flags(p: argparse.ArgumentParser) -> None:
     """The export verb's arguments."""
-    from meshplan.driver.export import DEFAULT_SHARD_SIZE, ExportFormat
-
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a checkpoint directory (RUN/checkpoints/step_K) or a run directory "
                    "(its newest complete checkpoint)")
@@ -35,9 +42,6 @@ def add_export_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_export(a: argparse.Namespace) -> int:
     """Run `export`: check everything, write --out, print what was written."""
-    from meshplan.driver.export import ExportFormat, check_out, checkpoint_source, export
-    from meshplan.driver.weights_out import parse_size
-
     parse_size(a.max_shard_size)
     check_out(a.out)
     source = checkpoint_source(a.checkpoint)

@@ -10,7 +10,10 @@ import argparse
 import re
 from pathlib import Path
 
+from meshplan.autodiff import OptimizerConfig
 from meshplan.cli.auto_flags import add_auto_flags
+from meshplan.cli.config_name import format_config_name, parse_config_name
+from meshplan.cli.train_config import is_config_file
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.choices import (
     LrScheduleKind,
@@ -20,9 +23,12 @@ from meshplan.ir.choices import (
     Recompute,
     names,
 )
+from meshplan.ir.lr_schedule import LrSchedule
 from meshplan.ir.mesh import BALANCED, DERIVED, Mesh
 from meshplan.ir.zero import ZeroLevel
+from meshplan.models import model_config
 from meshplan.runtime.devices import DEVICES
+from meshplan.schedules.csv_io import load_csv
 from meshplan.schedules.registry import CSV, default_schedule, searched, spec_of
 
 
@@ -145,9 +151,6 @@ def add_optimizer_flags(g) -> None:
 def optimizer_config(a: argparse.Namespace):
     """The `OptimizerConfig` the optimizer flags name (the run's `--steps`, if
     the verb has them, end a decay that names no length)."""
-    from meshplan.autodiff import OptimizerConfig
-    from meshplan.ir.lr_schedule import LrSchedule
-
     schedule = LrSchedule(a.lr_schedule, a.warmup_steps, a.decay_steps, a.min_lr,
                           getattr(a, "steps", None))
     cfg = OptimizerConfig.of(a.optimizer, a.lr, max_grad_norm=a.clip_grad_norm,
@@ -284,8 +287,6 @@ def csv_vpp(text: str, pp: int) -> int:
 def checked_orders(text: str, path: str, pp: int, vpp: int, microbatches: int):
     """The CSV's compute orders as text, checked as a schedule
     (`schedules/csv_io.load_csv`: one line naming the row, column and rule broken)."""
-    from meshplan.schedules.csv_io import load_csv
-
     try:
         orders = load_csv(text, pp, vpp, microbatches)
     except ScheduleError as err:
@@ -299,7 +300,6 @@ def apply_config(a: argparse.Namespace) -> None:
     (`train_config.resolve`); any other verb refuses it."""
     if not getattr(a, "config", None):
         return
-    from meshplan.cli.train_config import is_config_file
 
     if is_config_file(a.config):
         if getattr(a, "config_files", False):
@@ -307,7 +307,6 @@ def apply_config(a: argparse.Namespace) -> None:
         raise ConfigError(f"--config {a.config}: this verb takes a configuration name, not a "
                           "TOML file (`meshplan train` reads those); give a name, e.g. "
                           "gpt_nl4_nah4_hs64_FP32_actrue_mp2_pp1_mb4_gb8_1n4g")
-    from meshplan.cli.config_name import parse_config_name
 
     parser = a.flag_parser
     for dest, value in parse_config_name(a.config).items():
@@ -321,9 +320,6 @@ def apply_config(a: argparse.Namespace) -> None:
 
 def config_name_of(a: argparse.Namespace) -> str:
     """The configuration name the flags describe (for `--print-config`)."""
-    from meshplan.cli.config_name import format_config_name
-    from meshplan.models import model_config
-
     cfg = model_config(a.model, a.size, **overrides(a))
     f = strategy_fields(a)
     return format_config_name(f | {"model": a.model, "layers": cfg.layers, "heads": cfg.heads,

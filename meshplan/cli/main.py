@@ -13,6 +13,7 @@ import os
 import sys
 from contextlib import contextmanager
 
+from meshplan.cli.auto_cmd import print_table, run_search, strategy_of, table_json
 from meshplan.cli.calibrate_cmd import EPILOG as EPILOG_CALIBRATE
 from meshplan.cli.calibrate_cmd import (
     EPILOG_DEVICES,
@@ -44,6 +45,7 @@ from meshplan.cli.flags import (
 from meshplan.cli.progress import Progress
 from meshplan.cli.run_cmd import cmd_run, loss_table
 from meshplan.cli.show_cmd import cmd_show
+from meshplan.cli.show_plan import print_plan
 from meshplan.cli.train_cmd import EPILOG as EPILOG_TRAIN
 from meshplan.cli.train_cmd import add_train_flags, cmd_train
 from meshplan.cli.verdict import (
@@ -52,8 +54,12 @@ from meshplan.cli.verdict import (
     bounds_of,
     verdict_lines,
 )
+from meshplan.driver.inspect import inspect_model
+from meshplan.driver.plan import plan_model, report
+from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.choices import Precision, Recompute
+from meshplan.models import model_config
 from meshplan.runtime.devices import DEVICES
 
 EPILOG_INSPECT = """examples:
@@ -204,8 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:
-    from meshplan.driver.inspect import inspect_model
-
     r = inspect_model(a.model, a.size, **overrides(a))
     if a.json:
         print(json.dumps(r))
@@ -221,10 +225,6 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    from meshplan.cli.auto_cmd import strategy_of
-    from meshplan.driver.verify import verify
-    from meshplan.models import model_config
-
     strategy_fields(a)  # the flags' batch arithmetic, checked on either path
     parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1 or \
         (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE) or a.auto
@@ -256,11 +256,6 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def _cmd_plan(a: argparse.Namespace) -> int:
-    from meshplan.cli.auto_cmd import print_table, run_search, strategy_of, table_json
-    from meshplan.cli.show_plan import print_plan
-    from meshplan.driver.plan import plan_model, report
-    from meshplan.models import model_config
-
     cfg = model_config(a.model, a.size, **overrides(a))
     if a.auto:
         res, dev, limit = run_search(a)

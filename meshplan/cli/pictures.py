@@ -37,10 +37,10 @@ _DARK = (ActionType.I, ActionType.B)  # white labels
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # optional
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional
 
     return plt
 
@@ -68,8 +68,8 @@ def draw_schedule(rows: Sequence[tuple[str, Sequence[Span]]], placement: StagePl
                   path: str | Path, title: str) -> Path:
     """Draw one step's timeline (seconds) as a PNG at `path`; returns the path."""
     plt = _pyplot()
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    from matplotlib.lines import Line2D  # optional
+    from matplotlib.patches import Patch  # optional
 
     end = max((s.end for _, spans in rows for s in spans), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(min(24, 8 + 0.08 * sum(len(s) for _, s in rows[:1])),

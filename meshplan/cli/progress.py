@@ -15,6 +15,10 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+
 
 class Progress:
     """Where and how progress is shown; `Progress(quiet=True)` shows nothing."""
@@ -41,10 +45,6 @@ class Progress:
 
     @contextmanager
     def _bar(self, label: str, total: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-        from rich.progress import Progress as RichProgress
-
         bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                            TimeElapsedColumn(), console=Console(file=self.stream),
                            transient=False)

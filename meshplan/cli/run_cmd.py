@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from meshplan.cli.auto_cmd import strategy_of
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides
+from meshplan.driver.run import run, run_torchrun, under_torchrun
+from meshplan.models import model_config
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from meshplan.cli.auto_cmd import strategy_of
-    from meshplan.driver.run import run, run_torchrun, under_torchrun
-    from meshplan.models import model_config
-
     cfg = model_config(a.model, a.size, **overrides(a))
     strategy = strategy_of(a, cfg)
     common = dict(steps=a.steps, optimizer=optimizer_config(a), seed=a.seed, threads=a.threads,

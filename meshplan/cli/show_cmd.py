@@ -9,8 +9,15 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from meshplan.cli.pictures import draw_schedule, rows_of
 from meshplan.errors import ConfigError
+from meshplan.ir.fileio import write_atomic
+from meshplan.lowering.check import simulate_plans
+from meshplan.lowering.files import read_dir
 from meshplan.schedules import stage_placement
+from meshplan.schedules.csv_io import dump_csv
+from meshplan.schedules.grid import format_grid
+from meshplan.schedules.simulate import chrome_trace, spans_of
 
 
 def _mib(n: int) -> str:
@@ -30,8 +37,6 @@ def summary(plan) -> dict:
 
 def simulated(job, plans):
     """The step simulated on the cost model; a user error when it cannot be."""
-    from meshplan.lowering.check import simulate_plans
-
     sim = simulate_plans(job, plans)
     if sim is None:
         raise ConfigError("the plan directory lacks a stage's plans; compile every rank "
@@ -41,9 +46,6 @@ def simulated(job, plans):
 
 def schedule_png(job, plans, path: str | Path) -> dict:
     """Draw the simulated step of `plans` at `path` (one row per rank)."""
-    from meshplan.cli.pictures import draw_schedule, rows_of
-    from meshplan.schedules.simulate import spans_of
-
     sim = simulated(job, plans)
     by_stage: dict[int, list[int]] = {}
     for r, p in sorted(plans.items()):
@@ -58,11 +60,6 @@ def schedule_png(job, plans, path: str | Path) -> dict:
 
 
 def cmd_show(a: argparse.Namespace) -> int:
-    from meshplan.ir.fileio import write_atomic
-    from meshplan.lowering.files import read_dir
-    from meshplan.schedules.grid import format_grid
-    from meshplan.schedules.simulate import chrome_trace
-
     job, plans = read_dir(Path(a.dir))
     if a.rank is not None and a.rank not in plans:
         raise ConfigError(f"--rank {a.rank} is not in {a.dir} (ranks 0..{len(plans) - 1})")
@@ -105,8 +102,6 @@ def cmd_show(a: argparse.Namespace) -> int:
 def schedule_csv(job, plans, comm: bool) -> str:
     """One row per pipeline rank (its stage's actions, from the lowest rank's
     plan), compute-only unless `comm`, in torch's pipeline CSV format."""
-    from meshplan.schedules.csv_io import dump_csv
-
     stages: dict[int, list] = {}
     for _, p in sorted(plans.items()):
         stages.setdefault(p.stage, [a for a in p.actions if comm or not a.type.is_comm])

@@ -22,9 +22,43 @@ import sys
 from pathlib import Path
 from statistics import median
 
-from meshplan.cli.flags import mesh_of, optimizer_config, overrides
+from meshplan.cli.auto_cmd import strategy_of
+from meshplan.cli.export_cmd import export_lines
+from meshplan.cli.flags import mesh_of, optimizer_config, overrides, strategy_fields
+from meshplan.cli.pictures import draw_training
+from meshplan.cli.train_config import add_config_file_flags, is_config_file, resolve, write_resolved
+from meshplan.costmodel.load import meshplan_home
+from meshplan.data.feed import TokenFeed
+from meshplan.data.prepare import prepare_data
+from meshplan.data.tokens import TokenData
+from meshplan.driver.export import ExportFormat, check_out, export, memory_source
+from meshplan.driver.init_from import is_pretrained_dir, weight_source
+from meshplan.driver.metrics import perplexity, read_metrics
+from meshplan.driver.model_record import model_record
+from meshplan.driver.run import under_torchrun
+from meshplan.driver.train import (
+    CHECKPOINTS,
+    complete_checkpoints,
+    peak_capacity,
+    tokens_to_steps,
+    train_job,
+)
+from meshplan.driver.train_model import (
+    language_model,
+    sample_text,
+    sized_config,
+    stdlib_files,
+    unigram_entropy,
+    user_model,
+    write_weights,
+)
+from meshplan.driver.train_torchrun import train_here
 from meshplan.errors import ConfigError
-from meshplan.ir.mesh import DERIVED
+from meshplan.ir.fileio import write_atomic
+from meshplan.ir.mesh import DERIVED, Strategy
+from meshplan.models.hf import HFLoss, saved_config
+from meshplan.runtime.checkpoint import COMPLETE, check_resumable
+from meshplan.runtime.state import weights_of
 
 EPILOG = """defaults (the main job; the per-flag defaults above are the other verbs'):
   --size small --devices-per-node 8 --tp 2 --pp 2 --vpp 2 --global-batch-size 16
@@ -48,8 +82,6 @@ MAIN_JOB = {"size": "small", "devices_per_node": 8, "tp": 2, "pp": 2, "vpp": 2,
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """The train-only flags, and the main job's defaults for the shared ones."""
-    from meshplan.cli.train_config import add_config_file_flags
-
     g = p.add_argument_group("the run")
     g.add_argument("--data", default="", metavar="DIR",
                    help="a token directory written by `meshplan prepare-data` (default: the "
@@ -113,8 +145,6 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(a: argparse.Namespace) -> int:
     """Plan, run and report one training run."""
-    from meshplan.data.feed import TokenFeed
-
     a = _resolved(a)
     _check(a)
     data_dir = a.data or default_corpus(a.progress)
@@ -136,8 +166,6 @@ def cmd_train(a: argparse.Namespace) -> int:
 def _pretrained(a: argparse.Namespace) -> None:
     """`--init-from` a save_pretrained directory: the model is the one its
     config.json describes (`--hf`, if given, must name its type)."""
-    from meshplan.driver.init_from import is_pretrained_dir
-
     a.source = None
     if a.init_from and is_pretrained_dir(a.init_from):
         if a.module:
@@ -150,17 +178,11 @@ def _pretrained(a: argparse.Namespace) -> None:
 
 def _init_source(a: argparse.Namespace, lm) -> str:
     """The checked source of the starting weights (one line if they do not fit)."""
-    from meshplan.driver.init_from import weight_source
-    from meshplan.models.hf import HFLoss
-
     return weight_source(a.init_from, lm.job, "model." if isinstance(lm.module, HFLoss) else "")
 
 
 def _language_model(a: argparse.Namespace, data_dir: str):
     """A zoo or transformers model sized from the data, and its Jobs."""
-    from meshplan.cli.auto_cmd import strategy_of
-    from meshplan.driver.train_model import language_model, sized_config
-
     cfg = sized_config(a.model, a.size, data_dir, overrides(a))
     a.model = cfg.model  # hf:<type>, when --init-from's config said it
     if not getattr(a, "source", None):
@@ -173,10 +195,6 @@ def _language_model(a: argparse.Namespace, data_dir: str):
 
 def _user_model(a: argparse.Namespace, data_dir: str):
     """The user's module (`--module`), and its Jobs."""
-    from meshplan.cli.flags import strategy_fields
-    from meshplan.driver.train_model import user_model
-    from meshplan.ir.mesh import Strategy
-
     fields = strategy_fields(a)
     fields.setdefault("layer_pattern", DERIVED)
     if a.tp > 1:
@@ -189,21 +207,12 @@ def _user_model(a: argparse.Namespace, data_dir: str):
 
 def _steps_of(a: argparse.Namespace, global_batch_size: int, seq_len: int) -> None:
     """`--tokens N` as steps (before the optimizer's schedule is made of them)."""
-    from meshplan.driver.train import tokens_to_steps
-
     if a.tokens:
         a.steps = tokens_to_steps(a.tokens, global_batch_size, seq_len)
 
 
 def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "",
          init_from: str = "") -> int:
-    from meshplan.cli.pictures import draw_training
-    from meshplan.driver.metrics import read_metrics
-    from meshplan.driver.run import under_torchrun
-    from meshplan.driver.train import peak_capacity, train_job
-    from meshplan.driver.train_model import sample_text, unigram_entropy, write_weights
-    from meshplan.driver.train_torchrun import train_here
-
     record = _record(a, lm, data_dir)
     run = dict(eval_data=eval_feed, eval_every=a.eval_every, eval_batches=a.eval_batches,
                threads=a.threads, checkpoint_every=a.checkpoint_every,
@@ -249,17 +258,12 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
 def _record(a: argparse.Namespace, lm, data_dir: str) -> dict:
     """What each checkpoint says of the model (`driver/model_record.py`): a
     saved transformers model's own config.json, as it was given."""
-    from meshplan.driver.model_record import model_record
-    from meshplan.models.hf import saved_config
-
     return model_record(lm.job, lm.module, f"module:{a.module}" if a.module else a.model,
                         data_dir, saved_config(a.source) if a.source else None)
 
 
 def print_summary(s: dict) -> None:
     """The lines a run ends with (its `--json` summary, for people)."""
-    from meshplan.driver.metrics import perplexity
-
     if s["losses"]:
         first, last = s["losses"][0], s["losses"][-1]
         print(f"trained {s['steps']} steps in {s['wall_s']:.0f} s: loss {first:.4f} -> "
@@ -280,9 +284,6 @@ def print_summary(s: dict) -> None:
 
 def _check_exports(a: argparse.Namespace, lm) -> None:
     """--export-hf/--export-torch, checked before the run: one line if not."""
-    from meshplan.driver.export import check_out
-    from meshplan.models.hf import HFLoss
-
     if a.export_hf and not isinstance(lm.module, HFLoss):
         what = f"--module {a.module}" if a.module else f"--model {a.model}"
         raise ConfigError(f"--export-hf {a.export_hf}: {what} is not a transformers model; "
@@ -300,9 +301,6 @@ def _check_exports(a: argparse.Namespace, lm) -> None:
 
 def _export(a: argparse.Namespace, weights: dict, record: dict) -> list[str]:
     """The --export-* directories, written from the weights in memory."""
-    from meshplan.cli.export_cmd import export_lines
-    from meshplan.driver.export import ExportFormat, export, memory_source
-
     lines = []
     for fmt, out in ((ExportFormat.HF, a.export_hf), (ExportFormat.TORCH, a.export_torch)):
         if out:
@@ -312,16 +310,12 @@ def _export(a: argparse.Namespace, weights: dict, record: dict) -> list[str]:
 
 
 def _weights(module) -> dict:
-    from meshplan.runtime.state import weights_of
-
     return weights_of(module)
 
 
 def _resolved(a: argparse.Namespace) -> argparse.Namespace:
     """The flags with `--config FILE.toml` and `--set` applied (a flag on the
     command line wins over --set, which wins over the file)."""
-    from meshplan.cli.train_config import is_config_file, resolve
-
     path = a.config if a.config and is_config_file(a.config) else None
     if path is None and not a.set:
         return a
@@ -340,7 +334,6 @@ def _check(a: argparse.Namespace) -> None:
                         ("--max-restarts", a.max_restarts)):
         if value < 0:
             raise ConfigError(f"{flag} {value} must be >= 0")
-    from meshplan.driver.run import under_torchrun
 
     if a.max_restarts and under_torchrun():
         raise ConfigError(f"--max-restarts {a.max_restarts} restarts local ranks; under "
@@ -360,8 +353,6 @@ def _check(a: argparse.Namespace) -> None:
 
 
 def _check_validation(feed, batches: int, gbs: int) -> None:
-    from meshplan.data.tokens import TokenData
-
     n = (len(TokenData(feed.data_dir, "validation").tokens) - 1) // feed.seq_len
     if n < batches * gbs:
         raise ConfigError(f"the validation split of {feed.data_dir} has {n} samples of "
@@ -373,9 +364,6 @@ def _check_validation(feed, batches: int, gbs: int) -> None:
 def _prepare_out(a: argparse.Namespace, feed, global_batch_size: int) -> None:
     """The run's directory, with the resolved config written first, and what
     a resume must match (`run.json`: the data order's seed and batch)."""
-    from meshplan.cli.train_config import write_resolved
-    from meshplan.ir.fileio import write_atomic
-
     out = Path(a.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {a.out} is a file; give a directory for the run")
@@ -395,9 +383,6 @@ def _run_identity(feed, global_batch_size: int) -> dict:
 def _resume_point(a: argparse.Namespace, job, feed) -> str:
     """The complete checkpoint `--resume` names, checked against the Job
     (its model) and against the first run's data order (one line if not)."""
-    from meshplan.driver.train import CHECKPOINTS, complete_checkpoints
-    from meshplan.runtime.checkpoint import COMPLETE, check_resumable
-
     where = Path(a.out if a.resume == "latest" else a.resume)
     if (where / COMPLETE).is_file():
         point = where
@@ -427,10 +412,6 @@ def _resume_point(a: argparse.Namespace, job, feed) -> str:
 def default_corpus(progress) -> str:
     """The main job's data: the standard library's sources as byte tokens,
     prepared once under `$MESHPLAN_HOME/data/stdlib-bytes`."""
-    from meshplan.costmodel.load import meshplan_home
-    from meshplan.data.prepare import prepare_data
-    from meshplan.driver.train_model import stdlib_files
-
     out = Path(meshplan_home()) / "data" / "stdlib-bytes"
     if (out / "index.json").is_file():
         return str(out)

@@ -24,6 +24,9 @@ from enum import StrEnum
 import numpy as np
 import torch
 
+from meshplan.data.sampler import SampleReader
+from meshplan.data.tokens import TokenData
+
 
 class Layout(StrEnum):
     """How a sample of `seq_len + 1` tokens becomes a model's (inputs, labels)."""
@@ -64,9 +67,6 @@ class FeedReader:
     the samples it read (`rows_read`)."""
 
     def __init__(self, feed: TokenFeed, global_batch_size: int, num_microbatches: int):
-        from meshplan.data.sampler import SampleReader
-        from meshplan.data.tokens import TokenData
-
         self.feed = feed
         self.data = TokenData(feed.data_dir, feed.split)
         self.reader = SampleReader(self.data, feed.seq_len, feed.seed, shuffle=feed.shuffle)

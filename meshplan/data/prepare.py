@@ -95,7 +95,7 @@ def file_texts(path: str, text_field: str = "text") -> Iterator[str]:
 
 def _load_hf(path: str):
     try:
-        import datasets
+        import datasets  # optional
     except ImportError:
         raise ConfigError("--hf-dataset needs the datasets library: pip install datasets") from None
     p = Path(path)

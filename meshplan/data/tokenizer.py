@@ -99,7 +99,7 @@ class ByteTokenizer(Tokenizer):
 
 def _tokenizers_lib():
     try:
-        import tokenizers
+        import tokenizers  # optional
     except ImportError:
         raise ConfigError("`--tokenizer bpe:...` needs the tokenizers library: "
                           "pip install tokenizers") from None
@@ -158,7 +158,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, path: str):
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # optional
         except ImportError:
             raise ConfigError(f"--tokenizer {path} needs the transformers library: "
                               "pip install transformers") from None

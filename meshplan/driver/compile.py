@@ -37,6 +37,7 @@ import meshplan
 from meshplan import errors
 from meshplan.autodiff import OptimizerConfig
 from meshplan.capture.cache import cache_dir
+from meshplan.driver.plan import plan_model
 from meshplan.driver.results import CompileResult, LowerResult
 from meshplan.errors import ConfigError, MeshplanError, PlanError
 from meshplan.ir.fileio import write_atomic
@@ -264,8 +265,6 @@ def compile_model(model: str, size: str, mesh, strategy, out,
                   lr: float | None = None, ranks=None, workers=None, use_cache: bool = True,
                   progress=None, device: str = "cpu", **overrides) -> CompileResult:
     """The whole compile of a zoo model: master once, then ranks in workers."""
-    from meshplan.driver.plan import plan_model
-
     temp_calls = TempStats.calls
     planned = plan_model(model, size, mesh, strategy, optimizer, lr, **overrides)
     master_s = sum(planned.timings.values())  # autodiff, passes, Job bytes and digest

@@ -43,10 +43,16 @@ from pathlib import Path
 
 import torch
 
+from meshplan.data.tokenizer import BPE_FILE, EOD_TEXT, TokenizerKind
+from meshplan.data.tokens import read_index
+from meshplan.driver.model_record import MODEL_FILE
+from meshplan.driver.train import CHECKPOINTS, complete_checkpoints
 from meshplan.driver.weights_out import OutTensor, parse_size, write_shards
 from meshplan.errors import ConfigError, MeshplanError, RuntimeFault
 from meshplan.ir.fileio import staged_directory, write_atomic
 from meshplan.ir.state_name import is_state
+from meshplan.models.hf import meta_model
+from meshplan.runtime.checkpoint import COMPLETE, METADATA, read_marker, read_tensor, saved_boxes
 
 DEFAULT_SHARD_SIZE = "5GB"
 # the files of a local transformers tokenizer directory that travel with it
@@ -88,9 +94,6 @@ class Exported:
 def find_checkpoint(path: str) -> Path:
     """The checkpoint `path` names: itself, or a run directory's newest
     complete one; one line if there is none."""
-    from meshplan.driver.train import CHECKPOINTS, complete_checkpoints
-    from meshplan.runtime.checkpoint import COMPLETE, METADATA
-
     root = Path(path)
     if not root.is_dir():
         raise RuntimeFault(f"checkpoint {path} is not a directory; give a checkpoint "
@@ -113,9 +116,6 @@ def find_checkpoint(path: str) -> Path:
 def checkpoint_source(path: str) -> Source:
     """The weights of the checkpoint `path` names (see `find_checkpoint`),
     checked as the module docstring says; tensors are read on fetch."""
-    from meshplan.driver.model_record import MODEL_FILE
-    from meshplan.runtime.checkpoint import METADATA, read_marker, read_tensor, saved_boxes
-
     root = find_checkpoint(path)
     meta = read_marker(root, "export another checkpoint")
     state, files = meta.get("state"), meta.get("files")
@@ -204,8 +204,6 @@ def _torch_tensors(source: Source, model: torch.nn.Module | None) -> list[OutTen
 
 
 def _meta_model(record: dict) -> torch.nn.Module:
-    from meshplan.models.hf import meta_model
-
     return meta_model(record["hf_config"])
 
 
@@ -240,8 +238,6 @@ def _write_config(tmp: Path, record: dict, architecture: str) -> list[str]:
     """The record's transformers config, with `architectures`, and with the
     data's end-of-document id as eos and bos: the token the model learned to
     end a document with, where `generate` should stop."""
-    from meshplan.data.tokens import read_index
-
     config = dict(record["hf_config"])
     config["architectures"] = [architecture]
     try:
@@ -257,9 +253,6 @@ def _write_config(tmp: Path, record: dict, architecture: str) -> list[str]:
 
 def _write_tokenizer(tmp: Path, record: dict, notes: list[str]) -> list[str]:
     """The data's tokenizer, as transformers loads it; a note when there is none."""
-    from meshplan.data.tokenizer import BPE_FILE, EOD_TEXT, TokenizerKind
-    from meshplan.data.tokens import read_index
-
     data = record.get("data") or ""
     try:
         spec = (read_index(data).get("tokenizer") or {}) if data else {}

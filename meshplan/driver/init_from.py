@@ -23,6 +23,9 @@ from pathlib import Path
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
+from meshplan.models.hf import CONFIG_FILE
+from meshplan.runtime.checkpoint import COMPLETE, saved_state
+from meshplan.runtime.init_weights import open_torch
 
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _SINGLE = ("model.safetensors", "pytorch_model.bin")
@@ -30,16 +33,12 @@ _SINGLE = ("model.safetensors", "pytorch_model.bin")
 
 def is_pretrained_dir(path: str) -> bool:
     """True for a transformers `save_pretrained` directory."""
-    from meshplan.models.hf import CONFIG_FILE
-
     return (Path(path) / CONFIG_FILE).is_file()
 
 
 def weight_source(path: str, job, prefix: str = "") -> str:
     """The checked source of the Job's starting weights in `path`, as the
     JSON a rank reads (`RunSpec.init_from`)."""
-    from meshplan.runtime.checkpoint import COMPLETE
-
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"--init-from {path} does not exist; give a save_pretrained "
@@ -78,11 +77,10 @@ def _headers(file: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of one weight file, reading no tensor data."""
     try:
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
+            from safetensors import safe_open  # optional
 
             with safe_open(str(file), framework="pt") as f:
                 return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        from meshplan.runtime.init_weights import open_torch
 
         sd = open_torch(str(file))
     except ImportError:
@@ -97,8 +95,6 @@ def _headers(file: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _checkpoint_tensors(p: Path) -> dict[str, tuple[int, ...]]:
-    from meshplan.runtime.checkpoint import saved_state
-
     return {name: tuple(shape) for name, (shape, _) in saved_state(str(p)).items()}
 
 

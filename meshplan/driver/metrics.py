@@ -57,7 +57,7 @@ class MetricsLog:
         self._file = LineLog(self.path, append)
         self._writer = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional
 
             self._writer = SummaryWriter(log_dir=str(self.out_dir / TENSORBOARD_DIR),
                                          flush_secs=10)
@@ -171,7 +171,7 @@ def read_tensorboard(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import (
         SCALARS,
         EventAccumulator,
-    )
+    )  # optional
 
     acc = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
     acc.Reload()

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from meshplan.errors import RuntimeFault
+from meshplan.models.hf import HFLoss
 
 MODEL_FILE = "model.json"
 
@@ -30,8 +31,6 @@ def model_record(job, module, model: str, data_dir: str = "",
     """The record of `module` trained by `job` (`hf_config`: the config to
     export, when not the module's own, e.g. the one an `--init-from`
     directory holds)."""
-    from meshplan.models.hf import HFLoss
-
     g = job.graph
     prefix = ""
     if isinstance(module, HFLoss):

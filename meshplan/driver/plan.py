@@ -19,11 +19,14 @@ from meshplan.capture.export import ConstantOnMeta
 from meshplan.ir import Phase, Role
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job
-from meshplan.ir.kinds import ALL_REDUCE, short
+from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, short
 from meshplan.ir.mesh import AXES, DERIVED, Mesh, Strategy
 from meshplan.ir.sbp import fmt
+from meshplan.lowering.lower import lower
 from meshplan.models import build_model, example_batch, layer_pattern, model_config
 from meshplan.models.hf import PREFIX as HF
+from meshplan.models.hf import attention_of, saved_config
+from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.passes.plan import PASSES, Compilation
 from meshplan.passes.strategy import MEGATRON_PLAN, check_heads, check_strategy
@@ -51,8 +54,6 @@ def zoo_strategy(model: str, cfg, **fields) -> Strategy:
 def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
     """The forward Graph of a zoo model for one micro-batch of `batch_size`,
     captured on the meta device (no weights) and cached by config and shape."""
-    from meshplan.models.hf import saved_config
-
     key = capture_key(config=cfg, batch_size=batch_size, kind="zoo",
                       saved=saved_config(cfg.source) if cfg.source else None)
 
@@ -109,7 +110,6 @@ def _notes(cfg) -> tuple[str, ...]:
     model's attention implementation."""
     if not cfg.model.startswith(HF):
         return ()
-    from meshplan.models.hf import attention_of
 
     if attention_of(cfg) == "sdpa":
         return ("attention: transformers' sdpa implementation (one fused op)",)
@@ -177,10 +177,6 @@ def report(job: Job) -> dict:
 def optimizer_summary(job: Job) -> dict:
     """The optimizer step: its kind, clipping threshold, learning-rate schedule,
     and how many parameters (and elements) take weight decay and how many not."""
-    from meshplan.ir.kinds import CLIP_COEF
-    from meshplan.ops.rule import Category
-    from meshplan.ops.table import rule_for
-
     g = job.graph
     producer = {o: op for op in g.ops for o in op.outputs if o >= 0}
     groups: dict[str, dict[str, int]] = {"decay": {"params": 0, "elements": 0},
@@ -213,8 +209,6 @@ def stage_memory(job: Job) -> list[dict]:
     stage's ranks differ at most by uneven shards), lowered here; none for a
     layout with other chunk counts than vpp (a user layout kept by runs:
     reported, not schedulable)."""
-    from meshplan.lowering.lower import lower
-
     if max(job.chunk, default=0) + 1 != job.strategy.vpp:
         return []
     out = []

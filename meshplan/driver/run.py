@@ -16,6 +16,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model
 from meshplan.driver.results import RunResult
@@ -23,8 +25,13 @@ from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.files import read_dir
+from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.checkpoint import check_resumable
+from meshplan.runtime.devices import resolve_backend, resolve_device
 from meshplan.runtime.launch import launch_local
+from meshplan.runtime.state import weights_of
 from meshplan.runtime.tensor_file import STATE, read_tensors, save_inputs
 from meshplan.runtime.worker import RunSpec, rank_main
 from meshplan.schedules.trace import Span, bubble, chrome_events
@@ -46,10 +53,6 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
                 device: str = "cpu"):
     """The Job of a compiled plan directory, proved consistent, for this mesh
     and this model (a rank would otherwise die slicing the wrong weights)."""
-    from meshplan.lowering.check import check_plans
-    from meshplan.lowering.files import read_dir
-    from meshplan.models import build_model, model_config
-
     job, plans = read_dir(Path(plan_dir))
     if job.mesh.world != mesh.world:
         raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
@@ -114,10 +117,6 @@ def zoo_source(model: str, size: str, seed: int, steps: int, global_batch_size: 
     `torch.manual_seed(seed)`, as the eager reference builds it) and its
     synthetic global batch of each step (seed + step): what the ranks
     receive, so no rank builds a model."""
-    import torch
-
-    from meshplan.models import build_model, example_batch, model_config
-    from meshplan.runtime.state import weights_of
 
     cfg = model_config(model, size, **overrides)
     torch.manual_seed(seed)
@@ -129,8 +128,6 @@ def zoo_source(model: str, size: str, seed: int, steps: int, global_batch_size: 
 def run_devices(device: str, backend: str, ranks_here: int) -> tuple[str, str]:
     """(device type, backend) for `ranks_here` ranks on this machine, or one
     `ConfigError` line before any process starts."""
-    from meshplan.runtime.devices import resolve_backend, resolve_device
-
     device = resolve_device(device)
     return device, resolve_backend(device, backend, ranks_here)
 

@@ -18,18 +18,36 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from meshplan.errors import RuntimeFault
+from meshplan.autodiff import OptimizerConfig
+from meshplan.costmodel import known_device_models, load_device_model
+from meshplan.costmodel.device import CPU_DEFAULT
+from meshplan.data.feed import TokenFeed
+from meshplan.driver.compare import assemble
+from meshplan.driver.metrics import MetricsLog
+from meshplan.driver.model_record import MODEL_FILE
+from meshplan.driver.run import launch
+from meshplan.errors import KernelFault, RuntimeFault, TrainingHalted
 from meshplan.ir import Phase, Role
+from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
+from meshplan.ops.infer import to_sig
+from meshplan.ops.table import rule_for
+from meshplan.runtime.checkpoint import COMPLETE, check_resumable
+from meshplan.runtime.worker import RunSpec
 
 log_line = logging.getLogger("meshplan")
 
@@ -52,9 +70,6 @@ def step_flops(job: Job) -> float:
     matmuls, attention and convolution; 0 for the rest) at its logical
     shapes, forward and backward once per micro-batch, the optimizer once.
     With recompute the recomputed forward counts too (hardware FLOPs)."""
-    from meshplan.ops.infer import to_sig
-    from meshplan.ops.table import rule_for
-
     g, m = job.graph, job.strategy.num_microbatches
     total = 0.0
     for op in g.ops:
@@ -74,10 +89,6 @@ def peak_capacity(device: str, world: int, threads: int = 1,
     ranks' threads use), each at the calibrated `cpu-local` model's rate,
     else the built-in CPU default's (a guess, not a measurement). Returns
     (FLOP/s, the device model's name)."""
-    import os
-
-    from meshplan.costmodel import known_device_models, load_device_model
-    from meshplan.costmodel.device import CPU_DEFAULT
 
     if device == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name().lower()
@@ -165,9 +176,6 @@ def samples_digest(parts) -> str:
     """The fingerprint of the samples a step read: the sha256 of their sorted
     distinct ids (int64), from the ranks' parts; equal for any two runs that
     read the same samples, whatever their layouts."""
-    import hashlib
-
-    import numpy as np
 
     ids = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
     return hashlib.sha256(ids.tobytes()).hexdigest()
@@ -199,13 +207,6 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
     fails (killed, stalled) ends the attempt; with `max_restarts` the run
     restarts, up to that many times, from the newest complete checkpoint
     (metrics: a `resume` row, `driver/metrics.py`)."""
-    import tempfile
-
-    from meshplan.autodiff import OptimizerConfig
-    from meshplan.data.feed import TokenFeed
-    from meshplan.driver.metrics import MetricsLog
-    from meshplan.driver.run import launch
-    from meshplan.runtime.checkpoint import check_resumable
 
     t0 = time.perf_counter()
     tokens = isinstance(data, TokenFeed)
@@ -267,11 +268,6 @@ def run_spec(job: Job, data, steps: int, out: str, record: dict | None, *, eval_
              init_from: str = ""):
     """What every rank of a training run is told (`RunSpec`); writes `record`
     as `out/model.json`, copied, with `out/config.toml`, into each checkpoint."""
-    from meshplan.data.feed import TokenFeed
-    from meshplan.driver.model_record import MODEL_FILE
-    from meshplan.ir.fileio import write_atomic
-    from meshplan.runtime.worker import RunSpec
-
     Path(out).mkdir(parents=True, exist_ok=True)
     if record is not None:
         write_atomic(Path(out) / MODEL_FILE, json.dumps(record, indent=1).encode())
@@ -292,8 +288,6 @@ def _restart_point(error: RuntimeFault, out: str, attempt: int, max_restarts: in
     """The newest complete checkpoint a failed attempt restarts from; the
     failure again when no restart is left, none is complete, or it would
     only fail the same way (a halt on a non-finite norm, a kernel's fault)."""
-    from meshplan.errors import KernelFault, TrainingHalted
-
     done = complete_checkpoints(Path(out) / CHECKPOINTS)
     if attempt == max_restarts or isinstance(error, (TrainingHalted, KernelFault)):
         raise error
@@ -308,8 +302,6 @@ def trained_weights(job: Job, slices, initial: dict[str, torch.Tensor]
     """Every parameter and buffer of `job`, whole, from the ranks' final
     slices, under each of its names (a tied weight's aliases too); a buffer
     no rank holds (no op reads it) keeps its `initial` value."""
-    from meshplan.driver.compare import assemble
-
     g = job.graph
     values = [g.values[i] for i in g.inputs if g.values[i].role in (Role.PARAM, Role.BUFFER)]
     got = assemble(slices, {v.name: tuple(v.meta.shape) for v in values})
@@ -329,8 +321,6 @@ CHECKPOINTS = "checkpoints"  # OUT/checkpoints/step_<k>: the checkpoint after k 
 def complete_checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints under `root` (`step_<k>` with its COMPLETE
     marker, written last), oldest first."""
-    from meshplan.runtime.checkpoint import COMPLETE
-
     found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / COMPLETE).is_file()]
     return sorted(found, key=lambda p: int(p.name[5:]))
 
@@ -339,8 +329,6 @@ def prune_checkpoints(root: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints; delete the older complete
     ones and any incomplete one older than the newest complete (a save cut
     short). A checkpoint is deleted only once a newer one is complete."""
-    import shutil
-
     done = complete_checkpoints(root)
     if not done:
         return

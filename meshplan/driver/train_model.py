@@ -13,6 +13,9 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import json
 import sysconfig
 from dataclasses import dataclass
@@ -21,7 +24,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshplan.data.feed import FeedReader, Layout, TokenFeed
+from meshplan.data.tokenizer import load_tokenizer
+from meshplan.data.tokens import TokenData
+from meshplan.driver.capture_check import checked_capture
+from meshplan.driver.plan import capture_zoo, plan_model
+from meshplan.driver.weights_out import OutTensor, write_safetensors
 from meshplan.errors import ConfigError
+from meshplan.ir.fileio import write_torch
+from meshplan.models import build_model, model_config
+from meshplan.models.generate import generate
+from meshplan.models.hf import CAUSAL, task_of
+from meshplan.passes.plan import PASSES, Compilation, plan_forward
 
 _ZOO_LAYOUTS = {"gpt": "next-token"}
 
@@ -40,9 +54,6 @@ class LanguageModel:
 def sized_config(model: str, size: str, data_dir: str, overrides: dict):
     """`model`'s config with the data's vocabulary; its sequence checked
     against the data (one line for each mismatch)."""
-    from meshplan.data.tokens import TokenData
-    from meshplan.models import model_config
-
     data = TokenData(data_dir, "train")
     vocab = overrides.get("vocab")
     if vocab is not None and vocab != data.vocab_size:
@@ -66,7 +77,6 @@ def layout_of(model: str, cfg) -> str:
     if model in _ZOO_LAYOUTS:
         return _ZOO_LAYOUTS[model]
     if model.startswith("hf:"):
-        from meshplan.models.hf import CAUSAL, task_of
 
         if task_of(cfg) == CAUSAL:
             return "shifted-by-model"
@@ -78,10 +88,6 @@ def layout_of(model: str, cfg) -> str:
 def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimizer,
                    seed: int, overrides: dict) -> LanguageModel:
     """The model, sized from the data, with its train and eval Jobs."""
-    from meshplan.driver.plan import capture_zoo, plan_model
-    from meshplan.models import build_model
-    from meshplan.passes.plan import plan_forward
-
     cfg = sized_config(model, size, data_dir, overrides)
     layout = layout_of(model, cfg)
     sized = overrides | {"vocab": cfg.vocab}
@@ -100,13 +106,6 @@ def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer
     the loss of predicting `targets`, the next tokens. It is captured on the
     data's first micro-batch (and self-checked), then planned for training
     and for evaluation."""
-    import importlib
-    import inspect
-
-    from meshplan.data.feed import FeedReader, Layout, TokenFeed
-    from meshplan.data.tokens import TokenData
-    from meshplan.driver.capture_check import checked_capture
-    from meshplan.passes.plan import PASSES, Compilation, plan_forward
 
     modname, _, attr = path.partition(":")
     try:
@@ -135,8 +134,6 @@ def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer
 def unigram_entropy(data_dir: str) -> float:
     """The entropy (nats) of the training split's token frequencies: the
     loss of a model that knows only how often each token occurs."""
-    from meshplan.data.tokens import TokenData
-
     data = TokenData(data_dir, "train")
     counts = np.zeros(data.vocab_size, dtype=np.int64)
     chunk = 1 << 24
@@ -152,10 +149,6 @@ def write_weights(weights: dict[str, torch.Tensor], out: str) -> Path:
     the same bytes for the same weights: `model.safetensors` (each tensor
     once, by name; a tied tensor's other names in its metadata) when
     safetensors is installed to read it, else torch's `model.pt` (every name)."""
-    import importlib.util
-
-    from meshplan.driver.weights_out import OutTensor, write_safetensors
-    from meshplan.ir.fileio import write_torch
 
     if importlib.util.find_spec("safetensors") is None:
         path = Path(out) / "model.pt"
@@ -179,10 +172,6 @@ def sample_text(module, data_dir: str, seq_len: int, new_tokens: int = 120,
                 seed: int = 0) -> tuple[str, str]:
     """(prompt, continuation): the start of the validation split followed by
     what the model writes after it (top-k 5 sampling, eager PyTorch)."""
-    from meshplan.data.tokenizer import load_tokenizer
-    from meshplan.data.tokens import TokenData
-    from meshplan.models.generate import generate
-
     tok = load_tokenizer(data_dir)
     val = TokenData(data_dir, "validation")
     n = min(len(val.tokens), max(8, seq_len // 2))

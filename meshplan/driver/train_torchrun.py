@@ -28,7 +28,26 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from meshplan.autodiff import OptimizerConfig
+from meshplan.data.feed import TokenFeed
+from meshplan.driver.metrics import MetricsLog
+from meshplan.driver.run import merge
+from meshplan.driver.train import (
+    CHECKPOINTS,
+    StepMerger,
+    TrainResult,
+    complete_checkpoints,
+    peak_capacity,
+    prune_checkpoints,
+    run_spec,
+    step_flops,
+    trained_weights,
+)
 from meshplan.errors import RuntimeFault
+from meshplan.ir.fileio import write_atomic
+from meshplan.runtime.checkpoint import check_resumable
+from meshplan.runtime.tensor_file import STATE, read_tensors
+from meshplan.runtime.worker import rank_main
 
 RANKS_DIR = ".ranks"
 
@@ -41,8 +60,6 @@ def restart_count() -> int:
 def resume_point(out: str, job, resume_from: str) -> str:
     """Where this attempt starts: `resume_from`, or on a torchrun restart the
     newest complete checkpoint (none yet: the start)."""
-    from meshplan.driver.train import CHECKPOINTS, complete_checkpoints
-
     if resume_from or not restart_count():
         return resume_from
     done = complete_checkpoints(Path(out) / CHECKPOINTS)
@@ -54,10 +71,6 @@ def train_here(job, weights: dict, data, steps: int, out: str, *, eval_job=None,
                record: dict | None = None, resume_from: str = "", **run):
     """Run this process as its torchrun rank; returns the `TrainResult` on
     global rank 0, None elsewhere. `run` are `train.run_spec`'s options."""
-    from meshplan.driver.train import CHECKPOINTS, prune_checkpoints, run_spec
-    from meshplan.ir.fileio import write_atomic
-    from meshplan.runtime.worker import rank_main
-
     t0 = time.perf_counter()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != job.mesh.world:
@@ -102,12 +115,6 @@ class _Merging:
 
     def __init__(self, job, data, out, results, tensorboard, resume_from, keep, on_step,
                  spec):
-        from meshplan.autodiff import OptimizerConfig
-        from meshplan.data.feed import TokenFeed
-        from meshplan.driver.metrics import MetricsLog
-        from meshplan.driver.train import StepMerger, peak_capacity, step_flops
-        from meshplan.runtime.checkpoint import check_resumable
-
         self.job, self.out, self.results, self.keep = job, out, results, keep
         self.first = check_resumable(resume_from, job) if resume_from else 0
         self.log = MetricsLog(out, tensorboard=tensorboard, append=bool(resume_from))
@@ -125,8 +132,6 @@ class _Merging:
         self.thread.start()
 
     def _run(self) -> None:
-        from meshplan.driver.train import CHECKPOINTS, prune_checkpoints
-
         written = 0
         while not self.done.wait(0.2):
             self.merger.poll()
@@ -144,10 +149,6 @@ class _Merging:
 
     def result(self, world: int, t0: float, weights: dict, timeout_s: float):
         """The run's result, once every rank has written its own."""
-        from meshplan.driver.run import merge
-        from meshplan.driver.train import TrainResult, trained_weights
-        from meshplan.runtime.tensor_file import STATE, read_tensors
-
         deadline = time.monotonic() + timeout_s
         while not all((self.results / f"rank_{r}.json").is_file() for r in range(world)):
             if time.monotonic() > deadline:

@@ -49,6 +49,7 @@ from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.passes.plan import PASSES, Compilation
 from meshplan.runtime.amp import INIT_SCALE
 from meshplan.runtime.checkpoint import box_key
+from meshplan.runtime.devices import resolve_device
 from meshplan.runtime.rank_executor import NonFiniteNorm, halted
 
 
@@ -85,8 +86,6 @@ def verify(
     without them; with "torch" they draw from torch's own generator in
     `ref_runs` eager runs of other seeds, and the losses are judged against
     their spread (`compare.spread_verdict`), parameters not at all."""
-    from meshplan.runtime.devices import resolve_device
-
     device = resolve_device(device)
     if strategy is not None:
         global_batch_size = strategy.global_batch_size

@@ -34,8 +34,11 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
+
+import torch
 
 from meshplan.errors import PlanError
 
@@ -88,8 +91,6 @@ def staged_directory(path: str | os.PathLike):
     without an error it is put at `path` (replacing what is there only then),
     else it is removed, with any parent this call created: a directory is
     never seen half written."""
-    import shutil
-
     out = Path(path)
     made = [p for p in out.absolute().parents if not p.exists()]
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -117,8 +118,6 @@ def staged_directory(path: str | os.PathLike):
 def write_torch(path: str | os.PathLike, obj) -> None:
     """`torch.save(obj)` to `path`, atomically (a state_dict for people and
     tools; meshplan itself never reads pickles back)."""
-    import torch
-
     with atomic_stream(path) as f:
         torch.save(obj, f)
 

@@ -54,9 +54,10 @@ Invariants:
   when its last `accumulate_grad` makes the value reduced and nothing else
   reads it: the bucket then starts with no copy, reduced in place, as
   DDP's `gradient_as_bucket_view`.
-- Computed here, from a rank's plan, and used by the runtime
-  (`runtime/rank_executor.py`, `runtime/grad_buckets.py`), the checker
-  and the memory layout alike.
+- Computed here when a rank is lowered: `lower` puts a plan's buckets and
+  the order they move its tasks into (`RankPlan.buckets`, `run_ids`) in the
+  plan, which the runtime runs (`runtime/grad_buckets.py`); the checker
+  proves them against `buckets_of` and the memory layout counts them.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Invariants:
   micro-batches' instances can be alive at once.
 - Ids: tasks per `ids.task_id`; buffers, memory blocks and memory arenas
   share the rank's `(rank << 48) + counter` space.
+- Everything the runtime runs is here, lowered once: besides tasks,
+  buffers, memory layout and actions, the gradient buckets (`buckets`), the
+  task order they imply (`run_ids`) and ZeRO-3's gathers by layer
+  (`gathers`); a rank's stage and grid coordinate.
 - The plan is a pure function of (Job, rank, device type): its bytes are
   the same in whatever process computes it. The device type picks physical
   kernels (`Task.kernel`, from the op rule table's per-device choosers); the

@@ -27,7 +27,11 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import json
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -104,7 +108,7 @@ def _tied_by_default(model_type: str) -> bool:
 
 def _transformers():
     try:
-        import transformers
+        import transformers  # optional
     except ImportError:
         raise ConfigError("Hugging Face models need transformers: pip install -e '.[hf]'") \
             from None
@@ -123,9 +127,6 @@ _POSITIONS = ("max_position_embeddings", "n_positions")
 def saved_config(path: str) -> dict:
     """The config.json of the `save_pretrained` directory `path` (one line
     if there is none, or it is not JSON)."""
-    import json
-    from pathlib import Path
-
     file = Path(path) / CONFIG_FILE
     try:
         conf = json.loads(file.read_text())
@@ -142,8 +143,6 @@ def saved_fields(path: str, model: str, size: str, given: dict) -> dict:
     """The ModelConfig fields of the model saved in `path`: sizes from its
     config.json; `given` sizes must agree with it; `model` ("hf:" alone, or
     `hf:<type>` to check) names its type."""
-    from pathlib import Path
-
     conf = saved_config(path)
     kind = PREFIX + conf["model_type"]
     if model not in (PREFIX, kind):
@@ -305,10 +304,8 @@ def _rotary_dim(probe, cfg) -> int:
 def _positions_after_padding(model_type: str) -> bool:
     """Whether the model numbers positions from its padding index on
     (transformers' `create_position_ids_from_input_ids`: RoBERTa, XLM-R, ...)."""
-    import importlib
-    import inspect
 
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.configuration_auto import model_type_to_module_name  # optional
 
     name = model_type_to_module_name(model_type)
     try:

@@ -29,6 +29,7 @@ from meshplan.ir import Graph, Phase
 from meshplan.ops.cost import bytes_moved
 from meshplan.ops.infer import to_sig
 from meshplan.ops.table import rule_for
+from meshplan.passes.pipeline import find_layers
 
 # A CPU-class default for the relative cost of flops and bytes (FLOP/s, bytes/s)
 FLOPS, BYTES = 5e10, 1e10
@@ -82,8 +83,6 @@ def _fill(weights: Sequence[float], k: int, bound: float) -> tuple[int, ...]:
 def graph_layer_weights(graph: Graph, layer_pattern: str) -> list[float]:
     """Seconds of each layer's forward ops (plus the ops around the layers),
     on the CPU-class default rates."""
-    from meshplan.passes.pipeline import find_layers
-
     layers, op_layer = find_layers(graph, layer_pattern)
     weights = [0.0] * len(layers)
     values = graph.values

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from meshplan.data.feed import FeedReader, TokenFeed
+
 
 def split_microbatches(batch: tuple[torch.Tensor, ...], m: int) -> list[tuple[torch.Tensor, ...]]:
     """Split every tensor of `batch` into `m` equal micro-batches along dim 0."""
@@ -50,8 +52,6 @@ def batch_feed(batches, m: int):
 def token_feed(text: str, job, rows):
     """`feed(step)`: this rank's rows of each micro-batch, read from the
     token file; a rank whose plan reads no data opens no file at all."""
-    from meshplan.data.feed import FeedReader, TokenFeed
-
     m = job.strategy.num_microbatches
     if rows is None:
         return lambda step: ([() for _ in range(m)], True)

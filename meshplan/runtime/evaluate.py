@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from meshplan.data.feed import FeedReader, TokenFeed
 from meshplan.errors import PlanError
 from meshplan.ir import Role
 from meshplan.ir.job import Job
+from meshplan.runtime.own_plan import rank_plan
+from meshplan.runtime.rank_executor import RankExecutor
 
 
 class Evaluator:
@@ -30,10 +33,6 @@ class Evaluator:
     def __init__(self, eval_job: Job, train, comm, device, feed_json: str, batches: int,
                  on_action=None):
         """`train`: the train executor's `RankContext` (its Job and this rank)."""
-        from meshplan.data.feed import FeedReader, TokenFeed
-        from meshplan.runtime.own_plan import rank_plan
-        from meshplan.runtime.rank_executor import RankExecutor
-
         self.ex = RankExecutor(eval_job, rank_plan(eval_job, train.rank, torch.device(device).type),
                                comm, device=device)
         self.ex.on_action = on_action

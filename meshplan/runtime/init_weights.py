@@ -20,13 +20,13 @@ import json
 import torch
 
 from meshplan.ir import Role
+from meshplan.runtime.checkpoint import load_weights as from_checkpoint
 
 
 def load_weights(source: str, state: dict, job, ctx) -> None:
     """Fill this rank's parameters (and the buffers the source has) from `source`."""
     src = json.loads(source)
     if src["kind"] == "checkpoint":
-        from meshplan.runtime.checkpoint import load_weights as from_checkpoint
 
         from_checkpoint(src["path"], state, job, ctx)
         return
@@ -45,7 +45,7 @@ def _read(files: dict, file: str, key: str, box) -> torch.Tensor:
     index = tuple(slice(a, b) for a, b in box)
     if file.endswith(".safetensors"):
         if file not in files:
-            from safetensors import safe_open
+            from safetensors import safe_open  # optional
 
             files[file] = safe_open(file, framework="pt")
         f = files[file]

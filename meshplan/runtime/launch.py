@@ -27,6 +27,8 @@ from pathlib import Path
 
 from meshplan.errors import KernelFault, RuntimeFault, TrainingHalted
 from meshplan.ir.fileio import write_atomic
+from meshplan.ir.job import Job
+from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.worker import RunSpec, spawn_entry
 
 
@@ -139,9 +141,6 @@ def _raise_if_stalled(procs, beats, stall_s: float, progress, job_bytes) -> None
 
 def _action_of(rank: int, progress, job_bytes: bytes) -> str:
     """The action a rank was in when it died (its plan, lowered here)."""
-    from meshplan.ir.job import Job
-    from meshplan.runtime.own_plan import rank_plan
-
     index = progress[rank]
     if index < 0:
         return "setup"

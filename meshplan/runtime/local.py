@@ -23,6 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from meshplan.errors import RuntimeFault
+from meshplan.runtime.checkpoint import state_slices
+from meshplan.runtime.comm import job_groups
+from meshplan.runtime.data import split_microbatches
+from meshplan.runtime.own_plan import rank_plan
+from meshplan.runtime.rank_executor import RankExecutor
 
 _REDUCE = {"sum": lambda parts: torch.stack(parts).sum(0),
            "max": lambda parts: torch.stack(parts).amax(0)}
@@ -162,10 +167,6 @@ class LocalRun:
 def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     """(hub, [(executor, state)] per rank) for `job` from `module`'s weights;
     `plans` (rank -> RankPlan) replaces lowering, e.g. plans read from files."""
-    from meshplan.runtime.comm import job_groups
-    from meshplan.runtime.own_plan import rank_plan
-    from meshplan.runtime.rank_executor import RankExecutor
-
     world, hub = job.mesh.world, Hub(timeout_s)
     groups = job_groups(job.strategy, job)
     ranks = []
@@ -178,9 +179,6 @@ def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
 
 def train_local(job, hub: Hub, ranks, batches, timeout_s: float = 60.0) -> LocalRun:
     """Train the `local_ranks` one step per global batch of `batches`."""
-    from meshplan.runtime.checkpoint import state_slices
-    from meshplan.runtime.data import split_microbatches
-
     per_rank: dict[int, list[float]] = {}
     norms: dict[str, list[float]] = {}
     for batch in batches:

@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -51,8 +52,6 @@ def start_liveness(alive, rank: int, every_s: float = 0.5) -> None:
     """A daemon thread stamping `alive[rank]` every `every_s`: it stops only
     when the whole process stops (frozen, swapped out, stopped by a signal),
     which tells the launcher which rank is frozen rather than waiting."""
-    import threading
-
     def stamp() -> None:
         while True:
             alive[rank] = time.monotonic()

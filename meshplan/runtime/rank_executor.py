@@ -72,6 +72,7 @@ from meshplan.runtime.early_collectives import EarlyCollectives
 from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes
+from meshplan.runtime.state import sliced_state
 from meshplan.runtime.transfers import Transfers
 from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
@@ -211,8 +212,6 @@ class RankExecutor:
     def init_state(self, module) -> dict:
         """This rank's slice of the module's own parameters and buffers; fresh
         optimizer slots; no gradients."""
-        from meshplan.runtime.state import sliced_state
-
         used = {b.value for b in self.plan.buffers}
         kept = ({LOSS_SCALE} if self.fp16 else set()) | \
             ({LR, STEP_COUNT} if self.schedule else set())

@@ -17,6 +17,7 @@ import torch
 
 from meshplan.ir import Phase
 from meshplan.lowering.rankplan import TaskKind
+from meshplan.runtime.comm import p2p, tag_of
 from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
 
@@ -66,14 +67,11 @@ class Transfers:
     def p2p(self, ops: list) -> list:
         if self._p2p is not None:
             return self._p2p(ops)
-        from meshplan.runtime.comm import p2p
 
         return p2p(ops)
 
     def send(self, action, env: dict) -> list[int]:
         """Post `action`'s sends; returns the values it sent (each once)."""
-        from meshplan.runtime.comm import tag_of
-
         ops, keep = [], []
         sent = self.sends.get((action.stage, action.type, action.peer), ())
         for vid, sl, peer, op_id in sent:
@@ -85,8 +83,6 @@ class Transfers:
 
     def post_recv(self, action) -> None:
         """Post the receives of `action` now (before it runs), unless posted."""
-        from meshplan.runtime.comm import tag_of
-
         key = (action.stage, action.type, action.peer, action.microbatch)
         if key in self.posted:
             return

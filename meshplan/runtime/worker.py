@@ -36,9 +36,17 @@ from meshplan.errors import RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 from meshplan.ops.device_kernels import FALLBACKS, RAN
+from meshplan.runtime import checkpoint
+from meshplan.runtime.async_save import AsyncSaver
+from meshplan.runtime.comm import Comm, broadcast_bytes, gather_bytes, job_groups
+from meshplan.runtime.data import batch_feed, token_feed
 from meshplan.runtime.devices import rank_device
+from meshplan.runtime.evaluate import Evaluator
+from meshplan.runtime.init_weights import load_weights
 from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.progress import StepRows, progress_only, reporter, start_liveness
+from meshplan.runtime.rank_executor import NonFiniteNorm, RankExecutor, halted
+from meshplan.runtime.tensor_file import STATE, load_inputs, write_tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +121,6 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
             dist.init_process_group(pg, rank=rank, world_size=world, timeout=timeout,
                                     **_rendezvous(init_method, rank, world, timeout))
         if job_bytes is None:
-            from meshplan.runtime.comm import broadcast_bytes
 
             job_bytes = broadcast_bytes(master() if rank == 0 else None, src=0)
         job = Job.from_bytes(job_bytes)
@@ -154,11 +161,6 @@ def _rendezvous(init_method: str | None, rank: int, world: int, timeout) -> dict
 def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
            steps_done=None, device=None, backend: str = "gloo", beats=None,
            source=None) -> int:
-    from meshplan.runtime import checkpoint
-    from meshplan.runtime.async_save import AsyncSaver
-    from meshplan.runtime.comm import Comm, job_groups
-    from meshplan.runtime.rank_executor import RankExecutor
-
     if world != job.mesh.world:
         raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
                            "started; start as many ranks as the plan's mesh has")
@@ -183,7 +185,6 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
         start, ex.good_steps = resumed.next_step, resumed.good_steps
         ex.next_step = start
     elif spec.init_from:
-        from meshplan.runtime.init_weights import load_weights
 
         ex.current = "load weights"
         load_weights(spec.init_from, state, job, ex.ctx)
@@ -200,7 +201,6 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
                                                         good_steps=ex.good_steps, device=device),
                         job, end)
     if spec.report_state and not spec.gather:
-        from meshplan.runtime.tensor_file import STATE, write_tensors
 
         write_tensors(Path(spec.results) / f"state_{rank}.bin", STATE,
                       checkpoint.state_slices(state, job, ex.ctx))
@@ -215,7 +215,6 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
               "trace": trace, "rows_read": rows_read}
     data = json.dumps(result).encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
-        from meshplan.runtime.comm import gather_bytes
 
         data = json.dumps([json.loads(b) for b in gather_bytes(data)]).encode()
         if rank != 0:
@@ -232,12 +231,9 @@ def _source(spec: RunSpec, job: Job, ex, given=None):
     launcher's `module_file` (tensors only: `runtime/tensor_file.py`); the
     data the batches given, or this rank's own rows of a token file
     (`spec.data`)."""
-    from meshplan.runtime.data import batch_feed, token_feed
-
     if given is not None:
         weights, batches = given
     else:
-        from meshplan.runtime.tensor_file import load_inputs
 
         weights, batches = load_inputs(Path(spec.module_file))
     if spec.data:
@@ -252,8 +248,6 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
     save is marked complete at the next step's start, the last one waited
     for at the end); returns (losses, norms, step times, trace, skipped
     steps, rows read)."""
-    from meshplan.runtime.rank_executor import NonFiniteNorm, halted
-
     losses, norms, times, trace, skipped = [], [], [], None, []
     clock = StepClock(device)
     rows = StepRows(Path(spec.results) / f"steps_{rank}.jsonl" if spec.step_rows else None,
@@ -301,8 +295,6 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
 def _checkpoint(spec: RunSpec, ex, state: dict, next_step: int, device, saver) -> None:
     """Save `<checkpoint_root>/step_<next_step>`: now, or started in the
     background (host copies staged first) when `saver` is given."""
-    from meshplan.runtime import checkpoint
-
     ex.current = "save checkpoint"
     path = str(Path(spec.checkpoint_root) / f"step_{next_step}")
     staged = checkpoint.stage(state, ex.job, ex.ctx, next_step, good_steps=ex.good_steps,
@@ -317,7 +309,6 @@ def _evaluator(spec: RunSpec, train_ctx, comm, device, on_action):
     """The forward-only plan's executor over the validation feed, or None."""
     if not spec.eval_job or spec.eval_every <= 0:
         return None
-    from meshplan.runtime.evaluate import Evaluator
 
     return Evaluator(Job.from_bytes(Path(spec.eval_job).read_bytes()), train_ctx, comm, device,
                      spec.eval_data, spec.eval_batches, on_action)

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.errors import ConfigError, ScheduleError
+from meshplan.lowering.lower import lower
 from meshplan.schedules import stage_placement
 from meshplan.search.estimate import Prediction, Setting, price
 from meshplan.search.probe import Spec
 from meshplan.search.space import Candidate
+from meshplan.search.work import read_work
 
 
 def evaluate(spec: Spec, cand: Candidate, st: Setting,
@@ -34,9 +36,6 @@ def fits(spec: Spec, cand: Candidate, st: Setting, stage_layers: tuple[int, ...]
     that peak (the stages in `first` lowered first: the likeliest to be
     over, so that a candidate that does not fit costs its plan and one
     stage's lowering)."""
-    from meshplan.lowering.lower import lower
-    from meshplan.search.work import read_work
-
     strategy = spec.strategy(dp=cand.dp, tp=cand.tp, pp=cand.pp, vpp=cand.vpp,
                              schedule=cand.schedule, global_batch_size=st.global_batch,
                              micro_batch_size=cand.micro_batch_size, recompute=cand.recompute,

@@ -40,9 +40,14 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from meshplan.costmodel import DeviceModel
+from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.mesh import Mesh
 from meshplan.ir.zero import ZeroLevel
+from meshplan.lowering.lower import lower
+from meshplan.models import model_config
+from meshplan.passes.plan import PASSES, Compilation
+from meshplan.passes.strategy import check_strategy
 from meshplan.schedules.registry import CSV
 from meshplan.search.work import Work, read_work
 
@@ -67,8 +72,6 @@ class ModelSpec:
     precision: str = "fp32"
 
     def config(self, **more):
-        from meshplan.models import model_config
-
         return model_config(self.model, self.size, **dict(self.overrides), **more)
 
     @property
@@ -86,14 +89,10 @@ class ModelSpec:
         return 0
 
     def strategy(self, layers: int = 0, **fields) -> Strategy:
-        from meshplan.driver.plan import zoo_strategy
-
         cfg = self.config(layers=layers) if layers else self.config()
         return zoo_strategy(self.model, cfg, precision=self.precision, **fields)
 
     def plan(self, mesh: Mesh, strategy: Strategy, layers: int = 0) -> Job:
-        from meshplan.driver.plan import plan_model
-
         more = {"layers": layers} if layers else {}
         return plan_model(self.model, self.size, mesh, strategy, optimizer=self.optimizer,
                           encode=False, **{**dict(self.overrides), **more}).job
@@ -132,9 +131,6 @@ class GraphSpec:
         return replace(self.base, auto=False, **fields)
 
     def plan(self, mesh: Mesh, strategy: Strategy, layers: int = 0) -> Job:
-        from meshplan.passes.plan import PASSES, Compilation
-        from meshplan.passes.strategy import check_strategy
-
         strategy = check_strategy(mesh, strategy)
         return PASSES.run(Compilation(self.graph, mesh, strategy, self.optimizer)).job
 
@@ -192,8 +188,6 @@ def probe(spec: Spec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
 @cache
 def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1,
              zero: ZeroLevel = ZeroLevel.NONE):
-    from meshplan.lowering.lower import lower
-
     try:
         job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero)
     except (ConfigError, ScheduleError) as err:

@@ -47,6 +47,7 @@ from meshplan.search.estimate import (
     stage_works,
     with_dp,
 )
+from meshplan.search.full import fits
 from meshplan.search.probe import Probe, Spec, probe_many, probe_or_error
 from meshplan.search.space import Candidate, Space, candidates
 
@@ -178,8 +179,6 @@ class _Proof:
 
     def planned(self, r: Ranked) -> Prediction | None:
         """`r`'s full Prediction if its full plan fits, else None."""
-        from meshplan.search.full import fits
-
         t = time.perf_counter()
         self.made += 1
         worst = tuple(sorted(range(len(r.pred.peak)), key=lambda i: -r.pred.peak[i]))

@@ -21,10 +21,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from meshplan.errors import ScheduleError
+from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.choices import Recompute
-from meshplan.ir.mesh import Mesh
+from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.zero import ZeroLevel
+from meshplan.passes.strategy import check_strategy
 from meshplan.schedules import compute_actions, spec_of
 from meshplan.schedules.registry import DEFAULT, searched
 
@@ -141,10 +142,6 @@ def schedule_takes(schedule: str, pp: int, vpp: int, m: int) -> bool:
 def _planner_takes(mesh: Mesh, dp: int, tp: int, pp: int, vpp: int, schedule: str,
                    global_batch: int, mbs: int) -> bool:
     """Whether the planner's own strategy check (`passes/strategy.py`) accepts it."""
-    from meshplan.errors import ConfigError
-    from meshplan.ir.mesh import Strategy
-    from meshplan.passes.strategy import check_strategy
-
     try:
         check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule,
                                       global_batch_size=global_batch, micro_batch_size=mbs))
