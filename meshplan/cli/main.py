@@ -55,7 +55,8 @@ from meshplan.cli.verdict import (
     verdict_lines,
 )
 from meshplan.driver.inspect import inspect_model
-from meshplan.driver.plan import plan_model, report
+from meshplan.driver.job_report import report
+from meshplan.driver.plan import plan_model
 from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.choices import Precision, Recompute
@@ -267,7 +268,8 @@ def _cmd_plan(a: argparse.Namespace) -> int:
                          **overrides(a))
     r = report(planned.job)
     if a.json:
-        print(json.dumps(r | {"capture_s": planned.capture_s, "passes_s": planned.timings}))
+        print(json.dumps(r.to_json() | {"capture_s": planned.capture_s,
+                                        "passes_s": planned.timings}))
     else:
         print_plan(r, a.model, a.size, planned.timings, planned.capture_s)
     return 0

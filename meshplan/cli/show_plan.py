@@ -2,38 +2,39 @@
 
 from __future__ import annotations
 
+from meshplan.driver.job_report import JobReport
+
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
-def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) -> None:
-    print(f"{model} {size} on {r['nodes']}x{r['devices_per_node']} = {r['world']} ranks: "
-          f"dp={r['dp']} tp={r['tp']} pp={r['pp']} vpp={r['vpp']}, schedule {r['schedule']}, "
-          f"{r['num_microbatches']} micro-batches, {r['ops']} ops, {r['precision']}, "
-          f"recompute {r['recompute']}" + (f", zero {r['zero']}" if r["zero"] else ""))
+def print_plan(r: JobReport, model: str, size: str, timings: dict, capture_s: float) -> None:
+    print(f"{model} {size} on {r.nodes}x{r.devices_per_node} = {r.world} ranks: "
+          f"dp={r.dp} tp={r.tp} pp={r.pp} vpp={r.vpp}, schedule {r.schedule}, "
+          f"{r.num_microbatches} micro-batches, {r.ops} ops, {r.precision}, "
+          f"recompute {r.recompute}" + (f", zero {int(r.zero)}" if r.zero else ""))
     print(f"\n{'stage':>5} {'chunk':>5} {'ops':>6} {'params':>11}  layers")
-    for c in r["chunks"]:
+    for c in r.chunks:
         layers = ", ".join(c["layers"]) or "-"
         print(f"{c['stage']:>5} {c['chunk']:>5} {c['ops']:>6} {_mib(c['param_bytes']):>11}  "
               f"{layers}")
     print(f"\n{'communication':<36} {'count':>6}")
-    for key, n in sorted(r["comm_counts"].items()):
-        kind, axis, phase = key.split("/")
-        print(f"{kind + ' over ' + axis + ' (' + phase + ')':<36} {n:>6}")
-    t = r["totals_per_step"]
-    print(f"\nper step: {t['comm_ops']} communication ops, {_mib(t['comm_bytes'])} "
+    for key, n in sorted(r.comm_counts.items()):
+        print(f"{key.kind + ' over ' + key.axis + ' (' + key.phase + ')':<36} {n:>6}")
+    print(f"\nper step: {r.comm_ops_per_step} communication ops, "
+          f"{_mib(r.comm_bytes_per_step)} "
           "(logical bytes of the tensors communicated)")
     cats = ("param", "grad", "optimizer", "activation", "temp", "total")
-    if r["memory"]:
+    if r.memory:
         print("\nplanned peak per rank  " + " ".join(f"{c:>11}" for c in cats))
-    for m in r["memory"]:
+    for m in r.memory:
         print(f"stage {m['stage']} (rank {m['rank']}):".ljust(23)
               + " ".join(f"{_mib(m[c]):>11}" for c in cats))
-    for name, stages in r.get("shared", {}).items():
+    for name, stages in r.shared.items():
         print(f"shared: '{name}' has a copy on stages {stages}; its gradient is all-reduced "
               "across them once per step")
-    o = r.get("optimizer")
+    o = r.optimizer
     if o and o["kind"]:
         wd = o["weight_decay_groups"]
         sched = o["lr_schedule"]
@@ -44,7 +45,7 @@ def print_plan(r: dict, model: str, size: str, timings: dict, capture_s: float) 
                  else "no clipping; ")
               + (f"lr {sched['lr']:g}, {sched['kind']} after {sched['warmup_steps']} warmup "
                  f"steps" if sched else "constant lr"))
-    for note in r["notes"]:
+    for note in r.notes:
         print(f"note: {note}")
     passes = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in timings.items())
-    print(f"capture {capture_s:.2f} s; passes: {passes}; job {r['job_digest'][:16]}")
+    print(f"capture {capture_s:.2f} s; passes: {passes}; job {r.job_digest[:16]}")

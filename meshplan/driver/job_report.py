@@ -1,0 +1,179 @@
+"""The report of a Job (`meshplan plan`): what the ranks will be asked to do.
+
+Invariants:
+- Computed from the Job alone (plus lowering one rank per stage for the
+  planned memory), so it says exactly what the ranks will run.
+- `JobReport` is typed (communication counted by `CommKey`); `to_json` is
+  the one place its JSON form (`plan --json`) is spelled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, fields
+
+from meshplan.ir import Phase, Role
+from meshplan.ir.job import Job
+from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, short
+from meshplan.ir.mesh import AXES
+from meshplan.ir.sbp import fmt
+from meshplan.ir.zero import ZeroLevel
+from meshplan.lowering.lower import lower
+from meshplan.ops.rule import Category
+from meshplan.ops.table import rule_for
+
+
+def comm_ops(job: Job) -> list[dict]:
+    """Every communication op: kind, axis, phase, stage, bytes per micro-batch."""
+    out = []
+    for op in job.graph.ops:
+        if not rule_for(op.kind).category.communicates:
+            continue
+        kw = dict(op.kwargs)
+        src = op.args[0].id
+        out.append({
+            "op": op.id, "kind": short(op.kind),
+            "axis": AXES[kw["axis"]] if "axis" in kw else "pp",
+            "phase": op.phase.value, "stage": job.stage[op.id], "chunk": job.chunk[op.id],
+            "module": op.module_path, "bytes": job.graph.values[src].meta.nbytes,
+            "from": fmt(job.sbp[src]), "to": fmt(job.sbp[op.outputs[0]]),
+        })
+    return out
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class CommKey:
+    """What a communication op does: its kind, grid axis (or pp) and phase."""
+
+    kind: str
+    axis: str
+    phase: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}/{self.axis}/{self.phase}"
+
+
+@dataclass(frozen=True)
+class JobReport:
+    """The Job summary `meshplan plan` prints: stages and chunks,
+    communication, totals per step, planned memory, the optimizer step."""
+
+    world: int
+    nodes: int
+    devices_per_node: int
+    dp: int
+    tp: int
+    pp: int
+    vpp: int
+    schedule: str
+    precision: str
+    recompute: str
+    num_microbatches: int
+    ops: int
+    job_digest: str
+    chunks: list[dict]          # {stage, chunk, layers, ops, param_bytes}
+    comm: list[dict]            # `comm_ops`
+    comm_counts: dict[CommKey, int]
+    comm_ops_per_step: int
+    comm_bytes_per_step: int
+    layer_pattern: str
+    tp_plan: list[list[str]]
+    zero: ZeroLevel
+    memory: list[dict]          # `stage_memory`
+    shared: dict[str, list[int]]
+    optimizer: dict             # `optimizer_summary`
+    notes: list[str]
+
+    def to_json(self) -> dict:
+        """The report as `plan --json` prints it (the one place it is spelled)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("comm_counts", "comm_ops_per_step", "comm_bytes_per_step")}
+        out["comm_counts"] = {str(k): n for k, n in self.comm_counts.items()}
+        out["totals_per_step"] = {"comm_ops": self.comm_ops_per_step,
+                                  "comm_bytes": self.comm_bytes_per_step}
+        return out
+
+
+def report(job: Job) -> JobReport:
+    """The Job summary, computed from the Job alone."""
+    g = job.graph
+    m = job.strategy.num_microbatches
+    chunks: dict = defaultdict(lambda: {"layers": [], "ops": 0, "param_bytes": 0})
+    for name, st, c in zip(job.layers, job.layer_stage, job.layer_chunk):
+        chunks[(st, c)]["layers"].append(name)
+    consumers: dict[int, int] = {}
+    for op in g.ops:
+        chunks[(job.stage[op.id], job.chunk[op.id])]["ops"] += 1
+        for r in op.refs():
+            consumers.setdefault(r, op.id)
+    for p in g.inputs_by_role(Role.PARAM):
+        if p.id in consumers:
+            i = consumers[p.id]
+            chunks[(job.stage[i], job.chunk[i])]["param_bytes"] += p.meta.nbytes
+    comms = comm_ops(job)
+    once = Phase.OPTIMIZER.value  # the step's communication runs once, the rest per micro-batch
+    s = job.strategy
+    return JobReport(
+        job.mesh.world, job.mesh.nodes, job.mesh.devices_per_node, s.dp, s.tp, s.pp, s.vpp,
+        s.schedule, s.precision, s.recompute, m, len(g.ops), job.digest(),
+        [{"stage": k[0], "chunk": k[1], **v} for k, v in sorted(chunks.items())], comms,
+        dict(Counter(CommKey(c["kind"], c["axis"], c["phase"]) for c in comms)),
+        sum(1 if c["phase"] == once else m for c in comms),
+        sum(c["bytes"] * (1 if c["phase"] == once else m) for c in comms),
+        s.layer_pattern, [list(x) for x in s.tp_plan], s.zero, stage_memory(job),
+        shared_params(job), optimizer_summary(job), list(job.notes))
+
+
+def optimizer_summary(job: Job) -> dict:
+    """The optimizer step: its kind, clipping threshold, learning-rate schedule,
+    and how many parameters (and elements) take weight decay and how many not."""
+    g = job.graph
+    producer = {o: op for op in g.ops for o in op.outputs if o >= 0}
+    groups: dict[str, dict[str, int]] = {"decay": {"params": 0, "elements": 0},
+                                         "no_decay": {"params": 0, "elements": 0}}
+    seen, kind, clip = set(), None, None
+    for op in g.ops:
+        if op.kind == CLIP_COEF:
+            clip = dict(op.kwargs)["max_norm"]
+        if rule_for(op.kind).category is not Category.OPTIMIZER:
+            continue
+        kind = op.kind
+        vid = op.args[0].id
+        while vid in producer and rule_for(producer[vid].kind).category.boxing:
+            vid = producer[vid].args[0].id  # a shard of the parameter: the parameter
+        v = g.values[vid]
+        if v.name in seen:
+            continue  # a tied weight's other copy
+        seen.add(v.name)
+        group = groups["decay" if dict(op.kwargs)["weight_decay"] else "no_decay"]
+        group["params"] += 1
+        group["elements"] += v.meta.numel
+    lr = g.facts.train and g.facts.train.lr_schedule
+    return {"kind": kind and kind.removeprefix("meshplan."), "max_grad_norm": clip,
+            "lr_schedule": json.loads(lr[0].to_meta(lr[1])) if lr else None,
+            "weight_decay_groups": groups}
+
+
+def stage_memory(job: Job) -> list[dict]:
+    """The planned peak bytes by category of each stage's first rank (the
+    stage's ranks differ at most by uneven shards), lowered here; none for a
+    layout with other chunk counts than vpp (a user layout kept by runs:
+    reported, not schedulable)."""
+    if max(job.chunk, default=0) + 1 != job.strategy.vpp:
+        return []
+    out = []
+    for stage in range(job.strategy.pp):
+        rank = job.strategy.ranks_of_stage(stage)[0]
+        out.append({"stage": stage, "rank": rank, **dict(lower(job, rank).memory.peak)})
+    return out
+
+
+def shared_params(job: Job) -> dict[str, list[int]]:
+    """Parameters with a copy on several stages, and those stages."""
+    out = {}
+    for op in job.graph.ops:
+        kw = dict(op.kwargs)
+        if op.kind == ALL_REDUCE and "stages" in kw:
+            out[kw["param"]] = list(kw["stages"])
+    return out
