@@ -31,6 +31,7 @@ from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.checkpoint import check_resumable
 from meshplan.runtime.devices import resolve_backend, resolve_device
 from meshplan.runtime.launch import launch_local
+from meshplan.runtime.rank_result import RankResult, read_gathered
 from meshplan.runtime.state import weights_of
 from meshplan.runtime.tensor_file import STATE, read_tensors, save_inputs
 from meshplan.runtime.worker import RunSpec, rank_main
@@ -157,7 +158,7 @@ def launch(job, spec: RunSpec, t0: float, trace: str = "", saved=None,
               for r in range(job.mesh.world)} if spec.report_state else None
     out = merge(per_rank, job, time.perf_counter() - t0, trace)
     out.state_slices = slices
-    out.rows_read = {str(r): v.get("rows_read") for r, v in sorted(per_rank.items())}
+    out.rows_read = {str(r): v.rows_read for r, v in sorted(per_rank.items())}
     return out
 
 
@@ -200,44 +201,36 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
                                f"{fail['error']}")
         if rank != 0:
             return None
-        per_rank = {d["rank"]: d for d in json.loads(
-            (Path(results) / "all_ranks.json").read_text())}
+        per_rank = read_gathered(Path(results))
     return merge(per_rank, None, time.perf_counter() - t0, trace)
 
 
-def merge(per_rank: dict[int, dict], job, wall_s: float, trace: str = "") -> RunResult:
+def merge(per_rank: dict[int, RankResult], job, wall_s: float, trace: str = "") -> RunResult:
     """One result from every rank's: the losses, the slowest rank's step
     times, memory per rank; with `trace`, the merged trace written there."""
-    holders = [r for r, v in sorted(per_rank.items()) if v["losses"]]
-    losses = per_rank[holders[0]]["losses"] if holders else []
-    steps = [max(v["step_s"][i] for v in per_rank.values())
-             for i in range(len(next(iter(per_rank.values()))["step_s"]))]
+    holders = [r for r, v in sorted(per_rank.items()) if v.losses]
+    losses = per_rank[holders[0]].losses if holders else []
+    any_rank = next(iter(per_rank.values()))
+    steps = [max(v.step_s[i] for v in per_rank.values()) for i in range(len(any_rank.step_s))]
     return RunResult(
         losses=losses, step_s=steps,
-        rank_losses={str(r): per_rank[r]["losses"] for r in holders},
-        rank_grad_norms={str(r): v["grad_norms"] for r, v in sorted(per_rank.items())
-                         if v.get("grad_norms")},
-        skipped_steps=next(iter(per_rank.values())).get("skipped_steps", []),
+        rank_losses={str(r): per_rank[r].losses for r in holders},
+        rank_grad_norms={str(r): v.grad_norms for r, v in sorted(per_rank.items())
+                         if v.grad_norms},
+        skipped_steps=any_rank.skipped_steps,
         median_step_s=statistics.median(steps) if steps else None,
-        ranks={str(r): {"planned_peak_bytes": v["planned_peak_bytes"],
-                        "measured_peak_bytes": v["measured_peak_bytes"],
-                        "live_peak_bytes": v.get("live_peak_bytes"),
-                        "device": v.get("device", "cpu"),
-                        "attention_fallbacks": v.get("attention_fallbacks", {}),
-                        "attention_ran": v.get("attention_ran", {}),
-                        "planned_peak": v["planned_peak"]}
-               for r, v in sorted(per_rank.items())},
+        ranks={str(r): v.memory() for r, v in sorted(per_rank.items())},
         job_digest=job.digest() if job is not None else None, wall_s=wall_s,
-        first_step=next(iter(per_rank.values())).get("first_step", 0),
+        first_step=any_rank.first_step,
         trace=write_trace(per_rank, trace) if trace else None,
     )
 
 
-def write_trace(per_rank: dict[int, dict], path: str) -> dict:
+def write_trace(per_rank: dict[int, RankResult], path: str) -> dict:
     """Merge the ranks' measured spans into one Chrome trace at `path`;
     returns its path, step time and bubble ratios (see schedules/trace.py)."""
-    spans = {r: [Span.from_json(row) for row in v["trace"]] for r, v in per_rank.items()
-             if v.get("trace")}
+    spans = {r: [Span.from_json(row) for row in v.trace] for r, v in per_rank.items()
+             if v.trace}
     write_atomic(Path(path), json.dumps(chrome_events(spans)).encode())
     b = bubble(spans)
     return {"path": str(path), "step_s": b["step_s"], "bubble_ratio": b["bubble_ratio"],

@@ -46,6 +46,7 @@ from meshplan.driver.train import (
 from meshplan.errors import RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.runtime.checkpoint import check_resumable
+from meshplan.runtime.rank_result import read_results, result_name
 from meshplan.runtime.tensor_file import STATE, read_tensors
 from meshplan.runtime.worker import rank_main
 
@@ -150,17 +151,16 @@ class _Merging:
     def result(self, world: int, t0: float, weights: dict, timeout_s: float):
         """The run's result, once every rank has written its own."""
         deadline = time.monotonic() + timeout_s
-        while not all((self.results / f"rank_{r}.json").is_file() for r in range(world)):
+        while not all((self.results / result_name(r)).is_file() for r in range(world)):
             if time.monotonic() > deadline:
                 raise RuntimeFault(f"not every rank reported within {timeout_s:.0f} s after "
                                    f"rank 0 finished ({self.results}); see their logs")
             time.sleep(0.1)
-        per_rank = {r: json.loads((self.results / f"rank_{r}.json").read_text())
-                    for r in range(world)}
+        per_rank = read_results(self.results, world)
         slices = {r: read_tensors(self.results / f"state_{r}.bin", STATE)[0]
                   for r in range(world)}
         r = merge(per_rank, self.job, time.perf_counter() - t0)
         return TrainResult(r.losses, self.merger.eval_written,
                            trained_weights(self.job, slices, weights), self.merger.written,
-                           {str(k): v.get("rows_read") for k, v in sorted(per_rank.items())},
+                           {str(k): v.rows_read for k, v in sorted(per_rank.items())},
                            time.perf_counter() - t0, self.first)

@@ -29,6 +29,7 @@ from meshplan.errors import KernelFault, RuntimeFault, TrainingHalted
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import Job
 from meshplan.runtime.own_plan import rank_plan
+from meshplan.runtime.rank_result import read_results
 from meshplan.runtime.worker import RunSpec, spawn_entry
 
 
@@ -71,7 +72,7 @@ def launch_local(spec: RunSpec, world: int, job_bytes: bytes,
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-    return {r: json.loads((results / f"rank_{r}.json").read_text()) for r in range(world)}
+    return read_results(results, world)
 
 
 def _step_reporter(steps_done, on_step):

@@ -46,6 +46,7 @@ from meshplan.runtime.init_weights import load_weights
 from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.progress import StepRows, progress_only, reporter, start_liveness
 from meshplan.runtime.rank_executor import NonFiniteNorm, RankExecutor, halted
+from meshplan.runtime.rank_result import ALL_RANKS, RankResult, result_name
 from meshplan.runtime.tensor_file import STATE, load_inputs, write_tensors
 
 
@@ -204,24 +205,18 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
 
         write_tensors(Path(spec.results) / f"state_{rank}.bin", STATE,
                       checkpoint.state_slices(state, job, ex.ctx))
-    result = {"rank": rank, "losses": losses, "grad_norms": norms, "skipped_steps": skipped,
-              "step_s": times,
-              "first_step": start,
-              "planned_peak_bytes": plan.memory.peak_bytes(),
-              "planned_peak": dict(plan.memory.peak),
-              "measured_peak_bytes": measured_peak(device, ex.mem),
-              "live_peak_bytes": ex.mem.peak, "device": str(device),
-              "attention_fallbacks": dict(FALLBACKS), "attention_ran": dict(RAN),
-              "trace": trace, "rows_read": rows_read}
-    data = json.dumps(result).encode()
+    result = RankResult(rank, losses, norms, skipped, times, start, plan.memory.peak_bytes(),
+                        dict(plan.memory.peak), measured_peak(device, ex.mem), ex.mem.peak,
+                        str(device), dict(FALLBACKS), dict(RAN), trace, rows_read)
+    data = result.to_json().encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
 
         data = json.dumps([json.loads(b) for b in gather_bytes(data)]).encode()
         if rank != 0:
             return 0
-        write_atomic(Path(spec.results) / "all_ranks.json", data)
+        write_atomic(Path(spec.results) / ALL_RANKS, data)
         return 0
-    write_atomic(Path(spec.results) / f"rank_{rank}.json", data)
+    write_atomic(Path(spec.results) / result_name(rank), data)
     return 0
 
 
