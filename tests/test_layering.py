@@ -90,10 +90,17 @@ def sources() -> list[Path]:
     return sorted((ROOT / "meshplan").rglob("*.py"))
 
 
-def test_no_module_imports_a_layer_above_its_own():
-    found = [v for p in sources()
-             for v in violations(p.relative_to(ROOT).as_posix(), p.read_text())]
+def over_the_tree(check) -> list[str]:
+    """`check(path, source)`'s lines over every module of meshplan/."""
+    return [v for p in sources() for v in check(p.relative_to(ROOT).as_posix(), p.read_text())]
+
+
+def assert_none(found: list[str]) -> None:
     assert not found, "\n".join(found)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert_none(over_the_tree(violations))
 
 
 def test_every_package_has_a_layer():
@@ -222,9 +229,7 @@ def plan_only_violations(path: str, source: str) -> list[str]:
 
 
 def test_the_runtime_needs_only_the_plan():
-    found = [v for p in sources()
-             for v in plan_only_violations(p.relative_to(ROOT).as_posix(), p.read_text())]
-    assert not found, "\n".join(found)
+    assert_none(over_the_tree(plan_only_violations))
 
 
 def test_a_runtime_module_deriving_from_the_job_is_reported():
@@ -260,9 +265,7 @@ def unexplained_local_imports(path: str, source: str) -> list[str]:
 
 
 def test_every_function_level_import_says_why():
-    found = [v for p in sources()
-             for v in unexplained_local_imports(p.relative_to(ROOT).as_posix(), p.read_text())]
-    assert not found, "\n".join(found)
+    assert_none(over_the_tree(unexplained_local_imports))
 
 
 def test_an_unexplained_function_level_import_is_reported():
