@@ -177,11 +177,11 @@ def test_a_checkpoint_is_read_one_tensor_at_a_time(run, tmp_path, monkeypatch, f
     """Each tensor read is dropped before the next is read: the reader is
     wrapped to hold a weak reference to every tensor it returns (a torch
     shard holds its own tensors, so torch is checked at a tensor a shard)."""
-    import meshplan.runtime.checkpoint as checkpoint
+    import meshplan.driver.export as export_mod
     from meshplan.driver.export import ExportFormat, checkpoint_source, export
 
     _, run_dir, _ = run
-    read, returned, live_at_read = checkpoint.read_tensor, [], []
+    read, returned, live_at_read = export_mod.read_tensor, [], []
 
     def counting(*args, **kwargs):  # tensors hold no cycles: refcounts free them at once
         live_at_read.append(sum(r() is not None for r in returned))
@@ -189,7 +189,7 @@ def test_a_checkpoint_is_read_one_tensor_at_a_time(run, tmp_path, monkeypatch, f
         returned.append(weakref.ref(t))
         return t
 
-    monkeypatch.setattr(checkpoint, "read_tensor", counting)
+    monkeypatch.setattr(export_mod, "read_tensor", counting)  # the name export reads by
     source = checkpoint_source(str(run_dir))
     r = export(source, ExportFormat(fmt), str(tmp_path / "out"), size)
     assert len(returned) == r.tensors == len(live_at_read) > 10
@@ -198,11 +198,11 @@ def test_a_checkpoint_is_read_one_tensor_at_a_time(run, tmp_path, monkeypatch, f
 
 @pytest.mark.slow
 def test_a_failure_leaves_nothing(run, tmp_path, monkeypatch):
-    import meshplan.runtime.checkpoint as checkpoint
+    import meshplan.driver.export as export_mod
     from meshplan.driver.export import ExportFormat, checkpoint_source, export
 
     _, run_dir, _ = run
-    read, calls = checkpoint.read_tensor, []
+    read, calls = export_mod.read_tensor, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -210,7 +210,7 @@ def test_a_failure_leaves_nothing(run, tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return read(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "read_tensor", failing)
+    monkeypatch.setattr(export_mod, "read_tensor", failing)
     out = tmp_path / "deep" / "out"
     with pytest.raises(OSError):
         export(checkpoint_source(str(run_dir)), ExportFormat.HF, str(out), "100KB")
