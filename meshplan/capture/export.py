@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from meshplan.capture.structure import auto_facts
+from meshplan.capture.structure import structure_facts
 from meshplan.errors import CaptureError
 from meshplan.ir import (
     DEVICE,
@@ -158,7 +158,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
                        if not p.requires_grad)
     graph, env = _translate(ep, prefix, type(module).__name__, same, frozen)
     graph = replace(graph, facts=replace(graph.facts, aliases=_aliases(same, graph),
-                                         structure=auto_facts(module)))
+                                         structure=structure_facts(module)))
     check_well_formed(graph)
     return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix)
 

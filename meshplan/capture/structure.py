@@ -25,7 +25,7 @@ from torch import nn
 from meshplan.ir.graph_facts import Structure
 
 
-def auto_facts(module: nn.Module) -> Structure:
+def structure_facts(module: nn.Module) -> Structure:
     """The structure facts of `module`."""
     hf_path, hf = _transformers_model(module)
     conf = getattr(hf, "config", None)

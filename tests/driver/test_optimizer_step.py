@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from meshplan.autodiff import OptimizerConfig
-from meshplan.driver.plan import plan_model, report, zoo_strategy
+from meshplan.driver.job_report import report
+from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.run import run
 from meshplan.driver.verify import verify
 from meshplan.errors import TrainingHalted
@@ -74,12 +75,12 @@ def test_plan_counts_each_decay_group():
     module = build_model(cfg)
     one_d = [p for p in module.parameters() if p.ndim < 2]
     s = zoo_strategy("gpt", cfg, global_batch_size=8)
-    groups = report(plan_model("gpt", "tiny", Mesh(1, 1), s, "adamw").job)["optimizer"]
+    groups = report(plan_model("gpt", "tiny", Mesh(1, 1), s, "adamw").job).optimizer
     wd = groups["weight_decay_groups"]
     assert wd["no_decay"] == {"params": len(one_d), "elements": sum(p.numel() for p in one_d)}
     assert wd["decay"]["params"] == len(list(module.parameters())) - len(one_d)
     every = report(plan_model("gpt", "tiny", Mesh(1, 1), s,
-                              OptimizerConfig.of("adamw", no_decay="none")).job)["optimizer"]
+                              OptimizerConfig.of("adamw", no_decay="none")).job).optimizer
     assert every["weight_decay_groups"]["no_decay"]["params"] == 0
 
 

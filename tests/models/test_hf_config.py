@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from meshplan.capture.structure import auto_facts  # noqa: E402
+from meshplan.capture.structure import structure_facts  # noqa: E402
 from meshplan.errors import ConfigError  # noqa: E402
 from meshplan.models import (  # noqa: E402
     build_model,
@@ -46,7 +46,7 @@ def test_an_encoder_decoder_gets_our_sizes_in_both_stacks_and_both_layer_lists()
     assert (conf.num_layers, conf.num_decoder_layers, conf.d_model, conf.d_kv) == (3, 3, 64, 16)
     assert conf.dropout_rate == 0.0 and conf.tie_word_embeddings  # T5 ties, by its default
     module = build_model(cfg, device="meta")
-    assert auto_facts(module).layers == "model.encoder.block,model.decoder.block"
+    assert structure_facts(module).layers == "model.encoder.block,model.decoder.block"
     inputs, labels = example_batch(cfg, 2)
     assert (labels != -100).all() and (inputs == 0).any()  # denoise the whole sequence
 

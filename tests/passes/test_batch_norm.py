@@ -6,7 +6,8 @@ import copy
 from meshplan.autodiff import OptimizerConfig, build_train_step
 from meshplan.capture import capture
 from meshplan.driver.executor import Executor
-from meshplan.driver.plan import comm_ops, plan_model, zoo_strategy
+from meshplan.driver.job_report import comm_ops
+from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager, whole_slices
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config

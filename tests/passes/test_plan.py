@@ -14,7 +14,8 @@ import torch
 from meshplan.autodiff import build_train_step
 from meshplan.capture import capture
 from meshplan.driver.executor import Executor
-from meshplan.driver.plan import comm_ops, plan_model, zoo_strategy
+from meshplan.driver.job_report import comm_ops
+from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.reference import split_microbatches
 from meshplan.driver.verify import against_eager, whole_slices
 from meshplan.ir import Phase
