@@ -3,7 +3,7 @@ graph beside its ops (`Graph.facts`), as one typed, frozen record.
 
 Invariants:
 - Facts, not decisions: the model's class, the other names of tied tensors,
-  the module structure "auto" plans read, the precision the casts were made
+  the module structure derived plans read, the precision the casts were made
   for, and the train step's optimizer, micro-batch count and loss scale.
 - A pass adds its facts with `dataclasses.replace`; no field is a string
   standing for a number or for JSON (but `TrainFacts.optimizer_config`, the
@@ -22,8 +22,8 @@ from meshplan.ir.lr_schedule import LrSchedule
 
 @dataclass(frozen=True, slots=True)
 class Structure:
-    """What capture records about a module's structure, for "auto" plans
-    (`capture/structure.py` finds them, `passes/auto_plan.py` reads them)."""
+    """What capture records about a module's structure, for derived plans
+    (`capture/structure.py` finds them, `passes/derive.py` reads them)."""
 
     layers: str  # the layer lists' module paths, joined by commas ("" none)
     layers_from: str  # where the layer list came from (a note for the user)

@@ -272,6 +272,8 @@ def _strategy(d: dict) -> Strategy:
 def _encode(job: Job) -> Parts:
     g = job.graph
     head = {"mesh": asdict(job.mesh), "strategy": asdict(job.strategy),
+            # update_values: no reader since views take the updates by name from the
+            # "graph" part; kept, for the Job's bytes are pinned (tests/goldens)
             "loss": g.loss, "update_values": sorted({u.value for u in g.updates}),
             "layers": list(job.layers), "layer_stage": list(job.layer_stage),
             "layer_chunk": list(job.layer_chunk), "notes": list(job.notes),
