@@ -120,7 +120,7 @@ def _run_graph(graph: Graph, module, args: tuple, keeps: list[int]) -> dict[int,
         v = graph.values[vid]
         env[vid] = own_tensor(own, graph, v.name) if v.role is not Role.DATA else next(data)
     device = next((t.device for t in env.values()), torch.device("cpu"))
-    fn = compile_segment(graph, graph.ops, reads=list(graph.inputs),
+    fn = compile_segment(graph.ops, reads=list(graph.inputs),
                          keeps=[k for k in keeps if k >= 0],
                          device=device, name="self_check", borrowed=list(graph.inputs))
     return fn(env, LiveBytes())

@@ -10,13 +10,17 @@ Invariants:
   cross-stage edges are `meshplan.transfer` ops.
 - The Job is deterministic: the same inputs give byte-identical `to_bytes`
   and the same `digest`, in any process.
-- Bytes (format "meshplan.job" v2, `fileio.seal_parts`): a head (mesh,
+- Bytes (format "meshplan.job" v3, `fileio.seal_parts`): a head (mesh,
   strategy, temps, the values that update a state); the rest of the graph
-  (inputs, updates by name, meta, gradient links); per stage, its ops and
+  (inputs, the data inputs in batch order, the `RANK_WIDE` inputs' values,
+  updates by name, meta, gradient links); per stage, its ops and
   the values its view reads (values on a stage boundary are in both); the
   transfers; and the values no op touches. `digest` is the sha256 of the
   body, hashed once: when the Job is written or read. `JobReader.view`
-  decodes only what lowering one stage reads.
+  decodes only what one stage's ranks read: the head, the "graph" part
+  (inputs, updates, facts: a few entries per state), the transfers, and
+  that stage's ops and values; `JobReader.states` adds the other stages'
+  value rows, for the one rank that writes a checkpoint's manifest.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from meshplan.errors import PlanError
 from meshplan.ir.fileio import Parts, encode_part, open_parts, sealed_parts
 from meshplan.ir.gc_pause import paused_gc
-from meshplan.ir.graph import DType, Graph, Op, Role, TensorMeta, Update, Value
+from meshplan.ir.graph import RANK_WIDE, DType, Graph, Op, Role, TensorMeta, Update, Value
+from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard, fmt
@@ -40,7 +45,7 @@ from meshplan.ir.serialize import (
 )
 
 KIND = "meshplan.job"
-VERSION = 2
+VERSION = 3  # v3: the "graph" part lists the data inputs (a view's batch order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,18 +92,25 @@ class Job:
                if self.stage[op.id] == stage or op.kind == TRANSFER
                and dict(op.kwargs)["src_stage"] == stage]
         return _view(self.mesh, self.strategy, stage, self.digest(), dict(self.temps),
-                     {u.name: u.value for u in g.updates},
+                     _Whole(g.inputs, _data_ids(g),
+                            tuple((g.values[v], self.sbp[v]) for v in _rank_wide(g)), g.loss,
+                            {u.name: u.value for u in g.updates}, g.facts),
                      [(g.ops[i], self.stage[i], self.chunk[i], self.variant[i]) for i in ids],
                      lambda v: (g.values[v], self.sbp[v]))
+
+    def states(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every state's (shape, dtype name), by name (`JobReader.states`)."""
+        return _states(self.graph.values)
 
 
 @dataclass(frozen=True)
 class StageView:
-    """The part of a Job that lowering a rank of `stage` reads, by id: the
-    stage's ops and every transfer into or out of it (in Job order), their
-    stage, chunk and kernel variant, the values they read or write with
-    their layouts, which of them update a state in place, and the Job's
-    temps. Read-only mappings."""
+    """The part of a Job that a rank of `stage` reads, to lower its plan and
+    to run it, by id: the stage's ops and every transfer into or out of it
+    (in Job order), their stage, chunk and kernel variant, the values they
+    read or write with their layouts, which of them update a state in
+    place, the graph inputs among them, the loss id, the graph's facts and
+    the Job's temps. Read-only mappings."""
 
     mesh: Mesh
     strategy: Strategy
@@ -114,6 +126,19 @@ class StageView:
     temps: dict[str, int]
     # state name -> the value of its update, for the updates among `values`
     finals: dict[str, int]
+    inputs: tuple[int, ...]  # the graph inputs among `values`, in the graph's order
+    # (`values` holds the graph's `RANK_WIDE` inputs on every stage)
+    data: tuple[int, ...]    # every DATA input of the graph, in batch order (some not here)
+    loss: int                # the graph's loss value (on the last stage's view only)
+    facts: GraphFacts
+    op_of: dict[int, Op]     # `ops` by id
+
+    def inputs_by_role(self, role: Role) -> tuple[Value, ...]:
+        return tuple(self.values[i] for i in self.inputs if self.values[i].role is role)
+
+    def names_of(self, name: str) -> tuple[str, ...]:
+        """`name` (a graph input's) and its aliases (`Graph.names_of`)."""
+        return (name, *sorted(a for a, c in self.facts.aliases if c == name))
 
     @staticmethod
     def from_bytes(data: bytes, stage: int, where: str = "<bytes>") -> StageView:
@@ -133,12 +158,19 @@ class JobReader:
             self.head = self.parts.load("head")
             self.mesh, self.strategy = Mesh(**self.head["mesh"]), _strategy(self.head["strategy"])
         self._transfers: list | None = None
+        self._whole: _Whole | None = None
 
     def view(self, stage: int) -> StageView:
-        """What lowering a rank of `stage` reads (equal to `Job.view(stage)`)."""
+        """What a rank of `stage` reads (equal to `Job.view(stage)`)."""
         with _Reading(self.where):
             if self._transfers is None:
                 self._transfers = self.parts.load("transfers")
+            if self._whole is None:
+                rest = self.parts.load("graph")
+                self._whole = _Whole(tuple(rest["inputs"]), tuple(rest["data"]),
+                                     tuple(_value(r) for r in rest["rank_wide"]),
+                                     self.head["loss"],
+                                     dict(rest["updates"]), facts_from_pairs(rest["meta"]))
             own = f"ops/{stage}"
             rows = [(r, stage) for r in self.parts.load(own)] if own in self.parts else []
             rows += [(r[:-1], r[-1]) for r in self._transfers
@@ -148,10 +180,17 @@ class JobReader:
             rows_v = self.parts.load(own_values) if own_values in self.parts else []
             values = {r[0]: r for r in rows_v}
             return _view(self.mesh, self.strategy, stage, self.digest,
-                         dict(_pairs(self.head["temps"])),
-                         dict(self.parts.load("graph")["updates"]),
+                         dict(_pairs(self.head["temps"])), self._whole,
                          [(op_from_row(r[:9]), st, r[9], tuple(r[10])) for r, st in rows],
                          lambda v: _value(values[v]))
+
+    def states(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every state's (shape, dtype name), by name: the value rows of every
+        stage decoded, the ops not (a checkpoint manifest's writer)."""
+        with _Reading(self.where):
+            rows = {r[0]: r for name in self.parts.index if name.startswith("values/")
+                    for r in self.parts.load(name) if r[3] in _STATE_ROLES}
+            return _states(_value(r)[0] for r in rows.values())
 
     def job(self) -> Job:
         """The whole Job."""
@@ -182,20 +221,63 @@ class _Reading:
         return False
 
 
-def _view(mesh, strategy, stage, digest, temps, updates, ops, value_of) -> StageView:
+@dataclass(frozen=True, slots=True)
+class _Whole:
+    """What every stage's view shares: the graph's inputs, its data inputs,
+    the `RANK_WIDE` inputs' values and layouts, its loss, {state name: the
+    value that updates it}, and its facts."""
+
+    inputs: tuple[int, ...]
+    data: tuple[int, ...]
+    rank_wide: tuple[tuple[Value, NdSbp], ...]  # in every view
+    loss: int
+    updates: dict[str, int]
+    facts: GraphFacts
+
+
+def _view(mesh, strategy, stage, digest, temps, whole: _Whole, ops, value_of) -> StageView:
     """A StageView from (op, stage, chunk, variant) in Job order; `value_of(v)`
-    gives (Value, sbp) for each value the ops touch; `updates`: {state name:
-    the value that updates it}."""
-    values, sbp = {}, {}
+    gives (Value, sbp) for each value the ops touch."""
+    values, sbp = {v.id: v for v, _ in whole.rank_wide}, {v.id: s for v, s in whole.rank_wide}
     for op, *_ in ops:
         for v in op.refs() + op.outputs:
             if v >= 0 and v not in values:
                 values[v], sbp[v] = value_of(v)
+    updates = whole.updates
     return StageView(mesh, strategy, stage, digest, tuple(o[0] for o in ops),
                      {o[0].id: o[1] for o in ops}, {o[0].id: o[2] for o in ops},
                      {o[0].id: o[3] for o in ops}, values, sbp,
                      frozenset(v for v in updates.values() if v in values), temps,
-                     {n: v for n, v in updates.items() if v in values})
+                     {n: v for n, v in updates.items() if v in values},
+                     tuple(i for i in whole.inputs if i in values), whole.data, whole.loss,
+                     whole.facts,
+                     {o[0].id: o[0] for o in ops})
+
+
+def _rank_wide(g: Graph) -> tuple[int, ...]:
+    """The graph's `RANK_WIDE` inputs."""
+    return tuple(v for v in g.inputs if g.values[v].name in RANK_WIDE)
+
+
+def _data_ids(g: Graph) -> tuple[int, ...]:
+    """The graph's DATA inputs, in the order a batch holds them."""
+    return tuple(v.id for v in g.inputs_by_role(Role.DATA))
+
+
+def stage_view(job: Job | StageView, stage: int) -> StageView:
+    """`job`'s view of `stage` (a view of that stage is itself)."""
+    if isinstance(job, StageView):
+        assert job.stage == stage, f"a view of stage {job.stage}, not of {stage}"
+        return job
+    return job.view(stage)
+
+
+_STATE_ROLES = frozenset(r.value for r in (Role.PARAM, Role.BUFFER, Role.OPT_STATE))
+
+
+def _states(values) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {v.name: (v.meta.shape, v.meta.dtype.name) for v in values
+            if v.role.value in _STATE_ROLES}
 
 
 _TOKEN = re.compile(r"S\((\d+)\)|P\((\w+)\)|P|R")
@@ -294,7 +376,9 @@ def _encode(job: Job) -> Parts:
     rest = set(range(len(g.values))).difference(*touched.values())
     parts = {"head": encode_part(head)}
     # what only a whole decode needs (names of updates run long: 144 KB on GPT-3)
-    parts["graph"] = encode_part({"inputs": list(g.inputs),
+    parts["graph"] = encode_part({"inputs": list(g.inputs), "data": list(_data_ids(g)),
+                                  "rank_wide": [_value_row(g.values[v], job.sbp[v])
+                                                for v in _rank_wide(g)],
                                   "updates": [[u.name, u.value] for u in g.updates],
                                   "meta": facts_to_pairs(g.facts),
                                   "grads": [list(x) for x in g.grads]})

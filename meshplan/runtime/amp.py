@@ -13,8 +13,9 @@ INIT_SCALE = 2.0 ** 16
 GROWTH_INTERVAL = 2000
 
 
-def initial_loss_scale(graph) -> float:
-    train = graph.facts.train
+def initial_loss_scale(facts) -> float:
+    """The fp16 loss scale a run starts at (`GraphFacts.train.loss_scale`)."""
+    train = facts.train
     return INIT_SCALE if train is None or train.loss_scale is None else train.loss_scale
 
 

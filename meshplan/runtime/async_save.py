@@ -36,7 +36,8 @@ class AsyncSaver:
         self.group = group
         self.pending: tuple | None = None  # (future, path, job, next_step, files)
 
-    def start(self, path: str, staged: dict, job, next_step: int, files=()) -> None:
+    def start(self, path: str, staged: dict, job: checkpoint.SavedJob, next_step: int,
+              files=()) -> None:
         """Wait for the save in flight, then start writing `staged` to `path`."""
         self.wait()
         checkpoint.unmark(path, self.group, staged)

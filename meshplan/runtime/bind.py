@@ -17,7 +17,7 @@ import torch
 
 from meshplan.ir import Op, Role
 from meshplan.ir.choices import KernelVariant
-from meshplan.ir.job import Job
+from meshplan.ir.job import Job, StageView, stage_view
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import Box, local_box
@@ -37,19 +37,20 @@ Group = tuple[int, ...]
 
 class RankContext:
     """Where this rank sits, as its plan says (its stage and grid coordinate;
-    the stage's placement from the Job); and where its run stands, for the
-    random ops (`random`: seed, step, micro-batch, set by the executor)."""
+    the stage's placement), the view of its stage it reads (`view`: given,
+    or cut from a whole Job); and where its run stands, for the random ops
+    (`random`: seed, step, micro-batch, set by the executor)."""
 
-    def __init__(self, job: Job, plan: RankPlan):
-        self.job = job
+    def __init__(self, job: Job | StageView, plan: RankPlan):
+        self.view = stage_view(job, plan.stage)
         self.rank, self.stage, self.coord = plan.rank, plan.stage, plan.coord
-        self.place: Placement = job.strategy.placement(self.stage)
+        self.place: Placement = self.view.strategy.placement(self.stage)
         assert self.place.coord(self.rank) == self.coord, "a plan of another Job's layout"
         self.random = RandomCounter()
 
     def box(self, vid: int, coord: tuple[int, ...] | None = None) -> Box:
-        meta = self.job.graph.values[vid].meta
-        return local_box(meta.shape, self.job.sbp[vid], self.place.grid,
+        meta = self.view.values[vid].meta
+        return local_box(meta.shape, self.view.sbp[vid], self.place.grid,
                          self.coord if coord is None else coord)
 
     def along(self, axis: int) -> list[tuple[int, ...]]:
@@ -64,7 +65,7 @@ class RankContext:
 
 def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
     """The callable for `task`, or None to run the op's own kernel."""
-    op = ctx.job.graph.ops[task.op]
+    op = ctx.view.op_of[task.op]
     if rule_for(op.kind).category is Category.LOCAL_SLICE:
         return _slot_aware(op, ctx, narrower(ctx, op.args[0].id, op.outputs[0]))
     if task.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
@@ -85,7 +86,7 @@ def _random(op: Op, ctx: RankContext) -> Callable:
     """A random op drawing this rank's box of its logical output, under the
     key of where the run stands when it runs (`ops/random_ops.py`)."""
     kernel, out, key = RANDOM_KERNELS[op.kind], op.outputs[0], op.args[-1]
-    box, shape, counter = ctx.box(out), ctx.job.graph.values[out].meta.shape, ctx.random
+    box, shape, counter = ctx.box(out), ctx.view.values[out].meta.shape, ctx.random
 
     def draw(*args, **kw):
         return kernel(*args, **kw, draw={"box": box, "shape": shape,
@@ -98,7 +99,7 @@ def _slot_aware(op: Op, ctx: RankContext, kernel: Callable) -> Callable:
     """A boxing op of an optimizer slot passes an absent slot on (SGD's
     momentum buffer, which the first step makes): every rank of the group
     holds none alike, so none joins the collective."""
-    if ctx.job.graph.values[op.args[0].id].role is not Role.OPT_STATE:
+    if ctx.view.values[op.args[0].id].role is not Role.OPT_STATE:
         return kernel
     return lambda x, **kw: None if x is None else kernel(x, **kw)
 
@@ -136,7 +137,7 @@ def deferred_all_reduce(task: Task, ctx: RankContext, comm: Comm, pending: list)
     runs in the background, its work appended to `pending`, which the step
     waits for at its end. Its issue order among the group's collectives is
     the plan's, as for any other."""
-    op = ctx.job.graph.ops[task.op]
+    op = ctx.view.op_of[task.op]
     kind, group = dict(op.kwargs)["op"], task.group
 
     def start(x, **_):
@@ -202,7 +203,7 @@ def _mean_rescale(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Call
     x = op.args[0].id
     local = tuple(b - a for a, b in ctx.box(x))
     dims = op.args[1] if len(op.args) > 1 else dict(op.kwargs).get("dim")
-    return lk.mean_rescale(kernel, local, ctx.job.graph.values[x].meta.shape, dims)
+    return lk.mean_rescale(kernel, local, ctx.view.values[x].meta.shape, dims)
 
 
 def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:

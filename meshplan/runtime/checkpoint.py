@@ -56,6 +56,7 @@ import hashlib
 import os
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -65,6 +66,7 @@ import torch.distributed.checkpoint as dcp
 from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
 from meshplan.ir.fileio import read_sealed, seal, write_atomic
+from meshplan.ir.job import Job, JobReader
 from meshplan.ir.sbp import Shard, intersect
 from meshplan.ir.state_name import StateName, is_state
 from meshplan.runtime import shard_digests
@@ -91,22 +93,39 @@ def parse_box(text: str):
 
 
 def _primary(ctx, vid: int) -> bool:
-    sbp = ctx.job.sbp[vid]
+    sbp = ctx.view.sbp[vid]
     return all(c == 0 for c, s in zip(ctx.coord, sbp) if not isinstance(s, Shard))
 
 
-def _state_values(job) -> dict[str, int]:
-    return {v.name: v.id for v in job.graph.values
+class SavedJob:
+    """What a checkpoint's `COMPLETE` says of the Job that saved it: its
+    digest, its world and every state's shape and dtype. The states are read
+    only when asked (`JobReader.states` decodes every stage's values: the
+    one rank that writes `COMPLETE` asks, when it writes it)."""
+
+    def __init__(self, job: Job | JobReader):
+        self._job = job
+        self.digest = job.digest() if isinstance(job, Job) else job.digest
+        self.world = job.mesh.world
+
+    @cached_property
+    def states(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return self._job.states()
+
+
+def _state_values(view) -> dict[str, int]:
+    """This stage's state values (`ctx.view`), by name."""
+    return {v.name: v.id for v in view.values.values()
             if v.role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE)}
 
 
-def state_slices(state: dict, job, ctx, primary_only: bool = False,
+def state_slices(state: dict, ctx, primary_only: bool = False,
                  host: bool = True) -> dict[str, torch.Tensor]:
     """This rank's saved state (params, buffers, optimizer slots) as
     `<name>|<box>` -> its slice (on the host, or where it lives); with
     `primary_only`, only the first of replicas writes (a checkpoint), else
     every rank does (`verify` checks the replicas agree)."""
-    values = _state_values(job)
+    values = _state_values(ctx.view)
     out = {}
     for name, t in state.items():
         if t is None or name not in values or (primary_only and not _primary(ctx, values[name])):
@@ -116,7 +135,7 @@ def state_slices(state: dict, job, ctx, primary_only: bool = False,
     return out
 
 
-def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=None,
+def stage(state: dict, ctx, next_step: int, *, good_steps: int = 0, device=None,
           copy: bool = False) -> dict[str, torch.Tensor]:
     """What this rank writes into a checkpoint: its primary slices, its RNG
     states (`RNG_KEY`, and `CUDA_RNG_KEY` on a GPU) and, on rank 0, the next
@@ -124,7 +143,7 @@ def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=
     host copy (an async save: the next step updates the state in place, and
     on CPU `.cpu()` is the tensor itself); else device tensors as they are
     (DCP's writer stages GPU tensors to host itself)."""
-    sd = state_slices(state, job, ctx, primary_only=True, host=False)
+    sd = state_slices(state, ctx, primary_only=True, host=False)
     if copy:
         sd = {k: torch.empty(t.shape, dtype=t.dtype).copy_(t) for k, t in sd.items()}
     rank = _rank()
@@ -138,7 +157,7 @@ def stage(state: dict, job, ctx, next_step: int, *, good_steps: int = 0, device=
     return sd
 
 
-def save(path: str, staged: dict, job, next_step: int, files=(), group=None) -> None:
+def save(path: str, staged: dict, job: SavedJob, next_step: int, files=(), group=None) -> None:
     """Write this rank's shard (`stage`'s dict) and wait for every rank's;
     rank 0 then copies `files` in and marks the checkpoint complete."""
     unmark(path, group, staged)
@@ -165,7 +184,7 @@ def unmark(path: str, group, staged: dict) -> None:
     shard_digests.write_digests(path, _rank(), staged)
 
 
-def mark(path: str, job, next_step: int, files) -> None:
+def mark(path: str, job: SavedJob, next_step: int, files) -> None:
     """Rank 0, once every shard is written: copy `files` in, then write the
     sealed `COMPLETE` (manifest, `.metadata`'s hash, the files' hashes)."""
     if _rank() != 0:
@@ -201,22 +220,23 @@ def _metadata_hash(path: str) -> str:
     return hashlib.sha256((Path(path) / METADATA).read_bytes()).hexdigest()
 
 
-def _manifest(job, next_step: int) -> dict:
-    g = job.graph
-    return {"next_step": next_step, "world": job.mesh.world, "job": job.digest(),
-            "state": {name: [list(g.values[vid].meta.shape), g.values[vid].meta.dtype.name]
-                      for name, vid in sorted(_state_values(job).items())}}
+def _manifest(job: SavedJob, next_step: int) -> dict:
+    return {"next_step": next_step, "world": job.world, "job": job.digest,
+            "state": {name: [list(shape), dtype]
+                      for name, (shape, dtype) in sorted(job.states.items())}}
 
 
-def check_resumable(path: str, job) -> int:
+def check_resumable(path: str, job: Job) -> int:
     """The step a run of `job` resumes at from the checkpoint at `path`;
     raises (one line) when there is none, it is incomplete, or it holds
     another model's state. Cheap: reads only the `COMPLETE` manifest."""
-    return _checked_manifest(path, job)["next_step"]
+    meta = _checked_manifest(path, [job.view(s) for s in range(job.strategy.pp)])
+    return meta["next_step"]
 
 
-def _checked_manifest(path: str, job) -> dict:
-    """`COMPLETE`'s manifest, once `check_resumable`'s checks pass."""
+def _checked_manifest(path: str, views) -> dict:
+    """`COMPLETE`'s manifest, once `check_resumable`'s checks pass for the
+    states of `views` (a rank checks its own stage's)."""
     if not path:
         raise ConfigError("--resume needs --save-dir: the directory of the checkpoint to "
                           "continue from")
@@ -230,10 +250,21 @@ def _checked_manifest(path: str, job) -> dict:
     if not isinstance(saved, dict) or not isinstance(step, int):
         raise RuntimeFault(f"{root / COMPLETE} lacks the state manifest; save the checkpoint "
                            "again with this meshplan")
-    g = job.graph
-    for name, vid in sorted(_state_values(job).items()):
-        want = [list(g.values[vid].meta.shape), g.values[vid].meta.dtype.name]
-        name = _saved_name(g, name, saved)
+    for view in views:
+        _check_states(path, view, saved)
+    want = meta.get("metadata_sha256")
+    if not (root / METADATA).is_file() or _metadata_hash(path) != want:
+        raise RuntimeFault(f"checkpoint {path}: {METADATA} is missing or not the one saved "
+                           "with it (edited or corrupted); resume from another checkpoint")
+    return meta
+
+
+def _check_states(path: str, view, saved: dict) -> None:
+    """Each state of `view` is in the manifest `saved`, of its shape and dtype."""
+    for name, vid in sorted(_state_values(view).items()):
+        meta = view.values[vid].meta
+        want = [list(meta.shape), meta.dtype.name]
+        name = _saved_name(view, name, saved)
         if name not in saved:
             if is_state(name):
                 continue  # an optimizer slot the saved optimizer lacks: it starts fresh
@@ -244,11 +275,6 @@ def _checked_manifest(path: str, job) -> dict:
                                f"{saved[name][0]}, but this model needs {want[1]} {want[0]}: it "
                                "was saved from another model size; resume with the flags it "
                                "was saved with")
-    want = meta.get("metadata_sha256")
-    if not (root / METADATA).is_file() or _metadata_hash(path) != want:
-        raise RuntimeFault(f"checkpoint {path}: {METADATA} is missing or not the one saved "
-                           "with it (edited or corrupted); resume from another checkpoint")
-    return meta
 
 
 def read_marker(path: str | Path, fix: str) -> dict:
@@ -267,11 +293,11 @@ def read_marker(path: str | Path, fix: str) -> dict:
                            f"{fix}") from None
 
 
-def _saved_name(graph, name: str, saved) -> str:
+def _saved_name(view, name: str, saved) -> str:
     """The name state `name` was saved under: itself, or an alias of a tied
     tensor (`head.weight@exp_avg` for `wte.weight@exp_avg`)."""
     state = StateName.parse(name) if is_state(name) else None
-    for n in graph.names_of(state.fqn if state else name):
+    for n in view.names_of(state.fqn if state else name):
         alias = str(StateName(n, state.slot)) if state else n
         if alias in saved:
             return alias
@@ -303,7 +329,7 @@ class Resumed:
     rng: bool = False
 
 
-def load(path: str, state: dict, job, ctx, device=None) -> Resumed:
+def load(path: str, state: dict, ctx, device=None) -> Resumed:
     """Fill this rank's state from the checkpoint, set the random ops' seed
     (`ctx.random`: their numbers do not depend on the layout), restore the
     rank's torch RNG states when the checkpoint was saved by this very Job
@@ -311,16 +337,16 @@ def load(path: str, state: dict, job, ctx, device=None) -> Resumed:
     does not rewrite, draw from them, and at another layout a rank's stream
     has no counterpart), and return the step to resume at and the fp16
     growth counter (0 in a checkpoint without one)."""
-    meta = _checked_manifest(path, job)
+    meta = _checked_manifest(path, [ctx.view])
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    request, places = _requests(saved_boxes(path), state, job, ctx)
+    request, places = _requests(saved_boxes(path), state, ctx)
     request[STEP_KEY] = torch.tensor(0)
     for key in (GOOD_STEPS_KEY, SEED_KEY):
         if key in keys:
             request[key] = torch.tensor(0)
     rank, cuda = _rank(), device is not None and torch.device(device).type == "cuda"
     rng = {RNG_KEY.format(rank=rank)} | ({CUDA_RNG_KEY.format(rank=rank)} if cuda else set())
-    same = meta.get("job") == job.digest() and meta.get("world") == job.mesh.world
+    same = meta.get("job") == ctx.view.digest and meta.get("world") == ctx.view.mesh.world
     rng = {k: torch.empty(tuple(keys[k].size), dtype=torch.uint8) for k in rng if k in keys} \
         if same else {}
     request |= rng
@@ -335,15 +361,15 @@ def load(path: str, state: dict, job, ctx, device=None) -> Resumed:
     return Resumed(int(request[STEP_KEY]), int(request.get(GOOD_STEPS_KEY, 0)), bool(rng))
 
 
-def _requests(saved: dict[str, list], state: dict, job, ctx) -> tuple[dict, list]:
+def _requests(saved: dict[str, list], state: dict, ctx) -> tuple[dict, list]:
     """The saved slices this rank's boxes intersect (`<name>|<box>` ->
     an empty tensor to load into), and where each part goes."""
-    request, places = {}, []
-    for name, vid in _state_values(job).items():
+    request, places, view = {}, [], ctx.view
+    for name, vid in _state_values(view).items():
         if name not in state:
             continue
         want = ctx.box(vid)
-        key_name = _saved_name(job.graph, name, saved)
+        key_name = _saved_name(view, name, saved)
         if key_name not in saved:
             continue  # an optimizer slot not yet created (SGD momentum): start fresh
         for box in saved[key_name]:
@@ -353,7 +379,7 @@ def _requests(saved: dict[str, list], state: dict, job, ctx) -> tuple[dict, list
             key = f"{key_name}|{box_key(box)}"
             if key not in request:
                 shape = tuple(b - a for a, b in box)
-                request[key] = torch.empty(shape, dtype=job.graph.values[vid].meta.dtype.torch)
+                request[key] = torch.empty(shape, dtype=view.values[vid].meta.dtype.torch)
             places.append((name, vid, key, box, part))
     return request, places
 
@@ -371,13 +397,13 @@ def _place(places: list, request: dict, state: dict, ctx) -> None:
         target[dst] = request[key][src].to(target.device)
 
 
-def load_weights(path: str, state: dict, job, ctx) -> None:
+def load_weights(path: str, state: dict, ctx) -> None:
     """Fill this rank's parameters and buffers (not its optimizer slots, not
     the step) from the checkpoint at `path`, of any layout: `--init-from`."""
-    meta = _checked_manifest(path, job)
-    kept = {v.name for v in job.graph.values if v.role in (Role.PARAM, Role.BUFFER)}
+    meta = _checked_manifest(path, [ctx.view])
+    kept = {v.name for v in ctx.view.values.values() if v.role in (Role.PARAM, Role.BUFFER)}
     weights = {name: t for name, t in state.items() if t is not None and name in kept}
-    request, places = _requests(saved_boxes(path), weights, job, ctx)
+    request, places = _requests(saved_boxes(path), weights, ctx)
     shard_digests.load_verified(path, meta, request)
     _place(places, request, weights, ctx)  # in place: `state` holds the same tensors
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from meshplan.ir import ABSENT, DEVICE, DType, Graph, Op, Ref
+from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ops.table import rule_for
 
 
@@ -89,7 +89,6 @@ def _call_line(group: list[Op], consts: _Consts, device, kernels: dict) -> str:
 
 
 def compile_segment(
-    graph: Graph,
     ops: Iterable[Op],
     *,
     reads: Iterable[int],

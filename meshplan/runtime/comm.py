@@ -4,8 +4,11 @@ are `worker.py` (the process group: set up, warmed up, a closing barrier,
 torn down) and `checkpoint.py` (barriers around `torch.distributed.checkpoint`).
 
 Invariants:
-- Sub-groups are made once, at load time, by every rank in one order
-  derived from the strategy (torch's rule for `new_group`).
+- Sub-groups are made once, at load time, each by its members only
+  (`new_group(use_local_synchronization=True)`), every rank making its own
+  in the one order of `job_groups` (torch's rule against deadlock between
+  overlapping groups). A rank finds its groups from the strategy and its
+  own stage's ops (`rank_groups`): no rank reads another stage.
 - Collectives work on uneven shards: an all-gather gathers each member's
   own local shape. Reduce-scatter and all-to-all run as an all-reduce (or
   all-gather) and a local slice (`bind.py`): the same numbers for more
@@ -66,8 +69,7 @@ class Comm:
 
     def __init__(self, rank: int, groups: list[tuple[int, ...]], backend: str,
                  device: torch.device | None = None):
-        """`groups`: every group of the job, in the same order on every rank
-        (each rank takes part in creating each one, as torch requires)."""
+        """`groups`: this rank's groups (`rank_groups`), in `job_groups`' order."""
         self.rank = rank
         self.backend = backend
         self.cuda = device is not None and device.type == "cuda"
@@ -75,10 +77,8 @@ class Comm:
         self.p2p = staged_p2p if self.host_staged else None  # None: `p2p` below
         self.groups: dict[tuple[int, ...], object] = {}
         for g in groups:
-            if len(g) > 1:
-                pg = dist.new_group(list(g))
-                if rank in g:
-                    self.groups[g] = pg
+            if len(g) > 1 and rank in g:
+                self.groups[g] = dist.new_group(list(g), use_local_synchronization=True)
         self.spans: list | None = None  # when a list: each collective's Span is appended
 
     def all_reduce(self, x: torch.Tensor, group, op: str) -> torch.Tensor:
@@ -183,21 +183,37 @@ class Comm:
             self.spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
 
 
-def job_groups(strategy, job=None) -> list[tuple[int, ...]]:
-    """Every collective group of a job: each stage's grid lines along each
-    axis, then (given the Job) the lines across the stages that hold copies
-    of a shared parameter, in the Job's op order."""
-    out = _grid_lines(strategy)
-    for op in job.graph.ops if job is not None else ():
+def job_groups(strategy, ops=()) -> list[tuple[int, ...]]:
+    """Every collective group of a job, in the one order ranks make them:
+    each stage's grid lines along each axis, then the lines across the
+    stages that hold copies of a shared parameter (from the all-reduces
+    among `ops`, e.g. the Job's), sorted."""
+    return _grid_lines(strategy) + _shared_lines(strategy, ops)
+
+
+def rank_groups(strategy, rank: int, ops) -> list[tuple[int, ...]]:
+    """The groups of `job_groups` that hold `rank`, in that order, from its
+    own stage's `ops` (a `StageView`'s): a shared line through `rank` comes
+    from an all-reduce on its stage, and its grid lines from its placement."""
+    place = strategy.placement(strategy.stage_of_rank(rank))
+    coord = place.coord(rank)
+    own = [tuple(place.rank_at(coord[:axis] + (k,) + coord[axis + 1:]) for k in range(n))
+           for axis, n in enumerate(place.grid) if n > 1]
+    return own + [line for line in _shared_lines(strategy, ops) if rank in line]
+
+
+def _shared_lines(strategy, ops) -> list[tuple[int, ...]]:
+    """The lines of ranks, one per grid coordinate, across the stages of each
+    shared parameter's all-reduce among `ops`, sorted."""
+    out = set()
+    for op in ops:
         stages = dict(op.kwargs).get("stages") if op.kind == ALL_REDUCE else None
         if stages is None:
             continue
         place = strategy.placement(stages[0])
-        for r in place.ranks:
-            line = tuple(strategy.placement(s).rank_at(place.coord(r)) for s in stages)
-            if line not in out:
-                out.append(line)
-    return out
+        out.update(tuple(strategy.placement(s).rank_at(place.coord(r)) for s in stages)
+                   for r in place.ranks)
+    return sorted(out)
 
 
 def _grid_lines(strategy) -> list[tuple[int, ...]]:

@@ -49,13 +49,13 @@ def batch_feed(batches, m: int):
     return lambda step: (split_microbatches(batches[step], m), False)
 
 
-def token_feed(text: str, job, rows):
+def token_feed(text: str, strategy, rows):
     """`feed(step)`: this rank's rows of each micro-batch, read from the
     token file; a rank whose plan reads no data opens no file at all."""
-    m = job.strategy.num_microbatches
+    m = strategy.num_microbatches
     if rows is None:
         return lambda step: ([() for _ in range(m)], True)
-    reader = FeedReader(TokenFeed.from_json(text), job.strategy.global_batch_size, m)
+    reader = FeedReader(TokenFeed.from_json(text), strategy.global_batch_size, m)
 
     def feed(step: int):
         return reader.microbatches(step, rows), True

@@ -34,38 +34,39 @@ SMALL_BYTES = 64 * 1024
 class EarlyCollectives:
     """This rank's early all-reduces: which, their order, hooks and kernels."""
 
-    def __init__(self, job, comm):
-        self.graph, self.comm = job.graph, comm
-        self.data = {v.id for v in job.graph.inputs_by_role(Role.DATA)}
+    def __init__(self, view, comm):
+        """`view`: the rank's `StageView`."""
+        self.view, self.comm = view, comm
+        self.data = {v.id for v in view.inputs_by_role(Role.DATA)}
         self.flight: dict[int, tuple] = {}  # collective op id -> (work, result)
 
     def order(self, tasks: list) -> tuple[list, dict, dict]:
         """(`tasks` in run order, hooks {op id: (fn, [value id])}, kernels
         {op id: callable}) for one task group."""
-        g = self.graph
+        g = self.view
         made: dict[int, object] = {}  # data-made value -> the task making it
         for t in tasks:
-            op = g.ops[t.op]
+            op = g.op_of[t.op]
             if (t.kind is not TaskKind.COLLECTIVE and op.refs()
                     and all(r in self.data or r in made for r in op.refs())
                     and all(o < 0 or g.values[o].meta.nbytes <= SMALL_BYTES
                             for o in op.outputs)):
                 made.update((o, t) for o in op.outputs if o >= 0)
         early = [t for t in tasks if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1
-                 and g.ops[t.op].kind == ALL_REDUCE and g.ops[t.op].args[0].id in made]
+                 and g.op_of[t.op].kind == ALL_REDUCE and g.op_of[t.op].args[0].id in made]
         if not early:
             return list(tasks), {}, {}
         need: set[int] = set()  # the tasks the early all-reduces' inputs come from
-        stack = [made[g.ops[t.op].args[0].id] for t in early]
+        stack = [made[g.op_of[t.op].args[0].id] for t in early]
         while stack:
             t = stack.pop()
             if t.id not in need:
                 need.add(t.id)
-                stack += [made[r] for r in g.ops[t.op].refs() if r in made]
+                stack += [made[r] for r in g.op_of[t.op].refs() if r in made]
         first = [t for t in tasks if t.id in need]
         hooks, kernels = {}, {}
         for t in early:
-            op = g.ops[t.op]
+            op = g.op_of[t.op]
             src = op.args[0].id
             assert made[src].op not in hooks, "two early all-reduces of one value"
             hooks[made[src].op] = (self._starter(t.op, t.group, dict(op.kwargs)["op"]), [src])

@@ -25,7 +25,7 @@ from meshplan.runtime.bind import gathered_parts
 
 
 class GatherPrefetch:
-    def __init__(self, job, plan, ctx, comm, names: dict):
+    def __init__(self, plan, ctx, comm, names: dict):
         self.comm = comm
         self.state: dict = {}
         self.order: dict[int, tuple] = {}      # gather op -> (template, index)
@@ -39,7 +39,7 @@ class GatherPrefetch:
             for i, (_, j) in enumerate(items):
                 self.start_of.setdefault((key, j), i)
         self.args: dict[int, tuple] = {}  # gather op -> (state name, group, dim, shapes)
-        self.ctx, self.names, self.job = ctx, names, job
+        self.ctx, self.names = ctx, names
         self.flight: dict[int, Callable] = {}  # gather op -> the call that gives its tensor
         self.started: set[int] = set()          # layers started in this run
 
@@ -48,7 +48,7 @@ class GatherPrefetch:
         where = self.order.get(task.op)
         if where is None:
             return None
-        op = self.job.graph.ops[task.op]
+        op = self.ctx.view.op_of[task.op]
         dim, shapes = gathered_parts(op, self.ctx)
         self.args[task.op] = (self.names[op.args[0].id], task.group, dim, shapes)
         key, index = where

@@ -45,7 +45,7 @@ class GradBuckets:
         self.ctx, self.comm, self.mem = ctx, comm, mem
         self.buckets = buckets
         self.at = {op: (i, k) for i, b in enumerate(self.buckets) for k, op in enumerate(b.ops)}
-        ops = ctx.job.graph.ops
+        ops = ctx.view.op_of
         self.parts = {i: [gathered_parts(ops[op], ctx) for op in b.ops]  # (dim, shapes) each
                       for i, b in enumerate(buckets) if b.kind == ALL_GATHER}
         self.shapes = {i: [tuple(hi - lo for lo, hi in ctx.box(v)) for v in b.sources]

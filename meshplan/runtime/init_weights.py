@@ -23,14 +23,13 @@ from meshplan.ir import Role
 from meshplan.runtime.checkpoint import load_weights as from_checkpoint
 
 
-def load_weights(source: str, state: dict, job, ctx) -> None:
+def load_weights(source: str, state: dict, ctx) -> None:
     """Fill this rank's parameters (and the buffers the source has) from `source`."""
     src = json.loads(source)
     if src["kind"] == "checkpoint":
-
-        from_checkpoint(src["path"], state, job, ctx)
+        from_checkpoint(src["path"], state, ctx)
         return
-    ids = {v.name: v.id for v in job.graph.values if v.role in (Role.PARAM, Role.BUFFER)}
+    ids = {v.name: v.id for v in ctx.view.values.values() if v.role in (Role.PARAM, Role.BUFFER)}
     files: dict[str, object] = {}
     for name, (file, key) in src["tensors"].items():
         if state.get(name) is None:

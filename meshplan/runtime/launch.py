@@ -27,7 +27,7 @@ from pathlib import Path
 
 from meshplan.errors import KernelFault, RuntimeFault, TrainingHalted
 from meshplan.ir.fileio import write_atomic
-from meshplan.ir.job import Job
+from meshplan.ir.job import JobReader
 from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.rank_result import read_results
 from meshplan.runtime.worker import RunSpec, spawn_entry
@@ -145,7 +145,9 @@ def _action_of(rank: int, progress, job_bytes: bytes) -> str:
     index = progress[rank]
     if index < 0:
         return "setup"
-    return str(rank_plan(Job.from_bytes(job_bytes), rank).actions[index])
+    reader = JobReader(job_bytes, "the Job")
+    view = reader.view(reader.strategy.stage_of_rank(rank))
+    return str(rank_plan(view, rank).actions[index])
 
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")

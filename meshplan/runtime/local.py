@@ -168,7 +168,7 @@ def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     """(hub, [(executor, state)] per rank) for `job` from `module`'s weights;
     `plans` (rank -> RankPlan) replaces lowering, e.g. plans read from files."""
     world, hub = job.mesh.world, Hub(timeout_s)
-    groups = job_groups(job.strategy, job)
+    groups = job_groups(job.strategy, job.graph.ops)
     ranks = []
     for r in range(world):
         comm = LocalComm(r, groups, hub, world) if world > 1 else None
@@ -193,7 +193,7 @@ def train_local(job, hub: Hub, ranks, batches, timeout_s: float = 60.0) -> Local
     holders = sorted(per_rank)
     return LocalRun(per_rank[holders[0]] if holders else [],
                     {str(r): per_rank[r] for r in holders},
-                    {r: state_slices(state, job, ex.ctx) for r, (ex, state) in enumerate(ranks)},
+                    {r: state_slices(state, ex.ctx) for r, (ex, state) in enumerate(ranks)},
                     norms)
 
 

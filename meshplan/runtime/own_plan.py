@@ -17,18 +17,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshplan.errors import PlanError
-from meshplan.ir.job import Job
+from meshplan.ir.job import Job, StageView, stage_view
 from meshplan.lowering.files import read_plan
 from meshplan.lowering.lower import lower
 from meshplan.lowering.rankplan import RankPlan
 
 
-def rank_plan(job: Job, rank: int, device_type: str = "cpu", plan_dir: str = "") -> RankPlan:
-    """Rank `rank`'s plan of `job` for `device_type`: read from `plan_dir`
-    (compiled by `meshplan compile`) when given, else lowered here."""
+def rank_plan(job: Job | StageView, rank: int, device_type: str = "cpu",
+              plan_dir: str = "") -> RankPlan:
+    """Rank `rank`'s plan of `job` (the whole Job, or the view of the rank's
+    stage) for `device_type`: read from `plan_dir` (compiled by `meshplan
+    compile`) when given, else lowered here."""
+    view = stage_view(job, job.strategy.stage_of_rank(rank))
     if not plan_dir:
-        return lower(job, rank, device_type)
+        return lower(view, rank, device_type)
     plan = read_plan(Path(plan_dir), rank)
-    if plan.job_digest != job.digest():
+    if plan.job_digest != view.digest:
         raise PlanError(f"{plan_dir} holds plans of another Job; recompile it")
     return plan

@@ -55,7 +55,7 @@ import torch
 from meshplan.errors import ConfigError, KernelFault, TrainingHalted
 from meshplan.ir import GRAD_NORM, LOSS_SCALE, LR, STEP_COUNT, Role
 from meshplan.ir.choices import Precision
-from meshplan.ir.job import Job
+from meshplan.ir.job import Job, StageView
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
@@ -82,34 +82,37 @@ _PER_MICROBATCH = (Role.BUFFER, Role.GRAD)
 
 
 class RankExecutor:
-    """Runs `plan` (this rank's part of `job`) step after step."""
+    """Runs `plan` (this rank's part of `job`) step after step, reading only
+    its stage's view of the Job (`job` may be that view or the whole Job)."""
 
-    def __init__(self, job: Job, plan: RankPlan, comm=None, device="cpu", seed: int = 0):
-        self.job, self.plan, self.comm = job, plan, comm
+    def __init__(self, job: Job | StageView, plan: RankPlan, comm=None, device="cpu",
+                 seed: int = 0):
+        self.plan, self.comm = plan, comm
         self.device = torch.device(device)
         if plan.device != self.device.type:
             raise ConfigError(f"rank {plan.rank}'s plan was lowered for {plan.device} but "
                               f"runs on {self.device.type}; compile with --device "
                               f"{self.device.type}, or run with --device {plan.device}")
         self.ctx = RankContext(job, plan)
+        self.view = view = self.ctx.view
         self.ctx.random.seed = seed
         self.next_step = 0  # the random ops' step: `step` counts it on
         self.mem = LiveBytes()
         self.current = "load"
         self.on_action = None  # called with each action's index (a launcher's watchdog)
         self.spans: list | None = None  # when a list: each action's Span is appended
-        g = job.graph
-        self.names = {v.id: v.name for v in g.values if v.role not in (Role.INTERNAL, Role.DATA)}
-        roles = {v.name: v.role for v in g.values if v.role is not Role.INTERNAL}
-        self.updates = {u.value: (u.name, roles.get(u.name)) for u in g.updates}
-        self.data_ids = [v.id for v in g.inputs_by_role(Role.DATA)]
-        self.grad_names = [v.name for v in g.inputs_by_role(Role.GRAD)]
-        self.trains = bool(self.grad_names)  # a forward-only Job (evaluation) has no STEP work
-        self.placement = stage_placement(job.strategy)
-        self.fp16 = job.strategy.precision == Precision.FP16
-        self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(job.graph), 0, 0
-        self.clips = any(v.name == GRAD_NORM for v in g.inputs_by_role(Role.OPT_STATE))
-        train = g.facts.train
+        values = view.values.values()
+        self.names = {v.id: v.name for v in values if v.role not in (Role.INTERNAL, Role.DATA)}
+        roles = {v.name: v.role for v in values if v.role is not Role.INTERNAL}
+        self.updates = {u: (name, roles.get(name)) for name, u in view.finals.items()}
+        self.data_ids = list(view.data)  # a batch's tensors, in order
+        self.grad_names = [v.name for v in view.inputs_by_role(Role.GRAD)]
+        train = view.facts.train
+        self.trains = train is not None  # a forward-only Job (evaluation) has no STEP work
+        self.placement = stage_placement(view.strategy)
+        self.fp16 = view.strategy.precision == Precision.FP16
+        self.loss_scale, self.good_steps, self.skipped = initial_loss_scale(view.facts), 0, 0
+        self.clips = any(v.name == GRAD_NORM for v in view.inputs_by_role(Role.OPT_STATE))
         self.schedule = train.lr_schedule if train else None
         self.guard = train.on_nonfinite if train else None  # halt | skip | None (no norm)
         self.nonfinite: float | None = None  # the last step's norm, when not finite
@@ -117,17 +120,17 @@ class RankExecutor:
         self.buckets = GradBuckets(plan.buckets, self.ctx, comm, self.mem) \
             if comm is not None and plan.buckets else None
         self.run_at = {i: k for k, i in enumerate(plan.run_ids)} if self.buckets else {}
-        self.prefetch = GatherPrefetch(job, plan, self.ctx, comm, self.names) \
-            if comm is not None and job.strategy.zero.regathers else None
+        self.prefetch = GatherPrefetch(plan, self.ctx, comm, self.names) \
+            if comm is not None and view.strategy.zero.regathers else None
         self._build(plan)
         self.rows = data_rows(self.ctx, [v for v in self.data_ids if v in self.used])
-        self.transfers = Transfers(job, plan, self.ctx, self.device,
+        self.transfers = Transfers(plan, self.ctx, self.device,
                                    p2p=getattr(comm, "p2p", None))
         self.next_recv = _next_recv(plan.actions)
 
     # ------------------------------------------------------------ load time
     def _build(self, plan: RankPlan) -> None:
-        g = self.job.graph
+        g, view = self.view.op_of, self.view
         by_tmpl = defaultdict(list)
         for t in plan.tasks:
             if t.kind not in (TaskKind.SEND, TaskKind.RECV):
@@ -141,57 +144,57 @@ class RankExecutor:
         users: dict[int, set] = defaultdict(set)
         for key, tasks in by_tmpl.items():
             for t in tasks:
-                op = g.ops[t.op]
+                op = g[t.op]
                 made_in.update((o, key) for o in op.outputs if o >= 0)
         for key, tasks in by_tmpl.items():
             if key == STEP_TEMPLATE:
                 continue
             for t in tasks:
-                for r in g.ops[t.op].refs():
+                for r in g[t.op].refs():
                     if r not in self.names and made_in.get(r) != key:
                         users[r].add(key)
         for t in plan.tasks:
             if t.kind is TaskKind.SEND:
-                users[g.ops[t.op].args[0].id].add(  # one SEND action per receiving stage
-                    ("send", t.chunk, t.phase, self.job.stage[t.op], self.job.chunk[t.op]))
+                users[g[t.op].args[0].id].add(  # one SEND action per receiving stage
+                    ("send", t.chunk, t.phase, view.op_stage[t.op], view.op_chunk[t.op]))
         self.uses = {v: len(u) for v, u in users.items()}
         self.used = set(users)
-        read = {r for op in g.ops for r in op.refs()} | set(self.updates)  # a state, too
+        read = {r for op in view.ops for r in op.refs()} | set(self.updates)  # a state, too
         self.deferred = {t.op for t in plan.tasks if self.comm is not None and len(t.group) > 1
-                         and t.kind is TaskKind.COLLECTIVE and g.ops[t.op].kind == ALL_REDUCE
-                         and not read.intersection(g.ops[t.op].outputs)}
+                         and t.kind is TaskKind.COLLECTIVE and g[t.op].kind == ALL_REDUCE
+                         and not read.intersection(g[t.op].outputs)}
         self.pending: list = []  # the deferred all-reduces' work, waited at the step's end
-        self.early = EarlyCollectives(self.job, self.comm)
+        self.early = EarlyCollectives(self.view, self.comm)
         self.segments = {key: self._segment(key, tasks) for key, tasks in by_tmpl.items()}
 
     def _segment(self, key, tasks):
-        g = self.job.graph
+        g, loss = self.view.op_of, self.view.loss
         if self.run_at:  # per-micro-batch reductions after their bucket starts
             tasks = sorted(tasks, key=lambda t: self.run_at[t.id])
         hooks = self.buckets.hooks(key) if self.buckets else {}
         if self.guard is not None and key == STEP_TEMPLATE:  # a non-finite norm: no update
             for t in tasks:
-                if g.ops[t.op].kind == CLIP_COEF:
+                if g[t.op].kind == CLIP_COEF:
                     assert t.op not in hooks
-                    hooks[t.op] = (_finite_norm, [g.ops[t.op].outputs[0]])
+                    hooks[t.op] = (_finite_norm, [g[t.op].outputs[0]])
         early: dict = {}
         if self.comm is not None:  # the data's own all-reduces, started first
             tasks, early_hooks, early = self.early.order(tasks)
             assert not set(hooks) & set(early_hooks)
             hooks |= early_hooks
-        ops = [localize(g.ops[t.op], self.ctx) for t in tasks]
+        ops = [localize(g[t.op], self.ctx) for t in tasks]
         if self.buckets is not None:
             ops = [self.buckets.segment_op(op) for op in ops]
         produced = {o for op in ops for o in op.outputs if o >= 0}
         reads = list(dict.fromkeys(r for op in ops for r in op.refs() if r not in produced))
-        keeps = [o for o in produced if o in self.uses or o in self.updates or o == g.loss]
+        keeps = [o for o in produced if o in self.uses or o in self.updates or o == loss]
         shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
         kernels = {}
         for t in tasks:
             k = (early.get(t.op) or
                  t.op in self.deferred and deferred_all_reduce(t, self.ctx, self.comm,
                                                                self.pending) or
-                 self.buckets and self.buckets.kernel(g.ops[t.op]) or
+                 self.buckets and self.buckets.kernel(g[t.op]) or
                  self.prefetch and self.prefetch.kernel(t) or bind_task(t, self.ctx, self.comm))
             if k is not None:
                 kernels[t.op] = k
@@ -199,7 +202,7 @@ class RankExecutor:
         state_reads += [(r, self.updates[r][0]) for r in reads
                         if r in self.updates and r not in self.names and key == STEP_TEMPLATE]
         name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
-        fn = compile_segment(g, ops, reads=reads, keeps=keeps + shared, device=self.device,
+        fn = compile_segment(ops, reads=reads, keeps=keeps + shared, device=self.device,
                              name=name, kernels=kernels, borrowed=[r for r, _ in state_reads],
                              hooks=hooks)
         mb_updates = [(o, n) for o in keeps if o in self.updates
@@ -216,8 +219,9 @@ class RankExecutor:
         kept = ({LOSS_SCALE} if self.fp16 else set()) | \
             ({LR, STEP_COUNT} if self.schedule else set())
         # every rank keeps (and checkpoints) the loss scale and the schedule's position
-        used |= {v.id for v in self.job.graph.inputs_by_role(Role.OPT_STATE) if v.name in kept}
-        state = sliced_state(self.job, self.ctx, module, self.device, used)
+        # (`ir.graph.RANK_WIDE`: in every stage's view)
+        used |= {v.id for v in self.view.inputs_by_role(Role.OPT_STATE) if v.name in kept}
+        state = sliced_state(self.ctx, module, self.device, used)
         for t in state.values():
             self.mem.add(t)
         return state
@@ -318,8 +322,8 @@ class RankExecutor:
             self.ctx.random.microbatch = action.microbatch
             for key in action_templates(action, self.placement):
                 self._run(key, env, state, left)
-            if self.job.graph.loss in env and action.microbatch not in losses:
-                losses[action.microbatch] = env[self.job.graph.loss].detach()
+            if self.view.loss in env and action.microbatch not in losses:
+                losses[action.microbatch] = env[self.view.loss].detach()
         elif t in (ActionType.SEND_F, ActionType.SEND_B):
             env, left = envs[action.microbatch], self.left[action.microbatch]
             for vid in self.transfers.send(action, env):
@@ -351,7 +355,7 @@ class RankExecutor:
         try:
             fn(env, self.mem)
         except (RuntimeError, IndexError) as err:  # embedding's out of range is an IndexError
-            raise _kernel_error(self.job.graph, failing_ops(fn, err), err, self.device) from err
+            raise _kernel_error(self.view, failing_ops(fn, err), err, self.device) from err
         for vid, name in mb_updates + step_updates:
             self._swap(state, name, env.pop(vid))
         for vid, _ in state_reads:
@@ -437,7 +441,7 @@ _LOW_DTYPE_ERRORS = ("not implemented for 'Half'", "Unsupported dtype Half",
 _INPUT_ERRORS = ("out of bounds", "out of range", "index ", "Target ", "must be in range")
 
 
-def _kernel_error(graph, ops: tuple[int, ...], err: Exception, device) -> Exception:
+def _kernel_error(view, ops: tuple[int, ...], err: Exception, device) -> Exception:
     """A kernel's failure, named by op and module, as one line: a missing
     fp16/bf16 kernel is the user's choice of precision, with the fix; an
     index out of range the input's (exit 2); anything else meshplan's (exit 1)."""
@@ -445,7 +449,7 @@ def _kernel_error(graph, ops: tuple[int, ...], err: Exception, device) -> Except
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         return KernelFault(f"a kernel failed: {text} (rerun with --debug for the "
                            "traceback, and report it)")
-    op = graph.ops[ops[0]]
+    op = view.op_of[ops[0]]
     where = f"{op.kind} at module '{op.module_path}' ({op.source or 'no source'})"
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
     if any(m in text for m in _LOW_DTYPE_ERRORS):

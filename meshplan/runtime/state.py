@@ -39,7 +39,8 @@ def weights_of(module) -> dict[str, torch.Tensor]:
 
 def own_tensor(own: Mapping, graph, name: str) -> torch.Tensor:
     """The tensor of graph input `name` in `own`, found under any of its
-    names (a tied weight may be saved or loaded under another alias)."""
+    names (a tied weight may be saved or loaded under another alias);
+    `graph`: a Graph or a StageView (their `names_of`)."""
     for n in graph.names_of(name):
         if n in own:
             return own[n]
@@ -56,25 +57,27 @@ def initial_state(slot: str, like: torch.Tensor) -> torch.Tensor | None:
     return torch.zeros_like(like, memory_format=torch.preserve_format)
 
 
-def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict:
-    """The state of the rank at `ctx`, for the input values in `used` (all if
-    None); `module` is an `nn.Module` or its `weights_of` mapping."""
+def sliced_state(ctx, module, device, used: set[int] | None = None) -> dict:
+    """The state of the rank at `ctx`, for the input values of its stage in
+    `used` (all if None); `module` is an `nn.Module` or its `weights_of`
+    mapping."""
     own = weights_of(module)
     state: dict = {}
-    values = job.graph.values
-    for vid in job.graph.inputs:
+    view = ctx.view
+    values = view.values
+    for vid in view.inputs:
         v = values[vid]
         if used is not None and vid not in used:
             continue
         if v.role in (Role.PARAM, Role.BUFFER):
-            t = own_tensor(own, job.graph, v.name)
+            t = own_tensor(own, view, v.name)
             state[v.name] = cut(t.detach(), ctx.box(vid)).to(device, copy=True)
-    for vid in job.graph.inputs:
+    for vid in view.inputs:
         v = values[vid]
         if used is not None and vid not in used:
             continue
         if v.name == LOSS_SCALE:
-            state[v.name] = torch.tensor(initial_loss_scale(job.graph), dtype=torch.float32,
+            state[v.name] = torch.tensor(initial_loss_scale(view.facts), dtype=torch.float32,
                                          device=device)
         elif v.name in (LR, STEP_COUNT):  # host scalars: the kernels read them with no sync
             state[v.name] = torch.zeros((), dtype=torch.float64)
@@ -82,14 +85,14 @@ def sliced_state(job, ctx, module, device, used: set[int] | None = None) -> dict
             # a slot of the parameter's shape holds its own slice (its layout may
             # differ from the parameter's: ZeRO shards the slots, not the weights)
             name = StateName.parse(v.name)
-            full = own_tensor(own, job.graph, name.fqn).detach()
+            full = own_tensor(own, view, name.fqn).detach()
             like = cut(full, ctx.box(vid) if v.meta.shape == tuple(full.shape) else
-                       ctx.box(_value_of(job, name.fqn))).to(device)
+                       ctx.box(_value_of(view, name.fqn))).to(device)
             state[v.name] = initial_state(name.slot, like)
         elif v.role is Role.GRAD:
             state[v.name] = None
     return state
 
 
-def _value_of(job, name: str) -> int:
-    return next(v.id for v in job.graph.values if v.name == name)
+def _value_of(view, name: str) -> int:
+    return next(v.id for v in view.values.values() if v.name == name)

@@ -27,9 +27,10 @@ def _slices(box, base) -> tuple[slice, ...]:
 
 
 class Transfers:
-    def __init__(self, job, plan, ctx, device, p2p=None):
+    def __init__(self, plan, ctx, device, p2p=None):
         """`p2p`: how to post pieces (default `runtime.comm.p2p`, i.e. gloo)."""
-        where = stage_placement(job.strategy)
+        view = ctx.view
+        where = stage_placement(view.strategy)
         self.device = device
         self._p2p = p2p
         # keyed by action: (virtual stage, type, peer virtual stage); a stage may
@@ -39,14 +40,11 @@ class Transfers:
         self.shapes = {}                 # received vid -> (local shape, dtype)
         self.pending: list = []
         self.posted: dict = {}           # (stage, type, peer, mb) -> (works, places, bufs)
-        g = job.graph
-        made_by = {o: op.id for op in g.ops for o in op.outputs} if any(
-            t.kind is TaskKind.RECV for t in plan.tasks) else {}
         for t in plan.tasks:
-            op = g.ops[t.op]
+            op = view.op_of[t.op]
             forward = t.phase is Phase.FORWARD
-            # A transfer op sits with its receiver; its input's maker with the sender
-            receiver = where.stage_at(job.stage[op.id], job.chunk[op.id])
+            # A transfer op sits with its receiver; it names its sender's stage and chunk
+            receiver = where.stage_at(view.op_stage[op.id], view.op_chunk[op.id])
             if t.kind is TaskKind.SEND:
                 vid = op.args[0].id
                 key = (where.stage_at(plan.stage, t.chunk), ActionType.SEND_F if forward else
@@ -54,14 +52,13 @@ class Transfers:
                 self.sends[key].append((vid, _slices(t.box, ctx.box(vid)), t.peer, t.op))
             elif t.kind is TaskKind.RECV:
                 vid = op.outputs[0]
-                maker = made_by.get(op.args[0].id)
-                sender = (where.stage_at(job.stage[maker], job.chunk[maker]) if maker is not None
-                          else receiver - 1 if forward else receiver + 1)  # the chain's
+                kw = dict(op.kwargs)
+                sender = where.stage_at(kw["src_stage"], kw["src_chunk"])
                 key = (receiver, ActionType.RECV_F if forward else ActionType.RECV_B, sender)
                 box = ctx.box(vid)
                 piece = tuple(b - a for a, b in t.box)
                 self.recvs[key].append((vid, _slices(t.box, box), piece, t.peer, t.op))
-                meta = job.graph.values[vid].meta
+                meta = view.values[vid].meta
                 self.shapes[vid] = (tuple(b - a for a, b in box), meta.dtype.torch)
 
     def p2p(self, ops: list) -> list:

@@ -4,6 +4,10 @@ plan, train, report.
 Invariants:
 - A rank lowers only its own plan, from the Job's bytes (rank 0's master
   made them); nothing else crosses processes but tensors.
+- A rank decodes only its stage's view of the Job (`JobReader.view`): its
+  plan, its groups (`comm.rank_groups`), its state and its checkpoint
+  slices come from that view. Rank 0 also decodes every stage's values,
+  and only when it writes a checkpoint's manifest (`checkpoint.SavedJob`).
 - A rank never builds a model: it gets the Job, the module's weights
   (tensors: the launcher's `module_file`, or in memory under torchrun,
   where the driver of each process builds them) and its data source (the
@@ -34,11 +38,11 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from meshplan.errors import RuntimeFault
 from meshplan.ir.fileio import write_atomic
-from meshplan.ir.job import Job
+from meshplan.ir.job import JobReader, StageView
 from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.runtime import checkpoint
 from meshplan.runtime.async_save import AsyncSaver
-from meshplan.runtime.comm import Comm, broadcast_bytes, gather_bytes, job_groups
+from meshplan.runtime.comm import Comm, broadcast_bytes, gather_bytes, rank_groups
 from meshplan.runtime.data import batch_feed, token_feed
 from meshplan.runtime.devices import rank_device
 from meshplan.runtime.evaluate import Evaluator
@@ -122,11 +126,9 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
             dist.init_process_group(pg, rank=rank, world_size=world, timeout=timeout,
                                     **_rendezvous(init_method, rank, world, timeout))
         if job_bytes is None:
-
             job_bytes = broadcast_bytes(master() if rank == 0 else None, src=0)
-        job = Job.from_bytes(job_bytes)
-        return _train(spec, job, rank, world, progress, steps_done, device, backend, beats,
-                      source)
+        return _train(spec, JobReader(job_bytes, "the Job"), rank, world, progress, steps_done,
+                      device, backend, beats, source)
     except (Exception, CheckpointException) as e:  # reported; the launcher ends the others
         ex = _CURRENT.get("executor")
         where = ex.current if ex is not None else "setup"
@@ -159,52 +161,54 @@ def _rendezvous(init_method: str | None, rank: int, world: int, timeout) -> dict
     return {"store": dist.PrefixStore(f"meshplan/attempt_{attempt}", store)}
 
 
-def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
+def _train(spec: RunSpec, reader: JobReader, rank: int, world: int, progress=None,
            steps_done=None, device=None, backend: str = "gloo", beats=None,
            source=None) -> int:
-    if world != job.mesh.world:
-        raise RuntimeFault(f"the plan is for {job.mesh.world} ranks but {world} were "
+    if world != reader.mesh.world:
+        raise RuntimeFault(f"the plan is for {reader.mesh.world} ranks but {world} were "
                            "started; start as many ranks as the plan's mesh has")
+    view = reader.view(reader.strategy.stage_of_rank(rank))
+    saved_job = checkpoint.SavedJob(reader)
     device = device if device is not None else torch.device(spec.device)
-    plan = rank_plan(job, rank, device.type, spec.plan_dir)
-    comm = Comm(rank, job_groups(job.strategy, job), backend, device) if world > 1 else None
+    plan = rank_plan(view, rank, device.type, spec.plan_dir)
+    comm = Comm(rank, rank_groups(view.strategy, rank, view.ops), backend, device) \
+        if world > 1 else None
     if backend == "nccl" and world > 1:  # the first NCCL call must involve every rank
         dist.all_reduce(torch.zeros(1, device=device))   # (batch_isend_irecv's rule)
     missing = set(_groups(plan)) - set(comm.groups if comm else ())
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
-    ex = RankExecutor(job, plan, comm, device=device, seed=spec.seed)
+    ex = RankExecutor(view, plan, comm, device=device, seed=spec.seed)
     _CURRENT["executor"] = ex
     ex.on_action = reporter(rank, progress, beats)
-    module, feed = _source(spec, job, ex, source)
+    module, feed = _source(spec, view, ex, source)
     state = ex.init_state(module)
     evaluator = _evaluator(spec, ex.ctx, comm, device, progress_only(beats, rank))
     start = 0
     resume_from = spec.resume_from or (spec.save_dir if spec.resume else "")
     if resume_from:
         ex.current = "load checkpoint"
-        resumed = checkpoint.load(resume_from, state, job, ex.ctx, device)
+        resumed = checkpoint.load(resume_from, state, ex.ctx, device)
         start, ex.good_steps = resumed.next_step, resumed.good_steps
         ex.next_step = start
     elif spec.init_from:
-
         ex.current = "load weights"
-        load_weights(spec.init_from, state, job, ex.ctx)
+        load_weights(spec.init_from, state, ex.ctx)
     # made once by every rank alike: the background saves' own collectives
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.timeout_s)) \
         if spec.async_checkpoint and dist.is_initialized() else None
     saver = AsyncSaver(group) if spec.async_checkpoint else None  # runtime/async_save.py
-    done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done, saver)
+    done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done, saver,
+                 saved_job)
     losses, norms, times, trace, skipped, rows_read = done
     if spec.save_dir:
         ex.current = "save checkpoint"
         end = max(start, spec.steps)
-        checkpoint.save(spec.save_dir, checkpoint.stage(state, job, ex.ctx, end,
+        checkpoint.save(spec.save_dir, checkpoint.stage(state, ex.ctx, end,
                                                         good_steps=ex.good_steps, device=device),
-                        job, end)
+                        saved_job, end)
     if spec.report_state and not spec.gather:
-
         write_tensors(Path(spec.results) / f"state_{rank}.bin", STATE,
-                      checkpoint.state_slices(state, job, ex.ctx))
+                      checkpoint.state_slices(state, ex.ctx))
     result = RankResult(rank, losses, norms, skipped, times, start, plan.memory.peak_bytes(),
                         dict(plan.memory.peak), measured_peak(device, ex.mem), ex.mem.peak,
                         str(device), dict(FALLBACKS), dict(RAN), trace, rows_read)
@@ -220,7 +224,7 @@ def _train(spec: RunSpec, job: Job, rank: int, world: int, progress=None,
     return 0
 
 
-def _source(spec: RunSpec, job: Job, ex, given=None):
+def _source(spec: RunSpec, view: StageView, ex, given=None):
     """The module's initial weights and `feed(step) -> (micro-batches,
     local_rows)`: from `given` (weights, batches) in memory, or the
     launcher's `module_file` (tensors only: `runtime/tensor_file.py`); the
@@ -232,12 +236,12 @@ def _source(spec: RunSpec, job: Job, ex, given=None):
 
         weights, batches = load_inputs(Path(spec.module_file))
     if spec.data:
-        return weights, token_feed(spec.data, job, ex.rows)
-    return weights, batch_feed(batches, job.strategy.num_microbatches)
+        return weights, token_feed(spec.data, view.strategy, ex.rows)
+    return weights, batch_feed(batches, view.strategy.num_microbatches)
 
 
 def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, rank: int,
-          device, steps_done, saver=None):
+          device, steps_done, saver, saved_job):
     """The steps from `start` to `spec.steps`, evaluating and checkpointing
     as asked (through `saver`, an `AsyncSaver`, in the background: a finished
     save is marked complete at the next step's start, the last one waited
@@ -277,7 +281,7 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
         if evaluator is not None and (step + 1) % spec.eval_every == 0:
             rows.eval(step + 1, evaluator.run(state))
         if spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0:
-            _checkpoint(spec, ex, state, step + 1, device, saver)
+            _checkpoint(spec, ex, state, step + 1, device, saver, saved_job)
         if steps_done is not None:
             steps_done[rank] = step + 1
     if saver is not None:
@@ -287,17 +291,18 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
     return losses, norms, times, trace, skipped, reader.rows_read if reader else None
 
 
-def _checkpoint(spec: RunSpec, ex, state: dict, next_step: int, device, saver) -> None:
+def _checkpoint(spec: RunSpec, ex, state: dict, next_step: int, device, saver,
+                saved_job: checkpoint.SavedJob) -> None:
     """Save `<checkpoint_root>/step_<next_step>`: now, or started in the
     background (host copies staged first) when `saver` is given."""
     ex.current = "save checkpoint"
     path = str(Path(spec.checkpoint_root) / f"step_{next_step}")
-    staged = checkpoint.stage(state, ex.job, ex.ctx, next_step, good_steps=ex.good_steps,
+    staged = checkpoint.stage(state, ex.ctx, next_step, good_steps=ex.good_steps,
                               device=device, copy=saver is not None)
     if saver is None:
-        checkpoint.save(path, staged, ex.job, next_step, spec.checkpoint_files)
+        checkpoint.save(path, staged, saved_job, next_step, spec.checkpoint_files)
     else:
-        saver.start(path, staged, ex.job, next_step, spec.checkpoint_files)
+        saver.start(path, staged, saved_job, next_step, spec.checkpoint_files)
 
 
 def _evaluator(spec: RunSpec, train_ctx, comm, device, on_action):
@@ -305,7 +310,8 @@ def _evaluator(spec: RunSpec, train_ctx, comm, device, on_action):
     if not spec.eval_job or spec.eval_every <= 0:
         return None
 
-    return Evaluator(Job.from_bytes(Path(spec.eval_job).read_bytes()), train_ctx, comm, device,
+    eval_view = JobReader(Path(spec.eval_job).read_bytes(), spec.eval_job).view(train_ctx.stage)
+    return Evaluator(eval_view, train_ctx, comm, device,
                      spec.eval_data, spec.eval_batches, on_action)
 
 

@@ -38,7 +38,8 @@ def make_checkpoint(out: Path) -> None:
     job = plan_model("gpt", "tiny", Mesh(1, 1), s).job
     ex = RankExecutor(job, lower(job, 0))
     state = ex.init_state(build_model(cfg))
-    checkpoint.save(str(out), checkpoint.stage(state, job, ex.ctx, 1), job, next_step=1)
+    checkpoint.save(str(out), checkpoint.stage(state, ex.ctx, 1), checkpoint.SavedJob(job),
+                    next_step=1)
 
 
 def copy_of(good: Path, tmp: Path, name: str) -> Path:

@@ -146,7 +146,7 @@ def test_each_rank_reads_only_its_slices(saved, monkeypatch):
         return real(files, file, key, box)
 
     monkeypatch.setattr(init_weights, "_read", recording_read)
-    init_weights.load_weights(source, state, job, ctx)
+    init_weights.load_weights(source, state, ctx)
     full = safetensors_torch.load_file(models["gpt2"] / "model.safetensors")
     split = 0
     for key, index in asked:

@@ -132,11 +132,12 @@ def test_growth_counter_seed_and_rng_round_trip(tmp_path):
     job, ex, state = _one_rank()
     torch.manual_seed(7)
     ex.ctx.random.seed = 1234
-    checkpoint.save(str(tmp_path), checkpoint.stage(state, job, ex.ctx, 3, good_steps=17), job, 3)
+    checkpoint.save(str(tmp_path), checkpoint.stage(state, ex.ctx, 3, good_steps=17),
+                    checkpoint.SavedJob(job), 3)
     after_save = torch.rand(5)
     torch.manual_seed(99)
     ex.ctx.random.seed = 0
-    got = checkpoint.load(str(tmp_path), state, job, ex.ctx)
+    got = checkpoint.load(str(tmp_path), state, ex.ctx)
     assert got == checkpoint.Resumed(next_step=3, good_steps=17, rng=True)
     assert torch.rand(5).equal(after_save) and ex.ctx.random.seed == 1234
     other, ex2, state2 = _one_rank(micro_batch_size=4)
@@ -144,7 +145,7 @@ def test_growth_counter_seed_and_rng_round_trip(tmp_path):
     torch.manual_seed(99)
     untouched = torch.rand(5)
     torch.manual_seed(99)
-    assert checkpoint.load(str(tmp_path), state2, other, ex2.ctx) == \
+    assert checkpoint.load(str(tmp_path), state2, ex2.ctx) == \
         checkpoint.Resumed(next_step=3, good_steps=17, rng=False)
     assert torch.rand(5).equal(untouched) and ex2.ctx.random.seed == 1234
 
@@ -163,7 +164,7 @@ def test_async_save_writes_the_staged_copy_then_marks_it(tmp_path, monkeypatch):
     from meshplan.runtime.async_save import AsyncSaver
 
     job, ex, state = _one_rank()
-    before = checkpoint.state_slices(state, job, ex.ctx)
+    before = checkpoint.state_slices(state, ex.ctx)
     before = {k: t.clone() for k, t in before.items()}
     go = threading.Event()
 
@@ -174,7 +175,8 @@ def test_async_save_writes_the_staged_copy_then_marks_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "shard_writer", lambda path, step: Held(path))
     saver = AsyncSaver()
-    saver.start(str(tmp_path), checkpoint.stage(state, job, ex.ctx, 1, copy=True), job, 1)
+    saver.start(str(tmp_path), checkpoint.stage(state, ex.ctx, 1, copy=True),
+                checkpoint.SavedJob(job), 1)
     for t in state.values():  # the next step's in-place update
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             t.add_(1.0)

@@ -33,7 +33,7 @@ def test_the_count_of_targets_is_reduced_first_and_waited_in_place():
     job = _job()
     g = job.graph
     tasks = _forward(job, 0)
-    order, hooks, kernels = EarlyCollectives(job, comm=None).order(tasks)
+    order, hooks, kernels = EarlyCollectives(job.view(0), comm=None).order(tasks)
     assert sorted(t.id for t in order) == sorted(t.id for t in tasks)
     (count,) = [t for t in tasks if t.kind is TaskKind.COLLECTIVE
                 and g.ops[t.op].kind == ALL_REDUCE and t.op in kernels]
@@ -48,7 +48,7 @@ def test_the_count_of_targets_is_reduced_first_and_waited_in_place():
 
 def test_no_early_collective_without_dp():
     job = _job(dp=1, tp=2)
-    order, hooks, kernels = EarlyCollectives(job, comm=None).order(_forward(job, 0))
+    order, hooks, kernels = EarlyCollectives(job.view(0), comm=None).order(_forward(job, 0))
     assert not hooks and not kernels
 
 
