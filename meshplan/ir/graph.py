@@ -120,9 +120,9 @@ LOSS_SCALE = "amp@loss_scale"
 GRAD_NORM = "optim@grad_norm"  # the step's global gradient norm (clipping)
 LR = "optim@lr"                # the step's learning rate (a schedule; ir/lr_schedule.py)
 STEP_COUNT = "optim@step"      # steps taken: the schedule's position
-# The step-level scalars every rank holds (and checkpoints), whatever its
-# stage reads: the runtime sets them between steps.
-RANK_WIDE = frozenset({LOSS_SCALE, LR, STEP_COUNT})
+# The step-level scalars every rank holds, whatever its stage's ops read: the
+# runtime sets them between steps, or reports them (the global norm).
+RANK_WIDE = frozenset({LOSS_SCALE, GRAD_NORM, LR, STEP_COUNT})
 
 
 @dataclass(frozen=True, slots=True)

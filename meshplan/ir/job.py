@@ -94,7 +94,7 @@ class Job:
         return _view(self.mesh, self.strategy, stage, self.digest(), dict(self.temps),
                      _Whole(g.inputs, _data_ids(g),
                             tuple((g.values[v], self.sbp[v]) for v in _rank_wide(g)), g.loss,
-                            {u.name: u.value for u in g.updates}, g.facts),
+                            tuple((u.name, u.value) for u in g.updates), g.facts),
                      [(g.ops[i], self.stage[i], self.chunk[i], self.variant[i]) for i in ids],
                      lambda v: (g.values[v], self.sbp[v]))
 
@@ -170,7 +170,7 @@ class JobReader:
                 self._whole = _Whole(tuple(rest["inputs"]), tuple(rest["data"]),
                                      tuple(_value(r) for r in rest["rank_wide"]),
                                      self.head["loss"],
-                                     dict(rest["updates"]), facts_from_pairs(rest["meta"]))
+                                     _pairs(rest["updates"]), facts_from_pairs(rest["meta"]))
             own = f"ops/{stage}"
             rows = [(r, stage) for r in self.parts.load(own)] if own in self.parts else []
             rows += [(r[:-1], r[-1]) for r in self._transfers
@@ -224,14 +224,15 @@ class _Reading:
 @dataclass(frozen=True, slots=True)
 class _Whole:
     """What every stage's view shares: the graph's inputs, its data inputs,
-    the `RANK_WIDE` inputs' values and layouts, its loss, {state name: the
-    value that updates it}, and its facts."""
+    the `RANK_WIDE` inputs' values and layouts, its loss, its updates
+    (state name, value), and its facts."""
 
     inputs: tuple[int, ...]
     data: tuple[int, ...]
     rank_wide: tuple[tuple[Value, NdSbp], ...]  # in every view
     loss: int
-    updates: dict[str, int]
+    # (state name, the value that updates it); a tied parameter's name once per stage
+    updates: tuple[tuple[str, int], ...]
     facts: GraphFacts
 
 
@@ -243,12 +244,11 @@ def _view(mesh, strategy, stage, digest, temps, whole: _Whole, ops, value_of) ->
         for v in op.refs() + op.outputs:
             if v >= 0 and v not in values:
                 values[v], sbp[v] = value_of(v)
-    updates = whole.updates
+    mine = [(n, v) for n, v in whole.updates if v in values]
     return StageView(mesh, strategy, stage, digest, tuple(o[0] for o in ops),
                      {o[0].id: o[1] for o in ops}, {o[0].id: o[2] for o in ops},
                      {o[0].id: o[3] for o in ops}, values, sbp,
-                     frozenset(v for v in updates.values() if v in values), temps,
-                     {n: v for n, v in updates.items() if v in values},
+                     frozenset(v for _, v in mine), temps, dict(mine),
                      tuple(i for i in whole.inputs if i in values), whole.data, whole.loss,
                      whole.facts,
                      {o[0].id: o[0] for o in ops})
