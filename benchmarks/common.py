@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from meshplan.autodiff import OptimizerConfig
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.devices import rank_device
 from meshplan.runtime.launch import free_port
@@ -137,7 +137,7 @@ def batches(steps: int) -> list:
 
 def sgd(named) -> torch.optim.Optimizer:
     """meshplan's default SGD on (name, parameter) pairs."""
-    return OptimizerConfig.default("sgd").torch_optimizer(named)
+    return torch_optimizer(OptimizerConfig.default("sgd"), named)
 
 
 # ------------------------------------------------------------------ rank processes

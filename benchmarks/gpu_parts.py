@@ -285,13 +285,13 @@ def part_speed_meshplan(res: Result, a) -> None:
 
 
 def _eager_step(cfg, batch: int, dev, compiled: bool, backend: str):
-    from meshplan.autodiff import OptimizerConfig
+    from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer
     from meshplan.models import build_model, example_batch, param_count
 
     torch.manual_seed(0)
     model = build_model(cfg, device=dev)
     params = param_count(model)
-    opt = OptimizerConfig.default("adamw", None).torch_optimizer(model)
+    opt = torch_optimizer(OptimizerConfig.default("adamw", None), model)
     if compiled:  # regional compilation: every block shares one compiled graph, so the
         for block in model.blocks:  # compile takes one block's time, not 24 blocks'
             block.compile(backend=backend)

@@ -90,7 +90,7 @@ from common import (  # noqa: E402
 )
 from harness import phase_seconds, profiled_step  # noqa: E402
 
-from meshplan.autodiff import OptimizerConfig  # noqa: E402
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer  # noqa: E402
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
 from meshplan.ir.fileio import write_atomic  # noqa: E402
 from meshplan.ir.mesh import Mesh  # noqa: E402
@@ -202,7 +202,7 @@ class TorchTrainer:
             for block in model.blocks:
                 fully_shard(block)
             self.model = fully_shard(model)
-        self.opt = OptimizerConfig.default("adamw").torch_optimizer(self.model)
+        self.opt = torch_optimizer(OptimizerConfig.default("adamw"), self.model)
 
     def step(self, b) -> float:
         """One step; this rank's mean loss over its micro-batches."""

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from common import machine, median, write  # noqa: E402
 
-from meshplan.autodiff import OptimizerConfig  # noqa: E402
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer  # noqa: E402
 from meshplan.capture import capture  # noqa: E402
 from meshplan.driver.executor import Executor  # noqa: E402
 from meshplan.ir.mesh import Mesh, Strategy  # noqa: E402
@@ -38,7 +38,7 @@ def bench(size: str, batch: int, steps: int, warmup: int) -> dict:
                       stop_after="autodiff").graph
     ex = Executor(step)
     state = ex.init_state(module)
-    opt = opt_cfg.torch_optimizer(ref)
+    opt = torch_optimizer(opt_cfg, ref)
 
     def eager_step():
         opt.zero_grad(set_to_none=True)

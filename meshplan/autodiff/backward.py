@@ -73,7 +73,7 @@ def build_train_step(
     accs = _emit_accumulate(b, graph, param_grads)
     _emit_optimizer(b, graph, accs, optimizer)
     train = TrainFacts(
-        optimizer.kind, num_microbatches, optimizer.to_json(), optimizer.guard,
+        optimizer.kind, num_microbatches, optimizer, optimizer.guard,
         (optimizer.lr_schedule.resolved(optimizer.lr), optimizer.lr)
         if optimizer.lr_schedule.scheduled else None,
         None if loss_scale is None else float(loss_scale))

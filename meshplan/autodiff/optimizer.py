@@ -1,4 +1,6 @@
-"""Optimizer configuration, state slots and their initial values.
+"""The optimizer's state slots, and its eager equivalents for reference
+runs (torch's optimizer and LR schedulers, built from an `OptimizerConfig`:
+`ir/optimizer_config.py`).
 
 Invariant: state names are `<param fqn>@<slot>`; the gradient accumulator of
 a parameter is `<fqn>@grad`. Slot order matches the `meshplan.<kind>` op's
@@ -7,166 +9,60 @@ inputs after (param, grad).
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass, replace
-
 import torch
 from torch.optim import lr_scheduler as L
 
-from meshplan.errors import ConfigError
-from meshplan.ir.choices import LrScheduleKind, NonFinite, OptimizerKind, choose
-from meshplan.ir.lr_schedule import LrSchedule
+from meshplan.ir.choices import LrScheduleKind, OptimizerKind
+from meshplan.ir.optimizer_config import OptimizerConfig
+
+__all__ = ["SLOTS", "OptimizerConfig", "slot_meta_shape", "torch_optimizer", "torch_scheduler"]
 
 SLOTS = {OptimizerKind.SGD: ("momentum_buffer",),
          OptimizerKind.ADAMW: ("exp_avg", "exp_avg_sq", "step")}
 
 
-@dataclass(frozen=True, slots=True)
-class OptimizerConfig:
-    """Hyperparameters, with torch.optim's names and meanings."""
+def torch_optimizer(cfg: OptimizerConfig, module) -> torch.optim.Optimizer:
+    """The eager equivalent of `cfg`, for reference runs: torch's optimizer on
+    `module`'s parameters (or (name, parameter) pairs), in two groups:
+    with and without weight decay."""
+    named = list(module.named_parameters() if hasattr(module, "named_parameters")
+                 else module)
+    groups = [{"params": [p for n, p in named if cfg.decays(n, tuple(p.shape)) == d],
+               "weight_decay": cfg.weight_decay if d else 0.0} for d in (True, False)]
+    groups = [g for g in groups if g["params"]] or [{"params": []}]
+    if cfg.kind == OptimizerKind.SGD:
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=None)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                             foreach=None)
 
-    kind: OptimizerKind = OptimizerKind.SGD
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    # global-norm gradient clipping (`clip_grad_norm_(max_norm)`); None: off
-    max_grad_norm: float | None = None
-    # the rate of each step (ir/lr_schedule.py); the default: `lr` at every step
-    lr_schedule: LrSchedule = LrSchedule()
-    # parameters without weight decay: "" the 1-D ones (biases, norm weights, as
-    # Megatron and LiBai), "none" none, else a regex searched in parameter names
-    no_decay: str = ""
-    # a step whose gradient norm is inf/nan: halt or skip (None: halt when the
-    # norm is computed, i.e. with clipping; a choice computes the norm anyway)
-    on_nonfinite: NonFinite | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", choose(OptimizerKind, self.kind, "optimizer"))
-        if self.on_nonfinite is not None:
-            object.__setattr__(self, "on_nonfinite",
-                               choose(NonFinite, self.on_nonfinite, "--on-nonfinite"))
-        if self.no_decay not in ("", "none"):
-            try:
-                re.compile(self.no_decay)
-            except re.error as e:
-                raise ConfigError(f"--no-decay '{self.no_decay}' is not a regex ({e}); give "
-                                  "one over parameter names, e.g. 'bias|norm'") from None
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm {self.max_grad_norm} must be > 0; give a "
-                              "clipping threshold such as 1.0, or none to turn clipping off")
-
-    @staticmethod
-    def default(kind: OptimizerKind | str, lr: float | None = None) -> OptimizerConfig:
-        """Defaults: SGD(0.05, momentum 0.9, wd 1e-4), AdamW(3e-3, wd 0.01) (the rates at
-        which the zoo's synthetic tasks learn in 10 steps: models/data.py);
-        `lr` overrides the learning rate."""
-        if kind == OptimizerKind.ADAMW:
-            cfg = OptimizerConfig(OptimizerKind.ADAMW, lr=3e-3, weight_decay=0.01)
-        else:
-            cfg = OptimizerConfig(kind)
-        return cfg if lr is None else replace(cfg, lr=lr)
-
-    @staticmethod
-    def of(optimizer: OptimizerConfig | OptimizerKind | str, lr: float | None = None,
-           **fields) -> OptimizerConfig:
-        """`optimizer` as a config: a name takes its defaults (`default`); `lr`
-        and `fields` override (`lr=None`: keep)."""
-        cfg = optimizer if isinstance(optimizer, OptimizerConfig) \
-            else OptimizerConfig.default(optimizer)
-        if lr is not None:
-            fields["lr"] = lr
-        return replace(cfg, **fields) if fields else cfg
-
-    def kwargs(self) -> tuple[tuple[str, object], ...]:
-        """The literal arguments of this optimizer's op, after its tensors."""
-        if self.kind == OptimizerKind.SGD:
-            return (("lr", self.lr), ("momentum", self.momentum),
-                    ("weight_decay", self.weight_decay), ("dampening", 0.0),
-                    ("nesterov", False))
-        return (("lr", self.lr), ("beta1", self.betas[0]), ("beta2", self.betas[1]),
-                ("eps", self.eps), ("weight_decay", self.weight_decay))
-
-    def to_json(self) -> str:
-        """This config as JSON (the train step's `TrainFacts.optimizer_config`)."""
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        d["lr_schedule"] = {f: getattr(self.lr_schedule, f)
-                            for f in self.lr_schedule.__dataclass_fields__}
-        return json.dumps(d)
-
-    @staticmethod
-    def from_json(text: str) -> OptimizerConfig:
-        d = json.loads(text)
-        d["betas"] = tuple(d["betas"])
-        d["lr_schedule"] = LrSchedule(**d["lr_schedule"])
-        return OptimizerConfig(**d)
-
-    @staticmethod
-    def of_job(job) -> OptimizerConfig:
-        """The config the Job's train step was built with (its facts)."""
-        train = job.graph.facts.train
-        if train is None:
-            raise ConfigError("the Job has no optimizer op; plan it from a captured graph")
-        return OptimizerConfig.from_json(train.optimizer_config)
-
-    @property
-    def guard(self) -> NonFinite | None:
-        """What a non-finite gradient norm does, when the norm is computed."""
-        if self.on_nonfinite is not None:
-            return self.on_nonfinite
-        return NonFinite.HALT if self.max_grad_norm is not None else None
-
-    def decays(self, name: str, shape: tuple[int, ...]) -> bool:
-        """Whether parameter `name` of `shape` takes weight decay (`no_decay`)."""
-        if self.no_decay == "none":
-            return True
-        if self.no_decay == "":
-            return len(shape) >= 2
-        return re.search(self.no_decay, name) is None
-
-    def torch_optimizer(self, module) -> torch.optim.Optimizer:
-        """The eager equivalent, for reference runs: torch's optimizer on
-        `module`'s parameters (or (name, parameter) pairs), in two groups:
-        with and without weight decay."""
-        named = list(module.named_parameters() if hasattr(module, "named_parameters")
-                     else module)
-        groups = [{"params": [p for n, p in named if self.decays(n, tuple(p.shape)) == d],
-                   "weight_decay": self.weight_decay if d else 0.0} for d in (True, False)]
-        groups = [g for g in groups if g["params"]] or [{"params": []}]
-        if self.kind == OptimizerKind.SGD:
-            return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, foreach=None)
-        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps,
-                                 foreach=None)
-
-    def torch_scheduler(self, opt: torch.optim.Optimizer):
-        """The schedule as torch's own scheduler classes (None: constant), for
-        reference runs: LinearLR warmup, then LinearLR / CosineAnnealingLR /
-        a stable LambdaLR(1) and LinearLR, chained by SequentialLR."""
-        s = self.lr_schedule.resolved(self.lr)
-        if not s.scheduled:
-            return None
-        parts, milestones = [], []
-        if s.warmup_steps:
-            parts.append(L.LinearLR(opt, 1 / (s.warmup_steps + 1), 1.0, s.warmup_steps))
-            milestones.append(s.warmup_steps)
-        low = s.min_lr / self.lr
-        kind, d = s.kind, s.decay_steps
-        if kind == LrScheduleKind.CONSTANT:
-            parts.append(L.LambdaLR(opt, lambda k: 1.0))
-        elif kind == LrScheduleKind.LINEAR:
-            parts.append(L.LinearLR(opt, 1.0, low, d))
-        elif kind == LrScheduleKind.COSINE:
-            parts.append(L.CosineAnnealingLR(opt, T_max=d, eta_min=s.min_lr))
-            milestones.append(s.warmup_steps + d)
-            parts.append(L.LambdaLR(opt, lambda k: low))  # held at min_lr after the decay
-        else:  # wsd
-            assert s.total_steps is not None and d is not None
-            parts.append(L.LambdaLR(opt, lambda k: 1.0))
-            milestones.append(s.total_steps - d)
-            parts.append(L.LinearLR(opt, 1.0, low, d))
-        return parts[0] if len(parts) == 1 else L.SequentialLR(opt, parts, milestones)
+def torch_scheduler(cfg: OptimizerConfig, opt: torch.optim.Optimizer):
+    """The schedule as torch's own scheduler classes (None: constant), for
+    reference runs: LinearLR warmup, then LinearLR / CosineAnnealingLR /
+    a stable LambdaLR(1) and LinearLR, chained by SequentialLR."""
+    s = cfg.lr_schedule.resolved(cfg.lr)
+    if not s.scheduled:
+        return None
+    parts, milestones = [], []
+    if s.warmup_steps:
+        parts.append(L.LinearLR(opt, 1 / (s.warmup_steps + 1), 1.0, s.warmup_steps))
+        milestones.append(s.warmup_steps)
+    low = s.min_lr / cfg.lr
+    kind, d = s.kind, s.decay_steps
+    if kind == LrScheduleKind.CONSTANT:
+        parts.append(L.LambdaLR(opt, lambda k: 1.0))
+    elif kind == LrScheduleKind.LINEAR:
+        parts.append(L.LinearLR(opt, 1.0, low, d))
+    elif kind == LrScheduleKind.COSINE:
+        parts.append(L.CosineAnnealingLR(opt, T_max=d, eta_min=s.min_lr))
+        milestones.append(s.warmup_steps + d)
+        parts.append(L.LambdaLR(opt, lambda k: low))  # held at min_lr after the decay
+    else:  # wsd
+        assert s.total_steps is not None and d is not None
+        parts.append(L.LambdaLR(opt, lambda k: 1.0))
+        milestones.append(s.total_steps - d)
+        parts.append(L.LinearLR(opt, 1.0, low, d))
+    return parts[0] if len(parts) == 1 else L.SequentialLR(opt, parts, milestones)
 
 
 def slot_meta_shape(slot: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:

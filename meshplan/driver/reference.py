@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from meshplan.autodiff import OptimizerConfig
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer, torch_scheduler
 from meshplan.ir import LOSS_SCALE
 from meshplan.ir.choices import Precision
 from meshplan.ir.state_name import StateName
@@ -75,10 +75,10 @@ def eager_train(
     micro-batch's random calls draw meshplan's numbers; else torch's own."""
     dev = torch.device(device)
     module.to(dev)
-    opt = optimizer.torch_optimizer(module)
+    opt = torch_optimizer(optimizer, module)
     with warnings.catch_warnings():  # SequentialLR's own call of step(0) is deprecated
         warnings.simplefilter("ignore", UserWarning)
-        sched = optimizer.torch_scheduler(opt)
+        sched = torch_scheduler(optimizer, opt)
     scaler = torch.amp.GradScaler(dev.type, init_scale=init_scale,
                                   growth_interval=GROWTH_INTERVAL) \
         if precision == Precision.FP16 else None

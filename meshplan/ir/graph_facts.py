@@ -6,8 +6,7 @@ Invariants:
   the module structure derived plans read, the precision the casts were made
   for, and the train step's optimizer, micro-batch count and loss scale.
 - A pass adds its facts with `dataclasses.replace`; no field is a string
-  standing for a number or for JSON (but `TrainFacts.optimizer_config`, the
-  `OptimizerConfig` the compiler reads back itself).
+  standing for a number or for JSON.
 - Files hold them as the string pairs of `ir/serialize.py: facts_to_pairs`,
   the one place that writes and reads that form (Job bytes unchanged).
 """
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 
 from meshplan.ir.choices import NonFinite, OptimizerKind, Precision
 from meshplan.ir.lr_schedule import LrSchedule
+from meshplan.ir.optimizer_config import OptimizerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ class TrainFacts:
 
     optimizer: OptimizerKind
     num_microbatches: int
-    optimizer_config: str  # `OptimizerConfig.to_json()` (autodiff reads it back)
+    optimizer_config: OptimizerConfig  # what autodiff built the step from
     on_nonfinite: NonFinite | None = None  # None: no gradient norm is computed
     lr_schedule: tuple[LrSchedule, float] | None = None  # resolved, and the base rate
     loss_scale: float | None = None  # fp16's initial loss scale

@@ -29,6 +29,7 @@ from meshplan.ir.fileio import read_sealed, seal, unseal, write_atomic
 from meshplan.ir.graph import DType, Graph, Op, Phase, Ref, Role, TensorMeta, Update, Value
 from meshplan.ir.graph_facts import GraphFacts, Structure, TrainFacts
 from meshplan.ir.lr_schedule import LrSchedule
+from meshplan.ir.optimizer_config import OptimizerConfig
 
 KIND = "meshplan.graph"
 VERSION = 1
@@ -62,7 +63,7 @@ AUTO = "auto:"  # `Structure`'s fields, in field order
 
 def facts_to_pairs(f: GraphFacts) -> list[list[str]]:
     """`f` as [key, string] pairs: numbers by str (the loss scale by repr),
-    the tp entries and the lr schedule as JSON."""
+    the tp entries, the optimizer's config and the lr schedule as JSON."""
     out = [] if f.model_class is None else [["model_class", f.model_class]]
     out += [[ALIAS + a, name] for a, name in f.aliases]
     if (s := f.structure) is not None:
@@ -75,7 +76,7 @@ def facts_to_pairs(f: GraphFacts) -> list[list[str]]:
         out.append(["precision", str(f.precision)])
     if (t := f.train) is not None:
         out += [["optimizer", str(t.optimizer)], ["num_microbatches", str(t.num_microbatches)],
-                ["optimizer_config", t.optimizer_config]]
+                ["optimizer_config", t.optimizer_config.to_json()]]
         if t.on_nonfinite is not None:
             out.append(["on_nonfinite", str(t.on_nonfinite)])
         if t.lr_schedule is not None:
@@ -96,7 +97,8 @@ def facts_from_pairs(pairs) -> GraphFacts:
         auto["tp_from"], int(auto["heads"]), int(auto["kv_heads"]), int(auto["vocab"]),
         auto["model"])
     train = None if "optimizer" not in d else TrainFacts(
-        OptimizerKind(d["optimizer"]), int(d["num_microbatches"]), d["optimizer_config"],
+        OptimizerKind(d["optimizer"]), int(d["num_microbatches"]),
+        OptimizerConfig.from_json(d["optimizer_config"]),
         NonFinite(d["on_nonfinite"]) if "on_nonfinite" in d else None,
         LrSchedule.from_meta(d["lr_schedule"]) if "lr_schedule" in d else None,
         float(d["loss_scale"]) if "loss_scale" in d else None)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from meshplan.autodiff.backward import build_train_step
-from meshplan.autodiff.optimizer import OptimizerConfig
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer
 from meshplan.capture import capture
 from meshplan.driver.executor import Executor
 from meshplan.ir import ABSENT, Phase, Ref, Role
@@ -155,7 +155,7 @@ def test_microbatch_accumulation_matches_eager():
     assert step.ops[-1].phase is Phase.OPTIMIZER
     ex = Executor(step)
     state = ex.init_state(model)
-    opt = opt_cfg.torch_optimizer(model)
+    opt = torch_optimizer(opt_cfg, model)
     for seed in (1, 2):  # two steps: the accumulators restart, momentum carries
         tokens, targets = example_batch(cfg, 2 * m, seed=seed)
         mbs = [(tokens[i:i + 2], targets[i:i + 2]) for i in range(0, 2 * m, 2)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from meshplan.autodiff import OptimizerConfig
+from meshplan.driver import reference
 from meshplan.driver.job_report import report
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.run import run
@@ -61,12 +62,12 @@ def test_weight_decay_groups_are_torchs_param_groups(monkeypatch):
     bad = verify("gpt", "tiny", steps=4, optimizer=opt)
     monkeypatch.undo()
     assert bad.ok  # both sides read decays: patched alike, still equal
-    real = OptimizerConfig.torch_optimizer
+    real = reference.torch_optimizer
 
-    def one_group(self, module):
-        return real(OptimizerConfig.of(self, no_decay="none"), module)
+    def one_group(cfg, module):
+        return real(OptimizerConfig.of(cfg, no_decay="none"), module)
 
-    monkeypatch.setattr(OptimizerConfig, "torch_optimizer", one_group)
+    monkeypatch.setattr(reference, "torch_optimizer", one_group)
     assert not verify("gpt", "tiny", steps=4, optimizer=opt).ok
 
 

@@ -1,6 +1,6 @@
 """Learning-rate schedules: meshplan's closed forms (`ir/lr_schedule.py`)
 equal torch's own scheduler classes step by step, which verify's reference
-runs (`OptimizerConfig.torch_scheduler`)."""
+runs (`autodiff/optimizer.py: torch_scheduler`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from meshplan.autodiff import OptimizerConfig
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer, torch_scheduler
 from meshplan.errors import ConfigError
 from meshplan.ir.lr_schedule import LrSchedule
 
@@ -18,10 +18,10 @@ STEPS = 40
 
 def torch_rates(cfg: OptimizerConfig, steps: int) -> list[float]:
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = cfg.torch_optimizer([("w", p)])
+    opt = torch_optimizer(cfg, [("w", p)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        sched = cfg.torch_scheduler(opt)
+        sched = torch_scheduler(cfg, opt)
         out = []
         for _ in range(steps):
             out.append(opt.param_groups[0]["lr"])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.autodiff.backward import build_train_step
-from meshplan.autodiff.optimizer import OptimizerConfig
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer
 from meshplan.capture import capture
 from meshplan.driver.executor import Executor
 from meshplan.errors import CaptureError
@@ -59,7 +59,7 @@ def test_generic_ops_train_like_eager():
     state = ex.init_state(model)
     ours = [ex.step(state, [b]) for b in batches]
 
-    opt = opt_cfg.torch_optimizer(model)
+    opt = torch_optimizer(opt_cfg, model)
     theirs = []
     for b in batches:
         opt.zero_grad()
