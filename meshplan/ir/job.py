@@ -45,7 +45,7 @@ from meshplan.ir.serialize import (
 )
 
 KIND = "meshplan.job"
-VERSION = 3  # v3: the "graph" part lists the data inputs (a view's batch order)
+VERSION = 3  # v3: the "graph" part holds the data inputs' order and the rank-wide values
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +109,8 @@ class StageView:
     to run it, by id: the stage's ops and every transfer into or out of it
     (in Job order), their stage, chunk and kernel variant, the values they
     read or write with their layouts, which of them update a state in
-    place, the graph inputs among them, the loss id, the graph's facts and
-    the Job's temps. Read-only mappings."""
+    place, the graph inputs among them, the data inputs' batch order, the
+    loss id, the graph's facts and the Job's temps. Read-only mappings."""
 
     mesh: Mesh
     strategy: Strategy
@@ -129,7 +129,7 @@ class StageView:
     inputs: tuple[int, ...]  # the graph inputs among `values`, in the graph's order
     # (`values` holds the graph's `RANK_WIDE` inputs on every stage)
     data: tuple[int, ...]    # every DATA input of the graph, in batch order (some not here)
-    loss: int                # the graph's loss value (on the last stage's view only)
+    loss: int                # the graph's loss value id (in `values` on the last stage)
     facts: GraphFacts
     op_of: dict[int, Op]     # `ops` by id
 
