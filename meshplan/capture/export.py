@@ -49,9 +49,11 @@ from meshplan.ir import (
     TensorMeta,
     Update,
     check_well_formed,
+    kinds,
 )
 from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ops.emit import Emitter
+from meshplan.ops.resolve import custom_op_module
 from meshplan.ops.table import rule_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -158,7 +160,8 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
                        if not p.requires_grad)
     graph, env = _translate(ep, prefix, type(module).__name__, same, frozen)
     graph = replace(graph, facts=replace(graph.facts, aliases=_aliases(same, graph),
-                                         structure=structure_facts(module)))
+                                         structure=structure_facts(module),
+                                         op_modules=_op_modules(graph)))
     check_well_formed(graph)
     return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix)
 
@@ -201,6 +204,12 @@ def _aliases(same: dict[str, int], graph: Graph) -> tuple[tuple[str, str], ...]:
     out = [(name, input_of[key]) for name, key in same.items()
            if key in input_of and input_of[key] != name]
     return tuple(sorted(out))
+
+
+def _op_modules(graph: Graph) -> tuple[str, ...]:
+    """The modules that register the graph's custom ops (`GraphFacts.op_modules`)."""
+    custom = {op.kind for op in graph.ops if not op.kind.startswith(("aten.", kinds.PREFIX))}
+    return tuple(sorted({m for kind in custom if (m := custom_op_module(kind)) is not None}))
 
 
 def _first_line(e: Exception) -> str:

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from meshplan.ops import counter_rng as rng
 from meshplan.ops import random_ops as ro
-from meshplan.ops.resolve import resolve_aten
+from meshplan.ops.resolve import resolve_op
 
 
 class SameMasks(TorchFunctionMode):
@@ -84,7 +84,7 @@ def _attention(m: SameMasks, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=F
     opts = {"attn_mask": attn_mask, "is_causal": is_causal, "scale": scale,
             "enable_gqa": enable_gqa}
     return ro.attention_math(
-        lambda kind, *a, **kw: resolve_aten(kind)(*a, **kw),
+        lambda kind, *a, **kw: resolve_op(kind)(*a, **kw),
         lambda t: (tuple(t.shape), t.dtype == torch.bool), q, k, v, opts,
         lambda a: _dropout(m, a, dropout_p), {"bool": torch.bool, "device": q.device})
 

@@ -4,7 +4,9 @@ graph beside its ops (`Graph.facts`), as one typed, frozen record.
 Invariants:
 - Facts, not decisions: the model's class, the other names of tied tensors,
   the module structure derived plans read, the precision the casts were made
-  for, and the train step's optimizer, micro-batch count and loss scale.
+  for, the train step's optimizer, micro-batch count and loss scale, and the
+  modules that register its custom ops (`torch.library`), which a process
+  reading the graph imports, as unpickling imports a class's module.
 - A pass adds its facts with `dataclasses.replace`; no field is a string
   standing for a number or for JSON.
 - Files hold them as the string pairs of `ir/serialize.py: facts_to_pairs`,
@@ -55,3 +57,5 @@ class GraphFacts:
     structure: Structure | None = None
     precision: Precision = Precision.FP32  # what apply_precision cast for
     train: TrainFacts | None = None  # None: a forward graph
+    # the Python modules whose import registers the graph's custom ops, sorted
+    op_modules: tuple[str, ...] = ()

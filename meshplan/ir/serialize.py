@@ -14,11 +14,13 @@ Invariants:
   A change to this layout bumps `VERSION`.
 - `GraphFacts` are written as the string pairs they were before they were
   typed (`facts_to_pairs`, in the order the passes add them), so graph and
-  Job bytes do not change; `facts_from_pairs` reads exactly that form back.
+  Job bytes do not change; `facts_from_pairs` reads exactly that form back,
+  and imports the modules that register the graph's custom ops.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -59,6 +61,7 @@ def graph_to_json(graph: Graph) -> dict:
 
 ALIAS = "alias:"  # ("alias:head.weight", "wte.weight")
 AUTO = "auto:"  # `Structure`'s fields, in field order
+OP_MODULE = "op_module"  # one pair per module that registers a custom op
 
 
 def facts_to_pairs(f: GraphFacts) -> list[list[str]]:
@@ -83,6 +86,7 @@ def facts_to_pairs(f: GraphFacts) -> list[list[str]]:
             out.append(["lr_schedule", t.lr_schedule[0].to_meta(t.lr_schedule[1])])
         if t.loss_scale is not None:
             out.append(["loss_scale", repr(float(t.loss_scale))])
+    out += [[OP_MODULE, m] for m in f.op_modules]
     return out
 
 
@@ -104,9 +108,12 @@ def facts_from_pairs(pairs) -> GraphFacts:
         float(d["loss_scale"]) if "loss_scale" in d else None)
     facts = GraphFacts(d.get("model_class"),
                        tuple((k[len(ALIAS):], v) for k, v in rows if k.startswith(ALIAS)),
-                       structure, Precision(d.get("precision", Precision.FP32)), train)
+                       structure, Precision(d.get("precision", Precision.FP32)), train,
+                       tuple(v for k, v in rows if k == OP_MODULE))
     if facts_to_pairs(facts) != rows:
         raise Malformed(f"graph facts {[k for k, _ in rows]} are not in the written form")
+    for module in facts.op_modules:  # the graph's custom ops exist here once imported
+        importlib.import_module(module)
     return facts
 
 

@@ -16,6 +16,8 @@ Invariants:
   is_causal, *, attn_mask, scale)` and returns `(gq, gk, gv)`. The extra
   outputs of the CUDA kernels (rng state, sequence offsets) are not needed
   without dropout, which is the only case chosen here.
+- An adapter may also stand in for a logical op the device's own kernel
+  refuses (`histc` of integers on the CPU).
 - No kernel whose name contains `_for_cpu` is ever chosen for cuda
   (`tests/lowering/test_device_lowering.py` proves it over the zoo).
 
@@ -65,6 +67,8 @@ CUDNN = "aten._scaled_dot_product_cudnn_attention.default"
 CUDNN_BACKWARD = "aten._scaled_dot_product_cudnn_attention_backward.default"
 MATH = "meshplan.sdpa_math"
 MATH_BACKWARD = "meshplan.sdpa_math_backward"
+HISTC = "aten.histc.default"
+HISTC_OF_FLOATS = "meshplan.histc_of_floats"
 
 FALLBACKS: dict[str, int] = {}  # physical kernel -> runs that fell back to math
 RAN: dict[str, int] = {}  # physical attention kernel -> runs (cuDNN where it stood in for flash)
@@ -239,7 +243,22 @@ def _efficient_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     return gq, gk, gv
 
 
+def cpu_histc(op: Op, values: Values) -> str:
+    """torch's CPU `histc` counts floating values only (CUDA's, integers too):
+    a graph captured off the CPU (on meta, as transformers' MoE routing
+    branches on the device) may count integers; on the CPU they are counted
+    as floats, exact for values below 2**24."""
+    x = op.args[0]
+    assert isinstance(x, Ref), f"argument 0 of {op.kind} is not a tensor"
+    return "" if values[x.id].meta.dtype.torch.is_floating_point else HISTC_OF_FLOATS
+
+
+def _histc_of_floats(x: Tensor, bins: int = 100, min: float = 0, max: float = 0) -> Tensor:
+    return torch.histc(x.float(), bins, min, max).to(x.dtype)
+
+
 _ADAPTERS: dict[str, Callable] = {
+    HISTC_OF_FLOATS: _histc_of_floats,
     FLASH: _flash_forward, FLASH_BACKWARD: _flash_backward,
     EFFICIENT: _efficient_forward, EFFICIENT_BACKWARD: _efficient_backward,
     MATH: _math_forward, MATH_BACKWARD: _math_backward,
@@ -259,4 +278,5 @@ def adapter(name: str) -> Callable:
 DEVICES: dict[str, tuple[tuple[str, Chooser], ...]] = {
     SDPA_CPU: (("cuda", cuda_sdpa),),
     SDPA_CPU_BACKWARD: (("cuda", cuda_sdpa_backward),),
+    HISTC: (("cpu", cpu_histc),),
 }

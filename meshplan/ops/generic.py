@@ -1,4 +1,6 @@
-"""The generic rule: any aten op, with its gradient through `torch.func.vjp`.
+"""The generic rule: any aten op, or custom op with a fake kernel and an
+autograd formula (`ops/resolve.py`), with its gradient through
+`torch.func.vjp` (a custom op's: through `torch.autograd.grad`).
 
 Invariant: a `meshplan.vjp` op recomputes its forward op from the saved
 inputs and differentiates it with `torch.func.vjp`. It is correct for every
@@ -22,7 +24,7 @@ import torch
 from meshplan.ir import Op, Ref, TensorMeta
 from meshplan.ir.kinds import VJP
 from meshplan.ir.sbp import Partial, Replicate, Shard
-from meshplan.ops.resolve import resolve_aten
+from meshplan.ops.resolve import resolve_op
 from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
 from meshplan.ops.sbp_table import SPLIT_VJP
@@ -95,7 +97,7 @@ def _substitute(structure: Any, tensors: dict[int, torch.Tensor], counter: list[
 def vjp_kernel(fwd_kind: str, fwd_args: tuple, fwd_kwargs: tuple, gouts: tuple,
                wrt: tuple[int, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Run the forward under `torch.func.vjp` and pull back `gouts`."""
-    fn = resolve_aten(fwd_kind)
+    fn = resolve_op(fwd_kind)
     kw_names = [k for k, _ in fwd_kwargs]
     flat: list[torch.Tensor] = []
     _flatten(fwd_args, flat)
@@ -109,12 +111,42 @@ def vjp_kernel(fwd_kind: str, fwd_args: tuple, fwd_kwargs: tuple, gouts: tuple,
         kwargs = _substitute([v for _, v in fwd_kwargs], subs, counter)
         return fn(*args, **dict(zip(kw_names, kwargs)))
 
-    out, pullback = torch.func.vjp(f, *primals)  # type: ignore[misc]  # stub: has_aux form
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    cot = [g if g is not None else torch.zeros_like(o) for g, o in zip(gouts, outs)]
-    grads = pullback(type(out)(cot) if isinstance(out, (tuple, list)) else cot[0])
+    if fwd_kind.startswith("aten."):
+        kept: list[int] = []  # the outputs that carry gradients (topk's indices do not)
+
+        def differentiable_outputs(*ps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = f(*ps)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            kept[:] = [i for i, o in enumerate(outs) if _carries_grad(o)]
+            return tuple(outs[i] for i in kept)
+
+        outs, pullback = torch.func.vjp(differentiable_outputs, *primals)  # type: ignore[misc]
+        grads = pullback(tuple(gouts[i] if gouts[i] is not None else torch.zeros_like(o)
+                               for i, o in zip(kept, outs)))
+    else:
+        grads = _autograd_vjp(f, primals, gouts)
     # A one-output op's kernel returns the tensor itself (codegen binds it whole).
     return grads[0] if len(grads) == 1 else tuple(grads)
+
+
+def _carries_grad(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _autograd_vjp(f: Callable, primals: list[torch.Tensor],
+                  gouts: tuple) -> tuple[torch.Tensor, ...]:
+    """`torch.func.vjp`'s answer through torch.autograd, for a custom op
+    whose autograd formula torch.func cannot run (an autograd.Function
+    without functorch support, as `torch.library.register_autograd` makes)."""
+    leaves = [p.detach().requires_grad_() for p in primals]
+    with torch.enable_grad():
+        out = f(*leaves)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    pairs = [(o, g if g is not None else torch.zeros_like(o))
+             for o, g in zip(outs, gouts) if _carries_grad(o) and o.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
+                                allow_unused=True) if pairs else (None,) * len(leaves)
+    return tuple(g if g is not None else torch.zeros_like(p) for g, p in zip(grads, leaves))
 
 
 def _flatten(structure: Any, out: list[torch.Tensor]) -> None:

@@ -2,9 +2,10 @@
 
 Invariants: `rule_for(kind)` always answers for any aten kind; kinds listed
 here are exact (hand-written gradient, cost), every other aten op gets the
-generic rule (meta-kernel inference, `torch.func.vjp` gradient). Every
-meshplan kind (`ir/kinds.py`) has its own rule here, with its category;
-any other kind is refused.
+generic rule (meta-kernel inference, `torch.func.vjp` gradient), and so
+does a custom op with a fake kernel and an autograd formula
+(`ops/resolve.py`). Every meshplan kind (`ir/kinds.py`) has its own rule
+here, with its category; any other kind is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from meshplan.ops.canonical import CANONICAL
 from meshplan.ops.device_kernels import DEVICES, Values
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel, vjp_sbp
 from meshplan.ops.policy import PRECISION, recompute_class
-from meshplan.ops.resolve import resolve_aten
+from meshplan.ops.resolve import custom_op_missing, resolve_op
 from meshplan.ops.rule import Category, OpRule
 from meshplan.ops.sbp_table import SBP, replicated_rule
 
@@ -190,12 +191,6 @@ _MESHPLAN_KINDS = {rule.kind: rule for rule in (
 )}
 
 
-# Custom ops that models bring, and why meshplan cannot train them yet
-_KNOWN_CUSTOM = {
-    "transformers.grouped_mm": "a mixture-of-experts layer, transformers' grouped matmul: "
-                               "not yet supported",
-}
-
 # CompositeImplicit ops whose schema hides that they update buffers in place
 _HIDDEN_MUTATION = frozenset({"aten.batch_norm.default", "aten.instance_norm.default"})
 
@@ -210,11 +205,14 @@ def rule_for(kind: str) -> OpRule:
     if kind in _MESHPLAN_KINDS:
         return replace(_MESHPLAN_KINDS[kind], sbp=partial(vjp_sbp, _sbp_of) if kind == k.VJP
                        else SBP.get(kind, replicated_rule))
-    if not kind.startswith("aten."):
-        why = next((w for prefix, w in _KNOWN_CUSTOM.items() if kind.startswith(prefix)),
-                   "meshplan trains aten ops and its own")
-        raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op ({why})")
-    kernel = resolve_aten(kind)
+    if kind.startswith(k.PREFIX):
+        raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op")
+    if not kind.startswith("aten.") and (missing := custom_op_missing(kind)):
+        raise CaptureError(
+            f"custom op {kind!r} has no {' and no '.join(missing)}, so meshplan can neither "
+            f"shape nor differentiate it; register them with torch.library.register_fake "
+            f"and torch.library.register_autograd")
+    kernel = resolve_op(kind)
     canonical = CANONICAL.get(kind)
     grad = _GRADS.get(kind)
     return OpRule(
