@@ -52,9 +52,11 @@ TESTED = (
     "deberta-v2", "megatron-bert", "modernbert",
     # encoder-decoders
     "bart", "mbart", "t5", "marian", "pegasus",
+    # mixtures of experts (transformers' grouped matmul; experts replicated over tp)
+    "mixtral", "qwen2_moe", "olmoe", "gpt_oss",
 )
 SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xlm-roberta",
-                "bart", "t5")
+                "bart", "t5", "mixtral")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
 # a mixture of experts keeps a few experts (their count, and those each token takes)

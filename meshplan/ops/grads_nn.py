@@ -38,6 +38,18 @@ def linear_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     return out
 
 
+GROUPED_MM = "transformers.grouped_mm_fallback.default"  # transformers' MoE experts
+GROUPED_MM_BACKWARD = "transformers.grouped_mm_fallback_backward.default"
+
+
+def grouped_mm_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
+    """transformers' grouped matmul, through its own backward op (as its
+    autograd formula does): both gradients at once, none for the offsets."""
+    x, w, offs = tensor(op, 0), tensor(op, 1), tensor(op, 2)
+    gx, gw = e.call_multi(GROUPED_MM_BACKWARD, x, w, offs, only(gouts))
+    return [(r, g) for r, g in ((x, gx), (w, gw)) if needs(r)]
+
+
 def mm_grad(e: Emits, op: Op, gouts: Gouts, needs: Needs) -> Grads:
     g = only(gouts)
     a, b = tensor(op, 0), tensor(op, 1)

@@ -35,6 +35,9 @@ def resolve_op(kind: str) -> Callable:
         raise CaptureError(f"unknown torch op {kind!r}: {e}{hint}") from e
 
 
+FAKE_KERNEL, AUTOGRAD_FORMULA = "fake (meta) kernel", "autograd formula"  # what it may lack
+
+
 def _registered(kind: str) -> tuple[str, Any, Any]:
     """`kind`'s qualified name, its `custom_op` definition (None if made
     otherwise) and its registered fake kernel (None if none)."""
@@ -49,7 +52,7 @@ def _has_kernel(qualname: str, key: str) -> bool:
 
 def custom_op_missing(kind: str) -> tuple[str, ...]:
     """What custom op `kind` (`ns.name.overload`) lacks to train through the
-    generic rule: "fake (meta) kernel", "autograd formula", or nothing."""
+    generic rule: `FAKE_KERNEL`, `AUTOGRAD_FORMULA`, or nothing."""
     resolve_op(kind)  # an unknown op is refused as such
     qualname, opdef, registered_fake = _registered(kind)
     implicit = _has_kernel(qualname, "CompositeImplicitAutograd")  # decomposes: both for free
@@ -59,8 +62,7 @@ def custom_op_missing(kind: str) -> tuple[str, ...]:
     else:
         fake = implicit or _has_kernel(qualname, "Meta") or registered_fake is not None
         grad = implicit or _has_kernel(qualname, "Autograd")
-    return tuple(what for what, has in (("fake (meta) kernel", fake),
-                                        ("autograd formula", grad)) if not has)
+    return tuple(what for what, has in ((FAKE_KERNEL, fake), (AUTOGRAD_FORMULA, grad)) if not has)
 
 
 def custom_op_module(kind: str) -> str | None:

@@ -27,7 +27,7 @@ from meshplan.ops.canonical import CANONICAL
 from meshplan.ops.device_kernels import DEVICES, Values
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel, vjp_sbp
 from meshplan.ops.policy import PRECISION, recompute_class
-from meshplan.ops.resolve import custom_op_missing, resolve_op
+from meshplan.ops.resolve import AUTOGRAD_FORMULA, custom_op_missing, resolve_op
 from meshplan.ops.rule import Category, OpRule
 from meshplan.ops.sbp_table import SBP, replicated_rule
 
@@ -102,6 +102,8 @@ _GRADS = {
     "aten.max_pool2d_with_indices.default": nn.max_pool2d_grad,
     "aten.avg_pool2d.default": nn.avg_pool2d_grad,
     "aten._adaptive_avg_pool2d.default": nn.adaptive_avg_pool2d_grad,
+    # known custom ops
+    nn.GROUPED_MM: nn.grouped_mm_grad,
 }
 
 _FLOPS = {
@@ -116,6 +118,8 @@ _FLOPS = {
         cost.sdpa_flops, 2.5
     ),
     "aten.convolution_backward.default": cost.backward_of(cost.conv2d_flops),
+    nn.GROUPED_MM: cost.mm_flops,  # (tokens, in) by (experts, in, out): each token one expert
+    nn.GROUPED_MM_BACKWARD: lambda a: 2.0 * cost.mm_flops(a[:2]),  # (x, w, offs, grad)
 }
 
 _TEMP = {
@@ -142,6 +146,7 @@ _NONDIFF = {
     "aten.arange.start", "aten.arange.default", "aten.zeros_like.default",
     "aten.ones_like.default", "aten.full_like.default", "aten.eq.Tensor", "aten.ne.Scalar",
     "aten.argmax.default", "aten.detach.default", "aten.lift_fresh_copy.default",
+    nn.GROUPED_MM_BACKWARD,  # a gradient op: never differentiated itself
 }
 # Ops with float outputs that carry no gradient: the outputs that do (nll_loss's
 # total weight is a count; a gradient for it would be dead code).
@@ -207,11 +212,13 @@ def rule_for(kind: str) -> OpRule:
                        else SBP.get(kind, replicated_rule))
     if kind.startswith(k.PREFIX):
         raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op")
-    if not kind.startswith("aten.") and (missing := custom_op_missing(kind)):
+    missing = () if kind.startswith("aten.") else tuple(
+        m for m in custom_op_missing(kind) if kind not in _NONDIFF or m != AUTOGRAD_FORMULA)
+    if missing:
         raise CaptureError(
-            f"custom op {kind!r} has no {' and no '.join(missing)}, so meshplan can neither "
-            f"shape nor differentiate it; register them with torch.library.register_fake "
-            f"and torch.library.register_autograd")
+            f"custom op {kind!r} has no {' and no '.join(missing)} (meshplan shapes a custom "
+            "op by the one and differentiates it by the other); register it with "
+            "torch.library.register_fake or register_autograd")
     kernel = resolve_op(kind)
     canonical = CANONICAL.get(kind)
     grad = _GRADS.get(kind)

@@ -321,6 +321,24 @@ CASES = {
 }
 
 
+def _grouped_mm(x, w, offs):
+    import transformers.integrations.moe  # noqa: F401 - registers the op (optional extra)
+
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+
+# known custom ops, where their library is installed: transformers' grouped
+# matmul (its MoE experts), rows 0-2 to expert 0, 3-4 to expert 1, 5 to expert 2
+CUSTOM = {"grouped_mm": C(_grouped_mm, ((6, 4), (3, 4, 5)),
+                          "transformers.grouped_mm_fallback.default",
+                          inputs=lambda: (torch.tensor([3, 5, 6], dtype=torch.int32),))}
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    CUSTOM = {}
+CASES |= CUSTOM
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_rule_matches_eager(name):
     case = CASES[name]
