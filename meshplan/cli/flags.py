@@ -34,7 +34,8 @@ from meshplan.schedules.registry import CSV, default_schedule, searched, spec_of
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="gpt", help="gpt, bert or resnet (default gpt)")
+    g.add_argument("--model", default="gpt",
+                   help="gpt, bert, resnet or moe (a mixture-of-experts GPT; default gpt)")
     g.add_argument("--hf", default=None, metavar="MODEL_TYPE",
                    help="a transformers model built offline from its config instead of a zoo "
                    "model: gpt2, bert, llama, ... (tp plan and layers derived: 'derived')")
@@ -44,13 +45,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the output head shares the token embedding's weight (gpt, --hf)")
+    g.add_argument("--experts", type=int, default=None, help="moe: experts per block")
+    g.add_argument("--top-k", type=int, default=None, help="moe: experts each token takes")
+    g.add_argument("--capacity-factor", type=float, default=None,
+                   help="moe: an expert takes at most this times its even share of a "
+                        "sample's tokens, the rest dropped (default: dropless)")
     g.add_argument("--dropout", type=float, default=None,
                    help="dropout probability of every dropout (gpt, bert, --hf; default 0): "
                         "the masks are the same at any layout (docs/concepts/randomness.md)")
 
 
 def overrides(a: argparse.Namespace) -> dict:
-    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings", "dropout", "source")
+    keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings", "dropout", "source",
+            "experts", "top_k", "capacity_factor")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

@@ -215,8 +215,9 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(r))
         return 0
+    active = "" if r["active_numel"] is None else f", {r['active_numel']:,} active per token"
     print(f"{a.model} {a.size}: {r['ops']} ops, {r['params']} parameters "
-          f"({r['param_numel']:,} elements, {r['param_bytes'] / 2**30:.2f} GiB), "
+          f"({r['param_numel']:,} elements{active}, {r['param_bytes'] / 2**30:.2f} GiB), "
           f"{r['layers']} layers, {r['buffers']} buffers")
     print(f"captured on the meta device in {r['capture_s']:.2f} s "
           f"(model built in {r['build_s']:.2f} s)")

@@ -7,7 +7,7 @@ import time
 
 from meshplan.driver.plan import capture_built
 from meshplan.ir import Role
-from meshplan.models import build_model, layer_pattern, model_config
+from meshplan.models import active_param_count, build_model, layer_pattern, model_config
 from meshplan.ops.table import rule_for
 from meshplan.passes.derive import derived_layer_pattern
 
@@ -27,6 +27,7 @@ def inspect_model(model: str, size: str, batch_size: int = 1, **overrides) -> di
     return {
         "model": model, "size": size, "ops": len(graph.ops), "params": len(params),
         "param_numel": sum(p.meta.numel for p in params),
+        "active_numel": active_param_count(cfg, module),  # per token; None: dense
         "param_bytes": graph.param_bytes(), "layers": len(layers),
         "buffers": len(graph.inputs_by_role(Role.BUFFER)),
         "generic_ops": generic, "build_s": t1 - t0, "capture_s": t2 - t1,

@@ -1,4 +1,5 @@
-"""Model zoo: GPT, BERT and ResNet as plain `nn.Module`s, plus presets.
+"""Model zoo: GPT, BERT, ResNet and a mixture-of-experts GPT as plain
+`nn.Module`s, plus presets.
 
 Every model's forward takes `example_batch(cfg, ...)` and returns a scalar
 loss; repeated layers are `blocks.{i}` (see `layer_pattern`).
@@ -8,6 +9,7 @@ from meshplan.models.registry import (
     MODELS,
     PRESETS,
     ModelConfig,
+    active_param_count,
     batch_spec,
     build_model,
     example_batch,
@@ -21,6 +23,7 @@ __all__ = [
     "MODELS",
     "PRESETS",
     "ModelConfig",
+    "active_param_count",
     "batch_spec",
     "build_model",
     "example_batch",

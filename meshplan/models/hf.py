@@ -254,6 +254,19 @@ def _fields(probe, cfg) -> dict:
     return kw
 
 
+def experts_of(module: nn.Module) -> tuple[int, int] | None:
+    """(experts per layer, experts a token takes) of a transformers mixture of
+    experts built here (`HFLoss`), from its config; None for a dense model."""
+    conf = getattr(getattr(module, "model", None), "config", None)
+
+    def first(names) -> int | None:
+        return next((v for n in names if isinstance(v := getattr(conf, n, None), int)), None)
+
+    experts = first(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
+    top_k = first(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"))
+    return (experts, top_k) if experts and top_k else None
+
+
 def _width(name: str, v: int | None, probe, cfg) -> int | None:
     """Our size for the config's integer field `name` (default `v`), or None
     to leave it: heads, MLP widths, multi-head latent attention (DeepSeek's

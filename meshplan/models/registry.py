@@ -30,9 +30,10 @@ from meshplan.models import hf
 from meshplan.models.bert import BERT, mlm_batch
 from meshplan.models.data import class_images, markov_tokens
 from meshplan.models.gpt import GPT
+from meshplan.models.moe import MoEGPT, active_numel
 from meshplan.models.resnet import STAGE_STRIDES, ResNet
 
-MODELS = ("gpt", "bert", "resnet")
+MODELS = ("gpt", "bert", "resnet", "moe")
 LAYER_PATTERN = r"blocks\.(\d+)"
 
 
@@ -52,6 +53,9 @@ class ModelConfig:
     num_classes: int = 0
     blocks: tuple[int, ...] = ()
     tie_embeddings: bool = False  # gpt: the head's weight is the token embedding's
+    experts: int = 0  # moe: experts per block
+    top_k: int = 0  # moe: experts each token takes
+    capacity_factor: float | None = None  # moe: None = dropless (models/moe.py)
     source: str = ""  # hf: a `save_pretrained` directory whose config.json is the model's
 
 
@@ -79,6 +83,10 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
         "small": _transformer("bert", 8, 8, 256, 128, 1024),
         "bert-large": _transformer("bert", 24, 16, 1024, 512, 30522),
     },
+    "moe": {
+        "tiny": replace(_transformer("moe", 4, 4, 64, 16, 128), experts=4, top_k=2),
+        "small": replace(_transformer("moe", 8, 8, 256, 128, 1024), experts=8, top_k=2),
+    },
     "resnet": {
         "tiny": _resnet((1, 1, 1, 1), width=8, image_size=16, num_classes=10),
         "small": _resnet((2, 2, 2, 2), width=16, image_size=32, num_classes=10),
@@ -92,7 +100,9 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
 _TRANSFORMER_KEYS = frozenset({"layers", "heads", "hidden", "seq_len", "vocab", "dropout"})
 _RESNET_KEYS = frozenset({"hidden", "width", "image_size", "num_classes", "blocks"})
 _GPT_KEYS = _TRANSFORMER_KEYS | {"tie_embeddings"}
-_ALLOWED = {"gpt": _GPT_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS}
+_MOE_KEYS = (_TRANSFORMER_KEYS - {"dropout"}) | {"experts", "top_k", "capacity_factor"}
+_ALLOWED = {"gpt": _GPT_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS,
+            "moe": _MOE_KEYS}
 
 
 def _choices(names) -> str:
@@ -186,6 +196,19 @@ def validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"bert: vocab={cfg.vocab} is too small; use vocab >= 2")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"{cfg.model}: dropout={cfg.dropout} must be in [0, 1)")
+    if cfg.model == "moe":
+        _validate_moe(cfg)
+
+
+def _validate_moe(cfg: ModelConfig) -> None:
+    if not isinstance(cfg.experts, int) or cfg.experts < 1:
+        raise ConfigError(f"moe: experts={cfg.experts!r} must be a positive integer (--experts)")
+    if not isinstance(cfg.top_k, int) or not 1 <= cfg.top_k <= cfg.experts:
+        raise ConfigError(f"moe: top_k={cfg.top_k!r} must be 1 to the {cfg.experts} experts "
+                          "(--top-k)")
+    if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
+        raise ConfigError(f"moe: capacity_factor={cfg.capacity_factor!r} must be above 0 "
+                          "(--capacity-factor; leave it out for dropless)")
 
 
 def _validate_resnet(cfg: ModelConfig) -> None:
@@ -214,6 +237,9 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Modu
         if cfg.model == "gpt":
             return GPT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout,
                        cfg.tie_embeddings)
+        if cfg.model == "moe":
+            return MoEGPT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab,
+                          cfg.experts, cfg.top_k, cfg.capacity_factor)
         if cfg.model == "bert":
             return BERT(cfg.layers, cfg.heads, cfg.hidden, cfg.seq_len, cfg.vocab, cfg.dropout)
         if cfg.model.startswith(hf.PREFIX):
@@ -227,7 +253,7 @@ def example_batch(
 ) -> tuple[torch.Tensor, ...]:
     """Return the forward inputs of `cfg`'s model for `batch_size` samples.
 
-    gpt: (tokens, targets) long (B, T); targets are tokens shifted by one.
+    gpt, moe: (tokens, targets) long (B, T); targets are tokens shifted by one.
     bert: (masked tokens, labels) long (B, T); labels -100 where unmasked.
     resnet: (images float32 (B, 3, S, S), labels long (B,)).
     Tokens and images come from a learnable task (`models/data.py`).
@@ -241,7 +267,7 @@ def example_batch(
         return tuple(torch.empty(shape, dtype=dtype, device=device)
                      for shape, dtype in batch_spec(cfg, batch_size))
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    if cfg.model == "gpt":
+    if cfg.model in ("gpt", "moe"):
         # One (T + 1)-long stream per row gives consistent next-token targets.
         stream = markov_tokens(cfg.vocab, batch_size, cfg.seq_len + 1, gen)
         batch = (stream[:, :-1].contiguous(), stream[:, 1:].contiguous())
@@ -278,5 +304,13 @@ def param_count(model: nn.Module) -> int:
     return sum(math.prod(p.shape) for p in model.parameters())
 
 
+def active_param_count(cfg: ModelConfig, model: nn.Module) -> int | None:
+    """Parameter elements one token uses, for a mixture of experts (the zoo's
+    or a transformers one); None for a dense model."""
+    moe = (cfg.experts, cfg.top_k) if cfg.model == "moe" else \
+        hf.experts_of(model) if cfg.model.startswith(hf.PREFIX) else None
+    return None if moe is None else active_numel(model.named_parameters(), *moe)
+
+
 # Guard against a field rename drifting away from the override tables.
-assert _GPT_KEYS | _RESNET_KEYS <= {f.name for f in fields(ModelConfig)}
+assert _GPT_KEYS | _RESNET_KEYS | _MOE_KEYS <= {f.name for f in fields(ModelConfig)}

@@ -165,6 +165,12 @@ CASES: list[Case] = [
         "plan", "--layers", "0"),
     cli("override-wrong-family", "model", ConfigError, "override 'vocab' does not apply",
         "plan", "--model", "resnet", "--vocab", "10"),
+    cli("moe-top-k", "model", ConfigError, "top_k=5 must be 1 to the 4 experts (--top-k)",
+        "plan", "--model", "moe", "--top-k", "5"),
+    cli("moe-capacity", "model", ConfigError, "capacity_factor=0.0 must be above 0",
+        "plan", "--model", "moe", "--capacity-factor", "0"),
+    cli("moe-experts", "model", ConfigError, "experts=0 must be a positive integer",
+        "plan", "--model", "moe", "--experts", "0"),
     # ---- capture (custom modules through the Python API) --------------------------------
     py("data-dependent-mask", "capture", CaptureError, "data-dependent shape",
        _capture(models.MaskedSum)),
