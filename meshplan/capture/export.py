@@ -405,10 +405,25 @@ def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
     if rule.canonical is not None:
         outs = rule.canonical(e, args, kwargs, ctx)
     else:
+        args = _without_memory_format(e, kind, args, kwargs)
         vals = val if isinstance(val, (list, tuple)) else (val,)
         metas = tuple(None if v is None else _meta(v, node) for v in vals)
         outs = tuple(Ref(o) for o in e.emit(kind, args, metas, tuple(kwargs.items())))
     ctx.env[node] = outs if isinstance(val, (list, tuple)) else outs[0]
+
+
+def _without_memory_format(e: Emitter, kind: str, args: tuple, kwargs: dict) -> tuple:
+    """The IR carries no memory formats: `preserve_format` (the default of
+    the *_like ops, `to` and `clone`) is left out, and a *_like op's
+    `contiguous_format` becomes the op on its input made contiguous (a no-op
+    where it is); another format is refused. Returns the op's arguments."""
+    fmt = kwargs.pop("memory_format", None)
+    if fmt in (None, str(torch.preserve_format)):
+        return args
+    if fmt == str(torch.contiguous_format) and kind.endswith("_like.default"):
+        return (e.call("aten.contiguous.default", args[0]), *args[1:])
+    raise CaptureError(f"{kind} to memory format {fmt} is not supported; keep the default "
+                       "layout (no channels_last) in the model")
 
 
 def _loss_of(ctx: _Ctx, outs: list, model_name: str) -> Ref:

@@ -112,3 +112,5 @@ class OpRule:
     # CompositeImplicit form updates buffers unannounced (`batch_norm`'s running
     # stats). Capture hands a program with such an op to torch's functionalization.
     mutates: bool = False
+    # Returns a list of tensors (`Tensor[]`), even of one: bound by unpacking.
+    returns_list: bool = False

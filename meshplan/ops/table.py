@@ -14,6 +14,8 @@ from dataclasses import replace
 from functools import cache, partial
 from typing import Any, Callable
 
+import torch
+
 from meshplan.errors import CaptureError
 from meshplan.ir import DType, Op, TensorMeta
 from meshplan.ir import kinds as k
@@ -238,6 +240,7 @@ def rule_for(kind: str) -> OpRule:
         recompute=recompute_class(kind),
         devices=DEVICES.get(kind, ()),
         mutates=kind in _HIDDEN_MUTATION or _schema_mutates(kernel),
+        returns_list=_schema_returns_list(kernel),
     )
 
 
@@ -245,6 +248,13 @@ def _schema_mutates(kernel) -> bool:
     """Whether an aten overload's schema writes an argument (`Tensor(a!)`)."""
     schema = getattr(kernel, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def _schema_returns_list(kernel) -> bool:
+    """Whether an op's schema returns one list of tensors (`-> Tensor[]`)."""
+    schema = getattr(kernel, "_schema", None)
+    return bool(schema is not None and len(schema.returns) == 1
+                and isinstance(schema.returns[0].type, torch.ListType))
 
 
 def physical_kernel(op: Op, values: Values, device_type: str) -> str:

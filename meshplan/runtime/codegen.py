@@ -78,7 +78,9 @@ def _call_line(group: list[Op], consts: _Consts, device, kernels: dict) -> str:
     if len(group) == 1:
         (op,) = group
         args = [_expr(a, consts, device) for a in op.args] + kw
-        target = ", ".join(outs(op)) if len(op.outputs) > 1 else outs(op)[0]
+        names = outs(op)  # a list of one tensor is unpacked too
+        unpack = len(names) > 1 or rule_for(op.kind).returns_list
+        target = ", ".join(names) + ("," if len(names) == 1 else "") if unpack else names[0]
         kernel = kernels.get(op.id) or _kernel(op.kind)
         return f"    {target} = {consts.ref(kernel)}({', '.join(args)})"
     kernel = consts.ref(rule_for(group[0].kind).batched)
