@@ -62,7 +62,6 @@ def try_type(name: str, timeout: float) -> dict:
 
 # Why a type is refused, by the first pattern its line matches (the README's list)
 CLASSES = (
-    ("mixture of experts", r"grouped_mm|mixture-of-experts"),
     ("a config field not sized", r"at these sizes"),
     ("the config rejects the sizes", r"offline from its config"),
     ("no language-model head", r"has no causal-LM"),
