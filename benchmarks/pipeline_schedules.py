@@ -153,7 +153,7 @@ def predicted(job, plans: dict) -> dict:
 def check_placement(schedule: str, plans: dict) -> None:
     """meshplan's plans run, on each rank, the stages torch places there."""
     for r, p in sorted(plans.items()):
-        held = sorted({a.stage for a in p.actions if a.type.is_compute})
+        held = sorted({a.virtual_stage for a in p.actions if a.type.is_compute})
         if held != stage_ids(schedule, r):
             raise SystemExit(f"meshplan {schedule}: rank {r} runs stages {held}, torch's "
                              f"placement has {stage_ids(schedule, r)}")

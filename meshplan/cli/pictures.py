@@ -119,7 +119,7 @@ def _draw_compute(ax, a: Action, s: Span, y: int, placement: StagePlacement,
             ax.text(s.start + width / 2, y, "step", ha="center", va="center", fontsize=7,
                     color="white")
         return set()
-    chunk = placement.chunk_of(a.stage)
+    chunk = placement.chunk_of(a.virtual_stage)
     ax.barh(y, width, left=s.start, height=0.7, color=_shade(_HUES[chunk % len(_HUES)], a.type),
             edgecolor="white", linewidth=0.4)
     if width > end * 0.012:

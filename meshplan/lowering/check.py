@@ -268,7 +268,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
     for r, p in plans.items():
         for a in p.actions:
             if a.type in (ActionType.RECV_F, ActionType.RECV_B):
-                recvs.add((r, a.type, a.peer, a.stage, a.microbatch))
+                recvs.add((r, a.type, a.peer, a.virtual_stage, a.microbatch))
     errors, absent = [], _absent(job, plans)
     for r, p in plans.items():
         peers_of = _send_peers(p, where)
@@ -276,8 +276,9 @@ def _p2p_actions(job: Job, plans) -> list[str]:
             if a.type not in (ActionType.SEND_F, ActionType.SEND_B):
                 continue
             want = ActionType.RECV_F if a.type is ActionType.SEND_F else ActionType.RECV_B
-            for peer in peers_of.get((a.stage, a.type), ()):
-                if peer not in absent and (peer, want, a.stage, a.peer, a.microbatch) not in recvs:
+            v = a.virtual_stage
+            for peer in peers_of.get((v, a.type), ()):
+                if peer not in absent and (peer, want, v, a.peer, a.microbatch) not in recvs:
                     grid = format_grid({q: plans[q].actions for q in (r, peer) if q in plans},
                                        mark=(r, i))
                     errors.append(f"rank {r}: {a} has no {want.value} of micro-batch "

@@ -291,7 +291,7 @@ def in_flight(actions, where) -> dict[tuple[int, Phase], int]:
     for a in actions:
         if not a.type.is_compute:
             continue
-        c = chunks[a.stage]
+        c = chunks[a.virtual_stage]
         for ph in (Phase.BACKWARD, Phase.WEIGHT) if a.type is ActionType.F else _ENDS[a.type]:
             key = (c, ph)
             live[key] = live.get(key, 0) + (1 if a.type is ActionType.F else -1)

@@ -51,7 +51,7 @@ def action_templates(action: Action, placement: StagePlacement) -> tuple[tuple[i
     if action.type is ActionType.STEP:
         return (STEP_TEMPLATE,)
     phases = _PHASES.get(action.type, ())
-    chunk = placement.chunk_of(action.stage) if phases else -1
+    chunk = placement.chunk_of(action.virtual_stage) if phases else -1
     return tuple((chunk, ph) for ph in phases)
 
 

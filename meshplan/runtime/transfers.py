@@ -70,7 +70,7 @@ class Transfers:
     def send(self, action, env: dict) -> list[int]:
         """Post `action`'s sends; returns the values it sent (each once)."""
         ops, keep = [], []
-        sent = self.sends.get((action.stage, action.type, action.peer), ())
+        sent = self.sends.get((action.virtual_stage, action.type, action.peer), ())
         for vid, sl, peer, op_id in sent:
             piece = env[vid][sl].contiguous()
             ops.append(("send", piece, peer, tag_of(op_id, action.microbatch)))
@@ -80,7 +80,7 @@ class Transfers:
 
     def post_recv(self, action) -> None:
         """Post the receives of `action` now (before it runs), unless posted."""
-        key = (action.stage, action.type, action.peer, action.microbatch)
+        key = (action.virtual_stage, action.type, action.peer, action.microbatch)
         if key in self.posted:
             return
         bufs, ops, places = {}, [], []
@@ -97,7 +97,7 @@ class Transfers:
         """Wait for `action`'s pieces (posting them first if not yet) and
         assemble each received value's local tensor."""
         self.post_recv(action)
-        works, places, bufs = self.posted.pop((action.stage, action.type, action.peer,
+        works, places, bufs = self.posted.pop((action.virtual_stage, action.type, action.peer,
                                                action.microbatch))
         for work in works:
             work.wait()

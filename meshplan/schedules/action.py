@@ -1,13 +1,13 @@
 """Schedule actions: one record per thing a rank does in a pipeline step.
 
 Invariants:
-- `stage` is a VIRTUAL stage index, the model's pieces in order
+- `virtual_stage` is a virtual stage index, the model's pieces in order
   0..pp*vpp-1 (the numbering of torch.distributed.pipelining). The
   pipeline stage (position 0..pp-1, the `stage` argument of a schedule's
   action function; for pp-only layouts its rank) that runs it is the
   schedule's placement (`schedules.placement_of`): by default
   (interleaved) virtual stage `chunk * pp + stage`.
-  STEP has `stage == microbatch == -1`.
+  STEP has `virtual_stage == microbatch == -1`.
 - Compute actions have `peer == -1`: F (forward), B (the whole backward),
   or the backward split in two, I (gradients of the stage's inputs, which
   the previous stage waits for) and W (gradients of the stage's weights,
@@ -96,7 +96,7 @@ _PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@(\d+)
 class Action:
     """One step of one rank's schedule; see the module docstring."""
 
-    stage: int
+    virtual_stage: int
     type: ActionType
     microbatch: int
     peer: int = -1
@@ -105,17 +105,17 @@ class Action:
         if not isinstance(self.type, ActionType):
             raise ScheduleError(f"action type must be an ActionType, got {self.type!r}")
         if self.type is ActionType.STEP:
-            if (self.stage, self.microbatch, self.peer) != (-1, -1, -1):
+            if (self.virtual_stage, self.microbatch, self.peer) != (-1, -1, -1):
                 raise ScheduleError("STEP takes no stage, microbatch or peer; use Action.step()")
             return
-        if self.stage < 0 or self.microbatch < 0:
+        if self.virtual_stage < 0 or self.microbatch < 0:
             raise ScheduleError(
                 f"action {self.type.value} needs stage >= 0 and microbatch >= 0, "
-                f"got stage={self.stage} microbatch={self.microbatch}"
+                f"got stage={self.virtual_stage} microbatch={self.microbatch}"
             )
         if self.type.is_compute:
             if self.peer != -1:
-                raise ScheduleError(f"compute action {self.stage}{self.type.value}"
+                raise ScheduleError(f"compute action {self.virtual_stage}{self.type.value}"
                                     f"{self.microbatch} takes no peer (got {self.peer})")
             return
         self._fill_peer()
@@ -123,15 +123,15 @@ class Action:
     def _fill_peer(self) -> None:
         peer = self.peer
         if peer == -1:
-            peer = self.stage + _DEFAULT_PEER_OFFSET[self.type]
+            peer = self.virtual_stage + _DEFAULT_PEER_OFFSET[self.type]
             if peer < 0:
                 raise ScheduleError(
-                    f"{self.stage}{self.type.value}{self.microbatch} has no chain neighbour "
-                    f"at stage {peer}; give an explicit peer (`@<stage>`)"
+                    f"{self.virtual_stage}{self.type.value}{self.microbatch} has no chain "
+                    f"neighbour at stage {peer}; give an explicit peer (`@<stage>`)"
                 )
             object.__setattr__(self, "peer", peer)
-        elif peer < 0 or peer == self.stage:
-            raise ScheduleError(f"{self.stage}{self.type.value}{self.microbatch}: "
+        elif peer < 0 or peer == self.virtual_stage:
+            raise ScheduleError(f"{self.virtual_stage}{self.type.value}{self.microbatch}: "
                                 f"peer must be another stage >= 0, got {peer}")
 
     @staticmethod
@@ -143,12 +143,12 @@ class Action:
     def default_peer(self) -> bool:
         """True when a SEND/RECV talks to its chain neighbour."""
         offset = _DEFAULT_PEER_OFFSET.get(self.type)
-        return offset is not None and self.peer == self.stage + offset
+        return offset is not None and self.peer == self.virtual_stage + offset
 
     def __str__(self) -> str:
         if self.type is ActionType.STEP:
             return "STEP"
-        text = f"{self.stage}{self.type.value}{self.microbatch}"
+        text = f"{self.virtual_stage}{self.type.value}{self.microbatch}"
         if self.type.is_comm and not self.default_peer:
             text += f"@{self.peer}"
         return text

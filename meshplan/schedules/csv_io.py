@@ -100,12 +100,13 @@ def _owners(cells: Cells, pp: int, vpp: int) -> StagePlacement:
     owner: dict[int, tuple[int, int]] = {}  # stage -> (rank, column) first seen
     for rank, row in cells.items():
         for i, (col, a) in enumerate(row):
-            if a.stage >= pp * vpp:
-                raise _bad(cells, rank, i, f"stage {a.stage} is not in 0..{pp * vpp - 1} "
+            if a.virtual_stage >= pp * vpp:
+                raise _bad(cells, rank, i, f"stage {a.virtual_stage} is not in 0..{pp * vpp - 1} "
                            f"(pp={pp} vpp={vpp}); rule: stages are 0..pp*vpp-1")
-            first = owner.setdefault(a.stage, (rank, col))
+            first = owner.setdefault(a.virtual_stage, (rank, col))
             if first[0] != rank:
-                raise _bad(cells, rank, i, f"stage {a.stage} is also run by rank {first[0]} "
+                raise _bad(cells, rank, i, f"stage {a.virtual_stage} is also run by rank "
+                           f"{first[0]} "
                            f"(row {first[0] + 1}, column {first[1]}); rule: each stage has "
                            f"one owner rank")
     missing = [s for s in range(pp * vpp) if s not in owner]

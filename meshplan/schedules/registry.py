@@ -18,7 +18,7 @@ Invariants:
   are read off the orders, and the search never picks it.
 - Vocabulary: a *stage* is a pipeline position (0..pp-1, the ranks of one
   `Strategy.ranks_of_stage`); a *virtual stage* is a piece of the model
-  (0..pp*vpp-1, `Action.stage`); stage s holds virtual stages
+  (0..pp*vpp-1, `Action.virtual_stage`); stage s holds virtual stages
   `StagePlacement.stages_of(s)`, its chunk c being the c-th.
 """
 

@@ -56,7 +56,7 @@ def chain_edges(num_stages: int) -> list[Transfer]:
 
 def num_stages_of(actions: Mapping[int, Sequence[Action]]) -> int:
     """Number of virtual stages the actions mention (max stage + 1)."""
-    stages = [a.stage for acts in actions.values() for a in acts if a.stage >= 0]
+    stages = [a.virtual_stage for acts in actions.values() for a in acts if a.virtual_stage >= 0]
     peers = [a.peer for acts in actions.values() for a in acts if a.peer >= 0]
     return max(stages + peers, default=-1) + 1
 
@@ -116,8 +116,8 @@ def _lower_rank(acts: Sequence[Action], sends: dict, recvs: dict) -> list[Action
         if kind is None:  # STEP or W
             out.append(a)
             continue
-        key = (kind, a.stage)
-        out.extend(Action(a.stage, _RECV[kind], a.microbatch, src) for src in recvs.get(key, ()))
+        v, mb = a.virtual_stage, a.microbatch
+        out.extend(Action(v, _RECV[kind], mb, src) for src in recvs.get((kind, v), ()))
         out.append(a)
-        out.extend(Action(a.stage, _SEND[kind], a.microbatch, dst) for dst in sends.get(key, ()))
+        out.extend(Action(v, _SEND[kind], mb, dst) for dst in sends.get((kind, v), ()))
     return out

@@ -122,15 +122,15 @@ class _Sim:
             return []
         kind, mb = a.type.kind, a.microbatch
         if a.type.is_send:
-            return [("C", kind, a.stage, mb)]
+            return [("C", kind, a.virtual_stage, mb)]
         if a.type.is_recv:
-            return [("S", kind, a.peer, a.stage, mb)]
+            return [("S", kind, a.peer, a.virtual_stage, mb)]
         own = {F: [], B: [F], I: [F], W: [B]}[kind]  # W waits for its I's input gradient
-        out: list[Event] = [("C", k, a.stage, mb) for k in own]
+        out: list[Event] = [("C", k, a.virtual_stage, mb) for k in own]
         xfer = a.type.transfer
         if xfer is None:  # W: no transfer in
             return out
-        for t in self.inputs.get((xfer, a.stage), ()):
+        for t in self.inputs.get((xfer, a.virtual_stage), ()):
             cross = not self.placement.same_rank(t.src, t.dst)
             out.append(("R", xfer, t.src, t.dst, mb) if cross else ("C", xfer, t.src, mb))
         return out
@@ -141,16 +141,17 @@ class _Sim:
         kind = a.type.kind if a.type is not ActionType.STEP else None
         event: Event | None
         if a.type.is_recv:
-            sent = self.times[("S", kind, a.peer, a.stage, a.microbatch)]
+            sent = self.times[("S", kind, a.peer, a.virtual_stage, a.microbatch)]
             start = self.free[rank]
-            end = max(start, sent + self.cost_comm(kind, a.peer, a.stage))
-            event = ("R", kind, a.peer, a.stage, a.microbatch)
+            end = max(start, sent + self.cost_comm(kind, a.peer, a.virtual_stage))
+            event = ("R", kind, a.peer, a.virtual_stage, a.microbatch)
         elif a.type.is_send:
-            end, event = start, ("S", kind, a.stage, a.peer, a.microbatch)
+            end, event = start, ("S", kind, a.virtual_stage, a.peer, a.microbatch)
         else:
-            dur = self.cost_step if kind is None else self.cost[kind](a.stage)
+            dur = self.cost_step if kind is None else self.cost[kind](a.virtual_stage)
             made = None if kind is None else a.type.transfer or kind
-            end, event = start + dur, None if made is None else ("C", made, a.stage, a.microbatch)
+            end = start + dur
+            event = None if made is None else ("C", made, a.virtual_stage, a.microbatch)
             self.busy[rank] += dur
         self.free[rank] = end
         self.timeline[rank].append((a, start, end))
@@ -262,7 +263,7 @@ def finish_times(orders: Mapping[int, Sequence[Action]], placement: StagePlaceme
         todo = []
         for a in orders[r]:
             k = kinds[a.type]
-            v = a.stage
+            v = a.virtual_stage
             dur = (cost[(v, "f")] if k == 0 else cost[(v, "i")] + cost[(v, "w")] if k == 1
                    else cost[(v, "i")] if k == 2 else cost[(v, "w")])
             todo.append((k, v, a.microbatch, dur))

@@ -81,7 +81,7 @@ def _colour(span: Span) -> dict:
 def _args(span: Span) -> dict:
     """Stage, micro-batch and type of an action's span (nothing for others)."""
     a = action_of(span)
-    return {} if a is None else {"stage": a.stage, "microbatch": a.microbatch,
+    return {} if a is None else {"stage": a.virtual_stage, "microbatch": a.microbatch,
                                  "type": a.type.value}
 
 

@@ -118,20 +118,20 @@ def _scan_rank(rank: int, acts: Sequence[Action], ctx: _Ctx) -> None:
         if a.type.is_compute:
             _check_order(a, ran, where)
             _check_inputs(a, ctx, ran, where)
-            ran.add((a.type, a.stage, a.microbatch))
+            ran.add((a.type, a.virtual_stage, a.microbatch))
         elif not ctx.lowered:
             raise _Fail(f"rank {rank} has {a}, but a compute order holds F, B, I and W only; "
                         f"the lowering (sendrecv.add_comm) adds SEND/RECV", where)
         elif a.type.is_send:
-            key = (a.type.kind, a.stage, a.peer, a.microbatch)
+            key = (a.type.kind, a.virtual_stage, a.peer, a.microbatch)
             _check_comm(a, key, ctx.cross, ctx.sends, where)
-            if not _produced(ran, a.type.kind, a.stage, a.microbatch):
+            if not _produced(ran, a.type.kind, a.virtual_stage, a.microbatch):
                 raise _Fail(f"rank {rank} sends {a} before computing "
-                            f"{a.stage}{a.type.kind.value}{a.microbatch}; move the SEND "
+                            f"{a.virtual_stage}{a.type.kind.value}{a.microbatch}; move the SEND "
                             f"after it", where)
             ctx.sends[key] = where
         else:
-            key = (a.type.kind, a.peer, a.stage, a.microbatch)
+            key = (a.type.kind, a.peer, a.virtual_stage, a.microbatch)
             _check_comm(a, key, ctx.cross, ctx.recvs, where)
             ctx.recvs[key] = where
 
@@ -144,15 +144,15 @@ def _produced(ran: set, kind: ActionType, stage: int, mb: int) -> bool:
 
 def _check_place(a: Action, rank: int, ctx: _Ctx, where) -> None:
     own = ctx.placement.stages_of(rank)
-    if a.stage not in own:
-        raise _Fail(f"rank {rank} runs {a} but stage {a.stage} is not one of its "
+    if a.virtual_stage not in own:
+        raise _Fail(f"rank {rank} runs {a} but stage {a.virtual_stage} is not one of its "
                     f"stages ({', '.join(map(str, own))}); each stage has one owner rank", where)
     if not 0 <= a.microbatch < ctx.m:
         raise _Fail(f"rank {rank} runs {a} but micro-batches are 0..{ctx.m - 1}", where)
 
 
 def _check_order(a: Action, ran: set, where) -> None:
-    rank, s, mb, t = where[0], a.stage, a.microbatch, a.type
+    rank, s, mb, t = where[0], a.virtual_stage, a.microbatch, a.type
     if (t, s, mb) in ran:
         raise _Fail(f"rank {rank} runs {a} twice; each (stage, micro-batch) runs one "
                     f"{t.value}", where)
@@ -173,13 +173,13 @@ def _check_inputs(a: Action, ctx: _Ctx, ran: set, where) -> None:
     xfer = a.type.transfer
     if xfer is None:  # W: no transfer in
         return
-    for t in ctx.inputs.get((xfer, a.stage), ()):
+    for t in ctx.inputs.get((xfer, a.virtual_stage), ()):
         if t not in ctx.cross:
             if not _produced(ran, t.kind, t.src, mb):
                 raise _Fail(f"rank {rank} runs {a} before {t.src}{t.kind.value}{mb}, whose "
                             f"output it consumes; run that first", where)
         elif ctx.lowered and (t.kind, t.src, t.dst, mb) not in ctx.recvs:
-            recv = Action(a.stage, _RECV[t.kind], mb, t.src)
+            recv = Action(a.virtual_stage, _RECV[t.kind], mb, t.src)
             raise _Fail(f"rank {rank} runs {a} before receiving its input {recv}; "
                         f"put {recv} before it (sendrecv.add_comm does)", where)
 
@@ -196,7 +196,7 @@ def _check_comm(a: Action, key: Key, cross: set[Transfer], seen: dict, where) ->
 def _check_complete(actions: Mapping[int, Sequence[Action]], ctx: _Ctx) -> None:
     for rank in range(ctx.placement.pp):
         acts = actions.get(rank, ())
-        ran = {(a.type, a.stage, a.microbatch) for a in acts if a.type.is_compute}
+        ran = {(a.type, a.virtual_stage, a.microbatch) for a in acts if a.type.is_compute}
         for stage in ctx.placement.stages_of(rank):
             for mb in range(ctx.m):
                 missing = _missing(rank, ran, stage, mb)

@@ -75,9 +75,10 @@ def split_backward(order: list[Action], lag: int) -> list[Action]:
             out.append(a)
             continue
         done.append(a)
-        out.append(Action(a.stage, ActionType.I, a.microbatch))
+        out.append(Action(a.virtual_stage, ActionType.I, a.microbatch))
         if len(done) > lag:
             w = done[len(done) - 1 - lag]
-            out.append(Action(w.stage, ActionType.W, w.microbatch))
-    out.extend(Action(w.stage, ActionType.W, w.microbatch) for w in done[max(0, len(done) - lag):])
+            out.append(Action(w.virtual_stage, ActionType.W, w.microbatch))
+    out.extend(Action(w.virtual_stage, ActionType.W, w.microbatch)
+               for w in done[max(0, len(done) - lag):])
     return out

@@ -198,10 +198,11 @@ def inflight(actions, pp: int) -> dict[int, int]:
     peak: Counter = Counter()
     for a in actions:
         if a.type is ActionType.F:
-            live[a.stage // pp] += 1
-            peak[a.stage // pp] = max(peak[a.stage // pp], live[a.stage // pp])
+            chunk = a.virtual_stage // pp
+            live[chunk] += 1
+            peak[chunk] = max(peak[chunk], live[chunk])
         elif a.type is ActionType.B:
-            live[a.stage // pp] -= 1
+            live[a.virtual_stage // pp] -= 1
     return dict(peak)
 
 

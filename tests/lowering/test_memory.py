@@ -54,7 +54,7 @@ def execution(plan: RankPlan, pp: int) -> list[tuple[int, object, int]]:
         groups[(kind + ("F" if t.phase is Phase.FORWARD else "B"), t.chunk)].append(t)
     out = []
     for a in plan.actions:
-        key = "STEP" if a.type is ActionType.STEP else (a.type.value, a.stage // pp)
+        key = "STEP" if a.type is ActionType.STEP else (a.type.value, a.virtual_stage // pp)
         out += [(len(out) + i, t, a.microbatch) for i, t in enumerate(groups.get(key, ()))]
     assert len(out) >= len(plan.tasks)  # every task is run by some action
     return out

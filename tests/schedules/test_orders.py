@@ -86,9 +86,9 @@ def test_every_stage_and_microbatch_once(name):
     for vpp in (1, 2, 3) if name == "interleaved" else (1,):
         for r in range(pp):
             acts = compute_actions(name, pp, vpp, m, r)
-            keys = [(a.type, a.stage, a.microbatch) for a in acts]
+            keys = [(a.type, a.virtual_stage, a.microbatch) for a in acts]
             assert len(keys) == len(set(keys)) == 2 * vpp * m
-            assert {a.stage for a in acts} == {c * pp + r for c in range(vpp)}
+            assert {a.virtual_stage for a in acts} == {c * pp + r for c in range(vpp)}
 
 
 def test_1f1b_needs_enough_microbatches():
