@@ -280,7 +280,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
             for peer in peers_of.get((v, a.type), ()):
                 if peer not in absent and (peer, want, v, a.peer, a.microbatch) not in recvs:
                     grid = format_grid({q: plans[q].actions for q in (r, peer) if q in plans},
-                                       mark=(r, i))
+                                       mark=(r, i), column="rank")
                     errors.append(f"rank {r}: {a} has no {want.value} of micro-batch "
                                   f"{a.microbatch} on rank {peer}\n{grid}")
                     return errors
@@ -371,7 +371,8 @@ def _stages_agree(job: Job, plans) -> list[str]:
         ref = first.setdefault(p.stage, p)
         if p.actions != ref.actions:
             k = next((i for i, (x, y) in enumerate(zip(ref.actions, p.actions)) if x != y), 0)
-            grid = format_grid({ref.rank: ref.actions, r: p.actions}, mark=(r, k))
+            grid = format_grid({ref.rank: ref.actions, r: p.actions}, mark=(r, k),
+                               column="rank")
             return [f"ranks {ref.rank} and {r} of stage {p.stage} run different action lists "
                     f"(from action {k})\n{grid}"]
     return []

@@ -55,7 +55,7 @@ def load_csv(text: str, pp: int, vpp: int, num_microbatches: int,
     orders = {r: [a for _, a in row] for r, row in cells.items()}
     fault = find_fault(orders, pp, vpp, num_microbatches, placement=where, lowered=False)
     if fault is not None:
-        raise _bad(cells, fault.rank, fault.index, fault.message)
+        raise _bad(cells, fault.stage, fault.index, fault.message)
     _check_deadlock(cells, orders, pp, where)
     return orders
 

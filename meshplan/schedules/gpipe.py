@@ -9,11 +9,11 @@ Invariants:
 
 Diagram, pp=4 m=4, unit costs, free comm (simulated; `.` = idle):
 
-    time    0  1  2  3  4  5  6  7  8  9 10 11 12 13
-    rank 0 F0 F1 F2 F3  .  .  .  .  .  . B0 B1 B2 B3
-    rank 1  . F0 F1 F2 F3  .  .  .  . B0 B1 B2 B3  .
-    rank 2  .  . F0 F1 F2 F3  .  . B0 B1 B2 B3  .  .
-    rank 3  .  .  . F0 F1 F2 F3 B0 B1 B2 B3  .  .  .
+    time     0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    stage 0 F0 F1 F2 F3  .  .  .  .  .  . B0 B1 B2 B3
+    stage 1  . F0 F1 F2 F3  .  .  .  . B0 B1 B2 B3  .
+    stage 2  .  . F0 F1 F2 F3  .  . B0 B1 B2 B3  .  .
+    stage 3  .  .  . F0 F1 F2 F3 B0 B1 B2 B3  .  .  .
 """
 
 from __future__ import annotations

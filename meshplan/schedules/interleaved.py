@@ -28,9 +28,9 @@ returns 1F1B's.
 Diagram, pp=2 vpp=2 m=4, unit costs per chunk action, free comm (simulated;
 stage s = chunk * 2 + rank, `.` = idle):
 
-    time     0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17
-    rank 0 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1   . 2B2   . 2B3 0B2 0B3
-    rank 1   . 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3   .
+    time      0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17
+    stage 0 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1   . 2B2   . 2B3 0B2 0B3
+    stage 1   . 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3   .
 """
 
 from __future__ import annotations

@@ -1,31 +1,31 @@
 """Discrete-event simulation of a lowered schedule: step time, bubbles, deadlocks.
 
 Invariants:
-- Each rank runs its actions in list order, one at a time.
-- F, B, I, W (and STEP) occupy the rank for their cost; an action starts
-  when the rank is free and its inputs exist: F(v, mb) needs the F output
+- Each stage runs its actions in list order, one at a time.
+- F, B, I, W (and STEP) occupy the stage for their cost; an action starts
+  when the stage is free and its inputs exist: F(v, mb) needs the F output
   of its producer stages; B(v, mb) and I(v, mb) need F(v, mb) and the input
   gradient (made by B or I) of their producers; W(v, mb) needs I(v, mb). A
-  producer on another rank of the `StagePlacement` (interleaved by
-  default) is read through this rank's RECV; one on the same rank (pp == 1,
+  producer on another stage (the `StagePlacement`'s, interleaved by
+  default) is read through this stage's RECV; one on the same stage (pp == 1,
   custom edges, stages pp-1 and pp of the V) is waited for directly.
 - Costs per compute kind, per virtual stage, with B = I + W: give cost_b
   (then I and W cost half of it each), or cost_i and cost_w (then B costs
   their sum).
 - SEND is asynchronous: it takes no time, and is posted once its producing
-  compute action has finished. RECV blocks its rank until
+  compute action has finished. RECV blocks its stage until
   max(its own start, SEND time + cost_comm(kind, src, dst)).
-- With no rank contention besides the rank itself, every event time is the
+- With no stage contention besides the stage itself, every event time is the
   longest path to it in the dependency graph; the simulator therefore fires
-  actions in dependency order (a rank blocked on an event is woken when the
+  actions in dependency order (a stage blocked on an event is woken when the
   event happens), not through a global clock. Results are deterministic.
-- A schedule where no rank can move while some have actions left is a
-  deadlock: `ok=False`, `deadlock` names each stuck rank, its action and
-  what it waits for, with the grid, and `stuck` maps each stuck rank to
+- A schedule where no stage can move while some have actions left is a
+  deadlock: `ok=False`, `deadlock` names each stuck stage, its action and
+  what it waits for, with the grid, and `stuck` maps each stuck stage to
   that action's index; nothing is raised. Then `step_time` and
   `bubble_ratio` are inf and the other fields cover finished actions only.
-- bubble ratio of a rank = (step_time - busy) / busy; `bubble_ratio` is the
-  max over ranks.
+- bubble ratio of a stage = (step_time - busy) / busy; `bubble_ratio` is the
+  max over stages.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from meshplan.ir.stage_placement import StagePlacement, placement_for
 from meshplan.schedules import trace
 from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.grid import format_grid
-from meshplan.schedules.sendrecv import EdgeLike, Transfer, normalize_edges, num_stages_of
+from meshplan.schedules.sendrecv import EdgeLike, Transfer, normalize_edges, num_virtual_stages_of
 
 # ("C", kind, stage, mb): output of kind F or B (from B or I) made, or W done;
 # ("S"|"R", kind, src, dst, mb): send posted / recv done.
@@ -60,9 +60,9 @@ class SimResult:
     busy: dict[int, float]
     finish: dict[int, float]
     bubble_ratio: float
-    per_rank_bubble: dict[int, float]
+    per_stage_bubble: dict[int, float]
     timeline: dict[int, list[Span]] = field(repr=False)
-    stuck: dict[int, int] = field(default_factory=dict)  # rank -> index it is stuck at
+    stuck: dict[int, int] = field(default_factory=dict)  # stage -> index it is stuck at
 
 
 def simulate(actions: Mapping[int, Sequence[Action]], pp: int,
@@ -71,15 +71,15 @@ def simulate(actions: Mapping[int, Sequence[Action]], pp: int,
              *, cost_i: Cost | None = None, cost_w: Cost | None = None,
              cost_step: float = 0.0, edges: Iterable[EdgeLike] | None = None,
              placement: StagePlacement | None = None) -> SimResult:
-    """Simulate `actions` (rank -> lowered list) and predict the step.
+    """Simulate `actions` (stage -> lowered list) and predict the step.
 
     `cost_f(stage)`, `cost_b(stage)` (1 by default), `cost_i`, `cost_w` are
     per virtual stage (see the module docstring for B = I + W);
     `cost_comm(kind, src_stage, dst_stage)` gets kind ActionType.F or
     ActionType.B; `edges` and `placement` are those given to `add_comm`.
     """
-    transfers = normalize_edges(edges, num_stages_of(actions))
-    stages = max([num_stages_of(actions)] + [max(t.src, t.dst) + 1 for t in transfers])
+    transfers = normalize_edges(edges, num_virtual_stages_of(actions))
+    stages = max([num_virtual_stages_of(actions)] + [max(t.src, t.dst) + 1 for t in transfers])
     sim = _Sim(actions, placement_for(pp, stages, placement), transfers,
                kind_costs(cost_f, cost_b, cost_i, cost_w), cost_comm, cost_step)
     sim.run()
@@ -114,10 +114,10 @@ class _Sim:
         self.free = dict.fromkeys(actions, 0.0)
         self.busy = dict.fromkeys(actions, 0.0)
         self.timeline: dict[int, list[Span]] = {r: [] for r in actions}
-        self.ready: deque[int] = deque(sorted(actions))  # ranks that may be able to move
+        self.ready: deque[int] = deque(sorted(actions))  # stages that may be able to move
 
     def needs(self, a: Action) -> list[Event]:
-        """The events `a` waits for (besides its rank being free)."""
+        """The events `a` waits for (besides its stage being free)."""
         if a.type is ActionType.STEP:
             return []
         kind, mb = a.type.kind, a.microbatch
@@ -135,14 +135,14 @@ class _Sim:
             out.append(("R", xfer, t.src, t.dst, mb) if cross else ("C", xfer, t.src, mb))
         return out
 
-    def fire(self, rank: int, a: Action) -> None:
-        """Run `a` on `rank` now that its inputs exist; record its event."""
-        start = max([self.free[rank]] + [self.times[e] for e in self.needs(a)])
+    def fire(self, stage: int, a: Action) -> None:
+        """Run `a` on `stage` now that its inputs exist; record its event."""
+        start = max([self.free[stage]] + [self.times[e] for e in self.needs(a)])
         kind = a.type.kind if a.type is not ActionType.STEP else None
         event: Event | None
         if a.type.is_recv:
             sent = self.times[("S", kind, a.peer, a.virtual_stage, a.microbatch)]
-            start = self.free[rank]
+            start = self.free[stage]
             end = max(start, sent + self.cost_comm(kind, a.peer, a.virtual_stage))
             event = ("R", kind, a.peer, a.virtual_stage, a.microbatch)
         elif a.type.is_send:
@@ -152,25 +152,25 @@ class _Sim:
             made = None if kind is None else a.type.transfer or kind
             end = start + dur
             event = None if made is None else ("C", made, a.virtual_stage, a.microbatch)
-            self.busy[rank] += dur
-        self.free[rank] = end
-        self.timeline[rank].append((a, start, end))
+            self.busy[stage] += dur
+        self.free[stage] = end
+        self.timeline[stage].append((a, start, end))
         if event is not None:
             self.times[event] = end
             self.ready.extend(self.waiters.pop(event, ()))
 
     def run(self) -> None:
         while self.ready:
-            rank = self.ready.popleft()
-            acts = self.actions[rank]
-            while self.pc[rank] < len(acts):
-                a = acts[self.pc[rank]]
+            stage = self.ready.popleft()
+            acts = self.actions[stage]
+            while self.pc[stage] < len(acts):
+                a = acts[self.pc[stage]]
                 missing = [e for e in self.needs(a) if e not in self.times]
                 if missing:
-                    self.waiters[missing[0]].append(rank)
+                    self.waiters[missing[0]].append(stage)
                     break
-                self.fire(rank, a)
-                self.pc[rank] += 1
+                self.fire(stage, a)
+                self.pc[stage] += 1
 
     def stuck(self) -> list[int]:
         return [r for r in sorted(self.actions) if self.pc[r] < len(self.actions[r])]
@@ -183,20 +183,20 @@ class _Sim:
                              math.inf, {r: math.inf for r in self.actions}, self.timeline,
                              {r: self.pc[r] for r in stuck})
         step = max(finish.values(), default=0.0)
-        per_rank = {r: trace.ratio(step - b, b) for r, b in self.busy.items()}
+        per_stage = {r: trace.ratio(step - b, b) for r, b in self.busy.items()}
         return SimResult(True, None, step, dict(self.busy), finish,
-                         max(per_rank.values(), default=0.0), per_rank, self.timeline)
+                         max(per_stage.values(), default=0.0), per_stage, self.timeline)
 
     def explain(self, stuck: list[int]) -> str:
-        """One line per stuck rank (its action and what it waits for), then the grid."""
-        lines = [f"deadlock: ranks {stuck} cannot make progress"]
+        """One line per stuck stage (its action and what it waits for), then the grid."""
+        lines = [f"deadlock: stages {stuck} cannot make progress"]
         for r in stuck[:8]:
             a = self.actions[r][self.pc[r]]
             waits = [self.describe(e) for e in self.needs(a) if e not in self.times]
-            lines.append(f"  rank {r} is blocked at step {self.pc[r]} on {a}, waiting for "
+            lines.append(f"  stage {r} is blocked at step {self.pc[r]} on {a}, waiting for "
                          f"{' and '.join(waits)}")
         if len(stuck) > 8:
-            lines.append(f"  ... and {len(stuck) - 8} more stuck ranks")
+            lines.append(f"  ... and {len(stuck) - 8} more stuck stages")
         lines.append("fix: reorder so every RECV's SEND is posted before the receiver needs it "
                      "(sendrecv.add_comm on a valid compute order does this)")
         marks = [(r, self.pc[r]) for r in stuck]
@@ -206,19 +206,19 @@ class _Sim:
         """An event in words, with where its producer is (or that none exists)."""
         tag, kind = e[0], e[1]
         if tag == "C":
-            want, stage = Action(e[2], kind, e[3]), e[2]
+            want, v = Action(e[2], kind, e[3]), e[2]
             split = Action(e[2], I, e[3])  # B's input gradient may come from I
-            if kind is B and split in self.actions.get(self.placement.rank_of(stage), ()):
+            if kind is B and split in self.actions.get(self.placement.rank_of(v), ()):
                 want = split
         elif tag == "S":
-            want, stage = Action(e[2], _SEND[kind], e[4], e[3]), e[2]
+            want, v = Action(e[2], _SEND[kind], e[4], e[3]), e[2]
         else:
-            want, stage = Action(e[3], _RECV[kind], e[4], e[2]), e[3]
-        rank = self.placement.rank_of(stage)
-        acts = self.actions.get(rank, ())
+            want, v = Action(e[3], _RECV[kind], e[4], e[2]), e[3]
+        stage = self.placement.rank_of(v)
+        acts = self.actions.get(stage, ())
         if want not in acts:
-            return f"{want} on rank {rank}, which rank {rank} never runs"
-        return f"{want} on rank {rank} (step {list(acts).index(want)}, not reached)"
+            return f"{want} on stage {stage}, which stage {stage} never runs"
+        return f"{want} on stage {stage} (step {list(acts).index(want)}, not reached)"
 
 
 _SEND = {ActionType.F: ActionType.SEND_F, ActionType.B: ActionType.SEND_B}
@@ -226,7 +226,7 @@ _RECV = {ActionType.F: ActionType.RECV_F, ActionType.B: ActionType.RECV_B}
 
 
 def chrome_trace(result: SimResult, unit_us: float = 1000.0) -> dict:
-    """Chrome/Perfetto trace JSON: one process per rank, one complete event per action.
+    """Chrome/Perfetto trace JSON: one process per stage, one complete event per action.
 
     One simulated cost unit lasts `unit_us` microseconds (1 ms by default).
     """
@@ -234,7 +234,7 @@ def chrome_trace(result: SimResult, unit_us: float = 1000.0) -> dict:
 
 
 def spans_of(result: SimResult) -> dict[int, list[trace.Span]]:
-    """The simulated timeline as trace spans (rank -> spans, in cost units)."""
+    """The simulated timeline as trace spans (stage -> spans, in cost units)."""
     return {r: [trace.action_span(a, s, e) for a, s, e in result.timeline[r]]
             for r in sorted(result.timeline)}
 
@@ -242,24 +242,24 @@ def spans_of(result: SimResult) -> dict[int, list[trace.Span]]:
 def finish_times(orders: Mapping[int, Sequence[Action]], placement: StagePlacement,
                  cost: Mapping[tuple[int, str], float],
                  comm: Mapping[tuple[int, int], float]):
-    """`simulate`'s finish and busy time per rank for compute-only orders
+    """`simulate`'s finish and busy time per stage for compute-only orders
     over the chain of virtual stages, in one lean pass: (finish, busy), or
     None when the orders deadlock.
 
     Same model as `simulate` on `add_comm(orders)` (a property test holds
-    the two equal): an action starts when its rank is free and its inputs
-    exist; an input made on another rank arrives `comm[(src, dst)]` after
+    the two equal): an action starts when its stage is free and its inputs
+    exist; an input made on another stage arrives `comm[(src, dst)]` after
     it was made. `cost[(v, k)]` is per virtual stage, k in "fiw" (B = I + W).
     """
-    ranks = sorted(orders)
+    stages = sorted(orders)
     n_mb = 1 + max((a.microbatch for acts in orders.values() for a in acts), default=0)
     rank_of = placement.rank_of
-    stages = placement.num_stages
-    made_f: list[float | None] = [None] * (stages * n_mb)   # F output of (stage, mb)
-    made_g: list[float | None] = [None] * (stages * n_mb)   # input gradient of (stage, mb)
+    virtual = placement.num_stages
+    made_f: list[float | None] = [None] * (virtual * n_mb)  # F output of (virtual stage, mb)
+    made_g: list[float | None] = [None] * (virtual * n_mb)  # input gradient of (virtual stage, mb)
     kinds = {F: 0, B: 1, I: 2, W: 3}
     lists = {}
-    for r in ranks:
+    for r in stages:
         todo = []
         for a in orders[r]:
             k = kinds[a.type]
@@ -268,11 +268,11 @@ def finish_times(orders: Mapping[int, Sequence[Action]], placement: StagePlaceme
                    else cost[(v, "i")] if k == 2 else cost[(v, "w")])
             todo.append((k, v, a.microbatch, dur))
         lists[r] = todo
-    pc = dict.fromkeys(ranks, 0)
-    free = dict.fromkeys(ranks, 0.0)
-    busy = dict.fromkeys(ranks, 0.0)
+    pc = dict.fromkeys(stages, 0)
+    free = dict.fromkeys(stages, 0.0)
+    busy = dict.fromkeys(stages, 0.0)
     waiting: dict[tuple[int, int], list[int]] = {}
-    ready = deque(ranks)
+    ready = deque(stages)
     while ready:
         r = ready.popleft()
         todo, i, t = lists[r], pc[r], free[r]
@@ -286,7 +286,7 @@ def finish_times(orders: Mapping[int, Sequence[Action]], placement: StagePlaceme
                     break
                 src = v - 1
                 start = max(start, got + (comm.get((src, v), 0.0) if rank_of(src) != r else 0.0))
-            elif k in (1, 2) and v < stages - 1:
+            elif k in (1, 2) and v < virtual - 1:
                 got = made_g[(v + 1) * n_mb + mb]
                 if got is None:
                     waiting.setdefault((1, (v + 1) * n_mb + mb), []).append(r)
@@ -303,6 +303,6 @@ def finish_times(orders: Mapping[int, Sequence[Action]], placement: StagePlaceme
                 made_g[v * n_mb + mb] = t
                 ready.extend(waiting.pop((1, v * n_mb + mb), ()))
         pc[r], free[r] = i, t
-    if any(pc[r] < len(lists[r]) for r in ranks):
+    if any(pc[r] < len(lists[r]) for r in stages):
         return None
     return free, busy

@@ -1,25 +1,25 @@
-"""Static checks of a schedule's per-rank action lists, no processes.
+"""Static checks of a schedule's per-stage action lists, no processes.
 
 Invariants a valid schedule keeps (`validate` raises one ScheduleError whose
 message has the bounded grid with `<-- ERROR HERE` on the offending action;
-`find_fault` returns the same fault as data). Each message names the rank,
+`find_fault` returns the same fault as data). Each message names the stage,
 the action and the rule:
-1. every action of rank r names a virtual stage that the `StagePlacement`
-   (interleaved by default) gives rank r, so each stage has one owner rank,
+1. every action of stage r names a virtual stage that the `StagePlacement`
+   (interleaved by default) gives stage r, so each virtual stage has one owner,
    and a micro-batch in 0..m-1;
-2. for each (stage, micro-batch) the rank runs one F, then either one B or
+2. for each (virtual stage, micro-batch) the stage runs one F, then one B or
    one I followed by one W: B and I come after F, W after I, B never
    beside I or W, nothing twice;
-3. every (stage, micro-batch) of the rank is complete: F and B, or F, I
+3. every (virtual stage, micro-batch) of the stage is complete: F and B, or F, I
    and W (so as many I as W);
 4. a compute action that consumes a transfer (F: the forward input; B and
-   I: the input gradient; W: none) comes after its producer (same rank) or
-   after its RECV (other rank); a SEND comes after its producer;
+   I: the input gradient; W: none) comes after its producer (same stage) or
+   after its RECV (other stage); a SEND comes after its producer;
 5. every SEND has exactly one matching RECV (same kind, micro-batch, stages
-   swapped as stage/peer, on the peer's rank) and vice versa, and each names
-   a cross-rank transfer of `edges` (the chain by default).
+   swapped as stage/peer, on the peer's stage) and vice versa, and each names
+   a cross-stage transfer of `edges` (the chain by default).
 With `lowered=False` the lists are compute orders (a CSV): no SEND/RECV may
-appear and rule 4 checks same-rank producers only; a cross-rank wait cycle
+appear and rule 4 checks same-stage producers only; a cross-stage wait cycle
 is the simulator's to find.
 """
 
@@ -44,10 +44,10 @@ Key = tuple[ActionType, int, int, int]  # (kind, src stage, dst stage, microbatc
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """The first broken rule: its message and where (rank, index in its list)."""
+    """The first broken rule: its message and where (stage, index in its list)."""
 
     message: str
-    rank: int
+    stage: int
     index: int
 
 
@@ -71,14 +71,14 @@ class _Ctx:
 def validate(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: int,
              edges: Iterable[EdgeLike] | None = None, *,
              placement: StagePlacement | None = None) -> None:
-    """Raise ScheduleError unless `actions` (rank -> lowered list) is a valid schedule."""
+    """Raise ScheduleError unless `actions` (stage -> lowered list) is a valid schedule."""
     head = f"invalid schedule (pp={pp} vpp={vpp} num_microbatches={m})"
     bad = [r for r in actions if not (isinstance(r, int) and 0 <= r < pp)]
     if bad:
-        raise ScheduleError(f"{head}: ranks {bad} are outside 0..{pp - 1}")
+        raise ScheduleError(f"{head}: stages {bad} are outside 0..{pp - 1}")
     fault = find_fault(actions, pp, vpp, m, edges, placement=placement)
     if fault is not None:
-        grid = format_grid(actions, (fault.rank, fault.index))
+        grid = format_grid(actions, (fault.stage, fault.index))
         raise ScheduleError(f"{head}: {fault.message}\n{grid}")
 
 
@@ -87,7 +87,7 @@ def find_fault(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: in
                placement: StagePlacement | None = None, lowered: bool = True) -> Fault | None:
     """The first rule `actions` breaks (see the module docstring), or None.
 
-    The keys of `actions` must be ranks in 0..pp-1."""
+    The keys of `actions` must be stages in 0..pp-1."""
     where = placement or StagePlacement.interleaved(pp, vpp)
     if (where.pp, where.vpp) != (pp, vpp):
         raise ScheduleError(f"stage placement is for pp={where.pp} vpp={where.vpp}, the "
@@ -96,11 +96,11 @@ def find_fault(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: in
     inputs: dict[tuple[ActionType, int], list[Transfer]] = defaultdict(list)
     for t in transfers:
         inputs[(t.kind, t.dst)].append(t)
-    cross = {t for t in transfers if t.cross_rank(where)}
+    cross = {t for t in transfers if t.cross_stage(where)}
     ctx = _Ctx(where, m, lowered, inputs, cross)
     try:
-        for rank in sorted(actions):
-            _scan_rank(rank, actions[rank], ctx)
+        for stage in sorted(actions):
+            _scan_stage(stage, actions[stage], ctx)
         _check_complete(actions, ctx)
         _check_matching(ctx.sends, ctx.recvs)
     except _Fail as fail:
@@ -108,25 +108,25 @@ def find_fault(actions: Mapping[int, Sequence[Action]], pp: int, vpp: int, m: in
     return None
 
 
-def _scan_rank(rank: int, acts: Sequence[Action], ctx: _Ctx) -> None:
+def _scan_stage(stage: int, acts: Sequence[Action], ctx: _Ctx) -> None:
     ran: set[tuple[ActionType, int, int]] = set()  # compute actions run (type, stage, mb)
     for i, a in enumerate(acts):
-        where = (rank, i)
+        where = (stage, i)
         if a.type is ActionType.STEP:
             continue
-        _check_place(a, rank, ctx, where)
+        _check_place(a, stage, ctx, where)
         if a.type.is_compute:
             _check_order(a, ran, where)
             _check_inputs(a, ctx, ran, where)
             ran.add((a.type, a.virtual_stage, a.microbatch))
         elif not ctx.lowered:
-            raise _Fail(f"rank {rank} has {a}, but a compute order holds F, B, I and W only; "
+            raise _Fail(f"stage {stage} has {a}, but a compute order holds F, B, I and W only; "
                         f"the lowering (sendrecv.add_comm) adds SEND/RECV", where)
         elif a.type.is_send:
             key = (a.type.kind, a.virtual_stage, a.peer, a.microbatch)
             _check_comm(a, key, ctx.cross, ctx.sends, where)
             if not _produced(ran, a.type.kind, a.virtual_stage, a.microbatch):
-                raise _Fail(f"rank {rank} sends {a} before computing "
+                raise _Fail(f"stage {stage} sends {a} before computing "
                             f"{a.virtual_stage}{a.type.kind.value}{a.microbatch}; move the SEND "
                             f"after it", where)
             ctx.sends[key] = where
@@ -142,76 +142,77 @@ def _produced(ran: set, kind: ActionType, stage: int, mb: int) -> bool:
     return any((t, stage, mb) in ran for t in makers)
 
 
-def _check_place(a: Action, rank: int, ctx: _Ctx, where) -> None:
-    own = ctx.placement.stages_of(rank)
+def _check_place(a: Action, stage: int, ctx: _Ctx, where) -> None:
+    own = ctx.placement.stages_of(stage)
     if a.virtual_stage not in own:
-        raise _Fail(f"rank {rank} runs {a} but stage {a.virtual_stage} is not one of its "
-                    f"stages ({', '.join(map(str, own))}); each stage has one owner rank", where)
+        raise _Fail(f"stage {stage} runs {a} but virtual stage {a.virtual_stage} is not one "
+                    f"of its ({', '.join(map(str, own))}); each virtual stage has one owner "
+                    "stage", where)
     if not 0 <= a.microbatch < ctx.m:
-        raise _Fail(f"rank {rank} runs {a} but micro-batches are 0..{ctx.m - 1}", where)
+        raise _Fail(f"stage {stage} runs {a} but micro-batches are 0..{ctx.m - 1}", where)
 
 
 def _check_order(a: Action, ran: set, where) -> None:
-    rank, s, mb, t = where[0], a.virtual_stage, a.microbatch, a.type
+    stage, s, mb, t = where[0], a.virtual_stage, a.microbatch, a.type
     if (t, s, mb) in ran:
-        raise _Fail(f"rank {rank} runs {a} twice; each (stage, micro-batch) runs one "
+        raise _Fail(f"stage {stage} runs {a} twice; each (virtual stage, micro-batch) runs one "
                     f"{t.value}", where)
     other = [o for o in ((I, W) if t is B else (B,) if t in (I, W) else ()) if (o, s, mb) in ran]
     if other:
-        raise _Fail(f"rank {rank} runs {a} after {s}{other[0].value}{mb}; a (stage, "
-                    f"micro-batch) runs B, or I then W, not both", where)
+        raise _Fail(f"stage {stage} runs {a} after {s}{other[0].value}{mb}; a (virtual "
+                    f"stage, micro-batch) runs B, or I then W, not both", where)
     if t in (B, I) and (F, s, mb) not in ran:
-        raise _Fail(f"rank {rank} runs {a} before its forward {s}F{mb}; "
+        raise _Fail(f"stage {stage} runs {a} before its forward {s}F{mb}; "
                     f"{t.value}(v, mb) must follow F(v, mb)", where)
     if t is W and (I, s, mb) not in ran:
-        raise _Fail(f"rank {rank} runs {a} before {s}I{mb}; W(v, mb) must follow "
+        raise _Fail(f"stage {stage} runs {a} before {s}I{mb}; W(v, mb) must follow "
                     f"I(v, mb)", where)
 
 
 def _check_inputs(a: Action, ctx: _Ctx, ran: set, where) -> None:
-    rank, mb = where[0], a.microbatch
+    stage, mb = where[0], a.microbatch
     xfer = a.type.transfer
     if xfer is None:  # W: no transfer in
         return
     for t in ctx.inputs.get((xfer, a.virtual_stage), ()):
         if t not in ctx.cross:
             if not _produced(ran, t.kind, t.src, mb):
-                raise _Fail(f"rank {rank} runs {a} before {t.src}{t.kind.value}{mb}, whose "
+                raise _Fail(f"stage {stage} runs {a} before {t.src}{t.kind.value}{mb}, whose "
                             f"output it consumes; run that first", where)
         elif ctx.lowered and (t.kind, t.src, t.dst, mb) not in ctx.recvs:
             recv = Action(a.virtual_stage, _RECV[t.kind], mb, t.src)
-            raise _Fail(f"rank {rank} runs {a} before receiving its input {recv}; "
+            raise _Fail(f"stage {stage} runs {a} before receiving its input {recv}; "
                         f"put {recv} before it (sendrecv.add_comm does)", where)
 
 
 def _check_comm(a: Action, key: Key, cross: set[Transfer], seen: dict, where) -> None:
     kind, src, dst, mb = key
     if Transfer(kind, src, dst) not in cross:
-        raise _Fail(f"rank {where[0]} has {a} but there is no cross-rank {kind.value} "
-                    f"transfer from stage {src} to stage {dst}", where)
+        raise _Fail(f"stage {where[0]} has {a} but there is no cross-stage {kind.value} "
+                    f"transfer from virtual stage {src} to {dst}", where)
     if key in seen:
-        raise _Fail(f"rank {where[0]} has {a} twice (first at step {seen[key][1]})", where)
+        raise _Fail(f"stage {where[0]} has {a} twice (first at step {seen[key][1]})", where)
 
 
 def _check_complete(actions: Mapping[int, Sequence[Action]], ctx: _Ctx) -> None:
-    for rank in range(ctx.placement.pp):
-        acts = actions.get(rank, ())
+    for stage in range(ctx.placement.pp):
+        acts = actions.get(stage, ())
         ran = {(a.type, a.virtual_stage, a.microbatch) for a in acts if a.type.is_compute}
-        for stage in ctx.placement.stages_of(rank):
+        for v in ctx.placement.stages_of(stage):
             for mb in range(ctx.m):
-                missing = _missing(rank, ran, stage, mb)
+                missing = _missing(stage, ran, v, mb)
                 if missing:
-                    raise _Fail(missing, (rank, len(acts)))
+                    raise _Fail(missing, (stage, len(acts)))
 
 
-def _missing(rank: int, ran: set, s: int, mb: int) -> str | None:
+def _missing(stage: int, ran: set, s: int, mb: int) -> str | None:
     if (F, s, mb) not in ran:
-        return f"rank {rank} never runs {s}F{mb}; every (stage, micro-batch) needs one F"
+        return f"stage {stage} never runs {s}F{mb}; every (virtual stage, micro-batch) needs one F"
     if (B, s, mb) not in ran and (I, s, mb) not in ran:
-        return (f"rank {rank} never runs {s}B{mb} (nor {s}I{mb} and {s}W{mb}); every "
-                f"(stage, micro-batch) needs one backward: B, or I then W")
+        return (f"stage {stage} never runs {s}B{mb} (nor {s}I{mb} and {s}W{mb}); every "
+                f"(virtual stage, micro-batch) needs one backward: B, or I then W")
     if (I, s, mb) in ran and (W, s, mb) not in ran:
-        return (f"rank {rank} runs {s}I{mb} but never {s}W{mb}; every I needs its W "
+        return (f"stage {stage} runs {s}I{mb} but never {s}W{mb}; every I needs its W "
                 f"(as many I as W)")
     return None
 
@@ -220,12 +221,12 @@ def _check_matching(sends: dict[Key, tuple[int, int]], recvs: dict[Key, tuple[in
     for key, where in sends.items():
         if key not in recvs:
             kind, src, dst, mb = key
-            raise _Fail(f"rank {where[0]} sends {kind.value} of micro-batch {mb} from stage "
-                        f"{src} to stage {dst}, but no rank posts the matching "
+            raise _Fail(f"stage {where[0]} sends {kind.value} of micro-batch {mb} from virtual "
+                        f"stage {src} to {dst}, but no stage posts the matching "
                         f"{dst}RECV_{kind.value}{mb}", where)
     for key, where in recvs.items():
         if key not in sends:
             kind, src, dst, mb = key
-            raise _Fail(f"rank {where[0]} waits for {kind.value} of micro-batch {mb} from "
-                        f"stage {src}, but no rank posts the matching {src}SEND_{kind.value}"
-                        f"{mb}", where)
+            raise _Fail(f"stage {where[0]} waits for {kind.value} of micro-batch {mb} from "
+                        f"virtual stage {src}, but no stage posts the matching "
+                        f"{src}SEND_{kind.value}{mb}", where)

@@ -29,13 +29,13 @@ Invariants:
 
 Diagram, pp=2 m=4, unit costs per F, I, W, free comm (simulated; `.` = idle):
 
-    time     0   1   2   3   4   5   6   7   8   9  10  11  12
-    rank 0 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2
-    rank 1   . 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1
+    time      0   1   2   3   4   5   6   7   8   9  10  11  12
+    stage 0 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2
+    stage 1   . 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1
 
-    time    13  14  15  16  17  18  19  20  21  22  23  24
-    rank 0 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3   .
-    rank 1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3
+    time     13  14  15  16  17  18  19  20  21  22  23  24
+    stage 0 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3   .
+    stage 1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3
 """
 
 from __future__ import annotations

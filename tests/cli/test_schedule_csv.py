@@ -14,7 +14,7 @@ from tests.cli.test_cli import assert_user_error, run
 
 FLAGS = ("--devices-per-node", "2", "--pp", "2", "--num-microbatches", "4")
 # Written by hand: 1F1B's skeleton with the backward split, each rank's W's
-# deferred to the end (the most a W can wait); rank 1 runs I then F.
+# deferred to the end (the most a W can wait); stage 1 runs I then F.
 HAND = ("0F0,0F1,,0F2,0I0,0F3,0I1,0I2,0I3,0W0,0W1,0W2,0W3\n"
         ",1F0,1I0,1F1,1I1,1F2,1I2,1F3,1I3,1W0,1W1,1W2,1W3\n")
 
@@ -41,7 +41,7 @@ def test_bad_csv_is_one_line_naming_rank_column_and_rule(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text(HAND.replace("0I0,0F3", "0W0,0F3", 1).replace("0I3,0W0", "0I3,0I0", 1))
     assert_user_error(run("plan", *FLAGS, "--schedule-csv", str(bad)),
-                      "row 1 (rank 0), column 5 (0W0): rank 0 runs 0W0 before 0I0")
+                      "row 1 (rank 0), column 5 (0W0): stage 0 runs 0W0 before 0I0")
     short = tmp_path / "short.csv"
     short.write_text(HAND.replace(",1W3", ""))
     assert_user_error(run("plan", *FLAGS, "--schedule-csv", str(short)), "row 2 (rank 1)")

@@ -48,7 +48,7 @@ def test_custom_edges_skip_connection():
     assert strs(acts)[2].startswith("2RECV_F0 2RECV_F0@0 2F0")
     assert "0RECV_B0 0RECV_B0@2 0B0" in strs(acts)[0]
     validate(acts, 3, 1, 2, edges=edges)
-    with pytest.raises(ScheduleError, match="no cross-rank F transfer from stage 0 to stage 2"):
+    with pytest.raises(ScheduleError, match="no cross-stage F transfer from virtual stage 0 to 2"):
         validate(acts, 3, 1, 2)  # the default chain has no skip edge
 
 

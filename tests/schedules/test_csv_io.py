@@ -118,28 +118,28 @@ def test_rank_holds_wrong_count():
 
 def test_given_placement_owner():
     msg = bad(GOOD, placement=StagePlacement.interleaved(2, 2))
-    assert "row 1 (rank 0), column 3 (3F0): rank 0 runs 3F0 but stage 3 is not one of its " \
-           "stages (0, 2); each stage has one owner rank" in msg
+    assert "row 1 (rank 0), column 3 (3F0): stage 0 runs 3F0 but virtual stage 3 is not one " \
+           "of its (0, 2); each virtual stage has one owner stage" in msg
 
 
 def test_order_rules_name_the_column():
     swapped = GOOD.replace("3I0,3W0,3F1", "3W0,3I0,3F1", 1)
-    assert "row 1 (rank 0), column 4 (3W0): rank 0 runs 3W0 before 3I0; W(v, mb) must follow " \
+    assert "row 1 (rank 0), column 4 (3W0): stage 0 runs 3W0 before 3I0; W(v, mb) must follow " \
            "I(v, mb)" in bad(swapped)
-    assert "column 5 (3B0): rank 0 runs 3B0 after 3I0; a (stage, micro-batch) runs B, or I " \
-           "then W" in bad(edit(0, 5, "3B0"))
-    assert "column 3 (0F0): rank 0 runs 0F0 twice" in bad(edit(0, 3, "0F0"))
+    assert "column 5 (3B0): stage 0 runs 3B0 after 3I0; a (virtual stage, micro-batch) runs " \
+           "B, or I then W" in bad(edit(0, 5, "3B0"))
+    assert "column 3 (0F0): stage 0 runs 0F0 twice" in bad(edit(0, 3, "0F0"))
     assert "micro-batches are 0..1" in bad(edit(0, 1, "0F7"))
 
 
 def test_incomplete_microbatch():
     msg = bad(GOOD.replace(",0W1", "", 1))
-    assert "row 1 (rank 0), end of row: rank 0 runs 0I1 but never 0W1; every I needs its W" in msg
+    assert "row 1 (rank 0), end of row: stage 0 runs 0I1 but never 0W1; every I needs its W" in msg
     assert "never runs 0F1" in bad(GOOD.replace("0F1,", "", 1).replace(",0I1,0W1", "", 1), m=2)
 
 
 def test_deadlock_across_ranks():
-    # Each row keeps the per-rank rules, but rank 0 waits for 0I0's input
+    # Each row keeps the per-rank rules, but stage 0 waits for 0I0's input
     # gradient before running stage 3, on which that gradient depends.
     text = "0F0,0I0,0W0,3F0,3I0,3W0\n1F0,2F0,2I0,2W0,1I0,1W0\n"
     assert bad(text, m=1) == (

@@ -30,23 +30,23 @@ def test_receive_before_send_cycle_deadlocks():
     res = simulate(acts, 2)
     assert not res.ok and math.isinf(res.step_time)
     msg = res.deadlock
-    assert "ranks [0, 1]" in msg
-    assert "rank 0 is blocked at step 0 on 0RECV_B0, waiting for 1SEND_B0 on rank 1" in msg
-    assert "rank 1 is blocked at step 0 on 1RECV_F0, waiting for 0SEND_F0 on rank 0" in msg
+    assert "stages [0, 1]" in msg
+    assert "stage 0 is blocked at step 0 on 0RECV_B0, waiting for 1SEND_B0 on stage 1" in msg
+    assert "stage 1 is blocked at step 0 on 1RECV_F0, waiting for 0SEND_F0 on stage 0" in msg
     assert msg.count("<-- ERROR HERE") == 1  # both marks are on step 0's row
-    assert "(rank 0: 0RECV_B0; rank 1: 1RECV_F0)" in msg
+    assert "(stage 0: 0RECV_B0; stage 1: 1RECV_F0)" in msg
 
 
 def test_missing_send_deadlocks():
     acts = parse_lists({0: "0F0 0RECV_B0 0B0", 1: "1RECV_F0 1F0 1B0 1SEND_B0"})
     res = simulate(acts, 2)
     assert not res.ok
-    assert "0SEND_F0 on rank 0, which rank 0 never runs" in res.deadlock
+    assert "0SEND_F0 on stage 0, which stage 0 never runs" in res.deadlock
 
 
 def test_same_rank_order_deadlock_pp1():
     res = simulate(parse_lists({0: "1F0 0F0 0B0 1B0"}), 1)
-    assert not res.ok and "waiting for 0F0 on rank 0 (step 1, not reached)" in res.deadlock
+    assert not res.ok and "waiting for 0F0 on stage 0 (step 1, not reached)" in res.deadlock
 
 
 def test_comm_cost_by_hand():
@@ -55,7 +55,7 @@ def test_comm_cost_by_hand():
     res = run("gpipe", 2, 1, 1, cost_comm=lambda kind, src, dst: 0.5)
     assert res.ok and res.step_time == 5.0
     assert res.finish == {0: 5.0, 1: 3.5}
-    assert res.per_rank_bubble == {0: 1.5, 1: 1.5}
+    assert res.per_stage_bubble == {0: 1.5, 1: 1.5}
     spans = {str(a): (s, e) for a, s, e in res.timeline[1]}
     assert spans["1RECV_F0"] == (0.0, 1.5) and spans["1F0"] == (1.5, 2.5)
 
@@ -87,7 +87,7 @@ def test_chrome_trace():
 
 def _docstring_diagram(module: str) -> str:
     doc = importlib.import_module(f"meshplan.schedules.{module}").__doc__
-    lines = [line[4:] for line in doc.splitlines() if re.match(r"    (time|rank) ", line)]
+    lines = [line[4:] for line in doc.splitlines() if re.match(r"    (time|stage) ", line)]
     return "\n".join(lines)
 
 
@@ -127,7 +127,7 @@ def test_i_and_w_default_to_half_of_b():
 
 def test_w_waits_for_i_same_rank():
     res = simulate(parse_lists({0: "0F0 0W0 0I0"}), 1)
-    assert not res.ok and "waiting for 0I0 on rank 0 (step 2, not reached)" in res.deadlock
+    assert not res.ok and "waiting for 0I0 on stage 0 (step 2, not reached)" in res.deadlock
     assert res.stuck == {0: 1}
 
 

@@ -56,7 +56,7 @@ def test_v_turn_needs_no_transfer():
 def test_v_order_under_interleaved_placement_is_refused():
     # zbv's order lowered as if interleaved: stage 3 is not rank 0's there
     acts = add_comm(compute("zbv", 2, 2, 2), 2)
-    with pytest.raises(ScheduleError, match=r"stage 3 is not one of its stages \(0, 2\)"):
+    with pytest.raises(ScheduleError, match=r"virtual stage 3 is not one of its \(0, 2\)"):
         validate(acts, 2, 2, 2)
 
 

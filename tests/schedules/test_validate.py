@@ -28,12 +28,12 @@ def broken(edit, name="1f1b", pp=2, m=2):
 def test_dropped_recv():
     msg = broken(lambda a: a[1].remove(Action.parse("1RECV_F1")))
     assert "before receiving its input 1RECV_F1" in msg
-    assert "<-- ERROR HERE (rank 1: 1F1)" in msg
+    assert "<-- ERROR HERE (stage 1: 1F1)" in msg
 
 
 def test_duplicated_forward():
     msg = broken(lambda a: a[0].insert(3, Action.parse("0F0")))
-    assert "runs 0F0 twice" in msg and "<-- ERROR HERE (rank 0: 0F0)" in msg
+    assert "runs 0F0 twice" in msg and "<-- ERROR HERE (stage 0: 0F0)" in msg
 
 
 def test_backward_before_forward():
@@ -41,12 +41,12 @@ def test_backward_before_forward():
         i, j = acts[3].index(Action.parse("3F0")), acts[3].index(Action.parse("3B0"))
         acts[3][i], acts[3][j] = acts[3][j], acts[3][i]
     msg = broken(swap, pp=4, m=4)
-    assert "3B0 before its forward 3F0" in msg and "<-- ERROR HERE (rank 3: 3B0)" in msg
+    assert "3B0 before its forward 3F0" in msg and "<-- ERROR HERE (stage 3: 3B0)" in msg
 
 
 def test_dropped_send():
     msg = broken(lambda a: a[1].remove(Action.parse("1SEND_B0")))
-    assert "no rank posts the matching 1SEND_B0" in msg and "(rank 0: 0RECV_B0)" in msg
+    assert "no stage posts the matching 1SEND_B0" in msg and "(stage 0: 0RECV_B0)" in msg
 
 
 def test_send_before_compute():
@@ -60,17 +60,17 @@ def test_missing_compute():
     def drop(acts):
         acts[0].remove(Action.parse("0B1"))
     msg = broken(drop)
-    assert "rank 0 never runs 0B1" in msg and "end of list" in msg
+    assert "stage 0 never runs 0B1" in msg and "end of list" in msg
 
 
 def test_wrong_rank_and_microbatch():
-    assert "stage 1 is not one of its stages (0)" in broken(
+    assert "virtual stage 1 is not one of its (0)" in broken(
         lambda a: a[0].insert(0, Action.parse("1F0")))
     assert "micro-batches are 0..1" in broken(lambda a: a[0].insert(0, Action.parse("0F5")))
 
 
 def test_bad_rank_key():
-    with pytest.raises(ScheduleError, match=r"ranks \[5\]"):
+    with pytest.raises(ScheduleError, match=r"stages \[5\]"):
         validate({5: []}, 2, 1, 1)
 
 
@@ -86,7 +86,7 @@ def test_grid_is_bounded():
     text = format_grid(acts, mark=(12, 500))
     lines = text.splitlines()
     assert len(lines) <= 16 and max(map(len, lines)) < 160
-    assert "ranks hidden" in lines[0] and "rank 12" in lines[0]
+    assert "stages hidden" in lines[0] and "stage 12" in lines[0]
     assert sum("<-- ERROR HERE" in line for line in lines) == 1
     assert lines[1].startswith("  ... 495 steps")
 
@@ -119,19 +119,19 @@ def swap(rank: int, x: str, y: str):
 
 def test_w_before_i():
     msg = broken_split(swap(1, "1I0", "1W0"))
-    assert "rank 1 runs 1W0 before 1I0; W(v, mb) must follow I(v, mb)" in msg
-    assert "<-- ERROR HERE (rank 1: 1W0)" in msg
+    assert "stage 1 runs 1W0 before 1I0; W(v, mb) must follow I(v, mb)" in msg
+    assert "<-- ERROR HERE (stage 1: 1W0)" in msg
 
 
 def test_i_before_f():
     msg = broken_split(swap(1, "1F1", "1I1"))
-    assert "rank 1 runs 1I1 before its forward 1F1; I(v, mb) must follow F(v, mb)" in msg
+    assert "stage 1 runs 1I1 before its forward 1F1; I(v, mb) must follow F(v, mb)" in msg
 
 
 def test_w_never_runs():
     msg = broken_split(lambda a: a[0].remove(Action.parse("0W1")))
-    assert "rank 0 runs 0I1 but never 0W1; every I needs its W (as many I as W)" in msg
-    assert "(rank 0: end of list)" in msg
+    assert "stage 0 runs 0I1 but never 0W1; every I needs its W (as many I as W)" in msg
+    assert "(stage 0: end of list)" in msg
 
 
 def test_w_without_i():
@@ -139,17 +139,18 @@ def test_w_without_i():
         i = acts[1].index(Action.parse("1I0"))
         acts[1][i] = Action.parse("1B0")  # B in place of I: its W is then not allowed
     msg = broken_split(drop_i)
-    assert "rank 1 runs 1W0 after 1B0; a (stage, micro-batch) runs B, or I then W, not both" in msg
+    assert "stage 1 runs 1W0 after 1B0; a (virtual stage, micro-batch) runs B, or I then W, " \
+           "not both" in msg
 
 
 def test_b_beside_i():
     msg = broken_split(lambda a: a[0].append(Action.parse("0B1")))
-    assert "rank 0 runs 0B1 after 0I1; a (stage, micro-batch) runs B, or I then W" in msg
+    assert "stage 0 runs 0B1 after 0I1; a (virtual stage, micro-batch) runs B, or I then W" in msg
 
 
 def test_duplicated_w():
     msg = broken_split(lambda a: a[1].append(Action.parse("1W1")))
-    assert "rank 1 runs 1W1 twice" in msg
+    assert "stage 1 runs 1W1 twice" in msg
 
 
 def test_no_backward_at_all():
@@ -159,8 +160,8 @@ def test_no_backward_at_all():
         acts[0].remove(Action.parse("0RECV_B1"))
         acts[1].remove(Action.parse("1SEND_B1"))
     msg = broken_split(drop)
-    assert "rank 0 never runs 0B1 (nor 0I1 and 0W1); every (stage, micro-batch) needs one " \
-           "backward: B, or I then W" in msg
+    assert "stage 0 never runs 0B1 (nor 0I1 and 0W1); every (virtual stage, micro-batch) " \
+           "needs one backward: B, or I then W" in msg
 
 
 def test_input_gradient_needs_i_not_w():
@@ -177,7 +178,7 @@ def test_compute_only_order_checks_same_rank_only():
     assert find_fault(orders, 2, 2, 2, placement=v, lowered=False) is None
     orders[1] = [a for a in orders[1] if str(a) != "2F0"] + [Action.parse("2F0")]
     fault = find_fault(orders, 2, 2, 2, placement=v, lowered=False)
-    assert fault.rank == 1 and "rank 1 runs 2I0 before its forward 2F0" in fault.message
+    assert fault.stage == 1 and "stage 1 runs 2I0 before its forward 2F0" in fault.message
     lowered_acts = lowered("zbv", 2, 2, 2)
     fault = find_fault(lowered_acts, 2, 2, 2, placement=v, lowered=False)
     assert fault.index == 1 and "a compute order holds F, B, I and W only" in fault.message

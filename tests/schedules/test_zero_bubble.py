@@ -106,7 +106,7 @@ def _diagram_blocks(module: str) -> list[list[str]]:
     from importlib import import_module
     blocks: list[list[str]] = [[]]
     for line in import_module(f"meshplan.schedules.{module}").__doc__.splitlines():
-        if re.match(r"    (time|rank) ", line):
+        if re.match(r"    (time|stage) ", line):
             blocks[-1].append(line[4:])
         elif blocks[-1]:
             blocks.append([])
@@ -118,4 +118,4 @@ def test_docstring_diagrams_are_simulated(name, pp, vpp, m):
     lines = ascii_timeline(run(name, pp, vpp, m, **UNIT).timeline).splitlines()
     blocks = _diagram_blocks(name)
     cut = len(blocks[0][0])
-    assert blocks == [[line[:cut] for line in lines], [line[:6] + line[cut:] for line in lines]]
+    assert blocks == [[line[:cut] for line in lines], [line[:7] + line[cut:] for line in lines]]
