@@ -9,7 +9,7 @@ Invariants:
   num_microbatches, stage) -> list[Action]` of compute actions (F, B, I, W)
   only, `stage` being a pipeline position (0..pp-1) and each action's
   `Action.virtual_stage` a virtual stage; every stage's order is built the same way
-  on every rank, with no communication between them. Its placement of
+  on every stage, with no communication between them. Its placement of
   virtual stages on pipeline stages is `placement_of(name, pp, vpp)`.
 - `sendrecv.add_comm` is the only place SEND/RECV actions are made.
 - `validate.validate` and `simulate.simulate` check a lowered schedule

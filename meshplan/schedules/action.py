@@ -1,4 +1,4 @@
-"""Schedule actions: one record per thing a rank does in a pipeline step.
+"""Schedule actions: one record per thing a stage does in a pipeline step.
 
 Invariants:
 - `virtual_stage` is a virtual stage index, the model's pieces in order
@@ -94,7 +94,7 @@ _PATTERN = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@(\d+)
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """One step of one rank's schedule; see the module docstring."""
+    """One step of one stage's schedule; see the module docstring."""
 
     virtual_stage: int
     type: ActionType

@@ -2,9 +2,9 @@
 
 Invariants:
 - Compute actions only (F, B); `sendrecv.add_comm` adds SEND/RECV.
-- vpp == 1: rank r runs only virtual stage r.
+- vpp == 1: stage r runs only virtual stage r.
 - Backwards run in micro-batch order 0..m-1, like the forwards.
-- Peak activation memory is m micro-batches on every rank (the price of the
+- Peak activation memory is m micro-batches on every stage (the price of the
   simple order); bubble ratio is (pp-1)/m with uniform costs.
 
 Diagram, pp=4 m=4, unit costs, free comm (simulated; `.` = idle):
@@ -26,7 +26,7 @@ def schedule_gpipe(pp: int, vpp: int, num_microbatches: int, stage: int) -> list
     """Pipeline stage `stage`'s compute order: F0..F(m-1), then B0..B(m-1)."""
     if vpp != 1:
         raise ScheduleError(
-            f"gpipe runs one stage per rank but got vpp={vpp}; "
+            f"gpipe runs one virtual stage per stage but got vpp={vpp}; "
             f"use --vpp 1 or --schedule interleaved"
         )
     m = num_microbatches

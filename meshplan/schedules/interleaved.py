@@ -1,8 +1,8 @@
-"""Interleaved 1F1B (virtual pipeline, VPP): vpp chunks per rank.
+"""Interleaved 1F1B (virtual pipeline, VPP): vpp chunks per stage.
 
 Invariants:
 - Compute actions only (F, B); `sendrecv.add_comm` adds SEND/RECV.
-- Rank r runs virtual stages `chunk * pp + r` for chunk in 0..vpp-1.
+- Stage r runs virtual stages `chunk * pp + r` for chunk in 0..vpp-1.
 - num_microbatches % pp == 0; micro-batches go in rounds of pp.
 - Reproduces torch.distributed.pipelining's ScheduleInterleaved1F1B order
   exactly (checked against /work/shared/goldens/interleaved_1f1b_orders.txt):
@@ -19,14 +19,14 @@ Invariants:
 
 [Note: interleaved at vpp=1] With vpp == 1 torch's formula still warms up
 2 * (pp - r - 1) forwards (1F1B warms up pp - r - 1), so its order differs
-from 1F1B wherever neither warmup is capped by m (pp=4 m=8: ranks 0-2; rank
-0 runs 6 forwards before its first backward instead of 3). Measured: same
+from 1F1B wherever neither warmup is capped by m (pp=4 m=8: stages 0-2;
+stage 0 runs 6 forwards before its first backward instead of 3). Measured: same
 bubble with uniform costs, but up to 2x the activations in flight.
 `schedule_interleaved()` keeps torch's order; `compute_actions("interleaved", vpp=1)`
 returns 1F1B's.
 
 Diagram, pp=2 vpp=2 m=4, unit costs per chunk action, free comm (simulated;
-stage s = chunk * 2 + rank, `.` = idle):
+virtual stage s = chunk * 2 + stage, `.` = idle):
 
     time      0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17
     stage 0 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1   . 2B2   . 2B3 0B2 0B3

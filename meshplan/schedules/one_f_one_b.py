@@ -4,7 +4,7 @@ Invariants:
 - Compute actions only (F, B); `sendrecv.add_comm` adds SEND/RECV.
 - vpp == 1 and num_microbatches >= pp.
 - Rank r runs `min(pp - r - 1, m)` warmup forwards, then pairs (F, B) while
-  forwards remain, then the remaining backwards. So rank r holds at most
+  forwards remain, then the remaining backwards. So stage r holds at most
   pp - r activations at once (GPipe holds m), with the same bubble,
   (pp-1)/m with uniform costs.
 - `order_1f1b` is the shared skeleton; interleaved 1F1B reuses it with its
@@ -33,7 +33,7 @@ def order_1f1b(num_ops: int, warmup: int, fwd: OpMap, bwd: OpMap) -> list[Action
     """`warmup` forwards, then (forward, backward) pairs, then the backwards left.
 
     `fwd(k)` / `bwd(k)` give the stage and microbatch of the k-th forward /
-    backward of this rank; each kind has `num_ops` ops.
+    backward of this stage; each kind has `num_ops` ops.
     """
     assert 0 <= warmup <= num_ops
     out = [Action(*_stage_f(fwd(k))) for k in range(warmup)]
@@ -57,7 +57,7 @@ def schedule_1f1b(pp: int, vpp: int, num_microbatches: int, stage: int) -> list[
     m = num_microbatches
     if vpp != 1:
         raise ScheduleError(
-            f"1f1b runs one stage per rank but got vpp={vpp}; "
+            f"1f1b runs one virtual stage per stage but got vpp={vpp}; "
             f"use --vpp 1 or --schedule interleaved"
         )
     if m < pp:

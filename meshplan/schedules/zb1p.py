@@ -5,7 +5,7 @@ Invariants:
   backward is split: I (input gradients, which the previous stage waits
   for) runs where interleaved 1F1B runs B, and W (weight gradients, which
   nobody waits for) is deferred to fill the bubble.
-- Interleaved placement: rank r runs stages `chunk * pp + r`.
+- Interleaved placement: stage r runs virtual stages `chunk * pp + r`.
 - Micro-batches go in rounds of `per_round = m // max(1, m // pp)` (pp
   when pp divides m); m must be a multiple of the number of rounds.
 - Reproduces torch.distributed.pipelining's ScheduleInterleavedZeroBubble
@@ -14,17 +14,17 @@ Invariants:
     (one fewer per hop than interleaved 1F1B's two);
   * then the 1F1B skeleton of `one_f_one_b.order_1f1b` with the
     `interleaved.rounds_of` stage / micro-batch maps, each B written I;
-  * rank r's W lag r backwards behind its I: after its j-th I, rank r runs
+  * stage r's W lag r backwards behind its I: after its j-th I, stage r runs
     the W of its (j - r)-th backward (j >= r); the last r W's run at the
-    end. So rank r keeps at most r + 1 inputs of W alive at once.
+    end. So stage r keeps at most r + 1 inputs of W alive at once.
 - Bubble ratio with unit F, I and W costs and free comm: (pp-1)/(3*vpp*m),
   a third of interleaved 1F1B's; at vpp = 1 the paper's ZB-H1 (pp-1)/(3m).
   Measured exactly on pp in {1,2,3,4,8}, vpp in {1,2,3}, m in {pp,2pp,4pp}
   (tests/schedules/test_zero_bubble.py). No order does better there: the
-  last rank waits pp-1 units for its first input.
+  last stage waits pp-1 units for its first input.
 
 Diagram, pp=2 vpp=2 m=4, unit costs per F, I, W, free comm (simulated;
-stage s = chunk * 2 + rank, `.` = idle):
+virtual stage s = chunk * 2 + stage, `.` = idle):
 
     time      0   1   2   3   4   5   6   7   8   9  10  11  12
     stage 0 0F0 0F1 2F0 2F1   . 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0

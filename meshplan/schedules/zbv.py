@@ -1,12 +1,12 @@
-"""ZB-V: zero bubble with two chunks per rank in a V (Qi et al., ICLR 2024, §6).
+"""ZB-V: zero bubble with two chunks per stage in a V (Qi et al., ICLR 2024, §6).
 
 Invariants:
 - Compute actions only (F, I, W); `sendrecv.add_comm` adds SEND/RECV, given
   `stage_placement.StagePlacement.v(pp)`.
-- vpp == 2, V placement: rank r runs stage r on the way down ("down") and
-  stage 2*pp-1-r on the way back up ("up"). Rank pp-1 runs the turn
-  (stages pp-1 and pp) with no transfer; rank 0 runs the first and the
-  last stage.
+- vpp == 2, V placement: stage r runs virtual stage r on the way down
+  ("down") and 2*pp-1-r on the way back up ("up"). Stage pp-1 runs the
+  turn (virtual stages pp-1 and pp) with no transfer; stage 0 runs the
+  first and the last virtual stage.
 - Every I is followed at once by its W, except in the cool-down, where W's
   are deferred to fill the bubble.
 - Reproduces torch.distributed.pipelining's ScheduleZBVZeroBubble order
@@ -20,7 +20,7 @@ Invariants:
     the W's left, up's before down's;
   * the actions of micro-batches m..n-1 are dropped (m < 2*pp - 1).
 - Bubble ratio with unit F, I and W costs and free comm: (pp-1)/(6m), the
-  least possible (rank pp-1 waits pp-1 units for its first input, then
+  least possible (stage pp-1 waits pp-1 units for its first input, then
   never idles), for m >= 3*pp // 2; above it for fewer micro-batches.
   Measured exactly on pp in 1..8, m in 1..4pp+2
   (tests/schedules/test_zero_bubble.py). So at unit costs ZB-V is no
@@ -51,7 +51,8 @@ F, I, W = ActionType.F, ActionType.I, ActionType.W  # noqa: E741
 def schedule_zbv(pp: int, vpp: int, num_microbatches: int, stage: int) -> list[Action]:
     """Pipeline stage `stage`'s ZB-V compute order (see the module docstring)."""
     if vpp != 2:
-        raise ScheduleError(f"zbv places two stages per rank in a V, got vpp={vpp}; use --vpp 2")
+        raise ScheduleError(f"zbv places two virtual stages per stage in a V, got vpp={vpp}; "
+                            "use --vpp 2")
     m, n = num_microbatches, max(num_microbatches, 2 * pp - 1)
     down, up = stage, 2 * pp - 1 - stage
     count: Counter[tuple[ActionType, int]] = Counter()  # actions emitted per (type, virtual stage)

@@ -93,8 +93,8 @@ def test_zb1p_counts():
 
 
 def test_zbv_needs_vpp2_and_drops_padding():
-    with pytest.raises(ScheduleError, match="zbv places two stages per rank in a V, got vpp=3; "
-                                            "use --vpp 2"):
+    with pytest.raises(ScheduleError, match="zbv places two virtual stages per stage in a V, got "
+                                            "vpp=3; use --vpp 2"):
         compute_actions("zbv", 2, 3, 4, 0)
     acts = compute("zbv", 4, 2, 2)  # fewer than 2*pp - 1 micro-batches
     assert all(a.microbatch < 2 for r in acts.values() for a in r)
