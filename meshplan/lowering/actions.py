@@ -1,6 +1,7 @@
-"""A rank's action list: its schedule's compute actions, the shared comm
-lowering for the Job's stage-crossing transfers, and one STEP at the end
-(gradient reduction across dp and the optimizer)."""
+"""A stage's action list (every rank of the stage runs it): its schedule's
+compute actions, the shared comm lowering for the Job's stage-crossing
+transfers, and one STEP at the end (gradient reduction across dp and the
+optimizer)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from meshplan.schedules.action import Action, ActionType
 from meshplan.schedules.sendrecv import add_comm
 
 
-def rank_actions(strategy: Strategy, stage: int, edges) -> list[Action]:
+def stage_actions(strategy: Strategy, stage: int, edges) -> list[Action]:
     """Actions of the ranks of pipeline stage `stage`, in execution order."""
     s = strategy
     spec = spec_of(s.schedule)

@@ -28,7 +28,7 @@ from meshplan.ir.kinds import TRANSFER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.ir.sbp import NdSbp, local_shape
-from meshplan.lowering.actions import rank_actions
+from meshplan.lowering.actions import stage_actions
 from meshplan.lowering.buckets import bound, grad_buckets, run_order
 from meshplan.lowering.ids import (
     COLLECTIVE_STREAM,
@@ -215,7 +215,7 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
     low = _Lowering(view, rank, device_type)
     for op in sorted(view.ops, key=_run_order):
         low.visit(op)
-    actions = rank_actions(view.strategy, low.stage, sorted(low.edges))
+    actions = stage_actions(view.strategy, low.stage, sorted(low.edges))
     inflight = in_flight(actions, stage_placement(view.strategy))
     buffers = _buffers(low, inflight)
     memory = memory_layout(low, buffers)

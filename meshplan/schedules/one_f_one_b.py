@@ -36,19 +36,19 @@ def order_1f1b(num_ops: int, warmup: int, fwd: OpMap, bwd: OpMap) -> list[Action
     backward of this stage; each kind has `num_ops` ops.
     """
     assert 0 <= warmup <= num_ops
-    out = [Action(*_stage_f(fwd(k))) for k in range(warmup)]
+    out = [Action(*_forward(fwd(k))) for k in range(warmup)]
     for j in range(num_ops - warmup):
-        out.append(Action(*_stage_f(fwd(warmup + j))))
-        out.append(Action(*_stage_b(bwd(j))))
-    out.extend(Action(*_stage_b(bwd(j))) for j in range(num_ops - warmup, num_ops))
+        out.append(Action(*_forward(fwd(warmup + j))))
+        out.append(Action(*_backward(bwd(j))))
+    out.extend(Action(*_backward(bwd(j))) for j in range(num_ops - warmup, num_ops))
     return out
 
 
-def _stage_f(stage_mb: tuple[int, int]) -> tuple[int, ActionType, int]:
+def _forward(stage_mb: tuple[int, int]) -> tuple[int, ActionType, int]:
     return stage_mb[0], ActionType.F, stage_mb[1]
 
 
-def _stage_b(stage_mb: tuple[int, int]) -> tuple[int, ActionType, int]:
+def _backward(stage_mb: tuple[int, int]) -> tuple[int, ActionType, int]:
     return stage_mb[0], ActionType.B, stage_mb[1]
 
 

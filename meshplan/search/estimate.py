@@ -170,7 +170,7 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
                                dp_cross) for mine in g.stages)
     comm = {}
     for v in range(len(works) - 1):
-        cross = _stages_cross(cand, st.mesh, g.rank[v], g.rank[v + 1])
+        cross = _stages_cross(cand, st.mesh, g.stage_of[v], g.stage_of[v + 1])
         comm[(v, v + 1)] = st.dev.p2p_seconds(works[v].send_f, cross)
         comm[(v + 1, v)] = st.dev.p2p_seconds(works[v + 1].send_b, cross)
     flops = sum(w.flops for w in works) * m / cand.pp
@@ -221,9 +221,9 @@ def memory(cand: Candidate, works: list[Work], counts: tuple[int, ...],
 
 @dataclass(frozen=True, slots=True)
 class _Geometry:
-    stages: tuple[tuple[int, ...], ...]   # rank -> its virtual stages
-    rank: tuple[int, ...]                 # virtual stage -> rank
-    chunk: tuple[int, ...]                # virtual stage -> chunk on its rank
+    stages: tuple[tuple[int, ...], ...]   # stage -> its virtual stages
+    stage_of: tuple[int, ...]             # virtual stage -> stage
+    chunk: tuple[int, ...]                # virtual stage -> chunk on its stage
 
 
 @cache
