@@ -113,7 +113,12 @@ def facts_from_pairs(pairs) -> GraphFacts:
     if facts_to_pairs(facts) != rows:
         raise Malformed(f"graph facts {[k for k, _ in rows]} are not in the written form")
     for module in facts.op_modules:  # the graph's custom ops exist here once imported
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise PlanError(f"the graph's custom ops are registered by module {module!r}, "
+                            f"which this process cannot import ({e}); put it on PYTHONPATH "
+                            "where the ranks run") from None
     return facts
 
 

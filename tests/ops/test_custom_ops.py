@@ -9,6 +9,8 @@ reading the Job. An op without a formula is refused in one line.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,9 +18,10 @@ import meshplan.api as mp
 from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.compare import Bounds
 from meshplan.driver.verify import against_eager
-from meshplan.errors import CaptureError
+from meshplan.errors import CaptureError, PlanError
 from meshplan.ir import DType, GraphBuilder, Op, Ref, Role, TensorMeta
 from meshplan.ir.job import Job, StageView
+from meshplan.ir.serialize import facts_from_pairs, facts_to_pairs
 from meshplan.ops.device_kernels import HISTC_OF_FLOATS, adapter
 from meshplan.ops.table import physical_kernel
 from meshplan.runtime.local import local_ranks, train_local
@@ -43,6 +46,14 @@ def test_the_graph_names_the_module_that_registers_its_custom_op():
     assert job.graph.facts.op_modules == (MODULE,)
     assert Job.from_bytes(job.to_bytes()).graph.facts.op_modules == (MODULE,)
     assert StageView.from_bytes(job.to_bytes(), 0).facts.op_modules == (MODULE,)
+
+
+def test_a_module_a_rank_cannot_import_is_one_line():
+    job, _, _ = _job()
+    facts = replace(job.graph.facts, op_modules=("tests.ops.no_such_module",))
+    with pytest.raises(PlanError, match="registered by module 'tests.ops.no_such_module', "
+                                        "which this process cannot import"):
+        facts_from_pairs(facts_to_pairs(facts))
 
 
 def test_a_custom_op_trains_equal_to_eager_at_one_rank():
