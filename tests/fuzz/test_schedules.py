@@ -77,7 +77,7 @@ def mutate(acts: list, kind: str, data, stages: int) -> bool:
             return False
         i = data.draw(st.sampled_from(comm))
         peer = data.draw(st.sampled_from([s for s in range(stages)
-                                          if s not in (acts[i].peer, acts[i].stage)]))
+                                          if s not in (acts[i].peer, acts[i].virtual_stage)]))
         acts[i] = replace(acts[i], peer=peer)
     else:
         sends = [i for i in comm if acts[i].type in (ActionType.SEND_F, ActionType.SEND_B)]
