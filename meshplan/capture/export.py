@@ -49,11 +49,10 @@ from meshplan.ir import (
     TensorMeta,
     Update,
     check_well_formed,
-    kinds,
 )
 from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ops.emit import Emitter
-from meshplan.ops.resolve import custom_op_module
+from meshplan.ops.resolve import custom_op_module, is_custom
 from meshplan.ops.table import rule_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -208,7 +207,7 @@ def _aliases(same: dict[str, int], graph: Graph) -> tuple[tuple[str, str], ...]:
 
 def _op_modules(graph: Graph) -> tuple[str, ...]:
     """The modules that register the graph's custom ops (`GraphFacts.op_modules`)."""
-    custom = {op.kind for op in graph.ops if not op.kind.startswith(("aten.", kinds.PREFIX))}
+    custom = {op.kind for op in graph.ops if is_custom(op.kind)}
     return tuple(sorted({m for kind in custom if (m := custom_op_module(kind)) is not None}))
 
 

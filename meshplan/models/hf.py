@@ -59,10 +59,11 @@ SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xl
                 "bart", "t5", "mixtral")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
-# a mixture of experts keeps a few experts (their count, and those each token takes)
-_EXPERTS = {"num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
-            "moe_num_experts": 4, "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2,
-            "moe_k": 2}
+# a mixture of experts' config fields: its experts per layer, those each token takes
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
+# built here, it keeps a few: 4 experts, 2 per token
+_EXPERTS = dict.fromkeys(_EXPERT_COUNTS, 4) | dict.fromkeys(_EXPERTS_PER_TOKEN, 2)
 TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
 CAUSAL, MASKED, SEQ2SEQ = "causal-LM", "masked-LM", "encoder-decoder"
 _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
@@ -262,8 +263,7 @@ def experts_of(module: nn.Module) -> tuple[int, int] | None:
     def first(names) -> int | None:
         return next((v for n in names if isinstance(v := getattr(conf, n, None), int)), None)
 
-    experts = first(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
-    top_k = first(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"))
+    experts, top_k = first(_EXPERT_COUNTS), first(_EXPERTS_PER_TOKEN)
     return (experts, top_k) if experts and top_k else None
 
 

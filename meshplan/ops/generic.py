@@ -24,7 +24,7 @@ import torch
 from meshplan.ir import Op, Ref, TensorMeta
 from meshplan.ir.kinds import VJP
 from meshplan.ir.sbp import Partial, Replicate, Shard
-from meshplan.ops.resolve import resolve_op
+from meshplan.ops.resolve import is_custom, resolve_op
 from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
 from meshplan.ops.sbp_table import SPLIT_VJP
@@ -111,7 +111,7 @@ def vjp_kernel(fwd_kind: str, fwd_args: tuple, fwd_kwargs: tuple, gouts: tuple,
         kwargs = _substitute([v for _, v in fwd_kwargs], subs, counter)
         return fn(*args, **dict(zip(kw_names, kwargs)))
 
-    if fwd_kind.startswith("aten."):
+    if not is_custom(fwd_kind):
         kept: list[int] = []  # the outputs that carry gradients (topk's indices do not)
 
         def differentiable_outputs(*ps: torch.Tensor) -> tuple[torch.Tensor, ...]:

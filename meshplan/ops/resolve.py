@@ -18,6 +18,7 @@ from torch._library.custom_ops import OPDEFS  # torch's registry of torch.librar
 from torch._library.simple_registry import singleton  # and of fake kernels
 
 from meshplan.errors import CaptureError
+from meshplan.ir.kinds import PREFIX as MESHPLAN_PREFIX
 
 
 @cache
@@ -33,6 +34,11 @@ def resolve_op(kind: str) -> Callable:
         hint = "" if ns == "aten" else ("; import the module that registers it (with "
                                         "torch.library) before meshplan reads the graph")
         raise CaptureError(f"unknown torch op {kind!r}: {e}{hint}") from e
+
+
+def is_custom(kind: str) -> bool:
+    """Whether `kind` is a custom op: neither aten's nor meshplan's own."""
+    return not kind.startswith(("aten.", MESHPLAN_PREFIX))
 
 
 FAKE_KERNEL, AUTOGRAD_FORMULA = "fake (meta) kernel", "autograd formula"  # what it may lack

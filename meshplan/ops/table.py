@@ -29,7 +29,7 @@ from meshplan.ops.canonical import CANONICAL
 from meshplan.ops.device_kernels import DEVICES, Values
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel, vjp_sbp
 from meshplan.ops.policy import PRECISION, recompute_class
-from meshplan.ops.resolve import AUTOGRAD_FORMULA, custom_op_missing, resolve_op
+from meshplan.ops.resolve import AUTOGRAD_FORMULA, custom_op_missing, is_custom, resolve_op
 from meshplan.ops.rule import Category, OpRule
 from meshplan.ops.sbp_table import SBP, replicated_rule
 
@@ -214,7 +214,7 @@ def rule_for(kind: str) -> OpRule:
                        else SBP.get(kind, replicated_rule))
     if kind.startswith(k.PREFIX):
         raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op")
-    missing = () if kind.startswith("aten.") else tuple(
+    missing = () if not is_custom(kind) else tuple(
         m for m in custom_op_missing(kind) if kind not in _NONDIFF or m != AUTOGRAD_FORMULA)
     if missing:
         raise CaptureError(
