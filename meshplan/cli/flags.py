@@ -68,6 +68,10 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--dp", type=int, default=None, help="data parallel (default: the rest)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert parallel: split each mixture of experts' experts over this "
+                   "many ranks of a data-parallel group (it divides dp, as Megatron's "
+                   "--expert-model-parallel-size); tokens reach them by all-to-all")
     g.add_argument("--vpp", type=int, default=None,
                    help="virtual stages (chunks) per stage (default 1; 2 for zbv; a CSV's own)")
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -208,7 +212,7 @@ def mesh_of(a: argparse.Namespace) -> Mesh:
     return Mesh(a.nodes, a.devices_per_node)
 
 
-_POSITIVE = ("nodes", "devices_per_node", "dp", "tp", "pp", "vpp", "global_batch_size",
+_POSITIVE = ("nodes", "devices_per_node", "dp", "tp", "pp", "vpp", "ep", "global_batch_size",
              "micro_batch_size", "num_microbatches")
 
 
@@ -241,7 +245,7 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     else:
         gbs = a.global_batch_size or a.default_gbs
         mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if vpp > 1 else 1)))
-    fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "global_batch_size": gbs,
+    fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "ep": a.ep, "global_batch_size": gbs,
               "micro_batch_size": mbs, "schedule": a.schedule or default_schedule(vpp),
               "precision": a.precision, "recompute": a.recompute,
               "initial_loss_scale": a.initial_loss_scale, "zero": a.zero,

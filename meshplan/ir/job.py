@@ -351,9 +351,18 @@ def _strategy(d: dict) -> Strategy:
     return Strategy(**{k: _tuples(v) for k, v in d.items()})
 
 
+# Strategy fields added after Jobs were pinned: written only when not their
+# default, so every earlier Job keeps its bytes (`Strategy(**d)` fills them in).
+_LATER_FIELDS = {"ep": 1}
+
+
+def strategy_to_json(s: Strategy) -> dict:
+    return {k: v for k, v in asdict(s).items() if _LATER_FIELDS.get(k, object()) != v}
+
+
 def _encode(job: Job) -> Parts:
     g = job.graph
-    head = {"mesh": asdict(job.mesh), "strategy": asdict(job.strategy),
+    head = {"mesh": asdict(job.mesh), "strategy": strategy_to_json(job.strategy),
             # update_values: no reader since views take the updates by name from the
             # "graph" part; kept, for the Job's bytes are pinned (tests/goldens)
             "loss": g.loss, "update_values": sorted({u.value for u in g.updates}),

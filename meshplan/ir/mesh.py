@@ -4,6 +4,13 @@ Invariants:
 - `world = nodes * devices_per_node = dp * tp * pp`.
 - Stage `s` owns ranks `stage_ranks[s]`, laid out as a `(dp, tp)` grid, tp
   innermost: rank of grid coordinate `(d, t)` is `stage_ranks[s][d * tp + t]`.
+- Expert parallelism (`ep > 1`, Megatron's expert-model-parallel size) is
+  carved out of dp, as Megatron and torchtitan carve it: `ep` divides `dp`,
+  and the grid is `(dp / ep, ep, tp)`, so the ranks and the data each rank
+  reads are those of the plain `(dp, tp)` grid (data-parallel index
+  `d * ep + e`). The batch is split over both data axes; an expert weight
+  is split over `ep` and replicated over `dp / ep`, the others replicated
+  over both (`Strategy.axes` names the axes).
   By default stage `s` owns the contiguous block `[s*dp*tp, (s+1)*dp*tp)`,
   so a tp group stays inside one node whenever `tp <= devices_per_node`.
 - Plain data. The named choices (precision, recompute, tp styles) become
@@ -24,7 +31,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir.choices import Precision, Recompute, TpStyle, choose
 from meshplan.ir.zero import ZeroLevel
 
-AXES = ("dp", "tp")  # names of the placement grid's axes, outermost first
+AXES = ("dp", "tp")  # the placement grid's axes, outermost first (with ep: `Strategy.axes`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,7 @@ class Strategy:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
+    ep: int = 1  # expert parallel, carved out of dp (it divides dp); see the module docstring
     global_batch_size: int = 1
     micro_batch_size: int = 1
     schedule: str = "1f1b"          # a name in schedules/registry.py
@@ -123,8 +131,31 @@ class Strategy:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @property
-    def grid(self) -> tuple[int, int]:
+    def grid(self) -> tuple[int, ...]:
+        """The placement grid's axis sizes, named by `axes`."""
+        if self.ep > 1:
+            return (self.dp // self.ep, self.ep, self.tp)
         return (self.dp, self.tp)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The grid's axis names, outermost first: ("dp", "tp"), or with
+        experts split ("dp", "ep", "tp"), where "dp" counts the expert
+        weights' replicas (dp / ep)."""
+        return ("dp", "ep", "tp") if self.ep > 1 else AXES
+
+    @property
+    def tp_axis(self) -> int:
+        return len(self.grid) - 1
+
+    @property
+    def ep_axis(self) -> int | None:
+        return 1 if self.ep > 1 else None
+
+    @property
+    def data_axes(self) -> tuple[int, ...]:
+        """The axes the batch is split over (ZeRO's too): dp, and ep if any."""
+        return (0, 1) if self.ep > 1 else (0,)
 
     def ranks_of_stage(self, stage: int) -> tuple[int, ...]:
         if self.stage_ranks:
@@ -133,8 +164,8 @@ class Strategy:
         return tuple(range(stage * n, (stage + 1) * n))
 
     def placement(self, stage: int) -> Placement:
-        """Stage `stage`'s ranks as a (dp, tp) grid."""
-        return Placement(self.ranks_of_stage(stage), (self.dp, self.tp))
+        """Stage `stage`'s ranks as a grid (`grid`, `axes`)."""
+        return Placement(self.ranks_of_stage(stage), self.grid)
 
     def stage_of_rank(self, rank: int) -> int:
         for s in range(self.pp):

@@ -84,6 +84,23 @@ def like(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     return sigs + [SbpSig((P,), (R,)), replicated(1, 1)]
 
 
+def keeps_dims(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """An op whose output keeps its input's dims in front (one_hot adds a
+    trailing one): a split input dim stays split; nothing linear."""
+    (t,) = tensors((args, kwargs))
+    sigs = [SbpSig((Shard(d),), (Shard(d),) * len(outs))
+            for d in range(len(t.shape)) if t.shape[d] > 1]
+    return sigs + [replicated(1, len(outs))]
+
+
+def meta_only(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """new_zeros and its kin read only their input's dtype and device: any
+    layout of it will do, and the output is whole everywhere."""
+    (t,) = tensors((args, kwargs))
+    ins = [Shard(d) for d in range(len(t.shape)) if t.shape[d] > 1] + [P]
+    return [SbpSig((s,), (R,) * len(outs)) for s in ins] + [replicated(1, len(outs))]
+
+
 def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
     """Pair up runs of dims of `a` and `b` with equal products (a view's dim map)."""
     i = j = 0

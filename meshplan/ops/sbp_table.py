@@ -41,7 +41,14 @@ SBP: dict[str, SbpRule] = {
     **{f"aten.{k}.default": r.pointwise() for k in (
         "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu")},
     "aten.pow.Tensor_Scalar": r.pointwise(),
-    "aten.ne.Scalar": r.pointwise(),
+    **{f"aten.{k}": r.pointwise() for k in (
+        "ne.Scalar", "eq.Scalar", "lt.Scalar", "le.Scalar", "gt.Scalar", "ge.Scalar",
+        "clamp.default", "clamp_min.default", "clamp_max.default", "abs.default")},
+    **{f"aten.{k}.default": r.meta_only for k in ("new_zeros", "new_ones", "new_full",
+                                                   "new_empty")},
+    "aten.one_hot.default": r.keeps_dims,
+    "aten.topk.default": r.along_dim(2, default_dim=-1, linear=False),
+    "aten.cumsum.default": r.along_dim(1),
     "aten.zeros_like.default": r.like,
     "aten.ones_like.default": r.like,
     "aten.full_like.default": r.like,
@@ -108,7 +115,7 @@ SBP: dict[str, SbpRule] = {
 
 # Forward kinds with an SBP rule and no exact gradient, whose generic vjp
 # takes the forward's own splits (ops/generic.py: vjp_sbp)
-SPLIT_VJP = frozenset({"aten.scaled_dot_product_attention.default"})
+SPLIT_VJP = frozenset({"aten.scaled_dot_product_attention.default", "aten.topk.default"})
 
 def replicated_rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """The default: every tensor replicated (correct for any op)."""

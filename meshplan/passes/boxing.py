@@ -3,7 +3,8 @@
 Invariants:
 - After this pass every op reads each input in exactly the layout its chosen
   signature needs, and on its own stage: mismatches became ops.
-- One op per axis and step, the conversions being
+- One op per axis and step (`conversion_steps`: nested shards of one dim
+  are cut outer axis first and joined inner axis first), the conversions being
     P -> R  all_reduce        P -> S(d)  reduce_scatter
     S(d) -> R  all_gather     S(i) -> S(j)  all_to_all
     R -> S(d)  local_slice (no communication)
@@ -204,15 +205,53 @@ def _transfer(ctx, vid, have, need, src_at, at, module_path) -> int:
 
 
 def _convert_local(ctx: _Ctx, vid: int, have: NdSbp, need: NdSbp, at, module_path) -> int:
-    order = sorted(range(len(need)), key=lambda a: not isinstance(have[a], Partial))
     cur = list(have)
-    for a in order:
-        if cur[a] == need[a]:
-            continue
-        kind, kw = _step(cur[a], need[a])
-        cur[a] = need[a]
+    for a, dst in conversion_steps(have, need):
+        kind, kw = _step(cur[a], dst)
+        cur[a] = dst
         vid = ctx.emit(kind, vid, tuple(cur), at, module_path, axis=a, **kw)
     return vid
+
+
+def _dims(src, dst) -> set[int]:
+    """The dims a step from `src` to `dst` on one axis cuts or joins."""
+    return {s.dim for s in (src, dst) if isinstance(s, Shard)}
+
+
+def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, object]]:
+    """The (axis, layout) steps from `have` to `need`, one axis at a time:
+    Partial axes first, then the axes outermost first, each taken only when
+    no inner axis splits a dim it cuts or joins. Shards of one dim on several
+    axes nest (the outer axis splits first), so a step on an outer axis of a
+    dim an inner axis splits would join or cut the wrong parts: gathering dp
+    of a batch split over (dp, ep) must wait for ep's gather; and a step
+    that would block a pending outer one waits too. When every pending step
+    waits so, the innermost axis that blocks one is gathered first (and
+    split again later)."""
+    cur, n = list(have), len(have)
+    order = sorted(range(n), key=lambda a: not isinstance(have[a], Partial))
+
+    def blocks(b: int, layout, a: int) -> bool:  # axis b in `layout` blocks a's step
+        return a < b and isinstance(layout, Shard) and layout.dim in _dims(cur[a], need[a])
+
+    def ready(a: int, pending) -> bool:
+        return not any(blocks(b, cur[b], a) for b in range(n)) and \
+            not any(blocks(a, need[a], b) for b in pending)
+
+    steps: list[tuple[int, object]] = []
+    for _ in range(3 * n + 1):
+        pending = [a for a in order if cur[a] != need[a]]
+        if not pending:
+            return steps
+        a = next((a for a in pending if ready(a, pending)), None)
+        if a is not None:
+            step = (a, need[a])
+        else:  # gather the innermost axis that blocks a pending step
+            step = (max(b for b in range(n) if any(blocks(b, cur[b], a) for a in pending)),
+                    Replicate())
+        steps.append(step)
+        cur[step[0]] = step[1]
+    raise AssertionError(f"no conversion from {have} to {need}")
 
 
 def _step(src, dst) -> tuple[str, dict]:

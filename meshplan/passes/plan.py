@@ -7,7 +7,7 @@
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
         -> split_norm (clipping: the norm's squares summed per stage, pp > 1)
-        -> tensor_parallel -> propagate_sbp -> add_boxing
+        -> tensor_parallel -> expert_parallel (ep > 1) -> propagate_sbp -> add_boxing
         -> recompute (full, selective)
         -> split_backward (zero-bubble schedules: I and W) -> kernel_temps -> make_job
 
@@ -32,7 +32,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Role, check_well_formed
 from meshplan.ir.choices import Precision, Recompute, TpStyle
 from meshplan.ir.job import Job, check_job_well_formed
-from meshplan.ir.mesh import AXES, Mesh, Strategy
+from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
 from meshplan.passes.derive import resolve_derived
@@ -42,16 +42,14 @@ from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
 from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.precision import apply_precision
-from meshplan.passes.propagate import SbpAssignment, propagate_sbp
+from meshplan.passes.expert_parallel import expert_params
+from meshplan.passes.propagate import ParamAxes, SbpAssignment, propagate_sbp
 from meshplan.passes.recompute import recompute
 from meshplan.passes.shared import param_readers, share_params
 from meshplan.passes.strategy import check_strategy
 from meshplan.passes.temps import kernel_temps
 from meshplan.passes.tp_plan import tensor_parallel
 from meshplan.schedules import splits_backward, stage_placement
-
-TP_AXIS = AXES.index("tp")
-
 
 @dataclass(slots=True)
 class Compilation:
@@ -65,6 +63,7 @@ class Compilation:
     stages: StageAssignment | None = None
     copies: dict = field(default_factory=dict)  # shared parameters' per-stage gradients
     param_tp: dict = field(default_factory=dict)
+    experts: frozenset = frozenset()  # expert parameters (split over ep)
     hints: dict = field(default_factory=dict)
     sbp: SbpAssignment | None = None
     boxed: Boxed | None = None
@@ -140,12 +139,17 @@ def _split_norm(c: Compilation) -> None:
 
 
 def _tensor_parallel(c: Compilation) -> None:
-    c.param_tp, c.hints = tensor_parallel(c.graph, c.strategy.tp_plan, TP_AXIS)
+    c.param_tp, c.hints = tensor_parallel(c.graph, c.strategy.tp_plan, c.strategy.tp_axis)
+
+
+def _expert_parallel(c: Compilation) -> None:
+    c.experts = expert_params(c.graph, c.strategy.ep)
 
 
 def _propagate_sbp(c: Compilation) -> None:
-    c.sbp = propagate_sbp(c.graph, c.staged().stage, c.strategy.grid, c.param_tp, c.hints,
-                          TP_AXIS, c.strategy.zero)
+    s = c.strategy
+    axes = ParamAxes(s.tp_axis, s.data_axes, s.ep_axis, c.experts)
+    c.sbp = propagate_sbp(c.graph, c.staged().stage, s.grid, c.param_tp, c.hints, axes, s.zero)
 
 
 def _add_boxing(c: Compilation) -> None:
@@ -216,8 +220,10 @@ PASSES = PassManager([
     Pass("tensor_parallel", _tensor_parallel,
          F({"concrete_strategy", "stage_copies", "norm_parts"}),
          F({"param_layouts"})),
-    Pass("propagate_sbp", _propagate_sbp, F({"stages", "stage_copies", "param_layouts"}),
-         F({"sbp"})),
+    Pass("expert_parallel", _expert_parallel, F({"concrete_strategy", "stage_copies"}),
+         F({"expert_layouts"}), when=lambda c: c.strategy.ep > 1),
+    Pass("propagate_sbp", _propagate_sbp,
+         F({"stages", "stage_copies", "param_layouts", "expert_layouts"}), F({"sbp"})),
     Pass("add_boxing", _add_boxing, F({"sbp"}), F({"boxed"})),
     Pass("recompute", _recompute, F({"boxed"}), F({"recompute_clones"}),
          when=lambda c: c.strategy.recompute != Recompute.NONE),

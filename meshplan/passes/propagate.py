@@ -5,11 +5,13 @@ Invariants:
   > 1 the op's rule lists its signatures (`OpRule.sbp`) and the one whose
   inputs cost the fewest bytes to box into is chosen; ties go to the rule's
   order. Axes of size 1 are Replicate throughout.
-- Fixed layouts: data inputs Shard(0) on dp, Replicate on tp; parameters as
-  the tensor-parallel plan says (Replicate on dp); optimizer state follows
+- Fixed layouts: data inputs Shard(0) on dp (and on ep: the data axes),
+  Replicate on tp; parameters as the tensor-parallel plan says (Replicate on
+  dp), an expert parameter Shard(0) (its expert dim) on ep, the others
+  Replicate there; optimizer state follows
   its parameter; a gradient accumulator takes whatever its first use needs.
   Sharded data parallel (`zero`, a `ZeroLevel`) changes only these layouts
-  at rest, on the dp axis (`zero_layout`), for the roles its level shards
+  at rest, on the data axes a state is Replicate on (`zero_layout`), for the roles its level shards
   (`ZeroLevel.shards`: the optimizer state, then the gradient accumulators,
   then the parameters); boxing then makes the reduce-scatters and
   all-gathers. A parameter the level regathers is
@@ -22,6 +24,12 @@ Invariants:
 - A value crossing a stage boundary arrives with its Partial axes reduced
   (they are reduced before the transfer), so nothing downstream of a stage
   boundary can need a Partial the transfer cannot carry.
+- In the forward, a signature that makes a Partial from inputs that are not
+  is charged its reduction (`reduce_cost`), which comes later, where greedy
+  cannot see it: a forward's Partial is reduced before the loss (a
+  scalar's is not charged: one all-reduce of a number, however reached). (A
+  backward's is most often a weight's gradient, reduced once a step however
+  many micro-batches there are, and inherent to data parallelism.)
 - Decisions are cached by (signature of the op, its input layouts), so a
   layer repeated 96 times is decided once.
 """
@@ -74,33 +82,58 @@ def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int) -> float:
     return 1e-3 * nbytes / n  # Replicate -> Shard: a local slice
 
 
+def reduce_cost(nbytes: int, n: int) -> float:
+    """What a Partial an op makes costs later, at the least: someone reduces
+    it (a reduce-scatter's bytes), which greedy would otherwise not see when
+    it chooses the op (a combine's partial sums over experts, reduced after,
+    against sending the experts' outputs back)."""
+    return LATENCY_BYTES + (n - 1) / n * nbytes
+
+
 DP_AXIS = 0
 
 
-def zero_layout(layout: NdSbp, shape: tuple[int, ...], grid) -> NdSbp:
-    """`layout` (a parameter's) sharded over dp as ZeRO keeps a state at rest:
-    split on the first dim that tensor parallel does not split and that has
-    more than one element (near-equal parts, the last ones a row shorter when
-    dp does not divide it); unchanged when there is none (a tp-split bias)."""
+def zero_layout(layout: NdSbp, shape: tuple[int, ...], grid,
+                data_axes: tuple[int, ...] = (DP_AXIS,)) -> NdSbp:
+    """`layout` (a parameter's) sharded as ZeRO keeps a state at rest, over
+    every data axis (of more than one rank) it is Replicate on: split on the
+    first dim no other axis splits and that has more than one element
+    (near-equal parts, the last ones a row shorter when the ranks do not
+    divide it; over dp and ep, nested: dp's part split again by ep); unchanged
+    when there is none (a tp-split bias). An expert weight, split over ep
+    already, is sharded over dp alone."""
     taken = {s.dim for s in layout if isinstance(s, Shard)}
     dim = next((d for d, n in enumerate(shape) if d not in taken and n > 1), None)
-    if dim is None or grid[DP_AXIS] == 1:
+    over = [a for a in data_axes if grid[a] > 1 and layout[a] == R]
+    if dim is None or not over:
         return layout
-    return tuple(Shard(dim) if a == DP_AXIS else s for a, s in enumerate(layout))
+    return tuple(Shard(dim) if a in over else s for a, s in enumerate(layout))
 
 
-def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int,
+@dataclass(frozen=True, slots=True)
+class ParamAxes:
+    """Which grid axes mean what for the fixed layouts (`Strategy.axes`)."""
+
+    tp: int = 1
+    data: tuple[int, ...] = (DP_AXIS,)
+    ep: int | None = None
+    experts: frozenset = frozenset()  # parameter ids split over ep (their dim 0)
+
+
+def _input_layouts(graph: Graph, grid, param_tp: dict, axes: ParamAxes,
                    zero: ZeroLevel = ZeroLevel.NONE) -> dict[int, NdSbp]:
     layouts: dict[int, NdSbp] = {}
     params = {}
     for vid in graph.inputs:
         v = graph.values[vid]
         if v.role is Role.DATA:
-            layouts[vid] = tuple(Shard(0) if a == 0 and n > 1 and v.meta.shape else R
+            layouts[vid] = tuple(Shard(0) if a in axes.data and n > 1 and v.meta.shape else R
                                  for a, n in enumerate(grid))
         elif v.role is Role.PARAM:
-            s = param_tp.get(vid, R) if grid[tp_axis] > 1 else R
-            layouts[vid] = tuple(s if a == tp_axis else R for a in range(len(grid)))
+            s = param_tp.get(vid, R) if grid[axes.tp] > 1 else R
+            layouts[vid] = tuple(s if a == axes.tp else
+                                 Shard(0) if a == axes.ep and vid in axes.experts else R
+                                 for a in range(len(grid)))
             params[v.name] = (v, layouts[vid])
         elif v.role is Role.BUFFER:
             layouts[vid] = (R,) * len(grid)
@@ -118,7 +151,7 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, tp_axis: int,
     for vid, layout in list(layouts.items()):
         v = graph.values[vid]
         if zero.shards(v.role) and v.meta.shape != ():
-            layouts[vid] = zero_layout(layout, v.meta.shape, grid)
+            layouts[vid] = zero_layout(layout, v.meta.shape, grid, axes.data)
     return layouts
 
 
@@ -136,17 +169,18 @@ def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
 
 
 def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
-                  hints: dict, tp_axis: int = 1,
+                  hints: dict, axes: ParamAxes = ParamAxes(),
                   zero: ZeroLevel = ZeroLevel.NONE) -> SbpAssignment:
     """Choose each op's signatures; returns the layouts of every value
-    (`zero`: the ZeRO level, which states rest sharded over dp)."""
-    produced = _input_layouts(graph, grid, param_tp, tp_axis, zero)
+    (`zero`: the ZeRO level, which states rest sharded over the data axes)."""
+    produced = _input_layouts(graph, grid, param_tp, axes, zero)
     hints = state_hints(graph, produced, hints)
     visible = dict(produced)
+    unsharded = _input_layouts(graph, grid, param_tp, axes) if zero.regathers else {}
     for v in graph.inputs_by_role(Role.PARAM) if zero.regathers else ():
-        # consumers see the parameter whole over dp, as FSDP gathers it before
-        # each use; boxing gathers it from its shard (and again per phase)
-        visible[v.id] = tuple(R if a == DP_AXIS else s for a, s in enumerate(produced[v.id]))
+        # consumers see the parameter as it is without ZeRO, as FSDP gathers
+        # it before each use; boxing gathers it from its shard (and again per phase)
+        visible[v.id] = unsharded[v.id]
     value_stage: dict[int, int] = {}
     optimizer_of = {op.args[1]: op for op in graph.ops if op.phase is Phase.OPTIMIZER
                     and rule_for(op.kind).category is Category.OPTIMIZER}
@@ -166,7 +200,7 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
         wanted = tuple(None if o not in hints else tuple(hints[o].get(a) for a in axes)
                        for o in op.outputs)
         op_key = (op.kind, sig_args, sig_kw, outs, tuple(have),
-                  tuple(refs.index(r) for r in refs), wanted)
+                  tuple(refs.index(r) for r in refs), wanted, op.phase is Phase.FORWARD)
         known = op_cache.get(op_key)
         if known is not None:
             chosen = known
@@ -214,11 +248,12 @@ def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, met
         a_args, a_kw, a_outs = sig_args, sig_kw, outs
         if any(isinstance(x, Shard) for c in chosen for x in c.ins + c.outs):
             a_args, a_kw, a_outs = _after_split(op, refs, outs, chosen, grid, meta_of)
-        key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted)
+        forward = op.phase is Phase.FORWARD
+        key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted, forward)
         best = cache.get(key)
         if best is None:
             best = cache[key] = _choose(op.kind, a_args, a_kw, a_outs, n, avail, nbytes,
-                                        wanted)
+                                        wanted, forward)
         chosen.append(best)
     return chosen
 
@@ -271,8 +306,10 @@ def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:
     return tuple(R if isinstance(s, Partial) else s for s in layout)
 
 
-def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted) -> SbpSig:
-    """The cheapest signature: boxing its inputs in, and its hinted outputs out."""
+def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted,
+            forward: bool = False) -> SbpSig:
+    """The cheapest signature: boxing its inputs in, and its hinted outputs
+    out; in the forward, a Partial it makes is charged its reduction."""
     rule = rule_for(kind).sbp
     assert rule is not None, f"{kind} has no SBP rule"
     candidates = rule(sig_args, dict(sig_kw), outs, n)
@@ -284,9 +321,12 @@ def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted) -> SbpSig:
                 cost += box_cost(h, need, b, n)
             if cost >= best_cost:
                 break
+        made_partial = forward and not any(isinstance(s, Partial) for s in cand.ins)
         for got, want, meta in zip(cand.outs, wanted, outs):
             if want is not None and got is not None:
                 cost += box_cost(got, want, meta.nbytes, n)
+            elif made_partial and isinstance(got, Partial) and meta.shape:
+                cost += reduce_cost(meta.nbytes, n)
         if cost < best_cost:
             best, best_cost = cand, cost
     return best

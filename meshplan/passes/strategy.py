@@ -36,7 +36,7 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
     if s.auto:
         raise ConfigError("Strategy(auto=True) is resolved by meshplan.api.plan (or --auto), "
                           "which searches a Strategy; plan the graph through it")
-    for name in ("dp", "tp", "pp", "vpp", "global_batch_size", "micro_batch_size"):
+    for name in ("dp", "tp", "pp", "vpp", "ep", "global_batch_size", "micro_batch_size"):
         if getattr(s, name) < 1:
             raise ConfigError(f"{name}={getattr(s, name)} must be >= 1; pass a positive "
                               f"--{name.replace('_', '-')}")
@@ -49,6 +49,11 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
             f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose dp, tp, pp "
             f"whose product is {mesh.world}")
+    if s.dp % s.ep:
+        ok = [d for d in _divisors(s.dp) if d > 1]
+        raise ConfigError(f"ep={s.ep} does not divide dp={s.dp}: expert parallelism splits the "
+                          "experts over ranks of one data-parallel group; choose ep among "
+                          f"{', '.join(map(str, ok)) or '1 (dp is 1)'}, or raise dp")
     spec = spec_of(s.schedule)
     if spec.at_vpp(s.vpp) != s.schedule:
         s = replace(s, schedule=spec.at_vpp(s.vpp))

@@ -20,7 +20,7 @@ from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job, StageView, stage_view
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
-from meshplan.ir.sbp import Box, local_box
+from meshplan.ir.sbp import Box, intersect, local_box
 from meshplan.lowering.rankplan import RankPlan, Task, TaskKind
 from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.device_kernels import adapter
@@ -167,14 +167,33 @@ def _reduce_scatter(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm
 
 
 def _all_to_all(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
-    src, line = op.args[0].id, ctx.along(kw["axis"])
-    shapes = [tuple(b - a for a, b in ctx.box(src, c)) for c in line]
-    gathered = list(ctx.box(src))
-    lo = ctx.box(src, line[0])[kw["src_dim"]][0]
-    hi = ctx.box(src, line[-1])[kw["src_dim"]][1]
-    gathered[kw["src_dim"]] = (lo, hi)
-    narrow = narrower(ctx, src, op.outputs[0], tuple(gathered))
-    return lambda x, **_: narrow(comm.all_gather(x, group, kw["src_dim"], shapes))
+    """S(i) -> S(j) over the group: each member is sent the part of this
+    rank's box that lies in its output box (a cut along j), and this rank's
+    output is the members' parts of it, joined along i in group order (the
+    boxes say every cut, so uneven shards need nothing more)."""
+    src, dst, line = op.args[0].id, op.outputs[0], ctx.along(kw["axis"])
+    have, want = ctx.box(src), ctx.box(dst)
+    sends = [_cut(have, intersect(have, ctx.box(dst, c))) for c in line]
+    recv_shapes = []
+    for c in line:
+        part = intersect(ctx.box(src, c), want)
+        recv_shapes.append(tuple(0 for _ in want) if part is None else
+                           tuple(b - a for a, b in part))
+    dim = kw["src_dim"]
+
+    def exchange(x, **_):
+        parts = [x[cut].contiguous() if cut is not None else x.new_empty((0,)) for cut in sends]
+        got = comm.all_to_all(parts, recv_shapes, group)
+        return torch.cat([g for g in got if g.numel()], dim=dim)
+
+    return exchange
+
+
+def _cut(have: Box, part: Box | None):
+    """The index of box `part` within a tensor holding box `have` (None: empty)."""
+    if part is None:
+        return None
+    return tuple(slice(p0 - h0, p1 - h0) for (h0, _), (p0, p1) in zip(have, part))
 
 
 _COLLECTIVES = {ALL_REDUCE: _all_reduce, ALL_GATHER: _all_gather,

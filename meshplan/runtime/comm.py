@@ -10,10 +10,11 @@ Invariants:
   overlapping groups). A rank finds its groups from the strategy and its
   own stage's ops (`rank_groups`): no rank reads another stage.
 - Collectives work on uneven shards: an all-gather gathers each member's
-  own local shape. Reduce-scatter and all-to-all run as an all-reduce (or
-  all-gather) and a local slice (`bind.py`): the same numbers for more
-  bytes; gloo has no all-to-all, and its reduce-scatter (torch 2.13) is
-  slower than its all-reduce (measured: `lowering/buckets.py`).
+  own local shape, an all-to-all sends each member its own cut
+  (`all_to_all_single` with split sizes). Reduce-scatter runs as an
+  all-reduce and a local slice (`bind.py`): the same numbers for more
+  bytes; gloo's reduce-scatter (torch 2.13) is slower than its all-reduce
+  (measured: `lowering/buckets.py`).
 - p2p ops carry a tag derived from (op, micro-batch), so gloo matches them
   whatever order two ranks post them in.
 - Every wait is bounded by the process group's timeout.
@@ -110,6 +111,21 @@ class Comm:
             x.copy_(host)
             return
         dist.all_reduce(x, op=_OPS[op])
+
+    def all_to_all(self, parts: list[torch.Tensor], shapes, group) -> list[torch.Tensor]:
+        """Send `parts[k]` to the group's k-th member; returns what each
+        member sent this rank, shaped `shapes[k]`: one `all_to_all_single`
+        of the flat parts (uneven splits allowed; gloo and NCCL have it)."""
+        t0 = time.perf_counter()
+        where = "cpu" if self.host_staged else parts[0].device
+        flat = torch.cat([p.reshape(-1).to(where) for p in parts])
+        sizes = [math.prod(s) for s in shapes]
+        out = flat.new_empty(sum(sizes))
+        dist.all_to_all_single(out, flat, output_split_sizes=sizes,
+                               input_split_sizes=[p.numel() for p in parts],
+                               group=self.groups[group])
+        self._record(f"all_to_all {list(group)}", t0)
+        return [o.view(s).to(parts[0].device) for o, s in zip(out.split(sizes), shapes)]
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         """Gather along `dim`; `shapes` are every member's local shapes. Uneven

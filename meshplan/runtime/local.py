@@ -120,6 +120,17 @@ class LocalComm:
         """In place over every rank (the fp16 overflow flag)."""
         x.copy_(self.all_reduce(x, self.world, op))
 
+    def all_to_all(self, parts: list[torch.Tensor], shapes, group) -> list[torch.Tensor]:
+        """Every member's parts in one exchange; this rank takes its own of each."""
+        n = self.count[group] = self.count.get(group, 0) + 1
+        sent = self.hub.exchange((group, n), group, self.rank,
+                                 [p.detach().clone() for p in parts])  # type: ignore[arg-type]
+        me = group.index(self.rank)
+        got = [theirs[me] for theirs in sent]
+        assert [tuple(g.shape) if g.numel() else None for g in got] == \
+            [tuple(s) if math.prod(s) else None for s in shapes]
+        return got
+
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         parts = self._exchange(group, x.contiguous())
         assert [tuple(p.shape) for p in parts] == [tuple(s) for s in shapes]

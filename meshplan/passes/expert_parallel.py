@@ -1,0 +1,51 @@
+"""Expert parallelism's parameters: which weights are experts, split over ep.
+
+Invariants:
+- An expert parameter is one held directly by a module named `experts`
+  (`...experts.w1`, transformers' `...mlp.experts.gate_up_proj`) whose dim 0
+  counts the experts: all the experts of a block as one tensor, as the
+  zoo's MoE and transformers 5's fused experts hold them (and as a grouped
+  matmul reads them). A list of per-expert modules (`experts.0.w1`) is not.
+- The experts of every such module number the same, and ep divides them,
+  so every rank of an ep group holds E / ep whole experts (Megatron's rule).
+- Only the parameters are chosen here; the layouts follow by propagation:
+  each expert weight is Shard(0) on the ep axis, and the tokens reach their
+  experts by the all-to-alls the boxing derives.
+"""
+
+from __future__ import annotations
+
+from meshplan.errors import ConfigError
+from meshplan.ir import Graph, Role
+
+EXPERTS_MODULE = "experts"
+
+
+def is_expert_param(name: str) -> bool:
+    """`name` is a weight held directly by a module named `experts`."""
+    module, _, _ = name.rpartition(".")
+    return module.rpartition(".")[2] == EXPERTS_MODULE
+
+
+def expert_params(graph: Graph, ep: int) -> frozenset[int]:
+    """The ids of the expert parameters (see the module docstring); a model
+    without any, or whose experts ep does not divide, is one ConfigError."""
+    found = {v.id: v for v in graph.inputs_by_role(Role.PARAM)
+             if v.meta.shape and any(is_expert_param(n) for n in graph.names_of(v.name))}
+    if not found:
+        raise ConfigError(f"--ep {ep}: the model has no expert weights (parameters of a "
+                          f"module named '{EXPERTS_MODULE}' holding every expert as one "
+                          "tensor, experts on dim 0, as transformers' MoE models and "
+                          "--model moe do); use --ep 1")
+    counts = {v.meta.shape[0] for v in found.values()}
+    if len(counts) > 1:
+        names = sorted(v.name for v in found.values())
+        raise ConfigError(f"--ep {ep}: the expert weights hold different numbers of experts "
+                          f"({', '.join(map(str, sorted(counts)))}; e.g. {names[0]}); "
+                          "expert parallelism needs one count; use --ep 1")
+    experts = counts.pop()
+    if experts % ep:
+        ok = [d for d in range(2, experts + 1) if experts % d == 0]
+        raise ConfigError(f"--ep {ep} does not divide the model's {experts} experts; choose "
+                          f"--ep among {', '.join(map(str, ok)) or '1'}")
+    return frozenset(found)
