@@ -180,7 +180,10 @@ def grad_buckets(tasks, op_of, values, finals: dict, bucket_bytes: int,
                 slot = writes_slot(op, made_by, readers)
         elif t.kind is TaskKind.COLLECTIVE and per_microbatch(op, readers.get(op.outputs[0])):
             source, every = arg, True
-        elif t.kind is TaskKind.GRAD_REDUCE and gathers_update(op):
+        elif t.kind is TaskKind.GRAD_REDUCE and gathers_update(op) and \
+                made_by.get(arg, (None, op))[1].kind != ALL_GATHER:
+            # (not the second gather of a shard over dp and ep: its first
+            # may be of an optimizer slot the first step has not made)
             source, every, kind, size_of = arg, True, ALL_GATHER, op.outputs[0]
         else:
             continue

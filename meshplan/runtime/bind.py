@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from meshplan.ir import Op, Role
+from meshplan.ir import Op, Phase, Role
 from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job, StageView, stage_view
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
@@ -98,8 +98,10 @@ def _random(op: Op, ctx: RankContext) -> Callable:
 def _slot_aware(op: Op, ctx: RankContext, kernel: Callable) -> Callable:
     """A boxing op of an optimizer slot passes an absent slot on (SGD's
     momentum buffer, which the first step makes): every rank of the group
-    holds none alike, so none joins the collective."""
-    if ctx.view.values[op.args[0].id].role is not Role.OPT_STATE:
+    holds none alike, so none joins the collective. So does each later step
+    of a conversion (a slot sharded over dp and ep is gathered over ep, then
+    over dp)."""
+    if op.phase is not Phase.OPTIMIZER:
         return kernel
     return lambda x, **kw: None if x is None else kernel(x, **kw)
 
