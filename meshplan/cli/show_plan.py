@@ -11,7 +11,8 @@ def _mib(n: int) -> str:
 
 def print_plan(r: JobReport, model: str, size: str, timings: dict, capture_s: float) -> None:
     print(f"{model} {size} on {r.nodes}x{r.devices_per_node} = {r.world} ranks: "
-          f"dp={r.dp} tp={r.tp} pp={r.pp} vpp={r.vpp}, schedule {r.schedule}, "
+          f"dp={r.dp} tp={r.tp} pp={r.pp} vpp={r.vpp}" + (f" ep={r.ep}" if r.ep > 1 else "")
+          + f", schedule {r.schedule}, "
           f"{r.num_microbatches} micro-batches, {r.ops} ops, {r.precision}, "
           f"recompute {r.recompute}" + (f", zero {int(r.zero)}" if r.zero else ""))
     print(f"\n{'stage':>5} {'chunk':>5} {'ops':>6} {'params':>11}  layers")
@@ -31,6 +32,11 @@ def print_plan(r: JobReport, model: str, size: str, timings: dict, capture_s: fl
     for m in r.memory:
         print(f"stage {m['stage']} (rank {m['rank']}):".ljust(23)
               + " ".join(f"{_mib(m[c]):>11}" for c in cats))
+    if r.experts:
+        x = r.experts
+        print(f"experts: {x['experts']} per block, {x['per_rank']} per rank (ep {x['ep']}); "
+              f"all-to-all {x['all_to_all_ops_per_step']} ops, "
+              f"{_mib(x['all_to_all_bytes_per_step'])} per step")
     for name, stages in r.shared.items():
         print(f"shared: '{name}' has a copy on stages {stages}; its gradient is all-reduced "
               "across them once per step")

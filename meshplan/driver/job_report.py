@@ -15,11 +15,11 @@ from dataclasses import dataclass, fields
 
 from meshplan.ir import Phase, Role
 from meshplan.ir.job import Job
-from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, short
-from meshplan.ir.mesh import AXES
+from meshplan.ir.kinds import ALL_REDUCE, ALL_TO_ALL, CLIP_COEF, short
 from meshplan.ir.sbp import fmt
 from meshplan.ir.zero import ZeroLevel
 from meshplan.lowering.lower import lower
+from meshplan.passes.expert_parallel import is_expert_param
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 
@@ -34,7 +34,7 @@ def comm_ops(job: Job) -> list[dict]:
         src = op.args[0].id
         out.append({
             "op": op.id, "kind": short(op.kind),
-            "axis": AXES[kw["axis"]] if "axis" in kw else "pp",
+            "axis": job.strategy.axes[kw["axis"]] if "axis" in kw else "pp",
             "phase": op.phase.value, "stage": job.stage[op.id], "chunk": job.chunk[op.id],
             "module": op.module_path, "bytes": job.graph.values[src].meta.nbytes,
             "from": fmt(job.sbp[src]), "to": fmt(job.sbp[op.outputs[0]]),
@@ -84,6 +84,8 @@ class JobReport:
     shared: dict[str, list[int]]
     optimizer: dict             # `optimizer_summary`
     notes: list[str]
+    ep: int = 1
+    experts: dict | None = None  # `expert_summary`, for a mixture of experts
 
     def to_json(self) -> dict:
         """The report as `plan --json` prints it (the one place it is spelled)."""
@@ -122,7 +124,23 @@ def report(job: Job) -> JobReport:
         sum(1 if c["phase"] == once else m for c in comms),
         sum(c["bytes"] * (1 if c["phase"] == once else m) for c in comms),
         s.layer_pattern, [list(x) for x in s.tp_plan], s.zero, stage_memory(job),
-        shared_params(job), optimizer_summary(job), list(job.notes))
+        shared_params(job), optimizer_summary(job), list(job.notes), s.ep,
+        expert_summary(job, comms))
+
+
+def expert_summary(job: Job, comms: list[dict]) -> dict | None:
+    """A mixture of experts' split: experts per block and per rank, and the
+    all-to-alls' logical bytes per step (None: the model has no experts)."""
+    weights = [v for v in job.graph.inputs_by_role(Role.PARAM)
+               if v.meta.shape and is_expert_param(v.name)]
+    if not weights:
+        return None
+    experts, ep = weights[0].meta.shape[0], job.strategy.ep
+    m = job.strategy.num_microbatches
+    a2a = [c for c in comms if c["kind"] == short(ALL_TO_ALL)]
+    return {"experts": experts, "per_rank": experts // ep, "ep": ep,
+            "expert_weights": len(weights), "all_to_all_ops_per_step": len(a2a) * m,
+            "all_to_all_bytes_per_step": sum(c["bytes"] for c in a2a) * m}
 
 
 def optimizer_summary(job: Job) -> dict:

@@ -167,7 +167,9 @@ permute = permuting(lambda args, nd: [norm_dim(d, nd) for d in args[1]])
 
 def expand(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     (t,) = tensors(args[:1])
-    size = args[1]
+    # the output's shape, not the literal sizes: on a later mesh axis both
+    # are one shard's, where an earlier axis split a dim the literal names whole
+    size = out_meta(outs).shape if outs and outs[0] is not None else args[1]
     lead = len(size) - len(t.shape)
     sigs = [SbpSig((Shard(d),), (Shard(d + lead),)) for d in range(len(t.shape))
             if t.shape[d] > 1 and size[d + lead] in (-1, t.shape[d])]

@@ -44,8 +44,7 @@ SBP: dict[str, SbpRule] = {
     **{f"aten.{k}": r.pointwise() for k in (
         "ne.Scalar", "eq.Scalar", "lt.Scalar", "le.Scalar", "gt.Scalar", "ge.Scalar",
         "clamp.default", "clamp_min.default", "clamp_max.default", "abs.default")},
-    **{f"aten.{k}.default": r.meta_only for k in ("new_zeros", "new_ones", "new_full",
-                                                   "new_empty")},
+    **{f"aten.{k}.default": r.meta_only for k in ("new_zeros", "new_ones", "new_full")},
     "aten.one_hot.default": r.keeps_dims,
     "aten.topk.default": r.along_dim(2, default_dim=-1, linear=False),
     "aten.cumsum.default": r.along_dim(1),
