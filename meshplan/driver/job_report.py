@@ -19,9 +19,9 @@ from meshplan.ir.kinds import ALL_REDUCE, ALL_TO_ALL, CLIP_COEF, short
 from meshplan.ir.sbp import fmt
 from meshplan.ir.zero import ZeroLevel
 from meshplan.lowering.lower import lower
-from meshplan.passes.expert_parallel import is_expert_param
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
+from meshplan.passes.expert_parallel import is_expert_param
 
 
 def comm_ops(job: Job) -> list[dict]:

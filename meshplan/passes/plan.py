@@ -37,12 +37,12 @@ from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
 from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
+from meshplan.passes.expert_parallel import expert_params
 from meshplan.passes.grad_norm import split_norm
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
 from meshplan.passes.pipeline import StageAssignment, assign_stages
 from meshplan.passes.precision import apply_precision
-from meshplan.passes.expert_parallel import expert_params
 from meshplan.passes.propagate import ParamAxes, SbpAssignment, propagate_sbp
 from meshplan.passes.recompute import recompute
 from meshplan.passes.shared import param_readers, share_params
@@ -50,6 +50,7 @@ from meshplan.passes.strategy import check_strategy
 from meshplan.passes.temps import kernel_temps
 from meshplan.passes.tp_plan import tensor_parallel
 from meshplan.schedules import splits_backward, stage_placement
+
 
 @dataclass(slots=True)
 class Compilation:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from meshplan.ir import Op, Phase, Role
+from meshplan.ir import Op, Phase
 from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job, StageView, stage_view
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER

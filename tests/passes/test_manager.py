@@ -65,7 +65,8 @@ def test_with_checks_the_verifier_runs_after_every_pass_that_ran(forward):
     c = manager.run(_state(forward, dp=2, pp=2, precision="bf16", recompute="full",
                            schedule="zb1p"), checks=True, timings=timings)
     assert c.job is not None
-    assert ran == list(timings) == [p for p in PASSES.names if p not in ("expand_log_softmax", "expert_parallel")]
+    assert ran == list(timings) == [p for p in PASSES.names
+                                    if p not in ("expand_log_softmax", "expert_parallel")]
     ran.clear()
     timings.clear()
     manager.run(_state(forward), checks=False, timings=timings)
