@@ -10,13 +10,17 @@ Invariants:
   so every rank of an ep group holds E / ep whole experts (Megatron's rule).
 - Only the parameters are chosen here; the layouts follow by propagation:
   each expert weight is Shard(0) on the ep axis, and the tokens reach their
-  experts by the all-to-alls the boxing derives.
+  experts by the all-to-alls the boxing derives. Where an op cannot compute
+  on an expert shard (transformers' grouped matmul, whose token split per
+  expert is data-dependent), the boxing gathers the weight whole over ep
+  before it: still exact, but not expert-parallel; `gathered_note` says so.
 """
 
 from __future__ import annotations
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Role
+from meshplan.ir.kinds import ALL_GATHER
 
 EXPERTS_MODULE = "experts"
 
@@ -49,3 +53,23 @@ def expert_params(graph: Graph, ep: int) -> frozenset[int]:
         raise ConfigError(f"--ep {ep} does not divide the model's {experts} experts; choose "
                           f"--ep among {', '.join(map(str, ok)) or '1'}")
     return frozenset(found)
+
+
+def gathered_note(graph: Graph, experts: frozenset, ep_axis: int) -> tuple[str, ...]:
+    """A note naming the ops that read expert weights gathered whole over
+    ep (none: the experts compute where they rest)."""
+    derived, gathered = set(experts), set()  # derived: a weight's views (a transpose)
+    for op in graph.ops:
+        if op.kind == ALL_GATHER and op.args[0].id in derived and \
+                dict(op.kwargs).get("axis") == ep_axis:
+            gathered.add(op.outputs[0])
+        elif len(op.refs()) == 1 and op.refs()[0] in derived:
+            derived.update(o for o in op.outputs if o >= 0)
+    readers = sorted({op.kind for op in graph.ops if set(op.refs()) & gathered})
+    if not readers:
+        return ()
+    return (f"ep: the expert weights are gathered whole over ep before "
+            f"{', '.join(readers)}, which cannot compute on a shard of the experts (its "
+            "tokens per expert are data-dependent); exact, and the weights and their "
+            "optimizer state rest split over ep, but the experts' compute is not "
+            "expert-parallel",)

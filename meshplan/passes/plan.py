@@ -37,7 +37,7 @@ from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
 from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
-from meshplan.passes.expert_parallel import expert_params
+from meshplan.passes.expert_parallel import expert_params, gathered_note
 from meshplan.passes.grad_norm import split_norm
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
@@ -160,6 +160,8 @@ def _add_boxing(c: Compilation) -> None:
     c.boxed = add_boxing(c.graph, c.laid_out(), st.stage, st.chunk, len(c.strategy.grid),
                          c.copies, regather)
     c.graph = c.boxed.graph
+    if c.experts:
+        c.notes += gathered_note(c.graph, c.experts, c.strategy.ep_axis)
 
 
 def _recompute(c: Compilation) -> None:

@@ -6,6 +6,7 @@ parameter, router included), and by the plan's own structure."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,9 +16,13 @@ from meshplan.cli.main import main
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
 from meshplan.errors import ConfigError
+from meshplan.ir import Role
 from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import Replicate, Shard, local_shape
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.lower import lower
+from meshplan.lowering.rankplan import TaskKind
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.passes.expert_parallel import expert_params, is_expert_param
 from meshplan.passes.strategy import check_strategy
@@ -60,7 +65,8 @@ def test_experts_split_and_tokens_travel_by_all_to_all():
     all-to-alls over ep (dispatch and combine)."""
     cfg, s, job = _job(2, dict(dp=2, ep=2))
     g, ep_axis = job.graph, s.ep_axis
-    experts = {v.id: v for v in g.inputs if is_expert_param(v.name)}
+    inputs = [g.values[i] for i in g.inputs]
+    experts = {v.id: v for v in g.inputs_by_role(Role.PARAM) if is_expert_param(v.name)}
     assert len(experts) == 2 * cfg.layers
     for vid, v in experts.items():
         assert job.sbp[vid][ep_axis] == Shard(0)
@@ -72,15 +78,33 @@ def test_experts_split_and_tokens_travel_by_all_to_all():
     forward = [op for op in g.ops if op.kind == ALL_TO_ALL and op.phase.name == "FORWARD"]
     assert len(forward) == 2 * cfg.layers
     assert all(dict(op.kwargs)["axis"] == ep_axis for op in forward)
-    dense = next(v for v in g.inputs if v.name == "blocks.0.attn.qkv.weight")
+    dense = next(v for v in inputs if v.name == "blocks.0.attn.qkv.weight")
     assert job.sbp[dense.id] == (Replicate(),) * 3
+
+
+def test_check_proves_the_all_to_alls_and_catches_one_out_of_order():
+    """`check` proves an ep plan; one rank issuing its dispatch and combine
+    in the other order is caught, naming the group."""
+    _, _, job = _job(4, dict(dp=4, ep=2))
+    plans = {r: lower(job, r) for r in range(4)}
+    assert check_plans(job, plans).ok
+    p = plans[1]
+    a2a = [i for i, t in enumerate(p.tasks) if t.kind is TaskKind.COLLECTIVE
+           and job.graph.ops[t.op].kind == ALL_TO_ALL]
+    i, j = a2a[:2]
+    tasks = list(p.tasks)
+    tasks[i], tasks[j] = tasks[j], tasks[i]
+    res = check_plans(job, plans | {1: replace(p, tasks=tuple(tasks))})
+    assert not res.ok
+    assert any(f"collective order differs in group {list(p.tasks[i].group)}" in e
+               for e in res.errors), res.errors
 
 
 def test_zero_shards_dense_states_over_dp_and_ep_and_experts_over_dp():
     """ZeRO over dp·ep: a dense weight's slot is split over both data axes
     (nested), an expert weight's over dp only (it is split over ep already)."""
     _, s, job = _job(4, dict(dp=4, ep=2, zero=1), optimizer="adamw")
-    names = {v.name: v.id for v in job.graph.inputs}
+    names = {job.graph.values[i].name: i for i in job.graph.inputs}
     dense = job.sbp[names["blocks.0.attn.qkv.weight@exp_avg"]]
     expert = job.sbp[names["blocks.0.moe.experts.w1@exp_avg"]]
     assert dense[:2] == (Shard(0), Shard(0))
