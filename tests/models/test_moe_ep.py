@@ -139,3 +139,24 @@ def test_verify_expert_parallel_on_processes(capsys):
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
     assert '"ok": true' in out
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_hf_moe_at_ep2_trains_as_eager_its_experts_gathered(model_type):
+    """transformers' MoEs at dp2·ep2: exact (losses and every parameter),
+    their experts rest split over ep and are gathered whole before the
+    grouped matmul, which the plan's note says."""
+    pytest.importorskip("transformers")
+    model = f"hf:{model_type}"
+    cfg = model_config(model, "tiny")
+    s = zoo_strategy(model, cfg, global_batch_size=8, micro_batch_size=4, dp=2, ep=2)
+    job = plan_model(model, "tiny", Mesh(1, 2), s, "sgd", None).job
+    assert any(n.startswith("ep: the expert weights are gathered") for n in job.notes)
+    torch.manual_seed(0)
+    module = build_model(cfg)
+    batches = [example_batch(cfg, 8, seed=i) for i in range(2)]
+    run = run_local(job, copy.deepcopy(module), batches)
+    verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
+                               s.num_microbatches, OptimizerConfig.default("sgd", None))
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
+    assert any(".experts." in n for n in verdict["params"])
