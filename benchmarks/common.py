@@ -199,7 +199,7 @@ def meshplan_rank(job_path: str, rank: int, device: torch.device, config=None):
 
     job = Job.from_bytes(Path(job_path).read_bytes())
     backend = "nccl" if device.type == "cuda" else "gloo"
-    comm = Comm(rank, job_groups(job.strategy, job), backend, device)
+    comm = Comm(rank, job_groups(job.strategy, job.graph.ops), backend, device)
     ex = RankExecutor(job, lower(job, rank, device.type), comm, device=device)
     torch.manual_seed(0)
     return ex, ex.init_state(build_model(config or cfg()))

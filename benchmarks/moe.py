@@ -16,14 +16,17 @@ Measured:
   (`common.timed_steps`), the median over the rounds' steps after the
   warm-up; the two configurations alternate round by round
   (`common.alternate`), each once the CPUs are quiet.
-- all-to-all (ep4): every all-to-all a rank runs in a step, timed whole
-  (cutting its parts, `all_to_all_single`, joining what arrives: the
-  callable `runtime/bind.py` binds, wrapped here when the executor is
-  built); and the anchor: after each timed step, the same calls made by
-  hand, one `torch.distributed.all_to_all_single` of a tensor of each
-  call's local shape, laid out expert-major as a hand-written dispatch
-  lays it out (`x.reshape(ep, -1).contiguous()`), output preallocated.
-  Both summed per step, median over the steps after the warm-up.
+- all-to-all (ep4), in 3 profiled steps after the timed ones: every
+  all-to-all a rank runs, timed whole (cutting its parts,
+  `all_to_all_single`, joining what arrives: the callable
+  `runtime/bind.py` binds, wrapped here when the executor is built); and,
+  right beside it in the step, the anchor on the very same input tensor
+  (`_by_hand`: cut along the same dim, one
+  `torch.distributed.all_to_all_single`, the parts joined as meshplan's
+  output holds them). Each starts after a barrier, so that its time is the
+  exchange's, not the wait for a peer the 2 shared cores have not
+  scheduled; the two alternate which goes first. Both summed per step; the
+  median over steps and ranks.
 - bytes: the all-to-alls' logical bytes per step (`plan`'s report), and
   what each rank sends to others.
 - memory per rank: the expert weights' bytes, and the plan's peak by
@@ -77,6 +80,7 @@ WORLD, BATCH, MICRO = 4, 8, 2
 CPU = torch.device("cpu")
 CONFIGS = {"ep4": dict(dp=WORLD, ep=WORLD), "dp4": dict(dp=WORLD)}
 TARGET_A2A = 1.1
+PROFILE_STEPS = 3
 
 
 def cfg():
@@ -87,60 +91,79 @@ def batches(steps: int) -> list:
     return [example_batch(cfg(), BATCH, seed=s) for s in range(steps)]
 
 
-def _timed_all_to_all(calls: list) -> None:
-    """Wrap the all-to-all callables `bind` makes, so each call's seconds and
-    input shape land in `calls` (the executor is built after this)."""
+def _timed_all_to_all(calls: list, synced: dict) -> None:
+    """Wrap the all-to-all callables `bind` makes (the executor is built
+    after this), so each call's seconds land in `calls`. With
+    `synced["on"]`, each call also runs the anchor on the very same input
+    (`_by_hand`), at the same moment of the step, each after a barrier (so
+    that each time is the exchange's own, not the wait for a late peer),
+    the two in alternating order: `calls` gets (meshplan s, anchor s, the
+    input's shape, dtype)."""
     make = bind._COLLECTIVES[bind.ALL_TO_ALL]
 
-    def timed_make(*args):
-        run = make(*args)
+    def timed_make(op, kw, group, ctx, comm):
+        run = make(op, kw, group, ctx, comm)
 
-        def timed(x, **kw):
-            t0 = time.perf_counter()
-            out = run(x, **kw)
-            calls.append((time.perf_counter() - t0, tuple(x.shape), x.dtype))
+        def timed(x, **k):
+            if not synced["on"]:
+                return run(x, **k)
+            first = len(calls) % 2 == 0
+            if not first:
+                hand = _timed(lambda: _by_hand(x, kw["src_dim"], kw["dst_dim"]))
+            t, out = _timed(lambda: run(x, **k))
+            if first:
+                hand = _timed(lambda: _by_hand(x, kw["src_dim"], kw["dst_dim"]))
+            calls.append((t, hand[0], tuple(x.shape), x.dtype))
             return out
         return timed
     bind._COLLECTIVES[bind.ALL_TO_ALL] = timed_make
 
 
-def _anchor(calls: list) -> float:
-    """The hand-written all-to-alls of one step: each of `calls`' tensors,
-    expert-major, sent by one `all_to_all_single` over the world."""
-    total = 0.0
-    for _, shape, dtype in calls:
-        x = torch.randn(shape).to(dtype)
-        dist.barrier()
-        t0 = time.perf_counter()
-        send = x.reshape(WORLD, -1).contiguous()
-        out = torch.empty_like(send)
-        dist.all_to_all_single(out, send)
-        total += time.perf_counter() - t0
-    return total
+def _timed(fn) -> tuple[float, object]:
+    """(seconds, result) of `fn()`, started after a barrier."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _by_hand(x: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+    """The exchange written by hand: `x` cut into WORLD equal parts along
+    `dst` (`movedim` to the front: a view where `dst` is 0 and `x`
+    contiguous), one `all_to_all_single` into a preallocated output, and the
+    parts received joined along `src`, as meshplan's output holds them."""
+    part = list(x.shape)
+    part[dst] //= WORLD
+    send = x.movedim(dst, 0).reshape(WORLD, -1).contiguous()
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send)
+    pieces = [p.reshape([part[dst]] + part[:dst] + part[dst + 1:]).movedim(0, dst)
+              for p in out]
+    return torch.cat(pieces, dim=src)
 
 
 def _rank(rank: int, port: int, out: str, name: str, job_path: str, steps: int) -> None:
     join_group(rank, port, WORLD)
     calls: list = []
+    synced = {"on": False}
     if name == "ep4":
-        _timed_all_to_all(calls)
+        _timed_all_to_all(calls, synced)
     ex, state = meshplan_rank(job_path, rank, CPU, cfg())
-    a2a, anchor = [], []
 
     def step(b):
-        calls.clear()
-        loss = float(torch.stack(ex.step(state, split_microbatches(b, 1))).mean())
-        a2a.append(sum(c[0] for c in calls))
-        return loss
+        return float(torch.stack(ex.step(state, split_microbatches(b, 1))).mean())
 
-    losses, times = [], []
-    for b in batches(steps):  # one step at a time: the anchor runs between steps
-        loss, t = timed_steps(step, [b], CPU)
-        losses += loss
-        times += t
-        anchor.append(_anchor(calls) if calls else 0.0)
-    sent = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-               for _, s, d in calls) * (WORLD - 1) // WORLD
+    losses, times = timed_steps(step, batches(steps), CPU)
+    a2a, anchor = [], []
+    if name == "ep4":  # profiled steps: each all-to-all and its anchor, at the same moment
+        synced["on"] = True
+        for b in batches(PROFILE_STEPS):
+            calls.clear()
+            step(b)
+            a2a.append(sum(c[0] for c in calls))
+            anchor.append(sum(c[1] for c in calls))
+    sent = sum(torch.Size(c[2]).numel() * torch.empty((), dtype=c[3]).element_size()
+               for c in calls) * (WORLD - 1) // WORLD
     experts = sum(t.numel() * t.element_size() for n, t in state.items()
                   if t is not None and "@" not in n and is_expert_param(n))
     write_rank(out, rank, {"losses": losses, "step_s": times, "a2a_s": a2a,
@@ -183,9 +206,10 @@ def main() -> None:
         res["configs"][name] = {
             "step_s": timed_median(rounds), "best_round_s": best_round(rounds),
             "losses": first[0]["losses"], "report": reports[name],
-            "a2a_s": median([s for rnd in r["rounds"] for rk in rnd for s in rk["a2a_s"][WARMUP:]]),
-            "anchor_s": median([s for rnd in r["rounds"] for rk in rnd
-                                for s in rk["anchor_s"][WARMUP:]]),
+            "a2a_s": median([s for rnd in r["rounds"] for rk in rnd for s in rk["a2a_s"]]
+                            or [0.0]),
+            "anchor_s": median([s for rnd in r["rounds"] for rk in rnd for s in rk["anchor_s"]]
+                               or [1.0]),
             "a2a_calls_per_step": first[0]["a2a_calls"],
             "a2a_sent_bytes_per_rank": first[0]["a2a_sent_bytes"],
             "expert_bytes_per_rank": first[0]["expert_bytes"],

@@ -9,6 +9,7 @@ from meshplan.cli.auto_cmd import strategy_of
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides
 from meshplan.driver.run import run, run_torchrun, under_torchrun
 from meshplan.models import model_config
+from meshplan.passes.expert_parallel import LOAD
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -28,7 +29,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"losses": r.losses, "grad_norms": r.grad_norms, "step_s": r.step_s,
                           "skipped_steps": r.skipped_steps, "ranks": r.ranks,
-                          "trace": r.trace}))
+                          "trace": r.trace, **({"reports": r.reports} if r.reports else {})}))
         return 0
     norms = r.grad_norms or [None] * len(r.losses)
     print(f"{'step':>4}  {'loss':>10}  {'step (ms)':>9}" + ("  grad norm" if r.grad_norms else ""))
@@ -41,9 +42,24 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"{len(peaks)} ranks; peak memory per rank planned "
           f"{max(p for p, _ in peaks) / 2**20:.2f} MiB, measured "
           f"{max(m for _, m in peaks) / 2**20:.2f} MiB")
+    for line in load_lines(r.reports):
+        print(line)
     if r.trace:
         print(trace_line(r.trace))
     return 0
+
+
+def load_lines(reports: dict) -> list[str]:
+    """A mixture of experts' load: each block's tokens per expert in the
+    last step, and its busiest expert against the mean."""
+    out = []
+    for name, steps in reports.items():
+        if name.startswith(LOAD) and steps:
+            counts = [int(x) for x in steps[-1]]
+            mean = sum(counts) / len(counts)
+            out.append(f"tokens per expert, last step, {name.removeprefix(LOAD)}: "
+                       f"{' '.join(map(str, counts))} (max/mean {max(counts) / mean:.2f})")
+    return out
 
 
 def trace_line(t: dict) -> str:

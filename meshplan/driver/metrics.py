@@ -6,7 +6,9 @@ Invariants:
   written. A row is `{"kind": "train", step, loss, grad_norm, lr,
   tokens_per_s, mfu, step_s, peak_bytes}` (with `peak_bytes_per_stage`,
   and from token data `data_sha256`: the sha256 of the sorted ids of the
-  samples the step read, equal at any layout for the same samples) or
+  samples the step read, equal at any layout for the same samples; and a
+  mixture of experts' `reports`, `{"tokens_per_expert/<block>": [count per
+  expert]}`) or
   `{"kind": "eval", step, eval_loss, eval_ppl}`.
 - The file is strict JSON (any JSON reader takes it): a number that is not
   finite (a NaN loss, an overflowed perplexity) and a value not measured
@@ -64,18 +66,22 @@ class MetricsLog:
 
     def log_train(self, step: int, loss, grad_norm, lr, tokens_per_s, mfu, step_s,
                   peak_bytes, peak_bytes_per_stage: list | None = None,
-                  data_sha256: str | None = None) -> None:
+                  data_sha256: str | None = None, reports: dict | None = None) -> None:
         """One training step's row (None: not measured); with
         `peak_bytes_per_stage`, each pipeline stage's measured peak too; with
-        `data_sha256`, the fingerprint of the samples it read."""
+        `data_sha256`, the fingerprint of the samples it read; with `reports`,
+        the graph's reports (a mixture of experts' tokens per expert)."""
         values = dict(zip(TRAIN_KEYS, (loss, grad_norm, lr, tokens_per_s, mfu, step_s,
                                        peak_bytes), strict=True))
         stages = {} if peak_bytes_per_stage is None else \
             {"peak_bytes_per_stage": [int(x) for x in peak_bytes_per_stage]}
         data = {} if data_sha256 is None else {"data_sha256": data_sha256}
-        self._write({"kind": "train", "step": int(step)} | values | stages | data)
+        self._write({"kind": "train", "step": int(step)} | values | stages | data
+                    | ({"reports": reports} if reports else {}))
         self._scalars("train", step, values | {f"peak_bytes_stage{i}": x for i, x in
-                                               enumerate(peak_bytes_per_stage or ())})
+                                               enumerate(peak_bytes_per_stage or ())}
+                      | {f"{name}/{i}": x for name, xs in (reports or {}).items()
+                         for i, x in enumerate(xs)})
 
     def log_eval(self, step: int, eval_loss) -> None:
         """One evaluation's row: its loss and perplexity exp(loss) (inf when
@@ -136,6 +142,8 @@ def _json_number(value):
         return value
     if isinstance(value, list):
         return [_json_number(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_number(v) for k, v in value.items()}
     value = float(value)
     return value if math.isfinite(value) else None
 

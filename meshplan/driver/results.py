@@ -55,6 +55,9 @@ class RunResult(JsonResult):
     state_slices: dict[int, dict] | None = field(default=None, repr=False)
     # samples each rank's token reader read (None: the rank had no reader)
     rows_read: dict[str, int | None] = field(default_factory=dict)
+    # the graph's reports, per step (a mixture of experts' tokens per expert,
+    # `tokens_per_expert/<block>`: its router's choices, summed over the batch)
+    reports: dict[str, list] = field(default_factory=dict)
 
     @property
     def grad_norms(self) -> list[float]:
@@ -67,7 +70,8 @@ class RunResult(JsonResult):
                 "skipped_steps": self.skipped_steps,
                 "median_step_s": self.median_step_s, "ranks": self.ranks,
                 "job_digest": self.job_digest, "wall_s": self.wall_s,
-                "first_step": self.first_step, "trace": self.trace}
+                "first_step": self.first_step, "trace": self.trace,
+                **({"reports": self.reports} if self.reports else {})}
 
 
 @dataclass(eq=False)

@@ -223,6 +223,8 @@ def merge(per_rank: dict[int, RankResult], job, wall_s: float, trace: str = "") 
         job_digest=job.digest() if job is not None else None, wall_s=wall_s,
         first_step=any_rank.first_step,
         trace=write_trace(per_rank, trace) if trace else None,
+        reports={name: value for _, v in sorted(per_rank.items(), reverse=True)
+                 for name, value in v.reports.items()},  # the lowest rank's
     )
 
 

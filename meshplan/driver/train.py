@@ -158,6 +158,7 @@ class StepMerger:
         lrs = [x["lr"] for x in rows.values() if x["lr"] is not None]
         step_s = max(x["step_s"] for x in rows.values())
         samples = [x["samples"] for x in rows.values() if x.get("samples") is not None]
+        reports = {n: v for x in rows.values() for n, v in x.get("reports", {}).items()}
         row = {"step": step, "loss": losses[0] if losses else None,
                "grad_norm": norms[0] if norms else None,
                "lr": lrs[0] if lrs else self.base_lr,
@@ -167,7 +168,8 @@ class StepMerger:
                "peak_bytes_per_stage": [max(x["peak_bytes"] for r, x in rows.items()
                                             if self.stage_of[r] == s)
                                         for s in range(max(self.stage_of) + 1)],
-               "data_sha256": samples_digest(samples) if samples else None}
+               "data_sha256": samples_digest(samples) if samples else None,
+               "reports": reports or None}
         self.log.log_train(**row)
         self.written.append(row)
 

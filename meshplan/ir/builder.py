@@ -19,6 +19,7 @@ class GraphBuilder:
         self.inputs: list[int] = list(base.inputs) if base else []
         self.updates: list[Update] = list(base.updates) if base else []
         self.grads: list[tuple[int, int]] = list(base.grads) if base else []
+        self.reports: list[tuple[str, int]] = list(base.reports) if base else []
 
     def new_value(self, meta: TensorMeta, role: Role = Role.INTERNAL, name: str = "") -> int:
         vid = len(self.values)
@@ -64,6 +65,7 @@ class GraphBuilder:
             updates=tuple(self.updates),
             facts=GraphFacts() if facts is None else facts,
             grads=tuple(self.grads),
+            reports=tuple(self.reports),
         )
 
 

@@ -243,6 +243,9 @@ class Graph:
     # (forward value, its total gradient value), set by autodiff: passes use
     # it to place constraints on a gradient (e.g. a colwise input's grad).
     grads: tuple[tuple[int, int], ...] = ()
+    # (name, value): what a run reports beside the loss, each micro-batch's
+    # value summed over the step (a mixture of experts' tokens per expert)
+    reports: tuple[tuple[str, int], ...] = ()
 
     def value(self, vid: int) -> Value:
         return self.values[vid]

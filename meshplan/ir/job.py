@@ -94,7 +94,7 @@ class Job:
         return _view(self.mesh, self.strategy, stage, self.digest(), dict(self.temps),
                      _Whole(g.inputs, _data_ids(g),
                             tuple((g.values[v], self.sbp[v]) for v in _rank_wide(g)), g.loss,
-                            tuple((u.name, u.value) for u in g.updates), g.facts),
+                            tuple((u.name, u.value) for u in g.updates), g.facts, g.reports),
                      [(g.ops[i], self.stage[i], self.chunk[i], self.variant[i]) for i in ids],
                      lambda v: (g.values[v], self.sbp[v]))
 
@@ -132,6 +132,7 @@ class StageView:
     loss: int                # the graph's loss value id (in `values` on the last stage)
     facts: GraphFacts
     op_of: dict[int, Op]     # `ops` by id
+    reports: tuple[tuple[str, int], ...] = ()  # the graph's reports among `values`
 
     def inputs_by_role(self, role: Role) -> tuple[Value, ...]:
         return tuple(self.values[i] for i in self.inputs if self.values[i].role is role)
@@ -170,7 +171,8 @@ class JobReader:
                 self._whole = _Whole(tuple(rest["inputs"]), tuple(rest["data"]),
                                      tuple(_value(r) for r in rest["rank_wide"]),
                                      self.head["loss"],
-                                     _pairs(rest["updates"]), facts_from_pairs(rest["meta"]))
+                                     _pairs(rest["updates"]), facts_from_pairs(rest["meta"]),
+                                     _pairs(rest.get("reports", ())))
             own = f"ops/{stage}"
             rows = [(r, stage) for r in self.parts.load(own)] if own in self.parts else []
             rows += [(r[:-1], r[-1]) for r in self._transfers
@@ -234,6 +236,7 @@ class _Whole:
     # (state name, the value that updates it); a tied parameter's name once per stage
     updates: tuple[tuple[str, int], ...]
     facts: GraphFacts
+    reports: tuple[tuple[str, int], ...] = ()
 
 
 def _view(mesh, strategy, stage, digest, temps, whole: _Whole, ops, value_of) -> StageView:
@@ -251,7 +254,8 @@ def _view(mesh, strategy, stage, digest, temps, whole: _Whole, ops, value_of) ->
                      frozenset(v for _, v in mine), temps, dict(mine),
                      tuple(i for i in whole.inputs if i in values), whole.data, whole.loss,
                      whole.facts,
-                     {o[0].id: o[0] for o in ops})
+                     {o[0].id: o[0] for o in ops},
+                     tuple((n, v) for n, v in whole.reports if v in values))
 
 
 def _rank_wide(g: Graph) -> tuple[int, ...]:
@@ -390,7 +394,9 @@ def _encode(job: Job) -> Parts:
                                                 for v in _rank_wide(g)],
                                   "updates": [[u.name, u.value] for u in g.updates],
                                   "meta": facts_to_pairs(g.facts),
-                                  "grads": [list(x) for x in g.grads]})
+                                  "grads": [list(x) for x in g.grads],
+                                  **({"reports": [list(x) for x in g.reports]}
+                                     if g.reports else {})})
     for name, vids in [*((f"values/{st}", touched[st]) for st in sorted(touched)),
                        ("values/rest", rest)]:
         parts[name] = encode_part([_value_row(g.values[v], job.sbp[v]) for v in sorted(vids)])
@@ -419,7 +425,8 @@ def _decode(parts: Parts, head: dict, mesh: Mesh, strategy: Strategy) -> Job:
     graph = Graph(values=tuple(values), ops=tuple(op_from_row(r[:9]) for r, _ in ops),
                   inputs=tuple(rest["inputs"]), loss=head["loss"],
                   updates=tuple(Update(a, b) for a, b in rest["updates"]),
-                  facts=facts_from_pairs(rest["meta"]), grads=_pairs(rest["grads"]))
+                  facts=facts_from_pairs(rest["meta"]), grads=_pairs(rest["grads"]),
+                  reports=_pairs(rest.get("reports", ())))
     return Job(graph=graph, mesh=mesh, strategy=strategy,
                stage=tuple(st for _, st in ops), chunk=tuple(r[9] for r, _ in ops),
                sbp=tuple(sbp), variant=tuple(tuple(r[10]) for r, _ in ops),

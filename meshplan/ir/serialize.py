@@ -56,6 +56,8 @@ def graph_to_json(graph: Graph) -> dict:
         "updates": [[u.name, u.value] for u in graph.updates],
         "meta": facts_to_pairs(graph.facts),
         "grads": [[v, g] for v, g in graph.grads],
+        # only when there are any, so every graph without keeps its bytes
+        **({"reports": [[n, v] for n, v in graph.reports]} if graph.reports else {}),
     }
 
 
@@ -164,6 +166,7 @@ def graph_from_json(d: dict, where: str = "<json>") -> Graph:
             updates=tuple(Update(_str(n), _int(v)) for n, v in d["updates"]),
             facts=facts_from_pairs(d["meta"]),
             grads=tuple((_int(v), _int(g)) for v, g in d["grads"]),
+            reports=tuple((_str(n), _int(v)) for n, v in d.get("reports", ())),
         )
     except (Malformed, KeyError, TypeError, ValueError, RecursionError) as e:
         raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body ({type(e).__name__}: "

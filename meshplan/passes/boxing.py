@@ -121,8 +121,9 @@ def add_boxing(graph: Graph, plan: SbpAssignment, stage, chunk, naxes: int,
                 _apply_hint(ctx, o, op.module_path)
     updates = tuple(replace(u, value=ctx.default.get(u.value, u.value)) for u in graph.updates)
     loss = ctx.default.get(graph.loss, graph.loss)
+    reports = tuple((n, ctx.default.get(v, v)) for n, v in graph.reports)
     boxed = Graph(tuple(rb.b.values), tuple(rb.b.ops), graph.inputs, loss, updates, graph.facts,
-                  graph.grads)
+                  graph.grads, reports)
     sbp = tuple(ctx.layout.get(v.id, (Replicate(),) * naxes) for v in boxed.values)
     stage, chunk, variant = rb.annotations()
     return Boxed(boxed, stage, chunk, sbp, variant)

@@ -8,6 +8,11 @@ Invariants:
   matmul reads them). A list of per-expert modules (`experts.0.w1`) is not.
 - The experts of every such module number the same, and ep divides them,
   so every rank of an ep group holds E / ep whole experts (Megatron's rule).
+- Each MoE block's load is a report of the graph (`expert_load`),
+  `tokens_per_expert/<block>`: its router's choices (the indices of its
+  top-k over the experts, the first such op in the block) counted per
+  expert, summed over the batch, as torchtitan counts them (before any
+  capacity drops a choice).
 - Only the parameters are chosen here; the layouts follow by propagation:
   each expert weight is Shard(0) on the ep axis, and the tokens reach their
   experts by the all-to-alls the boxing derives. Where an op cannot compute
@@ -18,11 +23,16 @@ Invariants:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.errors import ConfigError
-from meshplan.ir import Graph, Role
+from meshplan.ir import Graph, Phase, Ref, Role
 from meshplan.ir.kinds import ALL_GATHER
+from meshplan.passes.rebuild import Rebuild
 
 EXPERTS_MODULE = "experts"
+LOAD = "tokens_per_expert/"  # a report's name: LOAD + the MoE block's module path
+TOPK = "aten.topk.default"
 
 
 def is_expert_param(name: str) -> bool:
@@ -73,3 +83,43 @@ def gathered_note(graph: Graph, experts: frozenset, ep_axis: int) -> tuple[str, 
             "tokens per expert are data-dependent); exact, and the weights and their "
             "optimizer state rest split over ep, but the experts' compute is not "
             "expert-parallel",)
+
+
+def moe_blocks(graph: Graph) -> dict[str, int]:
+    """Each MoE block's module path (the parent of an `experts` module) and
+    its number of experts."""
+    out = {}
+    for v in graph.inputs_by_role(Role.PARAM):
+        if v.meta.shape and is_expert_param(v.name):
+            experts = v.name.rpartition(".")[0]
+            out[experts.rpartition(".")[0]] = v.meta.shape[0]
+    return out
+
+
+def expert_load(graph: Graph) -> Graph:
+    """`graph` with each MoE block's router choices counted per expert, a
+    report `tokens_per_expert/<block>` (see the module docstring): a
+    one-hot of the choices, summed over every dim but the experts'."""
+    blocks = moe_blocks(graph)
+    routers = {}
+    for op in graph.ops:
+        if op.kind != TOPK or op.phase is not Phase.FORWARD:
+            continue
+        block = next((b for b in blocks if op.module_path == b
+                      or op.module_path.startswith(b + ".")), None)
+        if block is not None and block not in routers and \
+                graph.values[op.refs()[0]].meta.shape[-1] == blocks[block]:
+            routers[block] = op.id
+    if not routers:
+        return graph
+    rb, reports, at = Rebuild(graph), [], {i: b for b, i in routers.items()}
+    for op in graph.ops:
+        rb.keep(op)
+        block = at.get(op.id)
+        if block is not None:
+            e = rb.emitter(op)
+            hot = e.call("aten.one_hot.default", Ref(op.outputs[1]), blocks[block])
+            dims = tuple(range(len(rb.b.meta(hot.id).shape) - 1))
+            reports.append((LOAD + block, e.call("aten.sum.dim_IntList", hot, dims).id))
+    out = rb.build(graph)
+    return replace(out, reports=out.reports + tuple(reports))

@@ -3,7 +3,7 @@
     PASSES (in order; `docs/architecture.md` has the table of what each
     requires and ensures):
     check_strategy -> apply_precision (bf16, fp16) -> autodiff
-        -> resolve_derived (derived and balanced plans) -> expand_batch_norm (dp > 1)
+        -> expert_load (a mixture of experts) -> resolve_derived (derived and balanced plans) -> expand_batch_norm (dp > 1)
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
         -> split_norm (clipping: the norm's squares summed per stage, pp > 1)
@@ -37,7 +37,12 @@ from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
 from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
-from meshplan.passes.expert_parallel import expert_params, gathered_note
+from meshplan.passes.expert_parallel import (
+    expert_load,
+    expert_params,
+    gathered_note,
+    moe_blocks,
+)
 from meshplan.passes.grad_norm import split_norm
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
@@ -98,6 +103,10 @@ def _autodiff(c: Compilation) -> None:
     s = c.strategy
     scale = s.initial_loss_scale if s.precision == Precision.FP16 else None
     c.graph = build_train_step(c.graph, c.optimizer, s.num_microbatches, loss_scale=scale)
+
+
+def _expert_load(c: Compilation) -> None:
+    c.graph = expert_load(c.graph)
 
 
 def _resolve_derived(c: Compilation) -> None:
@@ -209,6 +218,8 @@ PASSES = PassManager([
     Pass("apply_precision", _apply_precision, F({"valid_strategy"}), F({"casts"}),
          when=lambda c: c.strategy.precision != Precision.FP32),
     Pass("autodiff", _autodiff, F({"valid_strategy", "casts"}), F({"train_step"})),
+    Pass("expert_load", _expert_load, F({"train_step"}), F({"expert_reports"}),
+         when=lambda c: bool(moe_blocks(c.graph))),
     Pass("resolve_derived", _resolve_derived, F({"valid_strategy", "train_step"}),
          F({"concrete_strategy"})),
     Pass("expand_batch_norm", _expand_batch_norm, F({"train_step", "concrete_strategy"}),

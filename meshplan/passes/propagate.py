@@ -20,7 +20,8 @@ Invariants:
 - A hint ({value: {axis: Sbp}}) re-boxes a value right after its producer;
   consumers see the hinted layout, and the cost of reaching it counts in the
   producer's choice. State updates are hinted back to their state's layout
-  (a parameter stays in its layout across steps), and the loss to Replicate.
+  (a parameter stays in its layout across steps), and the loss and the
+  graph's reports to Replicate.
 - A value crossing a stage boundary arrives with its Partial axes reduced
   (they are reduced before the transfer), so nothing downstream of a stage
   boundary can need a Partial the transfer cannot carry.
@@ -156,7 +157,8 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, axes: ParamAxes,
 
 
 def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
-    """Hints that keep every state in its layout, and make the loss Replicate."""
+    """Hints that keep every state in its layout, and make the loss and the
+    reports Replicate."""
     out = {k: dict(v) for k, v in hints.items()}
     by_name = {graph.values[v].name: v for v in graph.inputs}
     for u in graph.updates:
@@ -164,7 +166,8 @@ def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
         if layout is not None:
             out.setdefault(u.value, {}).update(enumerate(layout))
     naxes = len(next(iter(layouts.values()))) if layouts else 0
-    out.setdefault(graph.loss, {}).update({a: R for a in range(naxes)})
+    for v in (graph.loss, *(v for _, v in graph.reports)):
+        out.setdefault(v, {}).update({a: R for a in range(naxes)})
     return out
 
 

@@ -119,6 +119,7 @@ class Rebuild:
         vm = self.vmap
         self.b.updates = [Update(u.name, vm.get(u.value, u.value)) for u in graph.updates]
         self.b.grads = [(vm.get(v, v), vm.get(g, g)) for v, g in graph.grads]
+        self.b.reports = [(n, vm.get(v, v)) for n, v in graph.reports]
         return self.b.build(vm.get(graph.loss, graph.loss) if loss is None else loss,
                             graph.facts if facts is None else facts)
 

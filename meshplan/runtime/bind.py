@@ -10,6 +10,7 @@ rank-dependent (boxes, groups, offsets) is computed here, once, at load time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
@@ -172,7 +173,10 @@ def _all_to_all(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) ->
     """S(i) -> S(j) over the group: each member is sent the part of this
     rank's box that lies in its output box (a cut along j), and this rank's
     output is the members' parts of it, joined along i in group order (the
-    boxes say every cut, so uneven shards need nothing more)."""
+    boxes say every cut, so uneven shards need nothing more). Where the
+    parts are consecutive runs of memory (no dim before the cut has more
+    than one row), the tensor is sent as it is and the output is the
+    receive buffer itself: no copy either side."""
     src, dst, line = op.args[0].id, op.outputs[0], ctx.along(kw["axis"])
     have, want = ctx.box(src), ctx.box(dst)
     sends = [_cut(have, intersect(have, ctx.box(dst, c))) for c in line]
@@ -181,14 +185,33 @@ def _all_to_all(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) ->
         part = intersect(ctx.box(src, c), want)
         recv_shapes.append(tuple(0 for _ in want) if part is None else
                            tuple(b - a for a, b in part))
-    dim = kw["src_dim"]
+    sizes = [0 if cut is None else math.prod(s.stop - s.start for s in cut) for cut in sends]
+    counts = [math.prod(s) for s in recv_shapes]
+    whole_in = _leading_ones(have, kw["dst_dim"])
+    whole_out = _leading_ones(want, kw["src_dim"])
+    want_shape = tuple(b - a for a, b in want)
 
     def exchange(x, **_):
-        parts = [x[cut].contiguous() if cut is not None else x.new_empty((0,)) for cut in sends]
-        got = comm.all_to_all(parts, recv_shapes, group)
-        return torch.cat([g for g in got if g.numel()], dim=dim)
+        if whole_in:  # a view when contiguous, else one copy
+            flat = x.contiguous().reshape(-1)
+        else:  # each part copied once, into its run
+            flat = x.new_empty(sum(sizes))
+            for cut, run in zip(sends, flat.split(sizes)):
+                if cut is not None:
+                    run.view(x[cut].shape).copy_(x[cut])
+        got = comm.all_to_all(flat, sizes, counts, group)
+        if whole_out:
+            return got.view(want_shape)
+        return torch.cat([g.view(s) for g, s in zip(got.split(counts), recv_shapes)
+                          if g.numel()], dim=kw["src_dim"])
 
     return exchange
+
+
+def _leading_ones(box: Box, dim: int) -> bool:
+    """No dim before `dim` holds more than one row: cuts along `dim` are
+    consecutive runs of a contiguous tensor."""
+    return all(b - a == 1 for a, b in box[:dim])
 
 
 def _cut(have: Box, part: Box | None):

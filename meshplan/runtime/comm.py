@@ -112,20 +112,21 @@ class Comm:
             return
         dist.all_reduce(x, op=_OPS[op])
 
-    def all_to_all(self, parts: list[torch.Tensor], shapes, group) -> list[torch.Tensor]:
-        """Send `parts[k]` to the group's k-th member; returns what each
-        member sent this rank, shaped `shapes[k]`: one `all_to_all_single`
-        of the flat parts (uneven splits allowed; gloo and NCCL have it)."""
+    def all_to_all(self, flat: torch.Tensor, sizes: list[int], counts: list[int],
+                   group) -> torch.Tensor:
+        """Send `flat`'s consecutive runs of `sizes` elements to the group's
+        members in order; returns what they send this rank (`counts[k]`
+        elements from member k), in member order, in one flat tensor: one
+        `all_to_all_single`, uneven splits allowed (gloo and NCCL have it)."""
         t0 = time.perf_counter()
-        where = "cpu" if self.host_staged else parts[0].device
-        flat = torch.cat([p.reshape(-1).to(where) for p in parts])
-        sizes = [math.prod(s) for s in shapes]
-        out = flat.new_empty(sum(sizes))
-        dist.all_to_all_single(out, flat, output_split_sizes=sizes,
-                               input_split_sizes=[p.numel() for p in parts],
+        device = flat.device
+        if self.host_staged:
+            flat = flat.cpu()
+        out = flat.new_empty(sum(counts))
+        dist.all_to_all_single(out, flat, output_split_sizes=counts, input_split_sizes=sizes,
                                group=self.groups[group])
         self._record(f"all_to_all {list(group)}", t0)
-        return [o.view(s).to(parts[0].device) for o, s in zip(out.split(sizes), shapes)]
+        return out.to(device)
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         """Gather along `dim`; `shapes` are every member's local shapes. Uneven

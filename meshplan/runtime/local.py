@@ -120,16 +120,16 @@ class LocalComm:
         """In place over every rank (the fp16 overflow flag)."""
         x.copy_(self.all_reduce(x, self.world, op))
 
-    def all_to_all(self, parts: list[torch.Tensor], shapes, group) -> list[torch.Tensor]:
-        """Every member's parts in one exchange; this rank takes its own of each."""
+    def all_to_all(self, flat: torch.Tensor, sizes: list[int], counts: list[int],
+                   group) -> torch.Tensor:
+        """Every member's runs in one exchange; this rank takes its own of
+        each, in member order, flat (as `Comm.all_to_all`)."""
         n = self.count[group] = self.count.get(group, 0) + 1
         sent = self.hub.exchange((group, n), group, self.rank,
-                                 [p.detach().clone() for p in parts])  # type: ignore[arg-type]
+                                 flat.detach().clone().split(sizes))  # type: ignore[arg-type]
         me = group.index(self.rank)
-        got = [theirs[me] for theirs in sent]
-        assert [tuple(g.shape) if g.numel() else None for g in got] == \
-            [tuple(s) if math.prod(s) else None for s in shapes]
-        return got
+        assert [p[me].numel() for p in sent] == counts
+        return torch.cat([p[me] for p in sent])
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
         parts = self._exchange(group, x.contiguous())
@@ -173,6 +173,8 @@ class LocalRun:
     rank_losses: dict[str, list[float]]
     slices: dict[int, dict[str, torch.Tensor]]
     rank_grad_norms: dict[str, list[float]] = field(default_factory=dict)  # clipping on
+    # the graph's reports per step, from the lowest rank that makes each
+    reports: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
@@ -192,6 +194,7 @@ def train_local(job, hub: Hub, ranks, batches, timeout_s: float = 60.0) -> Local
     """Train the `local_ranks` one step per global batch of `batches`."""
     per_rank: dict[int, list[float]] = {}
     norms: dict[str, list[float]] = {}
+    reports: dict[str, list] = {}
     for batch in batches:
         mbs = split_microbatches(batch, job.strategy.num_microbatches)
         out = _step_all(ranks, mbs, hub, timeout_s)
@@ -201,11 +204,14 @@ def train_local(job, hub: Hub, ranks, batches, timeout_s: float = 60.0) -> Local
             norm = ranks[r][0].grad_norm(ranks[r][1])
             if norm is not None:
                 norms.setdefault(str(r), []).append(norm)
+        made = {n: t.tolist() for ex, _ in reversed(ranks) for n, t in ex.step_reports.items()}
+        for name, value in made.items():
+            reports.setdefault(name, []).append(value)
     holders = sorted(per_rank)
     return LocalRun(per_rank[holders[0]] if holders else [],
                     {str(r): per_rank[r] for r in holders},
                     {r: state_slices(state, ex.ctx) for r, (ex, state) in enumerate(ranks)},
-                    norms)
+                    norms, reports)
 
 
 def run_local(job, module, batches, timeout_s: float = 60.0) -> LocalRun:

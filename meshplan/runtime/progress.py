@@ -74,11 +74,13 @@ class StepRows:
             self.log.write(json.dumps(row))
 
     def train(self, step: int, loss, norm, state: dict, step_s: float,
-              samples: list[int] | None = None) -> None:
-        """A step's row; `samples`: the sample ids this rank read for it."""
+              samples: list[int] | None = None, reports: dict | None = None) -> None:
+        """A step's row; `samples`: the sample ids this rank read for it;
+        `reports`: the graph's reports this rank made, by name."""
         lr = float(state[LR]) if LR in state else None
         self._write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr,
-                     "step_s": step_s, "peak_bytes": self.peak(), "samples": samples})
+                     "step_s": step_s, "peak_bytes": self.peak(), "samples": samples,
+                     **({"reports": reports} if reports else {})})
 
     def eval(self, step: int, loss) -> None:
         self._write({"eval_step": step, "eval_loss": loss})

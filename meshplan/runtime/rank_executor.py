@@ -117,6 +117,11 @@ class RankExecutor:
         self.guard = train.on_nonfinite if train else None  # halt | skip | None (no norm)
         self.nonfinite: float | None = None  # the last step's norm, when not finite
         self.step_losses: dict = {}  # this step's losses so far (a halt reports them)
+        # the graph's reports this rank makes, and this step's sums of them
+        self.reports = dict(view.reports)
+        self.report_ids = frozenset(self.reports.values())
+        self.step_reports: dict[str, torch.Tensor] = {}
+        self._reported: set[tuple[str, int]] = set()
         self.buckets = GradBuckets(plan.buckets, self.ctx, comm, self.mem) \
             if comm is not None and plan.buckets else None
         self.run_at = {i: k for k, i in enumerate(plan.run_ids)} if self.buckets else {}
@@ -187,7 +192,8 @@ class RankExecutor:
             ops = [self.buckets.segment_op(op) for op in ops]
         produced = {o for op in ops for o in op.outputs if o >= 0}
         reads = list(dict.fromkeys(r for op in ops for r in op.refs() if r not in produced))
-        keeps = [o for o in produced if o in self.uses or o in self.updates or o == loss]
+        keeps = [o for o in produced if o in self.uses or o in self.updates or o == loss
+                 or o in self.report_ids]
         shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
         kernels = {}
         for t in tasks:
@@ -248,6 +254,7 @@ class RankExecutor:
             self.prefetch.start_step(state)
         losses: dict[int, torch.Tensor] = {}
         self.step_losses = losses
+        self.step_reports, self._reported = {}, set()
         for index, action in enumerate(self.plan.actions):
             self.current = str(action)
             if self.on_action is not None:
@@ -324,6 +331,12 @@ class RankExecutor:
                 self._run(key, env, state, left)
             if self.view.loss in env and action.microbatch not in losses:
                 losses[action.microbatch] = env[self.view.loss].detach()
+            for name, vid in self.reports.items():
+                if vid in env and (name, action.microbatch) not in self._reported:
+                    self._reported.add((name, action.microbatch))
+                    got = env[vid].detach()
+                    was = self.step_reports.get(name)
+                    self.step_reports[name] = got if was is None else was + got
         elif t in (ActionType.SEND_F, ActionType.SEND_B):
             env, left = envs[action.microbatch], self.left[action.microbatch]
             for vid in self.transfers.send(action, env):

@@ -39,6 +39,9 @@ class RankResult:
     attention_ran: dict[str, int] = field(default_factory=dict)
     trace: list | None = None       # the traced step's span rows (`Span.to_json`)
     rows_read: int | None = None    # the samples this rank's feed read
+    # the graph's reports this rank makes (its stage's): name -> per step, the
+    # micro-batches' sum (a mixture of experts' tokens per expert)
+    reports: dict[str, list] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

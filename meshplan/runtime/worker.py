@@ -199,7 +199,7 @@ def _train(spec: RunSpec, reader: JobReader, rank: int, world: int, progress=Non
     saver = AsyncSaver(group) if spec.async_checkpoint else None  # runtime/async_save.py
     done = _loop(spec, ex, comm, state, feed, evaluator, start, rank, device, steps_done, saver,
                  saved_job)
-    losses, norms, times, trace, skipped, rows_read = done
+    losses, norms, times, trace, skipped, rows_read, reports = done
     if spec.save_dir:
         ex.current = "save checkpoint"
         end = max(start, spec.steps)
@@ -211,7 +211,7 @@ def _train(spec: RunSpec, reader: JobReader, rank: int, world: int, progress=Non
                       checkpoint.state_slices(state, ex.ctx))
     result = RankResult(rank, losses, norms, skipped, times, start, plan.memory.peak_bytes(),
                         dict(plan.memory.peak), measured_peak(device, ex.mem), ex.mem.peak,
-                        str(device), dict(FALLBACKS), dict(RAN), trace, rows_read)
+                        str(device), dict(FALLBACKS), dict(RAN), trace, rows_read, reports)
     data = result.to_json().encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
 
@@ -246,8 +246,9 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
     as asked (through `saver`, an `AsyncSaver`, in the background: a finished
     save is marked complete at the next step's start, the last one waited
     for at the end); returns (losses, norms, step times, trace, skipped
-    steps, rows read)."""
+    steps, rows read, reports: name -> per step)."""
     losses, norms, times, trace, skipped = [], [], [], None, []
+    reports: dict[str, list] = {}
     clock = StepClock(device)
     rows = StepRows(Path(spec.results) / f"steps_{rank}.jsonl" if spec.step_rows else None,
                     lambda: measured_peak(device, ex.mem))
@@ -275,9 +276,12 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
         norm = ex.grad_norm(state)
         if norm is not None:
             norms.append(norm)
+        step_reports = {n: t.tolist() for n, t in ex.step_reports.items()}
+        for name, value in step_reports.items():
+            reports.setdefault(name, []).append(value)
         reader = getattr(feed, "reader", None)
         rows.train(step + 1, loss, norm, state, times[-1],
-                   reader.step_samples if reader is not None else None)
+                   reader.step_samples if reader is not None else None, step_reports)
         if evaluator is not None and (step + 1) % spec.eval_every == 0:
             rows.eval(step + 1, evaluator.run(state))
         if spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0:
@@ -288,7 +292,7 @@ def _loop(spec: RunSpec, ex, comm, state: dict, feed, evaluator, start: int, ran
         ex.current = "async checkpoint"
         saver.wait()
     reader = getattr(feed, "reader", None)
-    return losses, norms, times, trace, skipped, reader.rows_read if reader else None
+    return losses, norms, times, trace, skipped, reader.rows_read if reader else None, reports
 
 
 def _checkpoint(spec: RunSpec, ex, state: dict, next_step: int, device, saver,

@@ -115,3 +115,23 @@ def test_importing_metrics_does_not_import_tensorboard():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_mixture_of_experts_row_has_its_tokens_per_expert(tmp_path):
+    """A step's reports (a MoE's tokens per expert, by block) go into its
+    row, and into TensorBoard as one scalar per expert."""
+    load = {"tokens_per_expert/blocks.0.moe": [3, 1, 0, 4]}
+    with MetricsLog(tmp_path, tensorboard=tb_available()) as log:
+        log.log_train(0, 5.0, grad_norm=None, lr=1e-3, tokens_per_s=1.0, mfu=None,
+                      step_s=0.25, peak_bytes=1, reports=load)
+        _train(log, 1, 4.0)
+    rows = read_metrics(tmp_path)
+    assert rows[0]["reports"] == load and "reports" not in rows[1]
+    if tb_available():
+        tb = read_tensorboard(tmp_path / "tensorboard")
+        assert [tb[f"train/tokens_per_expert/blocks.0.moe/{e}"] for e in range(4)] == \
+            [[(0, 3.0)], [(0, 1.0)], [(0, 0.0)], [(0, 4.0)]]
+
+
+def tb_available() -> bool:
+    return metrics.tensorboard_available()

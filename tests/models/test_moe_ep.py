@@ -6,6 +6,9 @@ parameter, router included), and by the plan's own structure."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -14,6 +17,7 @@ import torch
 from meshplan.autodiff import OptimizerConfig
 from meshplan.cli.main import main
 from meshplan.driver.plan import plan_model, zoo_strategy
+from meshplan.driver.reference import eager_train
 from meshplan.driver.verify import against_eager
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
@@ -160,3 +164,74 @@ def test_hf_moe_at_ep2_trains_as_eager_its_experts_gathered(model_type):
                                s.num_microbatches, OptimizerConfig.default("sgd", None))
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
     assert any(".experts." in n for n in verdict["params"])
+
+
+def _eager_load(module, batches, microbatches: int, routers: dict) -> dict[str, list]:
+    """Tokens per expert per step, counted by forward hooks on the eager
+    model's routers while torch trains it (`routers`: block -> a function of
+    the router module's output giving the chosen experts)."""
+    counts: dict[str, list] = {}
+    step = {"k": 0}
+    for block, choices in routers.items():
+        mod = module.get_submodule(block)
+        experts = mod.experts.w1.shape[0] if hasattr(mod.experts, "w1") else \
+            mod.experts.gate_up_proj.shape[0]
+
+        def hook(_m, _inp, out, block=block, choices=choices, experts=experts):
+            got = torch.bincount(choices(out).reshape(-1), minlength=experts)
+            rows = counts.setdefault(block, [])
+            if len(rows) <= step["k"]:
+                rows.append(torch.zeros(experts, dtype=torch.long))
+            rows[step["k"]] += got
+        router = mod.router if hasattr(mod, "router") else mod.gate
+        router.register_forward_hook(hook)
+
+    def next_step(k):
+        step["k"] = k
+    eager_train(module, batches, microbatches, OptimizerConfig.default("sgd", None),
+                after_step=next_step)
+    return {b: [r.tolist() for r in rows] for b, rows in counts.items()}
+
+
+@pytest.mark.parametrize("model, world, fields", [
+    ("moe", 2, dict(dp=2, ep=2)), ("moe", 4, dict(dp=2, ep=2, pp=2)),
+    ("hf:mixtral", 2, dict(dp=2, ep=2))])
+def test_tokens_per_expert_equal_eager_hooks(model, world, fields):
+    """The run's report of each block's tokens per expert, per step, equals
+    the eager model's router choices counted by hooks while torch trains it
+    (the weights, and so the choices, change step by step)."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
+    cfg = model_config(model, "tiny")
+    s = zoo_strategy(model, cfg, global_batch_size=8, micro_batch_size=2, **fields)
+    job = plan_model(model, "tiny", Mesh(1, world), s, "sgd", None).job
+    torch.manual_seed(0)
+    module = build_model(cfg)
+    batches = [example_batch(cfg, 8, seed=i) for i in range(3)]
+    run = run_local(job, copy.deepcopy(module), batches)
+    if model == "moe":
+        k = cfg.top_k
+        routers = {f"blocks.{i}.moe": lambda out: torch.softmax(out, -1).topk(k, -1)[1]
+                   for i in range(cfg.layers)}
+    else:
+        routers = {f"model.model.layers.{i}.mlp": lambda out: out[2]
+                   for i in range(cfg.layers)}
+    want = _eager_load(copy.deepcopy(module), batches, s.num_microbatches, routers)
+    got = {name.removeprefix("tokens_per_expert/"): v for name, v in run.reports.items()}
+    assert got == want
+    tokens = 8 * cfg.seq_len * (cfg.top_k if model == "moe" else 2)
+    assert all(sum(step) == tokens for rows in got.values() for step in rows)
+
+
+def test_run_reports_tokens_per_expert_on_processes():
+    """`meshplan run --ep 2` on 2 gloo processes: the JSON holds each
+    block's tokens per expert per step; each step counts every token's k
+    choices (global batch 8 x seq 16 x top-2)."""
+    p = subprocess.run([sys.executable, "-m", "meshplan", "run", "--model", "moe",
+                        "--devices-per-node", "2", "--ep", "2", "--steps", "2", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    reports = json.loads(p.stdout.strip().splitlines()[-1])["reports"]
+    assert sorted(reports) == [f"tokens_per_expert/blocks.{i}.moe" for i in range(4)]
+    assert all(len(steps) == 2 and all(sum(s) == 8 * 16 * 2 and len(s) == 4 for s in steps)
+               for steps in reports.values())
