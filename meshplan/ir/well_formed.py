@@ -39,5 +39,5 @@ def check_well_formed(graph: Graph) -> None:
     assert graph.values[graph.loss].meta.shape == (), "loss is not a scalar"
     for u in graph.updates:
         assert u.value in defined, f"update {u.name} names undefined value {u.value}"
-    for name, v in graph.reports:
-        assert v in defined, f"report {name} names undefined value {v}"
+    for name, vid in graph.reports:
+        assert vid in defined, f"report {name} names undefined value {vid}"

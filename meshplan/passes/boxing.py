@@ -49,7 +49,7 @@ from meshplan.ir.kinds import (
     REDUCE_SCATTER,
     TRANSFER,
 )
-from meshplan.ir.sbp import NdSbp, Partial, Replicate, Shard
+from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ops.emit import Emitter
 from meshplan.passes.propagate import SbpAssignment
 from meshplan.passes.rebuild import Rebuild
@@ -219,7 +219,7 @@ def _dims(src, dst) -> set[int]:
     return {s.dim for s in (src, dst) if isinstance(s, Shard)}
 
 
-def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, object]]:
+def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, Sbp]]:
     """The (axis, layout) steps from `have` to `need`, one axis at a time:
     Partial axes first, then the axes outermost first, each taken only when
     no inner axis splits a dim it cuts or joins. Shards of one dim on several
@@ -239,7 +239,7 @@ def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, object]]:
         return not any(blocks(b, cur[b], a) for b in range(n)) and \
             not any(blocks(a, need[a], b) for b in pending)
 
-    steps: list[tuple[int, object]] = []
+    steps: list[tuple[int, Sbp]] = []
     for _ in range(3 * n + 1):
         pending = [a for a in order if cur[a] != need[a]]
         if not pending:

@@ -65,12 +65,12 @@ def expert_params(graph: Graph, ep: int) -> frozenset[int]:
     return frozenset(found)
 
 
-def gathered_note(graph: Graph, experts: frozenset, ep_axis: int) -> tuple[str, ...]:
+def gathered_note(graph: Graph, experts: frozenset, ep_axis: int | None) -> tuple[str, ...]:
     """A note naming the ops that read expert weights gathered whole over
     ep (none: the experts compute where they rest)."""
     derived, gathered = set(experts), set()  # derived: a weight's views (a transpose)
     for op in graph.ops:
-        if op.kind == ALL_GATHER and op.args[0].id in derived and \
+        if op.kind == ALL_GATHER and op.refs()[0] in derived and \
                 dict(op.kwargs).get("axis") == ep_axis:
             gathered.add(op.outputs[0])
         elif len(op.refs()) == 1 and op.refs()[0] in derived:

@@ -3,7 +3,8 @@
     PASSES (in order; `docs/architecture.md` has the table of what each
     requires and ensures):
     check_strategy -> apply_precision (bf16, fp16) -> autodiff
-        -> expert_load (a mixture of experts) -> resolve_derived (derived and balanced plans) -> expand_batch_norm (dp > 1)
+        -> expert_load (a mixture of experts)
+        -> resolve_derived (derived and balanced plans) -> expand_batch_norm (dp > 1)
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
         -> split_norm (clipping: the norm's squares summed per stage, pp > 1)

@@ -190,7 +190,7 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
     sigs: dict[int, tuple] = {}
     cache: dict = {}
     op_cache: dict = {}
-    axes = range(len(grid))
+    all_axes = range(len(grid))
     meta_of = graph.values.__getitem__
     for op in graph.ops:
         stage = op_stage[op.id]
@@ -200,7 +200,7 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
         sig_args = to_sig(op.args, lambda i: meta_of(i).meta)
         sig_kw = to_sig(op.kwargs, lambda i: meta_of(i).meta)
         # The choice is a function of this key: a layer repeated 96 times is chosen once.
-        wanted = tuple(None if o not in hints else tuple(hints[o].get(a) for a in axes)
+        wanted = tuple(None if o not in hints else tuple(hints[o].get(a) for a in all_axes)
                        for o in op.outputs)
         op_key = (op.kind, sig_args, sig_kw, outs, tuple(have),
                   tuple(refs.index(r) for r in refs), wanted, op.phase is Phase.FORWARD)
