@@ -67,6 +67,10 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
     g.add_argument("--devices-per-node", type=int, default=1, help="ranks per machine")
     g.add_argument("--dp", type=int, default=None, help="data parallel (default: the rest)")
     g.add_argument("--tp", type=int, default=1, help="tensor parallel")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism (tp > 1): the norms and residual "
+                   "adds between tensor-parallel blocks run on sequence shards; each "
+                   "all-reduce becomes a reduce-scatter and an all-gather")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages")
     g.add_argument("--ep", type=int, default=1,
                    help="expert parallel: split each mixture of experts' experts over this "
@@ -250,6 +254,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
               "precision": a.precision, "recompute": a.recompute,
               "initial_loss_scale": a.initial_loss_scale, "zero": a.zero,
               "bucket_mb": a.bucket_mb}
+    if getattr(a, "sequence_parallel", False):
+        fields["sequence_parallel"] = True
     if csv_text:
         if a.schedule:
             raise ConfigError(f"--schedule {a.schedule} and --schedule-csv {a.schedule_csv} "

@@ -97,6 +97,8 @@ class Strategy:
     precision: Precision = Precision.FP32
     recompute: Recompute = Recompute.NONE
     recompute_pattern: str = ""      # regex of checkpointed regions; "" = the layer pattern
+    # Megatron's sequence parallelism (tp > 1): values between tp blocks split by sequence
+    sequence_parallel: bool = False
     initial_loss_scale: float = 65536.0  # fp16 dynamic loss scaling starts here
     # schedule "csv": each pipeline rank's compute actions as text (`2I0`), rank 0 first
     schedule_orders: tuple[tuple[str, ...], ...] = ()

@@ -101,7 +101,10 @@ def add_boxing(graph: Graph, plan: SbpAssignment, stage, chunk, naxes: int,
     passes/shared.py): their consumer reads them summed over those stages.
     `regather` names values converted once per phase that reads them, not
     once per step: ZeRO-3's parameters, gathered for the forward, freed after
-    it, and gathered again for the backward (FSDP's reshard after forward)."""
+    it, and gathered again for the backward (FSDP's reshard after forward);
+    and with sequence parallelism a colwise module's input, hinted whole
+    after its producer, gathered again for the backward, so that the
+    backward keeps the sequence shard, not the gathered copy (Megatron's)."""
     rb = Rebuild(graph, annotate=True)
     ctx = _Ctx(rb, plan, naxes, copies=copies or {}, regather=regather)
     ctx.layout.update(plan.produced)
@@ -157,6 +160,8 @@ def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:
 def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     """A value holding `r` in layout `need` on stage `at[0]` (made if missing)."""
     base = ctx.default.get(r, r)
+    if r in ctx.regather and base != r and ctx.where[base][2] is not at[2]:
+        base = r  # hinted, but converted again in this phase rather than kept from the producer's
     have = ctx.layout.get(base)
     src_at = ctx.where.get(r, at)  # graph inputs are local to every stage
     if have is None:  # a lazily laid-out input (gradient accumulator)

@@ -71,6 +71,7 @@ class Compilation:
     copies: dict = field(default_factory=dict)  # shared parameters' per-stage gradients
     param_tp: dict = field(default_factory=dict)
     experts: frozenset = frozenset()  # expert parameters (split over ep)
+    regather: frozenset = frozenset()  # values boxing converts again in each phase
     hints: dict = field(default_factory=dict)
     sbp: SbpAssignment | None = None
     boxed: Boxed | None = None
@@ -150,7 +151,9 @@ def _split_norm(c: Compilation) -> None:
 
 
 def _tensor_parallel(c: Compilation) -> None:
-    c.param_tp, c.hints = tensor_parallel(c.graph, c.strategy.tp_plan, c.strategy.tp_axis)
+    s = c.strategy
+    c.param_tp, c.hints, c.regather = tensor_parallel(c.graph, s.tp_plan, s.tp_axis,
+                                                      s.sequence_parallel and s.tp > 1)
 
 
 def _expert_parallel(c: Compilation) -> None:
@@ -165,8 +168,8 @@ def _propagate_sbp(c: Compilation) -> None:
 
 def _add_boxing(c: Compilation) -> None:
     st = c.staged()
-    regather = frozenset(v.id for v in c.graph.inputs_by_role(Role.PARAM)) \
-        if c.strategy.zero.regathers else frozenset()
+    regather = c.regather | (frozenset(v.id for v in c.graph.inputs_by_role(Role.PARAM))
+                             if c.strategy.zero.regathers else frozenset())
     c.boxed = add_boxing(c.graph, c.laid_out(), st.stage, st.chunk, len(c.strategy.grid),
                          c.copies, regather)
     c.graph = c.boxed.graph

@@ -63,8 +63,9 @@ class SbpAssignment:
     visible: dict         # value id -> NdSbp consumers see (after hints)
 
 
-def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int) -> float:
-    """Bytes-equivalent cost of turning layout `src` into `dst` on an axis of n ranks."""
+def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int, settled: bool = False) -> float:
+    """Bytes-equivalent cost of turning layout `src` into `dst` on an axis of
+    n ranks; `settled`: `dst` is where the value is meant to stay (a hint's)."""
     if src == dst:
         return 0.0
     frac = (n - 1) / n
@@ -74,8 +75,9 @@ def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int) -> float:
         if isinstance(dst, Replicate):
             return LATENCY_BYTES + 2 * frac * nbytes
         # A shard made from a Partial is usually gathered again later (one
-        # more collective greedy cannot see yet): charge that latency now.
-        return 2 * LATENCY_BYTES + frac * nbytes
+        # more collective greedy cannot see yet): charge that latency now,
+        # unless the shard is the layout the value is meant to keep.
+        return (1 if settled else 2) * LATENCY_BYTES + frac * nbytes
     if isinstance(src, Shard):
         if isinstance(dst, Replicate):
             return LATENCY_BYTES + frac * nbytes
@@ -327,7 +329,7 @@ def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted,
         made_partial = forward and not any(isinstance(s, Partial) for s in cand.ins)
         for got, want, meta in zip(cand.outs, wanted, outs):
             if want is not None and got is not None:
-                cost += box_cost(got, want, meta.nbytes, n)
+                cost += box_cost(got, want, meta.nbytes, n, settled=True)
             elif made_partial and isinstance(got, Partial) and meta.shape:
                 cost += reduce_cost(meta.nbytes, n)
         if cost < best_cost:

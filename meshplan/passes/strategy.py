@@ -49,6 +49,10 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
             f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose dp, tp, pp "
             f"whose product is {mesh.world}")
+    if s.sequence_parallel and s.tp == 1:
+        raise ConfigError("sequence parallelism splits the sequence over the tensor-parallel "
+                          "ranks; it needs tp > 1: pass --tp 2 (or more), or drop "
+                          "--sequence-parallel")
     if s.dp % s.ep:
         ok = [d for d in _divisors(s.dp) if d > 1]
         raise ConfigError(f"ep={s.ep} does not divide dp={s.dp}: expert parallelism splits the "

@@ -14,6 +14,18 @@ The styles are the ones `parallelize_module` users know:
 A tied parameter takes the style of every module that owns it under any of
 its names; styles that split it differently are an error.
 
+Sequence parallelism (Megatron's, `Strategy.sequence_parallel`): the
+values between the tp modules are split along the sequence over tp, so the
+norms, dropout and residual adds there run on 1/tp of the tokens. A
+rowwise (and vocab embedding) output is hinted S(seq), not R, so its
+reduction is a reduce-scatter, and its gradient R (an all-gather); a
+colwise (and vocab head) input is hinted R (an all-gather right after its
+producer) and its gradient S(seq) (a
+reduce-scatter); the backward gathers that input again rather than keep
+the gathered copy (`regather`), so a rank keeps 1/tp of every value between
+the modules, as Megatron does. The sequence dim of a (batch, seq, hidden)
+value is 1; a value of fewer dims stays R.
+
 Invariant: constraints ("hints") are what make propagation produce exactly
 Megatron's communication: propagation is greedy per op, and without them it
 may prefer a cheaper reduce-scatter now for a dearer gather later.
@@ -44,8 +56,10 @@ def _style_of(module: str, plan) -> TpStyle | None:
     return None
 
 
-def tensor_parallel(graph: Graph, plan, tp_axis: int):
-    """(param SBP on the tp axis by value id, hints {value id: {axis: Sbp}})."""
+def tensor_parallel(graph: Graph, plan, tp_axis: int, sequence_parallel: bool = False):
+    """(param SBP on the tp axis by value id, hints {value id: {axis: Sbp}},
+    the values gathered again in each phase); with `sequence_parallel`,
+    Megatron's sequence parallelism (below)."""
     params = {v.id: v for v in graph.inputs_by_role(Role.PARAM)}
     styles: dict[str, TpStyle] = {}
     param_sbp: dict[int, Sbp] = {}
@@ -69,18 +83,30 @@ def tensor_parallel(graph: Graph, plan, tp_axis: int):
             f"{', '.join(p for p, _ in plan)}); module paths look like "
             f"{', '.join(sorted({v.name.rpartition('.')[0] for v in params.values()})[:3])}")
     hints: dict[int, dict[int, Sbp]] = {}
+    regather: set[int] = set()
     inputs, outputs, kinds = _boundaries(graph, set(styles), set(params))
     grads = dict(graph.grads)
+    def between(vid: int) -> Sbp:
+        """A layout between tp blocks: R, or with sequence parallelism the
+        sequence split (a (batch, seq, hidden) value's dim 1)."""
+        shape = graph.values[vid].meta.shape
+        return Shard(len(shape) - 2) if sequence_parallel and len(shape) >= 3 else R
+
     for module, style in styles.items():
         is_embedding = "aten.embedding.default" in kinds.get(module, ())
         if style == TpStyle.ROWWISE or (style == TpStyle.VOCAB and is_embedding):
             for vid in outputs.get(module, ()):
-                hints.setdefault(vid, {})[tp_axis] = R
+                hints.setdefault(vid, {})[tp_axis] = between(vid)
+                if sequence_parallel and vid in grads:  # gathered whole for the backward
+                    hints.setdefault(grads[vid], {})[tp_axis] = R
         elif style in (TpStyle.COLWISE, TpStyle.VOCAB):
             for vid in inputs.get(module, ()):
                 if vid in grads:
-                    hints.setdefault(grads[vid], {})[tp_axis] = R
-    return param_sbp, hints
+                    hints.setdefault(grads[vid], {})[tp_axis] = between(vid)
+                if sequence_parallel and between(vid) != R:  # gathered before the module
+                    hints.setdefault(vid, {})[tp_axis] = R
+                    regather.add(vid)
+    return param_sbp, hints, frozenset(regather)
 
 
 def _owner(path: str, modules: set[str]) -> str | None:
