@@ -200,10 +200,10 @@ def _all_to_all(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) ->
                 if cut is not None:
                     run.view(x[cut].shape).copy_(x[cut])
         got = comm.all_to_all(flat, sizes, counts, group)
-        if whole_out:
+        parts = [g.view(s) for g, s in zip(got.split(counts), recv_shapes) if g.numel()]
+        if whole_out or not parts:  # (no parts: this rank's shard is empty, uneven)
             return got.view(want_shape)
-        return torch.cat([g.view(s) for g, s in zip(got.split(counts), recv_shapes)
-                          if g.numel()], dim=kw["src_dim"])
+        return torch.cat(parts, dim=kw["src_dim"])
 
     return exchange
 

@@ -12,6 +12,7 @@ the axis, the variants' outputs equal the logical op's output.
   class_offset  class-sharded log-probabilities [lo, hi) in nll_loss: pick
                 only targets in range; the total weight counts every target
   mean_rescale  a mean over a sharded dim: local mean x local / global count
+                (0 on a rank that holds none of it)
   replica_first a replicated gradient's squared norm (clipping): the axis's
                 first rank counts it, the others give zero
 """
@@ -94,6 +95,9 @@ def mean_rescale(kernel, local_shape, logical_shape, dims):
     ratio = math.prod(local_shape[d] for d in dims) / math.prod(logical_shape[d] for d in dims)
 
     def rescaled(*args, **kw):
-        return kernel(*args, **kw) * ratio
+        # a rank holding none of an uneven split (a dim of 2 over 4 ranks)
+        # adds nothing: its local mean of no elements is nan, not 0
+        out = kernel(*args, **kw)
+        return out.zero_() if ratio == 0 else out * ratio
 
     return rescaled

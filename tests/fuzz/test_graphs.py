@@ -204,9 +204,18 @@ ILL_CONDITIONED = dict(dp=1, tp=2, pp=1, vpp=1, schedule="1f1b", m=1, mbs=1,
                        seed=0, styles=["colwise"] * 64)
 
 
+# Found by the slow fuzz when the all-to-all became `all_to_all_single`: at
+# tp4 a dim of 3 splits 1, 1, 1, 0, and the rank holding none received no
+# part to join.
+EMPTY_SHARD = dict(dp=1, tp=4, pp=1, vpp=1, schedule="1f1b", m=1, mbs=2,
+                   blocks=[["linear", "linear"]], seed=0,
+                   styles=["colwise", "colwise", "replicate"] + ["colwise"] * 61)
+
+
 @pytest.mark.timeout(300)
 @FAST
 @given(examples())
+@example(EMPTY_SHARD)
 @example(BACKWARD_TRANSFER)
 @example(DOUBLE_SPLIT)
 @example(ILL_CONDITIONED)

@@ -5,19 +5,15 @@ layout the zoo has."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model, zoo_strategy
-from meshplan.driver.verify import against_eager
 from meshplan.ir.mesh import Mesh
-from meshplan.models import active_param_count, build_model, example_batch, model_config
+from meshplan.models import active_param_count, build_model, model_config
 from meshplan.models.moe import MoE, capacity
-from meshplan.runtime.local import run_local
+from tests.runtime._util import eager_verdict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -88,11 +84,6 @@ def test_moe_trains_as_eager(layout, factor):
     s = zoo_strategy("moe", cfg, global_batch_size=8, **fields)
     job = plan_model("moe", "tiny", Mesh(1, world), s, "sgd", None,
                      capacity_factor=factor).job
-    torch.manual_seed(0)
-    module = build_model(cfg)
-    batches = [example_batch(cfg, 8, seed=i) for i in range(3)]
-    run = run_local(job, copy.deepcopy(module), batches)
-    verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
-                               s.num_microbatches, OptimizerConfig.default("sgd", None))
+    verdict = eager_verdict(job, cfg, 8, steps=3)
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
     assert any("router" in n for n in verdict["params"])  # the router is judged too

@@ -18,7 +18,6 @@ from meshplan.autodiff import OptimizerConfig
 from meshplan.cli.main import main
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.reference import eager_train
-from meshplan.driver.verify import against_eager
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
 from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL
@@ -31,6 +30,7 @@ from meshplan.models import build_model, example_batch, model_config
 from meshplan.passes.expert_parallel import expert_params, is_expert_param
 from meshplan.passes.strategy import check_strategy
 from meshplan.runtime.local import run_local
+from tests.runtime._util import eager_verdict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,12 +52,7 @@ def _job(world: int, fields: dict, factor: float | None = None, optimizer: str =
 def test_expert_parallel_moe_trains_as_eager(layout, factor):
     world, fields = LAYOUTS[layout]
     cfg, s, job = _job(world, fields, factor)
-    torch.manual_seed(0)
-    module = build_model(cfg)
-    batches = [example_batch(cfg, 8, seed=i) for i in range(3)]
-    run = run_local(job, copy.deepcopy(module), batches)
-    verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
-                               s.num_microbatches, OptimizerConfig.default("sgd", None))
+    verdict = eager_verdict(job, cfg, 8, steps=3)
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
     assert any("router" in n for n in verdict["params"])
     assert any(".experts.w1" in n for n in verdict["params"])
@@ -156,12 +151,7 @@ def test_hf_moe_at_ep2_trains_as_eager_its_experts_gathered(model_type):
     s = zoo_strategy(model, cfg, global_batch_size=8, micro_batch_size=4, dp=2, ep=2)
     job = plan_model(model, "tiny", Mesh(1, 2), s, "sgd", None).job
     assert any(n.startswith("ep: the expert weights are gathered") for n in job.notes)
-    torch.manual_seed(0)
-    module = build_model(cfg)
-    batches = [example_batch(cfg, 8, seed=i) for i in range(2)]
-    run = run_local(job, copy.deepcopy(module), batches)
-    verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
-                               s.num_microbatches, OptimizerConfig.default("sgd", None))
+    verdict = eager_verdict(job, cfg, 8)
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
     assert any(".experts." in n for n in verdict["params"])
 

@@ -6,15 +6,11 @@ collectives, and every saved activation split over tp."""
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 
 import pytest
-import torch
 
-from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model, zoo_strategy
-from meshplan.driver.verify import against_eager
 from meshplan.errors import ConfigError
 from meshplan.ir import Phase
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
@@ -22,9 +18,9 @@ from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import Shard
 from meshplan.lowering.lower import lower
 from meshplan.lowering.rankplan import BufferCategory
-from meshplan.models import build_model, example_batch, model_config
+from meshplan.models import model_config
 from meshplan.passes.strategy import check_strategy
-from meshplan.runtime.local import run_local
+from tests.runtime._util import eager_verdict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,13 +44,8 @@ def test_sequence_parallel_trains_as_eager(model, layout):
     if model.startswith("hf:"):
         pytest.importorskip("transformers")
     world, fields = LAYOUTS[layout]
-    cfg, s, job = _job(model, world, fields)
-    torch.manual_seed(0)
-    module = build_model(cfg)
-    batches = [example_batch(cfg, 8, seed=i) for i in range(2)]
-    run = run_local(job, copy.deepcopy(module), batches)
-    verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
-                               s.num_microbatches, OptimizerConfig.default("sgd", None))
+    cfg, _, job = _job(model, world, fields)
+    verdict = eager_verdict(job, cfg, 8)
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
 
 

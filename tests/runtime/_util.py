@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from meshplan.autodiff import OptimizerConfig
@@ -10,14 +12,20 @@ from meshplan.models import build_model, example_batch
 from meshplan.runtime.local import run_local
 
 
-def local_verdict(job, cfg, batch_size: int, steps: int = 2) -> bool:
+def eager_verdict(job, cfg, batch_size: int, steps: int = 2) -> dict:
     """Train `cfg`'s model (seed 0) `steps` steps with every rank of `job` on
-    threads (so a test's monkeypatch reaches them); True when losses,
-    parameters and optimizer state equal eager PyTorch's."""
+    threads (so a test's monkeypatch reaches them); the verdict against
+    eager PyTorch (`driver.verify.against_eager`: losses, parameters and
+    optimizer state)."""
     torch.manual_seed(0)
     module = build_model(cfg)
     batches = [example_batch(cfg, batch_size, seed=i) for i in range(steps)]
-    mine = run_local(job, module, batches)
+    mine = run_local(job, copy.deepcopy(module), batches)
     verdict, _ = against_eager(mine.rank_losses, mine.slices, module, batches,
                                job.strategy.num_microbatches, OptimizerConfig.of_job(job))
-    return verdict["ok"]
+    return verdict
+
+
+def local_verdict(job, cfg, batch_size: int, steps: int = 2) -> bool:
+    """`eager_verdict`'s: True when equal to eager."""
+    return eager_verdict(job, cfg, batch_size, steps)["ok"]
