@@ -9,7 +9,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
-def print_plan(r: JobReport, model: str, size: str, timings: dict, capture_s: float) -> None:
+def print_plan(r: JobReport, model: str, size: str, timings: dict, capture_s: float,
+               capacity: str = "") -> None:
+    """The report; `capacity`: a mixture of experts' bound on its dispatched
+    buffers, in words."""
     print(f"{model} {size} on {r.nodes}x{r.devices_per_node} = {r.world} ranks: "
           f"dp={r.dp} tp={r.tp} pp={r.pp} vpp={r.vpp}" + (f" ep={r.ep}" if r.ep > 1 else "")
           + f", schedule {r.schedule}, "
@@ -37,6 +40,10 @@ def print_plan(r: JobReport, model: str, size: str, timings: dict, capture_s: fl
         print(f"experts: {x['experts']} per block, {x['per_rank']} per rank (ep {x['ep']}); "
               f"all-to-all {x['all_to_all_ops_per_step']} ops, "
               f"{_mib(x['all_to_all_bytes_per_step'])} per step")
+        if x["dispatch_bytes_per_rank"]:
+            print(f"dispatched tokens: {_mib(x['dispatch_bytes_per_rank'])} per rank per "
+                  f"micro-batch and block, planned at their static size"
+                  + (f": {capacity}" if capacity else ""))
     for name, stages in r.shared.items():
         print(f"shared: '{name}' has a copy on stages {stages}; its gradient is all-reduced "
               "across them once per step")

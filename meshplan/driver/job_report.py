@@ -138,9 +138,12 @@ def expert_summary(job: Job, comms: list[dict]) -> dict | None:
     experts, ep = weights[0].meta.shape[0], job.strategy.ep
     m = job.strategy.num_microbatches
     a2a = [c for c in comms if c["kind"] == short(ALL_TO_ALL)]
+    dispatched = max((c["bytes"] for c in a2a if c["phase"] == Phase.FORWARD.value), default=0)
     return {"experts": experts, "per_rank": experts // ep, "ep": ep,
             "expert_weights": len(weights), "all_to_all_ops_per_step": len(a2a) * m,
-            "all_to_all_bytes_per_step": sum(c["bytes"] for c in a2a) * m}
+            "all_to_all_bytes_per_step": sum(c["bytes"] for c in a2a) * m,
+            # the largest dispatched buffer, one rank's share (split over dp, ep among it)
+            "dispatch_bytes_per_rank": dispatched // job.strategy.dp}
 
 
 def optimizer_summary(job: Job) -> dict:

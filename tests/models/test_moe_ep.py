@@ -225,3 +225,18 @@ def test_run_reports_tokens_per_expert_on_processes():
     assert sorted(reports) == [f"tokens_per_expert/blocks.{i}.moe" for i in range(4)]
     assert all(len(steps) == 2 and all(sum(s) == 8 * 16 * 2 and len(s) == 4 for s in steps)
                for steps in reports.values())
+
+
+@pytest.mark.parametrize("factor, bound", [(None, "dropless, 16 tokens per expert"),
+                                           ("1.0", "capacity factor 1, 8 tokens per expert")])
+def test_plan_says_the_experts_and_the_dispatch_bound(capsys, factor, bound):
+    """`plan` prints the experts per rank, the all-to-all bytes a step and the
+    dispatched buffer per rank with the bound it is planned at (2 samples x
+    4 experts x capacity x hidden 64 x 4 bytes)."""
+    more = ["--capacity-factor", factor] if factor else []
+    assert main(["plan", "--model", "moe", "--devices-per-node", "4", "--ep", "2", *more]) == 0
+    out = capsys.readouterr().out
+    assert "experts: 4 per block, 2 per rank (ep 2); all-to-all" in out
+    capacity = 16 if factor is None else 8
+    assert f"dispatched tokens: {2 * 4 * capacity * 64 * 4 / 1024:.1f} KiB per rank" in out
+    assert bound in out
