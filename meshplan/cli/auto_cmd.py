@@ -6,8 +6,8 @@ Invariants:
   schedule, micro-batch, recompute, ZeRO level and layers per virtual
   stage), keeping the flags' mesh, global batch, precision and buckets.
 - The search runs once per command; a user mistake (unknown device model,
-  a memory limit nothing fits, a mesh the model cannot use) is one
-  ConfigError line.
+  a memory limit nothing fits, a mesh the model cannot use, a flag it does
+  not search yet: --ep, --sequence-parallel) is one ConfigError line.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from meshplan.cli.config_name import format_config_name
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides, strategy_fields
 from meshplan.costmodel import load_device_model
 from meshplan.driver.plan import zoo_strategy
+from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Strategy
 from meshplan.search.probe import ModelSpec
 from meshplan.search.search import search
@@ -28,6 +29,11 @@ from meshplan.search.search import search
 def run_search(a: argparse.Namespace):
     """The search over the flags' model and mesh, its winner (`ranked[0]`)
     proven by its full plan: (SearchResult, DeviceModel, limit)."""
+    for flag, given in (("--ep", getattr(a, "ep", 1) > 1),
+                        ("--sequence-parallel", getattr(a, "sequence_parallel", False))):
+        if given:  # not searched, and the winner's fields would drop it unsaid
+            raise ConfigError(f"{flag} with --auto: the search does not choose nor keep it "
+                              f"yet; drop --auto to plan {flag} yourself, or drop {flag}")
     dev = load_device_model(a.device_model or "cpu-local")
     limit = parse_bytes(a.memory_per_device) if a.memory_per_device else dev.memory_bytes
     spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),
