@@ -61,7 +61,7 @@ from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError, MeshplanError
 from meshplan.ir.choices import Precision, Recompute
 from meshplan.models import model_config
-from meshplan.models.moe import capacity
+from meshplan.models.moe import capacity_words
 from meshplan.runtime.devices import DEVICES
 
 EPILOG_INSPECT = """examples:
@@ -258,17 +258,6 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     return 0 if r.ok else 1
 
 
-def capacity_bound(cfg) -> str:
-    """The zoo MoE's bound on an expert's tokens per sample, in words."""
-    if cfg.model != "moe":
-        return ""
-    c = capacity(cfg.seq_len, cfg.experts, cfg.top_k, cfg.capacity_factor)
-    if cfg.capacity_factor is None:
-        return f"dropless, {c} tokens per expert and sample (the whole sequence: the worst case)"
-    return (f"capacity factor {cfg.capacity_factor:g}, {c} tokens per expert and sample "
-            "(the rest dropped)")
-
-
 def _cmd_plan(a: argparse.Namespace) -> int:
     cfg = model_config(a.model, a.size, **overrides(a))
     if a.auto:
@@ -284,7 +273,9 @@ def _cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps(r.to_json() | {"capture_s": planned.capture_s,
                                         "passes_s": planned.timings}))
     else:
-        print_plan(r, a.model, a.size, planned.timings, planned.capture_s, capacity_bound(cfg))
+        bound = capacity_words(cfg.seq_len, cfg.experts, cfg.top_k, cfg.capacity_factor) \
+            if cfg.model == "moe" else ""
+        print_plan(r, a.model, a.size, planned.timings, planned.capture_s, bound)
     return 0
 
 

@@ -21,7 +21,7 @@ from meshplan.ir.zero import ZeroLevel
 from meshplan.lowering.lower import lower
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
-from meshplan.passes.expert_parallel import is_expert_param
+from meshplan.passes.expert_parallel import expert_weights
 
 
 def comm_ops(job: Job) -> list[dict]:
@@ -131,8 +131,7 @@ def report(job: Job) -> JobReport:
 def expert_summary(job: Job, comms: list[dict]) -> dict | None:
     """A mixture of experts' split: experts per block and per rank, and the
     all-to-alls' logical bytes per step (None: the model has no experts)."""
-    weights = [v for v in job.graph.inputs_by_role(Role.PARAM)
-               if v.meta.shape and is_expert_param(v.name)]
+    weights = expert_weights(job.graph)
     if not weights:
         return None
     experts, ep = weights[0].meta.shape[0], job.strategy.ep

@@ -44,6 +44,16 @@ def capacity(seq_len: int, experts: int, top_k: int, capacity_factor: float | No
     return min(seq_len, math.ceil(capacity_factor * seq_len * top_k / experts))
 
 
+def capacity_words(seq_len: int, experts: int, top_k: int,
+                   capacity_factor: float | None) -> str:
+    """The bound on an expert's tokens per sample, as `plan` says it."""
+    c = capacity(seq_len, experts, top_k, capacity_factor)
+    if capacity_factor is None:
+        return f"dropless, {c} tokens per expert and sample (the whole sequence: the worst case)"
+    return (f"capacity factor {capacity_factor:g}, {c} tokens per expert and sample "
+            "(the rest dropped)")
+
+
 class Experts(nn.Module):
     """E two-layer GELU MLPs, run as one batched matmul over the expert axis."""
 

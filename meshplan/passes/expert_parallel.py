@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.errors import ConfigError
-from meshplan.ir import Graph, Phase, Ref, Role
+from meshplan.ir import Graph, Phase, Ref, Role, Value
 from meshplan.ir.kinds import ALL_GATHER
 from meshplan.passes.rebuild import Rebuild
 
@@ -41,11 +41,16 @@ def is_expert_param(name: str) -> bool:
     return module.rpartition(".")[2] == EXPERTS_MODULE
 
 
+def expert_weights(graph: Graph) -> list[Value]:
+    """The graph's expert parameters (under any of a tied weight's names)."""
+    return [v for v in graph.inputs_by_role(Role.PARAM)
+            if v.meta.shape and any(is_expert_param(n) for n in graph.names_of(v.name))]
+
+
 def expert_params(graph: Graph, ep: int) -> frozenset[int]:
     """The ids of the expert parameters (see the module docstring); a model
     without any, or whose experts ep does not divide, is one ConfigError."""
-    found = {v.id: v for v in graph.inputs_by_role(Role.PARAM)
-             if v.meta.shape and any(is_expert_param(n) for n in graph.names_of(v.name))}
+    found = {v.id: v for v in expert_weights(graph)}
     if not found:
         raise ConfigError(f"--ep {ep}: the model has no expert weights (parameters of a "
                           f"module named '{EXPERTS_MODULE}' holding every expert as one "
@@ -88,12 +93,8 @@ def gathered_note(graph: Graph, experts: frozenset, ep_axis: int | None) -> tupl
 def moe_blocks(graph: Graph) -> dict[str, int]:
     """Each MoE block's module path (the parent of an `experts` module) and
     its number of experts."""
-    out = {}
-    for v in graph.inputs_by_role(Role.PARAM):
-        if v.meta.shape and is_expert_param(v.name):
-            experts = v.name.rpartition(".")[0]
-            out[experts.rpartition(".")[0]] = v.meta.shape[0]
-    return out
+    return {v.name.rpartition(".")[0].rpartition(".")[0]: v.meta.shape[0]
+            for v in expert_weights(graph)}
 
 
 def expert_load(graph: Graph) -> Graph:

@@ -124,7 +124,8 @@ class ParamAxes:
 
 
 def _input_layouts(graph: Graph, grid, param_tp: dict, axes: ParamAxes,
-                   zero: ZeroLevel = ZeroLevel.NONE) -> dict[int, NdSbp]:
+                   zero: ZeroLevel) -> tuple[dict[int, NdSbp], dict[int, NdSbp]]:
+    """The graph inputs' layouts at rest, and as they would be without ZeRO."""
     layouts: dict[int, NdSbp] = {}
     params = {}
     for vid in graph.inputs:
@@ -151,11 +152,12 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, axes: ParamAxes,
             layouts[vid] = layout if v.meta.shape == p.meta.shape else (R,) * len(grid)
         elif v.role is Role.GRAD and owner is not None and zero.shards(Role.GRAD):
             layouts[vid] = owner[1]  # fixed at rest (else laid out by its first use)
-    for vid, layout in list(layouts.items()):
+    whole = dict(layouts)
+    for vid, layout in whole.items():
         v = graph.values[vid]
         if zero.shards(v.role) and v.meta.shape != ():
             layouts[vid] = zero_layout(layout, v.meta.shape, grid, axes.data)
-    return layouts
+    return layouts, whole
 
 
 def state_hints(graph: Graph, layouts: dict[int, NdSbp], hints: dict) -> dict:
@@ -178,14 +180,13 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
                   zero: ZeroLevel = ZeroLevel.NONE) -> SbpAssignment:
     """Choose each op's signatures; returns the layouts of every value
     (`zero`: the ZeRO level, which states rest sharded over the data axes)."""
-    produced = _input_layouts(graph, grid, param_tp, axes, zero)
+    produced, whole = _input_layouts(graph, grid, param_tp, axes, zero)
     hints = state_hints(graph, produced, hints)
     visible = dict(produced)
-    unsharded = _input_layouts(graph, grid, param_tp, axes) if zero.regathers else {}
     for v in graph.inputs_by_role(Role.PARAM) if zero.regathers else ():
         # consumers see the parameter as it is without ZeRO, as FSDP gathers
         # it before each use; boxing gathers it from its shard (and again per phase)
-        visible[v.id] = unsharded[v.id]
+        visible[v.id] = whole[v.id]
     value_stage: dict[int, int] = {}
     optimizer_of = {op.args[1]: op for op in graph.ops if op.phase is Phase.OPTIMIZER
                     and rule_for(op.kind).category is Category.OPTIMIZER}

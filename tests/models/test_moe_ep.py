@@ -20,7 +20,7 @@ from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.reference import eager_train
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
-from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL
+from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import Replicate, Shard, local_shape
 from meshplan.lowering.check import check_plans
@@ -58,11 +58,15 @@ def test_expert_parallel_moe_trains_as_eager(layout, factor):
     assert any(".experts.w1" in n for n in verdict["params"])
 
 
-def test_experts_split_and_tokens_travel_by_all_to_all():
-    """At dp2·ep2 each rank holds E/ep whole experts, no expert weight is
-    ever gathered, and each block's forward moves its tokens by exactly two
-    all-to-alls over ep (dispatch and combine)."""
-    cfg, s, job = _job(2, dict(dp=2, ep=2))
+@pytest.mark.parametrize("world, dp", [(2, 2), (4, 4)], ids=["dp2ep2", "dp4ep2"])
+def test_experts_split_and_tokens_travel_by_all_to_all(world, dp):
+    """Each rank holds E/ep whole experts, no expert weight is ever
+    gathered, each block's forward moves its tokens by exactly two
+    all-to-alls over ep (dispatch and combine), and its backward by four
+    (their gradients, and the gates'), with dp/ep ranks beside ep too (a
+    later axis chooses on one shard of the earlier's: `expand`'s rule reads
+    its output's shape, not its literal sizes)."""
+    cfg, s, job = _job(world, dict(dp=dp, ep=2))
     g, ep_axis = job.graph, s.ep_axis
     inputs = [g.values[i] for i in g.inputs]
     experts = {v.id: v for v in g.inputs_by_role(Role.PARAM) if is_expert_param(v.name)}
@@ -76,7 +80,13 @@ def test_experts_split_and_tokens_travel_by_all_to_all():
             assert op.args[0].id not in experts
     forward = [op for op in g.ops if op.kind == ALL_TO_ALL and op.phase.name == "FORWARD"]
     assert len(forward) == 2 * cfg.layers
+    # the combine sends the experts' outputs back; it is not a partial sum over
+    # the experts reduced after (greedy chose that before a forward Partial
+    # was charged its reduction: propagate.reduce_cost)
+    assert not [op for op in g.ops if op.kind == REDUCE_SCATTER and op.phase.name == "FORWARD"]
     assert all(dict(op.kwargs)["axis"] == ep_axis for op in forward)
+    backward = [op for op in g.ops if op.kind == ALL_TO_ALL and op.phase.name == "BACKWARD"]
+    assert len(backward) == 4 * cfg.layers
     dense = next(v for v in inputs if v.name == "blocks.0.attn.qkv.weight")
     assert job.sbp[dense.id] == (Replicate(),) * 3
 
