@@ -242,7 +242,7 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
 def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of):
     """The op's signature on each mesh axis in turn, each chosen on the
     shapes the earlier axes' splits leave."""
-    nbytes = tuple(meta_of(r).meta.nbytes for r in refs)
+    whole = tuple(meta_of(r).meta.nbytes for r in refs)
     chosen: list[SbpSig] = []
     for axis, n in enumerate(grid):
         if n == 1:
@@ -251,9 +251,9 @@ def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, met
             continue
         avail = tuple(h[axis] if h is not None else None for h in have)
         wanted = tuple(hints[o].get(axis) if o in hints else None for o in op.outputs)
-        a_args, a_kw, a_outs = sig_args, sig_kw, outs
+        a_args, a_kw, a_outs, nbytes = sig_args, sig_kw, outs, whole
         if any(isinstance(x, Shard) for c in chosen for x in c.ins + c.outs):
-            a_args, a_kw, a_outs = _after_split(op, refs, outs, chosen, grid, meta_of)
+            a_args, a_kw, a_outs, nbytes = _after_split(op, refs, outs, chosen, grid, meta_of)
         forward = op.phase is Phase.FORWARD
         key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted, forward)
         best = cache.get(key)
@@ -296,13 +296,18 @@ def _split(meta: TensorMeta, layouts, grid) -> TensorMeta:
 def _after_split(op, refs, outs, chosen, grid, meta_of):
     """The signature arguments an op's later mesh axis is chosen from: the
     shapes left after the earlier axes' splits (each rule's divisibility
-    checks then hold for the combined split, e.g. S(0) on dp and on tp)."""
+    checks then hold for the combined split, e.g. S(0) on dp and on tp),
+    and the bytes of each input's part (what boxing on this axis moves)."""
     local: dict[int, TensorMeta] = {}
+    nbytes = []
     for k, r in enumerate(refs):
-        local.setdefault(r, _split(meta_of(r).meta, [c.ins[k] for c in chosen], grid))
+        part = _split(meta_of(r).meta, [c.ins[k] for c in chosen], grid)
+        local.setdefault(r, part)
+        nbytes.append(part.nbytes)
     a_outs = tuple(None if m is None else _split(m, [c.outs[i] for c in chosen], grid)
                    for i, m in enumerate(outs))
-    return to_sig(op.args, local.__getitem__), to_sig(op.kwargs, local.__getitem__), a_outs
+    return (to_sig(op.args, local.__getitem__), to_sig(op.kwargs, local.__getitem__), a_outs,
+            tuple(nbytes))
 
 
 def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:

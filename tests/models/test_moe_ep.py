@@ -91,6 +91,19 @@ def test_experts_split_and_tokens_travel_by_all_to_all(world, dp):
     assert job.sbp[dense.id] == (Replicate(),) * 3
 
 
+def test_many_dp_ranks_beside_ep_still_send_tokens_not_experts():
+    """At dp64·ep2 (32 ranks on the axis before ep), the ep axis still
+    chooses all-to-alls: a later axis prices the part of a tensor the
+    earlier axes leave it (`propagate._after_split`), not the whole; priced
+    whole, the tokens of all 64 ranks outweighed the experts, and every
+    expert weight was gathered instead."""
+    cfg = model_config("moe", "tiny", experts=8)
+    s = zoo_strategy("moe", cfg, dp=64, ep=2, global_batch_size=64, micro_batch_size=1)
+    job = plan_model("moe", "tiny", Mesh(1, 64), s, "sgd", None, experts=8).job
+    assert sum(op.kind == ALL_TO_ALL for op in job.graph.ops) == 6 * cfg.layers
+    assert not [n for n in job.notes if n.startswith("ep: the expert weights are gathered")]
+
+
 def test_check_proves_the_all_to_alls_and_catches_one_out_of_order():
     """`check` proves an ep plan; one rank issuing its dispatch and combine
     in the other order is caught, naming the group."""
@@ -150,16 +163,18 @@ def test_verify_expert_parallel_on_processes(capsys):
     assert '"ok": true' in out
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS.keys() - {"ep4"}))
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
-def test_hf_moe_at_ep2_trains_as_eager_its_experts_gathered(model_type):
-    """transformers' MoEs at dp2·ep2: exact (losses and every parameter),
-    their experts rest split over ep and are gathered whole before the
-    grouped matmul, which the plan's note says."""
+def test_hf_moe_with_ep_trains_as_eager_its_experts_gathered(model_type, layout):
+    """transformers' MoEs at ep2, beside tp, pp, and dp with ZeRO 1: exact
+    (losses and every parameter), their experts rest split over ep and are
+    gathered whole before the grouped matmul, which the plan's note says."""
     pytest.importorskip("transformers")
+    world, fields = LAYOUTS[layout]
     model = f"hf:{model_type}"
     cfg = model_config(model, "tiny")
-    s = zoo_strategy(model, cfg, global_batch_size=8, micro_batch_size=4, dp=2, ep=2)
-    job = plan_model(model, "tiny", Mesh(1, 2), s, "sgd", None).job
+    s = zoo_strategy(model, cfg, global_batch_size=8, micro_batch_size=2, **fields)
+    job = plan_model(model, "tiny", Mesh(1, world), s, "sgd", None).job
     assert any(n.startswith("ep: the expert weights are gathered") for n in job.notes)
     verdict = eager_verdict(job, cfg, 8)
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
