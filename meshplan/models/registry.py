@@ -86,6 +86,12 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
     "moe": {
         "tiny": replace(_transformer("moe", 4, 4, 64, 16, 128), experts=4, top_k=2),
         "small": replace(_transformer("moe", 8, 8, 256, 128, 1024), experts=8, top_k=2),
+        # Mixtral 8x7B's shape (its 32 layers, 4096 wide, 8 experts, 2 per token,
+        # 32k vocabulary, 4k context), with the zoo's experts (a GELU MLP of two
+        # 4096 x 16384 matrices, where Mixtral's SwiGLU has three 4096 x 14336)
+        # and no grouped-query attention: 36.8B parameters to its 46.7B
+        "mixtral-8x7b": replace(_transformer("moe", 32, 32, 4096, 4096, 32000), experts=8,
+                                top_k=2),
     },
     "resnet": {
         "tiny": _resnet((1, 1, 1, 1), width=8, image_size=16, num_classes=10),

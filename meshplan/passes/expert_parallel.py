@@ -62,12 +62,16 @@ def expert_params(graph: Graph, ep: int) -> frozenset[int]:
         raise ConfigError(f"--ep {ep}: the expert weights hold different numbers of experts "
                           f"({', '.join(map(str, sorted(counts)))}; e.g. {names[0]}); "
                           "expert parallelism needs one count; use --ep 1")
-    experts = counts.pop()
+    check_ep_divides(counts.pop(), ep)
+    return frozenset(found)
+
+
+def check_ep_divides(experts: int, ep: int) -> None:
+    """One ConfigError line when `ep` does not divide the `experts`."""
     if experts % ep:
         ok = [d for d in range(2, experts + 1) if experts % d == 0]
         raise ConfigError(f"--ep {ep} does not divide the model's {experts} experts; choose "
                           f"--ep among {', '.join(map(str, ok)) or '1'}")
-    return frozenset(found)
 
 
 def gathered_note(graph: Graph, experts: frozenset, ep_axis: int | None) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshplan.ir import Graph, Phase, Role, TensorMeta
@@ -100,14 +101,18 @@ def zero_layout(layout: NdSbp, shape: tuple[int, ...], grid,
                 data_axes: tuple[int, ...] = (DP_AXIS,)) -> NdSbp:
     """`layout` (a parameter's) sharded as ZeRO keeps a state at rest, over
     every data axis (of more than one rank) it is Replicate on: split on the
-    first dim no other axis splits and that has more than one element
-    (near-equal parts, the last ones a row shorter when the ranks do not
-    divide it; over dp and ep, nested: dp's part split again by ep); unchanged
-    when there is none (a tp-split bias). An expert weight, split over ep
-    already, is sharded over dp alone."""
+    first dim no other axis splits that has a row for each of those ranks,
+    else the first with more than one (near-equal parts, the last ones a row
+    shorter when the ranks do not divide it; over dp and ep, nested: dp's
+    part split again by ep); unchanged when there is none (a tp-split bias).
+    An expert weight, split over ep already, is sharded over dp alone; one
+    not split (E experts, E < dp) is split on a wider dim than its experts,
+    or the first dp/E ranks would hold it all."""
     taken = {s.dim for s in layout if isinstance(s, Shard)}
-    dim = next((d for d, n in enumerate(shape) if d not in taken and n > 1), None)
     over = [a for a in data_axes if grid[a] > 1 and layout[a] == R]
+    free = [d for d, n in enumerate(shape) if d not in taken and n > 1]
+    ranks = math.prod(grid[a] for a in over)
+    dim = next((d for d in free if shape[d] >= ranks), free[0] if free else None)
     if dim is None or not over:
         return layout
     return tuple(Shard(dim) if a in over else s for a, s in enumerate(layout))

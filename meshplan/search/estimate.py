@@ -56,7 +56,7 @@ from meshplan.schedules import compute_actions, placement_of, spec_of
 from meshplan.schedules.simulate import finish_times
 from meshplan.search.probe import Probe
 from meshplan.search.space import Candidate, schedule_takes
-from meshplan.search.work import DpKey, DpKind, Slot, Work
+from meshplan.search.work import DpKey, DpKind, Over, Slot, Work
 
 MiB = 1 << 20
 STEADY = 2  # micro-batches per pipeline stage after which in-flight counts stop growing
@@ -162,12 +162,11 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
     unless `peaks` (a memory layout's) is given."""
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
-    dp_cross = _dp_crosses(cand, st.mesh)
     split = spec_of(cand.schedule).splits_backward
-    priced = [_in_action(w, cand, st, dp_cross, split) for w in works]
+    priced = [_in_action(w, cand, st, split) for w in works]
     cost = {(v, k): x for v, fiw in enumerate(priced) for k, x in zip("fiw", fiw)}
-    step = tuple(_step_seconds([works[v] for v in mine], [priced[v] for v in mine], cand, st,
-                               dp_cross) for mine in g.stages)
+    step = tuple(_step_seconds([works[v] for v in mine], [priced[v] for v in mine], cand, st)
+                 for mine in g.stages)
     comm = {}
     for v in range(len(works) - 1):
         cross = _stages_cross(cand, st.mesh, g.stage_of[v], g.stage_of[v + 1])
@@ -235,39 +234,47 @@ def _geometry(schedule: str, pp: int, vpp: int) -> _Geometry:
                      tuple(where.chunk_of(v) for v in range(n)))
 
 
-def dp_seconds(work: Work, keys, cand: Candidate, st: Setting, cross: bool) -> float:
-    """Seconds of `work`'s dp collectives of the `DpKey`s `keys`, as the
-    runtime issues them: ZeRO-3's gathers one collective per layer
-    (`gather_prefetch.py`), the rest in buckets of `bucket_mb` when buckets
-    are on (`grad_buckets.py`), else one per tensor."""
+def dp_seconds(work: Work, keys, cand: Candidate, st: Setting) -> float:
+    """Seconds of `work`'s data-side collectives whose (slot, kind) is in
+    `keys`, as the runtime issues them: ZeRO-3's gathers one collective per
+    layer (`gather_prefetch.py`), all-to-alls as counted, the rest in
+    buckets of `bucket_mb` when buckets are on (`grad_buckets.py`), else one
+    per tensor; each over the ranks its `Over` names, crossing nodes when
+    they span more than one."""
     total = 0.0
     for key, (count, nbytes) in work.dp:
-        if key not in keys or count <= 0:
+        if (key.phase, key.kind) not in keys or count <= 0:
             continue
         if key.kind is DpKind.ALL_GATHER and key.phase is not Slot.STEP:
             count = min(count, max(1, work.layers))
-        elif st.buckets:
+        elif st.buckets and key.kind is not DpKind.ALL_TO_ALL:
             count = max(1, math.ceil(nbytes / (st.bucket_mb * MiB)))
-        total += count * st.dev.collective_seconds(key.kind, nbytes // count, cand.dp, cross)
+        group = key.over.group_size(cand.dp, cand.ep)
+        total += count * st.dev.collective_seconds(key.kind, nbytes // count, group,
+                                                   _crosses(cand, st.mesh, key.over))
     return total
 
 
 def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> Work:
-    """`work` (a probe's, dp = 1) with its dp collectives and its state at
-    rest as the ZeRO level makes them at `cand.dp`.
+    """`work` (a probe's, dp = 1, or dp = ep with its experts split) with its
+    data-parallel collectives and its state at rest as the ZeRO level makes
+    them at `cand.dp` (the probe's all-to-alls kept).
 
-    `pattern` is the same stage planned at dp = 2, ZeRO 3 (`probe`): which
-    parameters shard (its reduce-scatters and forward all-gathers; the rest,
-    too small to split, stay all-reduced) and, at ZeRO 3, which the backward
-    gathers again. Levels 0-2 rearrange those same tensors (table in
-    `docs/concepts/sharded_dp.md`)."""
+    `pattern` is the same stage planned at dp = 2, ZeRO 3, ep = 1 (`probe`):
+    which parameters shard (its reduce-scatters and forward all-gathers; the
+    rest, too small to split, stay all-reduced) and, at ZeRO 3, which the
+    backward gathers again. Levels 0-2 rearrange those same tensors (table
+    in `docs/concepts/sharded_dp.md`). With ep > 1 the experts' share of the
+    sharded bytes (`Work.expert`, split over ep already) runs over the dp/ep
+    ranks beside their ep group, as their state shards there, and a dense
+    all-reduce is two, over dp/ep and over ep, as the boxing issues it."""
     if cand.dp == 1 or pattern is None:
         return work
-    z, d = cand.zero, cand.dp
+    z, d, e = cand.zero, cand.dp, cand.ep
     got: dict = {}
     for k, (n, size) in pattern.dp:
-        key = "loss" if k == DpKey(Slot.F, DpKind.ALL_REDUCE) else \
-            "gather" if k == DpKey(Slot.F, DpKind.ALL_GATHER) else \
+        key = "loss" if (k.phase, k.kind) == (Slot.F, DpKind.ALL_REDUCE) else \
+            "gather" if (k.phase, k.kind) == (Slot.F, DpKind.ALL_GATHER) else \
             k.kind if k.phase in _BACKWARD and k.kind is not DpKind.ALL_GATHER else None
         if key is not None:
             c, b = got.get(key, (0, 0))
@@ -277,67 +284,120 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
     rest = got.get(DpKind.ALL_REDUCE, (0, 0))
     grads = Slot.W if split else Slot.I
     step = Slot.STEP
+    # (key, (count, bytes), whether it moves the sharded tensors, experts among them)
     if z.regathers:
-        ops = list(pattern.dp)
+        ops = [(k, v, k.kind is not DpKind.ALL_REDUCE) for k, v in pattern.dp]
     else:
-        ops = [(DpKey(Slot.F, DpKind.ALL_REDUCE), loss)] if loss[0] else []
+        ops = [(DpKey(Slot.F, DpKind.ALL_REDUCE), loss, False)] if loss[0] else []
         if not z.shards_optimizer:
-            ops.append((DpKey(step, DpKind.ALL_REDUCE), (shard[0] + rest[0], shard[1] + rest[1])))
+            ops += [(DpKey(step, DpKind.ALL_REDUCE), shard, True),
+                    (DpKey(step, DpKind.ALL_REDUCE), rest, False)]
         else:
             where = grads if z.reduce_scatters else step
-            ops += [(DpKey(where, DpKind.REDUCE_SCATTER), shard),
-                    (DpKey(step, DpKind.ALL_GATHER), gather)]
+            ops += [(DpKey(where, DpKind.REDUCE_SCATTER), shard, True),
+                    (DpKey(step, DpKind.ALL_GATHER), gather, True)]
             if rest[0]:
-                ops.append((DpKey(where, DpKind.ALL_REDUCE), rest))
-    keep = 1 - 1 / d  # the part of a sharded tensor a rank does not hold
-    p_frac = min(1.0, gather[1] / work.param) if work.param else 0.0
-    g_frac = min(1.0, shard[1] / work.grad) if work.grad else 0.0
+                ops.append((DpKey(where, DpKind.ALL_REDUCE), rest, False))
+    # the experts' share of the model's bytes, whole (0 without ep)
+    dense = work.param - work.expert
+    share = work.expert * e / (dense + work.expert * e) if work.expert and e > 1 else 0.0
+    merged: dict = {}
+    for k, (n, b) in [*_over_ep(ops, share, d, e), *_routing(work)]:
+        n0, b0 = merged.get(k, (0, 0))
+        merged[k] = (n0 + n, b0 + b)
+    keep, keep_x = 1 - 1 / d, 1 - e / d  # the part of a shard a rank does not hold
+    x = work.expert / work.param if share else 0.0  # the experts' part of a rank's state
+
+    def frac(sharded: int, total: int) -> float:
+        """The part of a rank's dense `total` that shards (`sharded` bytes of the model's)."""
+        dense = total * (1 - x)
+        return min(1.0, sharded * (1 - share) / dense) if dense else 0.0
+
+    def rest_of(total, f: float):
+        """A rank's part of `total` once ZeRO shards the part `f` of its
+        dense state over dp, and its experts over dp/ep."""
+        return total * (1 - x) * (1 - f * keep) + total * x * (1 - keep_x)
+    p_frac, g_frac = frac(gather[1], work.param), frac(shard[1], work.grad)
     return replace(
-        work, dp=tuple(sorted(ops)),
-        param=int(work.param * (1 - p_frac * keep)) if z.regathers else work.param,
-        grad=int(work.grad * (1 - g_frac * keep)) if z.reduce_scatters else work.grad,
-        optimizer=int(work.optimizer * (1 - p_frac * keep)) if z.shards_optimizer
+        work, dp=tuple(sorted((k, (n, int(b))) for k, (n, b) in merged.items() if n)),
+        param=int(rest_of(work.param, p_frac)) if z.regathers else work.param,
+        grad=int(rest_of(work.grad, g_frac)) if z.reduce_scatters else work.grad,
+        optimizer=int(rest_of(work.optimizer, p_frac)) if z.shards_optimizer
         else work.optimizer,
-        step=work.step * (1 - g_frac * keep) if z.shards_optimizer else work.step)
+        step=rest_of(work.step, g_frac) if z.shards_optimizer else work.step)
 
 
-def _in_action(w: Work, cand: Candidate, st: Setting, cross: bool,
-               split: bool) -> tuple[float, float, float]:
+def _routing(work: Work) -> list:
+    """The collectives over ep of a probe planned at dp = ep that are the
+    model's own (its all-to-alls, what its backward gathers or scatters),
+    not the gradients' reductions or the loss's, which `with_dp` makes."""
+    return [(k, v) for k, v in work.dp if k.over is Over.EP and k.phase is not Slot.STEP
+            and (k.phase, k.kind) != (Slot.F, DpKind.ALL_REDUCE)]
+
+
+def _over_ep(ops: list, share: float, d: int, e: int) -> list:
+    """`ops` (over dp, the model's whole sharded bytes) as they run beside
+    an ep axis: the experts' `share` of each gather and reduce-scatter
+    (and of a reduction at ZeRO 0) over the dp/ep ranks, 1/ep of it per
+    rank; the rest dense, an all-reduce as two (over dp/ep, then ep)."""
+    if e == 1:
+        return [(k, v) for k, v, _ in ops]
+    out = []
+    for k, (n, b), sharded in ops:
+        x = share * b if sharded else 0.0
+        if x and d > e:
+            out.append((replace(k, over=Over.DP_PER_EP), (n, x / e)))
+        if k.kind is DpKind.ALL_REDUCE:
+            if d > e:
+                out.append((replace(k, over=Over.DP_PER_EP), (n, b - x)))
+            out.append((replace(k, over=Over.EP), (n, b - x)))
+        else:
+            out.append((k, (n, b - x)))
+    return out
+
+
+def _in_action(w: Work, cand: Candidate, st: Setting, split: bool) -> tuple[float, float, float]:
     """Seconds of F, I and W with their dp collectives overlapped; without
-    the split, I and W are one B (priced as I, W = 0)."""
+    the split, I and W are one B (priced as I, W = 0). An all-to-all is not
+    overlapped: the expert compute waits for its tokens."""
     if not w.dp:
         return (w.f, w.i, w.w) if split else (w.f, w.i + w.w, 0.0)
 
     def comm(*phases):
-        return dp_seconds(w, {k for ph in phases for k in _keys(ph)}, cand, st, cross)
-    f = max(w.f, comm(Slot.F))
+        return dp_seconds(w, {k for ph in phases for k in _keys(ph)}, cand, st)
+
+    def a2a(*phases):
+        return dp_seconds(w, {(ph, DpKind.ALL_TO_ALL) for ph in phases}, cand, st)
+    f = max(w.f, comm(Slot.F)) + a2a(Slot.F)
     if split:
-        return f, max(w.i, comm(Slot.I)), max(w.w, comm(Slot.W))
-    return f, max(w.i + w.w, comm(Slot.I, Slot.W)), 0.0
+        return f, max(w.i, comm(Slot.I)) + a2a(Slot.I), max(w.w, comm(Slot.W)) + a2a(Slot.W)
+    return f, max(w.i + w.w, comm(Slot.I, Slot.W)) + a2a(Slot.I, Slot.W), 0.0
 
 
-def _keys(phase: Slot) -> set[DpKey]:
-    return {DpKey(phase, kind) for kind in (DpKind.ALL_GATHER, DpKind.REDUCE_SCATTER,
-                                            DpKind.ALL_REDUCE)}
+def _keys(phase: Slot) -> set[tuple[Slot, DpKind]]:
+    return {(phase, kind) for kind in (DpKind.ALL_GATHER, DpKind.REDUCE_SCATTER,
+                                       DpKind.ALL_REDUCE)}
 
 
-def _step_seconds(works: list[Work], priced: list[tuple], cand: Candidate, st: Setting,
-                  cross: bool) -> float:
+def _step_seconds(works: list[Work], priced: list[tuple], cand: Candidate,
+                  st: Setting) -> float:
     own = sum(w.step for w in works)
-    reduce = sum(dp_seconds(w, {DpKey(Slot.STEP, DpKind.ALL_REDUCE),
-                                DpKey(Slot.STEP, DpKind.REDUCE_SCATTER)}, cand, st, cross)
+    reduce = sum(dp_seconds(w, {(Slot.STEP, DpKind.ALL_REDUCE),
+                                (Slot.STEP, DpKind.REDUCE_SCATTER)}, cand, st)
                  for w in works)
     if st.buckets and reduce:  # overlapped with the last backward, but for the last bucket
         grads = sum(w.grad for w in works)
         last = reduce / max(1, math.ceil(grads / (st.bucket_mb * MiB)))
         reduce = max(reduce - sum(p[1] + p[2] for p in priced), last)
-    gather = sum(dp_seconds(w, {DpKey(Slot.STEP, DpKind.ALL_GATHER)}, cand, st, cross)
-                 for w in works)
+    gather = sum(dp_seconds(w, {(Slot.STEP, DpKind.ALL_GATHER)}, cand, st) for w in works)
     return own + reduce + gather
 
 
-def _dp_crosses(cand: Candidate, mesh: Mesh) -> bool:
-    return cand.dp > 1 and cand.dp * cand.tp > mesh.devices_per_node
+def _crosses(cand: Candidate, mesh: Mesh, over: Over = Over.DP) -> bool:
+    """Whether a data-side group leaves a node: the ep ranks are ep x tp
+    consecutive ones (`Strategy.axes`), the others span a stage's dp x tp."""
+    n = cand.ep if over is Over.EP else cand.dp
+    return n > 1 and n * cand.tp > mesh.devices_per_node
 
 
 def _stages_cross(cand: Candidate, mesh: Mesh, a: int, b: int) -> bool:

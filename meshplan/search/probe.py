@@ -88,6 +88,11 @@ class ModelSpec:
         """dp x micro-batch size, when fixed (never: the model is rebuilt)."""
         return 0
 
+    @property
+    def experts(self) -> int:
+        """Experts per block of a mixture of experts (0: none)."""
+        return getattr(self.config(), "experts", 0) or 0
+
     def strategy(self, layers: int = 0, **fields) -> Strategy:
         cfg = self.config(layers=layers) if layers else self.config()
         return zoo_strategy(self.model, cfg, precision=self.precision, **fields)
@@ -97,15 +102,16 @@ class ModelSpec:
         return plan_model(self.model, self.size, mesh, strategy, optimizer=self.optimizer,
                           encode=False, **{**dict(self.overrides), **more}).job
 
-    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel):
+    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel,
+                   ep: int = 1):
         """The probe's Job (three layers as three stages, `_orders`) and
         Strategy, and the layers of its middle stage."""
         n = PROBE_LAYERS
-        strategy = self.strategy(n, dp=dp, tp=tp, pp=n, vpp=1, zero=zero,
+        strategy = self.strategy(n, dp=dp, tp=tp, pp=n, vpp=1, zero=zero, ep=ep,
                                  global_batch_size=2 * mbs * dp, micro_batch_size=mbs,
                                  schedule=CSV, schedule_orders=_orders(), recompute=recompute,
                                  bucket_mb=0)
-        return self.plan(Mesh(1, n * tp * dp), strategy, n), strategy, 1
+        return self.plan(Mesh(n, tp * dp), strategy, n), strategy, 1
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -134,7 +140,11 @@ class GraphSpec:
         strategy = check_strategy(mesh, strategy)
         return PASSES.run(Compilation(self.graph, mesh, strategy, self.optimizer)).job
 
-    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel):
+    experts = 0  # not searched for a captured graph: its ep is the user's (1)
+
+    def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel,
+                   ep: int = 1):
+        assert ep == 1, "a captured graph's probes are planned at ep 1"
         n, b = PROBE_LAYERS, self.samples
         d = dp if dp > 1 else b // mbs  # a rank's micro-batch is the probe's
         mid = self.layers - 2
@@ -142,7 +152,7 @@ class GraphSpec:
                                  micro_batch_size=b // d, schedule=CSV,
                                  schedule_orders=_orders(), recompute=recompute, bucket_mb=0,
                                  stage_layers=(1, mid, 1), layer_stages=())
-        return self.plan(Mesh(1, n * tp * d), strategy), strategy, mid
+        return self.plan(Mesh(n, tp * d), strategy), strategy, mid
 
 
 Spec: TypeAlias = "ModelSpec | GraphSpec"
@@ -173,23 +183,30 @@ class Probe:
 
 
 def probe(spec: Spec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
-          dp: int = 1, zero: ZeroLevel = ZeroLevel.NONE) -> Probe:
+          dp: int = 1, zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1) -> Probe:
     """One layer's Work at (tp, micro-batch `mbs`, `recompute`) on `dev`;
     raises the planner's ConfigError for a tp the model cannot use. With
     `dp` = 2 and a ZeRO level, its dp collectives are the level's pattern
     (which ZeRO 3 cannot derive: it gathers again in the backward only what
-    the backward reads)."""
-    job, reps, span = _planned(spec, tp, mbs, recompute, dp, zero)
+    the backward reads). With `dp` = `ep` > 1, the experts rest split over
+    ep and its all-to-alls are the candidate's (`ep_key`)."""
+    job, reps, span = _planned(spec, tp, mbs, recompute, dp, zero, ep)
     works = [read_work(job, reps[s], dev).by_stage[s] for s in range(PROBE_LAYERS)]
     body = replace(works[1].per(span), layers=1)
     return Probe(works[0].minus(body), body, works[2].minus(body))
 
 
+def probe_key(tp: int, mbs: int, recompute: str, ep: int = 1) -> tuple:
+    """The probe of a candidate's layers: at dp = 1, or with ep > 1 at
+    dp = ep (its experts split, its tokens sent by all-to-all)."""
+    return (tp, mbs, recompute) if ep == 1 else (tp, mbs, recompute, ep, ZeroLevel.NONE, ep)
+
+
 @cache
 def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1,
-             zero: ZeroLevel = ZeroLevel.NONE):
+             zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1):
     try:
-        job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero)
+        job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero, ep)
     except (ConfigError, ScheduleError) as err:
         raise ConfigError(str(err)) from None
     return job, {s: lower(job, strategy.ranks_of_stage(s)[0])
@@ -202,7 +219,7 @@ def forget_probes() -> None:
 
 
 def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel) -> dict:
-    """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero]), in
+    """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero, ep]), in
     forked worker processes, one per core: {key: Probe, or the planner's
     ConfigError}. One core, or few keys: here, in turn."""
     workers = min(os.cpu_count() or 1, len(keys))
@@ -215,7 +232,7 @@ def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel) -> dict:
 
 
 def probe_or_error(spec: Spec, key: tuple, dev: DeviceModel):
-    """`probe` of a key (tp, mbs, recompute[, dp, zero]), or its ConfigError."""
+    """`probe` of a key (tp, mbs, recompute[, dp, zero, ep]), or its ConfigError."""
     try:
         tp, mbs, recompute, *rest = key
         return probe(spec, tp, mbs, recompute, dev, *rest)

@@ -48,7 +48,7 @@ from meshplan.search.estimate import (
     with_dp,
 )
 from meshplan.search.full import fits
-from meshplan.search.probe import Probe, Spec, probe_many, probe_or_error
+from meshplan.search.probe import Probe, Spec, probe_key, probe_many, probe_or_error
 from meshplan.search.space import Candidate, Space, candidates
 
 GiB = 1 << 30
@@ -89,7 +89,7 @@ class SearchResult:
         c, pred = self.ranked[i].cand, self.ranked[i].pred
         return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
                         micro_batch_size=c.micro_batch_size, recompute=Recompute(c.recompute),
-                        zero=c.zero, stage_layers=pred.stage_layers if c.pp > 1 else (),
+                        zero=c.zero, ep=c.ep, stage_layers=pred.stage_layers if c.pp > 1 else (),
                         layer_pattern=layer_pattern, **fields)
 
 
@@ -108,6 +108,8 @@ def search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
     space = space or Space()
     if spec.samples:
         space = replace(space, samples=spec.samples)
+    if spec.experts and not space.experts:
+        space = replace(space, experts=spec.experts)
     cands = list(candidates(mesh, layers, global_batch, space))
     pricer.prefetch(cands)
     queue: list = []
@@ -223,9 +225,9 @@ class _Pricer:
         `recompute`. The layout is balanced on the costs without recompute,
         for every recompute mode: recompute then only adds work to the same
         stages, so a candidate priced without it bounds it (`optimistic`)."""
-        base = (cand.tp, cand.micro_batch_size, Recompute.NONE)
+        base = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep)
         p0 = self.probe(base)
-        key = (cand.tp, cand.micro_batch_size, recompute)
+        key = probe_key(cand.tp, cand.micro_batch_size, recompute, cand.ep)
         p = self.probe(key) if p0 is not None and key != base else p0
         if p is None or p0 is None:
             return None
@@ -250,7 +252,7 @@ class _Pricer:
         """Plan every probe the candidates may need, on all cores at once
         (`probe.probe_many`); a probe the search then never asks for costs
         a core's share of the time only."""
-        keys: set[tuple] = {(c.tp, c.micro_batch_size, r) for c in cands
+        keys: set[tuple] = {probe_key(c.tp, c.micro_batch_size, r, c.ep) for c in cands
                             for r in {c.recompute, Recompute.NONE}}
         keys |= {(c.tp, 1, c.recompute, 2, 3) for c in cands if c.dp > 1}
         for key, got in probe_many(self.spec, sorted(keys, key=str), self.st.dev).items():

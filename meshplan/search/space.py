@@ -2,14 +2,15 @@
 
 Invariants:
 - A `Candidate` fixes dp, tp, pp, vpp, the schedule, the micro-batch size,
-  recompute and the ZeRO level; its uneven layout (layers per virtual
+  recompute, the ZeRO level and ep; its uneven layout (layers per virtual
   stage) is derived by cost when it is priced (`estimate`).
 - `candidates` yields only strategies the planner accepts on their face:
   dp * tp * pp = world; tp divides the devices of a node (a tp group never
   leaves one); pp * vpp <= layers; dp divides the global batch, and the
   micro-batch size divides its share; the schedule takes (pp, vpp, M)
   (`schedules.compute_actions` does not refuse it, nor the planner's
-  `check_strategy`); ZeRO only with dp > 1.
+  `check_strategy`); ZeRO only with dp > 1; ep > 1 only for a mixture of
+  experts, dividing dp and the experts.
   What only the planner knows (tp dividing the heads and the vocabulary)
   is found by the probe, whose error removes the candidate.
 - The order is deterministic, so ties are broken the same way every run.
@@ -45,6 +46,7 @@ class Candidate:
     micro_batch_size: int
     recompute: str
     zero: ZeroLevel
+    ep: int = 1  # of the dp ranks, those the experts split over (Strategy.ep)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroLevel.parse(self.zero))  # frozen
@@ -53,7 +55,8 @@ class Candidate:
         return global_batch // (self.dp * self.micro_batch_size)
 
     def label(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts = [f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else []) + \
+            [f"tp{self.tp}", f"pp{self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.pp > 1:
@@ -78,6 +81,10 @@ class Space:
     # dp x micro-batch size when a captured graph's batch fixes it (0: free);
     # the micro-batch size is then samples / dp, whatever `micro_batch_sizes`
     samples: int = 0
+    # a mixture of experts' experts per block (0: none, ep is 1); ep is then
+    # each divisor of dp that divides them, or only those in `eps` when given
+    experts: int = 0
+    eps: tuple[int, ...] = ()
 
 
 def candidates(mesh: Mesh, layers: int, global_batch: int,
@@ -100,11 +107,22 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
                     continue
                 m = global_batch // (dp * mbs)
                 for schedule, vpp in _schedules(pp, m, layers, space):
-                    if not _planner_takes(mesh, dp, tp, pp, vpp, schedule, global_batch, mbs):
-                        continue
-                    for rc in space.recompute:
-                        for z in space.zero if dp > 1 else (ZeroLevel.NONE,):
-                            yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc), z)
+                    for ep in _eps(dp, space):
+                        if not _planner_takes(mesh, dp, tp, pp, vpp, schedule, global_batch,
+                                              mbs, ep):
+                            continue
+                        for rc in space.recompute:
+                            for z in space.zero if dp > 1 else (ZeroLevel.NONE,):
+                                yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc), z, ep)
+
+
+def _eps(dp: int, space: Space) -> list[int]:
+    """The expert-parallel degrees to try at `dp`: 1, or with experts each
+    divisor of dp that divides them (and is allowed)."""
+    if not space.experts:
+        return [1]
+    return [e for e in _divisors(dp) if space.experts % e == 0 and
+            (not space.eps or e in space.eps)]
 
 
 def _divisors(n: int) -> list[int]:
@@ -140,11 +158,12 @@ def schedule_takes(schedule: str, pp: int, vpp: int, m: int) -> bool:
 
 @cache
 def _planner_takes(mesh: Mesh, dp: int, tp: int, pp: int, vpp: int, schedule: str,
-                   global_batch: int, mbs: int) -> bool:
+                   global_batch: int, mbs: int, ep: int = 1) -> bool:
     """Whether the planner's own strategy check (`passes/strategy.py`) accepts it."""
     try:
         check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule,
-                                      global_batch_size=global_batch, micro_batch_size=mbs))
+                                      global_batch_size=global_batch, micro_batch_size=mbs,
+                                      ep=ep))
     except (ConfigError, ScheduleError):
         return False
     return True

@@ -9,12 +9,14 @@ Invariants:
   simulator's own per-task costs (`lowering/action_times.py`) (seconds
   per micro-batch of F, I and W, and per step of the optimizer); the tp
   group never leaves a node (the search keeps tp <= devices per node).
-- Data-parallel collectives are *not* priced here: they are kept as
-  `DpKey` (the `Slot` it runs in, its `DpKind`) -> (count, bytes of the
-  full tensors), because their price
-  depends on the dp degree and on whether the group crosses nodes, which
-  the search varies (`estimate.dp_seconds`). A probe planned at dp = 1 has
-  none; `estimate` makes them from the parameter and gradient bytes.
+- Data-side collectives (over the data axes: dp, and with ep > 1 the ep
+  axis and the one before it, all-to-alls included) are *not* priced here:
+  they are kept as `DpKey` (the `Slot` it runs in, its `DpKind`, the ranks
+  it spans as `Over` names them) -> (count, bytes of the full tensors),
+  because their price depends on the degrees and on whether the group
+  crosses nodes, which the search varies (`estimate.dp_seconds`). A probe
+  planned at dp = 1 has none; `estimate` makes them from the parameter and
+  gradient bytes.
 - Memory: state bytes per category (one gradient copy), the bytes one
   micro-batch keeps from its F to its I (`saved_i`) or W (`saved_w`), or
   from its I to its W (`saved_iw`: within one B without the split), and
@@ -34,6 +36,7 @@ from meshplan.ir import Phase, TensorMeta
 from meshplan.ir.kinds import short
 from meshplan.lowering.action_times import compute_cost, full_bytes, send_bytes
 from meshplan.lowering.rankplan import BufferCategory, RankPlan, TaskKind
+from meshplan.passes.expert_parallel import is_expert_param
 from meshplan.schedules import stage_placement
 
 
@@ -56,19 +59,33 @@ class DpKind(enum.StrEnum):
     ALL_TO_ALL = "all_to_all"
 
 
+class Over(enum.StrEnum):
+    """The ranks a data-side collective runs over, as a candidate's degrees
+    say (`group_size`): every data-parallel rank; with ep > 1, the ep ranks
+    (an all-to-all, a dense gradient's second reduction), or the dp/ep ranks
+    beside them (an expert gradient's only one, a dense one's first)."""
+
+    DP = "dp"
+    EP = "ep"
+    DP_PER_EP = "dp/ep"
+
+    def group_size(self, dp: int, ep: int) -> int:
+        return {Over.DP: dp, Over.EP: ep, Over.DP_PER_EP: dp // ep}[self]
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class DpKey:
-    """A `Work.dp` key: which collective, in which slot."""
+    """A `Work.dp` key: which collective, in which slot, over which ranks."""
 
     phase: Slot
     kind: DpKind
+    over: Over = Over.DP
 
 
 _PHASE = {Phase.FORWARD: Slot.F, Phase.BACKWARD: Slot.I, Phase.WEIGHT: Slot.W,
           Phase.OPTIMIZER: Slot.STEP}
 _STATE = {BufferCategory.PARAM: "param", BufferCategory.BUFFER: "param",
           BufferCategory.GRAD: "grad", BufferCategory.OPTIMIZER: "optimizer"}
-DP_AXIS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +102,7 @@ class Work:
     saved_w: int = 0          # ... from F to W
     saved_iw: int = 0         # ... from I to W (zero-bubble schedules only)
     params: int = 0           # parameter tensors (dp collectives: one each)
+    expert: int = 0           # bytes of expert parameters at rest (within `param`)
     layers: int = 0           # layers (ZeRO-3 gathers a layer's parameters at once)
     dp: tuple[tuple[DpKey, tuple[int, int]], ...] = ()  # key -> (n, bytes)
     transient: int = 0        # per stage, not additive: the largest action's scratch
@@ -142,6 +160,7 @@ class StageWork:
 def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
     """The Work of each virtual stage `plan`'s rank runs, priced on `dev`."""
     where = stage_placement(job.strategy)
+    over = _data_axes(job.strategy)
     acc: dict[int, dict] = {}
     metas = {b.id: TensorMeta(b.shape, b.dtype) for b in plan.buffers}
     value_meta = {b.value: metas[b.id] for b in plan.buffers}
@@ -156,8 +175,9 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
         if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
             full = full_bytes(short(op.kind), t, metas)
             kw = dict(op.kwargs)
-            if kw.get("axis") == DP_AXIS or "stages" in kw:
-                dkey = DpKey(key, DpKind(short(op.kind)))
+            axis = Over.DP if "stages" in kw else over.get(kw.get("axis"))
+            if axis is not None:
+                dkey = DpKey(key, DpKind(short(op.kind)), axis)
                 w["dpn"][dkey] += 1
                 w["dp"][dkey] += full
             else:
@@ -175,7 +195,7 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
         w[key] = w.get(key, 0.0) + seconds
         if key is not Slot.STEP:
             w["flops"] = w.get("flops", 0.0) + flops
-    _memory(plan, task_of, where, stage, acc)
+    _memory(job, plan, task_of, where, stage, acc)
     by_stage = {}
     for v, w in acc.items():
         dp = tuple(sorted((k, (w["dpn"][k], w["dp"][k])) for k in w["dpn"]))
@@ -183,7 +203,16 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
     return StageWork(by_stage, dict(plan.memory.peak))
 
 
-def _memory(plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
+def _data_axes(strategy) -> dict[int, Over]:
+    """The grid's data axes and the ranks each spans, as `Over` names them
+    (the ep axis and the one before it when ep > 1, else dp alone)."""
+    if strategy.ep_axis is None:
+        return {a: Over.DP for a in strategy.data_axes}
+    return {a: Over.EP if a == strategy.ep_axis else Over.DP_PER_EP
+            for a in strategy.data_axes}
+
+
+def _memory(job, plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
     """State bytes and saved bytes per micro-batch, by virtual stage; the
     transient extent and workspace of the whole rank go to its first stage."""
     saved_extent = 0
@@ -198,6 +227,8 @@ def _memory(plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
             w[name] = w.get(name, 0) + b.nbytes
             if b.category is BufferCategory.PARAM:
                 w["params"] = w.get("params", 0) + 1
+                if is_expert_param(job.graph.values[b.value].name):
+                    w["expert"] = w.get("expert", 0) + b.nbytes
         elif b.id in blocked and (b.category is BufferCategory.DATA or b.copies > 1):
             made = {task_of[t].phase for t in b.producers if t in task_of}
             name = ("saved_iw" if made and Phase.FORWARD not in made else
