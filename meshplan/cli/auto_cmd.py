@@ -8,7 +8,7 @@ Invariants:
   the flags' mesh, global batch, precision and buckets.
 - The search runs once per command; a user mistake (unknown device model,
   a memory limit nothing fits, a mesh the model cannot use, a flag it does
-  not search yet: --sequence-parallel) is one ConfigError line.
+  not search yet: --sequence-parallel, --cp) is one ConfigError line.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ from meshplan.search.space import Space
 def run_search(a: argparse.Namespace):
     """The search over the flags' model and mesh, its winner (`ranked[0]`)
     proven by its full plan: (SearchResult, DeviceModel, limit)."""
-    if getattr(a, "sequence_parallel", False):  # not searched: the winner would drop it unsaid
-        raise ConfigError("--sequence-parallel with --auto: the search does not choose nor keep "
-                          "it yet; drop --auto to plan it yourself, or drop --sequence-parallel")
+    for flag, given in (("--sequence-parallel", getattr(a, "sequence_parallel", False)),
+                        ("--cp", getattr(a, "cp", 1) > 1)):
+        if given:  # not searched: the winner would drop it unsaid
+            raise ConfigError(f"{flag} with --auto: the search does not choose nor keep it "
+                              f"yet; drop --auto to plan it yourself, or drop {flag}")
     dev = load_device_model(a.device_model or "cpu-local")
     limit = parse_bytes(a.memory_per_device) if a.memory_per_device else dev.memory_bytes
     spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),

@@ -5,12 +5,13 @@
 is BERT with 24 layers, 16 heads, hidden 1024, in fp16, with activation
 checkpointing, tensor parallel 2, pipeline parallel 1, micro-batch 32,
 global batch 256, on 1 node of 4 devices. An optional `_vpp{v}` follows
-`pp`, then an optional `_ep{e}` (expert parallel), then an optional
-`_zero{z}` (sharded data parallel, ZeRO stage 1-3).
+`pp`, then an optional `_ep{e}` (expert parallel), an optional `_cp{c}`
+(context parallel), then an optional `_zero{z}` (sharded data parallel,
+ZeRO stage 1-3).
 The grammar, field by field (`_` separates fields):
 
     {model} nl{L} nah{H} hs{D} {FP16|BF16|FP32} ac{true|false}
-    mp{tp} pp{pp} [vpp{v}] [ep{e}] [zero{z}] mb{micro} gb{global} {N}n{G}g
+    mp{tp} pp{pp} [vpp{v}] [ep{e}] [cp{c}] [zero{z}] mb{micro} gb{global} {N}n{G}g
 
 Invariant: `format_config_name(parse_config_name(s)) == s` for every valid
 `s`, and a bad name raises `ConfigError` naming the first bad field.
@@ -26,14 +27,15 @@ from meshplan.ir.zero import ZeroLevel
 
 PRECISIONS = {p.value.upper(): p for p in Precision}  # FP32 -> fp32, ...
 GRAMMAR = ("{model}_nl{L}_nah{H}_hs{D}_{FP16|BF16|FP32}_ac{true|false}_mp{tp}_pp{pp}"
-           "[_vpp{v}][_ep{e}][_zero{z}]_mb{micro}_gb{global}_{N}n{G}g")
+           "[_vpp{v}][_ep{e}][_cp{c}][_zero{z}]_mb{micro}_gb{global}_{N}n{G}g")
 EXAMPLE = "bert_nl24_nah16_hs1024_FP16_actrue_mp2_pp1_mb32_gb256_1n4g"
 
 # (flag name, field prefix, what it means), in name order after the model
 _INT_FIELDS = (("layers", "nl", "layers"), ("heads", "nah", "attention heads"),
                ("hidden", "hs", "hidden size"))
 _PARALLEL = (("tp", "mp", "tensor parallel"), ("pp", "pp", "pipeline parallel"))
-_OPTIONAL = (("vpp", "vpp", "virtual stages per stage"), ("ep", "ep", "expert parallel"))
+_OPTIONAL = (("vpp", "vpp", "virtual stages per stage"), ("ep", "ep", "expert parallel"),
+             ("cp", "cp", "context parallel"))
 _BATCH = (("micro_batch_size", "mb", "micro-batch size"),
           ("global_batch_size", "gb", "global batch size"))
 
@@ -66,9 +68,9 @@ def _zero(name: str, field: str) -> ZeroLevel:
 def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resnet")) -> dict:
     """The flag values a configuration name stands for (flag dest -> value)."""
     fields = name.strip().split("_")
-    if len(fields) not in range(11, 15):
+    if len(fields) not in range(11, 16):
         raise ConfigError(f"config name '{name}' has {len(fields)} fields separated by '_'; "
-                          f"it needs 11 (one more each with vpp, ep and zero): {GRAMMAR}, "
+                          f"it needs 11 (one more each with vpp, ep, cp and zero): {GRAMMAR}, "
                           f"e.g. {EXAMPLE}")
     it = iter(fields)
     model = next(it)
@@ -89,7 +91,7 @@ def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resn
         out[dest] = _int(name, next(it), prefix, what)
     field = next(it)
     optional = len(fields) - 11
-    out["vpp"], out["ep"], out["zero"] = 1, 1, ZeroLevel.NONE
+    out["vpp"], out["ep"], out["cp"], out["zero"] = 1, 1, 1, ZeroLevel.NONE
     for dest, prefix, what in _OPTIONAL:
         if optional and re.fullmatch(prefix + r"[0-9]+", field):
             out[dest] = _int(name, field, prefix, what)
@@ -98,8 +100,8 @@ def parse_config_name(name: str, models: tuple[str, ...] = ("gpt", "bert", "resn
         out["zero"] = _zero(name, field)
         field, optional = next(it), optional - 1
     if optional:
-        raise _bad(name, field, "is one field too many; the optional fields are vpp, ep and "
-                   "zero, in that order")
+        raise _bad(name, field, "is one field too many; the optional fields are vpp, ep, cp "
+                   "and zero, in that order")
     for (dest, prefix, what), f in zip(_BATCH, (field, next(it))):
         out[dest] = _int(name, f, prefix, what)
     devices = next(it)

@@ -76,6 +76,10 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="expert parallel: split each mixture of experts' experts over this "
                    "many ranks of a data-parallel group (it divides dp, as Megatron's "
                    "--expert-model-parallel-size); tokens reach them by all-to-all")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context parallel: split each sequence over this many ranks (the "
+                   "inputs and activations by sequence, attention's keys and values "
+                   "gathered whole); for long contexts")
     g.add_argument("--vpp", type=int, default=None,
                    help="virtual stages (chunks) per stage (default 1; 2 for zbv; a CSV's own)")
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -216,7 +220,7 @@ def mesh_of(a: argparse.Namespace) -> Mesh:
     return Mesh(a.nodes, a.devices_per_node)
 
 
-_POSITIVE = ("nodes", "devices_per_node", "dp", "tp", "pp", "vpp", "ep", "global_batch_size",
+_POSITIVE = ("nodes", "devices_per_node", "dp", "tp", "pp", "vpp", "ep", "cp", "global_batch_size",
              "micro_batch_size", "num_microbatches")
 
 
@@ -234,7 +238,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     """The Strategy fields the flags say, with Megatron's batch arithmetic."""
     check_positive(a, _POSITIVE)
     world = a.nodes * a.devices_per_node
-    dp = a.dp if a.dp is not None else max(1, world // max(1, a.tp * a.pp))
+    cp = getattr(a, "cp", 1)
+    dp = a.dp if a.dp is not None else max(1, world // max(1, a.tp * a.pp * cp))
     csv_text = read_schedule_csv(a.schedule_csv) if a.schedule_csv else ""
     vpp = a.vpp or (csv_vpp(csv_text, a.pp) if csv_text
                     else (spec_of(a.schedule).chunks or 1) if a.schedule else 1)
@@ -249,7 +254,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
     else:
         gbs = a.global_batch_size or a.default_gbs
         mbs = mbs or max(1, gbs // (dp * max(a.pp, 1) * (2 if vpp > 1 else 1)))
-    fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "ep": a.ep, "global_batch_size": gbs,
+    fields = {"dp": dp, "tp": a.tp, "pp": a.pp, "vpp": vpp, "ep": a.ep, "cp": cp,
+              "global_batch_size": gbs,
               "micro_batch_size": mbs, "schedule": a.schedule or default_schedule(vpp),
               "precision": a.precision, "recompute": a.recompute,
               "initial_loss_scale": a.initial_loss_scale, "zero": a.zero,

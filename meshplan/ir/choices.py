@@ -93,6 +93,7 @@ class KernelVariant(enum.StrEnum):
     CLASS_OFFSET = "class_offset"  # nll_loss over classes [lo, hi)
     MEAN_RESCALE = "mean_rescale"  # a mean over a sharded dim, rescaled to the global count
     REPLICA_FIRST = "replica_first"  # a replicated piece counted by the axis's first rank only
+    CAUSAL_OFFSET = "causal_offset"  # causal attention of a sequence shard of the queries
 
 
 E = TypeVar("E", bound=enum.StrEnum)

@@ -1,9 +1,13 @@
 """The device mesh, the parallel strategy and where each stage's ranks live.
 
 Invariants:
-- `world = nodes * devices_per_node = dp * tp * pp`.
+- `world = nodes * devices_per_node = dp * cp * tp * pp`.
 - Stage `s` owns ranks `stage_ranks[s]`, laid out as a `(dp, tp)` grid, tp
   innermost: rank of grid coordinate `(d, t)` is `stage_ranks[s][d * tp + t]`.
+- Context parallelism (`cp > 1`) splits each sample's sequence over cp
+  ranks, an axis between dp and tp (Megatron's order, tp-cp-dp from the
+  inside): the grid is `(dp, cp, tp)`. The weights are replicated over cp;
+  the inputs are split by batch over dp and by sequence over cp.
 - Expert parallelism (`ep > 1`, Megatron's expert-model-parallel size) is
   carved out of dp, as Megatron and torchtitan carve it: `ep` divides `dp`,
   and the grid is `(dp / ep, ep, tp)`, so the ranks and the data each rank
@@ -11,7 +15,7 @@ Invariants:
   `d * ep + e`). The batch is split over both data axes; an expert weight
   is split over `ep` and replicated over `dp / ep`, the others replicated
   over both (`Strategy.axes` names the axes).
-  By default stage `s` owns the contiguous block `[s*dp*tp, (s+1)*dp*tp)`,
+  By default stage `s` owns the contiguous block of its dp * cp * tp ranks,
   so a tp group stays inside one node whenever `tp <= devices_per_node`.
 - Plain data. The named choices (precision, recompute, tp styles) become
   `ir/choices` members on construction, and the ZeRO level an
@@ -84,6 +88,7 @@ class Strategy:
     pp: int = 1
     vpp: int = 1
     ep: int = 1  # expert parallel, carved out of dp (it divides dp); see the module docstring
+    cp: int = 1  # context parallel: the sequence split over cp ranks; see the module docstring
     global_batch_size: int = 1
     micro_batch_size: int = 1
     schedule: str = "1f1b"          # a name in schedules/registry.py
@@ -135,16 +140,15 @@ class Strategy:
     @property
     def grid(self) -> tuple[int, ...]:
         """The placement grid's axis sizes, named by `axes`."""
-        if self.ep > 1:
-            return (self.dp // self.ep, self.ep, self.tp)
-        return (self.dp, self.tp)
+        sizes = {"dp": self.dp // self.ep, "ep": self.ep, "cp": self.cp, "tp": self.tp}
+        return tuple(sizes[a] for a in self.axes)
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The grid's axis names, outermost first: ("dp", "tp"), or with
-        experts split ("dp", "ep", "tp"), where "dp" counts the expert
-        weights' replicas (dp / ep)."""
-        return ("dp", "ep", "tp") if self.ep > 1 else AXES
+        """The grid's axis names, outermost first: ("dp", "tp"); with experts
+        split "ep" after "dp" (which then counts the expert weights' replicas,
+        dp / ep); with the sequence split "cp" before "tp"."""
+        return ("dp",) + ("ep",) * (self.ep > 1) + ("cp",) * (self.cp > 1) + ("tp",)
 
     @property
     def tp_axis(self) -> int:
@@ -155,6 +159,10 @@ class Strategy:
         return 1 if self.ep > 1 else None
 
     @property
+    def cp_axis(self) -> int | None:
+        return len(self.grid) - 2 if self.cp > 1 else None
+
+    @property
     def data_axes(self) -> tuple[int, ...]:
         """The axes the batch is split over (ZeRO's too): dp, and ep if any."""
         return (0, 1) if self.ep > 1 else (0,)
@@ -162,7 +170,7 @@ class Strategy:
     def ranks_of_stage(self, stage: int) -> tuple[int, ...]:
         if self.stage_ranks:
             return self.stage_ranks[stage]
-        n = self.dp * self.tp
+        n = self.dp * self.cp * self.tp
         return tuple(range(stage * n, (stage + 1) * n))
 
     def placement(self, stage: int) -> Placement:

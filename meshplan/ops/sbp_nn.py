@@ -128,17 +128,31 @@ def nll_loss_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[Sbp
 
 
 def attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
-    """Flash attention and its backward: batch or head shards pass through."""
+    """Flash attention and its backward: batch or head shards pass through;
+    and queries split by sequence against whole keys and values (context
+    parallelism's all-gather form: each rank's rows of the output, its keys'
+    and values' gradients partial sums), causal through CAUSAL_OFFSET (the
+    mask at the queries' own positions)."""
     ts = tensors((args, kwargs))
     q = ts[0] if len(ts[0].shape) == 4 else ts[1]
     sigs = [same(len(ts), len(outs), Shard(d)) for d in (0, 1) if q.shape[d] > 1]
+    backward = len(outs) == 3  # (grad_out, q, k, v, out, lse) -> (dq, dk, dv)
+    k = ts[2] if backward else ts[1]
+    if q.shape[2] > 1 and k.shape[2] == q.shape[2]:
+        causal = args[7] if backward else (args[4] if len(args) > 4 else False)
+        kv = KV.CAUSAL_OFFSET if causal else KV.NONE
+        seq = Shard(2)
+        sigs.append(SbpSig((seq, seq, R, R, seq, seq), (seq, P, P), kv) if backward else
+                    SbpSig((seq, R, R), (seq, seq), kv))
     return sigs + [replicated(len(ts), len(outs))]
 
 
 def masked_attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """`scaled_dot_product_attention` with a mask (BART's, T5's position
     bias): a batch or head shard of q, k, v and the output, with the mask
-    split alike where it has that dim, broadcast where it broadcasts."""
+    split alike where it has that dim, broadcast where it broadcasts; or
+    the queries split by sequence against whole keys and values (context
+    parallelism's all-gather form), the mask's rows split with them."""
     ts = tensors((args, kwargs))
     q, k = ts[0], ts[1]
     sigs = []
@@ -150,6 +164,13 @@ def masked_attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpS
             md = d - (len(q.shape) - len(m.shape))  # the mask broadcasts from the right
             mask.append(Shard(md) if md >= 0 and m.shape[md] == q.shape[d] else R)
         sigs.append(SbpSig((Shard(d),) * 3 + tuple(mask), (Shard(d),)))
+    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+    if q.shape[2] > 1 and k.shape[2] == q.shape[2] and not causal:
+        # queries split by sequence, keys and values whole: the mask's rows
+        # (its dim -2, where it has them) split alike, so it holds the positions
+        rows = [Shard(len(m.shape) - 2) if len(m.shape) >= 2 and m.shape[-2] == q.shape[2]
+                else R for m in ts[3:]]
+        sigs.append(SbpSig((Shard(2), R, R) + tuple(rows), (Shard(2),)))
     return sigs + [replicated(len(ts), len(outs))]
 
 

@@ -8,7 +8,8 @@
         -> expand_log_softmax (vocab tp) -> assign_stages
         -> share_params (a parameter read on several stages)
         -> split_norm (clipping: the norm's squares summed per stage, pp > 1)
-        -> tensor_parallel -> expert_parallel (ep > 1) -> propagate_sbp -> add_boxing
+        -> tensor_parallel -> expert_parallel (ep > 1) -> propagate_sbp
+        -> context_parallel (cp > 1: every attention split) -> add_boxing
         -> recompute (full, selective)
         -> split_backward (zero-bubble schedules: I and W) -> kernel_temps -> make_job
 
@@ -36,6 +37,7 @@ from meshplan.ir.job import Job, check_job_well_formed
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
+from meshplan.passes.context_parallel import check_attention_split
 from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
 from meshplan.passes.expert_parallel import (
@@ -162,8 +164,14 @@ def _expert_parallel(c: Compilation) -> None:
 
 def _propagate_sbp(c: Compilation) -> None:
     s = c.strategy
-    axes = ParamAxes(s.tp_axis, s.data_axes, s.ep_axis, c.experts)
+    axes = ParamAxes(s.tp_axis, s.data_axes, s.ep_axis, c.experts, s.cp_axis)
     c.sbp = propagate_sbp(c.graph, c.staged().stage, s.grid, c.param_tp, c.hints, axes, s.zero)
+
+
+def _context_parallel(c: Compilation) -> None:
+    s = c.strategy
+    assert s.cp_axis is not None and c.sbp is not None
+    check_attention_split(c.graph, c.sbp.sigs, s.cp_axis, s.cp)
 
 
 def _add_boxing(c: Compilation) -> None:
@@ -242,7 +250,9 @@ PASSES = PassManager([
          F({"expert_layouts"}), when=lambda c: c.strategy.ep > 1),
     Pass("propagate_sbp", _propagate_sbp,
          F({"stages", "stage_copies", "param_layouts", "expert_layouts"}), F({"sbp"})),
-    Pass("add_boxing", _add_boxing, F({"sbp"}), F({"boxed"})),
+    Pass("context_parallel", _context_parallel, F({"sbp"}), F({"attention_split"}),
+         when=lambda c: c.strategy.cp > 1),
+    Pass("add_boxing", _add_boxing, F({"sbp", "attention_split"}), F({"boxed"})),
     Pass("recompute", _recompute, F({"boxed"}), F({"recompute_clones"}),
          when=lambda c: c.strategy.recompute != Recompute.NONE),
     Pass("split_backward", _split_backward, F({"boxed", "recompute_clones"}),

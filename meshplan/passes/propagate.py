@@ -126,6 +126,7 @@ class ParamAxes:
     data: tuple[int, ...] = (DP_AXIS,)
     ep: int | None = None
     experts: frozenset = frozenset()  # parameter ids split over ep (their dim 0)
+    cp: int | None = None  # the inputs' sequence (dim 1) split over it
 
 
 def _input_layouts(graph: Graph, grid, param_tp: dict, axes: ParamAxes,
@@ -136,7 +137,8 @@ def _input_layouts(graph: Graph, grid, param_tp: dict, axes: ParamAxes,
     for vid in graph.inputs:
         v = graph.values[vid]
         if v.role is Role.DATA:
-            layouts[vid] = tuple(Shard(0) if a in axes.data and n > 1 and v.meta.shape else R
+            layouts[vid] = tuple(Shard(0) if a in axes.data and n > 1 and v.meta.shape else
+                                 Shard(1) if a == axes.cp and len(v.meta.shape) > 1 else R
                                  for a, n in enumerate(grid))
         elif v.role is Role.PARAM:
             s = param_tp.get(vid, R) if grid[axes.tp] > 1 else R

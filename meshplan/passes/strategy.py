@@ -2,7 +2,7 @@
 
 Invariant: every check here raises one `ConfigError` line that says what is
 wrong, with the numbers, and how to fix it; a strategy that passes makes
-`dp * tp * pp == world` and a whole number of micro-batches per step.
+`dp * cp * tp * pp == world` and a whole number of micro-batches per step.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
     if s.auto:
         raise ConfigError("Strategy(auto=True) is resolved by meshplan.api.plan (or --auto), "
                           "which searches a Strategy; plan the graph through it")
-    for name in ("dp", "tp", "pp", "vpp", "ep", "global_batch_size", "micro_batch_size"):
+    for name in ("dp", "tp", "pp", "vpp", "ep", "cp", "global_batch_size", "micro_batch_size"):
         if getattr(s, name) < 1:
             raise ConfigError(f"{name}={getattr(s, name)} must be >= 1; pass a positive "
                               f"--{name.replace('_', '-')}")
@@ -44,11 +44,15 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
         raise ConfigError(f"mesh {mesh.nodes} nodes x {mesh.devices_per_node} devices "
                           "must have at least one of each; pass --nodes and "
                           "--devices-per-node >= 1")
-    if s.dp * s.tp * s.pp != mesh.world and not s.stage_ranks:
+    if s.dp * s.cp * s.tp * s.pp != mesh.world and not s.stage_ranks:
+        cp, cps = (f"*{s.cp}", "cp*") if s.cp > 1 else ("", "")
         raise ConfigError(
-            f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.dp * s.tp * s.pp} but the mesh has "
-            f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose dp, tp, pp "
-            f"whose product is {mesh.world}")
+            f"dp*{cps}tp*pp = {s.dp}{cp}*{s.tp}*{s.pp} = {s.dp * s.cp * s.tp * s.pp} but the "
+            f"mesh has {mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose "
+            f"dp, {cps.replace('*', ', ')}tp, pp whose product is {mesh.world}")
+    if s.cp > 1 and s.ep > 1:
+        raise ConfigError("context parallelism (--cp) with expert parallelism (--ep) is not "
+                          "planned yet; use one of them")
     if s.sequence_parallel and s.tp == 1:
         raise ConfigError("sequence parallelism splits the sequence over the tensor-parallel "
                           "ranks; it needs tp > 1: pass --tp 2 (or more), or drop "
@@ -104,8 +108,9 @@ def _check_stage_ranks(mesh: Mesh, s: Strategy) -> None:
                           "give one list per stage")
     seen: set[int] = set()
     for i, ranks in enumerate(s.stage_ranks):
-        if len(ranks) != s.dp * s.tp:
-            raise ConfigError(f"stage {i} lists {len(ranks)} ranks, but dp*tp = {s.dp * s.tp}")
+        if len(ranks) != s.dp * s.cp * s.tp:
+            raise ConfigError(f"stage {i} lists {len(ranks)} ranks, but dp*cp*tp = "
+                              f"{s.dp * s.cp * s.tp}")
         bad = [r for r in ranks if not 0 <= r < mesh.world or r in seen]
         if bad:
             raise ConfigError(f"stage {i} lists rank {bad[0]}, which is outside 0..{mesh.world - 1}"

@@ -250,6 +250,14 @@ def _mean_rescale(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Call
     return lk.mean_rescale(kernel, local, ctx.view.values[x].meta.shape, dims)
 
 
+def _causal_offset(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
+    backward = len(op.outputs) == 3  # (grad_out, q, k, v, out, lse, ...)
+    q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
+    q_lo, k_lo = ctx.box(q.id)[2][0], ctx.box(k.id)[2][0]
+    wrap = lk.causal_attention_backward if backward else lk.causal_attention
+    return wrap(kernel, q_lo, k_lo)
+
+
 def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
     return kernel if ctx.coord[axis] == 0 else lk.counted_elsewhere
 
@@ -257,9 +265,10 @@ def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Cal
 _VARIANTS = {KernelVariant.REPLICA_FIRST: _replica_first,
              KernelVariant.BIAS_FIRST: _bias_first, KernelVariant.VOCAB_OFFSET: _vocab_offset,
              KernelVariant.CLASS_OFFSET: _class_offset,
-             KernelVariant.MEAN_RESCALE: _mean_rescale}
-# Applied once however many axes name them: the rescale uses the full local shape.
-_ONCE = {KernelVariant.MEAN_RESCALE}
+             KernelVariant.MEAN_RESCALE: _mean_rescale,
+             KernelVariant.CAUSAL_OFFSET: _causal_offset}
+# Applied once however many axes name them: they read the whole local boxes.
+_ONCE = {KernelVariant.MEAN_RESCALE, KernelVariant.CAUSAL_OFFSET}
 
 
 def _variant(op: Op, task: Task, ctx: RankContext) -> Callable:

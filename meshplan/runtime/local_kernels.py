@@ -15,6 +15,9 @@ the axis, the variants' outputs equal the logical op's output.
                 (0 on a rank that holds none of it)
   replica_first a replicated gradient's squared norm (clipping): the axis's
                 first rank counts it, the others give zero
+  causal_offset causal attention (and its backward) of queries at positions
+                [lo, hi) against keys from k_lo: the causal mask at those
+                positions, as an additive mask (context parallelism)
 """
 
 from __future__ import annotations
@@ -101,3 +104,29 @@ def mean_rescale(kernel, local_shape, logical_shape, dims):
         return out.zero_() if ratio == 0 else out * ratio
 
     return rescaled
+
+
+def causal_mask(q_lo: int, rows: int, k_lo: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """-inf where key position k_lo + j comes after query position q_lo + i."""
+    i = torch.arange(rows, device=like.device)[:, None] + q_lo
+    j = torch.arange(cols, device=like.device)[None, :] + k_lo
+    return torch.zeros(rows, cols, dtype=like.dtype, device=like.device).masked_fill(
+        j > i, float("-inf"))
+
+
+def causal_attention(kernel, q_lo: int, k_lo: int):
+    """The flash attention kernel, causal for queries from `q_lo` and keys from `k_lo`."""
+    def attention(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        mask = causal_mask(q_lo, q.shape[-2], k_lo, k.shape[-2], q)
+        return kernel(q, k, v, dropout_p, False, attn_mask=mask, scale=scale)
+
+    return attention
+
+
+def causal_attention_backward(kernel, q_lo: int, k_lo: int):
+    def backward(g, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                 scale=None):
+        mask = causal_mask(q_lo, q.shape[-2], k_lo, k.shape[-2], q)
+        return kernel(g, q, k, v, out, lse, dropout_p, False, attn_mask=mask, scale=scale)
+
+    return backward
