@@ -89,6 +89,9 @@ class Strategy:
     vpp: int = 1
     ep: int = 1  # expert parallel, carved out of dp (it divides dp); see the module docstring
     cp: int = 1  # context parallel: the sequence split over cp ranks; see the module docstring
+    # with cp > 1, causal attention load-balanced: the sequence reordered so that each
+    # rank holds a head and a tail chunk (passes/context_parallel.py); False: in order
+    cp_balance: bool = True
     global_batch_size: int = 1
     micro_batch_size: int = 1
     schedule: str = "1f1b"          # a name in schedules/registry.py

@@ -18,12 +18,14 @@ from functools import cache
 
 from meshplan.costmodel import CPU_DEFAULT, DeviceModel
 from meshplan.ir import Phase, TensorMeta
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.kinds import short
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.ops.cost import bytes_moved
 from meshplan.ops.infer import to_sig
 from meshplan.ops.table import rule_for
+from meshplan.passes.context_parallel import causal_share
 from meshplan.schedules import stage_placement
 
 
@@ -35,13 +37,21 @@ def _op_cost(kind: str, sig_args: tuple, outs: tuple, dev: DeviceModel) -> tuple
     return flops, dev.compute_seconds(flops, bytes_moved(sig_args, outs), dtype)
 
 
-def compute_cost(job, t, value_meta: dict, dev: DeviceModel) -> tuple[float, float]:
+def compute_cost(job, t, value_meta: dict, dev: DeviceModel,
+                 coord: tuple[int, ...] = ()) -> tuple[float, float]:
     """(flops, seconds) of compute task `t` on its physical shapes
-    (`value_meta`: Job value id -> the rank's TensorMeta)."""
+    (`value_meta`: Job value id -> the rank's TensorMeta); a causal
+    attention of a rank's rows (CAUSAL_OFFSET, at grid `coord`) does the
+    share of its pairs that its positions keep, not half."""
     op = job.graph.ops[t.op]
     sig = to_sig(op.args, lambda i: value_meta.get(i) or job.graph.values[i].meta)
     outs = tuple(value_meta.get(o) for o in op.outputs if o >= 0)
-    return _op_cost(op.kind, sig, outs, dev)
+    flops, seconds = _op_cost(op.kind, sig, outs, dev)
+    if KernelVariant.CAUSAL_OFFSET in t.variant and coord:  # the op's rule counts half
+        flops = 2 * flops * causal_share(job, op, coord)
+        dtype = next((o.dtype for o in outs if o is not None), "float32")
+        seconds = dev.compute_seconds(flops, bytes_moved(sig, outs), dtype)
+    return flops, seconds
 
 
 def send_bytes(t, metas: dict) -> int:
@@ -97,7 +107,7 @@ def _task_seconds(job, p, t, value_meta, metas, dev, where, stage, out) -> float
         return 0.0
     if t.kind is TaskKind.RECV:
         return 0.0
-    return compute_cost(job, t, value_meta, dev)[1]
+    return compute_cost(job, t, value_meta, dev, p.coord)[1]
 
 
 def full_bytes(kind: str, t, metas) -> int:

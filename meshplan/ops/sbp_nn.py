@@ -88,6 +88,18 @@ def embedding(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     return sigs + [replicated(2, 1)]
 
 
+def index_select(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """x.index_select(dim, idx): another dim's split passes through; the
+    picked rows split as the indices are (each rank picks its own)."""
+    x, idx = tensors(args)[:2]
+    dim = args[1] % len(x.shape)
+    sigs = [SbpSig((Shard(d), R), (Shard(d),)) for d in range(len(x.shape))
+            if d != dim and x.shape[d] > 1]
+    if idx.shape and idx.shape[0] > 1:
+        sigs.append(SbpSig((R, Shard(0)), (Shard(dim),)))
+    return sigs + [replicated(2, 1)]
+
+
 def embedding_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     g, idx = tensors(args[:2])
     nd = len(idx.shape)

@@ -89,6 +89,7 @@ SBP: dict[str, SbpRule] = {
     "aten.native_layer_norm.default": nn.layer_norm,
     "aten.native_layer_norm_backward.default": nn.layer_norm_backward,
     "aten.embedding.default": nn.embedding,
+    "aten.index_select.default": nn.index_select,
     "aten.embedding_dense_backward.default": nn.embedding_backward,
     "aten.nll_loss_forward.default": nn.nll_loss,
     "aten.nll_loss_backward.default": nn.nll_loss_backward,

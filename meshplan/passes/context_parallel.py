@@ -1,7 +1,21 @@
-"""Context parallelism's one check: every attention computes on a split of
-the sequence's ranks, not replicated over them.
+"""Context parallelism: the sequence's order for load balance, and the
+check that every attention computes on a split of the sequence's ranks.
 
 Invariants:
+- Load balance (`balance_sequence`, `Strategy.cp_balance`): causal
+  attention's work grows with a query's position, so a rank holding the
+  sequence's last part would do most of it. The forward graph is made to
+  compute on the sequence reordered so that the contiguous split over cp
+  gives rank r chunks r and 2cp-1-r of 2cp (`zigzag`, torchtitan's and
+  Megatron's head-and-tail split): every data input is reordered along
+  the sequence once, each `arange` of the sequence's length (the
+  positions) is the same order, and the causal mask of each rank's rows
+  is taken at those positions (`CAUSAL_OFFSET`). Every other op is
+  position-wise, and the loss a mean, so the step computes what the model
+  does. A model whose forward reads a neighbour along a sequence-long dim
+  (a slice, pad, roll or running sum there: transformers' label shift) is
+  left in order, and the plan says so in a note; one without causal
+  attention has nothing to balance.
 - Nothing here chooses a layout. The inputs rest split by sequence over the
   cp axis (`propagate._input_layouts`), and propagation carries the split
   through every position-wise op; attention's rule (`ops/sbp_nn.py`)
@@ -16,12 +30,104 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
+
 from meshplan.errors import ConfigError
-from meshplan.ir import Graph, Phase
-from meshplan.ir.sbp import Shard
+from meshplan.ir import Graph, Phase, Ref, Role
+from meshplan.ir.graph import DEVICE
+from meshplan.ir.sbp import Shard, local_box
+from meshplan.passes.rebuild import Rebuild
 
 ATTENTION = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
              "aten.scaled_dot_product_attention.default")
+ARANGE = "aten.arange.default"
+# ops that read a neighbour along a dim: reordered, they would read another token
+_NEIGHBOURS = {"aten.slice.Tensor": 1, "aten.narrow.default": 1, "aten.roll.default": 2,
+               "aten.cumsum.default": 1, "aten.pad.default": -1,
+               "aten.constant_pad_nd.default": -1}
+
+
+def zigzag(seq: int, cp: int) -> list[int]:
+    """The sequence's positions in the balanced order: 2cp chunks, rank r's
+    part of the contiguous split holding chunks r and 2cp-1-r."""
+    c = seq // (2 * cp)
+    out: list[int] = []
+    for r in range(cp):
+        out += list(range(r * c, (r + 1) * c)) + \
+            list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+    return out
+
+
+def balance_sequence(graph: Graph, cp: int) -> tuple[Graph | None, tuple[int, ...], str]:
+    """`graph` (a forward) computing on the zigzag order (see the module
+    docstring) and its reordered data inputs (which propagation keeps split
+    by sequence over cp: hinted), or (None, (), why not) when it has nothing
+    to balance or reads neighbouring positions; a sequence that 2cp does not
+    divide is one ConfigError line."""
+    seqs = {graph.values[v].meta.shape[1] for v in graph.inputs
+            if graph.values[v].role is Role.DATA and len(graph.values[v].meta.shape) > 1}
+    causal = [op for op in graph.ops if op.kind == ATTENTION[0] and len(op.args) > 4
+              and op.args[4] is True]
+    masked = any(op.kind == ATTENTION[1] for op in graph.ops)
+    if len(seqs) != 1 or not (causal or masked):
+        return None, (), ""
+    seq = seqs.pop()
+    for op in graph.ops:
+        reads = _neighbour_dim(graph, op, seq)
+        if reads is not None:
+            return None, (), (
+                f"cp: the sequence is split in order, not load-balanced: {op.kind} in "
+                f"{op.module_path or 'the model'} reads neighbouring positions (dim {reads}); "
+                "causal attention's work then grows from the first cp rank to the last")
+    if not causal:
+        return None, (), ("cp: the sequence is split in order: attention takes the model's own "
+                          "mask, whose causality is not read")
+    if seq % (2 * cp):
+        ok = [d for d in range(1, seq // 2 + 1) if seq % (2 * d) == 0 and d > 1]
+        raise ConfigError(f"--cp {cp}: load balance splits the sequence into 2 x cp = {2 * cp} "
+                          f"chunks, which do not divide its {seq} tokens; choose --cp among "
+                          f"{', '.join(map(str, ok)) or '(none)'}, or pass --no-cp-balance")
+    rb = Rebuild(graph)
+    order, data = None, []
+    for op in graph.ops:
+        if order is None:  # the order, and every data input reordered, before the first op
+            e = rb.emitter(op)
+            c = seq // (2 * cp)
+            parts = [e.call("aten.arange.start", k * c, (k + 1) * c, device=DEVICE)
+                     for k in _chunk_order(cp)]
+            order = e.call("aten.cat.default", tuple(parts))
+            for v in graph.inputs:
+                meta = graph.values[v].meta
+                if graph.values[v].role is Role.DATA and len(meta.shape) > 1:
+                    rb.vmap[v] = e.call("aten.index_select.default", Ref(v), 1, order).id
+                    data.append(rb.vmap[v])
+        if op.kind == ARANGE and op.args in ((seq,), (0, seq)):
+            rb.vmap[op.outputs[0]] = order.id  # the positions, in the same order
+            continue
+        rb.keep(op, [rb.vmap.get(r, r) for r in op.refs()])
+    return rb.build(graph), tuple(data), ""
+
+
+def _chunk_order(cp: int) -> list[int]:
+    return [k for r in range(cp) for k in (r, 2 * cp - 1 - r)]
+
+
+def _neighbour_dim(graph: Graph, op, seq: int) -> int | None:
+    """The dim of size `seq` along which `op` reads a neighbour, if any."""
+    pos = _NEIGHBOURS.get(op.kind)
+    if pos is None or op.phase is not Phase.FORWARD:
+        return None
+    shape = graph.values[op.refs()[0]].meta.shape
+    if pos < 0:  # pad: every padded dim, from the last
+        pads = op.args[1]
+        dims = [len(shape) - 1 - i // 2 for i in range(len(pads)) if pads[i]]
+    else:
+        dims = [op.args[pos] if len(op.args) > pos else dict(op.kwargs).get("dim", 0)]
+    for d in dims:
+        d = d % len(shape) if isinstance(d, int) and shape else d
+        if isinstance(d, int) and shape and shape[d] == seq:
+            return d
+    return None
 
 
 def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int) -> None:
@@ -39,3 +145,20 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int) -> No
             raise ConfigError(f"--cp {cp}: the attention {op.kind} in {where} cannot compute on "
                               "a split of the sequence (a causal one with grouped-query heads "
                               "runs only whole); use --cp 1")
+
+
+def causal_share(job, op, coord: tuple[int, ...]) -> float:
+    """The part of a causal attention's (query, key) pairs that one rank's
+    rows (at grid `coord`) compute, over its rows times its keys: the work
+    its CAUSAL_OFFSET kernel does of a full one of its shapes."""
+    s = job.strategy
+    backward = len(op.outputs) == 3
+    q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
+    seq = job.graph.values[q.id].meta.shape[2]
+    order = zigzag(seq, s.cp) if s.cp > 1 and s.cp_balance else list(range(seq))
+    grid = s.placement(job.stage[op.id]).grid
+    (q_lo, q_hi), (k_lo, k_hi) = (local_box(job.graph.values[v.id].meta.shape, job.sbp[v.id],
+                                            grid, coord)[2] for v in (q, k))
+    keys = sorted(order[k_lo:k_hi])
+    pairs = sum(bisect.bisect_right(keys, p) for p in order[q_lo:q_hi])
+    return pairs / max(1, (q_hi - q_lo) * (k_hi - k_lo))

@@ -2,7 +2,8 @@
 
     PASSES (in order; `docs/architecture.md` has the table of what each
     requires and ensures):
-    check_strategy -> apply_precision (bf16, fp16) -> autodiff
+    check_strategy -> apply_precision (bf16, fp16)
+        -> balance_sequence (cp > 1: the load-balanced order) -> autodiff
         -> expert_load (a mixture of experts)
         -> resolve_derived (derived and balanced plans) -> expand_batch_norm (dp > 1)
         -> expand_log_softmax (vocab tp) -> assign_stages
@@ -35,9 +36,10 @@ from meshplan.ir import Graph, Role, check_well_formed
 from meshplan.ir.choices import Precision, Recompute, TpStyle
 from meshplan.ir.job import Job, check_job_well_formed
 from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.ir.sbp import Shard
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
-from meshplan.passes.context_parallel import check_attention_split
+from meshplan.passes.context_parallel import balance_sequence, check_attention_split
 from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
 from meshplan.passes.expert_parallel import (
@@ -69,6 +71,8 @@ class Compilation:
     strategy: Strategy
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     notes: tuple[str, ...] = ()
+    balanced: bool = False  # the forward computes on the load-balanced order (cp > 1)
+    reordered: tuple[int, ...] = ()  # its data inputs in that order (kept split over cp)
     stages: StageAssignment | None = None
     copies: dict = field(default_factory=dict)  # shared parameters' per-stage gradients
     param_tp: dict = field(default_factory=dict)
@@ -165,13 +169,23 @@ def _expert_parallel(c: Compilation) -> None:
 def _propagate_sbp(c: Compilation) -> None:
     s = c.strategy
     axes = ParamAxes(s.tp_axis, s.data_axes, s.ep_axis, c.experts, s.cp_axis)
-    c.sbp = propagate_sbp(c.graph, c.staged().stage, s.grid, c.param_tp, c.hints, axes, s.zero)
+    hints = {**c.hints, **{v: {s.cp_axis: Shard(1)} for v in c.reordered}}
+    c.sbp = propagate_sbp(c.graph, c.staged().stage, s.grid, c.param_tp, hints, axes, s.zero)
+
+
+def _balance_sequence(c: Compilation) -> None:
+    graph, data, why = balance_sequence(c.graph, c.strategy.cp)
+    c.notes += (why,) if why else ()
+    if graph is not None:
+        c.graph, c.balanced, c.reordered = graph, True, data
 
 
 def _context_parallel(c: Compilation) -> None:
     s = c.strategy
     assert s.cp_axis is not None and c.sbp is not None
     check_attention_split(c.graph, c.sbp.sigs, s.cp_axis, s.cp)
+    if s.cp_balance and not c.balanced:  # left in order (or a train step made by hand):
+        c.strategy = replace(s, cp_balance=False)  # the Job says so; CAUSAL_OFFSET reads it
 
 
 def _add_boxing(c: Compilation) -> None:
@@ -229,7 +243,10 @@ PASSES = PassManager([
     Pass("check_strategy", _check_strategy, F(), F({"valid_strategy"})),
     Pass("apply_precision", _apply_precision, F({"valid_strategy"}), F({"casts"}),
          when=lambda c: c.strategy.precision != Precision.FP32),
-    Pass("autodiff", _autodiff, F({"valid_strategy", "casts"}), F({"train_step"})),
+    Pass("balance_sequence", _balance_sequence, F({"valid_strategy"}), F({"sequence_order"}),
+         when=lambda c: c.strategy.cp > 1 and c.strategy.cp_balance),
+    Pass("autodiff", _autodiff, F({"valid_strategy", "casts", "sequence_order"}),
+         F({"train_step"})),
     Pass("expert_load", _expert_load, F({"train_step"}), F({"expert_reports"}),
          when=lambda c: bool(moe_blocks(c.graph))),
     Pass("resolve_derived", _resolve_derived, F({"valid_strategy", "train_step"}),

@@ -28,6 +28,7 @@ from meshplan.ops.device_kernels import adapter
 from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
+from meshplan.passes.context_parallel import zigzag
 from meshplan.runtime import local_kernels as lk
 
 if TYPE_CHECKING:  # torch.distributed is loaded only where a rank talks (comm.py)
@@ -253,9 +254,12 @@ def _mean_rescale(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Call
 def _causal_offset(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
     backward = len(op.outputs) == 3  # (grad_out, q, k, v, out, lse, ...)
     q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
-    q_lo, k_lo = ctx.box(q.id)[2][0], ctx.box(k.id)[2][0]
+    s = ctx.view.strategy
+    seq = ctx.view.values[q.id].meta.shape[2]
+    order = zigzag(seq, s.cp) if s.cp > 1 and s.cp_balance else range(seq)
+    (q_lo, q_hi), (k_lo, k_hi) = ctx.box(q.id)[2], ctx.box(k.id)[2]
     wrap = lk.causal_attention_backward if backward else lk.causal_attention
-    return wrap(kernel, q_lo, k_lo)
+    return wrap(kernel, order[q_lo:q_hi], order[k_lo:k_hi])
 
 
 def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:

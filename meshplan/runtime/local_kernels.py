@@ -15,9 +15,9 @@ the axis, the variants' outputs equal the logical op's output.
                 (0 on a rank that holds none of it)
   replica_first a replicated gradient's squared norm (clipping): the axis's
                 first rank counts it, the others give zero
-  causal_offset causal attention (and its backward) of queries at positions
-                [lo, hi) against keys from k_lo: the causal mask at those
-                positions, as an additive mask (context parallelism)
+  causal_offset causal attention (and its backward) of a rank's rows of the
+                queries and keys: the causal mask at their positions (in
+                order, or the load-balanced order), as an additive mask
 """
 
 from __future__ import annotations
@@ -106,27 +106,33 @@ def mean_rescale(kernel, local_shape, logical_shape, dims):
     return rescaled
 
 
-def causal_mask(q_lo: int, rows: int, k_lo: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-    """-inf where key position k_lo + j comes after query position q_lo + i."""
-    i = torch.arange(rows, device=like.device)[:, None] + q_lo
-    j = torch.arange(cols, device=like.device)[None, :] + k_lo
-    return torch.zeros(rows, cols, dtype=like.dtype, device=like.device).masked_fill(
+def causal_mask(q_pos, k_pos, like: torch.Tensor) -> torch.Tensor:
+    """-inf where a key's position comes after the query's (positions: sequences of ints)."""
+    i = torch.tensor(list(q_pos), device=like.device)[:, None]
+    j = torch.tensor(list(k_pos), device=like.device)[None, :]
+    return torch.zeros(len(i), j.shape[1], dtype=like.dtype, device=like.device).masked_fill(
         j > i, float("-inf"))
 
 
-def causal_attention(kernel, q_lo: int, k_lo: int):
-    """The flash attention kernel, causal for queries from `q_lo` and keys from `k_lo`."""
+def causal_attention(kernel, q_pos, k_pos):
+    """The flash attention kernel, causal for queries and keys at these positions."""
+    mask: list = []
+
     def attention(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        mask = causal_mask(q_lo, q.shape[-2], k_lo, k.shape[-2], q)
-        return kernel(q, k, v, dropout_p, False, attn_mask=mask, scale=scale)
+        if not mask:
+            mask.append(causal_mask(q_pos, k_pos, q))
+        return kernel(q, k, v, dropout_p, False, attn_mask=mask[0], scale=scale)
 
     return attention
 
 
-def causal_attention_backward(kernel, q_lo: int, k_lo: int):
+def causal_attention_backward(kernel, q_pos, k_pos):
+    mask: list = []
+
     def backward(g, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                  scale=None):
-        mask = causal_mask(q_lo, q.shape[-2], k_lo, k.shape[-2], q)
-        return kernel(g, q, k, v, out, lse, dropout_p, False, attn_mask=mask, scale=scale)
+        if not mask:
+            mask.append(causal_mask(q_pos, k_pos, q))
+        return kernel(g, q, k, v, out, lse, dropout_p, False, attn_mask=mask[0], scale=scale)
 
     return backward

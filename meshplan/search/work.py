@@ -191,7 +191,7 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
             continue
         if t.kind is TaskKind.RECV:
             continue
-        flops, seconds = compute_cost(job, t, value_meta, dev)
+        flops, seconds = compute_cost(job, t, value_meta, dev, plan.coord)
         w[key] = w.get(key, 0.0) + seconds
         if key is not Slot.STEP:
             w["flops"] = w.get("flops", 0.0) + flops

@@ -18,7 +18,7 @@ from meshplan.ir.mesh import Mesh
 from meshplan.ir.sbp import Shard
 from meshplan.lowering.lower import lower
 from meshplan.models import model_config
-from meshplan.passes.context_parallel import ATTENTION
+from meshplan.passes.context_parallel import ATTENTION, zigzag
 from tests.runtime._util import eager_verdict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,8 +68,9 @@ def test_several_samples_per_micro_batch_train_as_eager():
 
 def test_queries_stay_split_and_only_keys_and_values_are_gathered():
     """Each rank holds T/cp of every activation; a layer's forward gathers
-    its keys and values (2 all-gathers over cp) and nothing else of size;
-    its attention's queries are its own rows, causal through CAUSAL_OFFSET."""
+    its keys and values (2 all-gathers over cp), and the step only the
+    token ids besides (to put them in the load-balanced order); each
+    attention's queries are its own rows, causal through CAUSAL_OFFSET."""
     cfg, s, job = _job("gpt", dict(cp=4), SEQ)
     g, cp = job.graph, s.cp_axis
     attention = [op for op in g.ops if op.kind == ATTENTION[0] and op.phase.name == "FORWARD"]
@@ -80,8 +81,10 @@ def test_queries_stay_split_and_only_keys_and_values_are_gathered():
         assert job.variant[op.id][cp] == KernelVariant.CAUSAL_OFFSET
     gathers = [op for op in g.ops if op.kind == ALL_GATHER and op.phase.name == "FORWARD"
                and dict(op.kwargs)["axis"] == cp]
-    assert len(gathers) == 2 * cfg.layers
-    assert all(g.values[op.args[0].id].meta.shape[2] == SEQ for op in gathers)
+    kv = [op for op in gathers if g.values[op.args[0].id].meta.dtype.name != "int64"]
+    assert len(kv) == 2 * cfg.layers
+    assert all(g.values[op.args[0].id].meta.shape[2] == SEQ for op in kv)
+    assert {g.values[op.args[0].id].meta.shape for op in gathers if op not in kv} == {(1, SEQ)}
     plan = lower(job, 1)
     rows = Counter(b.shape for b in plan.buffers if len(b.shape) == 3)
     assert (1, SEQ // 4, cfg.hidden) in rows and (1, SEQ, cfg.hidden) not in rows
@@ -136,3 +139,59 @@ def test_configuration_names_carry_cp():
     assert format_config_name(f) == name
     plain = parse_config_name("gpt_nl4_nah4_hs64_FP32_acfalse_mp2_pp1_cp4_mb1_gb8_1n8g")
     assert plain["cp"] == 4 and plain["ep"] == 1
+
+
+@pytest.mark.parametrize("seq, cp", [(16, 2), (256, 4), (24, 3)])
+def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk(seq, cp):
+    order = zigzag(seq, cp)
+    assert sorted(order) == list(range(seq))
+    c, part = seq // (2 * cp), seq // cp
+    for r in range(cp):
+        mine = order[r * part:(r + 1) * part]
+        assert mine == [*range(r * c, (r + 1) * c), *range((2 * cp - 1 - r) * c,
+                                                            (2 * cp - r) * c)]
+
+
+def _attention_flops(balance: bool) -> list[float]:
+    from meshplan.costmodel import load_device_model
+    from meshplan.ir import TensorMeta
+    from meshplan.lowering.action_times import compute_cost
+
+    dev = load_device_model("h100-80gb")
+    _, s, job = _job("gpt", dict(cp=4, cp_balance=balance), SEQ)
+    assert job.strategy.cp_balance is balance
+    out = []
+    for r in range(4):
+        p = lower(job, r)
+        metas = {b.value: TensorMeta(b.shape, b.dtype) for b in p.buffers}
+        out.append(sum(compute_cost(job, t, metas, dev, p.coord)[0] for t in p.tasks
+                       if job.graph.ops[t.op].kind == ATTENTION[0]))
+    return out
+
+
+def test_causal_attention_work_is_balanced_over_cp_ranks():
+    """cp4, causal: each rank's attention flops from its plan (the pairs
+    its positions keep) within 5% of each other; in order, the last rank
+    does 7x the first's (1, 3, 5, 7 eighths of a row's keys)."""
+    balanced, in_order = _attention_flops(True), _attention_flops(False)
+    assert max(balanced) <= 1.05 * min(balanced), balanced
+    assert max(in_order) / min(in_order) == pytest.approx(7, rel=0.1), in_order
+    assert sum(balanced) == pytest.approx(sum(in_order), rel=1e-9)
+
+
+def test_in_order_trains_as_eager_and_a_sequence_2cp_does_not_divide_is_one_line():
+    cfg, s, job = _job("gpt", dict(cp=3, cp_balance=False), 48)
+    verdict = eager_verdict(job, cfg, 4)
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
+    with pytest.raises(ConfigError, match="2 x cp = 6 chunks, which do not divide its 40"):
+        _job("gpt", dict(cp=3), 40)
+
+
+def test_a_model_reading_neighbouring_positions_stays_in_order_and_says_so():
+    """transformers' causal LMs shift their labels inside the model (a pad
+    and a slice along the sequence): reordered, a token would be scored
+    against another's label, so the sequence stays in order, with a note."""
+    pytest.importorskip("transformers")
+    _, s, job = _job("hf:llama", dict(cp=2))
+    assert job.strategy.cp_balance is False
+    assert any(n.startswith("cp: the sequence is split in order") for n in job.notes)

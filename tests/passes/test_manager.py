@@ -67,7 +67,8 @@ def test_with_checks_the_verifier_runs_after_every_pass_that_ran(forward):
     assert c.job is not None
     assert ran == list(timings) == [p for p in PASSES.names
                                     if p not in ("expand_log_softmax", "expert_load",
-                                                 "expert_parallel", "context_parallel")]
+                                                 "expert_parallel", "context_parallel",
+                                                 "balance_sequence")]
     ran.clear()
     timings.clear()
     manager.run(_state(forward), checks=False, timings=timings)
