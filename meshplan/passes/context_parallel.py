@@ -142,6 +142,12 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int) -> No
     for op in ops:
         if not isinstance(sigs[op.id][cp_axis].ins[0], Shard):
             where = op.module_path or "the model"
+            seq = graph.values[op.refs()[0]].meta.shape[-2]
+            if seq % cp:
+                ok = [d for d in range(2, seq + 1) if seq % d == 0]
+                raise ConfigError(f"--cp {cp} does not divide the sequence's {seq} tokens, so "
+                                  f"the attention in {where} would run whole on every cp rank; "
+                                  f"choose --cp among {', '.join(map(str, ok[:8]))}")
             raise ConfigError(f"--cp {cp}: the attention {op.kind} in {where} cannot compute on "
                               "a split of the sequence (a causal one with grouped-query heads "
                               "runs only whole); use --cp 1")
