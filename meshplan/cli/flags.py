@@ -80,9 +80,10 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="context parallel: split each sequence over this many ranks (the "
                    "inputs and activations by sequence, attention's keys and values "
                    "gathered whole); for long contexts")
-    g.add_argument("--no-cp-balance", dest="cp_balance", action="store_false",
-                   help="with --cp: keep the sequence in order (default: reordered so that "
-                   "each rank holds a head and a tail chunk, balancing causal attention)")
+    g.add_argument("--cp-balance", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --cp: reorder the sequence so that each rank holds a head and "
+                   "a tail chunk, balancing causal attention (the default); "
+                   "--no-cp-balance keeps it in order")
     g.add_argument("--vpp", type=int, default=None,
                    help="virtual stages (chunks) per stage (default 1; 2 for zbv; a CSV's own)")
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -265,7 +266,7 @@ def strategy_fields(a: argparse.Namespace) -> dict:
               "bucket_mb": a.bucket_mb}
     if getattr(a, "sequence_parallel", False):
         fields["sequence_parallel"] = True
-    if not getattr(a, "cp_balance", True):
+    if getattr(a, "cp_balance", None) is False:
         fields["cp_balance"] = False
     if csv_text:
         if a.schedule:

@@ -14,18 +14,20 @@ wall-clock seconds.
 
 from __future__ import annotations
 
+import bisect
 from functools import cache
 
 from meshplan.costmodel import CPU_DEFAULT, DeviceModel
 from meshplan.ir import Phase, TensorMeta
 from meshplan.ir.choices import KernelVariant
 from meshplan.ir.kinds import short
+from meshplan.ir.sbp import local_box
+from meshplan.ir.sequence_order import sequence_order
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.ops.cost import bytes_moved
 from meshplan.ops.infer import to_sig
 from meshplan.ops.table import rule_for
-from meshplan.passes.context_parallel import causal_share
 from meshplan.schedules import stage_placement
 
 
@@ -118,3 +120,20 @@ def full_bytes(kind: str, t, metas) -> int:
         return metas[t.outputs[0]].nbytes
     nbytes = metas[t.inputs[0]].nbytes
     return nbytes * len(t.group) if kind == "all_to_all" else nbytes
+
+
+def causal_share(job, op, coord: tuple[int, ...]) -> float:
+    """The part of a causal attention's (query, key) pairs that one rank's
+    rows (at grid `coord`) compute, over its rows times its keys: the work
+    its CAUSAL_OFFSET kernel does of a full one of its shapes."""
+    s = job.strategy
+    backward = len(op.outputs) == 3
+    q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
+    seq = job.graph.values[q.id].meta.shape[2]
+    order = sequence_order(s, seq)
+    grid = s.placement(job.stage[op.id]).grid
+    (q_lo, q_hi), (k_lo, k_hi) = (local_box(job.graph.values[v.id].meta.shape, job.sbp[v.id],
+                                            grid, coord)[2] for v in (q, k))
+    keys = sorted(order[k_lo:k_hi])
+    pairs = sum(bisect.bisect_right(keys, p) for p in order[q_lo:q_hi])
+    return pairs / max(1, (q_hi - q_lo) * (k_hi - k_lo))

@@ -30,12 +30,11 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
-
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Phase, Ref, Role
 from meshplan.ir.graph import DEVICE
-from meshplan.ir.sbp import Shard, local_box
+from meshplan.ir.sbp import Shard
+from meshplan.ir.sequence_order import chunk_order
 from meshplan.passes.rebuild import Rebuild
 
 ATTENTION = ("aten._scaled_dot_product_flash_attention_for_cpu.default",
@@ -45,17 +44,6 @@ ARANGE = "aten.arange.default"
 _NEIGHBOURS = {"aten.slice.Tensor": 1, "aten.narrow.default": 1, "aten.roll.default": 2,
                "aten.cumsum.default": 1, "aten.pad.default": -1,
                "aten.constant_pad_nd.default": -1}
-
-
-def zigzag(seq: int, cp: int) -> list[int]:
-    """The sequence's positions in the balanced order: 2cp chunks, rank r's
-    part of the contiguous split holding chunks r and 2cp-1-r."""
-    c = seq // (2 * cp)
-    out: list[int] = []
-    for r in range(cp):
-        out += list(range(r * c, (r + 1) * c)) + \
-            list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
-    return out
 
 
 def balance_sequence(graph: Graph, cp: int) -> tuple[Graph | None, tuple[int, ...], str]:
@@ -94,7 +82,7 @@ def balance_sequence(graph: Graph, cp: int) -> tuple[Graph | None, tuple[int, ..
             e = rb.emitter(op)
             c = seq // (2 * cp)
             parts = [e.call("aten.arange.start", k * c, (k + 1) * c, device=DEVICE)
-                     for k in _chunk_order(cp)]
+                     for k in chunk_order(cp)]
             order = e.call("aten.cat.default", tuple(parts))
             for v in graph.inputs:
                 meta = graph.values[v].meta
@@ -106,10 +94,6 @@ def balance_sequence(graph: Graph, cp: int) -> tuple[Graph | None, tuple[int, ..
             continue
         rb.keep(op, [rb.vmap.get(r, r) for r in op.refs()])
     return rb.build(graph), tuple(data), ""
-
-
-def _chunk_order(cp: int) -> list[int]:
-    return [k for r in range(cp) for k in (r, 2 * cp - 1 - r)]
 
 
 def _neighbour_dim(graph: Graph, op, seq: int) -> int | None:
@@ -152,19 +136,3 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int) -> No
                               "a split of the sequence (a causal one with grouped-query heads "
                               "runs only whole); use --cp 1")
 
-
-def causal_share(job, op, coord: tuple[int, ...]) -> float:
-    """The part of a causal attention's (query, key) pairs that one rank's
-    rows (at grid `coord`) compute, over its rows times its keys: the work
-    its CAUSAL_OFFSET kernel does of a full one of its shapes."""
-    s = job.strategy
-    backward = len(op.outputs) == 3
-    q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
-    seq = job.graph.values[q.id].meta.shape[2]
-    order = zigzag(seq, s.cp) if s.cp > 1 and s.cp_balance else list(range(seq))
-    grid = s.placement(job.stage[op.id]).grid
-    (q_lo, q_hi), (k_lo, k_hi) = (local_box(job.graph.values[v.id].meta.shape, job.sbp[v.id],
-                                            grid, coord)[2] for v in (q, k))
-    keys = sorted(order[k_lo:k_hi])
-    pairs = sum(bisect.bisect_right(keys, p) for p in order[q_lo:q_hi])
-    return pairs / max(1, (q_hi - q_lo) * (k_hi - k_lo))

@@ -22,13 +22,13 @@ from meshplan.ir.job import Job, StageView, stage_view
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import Box, intersect, local_box
+from meshplan.ir.sequence_order import sequence_order
 from meshplan.lowering.rankplan import RankPlan, Task, TaskKind
 from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.device_kernels import adapter
 from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
-from meshplan.passes.context_parallel import zigzag
 from meshplan.runtime import local_kernels as lk
 
 if TYPE_CHECKING:  # torch.distributed is loaded only where a rank talks (comm.py)
@@ -254,9 +254,7 @@ def _mean_rescale(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Call
 def _causal_offset(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:
     backward = len(op.outputs) == 3  # (grad_out, q, k, v, out, lse, ...)
     q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
-    s = ctx.view.strategy
-    seq = ctx.view.values[q.id].meta.shape[2]
-    order = zigzag(seq, s.cp) if s.cp > 1 and s.cp_balance else range(seq)
+    order = sequence_order(ctx.view.strategy, ctx.view.values[q.id].meta.shape[2])
     (q_lo, q_hi), (k_lo, k_hi) = ctx.box(q.id)[2], ctx.box(k.id)[2]
     wrap = lk.causal_attention_backward if backward else lk.causal_attention
     return wrap(kernel, order[q_lo:q_hi], order[k_lo:k_hi])

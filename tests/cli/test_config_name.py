@@ -16,7 +16,8 @@ SEED = "bert_nl24_nah16_hs1024_FP16_actrue_mp2_pp1_mb32_gb256_1n4g"
 def test_the_seed_name_means_what_the_field_says():
     assert parse_config_name(SEED) == {
         "model": "bert", "layers": 24, "heads": 16, "hidden": 1024, "precision": "fp16",
-        "recompute": "full", "tp": 2, "pp": 1, "vpp": 1, "ep": 1, "zero": 0, "micro_batch_size": 32,
+        "recompute": "full", "tp": 2, "pp": 1, "vpp": 1, "ep": 1, "cp": 1, "zero": 0,
+        "micro_batch_size": 32,
         "global_batch_size": 256, "nodes": 1, "devices_per_node": 4}
 
 
@@ -26,12 +27,12 @@ pos = st.integers(1, 4096)
 @given(model=st.sampled_from(["gpt", "bert", "resnet"]), nums=st.lists(pos, min_size=9,
        max_size=9), precision=st.sampled_from(["fp32", "bf16", "fp16"]),
        recompute=st.sampled_from(["none", "full"]), vpp=st.integers(1, 8),
-       ep=st.integers(1, 8), zero=st.integers(0, 3))
-def test_format_then_parse_is_identity(model, nums, precision, recompute, vpp, ep, zero):
+       ep=st.integers(1, 8), cp=st.integers(1, 8), zero=st.integers(0, 3))
+def test_format_then_parse_is_identity(model, nums, precision, recompute, vpp, ep, cp, zero):
     layers, heads, hidden, tp, pp, mb, gb, nodes, dpn = nums
     f = {"model": model, "layers": layers, "heads": heads, "hidden": hidden,
          "precision": precision, "recompute": recompute, "tp": tp, "pp": pp, "vpp": vpp,
-         "ep": ep, "zero": zero,
+         "ep": ep, "cp": cp, "zero": zero,
          "micro_batch_size": mb, "global_batch_size": gb, "nodes": nodes,
          "devices_per_node": dpn}
     name = format_config_name(f)

@@ -16,9 +16,10 @@ from meshplan.ir.choices import KernelVariant
 from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL
 from meshplan.ir.mesh import Mesh
 from meshplan.ir.sbp import Shard
+from meshplan.ir.sequence_order import zigzag
 from meshplan.lowering.lower import lower
 from meshplan.models import model_config
-from meshplan.passes.context_parallel import ATTENTION, zigzag
+from meshplan.passes.context_parallel import ATTENTION
 from tests.runtime._util import eager_verdict
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -243,6 +243,9 @@ CASES: dict[str, Case] = {
         f(), f(6, 12), targets(12, 6), pos(12), 2, -100, torch.tensor(5.0, dtype=F64))),
     "flash": _c("aten._scaled_dot_product_flash_attention_for_cpu.default",
                 lambda: (*_flash(), 0.0, True)),
+    "flash_bidirectional": _c("aten._scaled_dot_product_flash_attention_for_cpu.default",
+                              lambda: (*_flash(L=6), 0.0, False)),
+    "index_select": _c("aten.index_select.default", lambda: (f(6, 12, 4), 1, ints(12, 6))),
     "flash_backward": _c("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
                          _flash_backward),
     # masked attention: a float mask of every dim, one broadcast over the batch
@@ -349,6 +352,11 @@ def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
         local = x[_part(x.shape, sig.ins[0], n, i)].shape
         return lk.mean_rescale(kernel, tuple(local), tuple(x.shape), args[1] if len(args) > 1
                                else None)
+    if sig.variant == "causal_offset":  # a rank's rows of the queries, every key
+        q = ts[1] if len(ts) == 6 else ts[0]
+        rows = range(*split_range(q.shape[2], n, i))
+        wrap = lk.causal_attention_backward if len(ts) == 6 else lk.causal_attention
+        return wrap(kernel, rows, range(q.shape[2]))
     assert not sig.variant, f"unknown kernel variant {sig.variant!r} of {kind}"
     return kernel
 
