@@ -13,8 +13,11 @@ Four parts, one run:
    quiet: each rank's measured peak (the executor's count of live tensors)
    against its plan's, and the step time (median of the steps after the
    first).
-3. load balance: cp4, causal, each rank's attention flops from its plan
-   (the pairs of positions its rows keep), balanced and in order.
+3. load balance: cp4 with the all-gather form (`--cp-attention allgather`;
+   at cp4 the cost model picks the all-to-all form here, which splits heads
+   and is balanced by construction), causal, each rank's attention flops
+   from its plan (the pairs of positions its rows keep), balanced and in
+   order.
 4. anchor: `torch.distributed.tensor.experimental.context_parallel` on 2
    gloo processes, the same GPT's loss and backward under it; its result,
    or its error when it does not run here.
@@ -85,7 +88,7 @@ def balance() -> dict:
     dev = load_device_model("h100-80gb")
     out = {}
     for name, on in (("balanced", True), ("in order", False)):
-        job = _job(cp=4, cp_balance=on)
+        job = _job(cp=4, cp_balance=on, cp_attention="allgather")
         flops = []
         for r in range(4):
             p = lower(job, r)
@@ -167,7 +170,8 @@ def main() -> None:
                      f"{', '.join(f'{x:.4f}' for x in r['losses'])} |")
     lines += ["", f"measured peaks within {follow:.1%} of the plan (target 10%): "
               f"{'met' if follow <= 0.10 else 'NOT met'}", "",
-              "| cp4 causal attention, flops per rank (M) | ranks 0-3 | max / min |",
+              "| cp4 all-gather form, causal attention flops per rank (M) | ranks 0-3 | "
+              "max / min |",
               "|---|---|---|"]
     for k, v in lb.items():
         lines.append(f"| {k} | {', '.join(f'{x / 1e6:.1f}' for x in v)} | {spread[k]:.3f} |")

@@ -80,6 +80,10 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="context parallel: split each sequence over this many ranks (the "
                    "inputs and activations by sequence, attention's keys and values "
                    "gathered whole); for long contexts")
+    g.add_argument("--cp-attention", choices=("auto", "allgather", "alltoall"), default="auto",
+                   help="with --cp, attention's form: allgather (each rank's query rows "
+                   "against keys and values gathered, as Llama 3), alltoall (heads split by "
+                   "all-to-all, as DeepSpeed Ulysses), auto (the cheaper by the plan's costs)")
     g.add_argument("--cp-balance", action=argparse.BooleanOptionalAction, default=None,
                    help="with --cp: reorder the sequence so that each rank holds a head and "
                    "a tail chunk, balancing causal attention (the default); "
@@ -268,6 +272,8 @@ def strategy_fields(a: argparse.Namespace) -> dict:
         fields["sequence_parallel"] = True
     if getattr(a, "cp_balance", None) is False:
         fields["cp_balance"] = False
+    if getattr(a, "cp_attention", "auto") != "auto":
+        fields["cp_attention"] = a.cp_attention
     if csv_text:
         if a.schedule:
             raise ConfigError(f"--schedule {a.schedule} and --schedule-csv {a.schedule_csv} "

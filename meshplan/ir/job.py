@@ -357,7 +357,8 @@ def _strategy(d: dict) -> Strategy:
 
 # Strategy fields added after Jobs were pinned: written only when not their
 # default, so every earlier Job keeps its bytes (`Strategy(**d)` fills them in).
-_LATER_FIELDS = {"ep": 1, "cp": 1, "cp_balance": True, "sequence_parallel": False}
+_LATER_FIELDS = {"ep": 1, "cp": 1, "cp_balance": True, "cp_attention": "auto",
+                 "sequence_parallel": False}
 
 
 def strategy_to_json(s: Strategy) -> dict:

@@ -92,6 +92,9 @@ class Strategy:
     # with cp > 1, causal attention load-balanced: the sequence reordered so that each
     # rank holds a head and a tail chunk (passes/context_parallel.py); False: in order
     cp_balance: bool = True
+    # attention over cp: "allgather" (a rank's query rows against keys and values
+    # gathered), "alltoall" (heads or batch split by all-to-all), "auto": the cheaper
+    cp_attention: str = "auto"
     global_batch_size: int = 1
     micro_batch_size: int = 1
     schedule: str = "1f1b"          # a name in schedules/registry.py

@@ -2,7 +2,9 @@
 check that every attention computes on a split of the sequence's ranks.
 
 Invariants:
-- Load balance (`balance_sequence`, `Strategy.cp_balance`): causal
+- Load balance (`balance_sequence`, `Strategy.cp_balance`; with attention's
+  all-gather form, which `auto` then is: the all-to-all form computes every
+  position of its heads, balanced already): causal
   attention's work grows with a query's position, so a rank holding the
   sequence's last part would do most of it. The forward graph is made to
   compute on the sequence reordered so that the contiguous split over cp
@@ -22,6 +24,9 @@ Invariants:
   offers its queries split by sequence against whole keys and values (the
   boxing all-gathers them: Llama 3's form), or a head or batch split
   (DeepSpeed Ulysses' all-to-alls), and the cheaper is chosen.
+- With the all-gather form a layer's keys and values are gathered whole
+  for its forward and again for its backward (`gathered_keys`, boxing's
+  regather), so between the two a rank keeps only its own rows.
 - A model whose attention cannot compute on a split over cp (no
   `scaled_dot_product_attention` at all, or one replicated over cp: a
   causal one with grouped-query heads, which SDPA runs only whole) gains
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Phase, Ref, Role
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.graph import DEVICE
 from meshplan.ir.sbp import Shard
 from meshplan.ir.sequence_order import chunk_order
@@ -114,9 +120,18 @@ def _neighbour_dim(graph: Graph, op, seq: int) -> int | None:
     return None
 
 
-def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int) -> None:
+def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int,
+                          balanced: bool = False) -> None:
     """One ConfigError line unless the graph has attention and each one's
-    queries are split over the cp axis (`sigs`: op id -> a signature per axis)."""
+    queries are split over the cp axis (`sigs`: op id -> a signature per
+    axis); with the sequence `balanced`, every causal kernel (forward and
+    backward) takes its mask at its rows' positions (asserted: the all-gather
+    form is the one propagation may choose then)."""
+    if balanced:
+        for op in graph.ops:
+            if op.kind.startswith(ATTENTION[0][:-len(".default")]) and \
+                    op.args[7 if len(op.outputs) == 3 else 4] is True:
+                assert sigs[op.id][cp_axis].variant == KernelVariant.CAUSAL_OFFSET, op
     ops = [op for op in graph.ops if op.kind in ATTENTION and op.phase is Phase.FORWARD]
     if not ops:
         raise ConfigError(f"--cp {cp}: the model has no scaled_dot_product_attention to split "
@@ -136,3 +151,11 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int) -> No
                               "a split of the sequence (a causal one with grouped-query heads "
                               "runs only whole); use --cp 1")
 
+
+
+def gathered_keys(graph: Graph) -> frozenset[int]:
+    """Every forward attention's keys and values: with cp, gathered again
+    for the backward rather than kept whole from the forward (as sequence
+    parallelism's colwise inputs are), so a rank keeps only its rows."""
+    return frozenset(r for op in graph.ops if op.kind in ATTENTION
+                     and op.phase is Phase.FORWARD for r in op.refs()[1:3])

@@ -39,7 +39,11 @@ from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.ir.sbp import Shard
 from meshplan.passes.batch_norm import expand_batch_norm
 from meshplan.passes.boxing import Boxed, add_boxing
-from meshplan.passes.context_parallel import balance_sequence, check_attention_split
+from meshplan.passes.context_parallel import (
+    balance_sequence,
+    check_attention_split,
+    gathered_keys,
+)
 from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
 from meshplan.passes.expert_parallel import (
@@ -168,8 +172,10 @@ def _expert_parallel(c: Compilation) -> None:
 
 def _propagate_sbp(c: Compilation) -> None:
     s = c.strategy
-    axes = ParamAxes(s.tp_axis, s.data_axes, s.ep_axis, c.experts, s.cp_axis)
+    axes = ParamAxes(s.tp_axis, s.data_axes, s.ep_axis, c.experts, s.cp_axis, s.cp_attention)
     hints = {**c.hints, **{v: {s.cp_axis: Shard(1)} for v in c.reordered}}
+    if c.balanced and s.cp_attention == "auto":  # the balanced order needs the rows' masks
+        axes = replace(axes, cp_attention="allgather")
     c.sbp = propagate_sbp(c.graph, c.staged().stage, s.grid, c.param_tp, hints, axes, s.zero)
 
 
@@ -183,7 +189,7 @@ def _balance_sequence(c: Compilation) -> None:
 def _context_parallel(c: Compilation) -> None:
     s = c.strategy
     assert s.cp_axis is not None and c.sbp is not None
-    check_attention_split(c.graph, c.sbp.sigs, s.cp_axis, s.cp)
+    check_attention_split(c.graph, c.sbp.sigs, s.cp_axis, s.cp, c.balanced)
     if s.cp_balance and not c.balanced:  # left in order (or a train step made by hand):
         c.strategy = replace(s, cp_balance=False)  # the Job says so; CAUSAL_OFFSET reads it
 
@@ -191,7 +197,8 @@ def _context_parallel(c: Compilation) -> None:
 def _add_boxing(c: Compilation) -> None:
     st = c.staged()
     regather = c.regather | (frozenset(v.id for v in c.graph.inputs_by_role(Role.PARAM))
-                             if c.strategy.zero.regathers else frozenset())
+                             if c.strategy.zero.regathers else frozenset()) | \
+        (gathered_keys(c.graph) if c.strategy.cp > 1 else frozenset())
     c.boxed = add_boxing(c.graph, c.laid_out(), st.stage, st.chunk, len(c.strategy.grid),
                          c.copies, regather)
     c.graph = c.boxed.graph
@@ -244,7 +251,8 @@ PASSES = PassManager([
     Pass("apply_precision", _apply_precision, F({"valid_strategy"}), F({"casts"}),
          when=lambda c: c.strategy.precision != Precision.FP32),
     Pass("balance_sequence", _balance_sequence, F({"valid_strategy"}), F({"sequence_order"}),
-         when=lambda c: c.strategy.cp > 1 and c.strategy.cp_balance),
+         when=lambda c: c.strategy.cp > 1 and c.strategy.cp_balance
+         and c.strategy.cp_attention != "alltoall"),
     Pass("autodiff", _autodiff, F({"valid_strategy", "casts", "sequence_order"}),
          F({"train_step"})),
     Pass("expert_load", _expert_load, F({"train_step"}), F({"expert_reports"}),

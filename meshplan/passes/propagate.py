@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from meshplan.ir import Graph, Phase, Role, TensorMeta
-from meshplan.ir.kinds import GRAD_SQ
+from meshplan.ir.kinds import GRAD_SQ, VJP
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
 from meshplan.ir.zero import ZeroLevel
@@ -127,6 +127,9 @@ class ParamAxes:
     ep: int | None = None
     experts: frozenset = frozenset()  # parameter ids split over ep (their dim 0)
     cp: int | None = None  # the inputs' sequence (dim 1) split over it
+    # attention on the cp axis: "allgather" (its queries' rows against keys and
+    # values gathered), "alltoall" (heads or batch, DeepSpeed Ulysses), "auto": cheaper
+    cp_attention: str = "auto"
 
 
 def _input_layouts(graph: Graph, grid, param_tp: dict, axes: ParamAxes,
@@ -225,12 +228,12 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
                 opt, opt.refs(), opt_have,
                 tuple(None if o < 0 else meta_of(o).meta for o in opt.outputs),
                 to_sig(opt.args, lambda i: meta_of(i).meta),
-                to_sig(opt.kwargs, lambda i: meta_of(i).meta), grid, hints, cache, meta_of)
+                to_sig(opt.kwargs, lambda i: meta_of(i).meta), grid, hints, cache, meta_of, axes)
             chosen = op_cache[op_key] = tuple(_squares_like(op, refs, have, outs, sig_args,
                                                             sig_kw, grid, opt_sigs))
         else:
             chosen = op_cache[op_key] = tuple(_choose_axes(
-                op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of))
+                op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of, axes))
         sigs[op.id] = chosen
         for r, h, k in zip(refs, have, range(len(refs))):
             if h is None:  # a lazily laid-out input (gradient accumulator)
@@ -246,9 +249,11 @@ def propagate_sbp(graph: Graph, op_stage, grid: tuple[int, ...], param_tp: dict,
     return SbpAssignment(sigs, produced, visible)
 
 
-def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of):
+def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, meta_of,
+                 axes: ParamAxes = ParamAxes()):
     """The op's signature on each mesh axis in turn, each chosen on the
-    shapes the earlier axes' splits leave."""
+    shapes the earlier axes' splits leave (on the cp axis, an attention's
+    among the form `axes.cp_attention` names)."""
     whole = tuple(meta_of(r).meta.nbytes for r in refs)
     chosen: list[SbpSig] = []
     for axis, n in enumerate(grid):
@@ -262,11 +267,12 @@ def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, met
         if any(isinstance(x, Shard) for c in chosen for x in c.ins + c.outs):
             a_args, a_kw, a_outs, nbytes = _after_split(op, refs, outs, chosen, grid, meta_of)
         forward = op.phase is Phase.FORWARD
-        key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted, forward)
+        form = axes.cp_attention if axis == axes.cp and _is_attention(op) else "auto"
+        key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted, forward, form)
         best = cache.get(key)
         if best is None:
             best = cache[key] = _choose(op.kind, a_args, a_kw, a_outs, n, avail, nbytes,
-                                        wanted, forward)
+                                        wanted, forward, CP_FORMS[form])
         chosen.append(best)
     return chosen
 
@@ -324,13 +330,27 @@ def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:
     return tuple(R if isinstance(s, Partial) else s for s in layout)
 
 
+# an attention's signatures each context-parallel form keeps (its first input:
+# the queries, or the output's gradient, laid out as the queries)
+CP_FORMS = {"auto": None, "allgather": lambda sig: sig.ins[0] == Shard(2),
+            "alltoall": lambda sig: sig.ins[0] in (Shard(0), Shard(1))}
+
+
+def _is_attention(op) -> bool:
+    kind = op.args[0] if op.kind == VJP else op.kind
+    return "scaled_dot_product" in kind
+
+
 def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted,
-            forward: bool = False) -> SbpSig:
-    """The cheapest signature: boxing its inputs in, and its hinted outputs
-    out; in the forward, a Partial it makes is charged its reduction."""
+            forward: bool = False, keep=None) -> SbpSig:
+    """The cheapest signature (of those `keep` keeps, when given): boxing
+    its inputs in, and its hinted outputs out; in the forward, a Partial it
+    makes is charged its reduction."""
     rule = rule_for(kind).sbp
     assert rule is not None, f"{kind} has no SBP rule"
     candidates = rule(sig_args, dict(sig_kw), outs, n)
+    if keep is not None and any(keep(c) for c in candidates):
+        candidates = [c for c in candidates if keep(c)]
     best, best_cost = candidates[-1], INF
     for cand in candidates:
         cost = 0.0

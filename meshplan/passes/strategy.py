@@ -27,6 +27,9 @@ MEGATRON_PLAN = (
 )
 
 
+CP_ATTENTION = ("auto", "allgather", "alltoall")  # propagate.CP_FORMS
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -50,6 +53,9 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
             f"dp*{cps}tp*pp = {s.dp}{cp}*{s.tp}*{s.pp} = {s.dp * s.cp * s.tp * s.pp} but the "
             f"mesh has {mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose "
             f"dp, {cps.replace('*', ', ')}tp, pp whose product is {mesh.world}")
+    if s.cp_attention not in CP_ATTENTION:
+        raise ConfigError(f"cp attention {s.cp_attention!r} is unknown; choose one of "
+                          f"{', '.join(CP_ATTENTION)}")
     if s.cp > 1 and s.ep > 1:
         raise ConfigError("context parallelism (--cp) with expert parallelism (--ep) is not "
                           "planned yet; use one of them")

@@ -46,6 +46,18 @@ def test_gpt_with_cp_trains_as_eager(layout):
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
 
 
+@pytest.mark.parametrize("form", ["allgather", "alltoall"])
+def test_each_attention_form_trains_as_eager(form):
+    """`--cp-attention`: the all-gather form (each rank's query rows) and
+    the all-to-all one (heads split, DeepSpeed Ulysses), at cp4."""
+    cfg, s, job = _job("gpt", dict(cp=4, cp_attention=form), SEQ)
+    attention = next(op for op in job.graph.ops if op.kind == ATTENTION[0])
+    q = job.sbp[attention.args[0].id][s.cp_axis]
+    assert q == (Shard(2) if form == "allgather" else Shard(1))
+    verdict = eager_verdict(job, cfg, 4)
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
+
+
 @pytest.mark.parametrize("model", ["bert", "hf:llama"])
 def test_bidirectional_and_rotary_models_with_cp_train_as_eager(model):
     """BERT (no causal mask, learned positions) and Llama (rotary positions,
@@ -72,7 +84,7 @@ def test_queries_stay_split_and_only_keys_and_values_are_gathered():
     its keys and values (2 all-gathers over cp), and the step only the
     token ids besides (to put them in the load-balanced order); each
     attention's queries are its own rows, causal through CAUSAL_OFFSET."""
-    cfg, s, job = _job("gpt", dict(cp=4), SEQ)
+    cfg, s, job = _job("gpt", dict(cp=4, cp_attention="allgather"), SEQ)
     g, cp = job.graph, s.cp_axis
     attention = [op for op in g.ops if op.kind == ATTENTION[0] and op.phase.name == "FORWARD"]
     assert len(attention) == cfg.layers
@@ -159,7 +171,7 @@ def _attention_flops(balance: bool) -> list[float]:
     from meshplan.lowering.action_times import compute_cost
 
     dev = load_device_model("h100-80gb")
-    _, s, job = _job("gpt", dict(cp=4, cp_balance=balance), SEQ)
+    _, s, job = _job("gpt", dict(cp=4, cp_balance=balance, cp_attention="allgather"), SEQ)
     assert job.strategy.cp_balance is balance
     out = []
     for r in range(4):
