@@ -45,12 +45,10 @@ from common import machine, median, wait_quiet, write  # noqa: E402
 
 from meshplan.costmodel import load_device_model  # noqa: E402
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
-from meshplan.ir import TensorMeta  # noqa: E402
 from meshplan.ir.mesh import Mesh  # noqa: E402
-from meshplan.lowering.action_times import compute_cost  # noqa: E402
+from meshplan.lowering.action_times import attention_flops  # noqa: E402
 from meshplan.lowering.lower import lower  # noqa: E402
 from meshplan.models import build_model, example_batch, model_config  # noqa: E402
-from meshplan.passes.context_parallel import ATTENTION  # noqa: E402
 
 SEQ = 2048
 MiB = 1 << 20
@@ -89,13 +87,7 @@ def balance() -> dict:
     out = {}
     for name, on in (("balanced", True), ("in order", False)):
         job = _job(cp=4, cp_balance=on, cp_attention="allgather")
-        flops = []
-        for r in range(4):
-            p = lower(job, r)
-            metas = {b.value: TensorMeta(b.shape, b.dtype) for b in p.buffers}
-            flops.append(sum(compute_cost(job, t, metas, dev, p.coord)[0] for t in p.tasks
-                             if job.graph.ops[t.op].kind == ATTENTION[0]))
-        out[name] = flops
+        out[name] = [attention_flops(job, lower(job, r), dev) for r in range(4)]
     return out
 
 

@@ -137,3 +137,12 @@ def causal_share(job, op, coord: tuple[int, ...]) -> float:
     keys = sorted(order[k_lo:k_hi])
     pairs = sum(bisect.bisect_right(keys, p) for p in order[q_lo:q_hi])
     return pairs / max(1, (q_hi - q_lo) * (k_hi - k_lo))
+
+
+def attention_flops(job, plan: RankPlan, dev: DeviceModel) -> float:
+    """The flops of one rank's attention kernels (forward and backward) per
+    micro-batch, as its plan prices them: a causal one's the pairs its
+    rows keep (`causal_share`)."""
+    metas = {b.value: TensorMeta(b.shape, b.dtype) for b in plan.buffers}
+    return sum(compute_cost(job, t, metas, dev, plan.coord)[0] for t in plan.tasks
+               if t.kind is TaskKind.COMPUTE and "scaled_dot_product" in job.graph.ops[t.op].kind)

@@ -167,19 +167,12 @@ def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk(seq, cp):
 
 def _attention_flops(balance: bool) -> list[float]:
     from meshplan.costmodel import load_device_model
-    from meshplan.ir import TensorMeta
-    from meshplan.lowering.action_times import compute_cost
+    from meshplan.lowering.action_times import attention_flops
 
-    dev = load_device_model("h100-80gb")
     _, s, job = _job("gpt", dict(cp=4, cp_balance=balance, cp_attention="allgather"), SEQ)
     assert job.strategy.cp_balance is balance
-    out = []
-    for r in range(4):
-        p = lower(job, r)
-        metas = {b.value: TensorMeta(b.shape, b.dtype) for b in p.buffers}
-        out.append(sum(compute_cost(job, t, metas, dev, p.coord)[0] for t in p.tasks
-                       if job.graph.ops[t.op].kind == ATTENTION[0]))
-    return out
+    return [attention_flops(job, lower(job, r), load_device_model("h100-80gb"))
+            for r in range(4)]
 
 
 def test_causal_attention_work_is_balanced_over_cp_ranks():

@@ -48,16 +48,16 @@ def test_a_planted_loose_bound_breaks_pruning(monkeypatch):
 
 
 @cache
-def _every_plan() -> tuple:
-    """Every candidate of GPT tiny on 4 devices (SMALL), planned in full:
-    ((candidate, full Prediction, floor per rank), ...)."""
+def _every_plan(spec: ModelSpec = SPEC, space: Space = SMALL) -> tuple:
+    """Every candidate of `spec` on 4 devices in `space` (GPT tiny, SMALL),
+    planned in full: ((candidate, full Prediction, floor per rank), ...)."""
     mesh = Mesh(1, 4)
     st = Setting(mesh, 16, DEV)
-    pricer = _Pricer(SPEC, SPEC.config().layers, st, 1 << 62)
+    pricer = _Pricer(spec, spec.config().layers, st, 1 << 62)
     rows = []
-    for cand in candidates(mesh, SPEC.config().layers, 16, SMALL):
+    for cand in candidates(mesh, spec.config().layers, 16, space):
         counts, works = pricer._works(cand, cand.recompute)
-        rows.append((cand, evaluate(SPEC, cand, st, counts),
+        rows.append((cand, evaluate(spec, cand, st, counts),
                      memory(cand, works, counts, st, part="floor")))
     return tuple(rows)
 
@@ -203,17 +203,8 @@ MOE_SPACE = Space(schedules=("1f1b", "zbv"), recompute=("none", "full"), zero=(0
                   micro_batch_sizes=(2,), experts=MOE.experts)
 
 
-@cache
-def _every_moe_plan():
-    mesh = Mesh(1, 4)
-    st = Setting(mesh, 16, DEV)
-    pricer = _Pricer(MOE, MOE.config().layers, st, 1 << 62)
-    rows = []
-    for cand in candidates(mesh, MOE.config().layers, 16, MOE_SPACE):
-        counts, works = pricer._works(cand, cand.recompute)
-        rows.append((cand, evaluate(MOE, cand, st, counts),
-                     memory(cand, works, counts, st, part="floor")))
-    return tuple(rows)
+def _every_moe_plan() -> tuple:
+    return _every_plan(MOE, MOE_SPACE)
 
 
 def test_moe_candidates_try_each_ep_dividing_dp_and_the_experts():
