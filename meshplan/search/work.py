@@ -175,7 +175,7 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
         if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
             full = full_bytes(short(op.kind), t, metas)
             kw = dict(op.kwargs)
-            axis = Over.DP if "stages" in kw else over.get(kw.get("axis"))
+            axis = Over.DP if "stages" in kw else over.get(kw["axis"]) if "axis" in kw else None
             if axis is not None:
                 dkey = DpKey(key, DpKind(short(op.kind)), axis)
                 w["dpn"][dkey] += 1
