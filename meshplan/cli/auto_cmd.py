@@ -4,11 +4,12 @@ Invariants:
 - `strategy_of(a, cfg)` is how every planning verb gets its Strategy: the
   flags' own, or with `--auto` the search's winner (dp, tp, pp, vpp,
   schedule, micro-batch, recompute, ZeRO level and layers per virtual
-  stage, and ep for a mixture of experts, unless `--ep` fixes it), keeping
+  stage, ep for a mixture of experts and cp when nothing fits without,
+  unless `--ep` or `--cp` fixes it), keeping
   the flags' mesh, global batch, precision and buckets.
 - The search runs once per command; a user mistake (unknown device model,
   a memory limit nothing fits, a mesh the model cannot use, a flag it does
-  not search yet: --sequence-parallel, --cp) is one ConfigError line.
+  not search yet: --sequence-parallel) is one ConfigError line.
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ from meshplan.search.space import Space
 def run_search(a: argparse.Namespace):
     """The search over the flags' model and mesh, its winner (`ranked[0]`)
     proven by its full plan: (SearchResult, DeviceModel, limit)."""
-    for flag, given in (("--sequence-parallel", getattr(a, "sequence_parallel", False)),
-                        ("--cp", getattr(a, "cp", 1) > 1)):
-        if given:  # not searched: the winner would drop it unsaid
-            raise ConfigError(f"{flag} with --auto: the search does not choose nor keep it "
-                              f"yet; drop --auto to plan it yourself, or drop {flag}")
+    if getattr(a, "sequence_parallel", False):  # not searched: the winner would drop it unsaid
+        raise ConfigError("--sequence-parallel with --auto: the search does not choose nor keep "
+                          "it yet; drop --auto to plan it yourself, or drop --sequence-parallel")
     dev = load_device_model(a.device_model or "cpu-local")
     limit = parse_bytes(a.memory_per_device) if a.memory_per_device else dev.memory_bytes
     spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),
@@ -46,7 +45,13 @@ def run_search(a: argparse.Namespace):
     if ep > 1 and not spec.experts:
         raise ConfigError(f"--ep {ep} with --auto: --model {a.model} has no experts; drop --ep")
     check_ep_divides(spec.experts or 1, ep)
-    space = Space(eps=(ep,)) if ep > 1 else None  # --ep fixes it; else the search chooses
+    cp = getattr(a, "cp", 1)
+    if cp > 1 and not spec.seq:
+        raise ConfigError(f"--cp {cp} with --auto: --model {a.model} has no sequence to split; "
+                          "drop --cp")
+    # --ep and --cp fix theirs; else the search chooses (cp when nothing fits without)
+    space = Space(eps=(ep,) if ep > 1 else (), seq=spec.seq if cp > 1 else 0,
+                  cps=(cp,) if cp > 1 else ())
     gbs = a.global_batch_size or a.default_gbs
     return search(spec, mesh_of(a), gbs, dev, memory_limit=limit, space=space,
                   bucket_mb=a.bucket_mb), dev, limit
@@ -74,7 +79,8 @@ def winner_strategy(a: argparse.Namespace, cfg, ranked) -> Strategy:
 def fields_of(a: argparse.Namespace, ranked) -> dict:
     """The Strategy fields of a ranked candidate, under the flags' batch and precision."""
     c = ranked.cand
-    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "vpp": c.vpp, "ep": c.ep, "schedule": c.schedule,
+    return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "vpp": c.vpp, "ep": c.ep, "cp": c.cp,
+            "schedule": c.schedule,
             "global_batch_size": a.global_batch_size or a.default_gbs,
             "micro_batch_size": c.micro_batch_size, "recompute": c.recompute,
             "zero": c.zero, "precision": a.precision, "bucket_mb": a.bucket_mb,
@@ -132,7 +138,7 @@ def print_table(t: dict) -> None:
           f"planned peak {max(best['planned_peak_bytes']) / 2**30:.2f} GiB "
           f"({t['full_plans']} full plan(s){faster}{skipped}); "
           "the rest are estimates")
-    ep = f"--ep {best['ep']} " if best["ep"] > 1 else ""
+    ep = "".join(f"--{k} {best[k]} " for k in ("ep", "cp") if best[k] > 1)
     print(f"  --dp {best['dp']} --tp {best['tp']} --pp {best['pp']} --vpp {best['vpp']} {ep}"
           f"--schedule {best['schedule']} --micro-batch-size {best['micro_batch_size']} "
           f"--recompute {best['recompute']} --zero {best['zero']}"

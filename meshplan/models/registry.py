@@ -77,6 +77,9 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
         "tiny": _transformer("gpt", 4, 4, 64, 16, 128),
         "small": _transformer("gpt", 8, 8, 256, 128, 1024),
         "gpt3-175b": _transformer("gpt", 96, 96, 12288, 2048, 50304),
+        # 36 layers 4096 wide: 8.2B parameters at seq 131072 (its learned positions
+        # are 0.5B of them), the long-context search's model (docs/concepts/long_context.md)
+        "8b": _transformer("gpt", 36, 32, 4096, 8192, 50304),
     },
     "bert": {
         "tiny": _transformer("bert", 4, 4, 64, 16, 128),

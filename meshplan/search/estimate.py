@@ -185,7 +185,7 @@ def _host_loads(cand: Candidate, st: Setting) -> tuple[tuple[int, ...], ...]:
     cores, per = st.dev.host_cores, st.mesh.devices_per_node
     if not cores or per <= cores:
         return ()
-    n = cand.dp * cand.tp  # a stage's ranks, consecutive (`Strategy.ranks_of_stage`)
+    n = cand.dp * cand.cp * cand.tp  # a stage's ranks, consecutive (`Strategy.ranks_of_stage`)
     return tuple(sorted({tuple(max(0, min(hi, (r + 1) * n) - max(lo, r * n))
                                for r in range(cand.pp))
                          for lo, hi in ((k * per, (k + 1) * per)
@@ -234,22 +234,31 @@ def _geometry(schedule: str, pp: int, vpp: int) -> _Geometry:
                      tuple(where.chunk_of(v) for v in range(n)))
 
 
-def dp_seconds(work: Work, keys, cand: Candidate, st: Setting) -> float:
+def _serial(key: DpKey) -> bool:
+    """On the critical path inside an action: an all-to-all (the experts
+    wait for their tokens), a gather over cp (attention for its keys)."""
+    return key.kind is DpKind.ALL_TO_ALL or (key.over is Over.CP and key.phase is not Slot.STEP)
+
+
+def dp_seconds(work: Work, keys, cand: Candidate, st: Setting,
+               serial: bool | None = None) -> float:
     """Seconds of `work`'s data-side collectives whose (slot, kind) is in
     `keys`, as the runtime issues them: ZeRO-3's gathers one collective per
     layer (`gather_prefetch.py`), all-to-alls as counted, the rest in
     buckets of `bucket_mb` when buckets are on (`grad_buckets.py`), else one
     per tensor; each over the ranks its `Over` names, crossing nodes when
-    they span more than one."""
+    they span more than one (`serial`: only those on the critical path, or
+    only the others)."""
     total = 0.0
     for key, (count, nbytes) in work.dp:
-        if (key.phase, key.kind) not in keys or count <= 0:
+        if (key.phase, key.kind) not in keys or count <= 0 or \
+                (serial is not None and _serial(key) is not serial):
             continue
         if key.kind is DpKind.ALL_GATHER and key.phase is not Slot.STEP:
             count = min(count, max(1, work.layers))
         elif st.buckets and key.kind is not DpKind.ALL_TO_ALL:
             count = max(1, math.ceil(nbytes / (st.bucket_mb * MiB)))
-        group = key.over.group_size(cand.dp, cand.ep)
+        group = key.over.group_size(cand.dp, cand.ep, cand.cp)
         total += count * st.dev.collective_seconds(key.kind, nbytes // count, group,
                                                    _crosses(cand, st.mesh, key.over))
     return total
@@ -301,6 +310,13 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
     # the experts' share of the model's bytes, whole (0 without ep)
     dense = work.param - work.expert
     share = work.expert * e / (dense + work.expert * e) if work.expert and e > 1 else 0.0
+    if cand.cp > 1 and not z.shards_optimizer:  # reduced over cp first (a reduce-scatter),
+        # the gradients a gather over cp makes whole reduce over dp on 1/cp of their bytes
+        over_cp = sum(b for k, (_, b) in work.dp if k.over is Over.CP
+                      and (k.phase, k.kind) == (Slot.STEP, DpKind.ALL_GATHER))
+        whole = sum(b for _, (_, b), sharded in ops if sharded)
+        cut = 1 - min(1.0, over_cp / whole) * (1 - 1 / cand.cp) if whole else 1.0
+        ops = [(k, (n, b * cut) if sharded else (n, b), sharded) for k, (n, b), sharded in ops]
     merged: dict = {}
     for k, (n, b) in [*_over_ep(ops, share, d, e), *_routing(work)]:
         n0, b0 = merged.get(k, (0, 0))
@@ -328,11 +344,14 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
 
 
 def _routing(work: Work) -> list:
-    """The collectives over ep of a probe planned at dp = ep that are the
-    model's own (its all-to-alls, what its backward gathers or scatters),
-    not the gradients' reductions or the loss's, which `with_dp` makes."""
-    return [(k, v) for k, v in work.dp if k.over is Over.EP and k.phase is not Slot.STEP
-            and (k.phase, k.kind) != (Slot.F, DpKind.ALL_REDUCE)]
+    """The collectives of a probe that `with_dp` keeps: over ep (planned at
+    dp = ep) the model's own (its all-to-alls, what its backward gathers or
+    scatters), not the gradients' reductions or the loss's, which it makes;
+    over cp all of them (attention's gathers, the weights' reduction over
+    the sequence's ranks)."""
+    return [(k, v) for k, v in work.dp if k.over is Over.CP or (
+        k.over is Over.EP and k.phase is not Slot.STEP
+        and (k.phase, k.kind) != (Slot.F, DpKind.ALL_REDUCE))]
 
 
 def _over_ep(ops: list, share: float, d: int, e: int) -> list:
@@ -364,10 +383,11 @@ def _in_action(w: Work, cand: Candidate, st: Setting, split: bool) -> tuple[floa
         return (w.f, w.i, w.w) if split else (w.f, w.i + w.w, 0.0)
 
     def comm(*phases):
-        return dp_seconds(w, {k for ph in phases for k in _keys(ph)}, cand, st)
+        return dp_seconds(w, {k for ph in phases for k in _keys(ph)}, cand, st, serial=False)
 
-    def a2a(*phases):
-        return dp_seconds(w, {(ph, DpKind.ALL_TO_ALL) for ph in phases}, cand, st)
+    def a2a(*phases):  # and cp's gathers: what the compute waits for
+        return dp_seconds(w, {k for ph in phases for k in _keys(ph)} |
+                          {(ph, DpKind.ALL_TO_ALL) for ph in phases}, cand, st, serial=True)
     f = max(w.f, comm(Slot.F)) + a2a(Slot.F)
     if split:
         return f, max(w.i, comm(Slot.I)) + a2a(Slot.I), max(w.w, comm(Slot.W)) + a2a(Slot.W)
@@ -394,14 +414,16 @@ def _step_seconds(works: list[Work], priced: list[tuple], cand: Candidate,
 
 
 def _crosses(cand: Candidate, mesh: Mesh, over: Over = Over.DP) -> bool:
-    """Whether a data-side group leaves a node: the ep ranks are ep x tp
-    consecutive ones (`Strategy.axes`), the others span a stage's dp x tp."""
-    n = cand.ep if over is Over.EP else cand.dp
-    return n > 1 and n * cand.tp > mesh.devices_per_node
+    """Whether a data-side group leaves a node: the ep (or cp) ranks are
+    ep (cp) x tp consecutive ones (`Strategy.axes`), the others span a
+    stage's dp x cp x tp."""
+    n = {Over.EP: cand.ep, Over.CP: cand.cp}.get(over, cand.dp)
+    span = n * cand.tp * (cand.cp if over in (Over.DP, Over.DP_PER_EP) else 1)
+    return n > 1 and span > mesh.devices_per_node
 
 
 def _stages_cross(cand: Candidate, mesh: Mesh, a: int, b: int) -> bool:
-    n = cand.dp * cand.tp
+    n = cand.dp * cand.cp * cand.tp
     return mesh.node_of(a * n) != mesh.node_of(b * n)
 
 

@@ -102,16 +102,21 @@ class ModelSpec:
         return plan_model(self.model, self.size, mesh, strategy, optimizer=self.optimizer,
                           encode=False, **{**dict(self.overrides), **more}).job
 
+    @property
+    def seq(self) -> int:
+        """The sequence's length (0: none, as a ResNet's)."""
+        return getattr(self.config(), "seq_len", 0) or 0
+
     def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel,
-                   ep: int = 1):
+                   ep: int = 1, cp: int = 1):
         """The probe's Job (three layers as three stages, `_orders`) and
         Strategy, and the layers of its middle stage."""
         n = PROBE_LAYERS
-        strategy = self.strategy(n, dp=dp, tp=tp, pp=n, vpp=1, zero=zero, ep=ep,
+        strategy = self.strategy(n, dp=dp, tp=tp, pp=n, vpp=1, zero=zero, ep=ep, cp=cp,
                                  global_batch_size=2 * mbs * dp, micro_batch_size=mbs,
                                  schedule=CSV, schedule_orders=_orders(), recompute=recompute,
                                  bucket_mb=0)
-        return self.plan(Mesh(n, tp * dp), strategy, n), strategy, 1
+        return self.plan(Mesh(n, tp * dp * cp), strategy, n), strategy, 1
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -140,11 +145,11 @@ class GraphSpec:
         strategy = check_strategy(mesh, strategy)
         return PASSES.run(Compilation(self.graph, mesh, strategy, self.optimizer)).job
 
-    experts = 0  # not searched for a captured graph: its ep is the user's (1)
+    experts = seq = 0  # not searched for a captured graph: its ep and cp are 1
 
     def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel,
-                   ep: int = 1):
-        assert ep == 1, "a captured graph's probes are planned at ep 1"
+                   ep: int = 1, cp: int = 1):
+        assert ep == cp == 1, "a captured graph's probes are planned at ep and cp 1"
         n, b = PROBE_LAYERS, self.samples
         d = dp if dp > 1 else b // mbs  # a rank's micro-batch is the probe's
         mid = self.layers - 2
@@ -183,30 +188,34 @@ class Probe:
 
 
 def probe(spec: Spec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
-          dp: int = 1, zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1) -> Probe:
+          dp: int = 1, zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1, cp: int = 1) -> Probe:
     """One layer's Work at (tp, micro-batch `mbs`, `recompute`) on `dev`;
     raises the planner's ConfigError for a tp the model cannot use. With
     `dp` = 2 and a ZeRO level, its dp collectives are the level's pattern
     (which ZeRO 3 cannot derive: it gathers again in the backward only what
     the backward reads). With `dp` = `ep` > 1, the experts rest split over
-    ep and its all-to-alls are the candidate's (`ep_key`)."""
-    job, reps, span = _planned(spec, tp, mbs, recompute, dp, zero, ep)
+    ep and its all-to-alls are the candidate's; with `cp` > 1, a rank holds
+    1/cp of the sequence and its keys' and values' gathers are planned
+    (`probe_key`)."""
+    job, reps, span = _planned(spec, tp, mbs, recompute, dp, zero, ep, cp)
     works = [read_work(job, reps[s], dev).by_stage[s] for s in range(PROBE_LAYERS)]
     body = replace(works[1].per(span), layers=1)
     return Probe(works[0].minus(body), body, works[2].minus(body))
 
 
-def probe_key(tp: int, mbs: int, recompute: str, ep: int = 1) -> tuple:
+def probe_key(tp: int, mbs: int, recompute: str, ep: int = 1, cp: int = 1) -> tuple:
     """The probe of a candidate's layers: at dp = 1, or with ep > 1 at
-    dp = ep (its experts split, its tokens sent by all-to-all)."""
-    return (tp, mbs, recompute) if ep == 1 else (tp, mbs, recompute, ep, ZeroLevel.NONE, ep)
+    dp = ep (its experts split, its tokens sent by all-to-all), at its cp."""
+    if ep == cp == 1:
+        return (tp, mbs, recompute)
+    return (tp, mbs, recompute, ep, ZeroLevel.NONE, ep, cp)
 
 
 @cache
 def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1,
-             zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1):
+             zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1, cp: int = 1):
     try:
-        job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero, ep)
+        job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero, ep, cp)
     except (ConfigError, ScheduleError) as err:
         raise ConfigError(str(err)) from None
     return job, {s: lower(job, strategy.ranks_of_stage(s)[0])
@@ -219,7 +228,7 @@ def forget_probes() -> None:
 
 
 def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel) -> dict:
-    """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero, ep]), in
+    """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero, ep, cp]), in
     forked worker processes, one per core: {key: Probe, or the planner's
     ConfigError}. One core, or few keys: here, in turn."""
     workers = min(os.cpu_count() or 1, len(keys))
@@ -232,7 +241,7 @@ def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel) -> dict:
 
 
 def probe_or_error(spec: Spec, key: tuple, dev: DeviceModel):
-    """`probe` of a key (tp, mbs, recompute[, dp, zero, ep]), or its ConfigError."""
+    """`probe` of a key (tp, mbs, recompute[, dp, zero, ep, cp]), or its ConfigError."""
     try:
         tp, mbs, recompute, *rest = key
         return probe(spec, tp, mbs, recompute, dev, *rest)

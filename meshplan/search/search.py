@@ -57,6 +57,9 @@ GiB = 1 << 30
 # 71 (`benchmarks/auto_plan.py`, soundness); a GPT-3 175B full plan takes
 # about a second, so 128 bound a proof near two minutes there.
 MAX_PROOFS = 128
+# Sequences from this length on are searched with context parallelism from the start
+# (activations dominate there); shorter ones only when nothing fits without it.
+LONG_SEQ = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +92,8 @@ class SearchResult:
         c, pred = self.ranked[i].cand, self.ranked[i].pred
         return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
                         micro_batch_size=c.micro_batch_size, recompute=Recompute(c.recompute),
-                        zero=c.zero, ep=c.ep, stage_layers=pred.stage_layers if c.pp > 1 else (),
+                        zero=c.zero, ep=c.ep, cp=c.cp,
+                        stage_layers=pred.stage_layers if c.pp > 1 else (),
                         layer_pattern=layer_pattern, **fields)
 
 
@@ -99,13 +103,31 @@ def search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
            prove: bool = True) -> SearchResult:
     """The `top` fastest candidates within `memory_limit` bytes per device
     (the device model's memory when None), by simulated step time; with
-    `prove`, the first is the fastest whose full plan fits."""
+    `prove`, the first is the fastest whose full plan fits. Context
+    parallelism is searched for a sequence of `LONG_SEQ` tokens or more,
+    for a shorter one when nothing fits without it, or when `space` has a
+    sequence."""
     t0 = time.perf_counter()
+    space = space or Space()
+    if spec.seq >= LONG_SEQ and not space.seq and space.cps != (1,):
+        space = replace(space, seq=spec.seq)
+    try:
+        return _search(spec, mesh, global_batch, dev, memory_limit, space, top, bucket_mb,
+                       exhaustive, prove, t0)
+    except ConfigError:
+        if space.seq or not spec.seq or space.cps == (1,):
+            raise
+    return _search(spec, mesh, global_batch, dev, memory_limit, replace(space, seq=spec.seq),
+                   top, bucket_mb, exhaustive, prove, t0)
+
+
+def _search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
+            memory_limit: int | None, space: Space, top: int, bucket_mb: float,
+            exhaustive: bool, prove: bool, t0: float) -> SearchResult:
     layers = spec.layers
     limit = memory_limit if memory_limit is not None else dev.memory_bytes
     st = Setting(mesh, global_batch, dev, bucket_mb, spec.precision)
     pricer = _Pricer(spec, layers, st, limit)
-    space = space or Space()
     if spec.samples:
         space = replace(space, samples=spec.samples)
     if spec.experts and not space.experts:
@@ -225,9 +247,9 @@ class _Pricer:
         `recompute`. The layout is balanced on the costs without recompute,
         for every recompute mode: recompute then only adds work to the same
         stages, so a candidate priced without it bounds it (`optimistic`)."""
-        base = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep)
+        base = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp)
         p0 = self.probe(base)
-        key = probe_key(cand.tp, cand.micro_batch_size, recompute, cand.ep)
+        key = probe_key(cand.tp, cand.micro_batch_size, recompute, cand.ep, cand.cp)
         p = self.probe(key) if p0 is not None and key != base else p0
         if p is None or p0 is None:
             return None
@@ -252,7 +274,7 @@ class _Pricer:
         """Plan every probe the candidates may need, on all cores at once
         (`probe.probe_many`); a probe the search then never asks for costs
         a core's share of the time only."""
-        keys: set[tuple] = {probe_key(c.tp, c.micro_batch_size, r, c.ep) for c in cands
+        keys: set[tuple] = {probe_key(c.tp, c.micro_batch_size, r, c.ep, c.cp) for c in cands
                             for r in {c.recompute, Recompute.NONE}}
         keys |= {(c.tp, 1, c.recompute, 2, 3) for c in cands if c.dp > 1}
         for key, got in probe_many(self.spec, sorted(keys, key=str), self.st.dev).items():

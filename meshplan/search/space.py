@@ -2,15 +2,17 @@
 
 Invariants:
 - A `Candidate` fixes dp, tp, pp, vpp, the schedule, the micro-batch size,
-  recompute, the ZeRO level and ep; its uneven layout (layers per virtual
+  recompute, the ZeRO level, ep and cp; its uneven layout (layers per virtual
   stage) is derived by cost when it is priced (`estimate`).
 - `candidates` yields only strategies the planner accepts on their face:
-  dp * tp * pp = world; tp divides the devices of a node (a tp group never
+  dp * cp * tp * pp = world; tp divides the devices of a node (a tp group never
   leaves one); pp * vpp <= layers; dp divides the global batch, and the
   micro-batch size divides its share; the schedule takes (pp, vpp, M)
   (`schedules.compute_actions` does not refuse it, nor the planner's
   `check_strategy`); ZeRO only with dp > 1; ep > 1 only for a mixture of
-  experts, dividing dp and the experts.
+  experts, dividing dp and the experts; cp > 1 only when the space has a
+  sequence (`search` gives it one when nothing fits without), 2 x cp
+  dividing it.
   What only the planner knows (tp dividing the heads and the vocabulary)
   is found by the probe, whose error removes the candidate.
 - The order is deterministic, so ties are broken the same way every run.
@@ -47,6 +49,7 @@ class Candidate:
     recompute: str
     zero: ZeroLevel
     ep: int = 1  # of the dp ranks, those the experts split over (Strategy.ep)
+    cp: int = 1  # the ranks each sequence is split over (Strategy.cp)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroLevel.parse(self.zero))  # frozen
@@ -56,7 +59,7 @@ class Candidate:
 
     def label(self) -> str:
         parts = [f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else []) + \
-            [f"tp{self.tp}", f"pp{self.pp}"]
+            ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"tp{self.tp}", f"pp{self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.pp > 1:
@@ -85,6 +88,10 @@ class Space:
     # each divisor of dp that divides them, or only those in `eps` when given
     experts: int = 0
     eps: tuple[int, ...] = ()
+    # context parallelism: the sequence's length (0: cp is 1); cp is then each
+    # divisor of the ranks left that 2 x cp divides it by, or only those in `cps`
+    seq: int = 0
+    cps: tuple[int, ...] = ()
 
 
 def candidates(mesh: Mesh, layers: int, global_batch: int,
@@ -94,10 +101,11 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
     for tp in _divisors(mesh.devices_per_node):
         if world % tp:
             continue
-        for pp in _divisors(world // tp):
+        for pp, cp in ((p, c) for p in _divisors(world // tp)
+                       for c in _cps(world // (tp * p), space)):
             if pp > layers:
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             if global_batch % dp or (space.samples and space.samples % dp):
                 continue
             sizes = ([space.samples // dp] if space.samples else
@@ -109,11 +117,21 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
                 for schedule, vpp in _schedules(pp, m, layers, space):
                     for ep in _eps(dp, space):
                         if not _planner_takes(mesh, dp, tp, pp, vpp, schedule, global_batch,
-                                              mbs, ep):
+                                              mbs, ep, cp):
                             continue
                         for rc in space.recompute:
                             for z in space.zero if dp > 1 else (ZeroLevel.NONE,):
-                                yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc), z, ep)
+                                yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc), z,
+                                                ep, cp)
+
+
+def _cps(ranks: int, space: Space) -> list[int]:
+    """The context-parallel degrees to try with `ranks` left for dp x cp: 1,
+    or with a sequence each divisor that splits it into 2 x cp chunks."""
+    if not space.seq:
+        return [1]
+    return [c for c in _divisors(ranks) if (c == 1 or space.seq % (2 * c) == 0) and
+            (not space.cps or c in space.cps)]
 
 
 def _eps(dp: int, space: Space) -> list[int]:
@@ -158,12 +176,12 @@ def schedule_takes(schedule: str, pp: int, vpp: int, m: int) -> bool:
 
 @cache
 def _planner_takes(mesh: Mesh, dp: int, tp: int, pp: int, vpp: int, schedule: str,
-                   global_batch: int, mbs: int, ep: int = 1) -> bool:
+                   global_batch: int, mbs: int, ep: int = 1, cp: int = 1) -> bool:
     """Whether the planner's own strategy check (`passes/strategy.py`) accepts it."""
     try:
         check_strategy(mesh, Strategy(dp=dp, tp=tp, pp=pp, vpp=vpp, schedule=schedule,
                                       global_batch_size=global_batch, micro_batch_size=mbs,
-                                      ep=ep))
+                                      ep=ep, cp=cp))
     except (ConfigError, ScheduleError):
         return False
     return True

@@ -68,9 +68,10 @@ class Over(enum.StrEnum):
     DP = "dp"
     EP = "ep"
     DP_PER_EP = "dp/ep"
+    CP = "cp"  # the sequence's ranks: attention's gathers, the weights' second reduction
 
-    def group_size(self, dp: int, ep: int) -> int:
-        return {Over.DP: dp, Over.EP: ep, Over.DP_PER_EP: dp // ep}[self]
+    def group_size(self, dp: int, ep: int, cp: int = 1) -> int:
+        return {Over.DP: dp, Over.EP: ep, Over.DP_PER_EP: dp // ep, Over.CP: cp}[self]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -204,12 +205,14 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
 
 
 def _data_axes(strategy) -> dict[int, Over]:
-    """The grid's data axes and the ranks each spans, as `Over` names them
-    (the ep axis and the one before it when ep > 1, else dp alone)."""
+    """The grid's data-side axes and the ranks each spans, as `Over` names
+    them (the ep axis and the one before it when ep > 1, else dp alone; and
+    the cp axis)."""
+    cp = {strategy.cp_axis: Over.CP} if strategy.cp_axis is not None else {}
     if strategy.ep_axis is None:
-        return {a: Over.DP for a in strategy.data_axes}
+        return {a: Over.DP for a in strategy.data_axes} | cp
     return {a: Over.EP if a == strategy.ep_axis else Over.DP_PER_EP
-            for a in strategy.data_axes}
+            for a in strategy.data_axes} | cp
 
 
 def _memory(job, plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:

@@ -4,6 +4,7 @@ winner is the full plans' winner; user mistakes are one line."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -239,3 +240,43 @@ def test_mixtral_sized_moe_on_64_h100s_chooses_expert_parallel():
     res = search(spec, Mesh(8, 8), 8, h100)
     assert res.winner.cand.ep > 1
     assert res.proven is not None and max(res.proven.peak) <= h100.memory_bytes
+
+
+# ---- context parallelism: searched when nothing fits without it ----
+
+LONG = ModelSpec("gpt", "small", (("seq_len", 2048),))
+
+
+def test_cp_candidates_split_the_sequence_into_2cp_chunks():
+    seq_space = Space(seq=40, recompute=("none",), zero=(0,), micro_batch_sizes=(1,))
+    got = {(c.dp, c.cp) for c in candidates(Mesh(1, 8), 4, 8, seq_space) if c.tp == c.pp == 1}
+    assert got == {(8, 1), (4, 2), (2, 4)}  # cp 8: 16 chunks do not divide 40 tokens
+    assert {c.cp for c in candidates(Mesh(1, 8), 4, 8, SMALL)} == {1}
+
+
+def test_the_search_splits_the_sequence_only_when_nothing_fits_without():
+    """GPT small at seq 2048 (under LONG_SEQ) on 4 single-device nodes (no
+    tp): at the device's memory the winner has cp 1 (cp is not searched);
+    at 240 MiB nothing without cp fits, and the winner has cp > 1, its full
+    plan within the limit."""
+    space = Space(recompute=("none",), schedules=("1f1b",))
+    roomy = search(LONG, Mesh(4, 1), 4, DEV, space=space)
+    assert roomy.winner.cand.cp == 1
+    tight = 240 << 20
+    with pytest.raises(ConfigError, match="no strategy fits"):
+        search(LONG, Mesh(4, 1), 4, DEV, memory_limit=tight, space=replace(space, cps=(1,)))
+    res = search(LONG, Mesh(4, 1), 4, DEV, memory_limit=tight, space=space)
+    assert res.winner.cand.cp > 1
+    assert res.proven is not None and max(res.proven.peak) <= tight
+
+
+@pytest.mark.slow
+def test_a_gpt_8b_at_seq_131072_on_64_h200s_splits_the_sequence():
+    """Issue 37's bar: GPT 8B (8.2B parameters) at seq 131072 on 8 nodes of
+    8 H200s, bf16, AdamW: the winner has cp > 1 and its full plan fits
+    141 GB (the time is `benchmarks/long_context_search.py`'s to measure)."""
+    spec = ModelSpec("gpt", "8b", (("seq_len", 131072),), "adamw", "bf16")
+    h200 = load_device_model("h200-141gb")
+    res = search(spec, Mesh(8, 8), 16, h200)
+    assert res.winner.cand.cp > 1
+    assert res.proven is not None and max(res.proven.peak) <= h200.memory_bytes
