@@ -316,7 +316,8 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
                       and (k.phase, k.kind) == (Slot.STEP, DpKind.ALL_GATHER))
         whole = sum(b for _, (_, b), sharded in ops if sharded)
         cut = 1 - min(1.0, over_cp / whole) * (1 - 1 / cand.cp) if whole else 1.0
-        ops = [(k, (n, b * cut) if sharded else (n, b), sharded) for k, (n, b), sharded in ops]
+        ops = [(k, (n, int(b * cut)) if sharded else (n, b), sharded)
+               for k, (n, b), sharded in ops]
     merged: dict = {}
     for k, (n, b) in [*_over_ep(ops, share, d, e), *_routing(work)]:
         n0, b0 = merged.get(k, (0, 0))
