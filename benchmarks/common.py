@@ -22,6 +22,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import weakref
@@ -379,3 +381,24 @@ class LiveStorages(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self._poll()
+
+
+# ------------------------------------------------------------------ plan --auto as a user runs it
+def plan_auto(args: list[str]) -> dict:
+    """`meshplan plan --auto ... --json` (`args`) in a fresh process, once
+    the CPUs are quiet: its wall clock, the search's and the proof's own
+    seconds, and the winner (its row of the table)."""
+    wait_quiet()
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "meshplan", *args], capture_output=True,
+                       text=True, check=True)
+    wall = time.perf_counter() - t
+    got = json.loads(r.stdout)
+    win = next(row for row in got["top"] if row.get("winner"))
+    return {"wall_s": wall, "search_s": got["search_s"] - got["proof_s"],
+            "proof_s": got["proof_s"], "full_plans": got["full_plans"],
+            "candidates": got["candidates"], "probes": got["probes"],
+            "winner": win["strategy"], "ep": win["ep"], "cp": win["cp"],
+            "planned_peak_gib": max(win["planned_peak_bytes"]) / 2**30,
+            "limit_gib": got["memory_limit_bytes"] / 2**30, "step_s": win["planned_step_s"],
+            "tflops_per_device": win["tflops_per_device"]}

@@ -23,14 +23,11 @@ Run: python benchmarks/moe_search.py [--rounds R]
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median, wait_quiet, write  # noqa: E402
+from common import machine, median, plan_auto, write  # noqa: E402
 
 ARGS = ["plan", "--model", "moe", "--size", "mixtral-8x7b", "--nodes", "8",
         "--devices-per-node", "8", "--device-model", "h100-80gb", "--precision", "bf16",
@@ -40,19 +37,7 @@ LIMIT_S = 10.0
 
 
 def _run(gbs: int) -> dict:
-    wait_quiet()
-    t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "meshplan", *ARGS, "--global-batch-size",
-                        str(gbs)], capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - t
-    got = json.loads(r.stdout)
-    win = next(row for row in got["top"] if row.get("winner"))
-    return {"wall_s": wall, "search_s": got["search_s"] - got["proof_s"],
-            "proof_s": got["proof_s"], "full_plans": got["full_plans"],
-            "candidates": got["candidates"], "probes": got["probes"],
-            "winner": win["strategy"], "ep": win["ep"],
-            "planned_peak_gib": max(win["planned_peak_bytes"]) / 2**30,
-            "step_s": win["planned_step_s"]}
+    return plan_auto([*ARGS, "--global-batch-size", str(gbs)])
 
 
 def main() -> None:
