@@ -23,7 +23,8 @@ Invariants:
   through every position-wise op; attention's rule (`ops/sbp_nn.py`)
   offers its queries split by sequence against whole keys and values (the
   boxing all-gathers them: Llama 3's form), or a head or batch split
-  (DeepSpeed Ulysses' all-to-alls), and the cheaper is chosen.
+  (DeepSpeed Ulysses' all-to-alls); `--cp-attention` names the form, or
+  lets the cheaper be chosen (`propagate.CP_FORMS`).
 - With the all-gather form a layer's keys and values are gathered whole
   for its forward and again for its backward (`gathered_keys`, boxing's
   regather), so between the two a rank keeps only its own rows.
@@ -129,8 +130,9 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int,
     form is the one propagation may choose then)."""
     if balanced:
         for op in graph.ops:
+            at = 7 if len(op.outputs) == 3 else 4  # is_causal, backward or forward
             if op.kind.startswith(ATTENTION[0][:-len(".default")]) and \
-                    op.args[7 if len(op.outputs) == 3 else 4] is True:
+                    len(op.args) > at and op.args[at] is True:
                 assert sigs[op.id][cp_axis].variant == KernelVariant.CAUSAL_OFFSET, op
     ops = [op for op in graph.ops if op.kind in ATTENTION and op.phase is Phase.FORWARD]
     if not ops:
@@ -150,7 +152,6 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int,
             raise ConfigError(f"--cp {cp}: the attention {op.kind} in {where} cannot compute on "
                               "a split of the sequence (a causal one with grouped-query heads "
                               "runs only whole); use --cp 1")
-
 
 
 def gathered_keys(graph: Graph) -> frozenset[int]:
