@@ -265,9 +265,10 @@ def dp_seconds(work: Work, keys, cand: Candidate, st: Setting,
 
 
 def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> Work:
-    """`work` (a probe's, dp = 1, or dp = ep with its experts split) with its
-    data-parallel collectives and its state at rest as the ZeRO level makes
-    them at `cand.dp` (the probe's all-to-alls kept).
+    """`work` (a probe's, dp = 1, or dp = ep with its experts split, at the
+    candidate's cp) with its data-parallel collectives and its state at
+    rest as the ZeRO level makes them at `cand.dp` (the probe's all-to-alls
+    and its collectives over cp kept: `_routing`).
 
     `pattern` is the same stage planned at dp = 2, ZeRO 3, ep = 1 (`probe`):
     which parameters shard (its reduce-scatters and forward all-gathers; the
@@ -276,7 +277,9 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
     in `docs/concepts/sharded_dp.md`). With ep > 1 the experts' share of the
     sharded bytes (`Work.expert`, split over ep already) runs over the dp/ep
     ranks beside their ep group, as their state shards there, and a dense
-    all-reduce is two, over dp/ep and over ep, as the boxing issues it."""
+    all-reduce is two, over dp/ep and over ep, as the boxing issues it.
+    With cp > 1 at ZeRO 0, the gradients the boxing reduce-scatters over cp
+    first (and gathers after) are all-reduced over dp on 1/cp of their bytes."""
     if cand.dp == 1 or pattern is None:
         return work
     z, d, e = cand.zero, cand.dp, cand.ep
