@@ -169,7 +169,8 @@ def test_unknown_model_message():
 def test_unknown_size_message():
     with pytest.raises(ConfigError) as info:
         model_config("gpt", "huge")
-    assert str(info.value) == "unknown size 'huge' for gpt: choose one of tiny, small, gpt3-175b, 8b"
+    assert str(info.value) == \
+        "unknown size 'huge' for gpt: choose one of tiny, small, gpt3-175b, 8b"
 
 
 def test_heads_not_dividing_hidden_message():
