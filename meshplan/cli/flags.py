@@ -24,7 +24,7 @@ from meshplan.ir.choices import (
     names,
 )
 from meshplan.ir.lr_schedule import LrSchedule
-from meshplan.ir.mesh import BALANCED, DERIVED, Mesh
+from meshplan.ir.mesh import BALANCED, CP_ATTENTION, DERIVED, Mesh
 from meshplan.ir.zero import ZeroLevel
 from meshplan.models import model_config
 from meshplan.runtime.devices import DEVICES
@@ -80,7 +80,7 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    help="context parallel: split each sequence over this many ranks (the "
                    "inputs and activations by sequence, attention's keys and values "
                    "gathered whole); for long contexts")
-    g.add_argument("--cp-attention", choices=("auto", "allgather", "alltoall"), default="auto",
+    g.add_argument("--cp-attention", choices=CP_ATTENTION, default="auto",
                    help="with --cp, attention's form: allgather (each rank's query rows "
                    "against keys and values gathered, as Llama 3), alltoall (heads split by "
                    "all-to-all, as DeepSpeed Ulysses), auto (the cheaper by the plan's costs)")

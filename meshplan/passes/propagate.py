@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import Graph, Phase, Role, TensorMeta
 from meshplan.ir.kinds import GRAD_SQ, VJP
+from meshplan.ir.mesh import CP_ATTENTION
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
 from meshplan.ir.zero import ZeroLevel
@@ -334,6 +335,7 @@ def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:
 # the queries, or the output's gradient, laid out as the queries)
 CP_FORMS = {"auto": None, "allgather": lambda sig: sig.ins[0] == Shard(2),
             "alltoall": lambda sig: sig.ins[0] in (Shard(0), Shard(1))}
+assert tuple(CP_FORMS) == CP_ATTENTION, "each named form keeps its signatures"
 
 
 def _is_attention(op) -> bool:

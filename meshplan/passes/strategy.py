@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from meshplan.errors import ConfigError
 from meshplan.ir.choices import TpStyle
-from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.ir.mesh import CP_ATTENTION, Mesh, Strategy
 from meshplan.schedules import spec_of, stage_placement
 from meshplan.schedules.registry import MicroBatches
 
@@ -25,9 +25,6 @@ MEGATRON_PLAN = (
     (r"wte", TpStyle.VOCAB),
     (r"head", TpStyle.VOCAB),
 )
-
-
-CP_ATTENTION = ("auto", "allgather", "alltoall")  # propagate.CP_FORMS
 
 
 def _divisors(n: int) -> list[int]:

@@ -268,7 +268,7 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
     """`work` (a probe's, dp = 1, or dp = ep with its experts split, at the
     candidate's cp) with its data-parallel collectives and its state at
     rest as the ZeRO level makes them at `cand.dp` (the probe's all-to-alls
-    and its collectives over cp kept: `_routing`).
+    and its collectives over cp kept: `_kept_from_probe`).
 
     `pattern` is the same stage planned at dp = 2, ZeRO 3, ep = 1 (`probe`):
     which parameters shard (its reduce-scatters and forward all-gathers; the
@@ -322,7 +322,7 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
         ops = [(k, (n, int(b * cut)) if sharded else (n, b), sharded)
                for k, (n, b), sharded in ops]
     merged: dict = {}
-    for k, (n, b) in [*_over_ep(ops, share, d, e), *_routing(work)]:
+    for k, (n, b) in [*_over_ep(ops, share, d, e), *_kept_from_probe(work)]:
         n0, b0 = merged.get(k, (0, 0))
         merged[k] = (n0 + n, b0 + b)
     keep, keep_x = 1 - 1 / d, 1 - e / d  # the part of a shard a rank does not hold
@@ -347,7 +347,7 @@ def with_dp(work: Work, cand: Candidate, split: bool, pattern: Work | None) -> W
         step=rest_of(work.step, g_frac) if z.shards_optimizer else work.step)
 
 
-def _routing(work: Work) -> list:
+def _kept_from_probe(work: Work) -> list:
     """The collectives of a probe that `with_dp` keeps: over ep (planned at
     dp = ep) the model's own (its all-to-alls, what its backward gathers or
     scatters), not the gradients' reductions or the loss's, which it makes;
