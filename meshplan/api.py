@@ -45,7 +45,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir import Role
 from meshplan.ir.mesh import Mesh, Strategy
 from meshplan.lowering.check import check_plans
-from meshplan.lowering.files import read_dir
+from meshplan.lowering.check_classes import check_dir
 from meshplan.models.hf import HFLoss
 from meshplan.passes.plan import PASSES, Compilation, plan_forward
 from meshplan.passes.strategy import check_strategy
@@ -140,8 +140,9 @@ def check(plans: str | Path | tuple):
     `predicted_step_s`, per-rank peaks); never raises for a bad plan. Given
     only some ranks' plans it is `partial`, with the `missing` ranks and the
     proofs `skipped` for want of them."""
-    job, by_rank = plans if isinstance(plans, tuple) else read_dir(Path(plans), partial=True)
-    return check_plans(job, by_rank)
+    if isinstance(plans, tuple):
+        return check_plans(*plans)
+    return check_dir(Path(plans))[1]
 
 
 def run(job, module, batches: Sequence[tuple], plan_dir: str = "", trace: str = "",

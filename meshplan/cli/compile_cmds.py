@@ -9,8 +9,8 @@ from meshplan.cli.auto_cmd import strategy_of
 from meshplan.cli.flags import mesh_of, optimizer_config, overrides
 from meshplan.driver.compile import compile_model
 from meshplan.errors import ConfigError
-from meshplan.lowering.check import check_plans, spans
-from meshplan.lowering.files import read_dir
+from meshplan.lowering.check import spans
+from meshplan.lowering.check_classes import check_dir
 from meshplan.models import model_config
 from meshplan.runtime.devices import resolve_device
 
@@ -55,8 +55,8 @@ def cmd_compile(a: argparse.Namespace) -> int:
 
 
 def cmd_check(a: argparse.Namespace) -> int:
-    job, plans = read_dir(a.dir, partial=True)
-    res = check_plans(job, plans)
+    job, res = check_dir(a.dir)
+    plans = res.ranks
     if a.json:
         print(json.dumps(res.to_json()))
         return 0 if res.ok else 1

@@ -31,6 +31,7 @@ import resource
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import meshplan
@@ -43,8 +44,8 @@ from meshplan.errors import ConfigError, MeshplanError, PlanError
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job, JobReader
-from meshplan.lowering.files import JOB_FILE, plan_from_bytes, plan_name, write_job
-from meshplan.lowering.rankplan import RankPlan
+from meshplan.lowering.classes import fixed_axes
+from meshplan.lowering.files import CLASS_DIR, JOB_FILE, class_name, plan_name, write_job
 from meshplan.lowering.stage_files import StageFiles
 from meshplan.ops.infer import InferStats
 from meshplan.ops.temp import TempStats
@@ -57,24 +58,9 @@ def _plan_cache(digest: str, device: str = "cpu") -> Path:
     return cache_dir() / "plans" / f"{digest}-{meshplan.__version__}{suffix}"
 
 
-def _read_cached(path: Path, digest: str, rank: int,
-                 device: str = "cpu") -> tuple[bytes, RankPlan] | None:
-    """A cache entry's bytes and plan; None when it is absent, unreadable, or not
-    `rank`'s plan of this Job (the caller then lowers afresh and replaces it).
-    Checked, not copied blindly: a corrupt entry would otherwise reach every
-    later compile, and "recompile it" would never cure it."""
-    try:
-        data = path.read_bytes()
-        plan = plan_from_bytes(data, str(path))
-    except (OSError, PlanError):
-        return None
-    if plan.rank != rank or plan.job_digest != digest or plan.device != device:
-        return None
-    return data, plan
-
-
 def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
-                progress=None, slot: int = 0, done=None, device: str = "cpu") -> dict:
+                progress=None, slot: int = 0, done=None, device: str = "cpu",
+                fixed: tuple[int, ...] = ()) -> dict:
     """Worker body: lower `ranks` of the Job in `job_bytes`, write their files.
     The bytes are hashed once (the digest) and only the parts the ranks'
     stages read are decoded, once per stage. `progress[slot]` says which
@@ -85,43 +71,39 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
     first rank of a class only), serialize (for the others: a head and a
     hash over the shared body) and write."""
     with paused_gc():  # collections were a third of a GPT-3 rank's path
-        return _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
+        return _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device,
+                            fixed)
 
 
-def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device) -> dict:
+def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device,
+                 fixed) -> dict:
     t0, temp_calls = time.perf_counter(), TempStats.calls
     reader = JobReader(job_bytes)
     open_s = time.perf_counter() - t0
+    cache = _plan_cache(reader.digest, device) if use_cache else None
     stages: dict[int, StageFiles] = {}
+    written: set[str] = set()
     stats = {}
     for rank in ranks:
         if progress is not None:
             progress[slot] = rank
-        t = [time.perf_counter()]
-        cached = _plan_cache(reader.digest, device) / plan_name(rank)
-        entry = _read_cached(cached, reader.digest, rank, device) if use_cache else None
-        if entry is not None:
-            (data, plan), hit, lowered = entry, True, False
-            t += [t[0]] * 3
-        else:
-            stage = reader.strategy.stage_of_rank(rank)
-            if stage not in stages:
-                stages[stage] = StageFiles(reader.view(stage), device)
-            t.append(time.perf_counter())
-            data, plan, lowered = stages[stage].plan_bytes(rank)
-            t.append(t[-1] + stages[stage].seconds["lower"])
-            t.append(time.perf_counter())
-            hit = False
-            if use_cache:
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(cached, data)
-        write_atomic(Path(out) / plan_name(rank), data)
-        t.append(time.perf_counter())
-        stats[rank] = {"lower_s": t[-1] - t[0], "cache_hit": hit, "lowered": lowered,
-                       "tasks": len(plan.tasks), "buffers": len(plan.buffers),
-                       "planned_peak_bytes": plan.memory.peak_bytes(),
-                       "parts_s": dict(zip(("view", "lower", "serialize", "write"),
-                                           (t[i + 1] - t[i] for i in range(4))))}
+        t = time.perf_counter()
+        stage = reader.strategy.stage_of_rank(rank)
+        if stage not in stages:
+            stages[stage] = StageFiles(reader.strategy, stage, reader.digest,
+                                       partial(reader.view, stage), fixed, device, cache)
+        files = stages[stage]
+        head, klass, made = files.files(rank)
+        t1 = time.perf_counter()
+        if klass.digest not in written:
+            write_atomic(Path(out) / class_name(klass.digest), klass.data)
+            written.add(klass.digest)
+        # the staging directory is published whole (`_publish`): no per-file fsync
+        with open(Path(out) / plan_name(rank), "wb") as f:
+            f.write(head)
+        secs = files.seconds | {"write": time.perf_counter() - t1}
+        stats[rank] = {"lower_s": time.perf_counter() - t, "cache_hit": made and klass.cached,
+                       "lowered": made and not klass.cached, "parts_s": secs} | klass.summary
         if done is not None:
             done[slot] += 1
     stats["_process"] = {"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -130,11 +112,12 @@ def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device)
 
 
 def _worker(job_bytes: bytes, ranks: list[int], stage: str, use_cache: bool,
-            progress, slot: int, done, device: str = "cpu") -> None:
+            progress, slot: int, done, device: str, fixed: tuple[int, ...]) -> None:
     """A compile worker process: its statistics, or its error, go to a file
     in the staging directory (JSON, never pickle)."""
     try:
-        stats = lower_ranks(job_bytes, ranks, stage, use_cache, progress, slot, done, device)
+        stats = lower_ranks(job_bytes, ranks, stage, use_cache, progress, slot, done, device,
+                            fixed)
         write_atomic(Path(stage) / f".stats_{slot}.json", json.dumps(stats).encode())
     except Exception as e:  # reported by the parent, by rank
         name = type(e).__name__ if isinstance(e, MeshplanError) else ""
@@ -159,12 +142,13 @@ def _failure(slot: int, code: int, stage: Path, progress) -> MeshplanError:
 
 
 def _run_workers(batches: list[list[int]], job_bytes: bytes, stage: Path, use_cache: bool,
-                 progress_cb, total: int, device: str = "cpu") -> dict:
+                 progress_cb, total: int, device: str, fixed: tuple[int, ...]) -> dict:
     ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
     progress = ctx.Array("i", [-1] * len(batches), lock=False)
     done = ctx.Array("i", [0] * len(batches), lock=False)
     procs = [ctx.Process(target=_worker, name=f"meshplan-compile-{i}",
-                         args=(job_bytes, b, str(stage), use_cache, progress, i, done, device))
+                         args=(job_bytes, b, str(stage), use_cache, progress, i, done, device,
+                               fixed))
              for i, b in enumerate(batches)]
     stats: dict = {}
     reported = 0
@@ -210,10 +194,15 @@ def _staging_dir(out: Path) -> Path:
 
 
 def _publish(stage: Path, out: Path) -> None:
-    """Move the staged files into `out`, plans first and job.json last."""
+    """Move the staged files into `out`: class bodies, then heads, job.json
+    last. The files are synced to disk once, here, not one by one."""
     try:
+        os.sync()
         out.mkdir(exist_ok=True)
-        names = sorted(n for n in os.listdir(stage) if not n.startswith("."))
+        (out / CLASS_DIR).mkdir(exist_ok=True)
+        for name in os.listdir(stage / CLASS_DIR):
+            os.replace(stage / CLASS_DIR / name, out / CLASS_DIR / name)
+        names = sorted(n for n in os.listdir(stage) if not n.startswith(".") and n != CLASS_DIR)
         for name in sorted(names, key=lambda n: n == JOB_FILE):
             os.replace(stage / name, out / name)
     except OSError as e:
@@ -238,7 +227,10 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     out = Path(out)
     stage = _staging_dir(out)
     workers = max(1, min(workers or os.cpu_count() or 1, len(ranks)))
-    batches = [b for b in (ranks[i::workers] for i in range(workers)) if b]
+    # contiguous runs of stage order: a class is lowered by one worker (two at a seam)
+    order = sorted(ranks, key=lambda r: (job.strategy.stage_of_rank(r), r))
+    batches = [b for b in (order[len(order) * i // workers:len(order) * (i + 1) // workers]
+                           for i in range(workers)) if b]
     log.info("lowering %d ranks in %d worker processes into %s", len(ranks), workers, out)
     # Forked workers share the master's heap copy-on-write; a garbage
     # collection in a worker would touch (and copy) all of it. Measured: 0.25 s
@@ -246,8 +238,9 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     gc.freeze()
     try:
         write_job(stage, job)
+        (stage / CLASS_DIR).mkdir()
         stats = _run_workers(batches, job.to_bytes(), stage, use_cache, progress, len(ranks),
-                             device)
+                             device, fixed_axes(job))
         _publish(stage, out)
     finally:
         gc.unfreeze()

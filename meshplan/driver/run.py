@@ -25,8 +25,8 @@ from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
 from meshplan.ir.fileio import write_atomic
 from meshplan.ir.mesh import Mesh, Strategy
-from meshplan.lowering.check import check_plans
-from meshplan.lowering.files import read_dir
+from meshplan.lowering.check_classes import check_dir
+from meshplan.lowering.files import read_plan
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.checkpoint import check_resumable
 from meshplan.runtime.devices import resolve_backend, resolve_device
@@ -54,16 +54,15 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
                 device: str = "cpu"):
     """The Job of a compiled plan directory, proved consistent, for this mesh
     and this model (a rank would otherwise die slicing the wrong weights)."""
-    job, plans = read_dir(Path(plan_dir))
+    job, res = check_dir(Path(plan_dir), partial=False)
     if job.mesh.world != mesh.world:
         raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
                            f"{mesh.world} were asked for; recompile or match the mesh")
-    lowered = next(iter(plans.values())).device
+    lowered = read_plan(Path(plan_dir), 0).device
     if lowered != device:
         raise ConfigError(f"{plan_dir} holds plans lowered for {lowered}, but the run is on "
                           f"{device}; run with --device {lowered}, or recompile with "
                           f"--device {device}")
-    res = check_plans(job, plans)
     if not res.ok:
         raise PlanError(f"{plan_dir} fails `meshplan check`: "
                         f"{res.errors[0].splitlines()[0]}; recompile it")

@@ -61,7 +61,9 @@ class Placement:
     grid: tuple[int, ...]
 
     def coord(self, rank: int) -> tuple[int, ...]:
-        i = self.ranks.index(rank)
+        i = rank - self.ranks[0]  # the usual contiguous ranks: no search
+        if not (0 <= i < len(self.ranks) and self.ranks[i] == rank):
+            i = self.ranks.index(rank)
         out = []
         for n in reversed(self.grid):
             i, c = divmod(i, n)
@@ -186,6 +188,8 @@ class Strategy:
         return Placement(self.ranks_of_stage(stage), self.grid)
 
     def stage_of_rank(self, rank: int) -> int:
+        if not self.stage_ranks and 0 <= rank < self.pp * self.dp * self.cp * self.tp:
+            return rank // (self.dp * self.cp * self.tp)
         for s in range(self.pp):
             if rank in self.ranks_of_stage(s):
                 return s

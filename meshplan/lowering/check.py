@@ -115,16 +115,22 @@ def spans(ranks: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def check_plans(job: Job, plans: dict[int, RankPlan]) -> CheckResult:
+def check_plans(job: Job, plans: dict[int, RankPlan], covered=frozenset(),
+                norm_plans=None) -> CheckResult:
     """Run every proof over `plans` (all ranks' or some); never raises for a
-    bad plan."""
-    res = CheckResult(missing=sorted(_absent(job, plans)))
-    res.skipped = _skipped(job, plans, set(res.missing))
-    for proof in (_unique_ids, _references, _tasks_match_job, _p2p, _collectives,
-                  _stages_agree, _schedule, shared_copies, _devices, split_and_live):
+    bad plan. Ranks in `covered` are not missing: their plans are translates
+    of given ones (`lowering/check_classes.py`), so their transfers and
+    collectives are proven by those; `norm_plans` (default `plans`) are the
+    plans the gradient norm's proof reads, every rank's."""
+    absent = _absent(job, plans) - set(covered)
+    res = CheckResult(missing=sorted(absent))
+    res.skipped = _skipped(job, plans, absent)
+    for proof in (_unique_ids, _references, _tasks_match_job, _stages_agree, _schedule,
+                  shared_copies, _devices, split_and_live):
         res.errors += proof(job, plans)
+    res.errors += _p2p(job, plans, absent) + _collectives(job, plans)
     if not res.missing:  # the norm's total sums over ranks that may be missing
-        res.errors += norm_coverage(job, plans)
+        res.errors += norm_coverage(job, plans if norm_plans is None else norm_plans)
     if not res.errors:
         _simulate(job, plans, res)
     res.ok = not res.errors
@@ -232,9 +238,8 @@ def _absent(job: Job, plans) -> set[int]:
     return set(range(job.mesh.world)) - set(plans)
 
 
-def _p2p(job: Job, plans) -> list[str]:
+def _p2p(job: Job, plans, absent: set[int]) -> list[str]:
     errors = []
-    absent = _absent(job, plans)
     by_id = {t.id: (r, t) for r, p in plans.items() for t in p.tasks
              if t.kind in (TaskKind.SEND, TaskKind.RECV)}
     bufs = {b.id: b for p in plans.values() for b in p.buffers}
@@ -257,11 +262,11 @@ def _p2p(job: Job, plans) -> list[str]:
             errors.append(f"rank {r}: {t.kind.value} of op {t.op} and its peer on rank {t.peer} "
                           f"disagree on the piece: box {t.box} vs {peer_t.box}, dtype "
                           f"{mine.dtype.name} vs {theirs.dtype.name}")
-    errors += _p2p_actions(job, plans)
+    errors += _p2p_actions(job, plans, absent)
     return errors
 
 
-def _p2p_actions(job: Job, plans) -> list[str]:
+def _p2p_actions(job: Job, plans, absent: set[int]) -> list[str]:
     """Every SEND action instance has its peer's RECV action instance."""
     where = stage_placement(job.strategy)
     recvs = set()
@@ -269,7 +274,7 @@ def _p2p_actions(job: Job, plans) -> list[str]:
         for a in p.actions:
             if a.type in (ActionType.RECV_F, ActionType.RECV_B):
                 recvs.add((r, a.type, a.peer, a.virtual_stage, a.microbatch))
-    errors, absent = [], _absent(job, plans)
+    errors = []
     for r, p in plans.items():
         peers_of = _send_peers(p, where)
         for i, a in enumerate(p.actions):

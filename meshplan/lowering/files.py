@@ -1,14 +1,16 @@
-"""Plan directories: `job.json` plus one `rank_NNNNN.plan` per rank.
+"""Plan directories: `job.json`, one small `rank_NNNNN.plan` per rank, and
+one body per plan class under `classes/`.
 
 Invariants:
 - Every file is sealed (`ir.fileio`: versioned, checksummed JSON, never
   pickle) and written atomically, so a reader sees a whole file or none.
-- A plan file has two parts: a head (rank, coordinate, Job digest, the
-  base of the rank's task ids) and a body in which the rank's own ids are
-  relative to it, so that data-parallel ranks whose plans differ only in
-  their ids share one body (`driver/compile.py` writes it once).
-- A RankPlan file names the digest of the Job it was lowered from; loading
-  a directory checks that all agree, and that the ranks cover the world.
+- A rank's file is a head: its rank, stage and grid coordinate, the Job's
+  digest and the sha256 of its class's body (`lowering/classes.py`), which is
+  stored once, content-addressed, as `classes/<sha256>.plan`. The rank's plan
+  is the body resolved at its coordinate (`classes.resolve`): a rank reads
+  its head, one body and the Job's strategy, nothing of any other rank.
+- Loading a directory checks that every head names this Job and its own
+  rank, that the ranks cover the world, and that a body's name is its hash.
 - Any problem is one `PlanError` line naming the file and how to fix it.
 """
 
@@ -19,24 +21,23 @@ import re
 from pathlib import Path
 
 from meshplan.errors import PlanError
-from meshplan.ir import DType, Phase
-from meshplan.ir.fileio import encode_part, open_parts, read_bytes, seal_parts, write_atomic
-from meshplan.ir.job import Job
-from meshplan.lowering.ids import TASK_LOCAL_BITS
-from meshplan.lowering.rankplan import (
-    Block,
-    Bucket,
-    Buffer,
-    BufferCategory,
-    MemoryLayout,
-    RankPlan,
-    Task,
-    TaskKind,
+from meshplan.ir.fileio import (
+    encode_part,
+    open_parts,
+    read_bytes,
+    seal_parts,
+    sealed_parts,
+    write_atomic,
 )
-from meshplan.schedules.action import Action
+from meshplan.ir.job import Job, JobReader
+from meshplan.ir.mesh import Strategy
+from meshplan.lowering.classes import encode, fixed_axes, resolve
+from meshplan.lowering.rankplan import RankPlan
 
-KIND, VERSION = "meshplan.rankplan", 4  # 4: buckets, run order and gathers
+KIND, VERSION = "meshplan.rankplan", 5  # 5: a head naming its class's body
+CLASS_KIND, CLASS_VERSION = "meshplan.planclass", 1
 JOB_FILE = "job.json"
+CLASS_DIR = "classes"
 _PLAN_FILE = re.compile(r"rank_(\d+)\.plan")
 
 
@@ -44,112 +45,61 @@ def plan_name(rank: int) -> str:
     return f"rank_{rank:05d}.plan"
 
 
-def plan_head(p: RankPlan, task_base: int) -> dict:
-    """What a plan file says about its rank: who, where, of which Job."""
-    head = {"rank": p.rank, "world": p.world, "stage": p.stage, "coord": list(p.coord),
-            "job_digest": p.job_digest, "task_base": task_base}
-    if p.device != "cpu":
-        head["device"] = p.device
+def class_name(digest: str) -> str:
+    """A class body's file, named by its content's sha256."""
+    return f"{CLASS_DIR}/{digest}.plan"
+
+
+def class_bytes(body: dict) -> tuple[str, bytes]:
+    """A class body's (`classes.encode`) digest and sealed file."""
+    parts = sealed_parts(CLASS_KIND, CLASS_VERSION, {"body": encode_part(body)})
+    return parts.digest, parts.data
+
+
+def head_bytes(body: dict, klass: str, rank: int, coord: tuple[int, ...],
+               job_digest: str) -> bytes:
+    """The file of member `rank` at `coord` of the class whose body is `body`
+    (digest `klass`): who, where, of which Job, and which class."""
+    head = {"rank": rank, "world": body["world"], "stage": body["stage"], "coord": list(coord),
+            "job_digest": job_digest, "class": klass, "device": body["device"]}
+    return seal_parts(KIND, VERSION, {"head": encode_part(head)})
+
+
+def plan_files(p: RankPlan, job: Job) -> tuple[bytes, str, bytes]:
+    """`p`'s head file, its class's digest and its class's file."""
+    body = encode(p, job.view(p.stage), job.strategy, fixed_axes(job))
+    klass, data = class_bytes(body)
+    return head_bytes(body, klass, p.rank, p.coord, p.job_digest), klass, data
+
+
+def open_head(data: bytes, where: str) -> dict:
+    head = open_parts(data, KIND, VERSION, where).load("head")
+    if not (isinstance(head, dict) and all(type(head.get(k)) is int
+                                           for k in ("rank", "world", "stage"))
+            and isinstance(head.get("class"), str) and isinstance(head.get("coord"), list)
+            and isinstance(head.get("job_digest"), str)):
+        raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} head; recompile it")
     return head
 
 
-def plan_body(p: RankPlan, task_base: int) -> bytes:
-    """The rest of a plan file, with the rank's own ids written relative to
-    it: a task id less `task_base` (its rank and device bits), a buffer,
-    block or arena id less `rank << 48`. Ranks whose lowering differs only in
-    their own ids (`lower.RankClasses`) therefore share these bytes. Each
-    distinct collective group is written once (`groups`; a task names its
-    index): a data-parallel group of 128 ranks is not repeated per task."""
-    own = p.rank << 48
-    groups: dict[tuple[int, ...], int] = {}  # each distinct group written once
-
-    def rows_of(t: Task) -> list:
-        row = [t.id - task_base, t.kind.value, t.op, t.chunk, t.phase.value,
-               [i - own for i in t.inputs], [o - own if o >= 0 else o for o in t.outputs],
-               list(t.variant), groups.setdefault(t.group, len(groups)), t.peer, t.peer_task,
-               [list(x) for x in t.box]]
-        return row + [t.kernel] if t.kernel else row
-
-    tasks = [rows_of(t) for t in p.tasks]
-    extra: dict[str, list] = {}  # written only where a plan has them
-    if p.buckets:
-        extra["buckets"] = [[groups.setdefault(b.group, len(groups)), list(b.ops),
-                             list(b.sources), b.after, [b.template[0], b.template[1].value],
-                             b.every_run, b.kind, list(b.slots)] for b in p.buckets]
-    if p.run_ids:
-        extra["run_ids"] = [i - task_base for i in p.run_ids]
-    if p.gathers:
-        extra["gathers"] = [[[c, ph.value], [list(layer) for layer in layers]]
-                            for (c, ph), layers in p.gathers]
-    return encode_part({
-        "groups": [list(g) for g in groups],
-        "tasks": tasks,
-        "buffers": [[b.id - own, b.value, [t - task_base for t in b.producers],
-                     [t - task_base for t in b.consumers], list(b.shape), b.dtype.name,
-                     b.nbytes, b.copies, b.category] for b in p.buffers],
-        "memory": {"arenas": [[c - own, n, sz] for c, n, sz in p.memory.arenas],
-                   "blocks": [[b.id - own, b.arena - own, b.offset, b.size,
-                               [x - own for x in b.buffers]] for b in p.memory.blocks],
-                   "peak": [list(x) for x in p.memory.peak]},
-        "actions": [str(a) for a in p.actions],
-    } | extra)
+def open_class(data: bytes, where: str, digest: str | None = None) -> dict:
+    parts = open_parts(data, CLASS_KIND, CLASS_VERSION, where)
+    if digest is not None and parts.digest != digest:
+        raise PlanError(f"{where} does not hold the class body its name says "
+                        f"({parts.digest[:12]}); recompile the whole directory")
+    return parts.load("body")
 
 
-def seal_plan(head: dict, body: bytes) -> bytes:
-    return seal_parts(KIND, VERSION, {"head": encode_part(head), "body": body})
-
-
-def plan_to_bytes(p: RankPlan) -> bytes:
-    base = own_task_base(p)
-    return seal_plan(plan_head(p, base), plan_body(p, base))
-
-
-def own_task_base(p: RankPlan) -> int:
-    """The rank and device bits of `p`'s own task ids (any task of the plan has them)."""
-    if not p.tasks:
-        return 0
-    return p.tasks[0].id >> TASK_LOCAL_BITS << TASK_LOCAL_BITS
-
-
-def _t(x) -> tuple:
-    return tuple(x)
-
-
-def plan_from_bytes(data: bytes, where: str = "<bytes>") -> RankPlan:
-    parts = open_parts(data, KIND, VERSION, where)
+def plan_from_files(head: dict, body: dict, strategy: Strategy, devices_per_node: int,
+                    where: str = "<bytes>") -> RankPlan:
+    """The plan a rank's head and its class's body say (`classes.resolve`)."""
     try:
-        h, d = parts.load("head"), parts.load("body")
-        base, own = h["task_base"], h["rank"] << 48
-
-        def ids(xs, add):
-            return tuple(x + add for x in xs)
-
-        groups = [_t(g) for g in d["groups"]]
-        tasks = tuple(Task(i + base, TaskKind(k), op, c, Phase(ph), ids(ins, own),
-                           tuple(o + own if o >= 0 else o for o in outs), _t(loc), groups[grp],
-                           peer, pt, tuple(_t(b) for b in box), *kernel)
-                      for i, k, op, c, ph, ins, outs, loc, grp, peer, pt, box, *kernel
-                      in d["tasks"])
-        buffers = tuple(Buffer(i + own, v, ids(pr, base), ids(co, base), _t(sh), DType(dt), nb,
-                               cp, BufferCategory(cat))
-                        for i, v, pr, co, sh, dt, nb, cp, cat in d["buffers"])
-        m = d["memory"]
-        memory = MemoryLayout(tuple((c + own, n, sz) for c, n, sz in m["arenas"]),
-                            tuple(Block(i + own, c + own, o, s, ids(b, own))
-                                  for i, c, o, s, b in m["blocks"]),
-                            tuple(_t(x) for x in m["peak"]))
-        buckets = tuple(Bucket(groups[grp], _t(ops), _t(src), after, (c, Phase(ph)), every,
-                               kind, _t(slots))
-                        for grp, ops, src, after, (c, ph), every, kind, slots
-                        in d.get("buckets", ()))
-        gathers = tuple(((c, Phase(ph)), tuple(_t(layer) for layer in layers))
-                        for (c, ph), layers in d.get("gathers", ()))
-        return RankPlan(h["rank"], h["world"], h["stage"], _t(h["coord"]), h["job_digest"],
-                        tasks, buffers, memory, tuple(Action.parse(a) for a in d["actions"]),
-                        h.get("device", "cpu"), buckets, ids(d.get("run_ids", ()), base),
-                        gathers)
+        if body["stage"] != head["stage"]:
+            raise ValueError(f"class of stage {body['stage']}, rank of stage {head['stage']}")
+        return resolve(body, head["rank"], tuple(head["coord"]), head["job_digest"], strategy,
+                       devices_per_node)
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise PlanError(f"{where} holds a malformed {KIND} v{VERSION} body "
+        raise PlanError(f"{where} and its class body do not make a plan "
                         f"({type(e).__name__}: {str(e)[:80]}); recompile it") from None
 
 
@@ -158,8 +108,12 @@ def write_job(out: Path, job: Job) -> None:
     write_atomic(out / JOB_FILE, job.to_bytes())
 
 
-def write_plan(out: Path, plan: RankPlan) -> None:
-    write_atomic(out / plan_name(plan.rank), plan_to_bytes(plan))
+def write_plan(out: Path, plan: RankPlan, job: Job) -> None:
+    """`plan`'s head and its class's body into directory `out`."""
+    head, klass, body = plan_files(plan, job)
+    (Path(out) / CLASS_DIR).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out) / class_name(klass), body)
+    write_atomic(Path(out) / plan_name(plan.rank), head)
 
 
 def read_job(out: Path) -> Job:
@@ -167,36 +121,75 @@ def read_job(out: Path) -> Job:
     return Job.from_bytes(read_bytes(path), str(path))
 
 
+class PlanDir:
+    """A plan directory read for its heads, each class body decoded once."""
+
+    def __init__(self, out: Path, strategy: Strategy, devices_per_node: int):
+        self.out, self.strategy, self.dpn = Path(out), strategy, devices_per_node
+        self.bodies: dict[str, dict] = {}
+
+    def head(self, rank: int) -> dict:
+        path = self.out / plan_name(rank)
+        return open_head(read_bytes(path), str(path))
+
+    def body(self, klass: str, where: str) -> dict:
+        if klass not in self.bodies:
+            path = self.out / class_name(klass)
+            if not path.is_file():
+                raise PlanError(f"{where} names class {klass[:12]}, which {self.out} lacks; "
+                                "recompile the whole directory")
+            self.bodies[klass] = open_class(read_bytes(path), str(path), klass)
+        return self.bodies[klass]
+
+    def plan(self, head: dict) -> RankPlan:
+        where = str(self.out / plan_name(head["rank"]))
+        return plan_from_files(head, self.body(head["class"], where), self.strategy, self.dpn,
+                               where)
+
+
 def read_plan(out: Path, rank: int) -> RankPlan:
-    path = Path(out) / plan_name(rank)
-    return plan_from_bytes(read_bytes(path), str(path))
+    """Rank `rank`'s plan: its head, its class's body, and the Job's strategy."""
+    path = Path(out) / JOB_FILE
+    job = JobReader(read_bytes(path), str(path))
+    d = PlanDir(out, job.strategy, job.mesh.devices_per_node)
+    return d.plan(d.head(rank))
+
+
+def read_heads(out: Path, job: Job, partial: bool = False) -> tuple[PlanDir, dict[int, dict]]:
+    """Every rank's head of a plan directory, each checked against its file
+    name and the Job; with `partial`, the heads of the ranks it holds (at
+    least one)."""
+    out = Path(out)
+    if not out.is_dir():
+        raise PlanError(f"plan directory {out} does not exist; run `meshplan compile --out {out}`")
+    digest, world = job.digest(), job.mesh.world
+    # `plan_name` pads to 5 digits, so rank 100000 and up take more than 5.
+    ranks = sorted(int(m[1]) for n in os.listdir(out) if (m := _PLAN_FILE.fullmatch(n))
+                   and n == plan_name(int(m[1])))
+    d = PlanDir(out, job.strategy, job.mesh.devices_per_node)
+    heads = {}
+    for rank in ranks:
+        h, n = d.head(rank), plan_name(rank)
+        if h["rank"] != rank or rank >= world:
+            raise PlanError(f"{out / n} holds the plan of rank {h['rank']}, which is not its own "
+                            f"rank or is outside world {world}; recompile the whole directory")
+        if h["job_digest"] != digest:
+            raise PlanError(f"{out / n} was lowered from another Job ({h['job_digest'][:12]} != "
+                            f"{digest[:12]}); recompile the whole directory")
+        heads[rank] = h
+    missing = sorted(set(range(world)) - set(heads))
+    if missing and not (partial and heads):
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise PlanError(f"{out} lacks the plans of ranks {shown} (world {world}); "
+                        "compile them, or check a directory compiled for all ranks")
+    return d, heads
 
 
 def read_dir(out: Path, partial: bool = False) -> tuple[Job, dict[int, RankPlan]]:
     """The Job and every rank's plan of a plan directory, cross-checked;
     with `partial`, the plans of the ranks it holds (at least one)."""
-    out = Path(out)
-    if not out.is_dir():
+    if not Path(out).is_dir():
         raise PlanError(f"plan directory {out} does not exist; run `meshplan compile --out {out}`")
     job = read_job(out)
-    digest = job.digest()
-    # `plan_name` pads to 5 digits, so rank 100000 and up take more than 5.
-    ranks = sorted(int(m[1]) for n in os.listdir(out) if (m := _PLAN_FILE.fullmatch(n))
-                   and n == plan_name(int(m[1])))
-    plans = {}
-    for rank in ranks:
-        p, n = read_plan(out, rank), plan_name(rank)
-        if p.rank != rank or rank >= job.mesh.world:
-            raise PlanError(f"{out / n} holds the plan of rank {p.rank}, which is not its own "
-                            f"rank or is outside world {job.mesh.world}; recompile the whole "
-                            "directory")
-        if p.job_digest != digest:
-            raise PlanError(f"{out / n} was lowered from another Job ({p.job_digest[:12]} != "
-                            f"{digest[:12]}); recompile the whole directory")
-        plans[p.rank] = p
-    missing = sorted(set(range(job.mesh.world)) - set(plans))
-    if missing and not (partial and plans):
-        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        raise PlanError(f"{out} lacks the plans of ranks {shown} (world {job.mesh.world}); "
-                        "compile them, or check a directory compiled for all ranks")
-    return job, plans
+    d, heads = read_heads(out, job, partial)
+    return job, {r: d.plan(h) for r, h in heads.items()}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 from meshplan.errors import PlanError
 from meshplan.ir import Phase, Role, TensorMeta
@@ -94,7 +93,7 @@ class _Lowering:
 
     @cached_property
     def op_of(self) -> dict:
-        """The view's ops by id (asked by the memory layout, not by `RankClasses`)."""
+        """The view's ops by id (asked by the memory layout)."""
         return {op.id: op for op in self.view.ops}
 
     def next_id(self) -> int:
@@ -232,39 +231,6 @@ def lower(job: Job | StageView, rank: int, device_type: str = "cpu") -> RankPlan
         if s.zero.regathers else ()
     return RankPlan(rank, view.mesh.world, low.stage, low.coord, view.digest, tasks, buffers,
                     memory, tuple(actions), device_type, buckets, run_ids, gathers)
-
-
-class RankClasses:
-    """Which ranks of a stage get the same plan up to their own ids.
-
-    Lowering depends on the rank only through its own ids (which plan files
-    write relative to it, `files.plan_body`) and through its grid coordinate:
-    the local shape of every value, the ranks of each collective's group,
-    and the send/recv pieces. `key(rank)` is built from exactly those
-    results (the line of every axis a collective runs over, the coordinate's
-    ranks on each stage a shared parameter's reduction spans, every
-    distinct local shape), or is the rank itself when the stage sends or
-    receives across stages: ranks with equal keys have equal plan bodies.
-    Checked rank by rank against lowering each one in
-    tests/lowering/test_rank_classes.py."""
-
-    def __init__(self, view: StageView):
-        self.view = view
-        self.shapes = sorted({(v.meta.shape, view.sbp[i]) for i, v in view.values.items()},
-                             key=repr)
-        kwargs: list[dict[str, Any]] = [dict(op.kwargs) for op in view.ops
-                                        if rule_for(op.kind).category is Category.COLLECTIVE]
-        self.axes = sorted({kw["axis"] for kw in kwargs if "stages" not in kw})
-        self.spans = sorted({kw["stages"] for kw in kwargs if "stages" in kw})
-        self.p2p = view.strategy.pp > 1 and any(op.kind == TRANSFER for op in view.ops)
-
-    def key(self, rank: int) -> tuple:
-        if self.p2p:
-            return ("rank", rank)
-        low = _Lowering(self.view, rank, "cpu")
-        return (tuple(low.group(a) for a in self.axes),
-                tuple(low.across(st) for st in self.spans),
-                tuple(local_shape(sh, sbp, low.place.grid, low.coord) for sh, sbp in self.shapes))
 
 
 _RUN_ORDER = {Phase.WEIGHT: 1, Phase.OPTIMIZER: 2}

@@ -1,49 +1,123 @@
-"""Plan files of the ranks of one stage, each rank class lowered once.
+"""Plan files of the ranks of one stage, each plan class lowered once.
 
-`StageFiles(view, device).plan_bytes(rank)` equals
-`plan_to_bytes(lower(view, rank, device))` byte for byte (tested rank by
-rank), but ranks with the same `RankClasses` key (data-parallel ranks of a
-stage, most often) share one lowering and one encoded body: a rank after
-the first of its class costs a head and a hash, not a lowering.
+`StageFiles(...).files(rank)` gives the rank's head file and its class's
+body (`lowering/classes.py`): the first rank of a class is lowered (or its
+body read from the plan cache) and its plan encoded as the class's body; a
+later rank costs a head. Resolving the body at any rank equals lowering
+that rank (tested rank by rank); a class lowered here is also checked once
+at a second member, the one farthest along every free axis, lowered and
+compared with the body resolved there.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
+from meshplan.errors import PlanError
+from meshplan.ir.fileio import read_bytes, write_atomic
 from meshplan.ir.job import StageView
-from meshplan.lowering.files import own_task_base, plan_body, plan_head, seal_plan
-from meshplan.lowering.ids import DEVICE_TYPES, task_id
-from meshplan.lowering.lower import RankClasses, lower
-from meshplan.lowering.rankplan import RankPlan
+from meshplan.ir.mesh import Strategy
+from meshplan.lowering.classes import encode, resolve
+from meshplan.lowering.files import class_bytes, head_bytes, open_class
+from meshplan.lowering.lower import lower
+
+
+@dataclass(frozen=True)
+class ClassFile:
+    digest: str
+    data: bytes       # the sealed body
+    body: dict        # decoded
+    cached: bool      # read from the plan cache, not lowered
+
+    @property
+    def summary(self) -> dict:
+        """The class's plan in numbers: tasks, buffers, planned peak bytes."""
+        b = self.body
+        return {"tasks": len(b["tasks"]), "buffers": len(b["buffers"]),
+                "planned_peak_bytes": dict(b["memory"]["peak"])["total"]}
 
 
 class StageFiles:
-    def __init__(self, view: StageView, device: str = "cpu"):
-        self.view, self.device = view, device
-        self.classes = RankClasses(view)
-        self.bodies: dict[tuple, tuple[bytes, RankPlan, bool]] = {}
-        self.seconds: dict[str, float] = {}  # of the last plan_bytes: lower, serialize
+    """Files of stage `stage`'s ranks; `view` decodes the stage when a class
+    must be lowered; `cache`, if given, is a directory of class bodies."""
 
-    def plan_bytes(self, rank: int) -> tuple[bytes, RankPlan, bool]:
-        """The plan file of `rank`; the plan of its class's first rank (same
-        tasks, buffers and memory up to ids); whether `rank` was lowered."""
+    def __init__(self, strategy: Strategy, stage: int, digest: str,
+                 view: Callable[[], StageView], fixed: tuple[int, ...], device: str = "cpu",
+                 cache: Path | None = None):
+        self.strategy, self.stage, self.digest = strategy, stage, digest
+        self._view, self._decoded = view, None
+        self.fixed, self.device, self.cache = fixed, device, cache
+        self.place = strategy.placement(stage)
+        self.classes: dict[tuple[int, ...], ClassFile] = {}
+        self.seconds: dict[str, float] = {}  # of the last `files`: view, lower, serialize
+
+    @property
+    def view(self) -> StageView:
+        if self._decoded is None:
+            self._decoded = self._view()
+        return self._decoded
+
+    def files(self, rank: int) -> tuple[bytes, ClassFile, bool]:
+        """`rank`'s head file; its class's body; whether this call made the body."""
         t0 = time.perf_counter()
-        key = self.classes.key(rank)
-        shared = self.bodies.get(key)
-        if shared is None:
-            plan = lower(self.view, rank, self.device)
-            t1 = time.perf_counter()
-            base = own_task_base(plan)
-            self.bodies[key] = (plan_body(plan, base), plan, bool(plan.tasks))
-            data = seal_plan(plan_head(plan, base), self.bodies[key][0])
-            self.seconds = {"lower": t1 - t0, "serialize": time.perf_counter() - t1}
-            return data, plan, True
-        body, plan, has_tasks = shared
-        dpn = self.view.mesh.devices_per_node
-        base = task_id(rank, dpn, 0, 0, DEVICE_TYPES[self.device]) if has_tasks else 0
-        coord = self.view.strategy.placement(self.view.stage).coord(rank)
-        data = seal_plan(plan_head(replace(plan, rank=rank, coord=coord), base), body)
-        self.seconds = {"lower": 0.0, "serialize": time.perf_counter() - t0}
-        return data, plan, False
+        coord = self.place.coord(rank)
+        key = tuple(coord[a] for a in self.fixed)
+        made = key not in self.classes
+        secs = {"view": 0.0, "lower": 0.0}
+        if made:
+            self.classes[key] = self._cached(key) or self._lowered(rank, coord, secs)
+        klass = self.classes[key]
+        head = head_bytes(klass.body, klass.digest, rank, coord, self.digest)
+        secs["serialize"] = time.perf_counter() - t0 - secs["view"] - secs["lower"]
+        self.seconds = secs
+        return head, klass, made
+
+    def _name(self, key) -> str:
+        return f"class_{self.stage}" + "".join(f"_{c}" for c in key) + ".plan"
+
+    def _cached(self, key) -> ClassFile | None:
+        """The cached body of class `key`; None when absent or not that class
+        (then it is lowered afresh and the entry replaced)."""
+        if self.cache is None:
+            return None
+        path = self.cache / self._name(key)
+        try:
+            data = read_bytes(path)
+            body = open_class(data, str(path))
+        except PlanError:
+            return None
+        want = [[a, c] for a, c in zip(self.fixed, key)]
+        if body.get("stage") != self.stage or body.get("fixed") != want \
+                or body.get("device") != self.device:
+            return None
+        return ClassFile(*class_bytes(body), body, True)
+
+    def _lowered(self, rank: int, coord, secs: dict) -> ClassFile:
+        t0 = time.perf_counter()
+        view = self.view
+        t1 = time.perf_counter()
+        body = encode(lower(view, rank, self.device), view, self.strategy, self.fixed)
+        self._second_member(body, coord)
+        secs["view"], secs["lower"] = t1 - t0, time.perf_counter() - t1
+        klass = ClassFile(*class_bytes(body), body, False)
+        if self.cache is not None:
+            self.cache.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.cache / self._name(tuple(coord[a] for a in self.fixed)),
+                         klass.data)
+        return klass
+
+    def _second_member(self, body: dict, coord: tuple[int, ...]) -> None:
+        """The class's body resolved at its member farthest along every free
+        axis equals that member's lowering (a broken symmetry is a bug here,
+        not a wrong plan on a rank nobody looked at)."""
+        far = tuple(c if a in self.fixed else n - 1
+                    for a, (c, n) in enumerate(zip(coord, self.place.grid)))
+        if far == coord:
+            return
+        rank, v = self.place.rank_at(far), self.view
+        got = resolve(body, rank, far, self.digest, self.strategy, v.mesh.devices_per_node)
+        assert got == lower(v, rank, self.device), \
+            f"plan class of stage {self.stage} is not symmetric at rank {rank}"

@@ -1,0 +1,136 @@
+"""check over plan classes: the proofs of `lowering/check.py` for every rank
+of a plan directory, argued over its classes (`lowering/classes.py`).
+
+A rank's plan is its class's body resolved at its grid coordinate. Proven:
+
+- per rank (linear, a few dict lookups each): its head names its own rank
+  (the file's), this Job, its stage and its coordinate (`rank_at(stage,
+  coord)` is the rank: a renaming sending two ranks to one id fails here),
+  and a class whose body is of that stage, for the same device, with the
+  same coordinates on the fixed axes;
+- per class, on its representative (the member at coordinate 0 on every free
+  axis), every proof of `check_plans`: ids, tasks against the Job, the groups'
+  lines, matched transfers, collective order, the schedule and its
+  simulation, shared copies, devices, the split and live values.
+
+Why the representatives stand for every rank: members of a class differ
+only by a translation along free axes, under which a body's groups (lines
+along axes, or across the stages of a shared parameter's copies), peers (at
+the member's own coordinate on free axes) and slices (offsets linear in the
+coordinate) move with the member. So
+- ids are unique: each rank's ids carry its rank, and the heads' ranks are
+  distinct; within a plan, the class's ids are those of its representative;
+- a member's send and its peer's receive are its representative's pair
+  translated: the peer of a representative is a representative (its free
+  coordinates are the sender's, 0), so matching them proves every pair;
+- a group along a free axis holds members of one class (equal bodies, so one
+  collective order); a group along a fixed axis or across stages through a
+  representative holds only representatives, which are compared;
+- all ranks of a stage run their class's actions: the representatives of a
+  stage's classes are compared, and the schedule is simulated on one per stage.
+The gradient norm's proof (with clipping) needs every rank's counted pieces:
+it reads each member's norm tasks (its class's, with its own groups), linear
+in the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from meshplan.ir.job import Job
+from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, GRAD_SQ, SQ_SUM
+from meshplan.lowering.check import CheckResult, RankCheck, check_plans
+from meshplan.lowering.classes import GroupNames, fixed_axes
+from meshplan.lowering.files import PlanDir, read_heads, read_job
+from meshplan.lowering.rankplan import RankPlan
+
+_NORM = {GRAD_SQ, SQ_SUM, ALL_REDUCE, CLIP_COEF}
+
+
+def check_dir(out: Path, partial: bool = True) -> tuple[Job, CheckResult]:
+    """The Job of plan directory `out` and every proof over its ranks (those
+    it holds, with `partial`); a directory that cannot be read is a
+    `PlanError`, a plan that fails a proof is in the result."""
+    job = read_job(out)
+    d, heads = read_heads(out, job, partial)
+    return job, check_dir_plans(job, d, heads)
+
+
+def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult:
+    """Every proof over the ranks whose `heads` were read from `d`."""
+    fixed = fixed_axes(job)
+    errors: list[str] = []
+    members: dict[str, list[int]] = {}
+    for r, h in sorted(heads.items()):
+        e = _head_errors(job, d, r, h, fixed)
+        if e:
+            errors.append(e)
+            continue
+        members.setdefault(h["class"], []).append(r)
+    if errors:
+        return CheckResult(ok=False, errors=errors[:20])
+    reps: dict[int, RankPlan] = {}
+    rep_of: dict[int, int] = {}  # rank -> the given plan standing for it
+    for ranks in members.values():
+        rep = next((r for r in ranks if all(c == 0 for a, c in enumerate(heads[r]["coord"])
+                                            if a not in fixed)), None)
+        for r in ranks:  # a partial directory may lack it: then each member alone
+            rep_of[r] = r if rep is None else rep
+    for r in sorted(set(rep_of.values())):
+        reps[r] = d.plan(heads[r])
+    covered = set(rep_of) - set(reps)
+    norm = _norm_plans(job, d, heads, members, reps, rep_of) if _clips(job) else None
+    res = check_plans(job, reps, covered, norm)
+    for r, h in heads.items():
+        p = reps[rep_of[r]]
+        res.ranks[r] = RankCheck(p.memory.peak_bytes(), dict(p.memory.peak[:-1]),
+                                 len(p.tasks), len(p.buffers), h["stage"])
+    return res
+
+
+def _head_errors(job: Job, d: PlanDir, r: int, h: dict, fixed) -> str:
+    s = job.strategy
+    stage, coord = h["stage"], tuple(h["coord"])
+    place = s.placement(stage) if 0 <= stage < s.pp else None
+    if place is None or len(coord) != len(place.grid) or not all(
+            0 <= c < n for c, n in zip(coord, place.grid)) or place.rank_at(coord) != r:
+        return (f"rank {r}: its head places it at stage {stage}, coordinate {list(coord)}, "
+                f"which is not rank {r}'s place; recompile the whole directory")
+    body = d.body(h["class"], f"rank {r}'s head")
+    if body.get("stage") != stage or body.get("fixed") != [[a, coord[a]] for a in fixed] \
+            or body.get("device") != h.get("device"):
+        return (f"rank {r}: its head names class {h['class'][:12]}, which is not the class of "
+                f"stage {stage} at coordinate {list(coord)}; recompile the whole directory")
+    return ""
+
+
+def _clips(job: Job) -> bool:
+    return any(op.kind == CLIP_COEF for op in job.graph.ops)
+
+
+@dataclass(frozen=True)
+class _NormView:
+    """What the norm's proof reads of a rank's plan: its norm tasks, its coordinate."""
+
+    tasks: tuple
+    coord: tuple[int, ...]
+
+
+def _norm_plans(job: Job, d: PlanDir, heads, members, reps, rep_of) -> dict:
+    """Every rank's norm tasks: its class's, with the groups at its coordinate."""
+    g = job.graph
+    out: dict[int, object] = {}
+    for klass, ranks in members.items():
+        rep = reps[rep_of[ranks[0]]]
+        body = d.body(klass, "")
+        keep = [(i, t) for i, t in enumerate(rep.tasks) if g.ops[t.op].kind in _NORM]
+        for r in ranks:
+            if r in reps:
+                out[r] = reps[r]
+                continue
+            coord = tuple(heads[r]["coord"])
+            names = GroupNames(job.strategy, heads[r]["stage"], coord)
+            out[r] = _NormView(tuple(replace(t, group=names.of(body["groups"][body["tasks"][i][7]]))
+                                     for i, t in keep), coord)
+    return out
