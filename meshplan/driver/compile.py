@@ -41,7 +41,7 @@ from meshplan.capture.cache import cache_dir
 from meshplan.driver.plan import plan_model
 from meshplan.driver.results import CompileResult, LowerResult
 from meshplan.errors import ConfigError, MeshplanError, PlanError
-from meshplan.ir.fileio import write_atomic
+from meshplan.ir.fileio import write_atomic, write_staged
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job, JobReader
 from meshplan.lowering.classes import fixed_axes
@@ -98,11 +98,9 @@ def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device,
         if klass.digest not in written:
             write_atomic(Path(out) / class_name(klass.digest), klass.data)
             written.add(klass.digest)
-        # the staging directory is published whole (`_publish`): no per-file fsync
-        with open(Path(out) / plan_name(rank), "wb") as f:
-            f.write(head)
+        write_staged(Path(out) / plan_name(rank), head)  # published whole: `_publish`
         secs = files.seconds | {"write": time.perf_counter() - t1}
-        stats[rank] = {"lower_s": time.perf_counter() - t, "cache_hit": made and klass.cached,
+        stats[rank] = {"lower_s": time.perf_counter() - t, "cache_hit": klass.cached,
                        "lowered": made and not klass.cached, "parts_s": secs} | klass.summary
         if done is not None:
             done[slot] += 1

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 from meshplan.costmodel import CPU_DEFAULT, DeviceModel
 from meshplan.errors import ScheduleError
@@ -125,10 +126,10 @@ def check_plans(job: Job, plans: dict[int, RankPlan], covered=frozenset(),
     absent = _absent(job, plans) - set(covered)
     res = CheckResult(missing=sorted(absent))
     res.skipped = _skipped(job, plans, absent)
-    for proof in (_unique_ids, _references, _tasks_match_job, _stages_agree, _schedule,
-                  shared_copies, _devices, split_and_live):
+    for proof in (_unique_ids, _references, _tasks_match_job, partial(_p2p, absent=absent),
+                  _collectives, _stages_agree, _schedule, shared_copies, _devices,
+                  split_and_live):
         res.errors += proof(job, plans)
-    res.errors += _p2p(job, plans, absent) + _collectives(job, plans)
     if not res.missing:  # the norm's total sums over ranks that may be missing
         res.errors += norm_coverage(job, plans if norm_plans is None else norm_plans)
     if not res.errors:

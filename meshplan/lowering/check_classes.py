@@ -82,6 +82,10 @@ def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult
     covered = set(rep_of) - set(reps)
     norm = _norm_plans(job, d, heads, members, reps, rep_of) if _clips(job) else None
     res = check_plans(job, reps, covered, norm)
+    if res.missing:  # a given member's transfers or groups may reach a missing rank
+        reach = _reaching(job, d, heads, members, set(res.missing))
+        res.skipped = [x for x in _REACHING if x in reach] + \
+            [x for x in res.skipped if x not in _REACHING]
     for r, h in heads.items():
         p = reps[rep_of[r]]
         res.ranks[r] = RankCheck(p.memory.peak_bytes(), dict(p.memory.peak[:-1]),
@@ -103,6 +107,27 @@ def _head_errors(job: Job, d: PlanDir, r: int, h: dict, fixed) -> str:
         return (f"rank {r}: its head names class {h['class'][:12]}, which is not the class of "
                 f"stage {stage} at coordinate {list(coord)}; recompile the whole directory")
     return ""
+
+
+_REACHING = ("send/recv with the missing ranks", "collective order on the missing ranks")
+
+
+def _reaching(job: Job, d: PlanDir, heads, members, absent: set[int]) -> set[str]:
+    """Which of `_REACHING` the given members' peers and groups make true."""
+    s, out = job.strategy, set()
+    for klass, ranks in members.items():
+        body = d.body(klass, "")
+        peers = {(p[0], tuple(p[1])) for p in (row[8] for row in body["tasks"]) if p}
+        for r in ranks:
+            coord = heads[r]["coord"]
+            if any(s.placement(st).rank_at(tuple(coord[a] if x is None else x
+                                                 for a, x in enumerate(at))) in absent
+                   for st, at in peers):
+                out.add(_REACHING[0])
+            names = GroupNames(s, heads[r]["stage"], tuple(coord))
+            if any(absent.intersection(names.of(ref)) for ref in body["groups"]):
+                out.add(_REACHING[1])
+    return out
 
 
 def _clips(job: Job) -> bool:

@@ -244,7 +244,7 @@ def resolve(d: dict, rank: int, coord: tuple[int, ...], job_digest: str,
                                                              for o in outs)
         if peer is None:
             tasks.append(Task(tid(_STREAM[kind], op), kind, op, c, Phase(ph), inputs, outputs,
-                              _t(var), groups[grp], *kernel))
+                              _t(var), groups[grp], kernel=kernel[0] if kernel else ""))
             continue
         pstage, fixed_at = peer
         pcoord = tuple(coord[a] if x is None else x for a, x in enumerate(fixed_at))
@@ -252,7 +252,8 @@ def resolve(d: dict, rank: int, coord: tuple[int, ...], job_digest: str,
         tasks.append(Task(tid(P2P_STREAM + _flat(pcoord, grid), op), kind, op, c, Phase(ph),
                           inputs, outputs, _t(var), groups[grp], prank,
                           tid(P2P_STREAM + me, op, prank),
-                          tuple(_t(b) for b in _shift(box, moves, coord, 1)), *kernel))
+                          tuple(_t(b) for b in _shift(box, moves, coord, 1)),
+                          kernel[0] if kernel else ""))
     ids = [t.id for t in tasks]
     buffers = tuple(Buffer(i + own, v, tuple(ids[k] for k in pr), tuple(ids[k] for k in co),
                            _t(sh), DType(dt), nb, cp, BufferCategory(cat))

@@ -72,8 +72,15 @@ def plan_files(p: RankPlan, job: Job) -> tuple[bytes, str, bytes]:
     return head_bytes(body, klass, p.rank, p.coord, p.job_digest), klass, data
 
 
+def _part(data: bytes, kind: str, version: int, name: str, where: str):
+    parts = open_parts(data, kind, version, where)
+    if name not in parts:
+        raise PlanError(f"{where} holds a malformed {kind} v{version} file; recompile it")
+    return parts, parts.load(name)
+
+
 def open_head(data: bytes, where: str) -> dict:
-    head = open_parts(data, KIND, VERSION, where).load("head")
+    _, head = _part(data, KIND, VERSION, "head", where)
     if not (isinstance(head, dict) and all(type(head.get(k)) is int
                                            for k in ("rank", "world", "stage"))
             and isinstance(head.get("class"), str) and isinstance(head.get("coord"), list)
@@ -83,11 +90,20 @@ def open_head(data: bytes, where: str) -> dict:
 
 
 def open_class(data: bytes, where: str, digest: str | None = None) -> dict:
-    parts = open_parts(data, CLASS_KIND, CLASS_VERSION, where)
+    parts, body = _part(data, CLASS_KIND, CLASS_VERSION, "body", where)
     if digest is not None and parts.digest != digest:
         raise PlanError(f"{where} does not hold the class body its name says "
                         f"({parts.digest[:12]}); recompile the whole directory")
-    return parts.load("body")
+    if not isinstance(body, dict):
+        raise PlanError(f"{where} holds a malformed {CLASS_KIND} body; recompile it")
+    return body
+
+
+def through_files(p: RankPlan, job: Job) -> RankPlan:
+    """`p` written to its files and read back, as its rank reads them."""
+    head, _, body = plan_files(p, job)
+    return plan_from_files(open_head(head, "<head>"), open_class(body, "<class>"),
+                           job.strategy, job.mesh.devices_per_node)
 
 
 def plan_from_files(head: dict, body: dict, strategy: Strategy, devices_per_node: int,

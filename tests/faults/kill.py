@@ -24,11 +24,11 @@ def _die() -> None:
 
 
 def dying_plan_bytes(rank: int):
-    """`StageFiles.plan_bytes` that kills its process once it has lowered `rank`."""
-    plan_bytes = StageFiles.plan_bytes
+    """`StageFiles.files` that kills its process once it has made `rank`'s files."""
+    files = StageFiles.files
 
     def lower_then_die(self, r: int):
-        out = plan_bytes(self, r)
+        out = files(self, r)
         if r == rank:
             _die()
         return out
@@ -40,7 +40,7 @@ def dying_plan_bytes(rank: int):
 CLI_KILLING_RANK_1 = (
     "import sys; from meshplan.lowering.stage_files import StageFiles; "
     "from tests.faults.kill import dying_plan_bytes; "
-    "StageFiles.plan_bytes = dying_plan_bytes(1); "
+    "StageFiles.files = dying_plan_bytes(1); "
     "from meshplan.cli.main import main; sys.exit(main())")
 
 

@@ -17,7 +17,7 @@ from meshplan.driver.plan import zoo_strategy
 from meshplan.driver.run import run
 from meshplan.errors import PlanError, RuntimeFault
 from meshplan.ir.mesh import Mesh
-from meshplan.lowering.files import plan_from_bytes, plan_name, read_dir
+from meshplan.lowering.files import open_class, read_dir
 from meshplan.lowering.stage_files import StageFiles
 from meshplan.models import model_config
 from meshplan.runtime import launch
@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(300)
 def test_a_killed_compile_worker_is_named_and_leaves_nothing_partial(tmp_path, monkeypatch):
     monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path / "cache"))
-    lower = StageFiles.plan_bytes
-    monkeypatch.setattr(StageFiles, "plan_bytes", dying_plan_bytes(1))
+    lower = StageFiles.files
+    monkeypatch.setattr(StageFiles, "files", dying_plan_bytes(1))
     job = job_of(NAME)
     with pytest.raises(PlanError) as e:
         compile_job(job, tmp_path / "out", workers=2)
@@ -42,11 +42,10 @@ def test_a_killed_compile_worker_is_named_and_leaves_nothing_partial(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # no out/, no staging
     cache = _plan_cache(job.digest())
     entries = sorted(cache.iterdir()) if cache.exists() else []
-    assert plan_name(1) not in [p.name for p in entries]
-    for p in entries:  # whatever the other worker cached is whole
-        assert plan_from_bytes(p.read_bytes(), str(p)).rank == int(p.name[5:10])
+    for p in entries:  # whatever the workers cached is whole
+        assert open_class(p.read_bytes(), str(p))["stage"] == int(p.name[6])
 
-    monkeypatch.setattr(StageFiles, "plan_bytes", lower)
+    monkeypatch.setattr(StageFiles, "files", lower)
     compile_job(job, tmp_path / "out", workers=2)  # compiling again is safe
     assert sorted(read_dir(tmp_path / "out")[1]) == [0, 1]
 

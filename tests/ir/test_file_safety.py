@@ -74,7 +74,7 @@ def test_files_read_back_are_sealed(tmp_path):
     """Jobs, rank plans, graphs (the capture cache) and the checkpoint marker
     are sealed envelopes: format, version, sha256 of the body."""
     from meshplan.ir.serialize import graph_to_bytes
-    from meshplan.lowering.files import plan_to_bytes
+    from meshplan.lowering.files import plan_files
     from meshplan.runtime.checkpoint import COMPLETE
     from tests.bad_inputs.files import make_checkpoint
     from tests.lowering.jobs import job_of, plans_of
@@ -82,7 +82,8 @@ def test_files_read_back_are_sealed(tmp_path):
     job = job_of("gpt_interleaved")
     make_checkpoint(tmp_path / "ckpt")
     files = {"meshplan.job": job.to_bytes(), "meshplan.rankplan":
-             plan_to_bytes(plans_of("gpt_interleaved")[0]), "meshplan.graph":
+             plan_files(plans_of("gpt_interleaved")[0], job)[0], "meshplan.planclass":
+             plan_files(plans_of("gpt_interleaved")[0], job)[2], "meshplan.graph":
              graph_to_bytes(job.graph), "meshplan.checkpoint":
              (tmp_path / "ckpt" / COMPLETE).read_bytes()}
     for kind, data in files.items():

@@ -13,9 +13,10 @@ from meshplan.errors import PlanError
 from meshplan.lowering.check import check_plans
 from meshplan.lowering.files import (
     JOB_FILE,
-    plan_from_bytes,
+    open_class,
+    open_head,
+    plan_files,
     plan_name,
-    plan_to_bytes,
     read_dir,
     write_job,
     write_plan,
@@ -160,7 +161,7 @@ def plan_dir(tmp_path, gpt):
     job, plans = gpt
     write_job(tmp_path, job)
     for p in plans.values():
-        write_plan(tmp_path, p)
+        write_plan(tmp_path, p, job)
     return tmp_path
 
 
@@ -189,7 +190,7 @@ def test_a_truncated_rank_file(plan_dir):
 def test_a_flipped_byte(plan_dir):
     path = plan_dir / plan_name(6)
     data = bytearray(path.read_bytes())
-    i = data.index(b'"tasks":[[') + 10  # a digit of the first task id
+    i = data.index(b'"coord":[') + 9  # a digit of the rank's coordinate
     data[i] = ord("7") if data[i] != ord("7") else ord("8")
     path.write_bytes(bytes(data))
     one_line_error(plan_dir, str(path), "checksum mismatch")
@@ -197,13 +198,14 @@ def test_a_flipped_byte(plan_dir):
 
 def test_every_single_bit_flip_is_caught(gpt):
     """Over a sample of positions: a flipped bit never yields a plan."""
-    data = plan_to_bytes(gpt[1][0])
-    for i in range(0, len(data), max(1, len(data) // 300)):
-        for bit in (0, 3, 5, 7):
-            bad = bytearray(data)
-            bad[i] ^= 1 << bit
-            with pytest.raises(PlanError):
-                plan_from_bytes(bytes(bad), "x.plan")
+    head, _, body = plan_files(gpt[1][0], gpt[0])
+    for data, read in ((head, open_head), (body, open_class)):
+        for i in range(0, len(data), max(1, len(data) // 300)):
+            for bit in (0, 3, 5, 7):
+                bad = bytearray(data)
+                bad[i] ^= 1 << bit
+                with pytest.raises(PlanError):
+                    read(bytes(bad), "x.plan")
 
 
 def test_a_job_file_of_another_compile(plan_dir):
@@ -272,7 +274,7 @@ def test_a_rank_file_holding_another_ranks_plan(plan_dir):
 
 def test_a_rank_beyond_the_world(plan_dir, gpt):
     """Names are padded to 5 digits; rank 100000 has 6 and is still read as itself."""
-    write_plan(plan_dir, replace(gpt[1][0], rank=100000))
+    write_plan(plan_dir, replace(gpt[1][0], rank=100000), gpt[0])
     assert (plan_dir / "rank_100000.plan").is_file()
     one_line_error(plan_dir, "rank_100000.plan", "outside world 8")
 

@@ -7,7 +7,7 @@ import pytest
 
 from meshplan.driver.compile import _plan_cache, compile_job
 from meshplan.errors import ConfigError
-from meshplan.lowering.files import plan_name, plan_to_bytes, read_dir
+from meshplan.lowering.files import plan_files, plan_name, read_dir
 from tests.lowering.jobs import job_of, plans_of
 
 NAME = "gpt_interleaved"  # 2 ranks
@@ -20,22 +20,23 @@ def test_cache_hits_and_a_damaged_entry(tmp_path, monkeypatch):
     assert not any(v["cache_hit"] for v in first["ranks"].values())
     second = compile_job(job, tmp_path / "b", workers=1)
     for r, v in second["ranks"].items():
-        assert v["cache_hit"]
+        assert v["cache_hit"] and not v["lowered"]
         for k in ("tasks", "buffers", "planned_peak_bytes"):
             assert v[k] == first["ranks"][r][k] is not None
-        assert (tmp_path / "b" / plan_name(r)).read_bytes() == plan_to_bytes(plans[r])
+        assert (tmp_path / "b" / plan_name(r)).read_bytes() == plan_files(plans[r], job)[0]
+    assert read_dir(tmp_path / "b")[1] == plans
 
-    entry = _plan_cache(job.digest()) / plan_name(1)
+    entry = _plan_cache(job.digest()) / "class_1.plan"  # stage 1's (no fixed axes)
     entry.write_bytes(entry.read_bytes()[:100])  # truncated
     third = compile_job(job, tmp_path / "c", workers=1)
     assert third["ranks"][0]["cache_hit"] and not third["ranks"][1]["cache_hit"]
     assert read_dir(tmp_path / "c")[1] == plans  # the output is whole
-    assert entry.read_bytes() == plan_to_bytes(plans[1])  # and the entry repaired
+    assert entry.read_bytes() == plan_files(plans[1], job)[2]  # and the entry repaired
 
-    entry.write_bytes(plan_to_bytes(plans[0]))  # a whole file, of the wrong rank
+    entry.write_bytes(plan_files(plans[0], job)[2])  # a whole body, of the wrong class
     fourth = compile_job(job, tmp_path / "d", workers=1)
     assert not fourth["ranks"][1]["cache_hit"]
-    assert (tmp_path / "d" / plan_name(1)).read_bytes() == plan_to_bytes(plans[1])
+    assert read_dir(tmp_path / "d")[1] == plans
 
 
 def test_ranks_outside_the_world_are_a_config_error(tmp_path):

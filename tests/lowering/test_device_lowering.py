@@ -13,7 +13,7 @@ from meshplan.errors import PlanError
 from meshplan.ir.kinds import DROPOUT
 from meshplan.ir.mesh import Mesh
 from meshplan.lowering.check import check_plans
-from meshplan.lowering.files import plan_from_bytes, plan_to_bytes
+from meshplan.lowering.files import through_files
 from meshplan.lowering.ids import DEVICE_TYPES, TaskId
 from meshplan.lowering.lower import lower
 from meshplan.models import model_config
@@ -64,7 +64,7 @@ def test_cpu_plans_name_no_device_kernel():
 def test_cuda_plan_round_trips_through_its_file():
     job = job_of("gpt", "bf16")
     plan = lower(job, 0, "cuda")
-    back = plan_from_bytes(plan_to_bytes(plan))
+    back = through_files(plan, job)
     assert back == plan and back.device == "cuda"
     assert any(t.kernel == dk.FLASH for t in back.tasks)
 

@@ -14,7 +14,7 @@ import pytest
 from meshplan.driver.compile import compile_job
 from meshplan.ir import Phase
 from meshplan.ir.sbp import Shard
-from meshplan.lowering.files import JOB_FILE, plan_name, plan_to_bytes
+from meshplan.lowering.files import JOB_FILE, class_name, plan_files, plan_name, read_dir
 from meshplan.lowering.ids import TaskId
 from meshplan.lowering.rankplan import TaskKind
 from meshplan.schedules.action import ActionType
@@ -31,8 +31,11 @@ def test_worker_processes_write_the_central_bytes(name, tmp_path):
     stats = compile_job(job, tmp_path, workers=2, use_cache=False)
     assert stats["workers"] == 2 and sorted(stats["ranks"]) == list(range(job.mesh.world))
     assert (tmp_path / JOB_FILE).read_bytes() == job.to_bytes()
+    assert read_dir(tmp_path)[1] == plans
     for r, plan in plans.items():
-        assert (tmp_path / plan_name(r)).read_bytes() == plan_to_bytes(plan), f"rank {r}"
+        head, klass, body = plan_files(plan, job)
+        assert (tmp_path / plan_name(r)).read_bytes() == head, f"rank {r}"
+        assert (tmp_path / class_name(klass)).read_bytes() == body, f"rank {r}"
         assert stats["ranks"][r]["tasks"] == len(plan.tasks)
         assert stats["ranks"][r]["planned_peak_bytes"] == plan.memory.peak_bytes()
 
@@ -41,10 +44,11 @@ _LOWER_ONE = textwrap.dedent("""
     import hashlib, sys
     from pathlib import Path
     from meshplan.ir.job import Job
-    from meshplan.lowering.files import plan_to_bytes
+    from meshplan.lowering.files import plan_files
     from meshplan.lowering.lower import lower
     job = Job.from_bytes(Path(sys.argv[1]).read_bytes(), sys.argv[1])
-    print(hashlib.sha256(plan_to_bytes(lower(job, int(sys.argv[2])))).hexdigest())
+    head, _, body = plan_files(lower(job, int(sys.argv[2])), job)
+    print(hashlib.sha256(head + body).hexdigest())
 """)
 
 
@@ -60,7 +64,8 @@ def test_a_fresh_process_per_rank_gives_the_central_bytes(tmp_path):
     for r, p in procs.items():
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
-        assert out.strip() == hashlib.sha256(plan_to_bytes(plans[r])).hexdigest(), f"rank {r}"
+        head, _, body = plan_files(plans[r], job)
+        assert out.strip() == hashlib.sha256(head + body).hexdigest(), f"rank {r}"
 
 
 def test_the_uneven_case_is_uneven():

@@ -49,7 +49,7 @@ def test_rank_plans_carry_their_buckets_run_order_and_gathers(zero):
     file: the buckets the Job implies, the order buckets move tasks into, and
     (ZeRO 3) the gathers a layer ahead; no rank works them out again."""
     from meshplan.lowering.buckets import run_order
-    from meshplan.lowering.files import plan_from_bytes, plan_to_bytes
+    from meshplan.lowering.files import through_files
     from meshplan.lowering.prefetch import gather_groups
 
     job = _job(TINY_BUCKETS, zero=zero)
@@ -63,7 +63,7 @@ def test_rank_plans_carry_their_buckets_run_order_and_gathers(zero):
         groups = gather_groups(plan.tasks, ops, job.graph.values, job.strategy.layer_pattern)
         assert dict(plan.gathers) == ({k: tuple(tuple(t.op for t in g) for g in v)
                                        for k, v in groups.items()} if zero == 3 else {})
-        assert plan_from_bytes(plan_to_bytes(plan)) == plan
+        assert through_files(plan, job) == plan
 
 
 def _close_at_the_bound(buckets, size) -> bool:
