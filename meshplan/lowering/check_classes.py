@@ -7,7 +7,8 @@ A rank's plan is its class's body resolved at its grid coordinate. Proven:
   (the file's), this Job, its stage and its coordinate (`rank_at(stage,
   coord)` is the rank: a renaming sending two ranks to one id fails here),
   and a class whose body is of that stage, for the same device, with the
-  same coordinates on the fixed axes;
+  same coordinates on the fixed axes, and the one body every other rank of
+  that class names;
 - per class, on its representative (the member at coordinate 0 on every free
   axis), every proof of `check_plans`: ids, tasks against the Job, the groups'
   lines, matched transfers, collective order, the schedule and its
@@ -31,6 +32,9 @@ coordinate) move with the member. So
 The gradient norm's proof (with clipping) needs every rank's counted pieces:
 it reads each member's norm tasks (its class's, with its own groups), linear
 in the ranks.
+
+A partial directory (`compile --ranks`) is checked rank by rank, each given
+rank's plan resolved: the representatives may be missing.
 """
 
 from __future__ import annotations
@@ -58,12 +62,22 @@ def check_dir(out: Path, partial: bool = True) -> tuple[Job, CheckResult]:
 
 
 def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult:
-    """Every proof over the ranks whose `heads` were read from `d`."""
+    """Every proof over the ranks whose `heads` were read from `d`: over the
+    classes when every rank is there, else rank by rank (a partial directory,
+    `compile --ranks`)."""
+    if len(heads) < job.mesh.world:
+        return check_plans(job, {r: d.plan(h) for r, h in heads.items()})
     fixed = fixed_axes(job)
     errors: list[str] = []
     members: dict[str, list[int]] = {}
+    body_of: dict[tuple, tuple[int, str]] = {}  # (stage, fixed coords) -> (rank, class)
     for r, h in sorted(heads.items()):
         e = _head_errors(job, d, r, h, fixed)
+        key = (h["stage"], tuple(h["coord"][a] for a in fixed))
+        first, klass = body_of.setdefault(key, (r, h["class"]))
+        if not e and klass != h["class"]:
+            e = (f"ranks {first} and {r} are of one class (stage {key[0]}, fixed coordinates "
+                 f"{list(key[1])}) but name different bodies; recompile the whole directory")
         if e:
             errors.append(e)
             continue
@@ -71,21 +85,14 @@ def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult
     if errors:
         return CheckResult(ok=False, errors=errors[:20])
     reps: dict[int, RankPlan] = {}
-    rep_of: dict[int, int] = {}  # rank -> the given plan standing for it
+    rep_of: dict[int, int] = {}  # rank -> the representative standing for it
     for ranks in members.values():
-        rep = next((r for r in ranks if all(c == 0 for a, c in enumerate(heads[r]["coord"])
-                                            if a not in fixed)), None)
-        for r in ranks:  # a partial directory may lack it: then each member alone
-            rep_of[r] = r if rep is None else rep
-    for r in sorted(set(rep_of.values())):
-        reps[r] = d.plan(heads[r])
-    covered = set(rep_of) - set(reps)
+        rep = next(r for r in ranks if all(c == 0 for a, c in enumerate(heads[r]["coord"])
+                                           if a not in fixed))
+        rep_of.update((r, rep) for r in ranks)
+        reps[rep] = d.plan(heads[rep])
     norm = _norm_plans(job, d, heads, members, reps, rep_of) if _clips(job) else None
-    res = check_plans(job, reps, covered, norm)
-    if res.missing:  # a given member's transfers or groups may reach a missing rank
-        reach = _reaching(job, d, heads, members, set(res.missing))
-        res.skipped = [x for x in _REACHING if x in reach] + \
-            [x for x in res.skipped if x not in _REACHING]
+    res = check_plans(job, reps, set(rep_of) - set(reps), norm)
     for r, h in heads.items():
         p = reps[rep_of[r]]
         res.ranks[r] = RankCheck(p.memory.peak_bytes(), dict(p.memory.peak[:-1]),
@@ -107,27 +114,6 @@ def _head_errors(job: Job, d: PlanDir, r: int, h: dict, fixed) -> str:
         return (f"rank {r}: its head names class {h['class'][:12]}, which is not the class of "
                 f"stage {stage} at coordinate {list(coord)}; recompile the whole directory")
     return ""
-
-
-_REACHING = ("send/recv with the missing ranks", "collective order on the missing ranks")
-
-
-def _reaching(job: Job, d: PlanDir, heads, members, absent: set[int]) -> set[str]:
-    """Which of `_REACHING` the given members' peers and groups make true."""
-    s, out = job.strategy, set()
-    for klass, ranks in members.items():
-        body = d.body(klass, "")
-        peers = {(p[0], tuple(p[1])) for p in (row[8] for row in body["tasks"]) if p}
-        for r in ranks:
-            coord = heads[r]["coord"]
-            if any(s.placement(st).rank_at(tuple(coord[a] if x is None else x
-                                                 for a, x in enumerate(at))) in absent
-                   for st, at in peers):
-                out.add(_REACHING[0])
-            names = GroupNames(s, heads[r]["stage"], tuple(coord))
-            if any(absent.intersection(names.of(ref)) for ref in body["groups"]):
-                out.add(_REACHING[1])
-    return out
 
 
 def _clips(job: Job) -> bool:

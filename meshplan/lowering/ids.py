@@ -2,7 +2,7 @@
 
 Task ids pack five fields into 64 bits, highest first (OneFlow's layout):
 
-    rank 16 | device type 5 | device index 7 | stream 15 | task index 21
+    rank 18 | device type 3 | device index 7 | stream 15 | task index 21
 
 - task index = the Job op id the task comes from (so every rank derives the
   id of a peer's task without lowering the peer);
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RANK_BITS, DEVICE_TYPE_BITS, DEVICE_INDEX_BITS, STREAM_BITS, INDEX_BITS = 16, 5, 7, 15, 21
+# 18 rank bits: 262,144 ranks; 3 device-type bits: 8 types (2 named)
+RANK_BITS, DEVICE_TYPE_BITS, DEVICE_INDEX_BITS, STREAM_BITS, INDEX_BITS = 18, 3, 7, 15, 21
 COMPUTE_STREAM, COLLECTIVE_STREAM, P2P_STREAM = 0, 1, 2
 TASK_LOCAL_BITS = STREAM_BITS + INDEX_BITS  # below them: what a task id says besides its device
 DEVICE_TYPES = {"cpu": 0, "cuda": 1}

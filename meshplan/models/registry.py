@@ -80,6 +80,10 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
         # 36 layers 4096 wide: 8.2B parameters at seq 131072 (its learned positions
         # are 0.5B of them), the long-context search's model (docs/concepts/long_context.md)
         "8b": _transformer("gpt", 36, 32, 4096, 8192, 50304),
+        # Llama 3 405B's depth, width, heads, context and vocabulary with the zoo's
+        # blocks (a 4x GELU MLP for its SwiGLU, no grouped-query attention): 410B
+        # parameters, the compile-scaling benchmark's 16,384-GPU model
+        "405b": _transformer("gpt", 126, 128, 16384, 8192, 128256),
     },
     "bert": {
         "tiny": _transformer("bert", 4, 4, 64, 16, 128),
