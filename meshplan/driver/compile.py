@@ -59,8 +59,8 @@ def _plan_cache(digest: str, device: str = "cpu") -> Path:
 
 
 def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
-                progress=None, slot: int = 0, done=None, device: str = "cpu",
-                fixed: tuple[int, ...] = ()) -> dict:
+                fixed: tuple[int, ...], progress=None, slot: int = 0, done=None,
+                device: str = "cpu") -> dict:
     """Worker body: lower `ranks` of the Job in `job_bytes`, write their files.
     The bytes are hashed once (the digest) and only the parts the ranks'
     stages read are decoded, once per stage. `progress[slot]` says which
@@ -83,6 +83,7 @@ def _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device,
     cache = _plan_cache(reader.digest, device) if use_cache else None
     stages: dict[int, StageFiles] = {}
     written: set[str] = set()
+    (Path(out) / CLASS_DIR).mkdir(exist_ok=True)
     stats = {}
     for rank in ranks:
         if progress is not None:
@@ -114,8 +115,8 @@ def _worker(job_bytes: bytes, ranks: list[int], stage: str, use_cache: bool,
     """A compile worker process: its statistics, or its error, go to a file
     in the staging directory (JSON, never pickle)."""
     try:
-        stats = lower_ranks(job_bytes, ranks, stage, use_cache, progress, slot, done, device,
-                            fixed)
+        stats = lower_ranks(job_bytes, ranks, stage, use_cache, fixed, progress, slot, done,
+                            device)
         write_atomic(Path(stage) / f".stats_{slot}.json", json.dumps(stats).encode())
     except Exception as e:  # reported by the parent, by rank
         name = type(e).__name__ if isinstance(e, MeshplanError) else ""
@@ -236,7 +237,6 @@ def compile_job(job: Job, out: str | Path, ranks: list[int] | None = None,
     gc.freeze()
     try:
         write_job(stage, job)
-        (stage / CLASS_DIR).mkdir()
         stats = _run_workers(batches, job.to_bytes(), stage, use_cache, progress, len(ranks),
                              device, fixed_axes(job))
         _publish(stage, out)

@@ -64,8 +64,8 @@ from meshplan.lowering.buckets import buckets_of, misplaced, run_order
 from meshplan.lowering.check_live import split_and_live
 from meshplan.lowering.check_norm import norm_coverage
 from meshplan.lowering.check_shared import shared_copies
-from meshplan.lowering.ids import DEVICE_TYPES, TaskId
-from meshplan.lowering.rankplan import RankPlan, TaskKind, action_templates, template_of
+from meshplan.lowering.ids import DEVICE_TYPES, LOCAL_BITS, TaskId
+from meshplan.lowering.rankplan import RankPlan, TaskKind, expand_collectives
 from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import format_grid
@@ -157,7 +157,7 @@ def _skipped(job: Job, plans, missing: set[int]) -> list[str]:
 
 
 def _unique_ids(job: Job, plans) -> list[str]:
-    """Task ids, and the (rank << 48) ids of buffers, blocks and memory arenas,
+    """Task ids, and the (rank << LOCAL_BITS) ids of buffers, blocks and memory arenas,
     are each unique across all ranks."""
     errors = []
     tasks: Counter = Counter()
@@ -170,15 +170,15 @@ def _unique_ids(job: Job, plans) -> list[str]:
         if wrong is not None:
             errors.append(f"rank {r}: task {wrong.id:#x} (op {wrong.op}) decodes to rank "
                           f"{TaskId.unpack(wrong.id).rank}; task ids must carry their rank")
-        bad = next((b for b in p.buffers if b.id >> 48 != r), None)
+        bad = next((b for b in p.buffers if b.id >> LOCAL_BITS != r), None)
         if bad is not None:
             errors.append(f"rank {r}: buffer {bad.id:#x} is not in the rank's id space "
-                          f"({r} << 48)")
+                          f"({r} << {LOCAL_BITS})")
     for name, seen in (("task", tasks), ("buffer/block/chunk", local)):
         dups = sorted(i for i, n in seen.items() if n > 1)
         if dups:
             errors.append(f"{len(dups)} duplicated {name} ids, e.g. {dups[0]:#x} (rank "
-                          f"{dups[0] >> 48}); ids must be unique across ranks")
+                          f"{dups[0] >> LOCAL_BITS}); ids must be unique across ranks")
     return errors
 
 
@@ -300,43 +300,6 @@ def _send_peers(p: RankPlan, where: StagePlacement) -> dict:
             kind = ActionType.SEND_F if t.phase is Phase.FORWARD else ActionType.SEND_B
             out[(where.stage_at(p.stage, t.chunk), kind)].add(t.peer)
     return out
-
-
-def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),
-                       buckets=()) -> dict[tuple, list]:
-    """Per group: the (op, micro-batch) collectives this rank joins, in order
-    (given the Job's `ops`, a cross-stage all-reduce is named by its
-    parameter). A gradient bucket (`buckets.py`) is one collective, named by
-    its reductions, where it starts: after the op that completes it, in its
-    task group's last run of the step (a per-micro-batch bucket in every
-    run)."""
-    carried = {op for b in buckets for op in b.ops}
-    by_template = defaultdict(list)
-    for t in p.tasks:
-        if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) and t.op not in carried:
-            by_template[template_of(t)].append(t)
-    position = {t.op: i for i, t in enumerate(p.tasks)}
-    last_run = {key: i for i, a in enumerate(p.actions) for key in action_templates(a, where)}
-    seq = defaultdict(list)
-    for i, a in enumerate(p.actions):
-        for key in action_templates(a, where):
-            events = [(position[t.op], 0, t.group,
-                       (_instance(ops[t.op]) if ops else t.op, a.microbatch))
-                      for t in by_template.get(key, ())]
-            events += [(position[b.after], 1, b.group, (("bucket", *b.ops), a.microbatch))
-                       for b in buckets if b.template == key
-                       and (b.every_run or last_run[key] == i)]
-            for *_, group, item in sorted(events, key=lambda e: e[:2]):
-                seq[group].append(item)
-    return seq
-
-
-def _instance(op):
-    """What names one collective on every member: its op, except for the
-    all-reduce across the stages holding copies of a shared parameter, which
-    is one op per stage (each on its own stage) and is named by the parameter."""
-    kw = dict(op.kwargs)
-    return f"{kw['param']}@copies" if "stages" in kw else op.id
 
 
 def _collectives(job: Job, plans) -> list[str]:

@@ -13,7 +13,7 @@ whole local slice with the rank at its own coordinate on the other stage
 
 - a rank's class is (its stage, its coordinate on the fixed axes); the class
   is lowered once, at any member, and its body (`encode`) says everything
-  relative: buffer ids less `rank << 48`, tasks by index (their ids are
+  relative: buffer ids less `rank << LOCAL_BITS`, tasks by index (their ids are
   derived), groups as ("axis", a) / ("stages", ...), a peer as its stage and
   its coordinate on the fixed axes (on the free ones, the rank's own), a
   box less the rank's offsets along the free axes (`moves`: per free axis
@@ -40,6 +40,7 @@ from meshplan.lowering.ids import (
     COLLECTIVE_STREAM,
     COMPUTE_STREAM,
     DEVICE_TYPES,
+    LOCAL_BITS,
     P2P_STREAM,
     task_id,
 )
@@ -158,7 +159,7 @@ class GroupNames:
 def encode(p: RankPlan, view: StageView, strategy: Strategy, fixed: tuple[int, ...]) -> dict:
     """The body of `p`'s class (JSON-able, with no trace of which member `p` is)."""
     free = [a for a in range(len(p.coord)) if a not in fixed]
-    own = p.rank << 48
+    own = p.rank << LOCAL_BITS
     names = GroupNames(strategy, p.stage, p.coord)
     refs: dict[tuple[int, ...], int] = {}
     group_rows: list = []
@@ -229,7 +230,7 @@ def resolve(d: dict, rank: int, coord: tuple[int, ...], job_digest: str,
     """The plan of `rank` at grid `coord` of class body `d` (`encode`)."""
     stage, device = d["stage"], d["device"]
     dtype = DEVICE_TYPES[device]
-    grid, own = strategy.grid, rank << 48
+    grid, own = strategy.grid, rank << LOCAL_BITS
     me = _flat(coord, grid)
     names = GroupNames(strategy, stage, coord)
     groups = [names.of(ref) for ref in d["groups"]]

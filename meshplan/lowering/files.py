@@ -133,6 +133,8 @@ def write_plan(out: Path, plan: RankPlan, job: Job) -> None:
 
 
 def read_job(out: Path) -> Job:
+    if not Path(out).is_dir():
+        raise PlanError(f"plan directory {out} does not exist; run `meshplan compile --out {out}`")
     path = Path(out) / JOB_FILE
     return Job.from_bytes(read_bytes(path), str(path))
 
@@ -204,8 +206,6 @@ def read_heads(out: Path, job: Job, partial: bool = False) -> tuple[PlanDir, dic
 def read_dir(out: Path, partial: bool = False) -> tuple[Job, dict[int, RankPlan]]:
     """The Job and every rank's plan of a plan directory, cross-checked;
     with `partial`, the plans of the ranks it holds (at least one)."""
-    if not Path(out).is_dir():
-        raise PlanError(f"plan directory {out} does not exist; run `meshplan compile --out {out}`")
     job = read_job(out)
     d, heads = read_heads(out, job, partial)
     return job, {r: d.plan(h) for r, h in heads.items()}

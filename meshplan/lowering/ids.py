@@ -8,7 +8,7 @@ Task ids pack five fields into 64 bits, highest first (OneFlow's layout):
   id of a peer's task without lowering the peer);
 - stream = 0 compute, 1 collective, 2 + k for a send/recv with the k-th rank
   of the peer placement (one task per op and peer).
-Buffer, memory-block and chunk ids are `(rank << 48) + local counter`.
+Buffer, memory-block and chunk ids are `(rank << 46) + local counter` (`LOCAL_BITS`).
 Invariant: ids of different ranks can never collide, since the rank sits in
 the top bits of every kind of id.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 # 18 rank bits: 262,144 ranks; 3 device-type bits: 8 types (2 named)
 RANK_BITS, DEVICE_TYPE_BITS, DEVICE_INDEX_BITS, STREAM_BITS, INDEX_BITS = 18, 3, 7, 15, 21
 COMPUTE_STREAM, COLLECTIVE_STREAM, P2P_STREAM = 0, 1, 2
+LOCAL_BITS = 64 - RANK_BITS  # a buffer, block or chunk id: rank | counter
 TASK_LOCAL_BITS = STREAM_BITS + INDEX_BITS  # below them: what a task id says besides its device
 DEVICE_TYPES = {"cpu": 0, "cuda": 1}
 
@@ -67,6 +68,6 @@ def task_id(rank: int, devices_per_node: int, stream: int, op_id: int,
 
 
 def local_id(rank: int, counter: int) -> int:
-    """A buffer, memory-block or chunk id: `(rank << 48) + counter`."""
-    assert 0 <= counter < (1 << 48)
-    return (rank << 48) + counter
+    """A buffer, memory-block or chunk id: `(rank << LOCAL_BITS) + counter`."""
+    assert 0 <= counter < (1 << LOCAL_BITS)
+    return (rank << LOCAL_BITS) + counter

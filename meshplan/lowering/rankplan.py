@@ -14,7 +14,7 @@ Invariants:
   the N-D SBP at the rank's grid coordinate. `copies` is how many
   micro-batches' instances can be alive at once.
 - Ids: tasks per `ids.task_id`; buffers, memory blocks and memory arenas
-  share the rank's `(rank << 48) + counter` space.
+  share the rank's `(rank << ids.LOCAL_BITS) + counter` space.
 - Everything the runtime runs is here, lowered once: besides tasks,
   buffers, memory layout and actions, the gradient buckets (`buckets`), the
   task order they imply (`run_ids`) and ZeRO-3's gathers by layer
@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+from collections import defaultdict
 from dataclasses import dataclass
 
 from meshplan.ir import DType, Phase
@@ -171,3 +172,40 @@ class RankPlan:
     def kernel_of(self, task: Task, graph) -> str:
         """The kernel `task` runs: its device kernel, else its op's kind."""
         return task.kernel or graph.ops[task.op].kind
+
+
+def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),
+                       buckets=()) -> dict[tuple, list]:
+    """Per group: the (op, micro-batch) collectives this rank joins, in order
+    (given the Job's `ops`, a cross-stage all-reduce is named by its
+    parameter). A gradient bucket (`buckets.py`) is one collective, named by
+    its reductions, where it starts: after the op that completes it, in its
+    task group's last run of the step (a per-micro-batch bucket in every
+    run)."""
+    carried = {op for b in buckets for op in b.ops}
+    by_template = defaultdict(list)
+    for t in p.tasks:
+        if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) and t.op not in carried:
+            by_template[template_of(t)].append(t)
+    position = {t.op: i for i, t in enumerate(p.tasks)}
+    last_run = {key: i for i, a in enumerate(p.actions) for key in action_templates(a, where)}
+    seq = defaultdict(list)
+    for i, a in enumerate(p.actions):
+        for key in action_templates(a, where):
+            events = [(position[t.op], 0, t.group,
+                       (_instance(ops[t.op]) if ops else t.op, a.microbatch))
+                      for t in by_template.get(key, ())]
+            events += [(position[b.after], 1, b.group, (("bucket", *b.ops), a.microbatch))
+                       for b in buckets if b.template == key
+                       and (b.every_run or last_run[key] == i)]
+            for *_, group, item in sorted(events, key=lambda e: e[:2]):
+                seq[group].append(item)
+    return seq
+
+
+def _instance(op):
+    """What names one collective on every member: its op, except for the
+    all-reduce across the stages holding copies of a shared parameter, which
+    is one op per stage (each on its own stage) and is named by the parameter."""
+    kw = dict(op.kwargs)
+    return f"{kw['param']}@copies" if "stages" in kw else op.id

@@ -41,6 +41,7 @@ from meshplan.ir.fileio import write_atomic
 from meshplan.ir.job import JobReader, StageView
 from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.runtime import checkpoint
+from meshplan.runtime.agreement import agree
 from meshplan.runtime.async_save import AsyncSaver
 from meshplan.runtime.comm import Comm, broadcast_bytes, gather_bytes, rank_groups
 from meshplan.runtime.data import batch_feed, token_feed
@@ -177,6 +178,8 @@ def _train(spec: RunSpec, reader: JobReader, rank: int, world: int, progress=Non
         dist.all_reduce(torch.zeros(1, device=device))   # (batch_isend_irecv's rule)
     missing = set(_groups(plan)) - set(comm.groups if comm else ())
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
+    if comm is not None:  # before step 0: this rank's plan against its peers'
+        agree(plan, view, comm.groups)
     ex = RankExecutor(view, plan, comm, device=device, seed=spec.seed)
     _CURRENT["executor"] = ex
     ex.on_action = reporter(rank, progress, beats)

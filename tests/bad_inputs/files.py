@@ -13,7 +13,16 @@ from meshplan.ir.fileio import encode_part, open_parts, seal_parts
 from meshplan.ir.job import KIND as JOB_KIND
 from meshplan.ir.job import VERSION as JOB_VERSION
 from meshplan.ir.mesh import Mesh
-from meshplan.lowering.files import JOB_FILE, KIND, VERSION, plan_name
+from meshplan.lowering.files import (
+    JOB_FILE,
+    KIND,
+    VERSION,
+    class_bytes,
+    class_name,
+    open_class,
+    open_head,
+    plan_name,
+)
 from meshplan.models import build_model, model_config
 
 # The good plan directory: gpt tiny on 2 ranks, pp=2 (so it has send/recv).
@@ -100,21 +109,21 @@ def _reseal(path: Path, kind: str, version: int, name: str, edit) -> None:
     path.write_bytes(seal_parts(kind, version, raw))
 
 
-def _reseal_plan(d: Path, edit) -> None:
-    _reseal(_plan(d), KIND, VERSION, "body", edit)
-
-
 def reseal_malformed(d: Path) -> None:
-    """Edited and resealed (a valid checksum) but not a plan any more."""
-    _reseal_plan(d, lambda b: b.update(tasks=5))
+    """Edited and resealed (a valid checksum) but not a plan head any more."""
+    _reseal(_plan(d), KIND, VERSION, "head", lambda h: h.update(coord=5))
 
 
 def reseal_wrong_peer(d: Path) -> None:
-    """Edited and resealed: a receive now names the wrong peer."""
-    def edit(body):
-        task = next(t for t in body["tasks"] if t[1] == "recv")
-        task[9] = 1  # rank 1 receives from itself
-    _reseal_plan(d, edit)
+    """Rank 1's class body edited and stored as a class of its own (its head
+    naming it): a receive now names the wrong peer, rank 1 itself."""
+    head = open_head(_plan(d).read_bytes(), "head")
+    body = open_class((d / class_name(head["class"])).read_bytes(), "body")
+    task = next(t for t in body["tasks"] if t[0] == "recv")
+    task[8] = [head["stage"], head["coord"]]  # rank 1 receives from itself
+    digest, data = class_bytes(body)
+    (d / class_name(digest)).write_bytes(data)
+    _reseal(_plan(d), KIND, VERSION, "head", lambda h: h.update({"class": digest}))
 
 
 def drop_job(d: Path) -> None:

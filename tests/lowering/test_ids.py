@@ -26,7 +26,7 @@ task_ids = st.builds(TaskId, *(field(b) for b in BITS))
 
 
 def test_layout_is_the_documented_one():
-    assert BITS == (16, 5, 7, 15, 21) and sum(BITS) == 64
+    assert BITS == (18, 3, 7, 15, 21) and sum(BITS) == 64
 
 
 @given(task_ids)
@@ -34,7 +34,7 @@ def test_pack_unpack_round_trip(t):
     packed = t.pack()
     assert 0 <= packed < 1 << 64
     assert TaskId.unpack(packed) == t
-    assert packed >> 48 == t.rank  # the rank sits in the top 16 bits
+    assert packed >> 46 == t.rank  # the rank sits in the top 18 bits
 
 
 @given(task_ids, task_ids)
@@ -58,15 +58,15 @@ def test_field_overflow_asserts(which, value):
         TaskId(*fields).pack()
 
 
-@given(field(RANK_BITS), st.integers(0, (1 << 48) - 1))
+@given(field(RANK_BITS), st.integers(0, (1 << 46) - 1))
 def test_local_id_carries_its_rank(rank, counter):
     i = local_id(rank, counter)
-    assert i >> 48 == rank and i & ((1 << 48) - 1) == counter and i < 1 << 64
+    assert i >> 46 == rank and i & ((1 << 46) - 1) == counter and i < 1 << 64
 
 
 def test_local_id_counter_overflow_asserts():
     with pytest.raises(AssertionError):
-        local_id(0, 1 << 48)
+        local_id(0, 1 << 46)
     with pytest.raises(AssertionError):
         local_id(0, -1)
 
