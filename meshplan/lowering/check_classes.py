@@ -68,11 +68,12 @@ def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult
     if len(heads) < job.mesh.world:
         return check_plans(job, {r: d.plan(h) for r, h in heads.items()})
     fixed = fixed_axes(job)
+    places = [job.strategy.placement(st) for st in range(job.strategy.pp)]
     errors: list[str] = []
     members: dict[str, list[int]] = {}
     body_of: dict[tuple, tuple[int, str]] = {}  # (stage, fixed coords) -> (rank, class)
     for r, h in sorted(heads.items()):
-        e = _head_errors(job, d, r, h, fixed)
+        e = _head_errors(places, d, r, h, fixed)
         key = (h["stage"], tuple(h["coord"][a] for a in fixed))
         first, klass = body_of.setdefault(key, (r, h["class"]))
         if not e and klass != h["class"]:
@@ -100,10 +101,9 @@ def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult
     return res
 
 
-def _head_errors(job: Job, d: PlanDir, r: int, h: dict, fixed) -> str:
-    s = job.strategy
+def _head_errors(places, d: PlanDir, r: int, h: dict, fixed) -> str:
     stage, coord = h["stage"], tuple(h["coord"])
-    place = s.placement(stage) if 0 <= stage < s.pp else None
+    place = places[stage] if 0 <= stage < len(places) else None
     if place is None or len(coord) != len(place.grid) or not all(
             0 <= c < n for c, n in zip(coord, place.grid)) or place.rank_at(coord) != r:
         return (f"rank {r}: its head places it at stage {stage}, coordinate {list(coord)}, "

@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from meshplan.errors import PlanError
 from meshplan.ir.job import StageView
+from meshplan.ir.kinds import TRANSFER
+from meshplan.ir.pieces import recv_pieces, send_pieces
 from meshplan.lowering.rankplan import RankPlan, TaskKind, expand_collectives
 from meshplan.schedules import stage_placement
 
@@ -42,24 +44,33 @@ def digest64(value) -> int:
 
 def agree(plan: RankPlan, view: StageView, groups: dict) -> None:
     """Raise `PlanError` unless every rank's plan agrees with its peers'
-    (`groups`: this rank's process groups by member tuple, `Comm.groups`)."""
-    world, rank = dist.get_world_size(), plan.rank
-    errors = _world(plan, view, world) or _pairs(plan) or _groups(plan, view, groups)
+    (`groups`: this rank's process groups by member tuple, `Comm.groups`).
+    Every rank takes part in every exchange of a phase, whatever it found
+    (else its peers would wait); the pairs and groups are checked only once
+    every rank holds this Job (else they need not be symmetric)."""
+    _verdict(_world(plan, view, dist.get_world_size()))
+    _verdict(_pairs(plan, view) + _groups(plan, view, groups))
+
+
+def _verdict(errors: list[str]) -> None:
+    """Raise on every rank when any rank found something; a rank that did
+    names what it found."""
     ok = torch.tensor([0 if errors else 1], dtype=torch.int64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    rank = dist.get_rank()
     if errors:
         raise PlanError(f"rank {rank}: {errors[0]}; the ranks' plans disagree, so no step "
                         "ran: compile or lower every rank from one Job and one meshplan")
     if not int(ok.item()):
         raise PlanError(f"rank {rank}: another rank's plan disagrees with its peers' (its "
-                        "error names them), so no step ran")
+                        "error names the ranks), so no step ran")
 
 
 def _world(plan: RankPlan, view: StageView, world: int) -> list[str]:
     mine = torch.tensor([digest64(view.digest), plan.stage, digest64(plan.actions)],
                         dtype=torch.int64)
     every = torch.empty(world * 3, dtype=torch.int64)
-    dist.all_gather_into_tensor(every, mine)
+    _all_gather(every, mine)
     every = every.view(world, 3)
     other_job = (every[:, 0] != mine[0]).nonzero().flatten().tolist()
     if other_job:
@@ -73,10 +84,32 @@ def _world(plan: RankPlan, view: StageView, world: int) -> list[str]:
     return []
 
 
-def _pieces(plan: RankPlan) -> dict[int, tuple[list, list]]:
+def _job_peers(view: StageView, rank: int) -> set[int]:
+    """The ranks the Job has this rank exchange pieces with (`ir.pieces`, as
+    lowering computes them): the same pairs on both sides of each, whatever
+    the plans say."""
+    s, out = view.strategy, set()
+    if s.pp == 1:
+        return out
+    for op in view.ops:
+        if op.kind != TRANSFER:
+            continue
+        kw = dict(op.kwargs)
+        src_stage, dst_stage = kw["src_stage"], view.op_stage[op.id]
+        src, dst = op.args[0].id, op.outputs[0]
+        args = (view.values[src].meta.shape, s.placement(src_stage), view.sbp[src],
+                s.placement(dst_stage), view.sbp[dst])
+        if view.stage == src_stage:
+            out.update(p.dst for p in send_pieces(*args, rank))
+        if view.stage == dst_stage:
+            out.update(p.src for p in recv_pieces(*args, rank))
+    return out
+
+
+def _pieces(plan: RankPlan, peers: set[int]) -> dict[int, tuple[list, list]]:
     """Per peer: the pieces this rank sends it and receives from it."""
     dtype = {b.id: b.dtype.name for b in plan.buffers}
-    out: dict[int, tuple[list, list]] = {}
+    out: dict[int, tuple[list, list]] = {p: ([], []) for p in peers}
     for t in plan.tasks:
         if t.kind in (TaskKind.SEND, TaskKind.RECV):
             buf = (t.inputs or t.outputs)[0]
@@ -85,8 +118,8 @@ def _pieces(plan: RankPlan) -> dict[int, tuple[list, list]]:
     return out
 
 
-def _pairs(plan: RankPlan) -> list[str]:
-    pieces = _pieces(plan)
+def _pairs(plan: RankPlan, view: StageView) -> list[str]:
+    pieces = _pieces(plan, _job_peers(view, plan.rank))
     mine = {p: torch.tensor([digest64(sorted(s)), digest64(sorted(r))], dtype=torch.int64)
             for p, (s, r) in pieces.items()}
     theirs = {p: torch.empty(2, dtype=torch.int64) for p in pieces}
@@ -94,25 +127,29 @@ def _pairs(plan: RankPlan) -> list[str]:
         [dist.P2POp(dist.irecv, theirs[p], p) for p in sorted(pieces)]
     for w in dist.batch_isend_irecv(ops) if ops else ():
         w.wait()
-    for p in sorted(pieces):
-        sent, received = theirs[p].tolist()
-        if sent != int(mine[p][1]) or received != int(mine[p][0]):
-            return [f"rank {p} and this rank disagree on the pieces they send each other"]
-    return []
+    return [f"rank {p} and this rank disagree on the pieces they send each other"
+            for p in sorted(pieces) if theirs[p].tolist() != mine[p].tolist()[::-1]]
 
 
 def _groups(plan: RankPlan, view: StageView, groups: dict) -> list[str]:
     ops = {op.id: op for op in view.ops}
     seqs = expand_collectives(plan, stage_placement(view.strategy), ops, plan.buckets)
+    errors = []
     for g in sorted(groups):
         mine = torch.tensor([digest64(seqs.get(g, []))], dtype=torch.int64)
         every = torch.empty(len(g), dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine, group=groups[g])
+        _all_gather(every, mine, group=groups[g])
         other = [m for m, d in zip(g, every.tolist()) if d != int(mine)]
         if other:
-            return [f"ranks {_few(other)} of group {_few(list(g))} issue its collectives in "
-                    "another order than this rank"]
-    return []
+            errors.append(f"ranks {_few(other)} of group {_few(list(g))} issue its "
+                          "collectives in another order than this rank")
+    return errors
+
+
+def _all_gather(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+    """`x` of every member into `out` (torch 2.13 names it `all_gather_single`)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
 
 
 def _few(ranks: list[int]) -> str:

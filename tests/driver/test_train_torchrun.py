@@ -20,6 +20,7 @@ from meshplan.cli.main import main
 from meshplan.driver.metrics import read_metrics
 
 JSON_DIR = Path(sysconfig.get_paths()["stdlib"]) / "json"
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--size", "tiny", "--devices-per-node", "4", "--tp", "1", "--pp", "2", "--vpp", "1",
        "--global-batch-size", "8", "--micro-batch-size", "2", "--steps", "6",
        "--optimizer", "adamw", "--warmup-steps", "1", "--clip-grad-norm", "1.0",
@@ -88,3 +89,27 @@ def test_torchrun_restarts_a_killed_worker_from_the_newest_checkpoint(tmp_path):
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert not (out / ".ranks").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_planted_disagreement_stops_the_torchrun_job_before_step_0(tmp_path):
+    """8 torchrun processes, dp2 tp2 pp2; rank 5 (stage 1) lowers a plan whose
+    send to rank 1 is cut short: the distributed check names the two ranks
+    and no step runs."""
+    data = tmp_path / "data"
+    assert main(["-q", "prepare-data", "--input", str(JSON_DIR / "*.py"), "--out",
+                 str(data)]) == 0
+    out = tmp_path / "out"
+    run = list(RUN)
+    run[run.index("--devices-per-node") + 1], run[run.index("--tp") + 1] = "8", "2"
+    env = os.environ | {"PYTHONPATH": str(ROOT), "BAD_RANK": "5"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8",
+                        str(ROOT / "tests" / "faults" / "disagree.py"), "-q", "train",
+                        "--data", str(data), "--out", str(out), *run],
+                       capture_output=True, text=True, timeout=WAIT_S, env=env, cwd=ROOT)
+    text = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "rank 5 and this rank disagree on the pieces" in text or \
+        "rank 1 and this rank disagree on the pieces" in text, text[-3000:]
+    assert not _losses(out) if (out / "metrics.jsonl").is_file() else True  # no step ran
