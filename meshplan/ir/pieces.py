@@ -7,19 +7,22 @@ Invariants:
   once: the pieces for a destination rank tile its box.
 - When several source ranks hold the same data (Replicate axes), the piece
   comes from replica number `dst_index % replicas`, spreading the load.
-- Cost per rank is O(peers): `recv_pieces` looks at the source shards only,
-  `send_pieces` at the destination ranks only; nothing enumerates the
+- Cost per rank is O(peers): `recv_pieces` and `send_pieces` walk the other
+  placement's grid axis by axis, keeping along a split axis only the parts
+  meeting the rank's own box (found by bisection), so a stage of 8192 ranks
+  costs a rank its few peers, not 8192 boxes; nothing enumerates the
   cluster's full transfer table.
 - Partial sources must be reduced before a transfer (the boxing pass does).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
 from meshplan.ir.mesh import Placement
-from meshplan.ir.sbp import Box, NdSbp, Partial, Shard, intersect, local_box
+from meshplan.ir.sbp import Box, NdSbp, Partial, Shard, intersect, local_box, split_range
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +46,40 @@ def _replicas(place: Placement, sbp: NdSbp, coord: tuple[int, ...]) -> list[int]
     return out
 
 
-def _shard_coords(place: Placement, sbp: NdSbp) -> list[tuple[int, ...]]:
-    """One coordinate per distinct source slice (0 on non-Shard axes)."""
-    ranges = [range(n) if isinstance(s, Shard) else range(1) for n, s in zip(place.grid, sbp)]
-    return list(itertools.product(*ranges))
+def _meeting(shape, sbp: NdSbp, grid: tuple[int, ...], want: Box,
+             replicas: bool) -> list[tuple[tuple[int, ...], Box]]:
+    """(coordinate, its slice's common part with `want`) for each grid
+    coordinate whose slice of a tensor of `shape` laid out `sbp` meets
+    `want`, in row-major order; along a non-Shard axis every index
+    (`replicas`) or index 0 only."""
+    out: list[tuple[tuple[int, ...], Box]] = []
+
+    def walk(axis: int, box: Box, coord: tuple[int, ...]) -> None:
+        if axis == len(grid):
+            part = intersect(box, want)
+            if part is not None:
+                out.append((coord, part))
+            return
+        s, n = sbp[axis], grid[axis]
+        if not isinstance(s, Shard):
+            for k in range(n) if replicas else range(1):
+                walk(axis + 1, box, coord + (k,))
+            return
+        lo, hi = box[s.dim]
+        for k in _parts_meeting(hi - lo, n, want[s.dim][0] - lo, want[s.dim][1] - lo):
+            a, b = split_range(hi - lo, n, k)
+            walk(axis + 1, box[:s.dim] + ((lo + a, lo + b),) + box[s.dim + 1:], coord + (k,))
+
+    walk(0, tuple((0, n) for n in shape), ())
+    return out
+
+
+def _parts_meeting(size: int, parts: int, lo: int, hi: int) -> range:
+    """The parts k of `split_range(size, parts, k)` that may meet [lo, hi):
+    from the first ending after `lo` to the last starting before `hi`."""
+    first = bisect.bisect_right(range(parts), lo, key=lambda k: split_range(size, parts, k)[1])
+    last = bisect.bisect_left(range(parts), hi, key=lambda k: split_range(size, parts, k)[0])
+    return range(first, max(first, last))
 
 
 def recv_pieces(shape, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: NdSbp,
@@ -56,10 +89,7 @@ def recv_pieces(shape, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: 
     want = local_box(shape, dst_sbp, dst.grid, dst.coord(dst_rank))
     index = dst.ranks.index(dst_rank)
     out = []
-    for c in _shard_coords(src, src_sbp):
-        part = intersect(want, local_box(shape, src_sbp, src.grid, c))
-        if part is None:
-            continue
+    for c, part in _meeting(shape, src_sbp, src.grid, want, replicas=False):
         reps = _replicas(src, src_sbp, c)
         out.append(Piece(reps[index % len(reps)], dst_rank, part))
     return out
@@ -73,10 +103,15 @@ def send_pieces(shape, src: Placement, src_sbp: NdSbp, dst: Placement, dst_sbp: 
     have = local_box(shape, src_sbp, src.grid, coord)
     reps = _replicas(src, src_sbp, coord)
     out = []
-    for index, d in enumerate(dst.ranks):
-        if reps[index % len(reps)] != src_rank:
-            continue
-        part = intersect(have, local_box(shape, dst_sbp, dst.grid, dst.coord(d)))
-        if part is not None:
-            out.append(Piece(src_rank, d, part))
+    for c, part in _meeting(shape, dst_sbp, dst.grid, have, replicas=True):
+        index = _flat(c, dst.grid)
+        if reps[index % len(reps)] == src_rank:
+            out.append(Piece(src_rank, dst.ranks[index], part))
     return out
+
+
+def _flat(coord: tuple[int, ...], grid: tuple[int, ...]) -> int:
+    i = 0
+    for c, n in zip(coord, grid):
+        i = i * n + c
+    return i

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from meshplan.ir.mesh import Placement
 from meshplan.ir.pieces import Piece, recv_pieces, send_pieces
-from meshplan.ir.sbp import Partial, R, Shard, box_numel, local_box
+from meshplan.ir.sbp import Partial, R, Shard, box_numel, intersect, local_box
 
 SRC3 = Placement((0, 1, 2), (3,))
 DST5 = Placement((3, 4, 5, 6, 7), (5,))
@@ -151,6 +151,43 @@ def test_random_placements(case, seed):
     assert not set(src.ranks) & set(dst.ranks)
     _check_transfer(shape, src, src_sbp, dst, dst_sbp)
     _move(shape, src, src_sbp, dst, dst_sbp, seed)
+
+
+def _scanned(shape, src, src_sbp, dst, dst_sbp, rank, send: bool) -> list[Piece]:
+    """The pieces by their definition, every rank of the other placement scanned."""
+    from meshplan.ir.pieces import _replicas
+    out = []
+    if send:
+        coord = src.coord(rank)
+        reps = _replicas(src, src_sbp, coord)
+        for index, d in enumerate(dst.ranks):
+            part = intersect(_box_of(src, src_sbp, shape, rank), _box_of(dst, dst_sbp, shape, d))
+            if reps[index % len(reps)] == rank and part is not None:
+                out.append(Piece(rank, d, part))
+        return out
+    index = dst.ranks.index(rank)
+    ranges = [range(n) if isinstance(s, Shard) else range(1) for n, s in zip(src.grid, src_sbp)]
+    for c in itertools.product(*ranges):
+        part = intersect(_box_of(dst, dst_sbp, shape, rank),
+                         local_box(shape, src_sbp, src.grid, c))
+        if part is not None:
+            reps = _replicas(src, src_sbp, c)
+            out.append(Piece(reps[index % len(reps)], rank, part))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=transfers())
+def test_pieces_equal_the_whole_placement_scan(case):
+    """The pruned walk (parts meeting the rank's box, by bisection) finds
+    exactly what scanning every rank of the other placement finds, in order."""
+    shape, src, src_sbp, dst, dst_sbp = case
+    for r in src.ranks:
+        assert send_pieces(shape, src, src_sbp, dst, dst_sbp, r) == \
+            _scanned(shape, src, src_sbp, dst, dst_sbp, r, send=True)
+    for r in dst.ranks:
+        assert recv_pieces(shape, src, src_sbp, dst, dst_sbp, r) == \
+            _scanned(shape, src, src_sbp, dst, dst_sbp, r, send=False)
 
 
 # -- replicas and Partial ---------------------------------------------------------------
