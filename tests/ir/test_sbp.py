@@ -165,3 +165,23 @@ def test_coord_rank_at_round_trip(place):
     assert len(seen) == len(place.ranks)
     for coord in _coords(place.grid):
         assert place.coord(place.rank_at(coord)) == coord
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_distinct_local_shapes_are_those_of_every_coordinate(data):
+    """The sampled cuts (index 0 and each remainder) find exactly the local
+    shapes some grid coordinate has, all tensors together."""
+
+    from meshplan.ir.sbp import distinct_local_shapes, local_shape
+
+    grid = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    tensors = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        shape = tuple(data.draw(st.lists(st.integers(1, 11), min_size=1, max_size=3)))
+        sbp = tuple(data.draw(st.one_of(st.just(R), st.builds(Shard, st.integers(
+            0, len(shape) - 1)))) for _ in grid)
+        tensors.append((shape, sbp))
+    every = {tuple(local_shape(sh, sbp, grid, c) for sh, sbp in tensors)
+             for c in itertools.product(*(range(n) for n in grid))}
+    assert distinct_local_shapes(tensors, grid) == every
