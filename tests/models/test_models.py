@@ -170,7 +170,7 @@ def test_unknown_size_message():
     with pytest.raises(ConfigError) as info:
         model_config("gpt", "huge")
     assert str(info.value) == \
-        "unknown size 'huge' for gpt: choose one of tiny, small, gpt3-175b, 8b"
+        "unknown size 'huge' for gpt: choose one of tiny, small, gpt3-175b, 8b, 405b"
 
 
 def test_heads_not_dividing_hidden_message():
