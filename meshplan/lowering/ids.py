@@ -21,7 +21,6 @@ from dataclasses import dataclass
 RANK_BITS, DEVICE_TYPE_BITS, DEVICE_INDEX_BITS, STREAM_BITS, INDEX_BITS = 18, 3, 7, 15, 21
 COMPUTE_STREAM, COLLECTIVE_STREAM, P2P_STREAM = 0, 1, 2
 LOCAL_BITS = 64 - RANK_BITS  # a buffer, block or chunk id: rank | counter
-TASK_LOCAL_BITS = STREAM_BITS + INDEX_BITS  # below them: what a task id says besides its device
 DEVICE_TYPES = {"cpu": 0, "cuda": 1}
 
 

@@ -55,6 +55,12 @@ def new_body(d, body: dict, ranks) -> str:
     return digest
 
 
+def body_and_task(d, rank: int, kind: str) -> tuple[dict, int]:
+    """`rank`'s class body and the index of its first task of `kind`."""
+    body = open_class((d / class_name(head(d, rank)["class"])).read_bytes(), "x")
+    return body, next(i for i, t in enumerate(body["tasks"]) if t[0] == kind)
+
+
 def errors(d) -> list[str]:
     res = check_dir(d)[1]
     assert not res.ok
@@ -85,9 +91,7 @@ def test_a_head_naming_another_stages_class(plan_dir):
 
 def test_one_ranks_head_with_a_wrong_peer(plan_dir):
     """Rank 6's own body sends one piece to another rank than its class's."""
-    h = head(plan_dir, 6)
-    body = open_class((plan_dir / class_name(h["class"])).read_bytes(), "x")
-    i = next(i for i, t in enumerate(body["tasks"]) if t[0] == "send")
+    body, i = body_and_task(plan_dir, 6, "send")
     body["tasks"][i][8] = [1, [0, 1]]  # stage 1, coordinate (0, 1): a fixed peer
     new_body(plan_dir, body, [6])
     (e,) = errors(plan_dir)
@@ -96,9 +100,7 @@ def test_one_ranks_head_with_a_wrong_peer(plan_dir):
 
 def test_a_class_body_with_an_unmatched_send(plan_dir):
     """Stage 1's class drops a receive: every rank of stage 0 sends into nothing."""
-    h = head(plan_dir, 8)
-    body = open_class((plan_dir / class_name(h["class"])).read_bytes(), "x")
-    i = next(i for i, t in enumerate(body["tasks"]) if t[0] == "recv")
+    body, i = body_and_task(plan_dir, 8, "recv")
     body["tasks"][i][0] = "compute"
     body["tasks"][i][8:11] = [None, None, None]
     new_body(plan_dir, body, range(8, 16))
