@@ -87,8 +87,8 @@ def distinct_local_shapes(tensors: list[tuple[tuple[int, ...], NdSbp]],
     for axis, parts in enumerate(grid):
         new = set()
         for st in states:
-            cuts = [(i, sbp[axis].dim) for i, (_, sbp) in enumerate(tensors)
-                    if isinstance(sbp[axis], Shard)]
+            cuts = [(i, s.dim) for i, (_, sbp) in enumerate(tensors)
+                    if isinstance(s := sbp[axis], Shard)]
             steps = {0} | {st[i][d] % parts for i, d in cuts} - {parts}
             for k in steps:
                 cut = [list(shape) for shape in st]

@@ -65,7 +65,7 @@ def fixed_axes(job: Job) -> tuple[int, ...]:
     grid = job.strategy.grid
     every = tuple(range(len(grid)))
     for op in job.graph.ops:
-        if op.kind == TRANSFER and not aligned(job.sbp[op.args[0].id], job.sbp[op.outputs[0]]):
+        if op.kind == TRANSFER and not aligned(job.sbp[op.refs()[0]], job.sbp[op.outputs[0]]):
             return every
     fixed: set[int] = set()
     for meta_sbp in {(v.meta.shape, job.sbp[v.id]) for v in job.graph.values}:
@@ -175,7 +175,7 @@ def encode(p: RankPlan, view: StageView, strategy: Strategy, fixed: tuple[int, .
     grid = strategy.grid
 
     def task_row(t: Task) -> list:
-        row = [t.kind.value, t.op, t.chunk, t.phase.value, [i - own for i in t.inputs],
+        row: list = [t.kind.value, t.op, t.chunk, t.phase.value, [i - own for i in t.inputs],
                [o - own if o >= 0 else o for o in t.outputs], list(t.variant), gref(t.group)]
         if t.kind in (TaskKind.SEND, TaskKind.RECV):
             vid = value_of[(t.inputs or t.outputs)[0]]

@@ -48,7 +48,8 @@ class StageFiles:
                  view: Callable[[], StageView], fixed: tuple[int, ...], device: str = "cpu",
                  cache: Path | None = None):
         self.strategy, self.stage, self.digest = strategy, stage, digest
-        self._view, self._decoded = view, None
+        self._view = view
+        self._decoded: StageView | None = None
         self.fixed, self.device, self.cache = fixed, device, cache
         self.place = strategy.placement(stage)
         self.classes: dict[tuple[int, ...], ClassFile] = {}
