@@ -3,13 +3,15 @@
 Invariants:
 - The master (capture, autodiff, planning passes) runs once and yields the
   Job's bytes; each worker process checks those bytes (one hash), decodes
-  only the stages of the ranks it is given, and lowers those ranks (once
-  per rank class: `plan.stage_files`). No process holds the whole
-  cluster's physical graph.
-- Rank plans are cached under (job digest, rank, meshplan version, device
-  type): a repeated compile checks and copies them (an unreadable entry is
-  lowered again and replaced), and a killed worker leaves no partial entry
-  (entries are written atomically).
+  only the stages of the ranks it is given, and lowers one rank per plan
+  class (`lowering/stage_files.py`): a worker gets a contiguous run of
+  ranks in stage order, so a class is lowered by one worker (two at a
+  seam). It writes each class's body once and a head per rank. No process
+  holds the whole cluster's physical graph.
+- Class bodies are cached under (job digest, meshplan version, device
+  type, class): a repeated compile checks and reuses them (an unreadable
+  entry, or one of another class, is lowered again and replaced), and a
+  killed worker leaves no partial entry (entries are written atomically).
 - The output directory changes only when every rank succeeded: files are
   staged beside it and moved in at the end. A worker that dies is reported
   by the rank it was lowering (a shared progress slot per worker); a shared
@@ -65,11 +67,11 @@ def lower_ranks(job_bytes: bytes, ranks: list[int], out: str, use_cache: bool,
     The bytes are hashed once (the digest) and only the parts the ranks'
     stages read are decoded, once per stage. `progress[slot]` says which
     rank the worker is lowering (for a report if it dies), `done[slot]` how
-    many it has finished. Ranks of a stage that differ only in their ids
-    are lowered once (`plan.stage_files`). Seconds per rank are split into
-    view (decoding the stage: the first rank of a stage only), lower (the
-    first rank of a class only), serialize (for the others: a head and a
-    hash over the shared body) and write."""
+    many it has finished. The ranks of a plan class (`fixed`: the Job's
+    fixed axes, `classes.fixed_axes`) are lowered once (`StageFiles`).
+    Seconds per rank are split into view (decoding the stage: a class's
+    first rank only), lower (a class's first rank only: lowering, encoding
+    and the check at a second member), serialize (its head) and write."""
     with paused_gc():  # collections were a third of a GPT-3 rank's path
         return _lower_ranks(job_bytes, ranks, out, use_cache, progress, slot, done, device,
                             fixed)
