@@ -35,7 +35,9 @@ def test_readme_worked_example_runs(tmp_path):
     assert diff <= 1e-5
     assert re.search(r"^ok True: \d+ parameter tensors", p.stdout, re.M), p.stdout
     assert len(re.findall(r"^step \d+: eager", p.stdout, re.M)) == 5
-    assert (tmp_path / "step.json").is_file() and len(list((tmp_path / "plans").glob("*"))) == 5
+    assert (tmp_path / "step.json").is_file()
+    assert len(list((tmp_path / "plans").glob("rank_*.plan"))) == 4  # and job.json, classes/
+    assert len(list((tmp_path / "plans" / "classes").glob("*.plan"))) == 2  # one per stage
 
 
 def _tiny():
