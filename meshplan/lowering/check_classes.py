@@ -129,19 +129,27 @@ class _NormView:
 
 
 def _norm_plans(job: Job, d: PlanDir, heads, members, reps, rep_of) -> dict:
-    """Every rank's norm tasks: its class's, with the groups at its coordinate."""
-    g = job.graph
+    """Every rank's norm tasks: its class's, with the groups at its coordinate
+    (a line resolved once for all its members)."""
+    g, s = job.graph, job.strategy
     out: dict[int, object] = {}
+    lines: dict[tuple, tuple[int, ...]] = {}
     for klass, ranks in members.items():
         rep = reps[rep_of[ranks[0]]]
         body = d.body(klass, "")
-        keep = [(i, t) for i, t in enumerate(rep.tasks) if g.ops[t.op].kind in _NORM]
+        keep = [(i, t, body["groups"][body["tasks"][i][7]]) for i, t in enumerate(rep.tasks)
+                if g.ops[t.op].kind in _NORM]
         for r in ranks:
             if r in reps:
                 out[r] = reps[r]
                 continue
-            coord = tuple(heads[r]["coord"])
-            names = GroupNames(job.strategy, heads[r]["stage"], coord)
-            out[r] = _NormView(tuple(replace(t, group=names.of(body["groups"][body["tasks"][i][7]]))
-                                     for i, t in keep), coord)
+            stage, coord = heads[r]["stage"], tuple(heads[r]["coord"])
+            tasks = []
+            for _, t, ref in keep:
+                at = coord[:ref[1]] + (0,) + coord[ref[1] + 1:] if ref[0] == "axis" else coord
+                key = (stage, repr(ref), at)
+                if key not in lines:
+                    lines[key] = GroupNames(s, stage, coord).of(ref)
+                tasks.append(replace(t, group=lines[key]))
+            out[r] = _NormView(tuple(tasks), coord)
     return out

@@ -21,6 +21,7 @@ proof is linear in the ranks for a job's usual groups.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 from meshplan.ir import Op, Ref
@@ -72,16 +73,16 @@ def norm_coverage(job, plans) -> list[str]:
                                _local_box(job, r, sq.args[1].id)))
     if errors or not chains:
         return errors
-    sources = _sources(chains)
-    if sources is None:
+    finals = _sources(chains)
+    if finals is None:
         return ["the ranks' norms are reduced by different numbers of all-reduces; "
                 "recompile the plan"]
-    seen: dict[tuple, list[str]] = {}
-    for r, src in sorted(sources.items()):
-        key = tuple(sorted(src.items()))
-        if key not in seen:
-            seen[key] = _tiles(src, counted, trained)
-        errors += [f"rank {r}: the gradient norm {e}" for e in seen[key][:3]]
+    final, expand = finals
+    seen: dict[int, list[str]] = {}
+    for r in sorted(final):
+        if final[r] not in seen:
+            seen[final[r]] = _tiles(expand(final[r]), counted, trained)
+        errors += [f"rank {r}: the gradient norm {e}" for e in seen[final[r]][:3]]
     return errors
 
 
@@ -110,24 +111,42 @@ def _chain(vid: int, producer, by_op) -> tuple[list[tuple[int, ...]], Op | None]
     return groups[::-1], op
 
 
-def _sources(chains: dict[int, list[tuple[int, ...]]]) -> dict[int, Counter] | None:
-    """Per rank, how many times each rank's counted pieces reach its total."""
+def _sources(chains: dict[int, list[tuple[int, ...]]]):
+    """Per rank, which ranks' counted pieces reach its total, and how often:
+    (rank -> the id of that multiset, id -> the multiset as a Counter of
+    ranks); None when the chains differ in length. A multiset is interned:
+    the one an all-reduce over a group leaves is the sum of its members',
+    named once per distinct group, so the work is the groups' sizes, not
+    ranks x ranks; a multiset is expanded only when asked (once per distinct
+    final one, usually one for the whole job)."""
     if len({len(c) for c in chains.values()}) > 1:
         return None
-    held = {r: Counter({r: 1}) for r in chains}
+    parts: dict[int, Counter] = {}  # id -> Counter of earlier ids (ranks are ids < 0)
+    held = {r: -1 - r for r in chains}
     for k in range(len(next(iter(chains.values())))):
-        memo: dict[tuple[int, ...], Counter] = {}
+        memo: dict[tuple[int, ...], int] = {}
         new = {}
         for r, chain in chains.items():
             group = chain[k]
             if group not in memo:
-                total: Counter = Counter()
-                for m in group:
-                    total.update(held.get(m, Counter()))
-                memo[group] = total
+                memo[group] = len(parts)
+                parts[len(parts)] = Counter(held[m] for m in group if m in held)
             new[r] = memo[group]
         held = new
-    return held
+    expanded: dict[int, Counter] = {}
+
+    def expand(i: int) -> Counter:
+        if i < 0:
+            return Counter({-1 - i: 1})
+        if i not in expanded:
+            total: Counter = Counter()
+            for j, times in parts[i].items():
+                for rank, n in expand(j).items():
+                    total[rank] += n * times
+            expanded[i] = total
+        return expanded[i]
+
+    return held, expand
 
 
 def _tiles(src: Counter, counted: dict, trained: dict) -> list[str]:
@@ -153,11 +172,19 @@ def _tiles(src: Counter, counted: dict, trained: dict) -> list[str]:
 
 
 def _overlap(boxes: list) -> bool:
-    """Whether any two boxes share an element."""
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b)):
+    """Whether any two boxes share an element: each box is cut into the
+    elementary cells that all boxes' bounds make, and a cell met twice is
+    shared. The work is the cells the boxes cover (a tiling of n shards: n),
+    not n x n pairs."""
+    cuts = [sorted({b for box in boxes for b in box[d]}) for d in range(len(boxes[0]))]
+    index = [{x: i for i, x in enumerate(c)} for c in cuts]
+    seen: set[tuple[int, ...]] = set()
+    for box in boxes:
+        ranges = [range(index[d][a], index[d][b]) for d, (a, b) in enumerate(box)]
+        for cell in itertools.product(*ranges):
+            if cell in seen:
                 return True
+            seen.add(cell)
     return False
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from meshplan.driver.compile import compile_job
 from meshplan.ir.fileio import encode_part, seal_parts
+from meshplan.ir.kinds import GRAD_SQ
 from meshplan.lowering.check import check_plans
 from meshplan.lowering.check_classes import check_dir
 from meshplan.lowering.files import (
@@ -19,6 +20,7 @@ from meshplan.lowering.files import (
     open_head,
     plan_name,
 )
+from meshplan.lowering.lower import lower
 from tests.lowering.jobs import job_of, plans_of
 
 NAME = "gpt_dp4"  # dp4 tp2 pp2: 16 ranks, 2 classes
@@ -113,3 +115,25 @@ def test_a_head_of_another_job_or_rank_is_one_line(plan_dir):
     set_head(plan_dir, 2, head(plan_dir, 2) | {"rank": 3})
     with pytest.raises(PlanError, match="holds the plan of rank 3"):
         check_dir(plan_dir)
+
+
+def test_the_norm_proof_over_classes(tmp_path):
+    """With clipping, `check` reads every rank's norm tasks (its class's, its
+    own groups): a whole directory passes as rank by rank does, and a class
+    body whose tp ranks all count a replicated norm weight fails."""
+    from tests.lowering.test_check_norm import job_of as clip_job
+
+    job = clip_job("dp2·tp2·pp2·vpp2")
+    compile_job(job, tmp_path / "p", workers=1, use_cache=False)
+    res = check_dir(tmp_path / "p")[1]
+    full = check_plans(job, {r: lower(job, r) for r in range(job.mesh.world)})
+    assert res.ok and full.ok and res.predicted_step_s == full.predicted_step_s
+    d = tmp_path / "p"
+    body, _ = body_and_task(d, 0, "compute")
+    first = [i for i, t in enumerate(body["tasks"])
+             if job.graph.ops[t[1]].kind == GRAD_SQ and "replica_first" in t[6]]
+    assert first
+    for i in first:
+        body["tasks"][i][6] = ["" for _ in body["tasks"][i][6]]
+    new_body(d, body, [r for r in range(job.mesh.world) if head(d, r)["stage"] == 0])
+    assert any("counts" in e and "more than once" in e for e in errors(d))

@@ -7,6 +7,8 @@ from dataclasses import replace
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model
@@ -88,3 +90,15 @@ def test_a_partial_set_of_plans_skips_the_proof():
     job = job_of("zero3 dp4")
     res = check_plans(job, {0: lower(job, 0)})
     assert "gradient norm coverage" in res.skipped
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 6), st.integers(1, 4)), min_size=2,
+                         max_size=2), min_size=1, max_size=8))
+def test_overlap_by_cells_is_overlap_by_pairs(raw):
+    """The cell sweep says two boxes share an element exactly when some pair does."""
+    from meshplan.lowering.check_norm import _overlap
+    boxes = [tuple((a, a + n) for a, n in box) for box in raw]
+    pairs = any(all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b))
+                for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert _overlap(boxes) == pairs
