@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, GRAD_SQ, SQ_SUM
 from meshplan.lowering.check import CheckResult, RankCheck, check_plans
@@ -137,8 +138,10 @@ def _norm_plans(job: Job, d: PlanDir, heads, members, reps, rep_of) -> dict:
     for klass, ranks in members.items():
         rep = reps[rep_of[ranks[0]]]
         body = d.body(klass, "")
+        # the norm's tasks: its squares and sums, and the step's all-reduces
         keep = [(i, t, body["groups"][body["tasks"][i][7]]) for i, t in enumerate(rep.tasks)
-                if g.ops[t.op].kind in _NORM]
+                if g.ops[t.op].kind in _NORM
+                and (g.ops[t.op].kind != ALL_REDUCE or t.phase is Phase.OPTIMIZER)]
         for r in ranks:
             if r in reps:
                 out[r] = reps[r]
@@ -146,6 +149,9 @@ def _norm_plans(job: Job, d: PlanDir, heads, members, reps, rep_of) -> dict:
             stage, coord = heads[r]["stage"], tuple(heads[r]["coord"])
             tasks = []
             for _, t, ref in keep:
+                if not t.group:
+                    tasks.append(t)
+                    continue
                 at = coord[:ref[1]] + (0,) + coord[ref[1] + 1:] if ref[0] == "axis" else coord
                 key = (stage, repr(ref), at)
                 if key not in lines:

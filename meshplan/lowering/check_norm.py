@@ -78,11 +78,16 @@ def norm_coverage(job, plans) -> list[str]:
         return ["the ranks' norms are reduced by different numbers of all-reduces; "
                 "recompile the plan"]
     final, expand = finals
-    seen: dict[int, list[str]] = {}
+    by_id: dict[int, list[str]] = {}
+    by_sources: dict[frozenset, list[str]] = {}  # distinct ids may bring the same ranks
     for r in sorted(final):
-        if final[r] not in seen:
-            seen[final[r]] = _tiles(expand(final[r]), counted, trained)
-        errors += [f"rank {r}: the gradient norm {e}" for e in seen[final[r]][:3]]
+        if final[r] not in by_id:
+            src = expand(final[r])
+            key = frozenset(src.items())
+            if key not in by_sources:
+                by_sources[key] = _tiles(src, counted, trained)
+            by_id[final[r]] = by_sources[key]
+        errors += [f"rank {r}: the gradient norm {e}" for e in by_id[final[r]][:3]]
     return errors
 
 
