@@ -15,8 +15,11 @@ plans, as the runtime will run them:
 - so each rank's factor comes from a multiset of ranks' counted pieces,
   and for every trained parameter those pieces must tile it exactly: every
   element counted once, none twice, none left out.
-The multisets are worked out group by group (memoized per group), so the
-proof is linear in the ranks for a job's usual groups.
+The multisets are interned group by group (an all-reduce's is the sum of
+its members', named once per group) and expanded once per distinct final
+one; pieces overlap when they share an elementary cell of all pieces'
+bounds. So the proof is linear in the ranks and their pieces for a job's
+usual groups, not quadratic.
 """
 
 from __future__ import annotations
