@@ -58,7 +58,7 @@ def _load_plans(plan_dir: str, mesh: Mesh, model: str, size: str, overrides: dic
     if job.mesh.world != mesh.world:
         raise RuntimeFault(f"{plan_dir} holds plans for {job.mesh.world} ranks but "
                            f"{mesh.world} were asked for; recompile or match the mesh")
-    lowered = read_plan(Path(plan_dir), 0).device
+    lowered = read_plan(Path(plan_dir), 0, job.strategy, job.mesh.devices_per_node).device
     if lowered != device:
         raise ConfigError(f"{plan_dir} holds plans lowered for {lowered}, but the run is on "
                           f"{device}; run with --device {lowered}, or recompile with "

@@ -165,11 +165,15 @@ class PlanDir:
                                where)
 
 
-def read_plan(out: Path, rank: int) -> RankPlan:
-    """Rank `rank`'s plan: its head, its class's body, and the Job's strategy."""
-    path = Path(out) / JOB_FILE
-    job = JobReader(read_bytes(path), str(path))
-    d = PlanDir(out, job.strategy, job.mesh.devices_per_node)
+def read_plan(out: Path, rank: int, strategy: Strategy | None = None,
+              devices_per_node: int = 0) -> RankPlan:
+    """Rank `rank`'s plan: its head, its class's body, and the Job's strategy
+    and devices per node (read from `job.json` unless given)."""
+    if strategy is None:
+        path = Path(out) / JOB_FILE
+        job = JobReader(read_bytes(path), str(path))
+        strategy, devices_per_node = job.strategy, job.mesh.devices_per_node
+    d = PlanDir(out, strategy, devices_per_node)
     return d.plan(d.head(rank))
 
 

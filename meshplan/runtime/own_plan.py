@@ -31,7 +31,7 @@ def rank_plan(job: Job | StageView, rank: int, device_type: str = "cpu",
     view = stage_view(job, job.strategy.stage_of_rank(rank))
     if not plan_dir:
         return lower(view, rank, device_type)
-    plan = read_plan(Path(plan_dir), rank)
+    plan = read_plan(Path(plan_dir), rank, view.strategy, view.mesh.devices_per_node)
     if plan.job_digest != view.digest:
         raise PlanError(f"{plan_dir} holds plans of another Job; recompile it")
     return plan

@@ -12,12 +12,12 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from meshplan.errors import PlanError
-from meshplan.ir.fileio import write_atomic
+from meshplan.ir.fileio import read_bytes, write_atomic
+from meshplan.ir.job import Job
 from meshplan.lowering.lower import lower
 from meshplan.lowering.rankplan import TaskKind
 from meshplan.runtime.agreement import agree
 from meshplan.runtime.comm import Comm, rank_groups
-from tests.lowering.jobs import job_of
 
 
 def plant(plan, bug: str):
@@ -39,11 +39,11 @@ def plant(plan, bug: str):
     return plan
 
 
-def main(name: str, rank: int, world: int, port: int, bad_rank: int, bug: str, out: str):
+def main(job_path: str, rank: int, world: int, port: int, bad_rank: int, bug: str, out: str):
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=60))
-    job = job_of(name)
+    job = Job.from_bytes(read_bytes(job_path), job_path)  # planned once, by the test
     view = job.view(job.strategy.stage_of_rank(rank))
     plan = lower(view, rank)
     if rank == bad_rank:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.lowering.jobs import job_of
+
 ROOT = Path(__file__).resolve().parents[2]
 NAME, WORLD = "gpt_2x4", 8  # dp2 tp2 pp2 vpp2
 
@@ -25,9 +27,11 @@ def _port() -> int:
 
 
 def run(tmp_path, bad_rank: int = -1, bug: str = "") -> dict[int, dict]:
+    job_path = tmp_path / "job.bin"
+    job_path.write_bytes(job_of(NAME).to_bytes())
     port = _port()
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.runtime.agreement_ranks", NAME,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.runtime.agreement_ranks", str(job_path),
                                str(r), str(WORLD), str(port), str(bad_rank), bug or "-",
                                str(tmp_path)], cwd=ROOT, env=env, stderr=subprocess.PIPE)
              for r in range(WORLD)]
