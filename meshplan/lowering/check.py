@@ -83,6 +83,12 @@ class RankCheck:
     buffers: int
     stage: int
 
+    @staticmethod
+    def of(p: RankPlan) -> RankCheck:
+        """`p`'s figures (a class's members share them)."""
+        return RankCheck(p.memory.peak_bytes(), dict(p.memory.peak[:-1]), len(p.tasks),
+                         len(p.buffers), p.stage)
+
 
 @dataclass
 class CheckResult:
@@ -135,9 +141,7 @@ def check_plans(job: Job, plans: dict[int, RankPlan], covered=frozenset(),
     if not res.errors:
         _simulate(job, plans, res)
     res.ok = not res.errors
-    for r, p in sorted(plans.items()):
-        res.ranks[r] = RankCheck(p.memory.peak_bytes(), dict(p.memory.peak[:-1]),
-                                 len(p.tasks), len(p.buffers), p.stage)
+    res.ranks = {r: RankCheck.of(p) for r, p in sorted(plans.items())}
     return res
 
 

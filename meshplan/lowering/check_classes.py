@@ -75,11 +75,13 @@ def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult
     body_of: dict[tuple, tuple[int, str]] = {}  # (stage, fixed coords) -> (rank, class)
     for r, h in sorted(heads.items()):
         e = _head_errors(places, d, r, h, fixed)
-        key = (h["stage"], tuple(h["coord"][a] for a in fixed))
-        first, klass = body_of.setdefault(key, (r, h["class"]))
-        if not e and klass != h["class"]:
-            e = (f"ranks {first} and {r} are of one class (stage {key[0]}, fixed coordinates "
-                 f"{list(key[1])}) but name different bodies; recompile the whole directory")
+        if not e:  # a head whose place is checked: its class is (stage, fixed coordinates)
+            key = (h["stage"], tuple(h["coord"][a] for a in fixed))
+            first, klass = body_of.setdefault(key, (r, h["class"]))
+            if klass != h["class"]:
+                e = (f"ranks {first} and {r} are of one class (stage {key[0]}, fixed "
+                     f"coordinates {list(key[1])}) but name different bodies; recompile the "
+                     "whole directory")
         if e:
             errors.append(e)
             continue
@@ -95,10 +97,7 @@ def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult
         reps[rep] = d.plan(heads[rep])
     norm = _norm_plans(job, d, heads, members, reps, rep_of) if _clips(job) else None
     res = check_plans(job, reps, set(rep_of) - set(reps), norm)
-    for r, h in heads.items():
-        p = reps[rep_of[r]]
-        res.ranks[r] = RankCheck(p.memory.peak_bytes(), dict(p.memory.peak[:-1]),
-                                 len(p.tasks), len(p.buffers), h["stage"])
+    res.ranks = {r: RankCheck.of(reps[rep_of[r]]) for r in sorted(heads)}
     return res
 
 

@@ -83,6 +83,9 @@ def test_a_renaming_that_sends_two_ranks_to_one_id(plan_dir):
     set_head(plan_dir, 5, h | {"coord": head(plan_dir, 6)["coord"]})
     (e,) = errors(plan_dir)
     assert e.startswith("rank 5: its head places it at stage 0") and "not rank 5's place" in e
+    set_head(plan_dir, 5, h | {"coord": [0]})  # too short a coordinate: the same line
+    (e,) = errors(plan_dir)
+    assert e.startswith("rank 5: its head places it at stage 0, coordinate [0]")
 
 
 def test_a_head_naming_another_stages_class(plan_dir):
