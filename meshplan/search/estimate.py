@@ -93,8 +93,12 @@ def layout(probe: Probe, cand: Candidate, layers: int) -> tuple[int, ...]:
 
 
 def stage_works(probe: Probe, counts: tuple[int, ...]) -> list[Work]:
-    n = len(counts)
-    return [probe.stage(k, v == 0, v == n - 1) for v, k in enumerate(counts)]
+    n, made = len(counts), {}
+    for v, k in enumerate(counts):  # equal stages share one Work (priced once: `price`)
+        key = (k, v == 0, v == n - 1)
+        if key not in made:
+            made[key] = probe.stage(*key)
+    return [made[(k, v == 0, v == n - 1)] for v, k in enumerate(counts)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +167,17 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
     split = spec_of(cand.schedule).splits_backward
-    priced = [_in_action(w, cand, st, split) for w in works]
+    once: dict = {}  # equal stages are one object (`stage_works`, `with_dp`): priced once
+    priced = [once[id(w)] if id(w) in once else once.setdefault(id(w), _in_action(
+        w, cand, st, split)) for w in works]
     cost = {(v, k): x for v, fiw in enumerate(priced) for k, x in zip("fiw", fiw)}
-    step = tuple(_step_seconds([works[v] for v in mine], [priced[v] for v in mine], cand, st)
-                 for mine in g.stages)
+    steps: dict = {}
+    for mine in g.stages:
+        key = tuple(id(works[v]) for v in mine)
+        if key not in steps:
+            steps[key] = _step_seconds([works[v] for v in mine], [priced[v] for v in mine],
+                                       cand, st)
+    step = tuple(steps[tuple(id(works[v]) for v in mine)] for mine in g.stages)
     comm = {}
     for v in range(len(works) - 1):
         cross = _stages_cross(cand, st.mesh, g.stage_of[v], g.stage_of[v + 1])
@@ -206,9 +217,11 @@ def memory(cand: Candidate, works: list[Work], counts: tuple[int, ...],
     """Per pipeline rank: the estimated planned peak (`part` "peak"); a
     floor under it ("floor": what the rank holds at once, its state,
     workspace and the values its micro-batches in flight keep from F to I
-    or W, less `FLOOR_SLACK` for the probes' error; no transients, no I-to-W
-    values); or its parameters, gradients and optimizer state alone
-    ("state", which recompute and the schedule do not change)."""
+    or W, and from I to W where more than one is in flight (the layout's
+    static slots), less `FLOOR_SLACK` for the probes' error; no transients,
+    no I-to-W values the layout may pack by liveness); or its parameters,
+    gradients and optimizer state alone ("state", which recompute and the
+    schedule do not change)."""
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
     split = spec_of(cand.schedule).splits_backward
@@ -434,7 +447,7 @@ def _stages_cross(cand: Candidate, mesh: Mesh, a: int, b: int) -> bool:
 def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
           cand: Candidate, m: int, st: Setting, split: bool, part: str) -> int:
     d, z = cand.dp, cand.zero
-    state = saved = iw = scratch = 0
+    state = saved = iw = slots = scratch = 0
     for w, c in zip(works, chunks):
         # sharded already (`with_dp`); with buckets (ZeRO 0 and 1) the second
         # copy is the buckets' flat tensors, which a single micro-batch's
@@ -451,13 +464,15 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
         # them with the transients)
         if split:
             iw += w.saved_iw * to_w
+            if to_w > 1:  # static slots then (`lowering/memory.py`): in every plan's peak
+                slots += w.saved_iw * to_w
         else:
             scratch += w.saved_iw
     if not live:
         return state
     kept = state + saved + max(w.temp for w in works)
     if part == "floor":
-        return int(kept * (1 - FLOOR_SLACK))
+        return int((kept + slots) * (1 - FLOOR_SLACK))
     transient = iw + scratch + max(w.transient for w in works)
     if z.regathers and d > 1:  # gathered layers: in use, prefetched, and the one behind (backward)
         transient += 3 * max(_dp_bytes(w, (Slot.F,), DpKind.ALL_GATHER) // k

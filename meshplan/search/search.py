@@ -266,8 +266,11 @@ class _Pricer:
                 if self.probe(pkey) is None:
                     return None
                 patterns = self._stages(pkey, counts)
-            self.works[wkey] = [with_dp(w, cand, split, pw)
-                                for w, pw in zip(self._stages(key, counts), patterns)]
+            made: dict = {}  # equal stages stay one object (priced once)
+            self.works[wkey] = [
+                made[(id(w), id(pw))] if (id(w), id(pw)) in made else
+                made.setdefault((id(w), id(pw)), with_dp(w, cand, split, pw))
+                for w, pw in zip(self._stages(key, counts), patterns)]
         return counts, self.works[wkey]
 
     def prefetch(self, cands: list[Candidate]) -> None:
