@@ -32,7 +32,9 @@ measured in a fresh process, as `meshplan compile` and a rank run it.
    process with the capture cached: the master, then every rank's files as
    `meshplan compile --workers 2 --no-cache` writes them (seconds, bytes on
    disk, classes); then, in another fresh process, `meshplan check` of that
-   directory (`check_dir`, its import apart). 2 runs per world, the worlds
+   directory (`check_dir`, its import apart); GPT-3 at 4096 and 131,072
+   ranks again with AdamW and clipping (the check then proves the gradient
+   norm too). 2 runs per world, the worlds
    alternating; medians. Targets: files of 4096 ranks <= 10 s and of 131,072
    <= 60 s; check <= 10 s at 4096 and <= 60 s at 131,072; bytes <= 10 x a
    class body x classes + a small head per rank; the master (part 1, now
@@ -55,7 +57,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
 GPT_DPS = (1, 4, 8, 32, 128, 1024)
-SCALE = (("gpt3-175b", 32), ("gpt3-175b", 128), ("gpt3-175b", 1024), ("405b", 128))
+# (model, dp, optimizer): "clip" is AdamW with global-norm clipping at 1.0 (as
+# Megatron trained GPT-3), whose norm the check proves too
+SCALE = (("gpt3-175b", 32, "sgd"), ("gpt3-175b", 128, "sgd"), ("gpt3-175b", 1024, "sgd"),
+         ("405b", 128, "sgd"), ("gpt3-175b", 32, "clip"), ("gpt3-175b", 1024, "clip"))
 SCALE_RUNS = 2
 RESNET_WORLDS = (32, 128)
 RESNET_RUNS = 3
@@ -152,16 +157,18 @@ def part_resnet(world: str, out: str) -> dict:
             "lowered": sum(v["lowered"] for v in ranks), "temp": r["inference"]["temp"]}
 
 
-def part_files(size: str, dp: str, out: str) -> dict:
+def part_files(size: str, dp: str, out: str, optimizer: str = "sgd") -> dict:
     """The master, then every rank's files, as `meshplan compile --workers 2
     --no-cache` runs them (the capture cached)."""
     from meshplan.driver.compile import compile_job
     from meshplan.driver.plan import plan_model
     from meshplan.ir.mesh import Mesh
+    from meshplan.ir.optimizer_config import OptimizerConfig
 
     warmup = _torch_warmup()
     s = _gpt_strategy(int(dp), size)
-    planned = plan_model("gpt", size, Mesh(s.dp * 128 // 8, 8), s)
+    opt = OptimizerConfig.of("adamw", max_grad_norm=1.0) if optimizer == "clip" else optimizer
+    planned = plan_model("gpt", size, Mesh(s.dp * 128 // 8, 8), s, opt)
     t0 = time.perf_counter()
     low = compile_job(planned.job, out, workers=2, use_cache=False)
     files_s = time.perf_counter() - t0
@@ -271,24 +278,24 @@ def resnet_rows(tmp: Path, cache: str) -> list[dict]:
 
 def scale_rows(tmp: Path, cache: str) -> list[dict]:
     """Every rank's files and the check of them per world, alternating."""
-    for size, dp in SCALE:  # capture each model once (excluded)
+    for size, dp, _ in SCALE:  # capture each model once (excluded)
         run_part("master", str(dp), str(tmp / "warm.job"), size, cache=cache)
     runs: dict[tuple, list[dict]] = {w: [] for w in SCALE}
     for i in range(SCALE_RUNS):
-        for size, dp in SCALE:
-            out = tmp / f"scale_{size}_{dp}_{i}"
-            files = run_part("files", size, str(dp), str(out), cache=cache)
+        for size, dp, opt in SCALE:
+            out = tmp / f"scale_{size}_{dp}_{opt}_{i}"
+            files = run_part("files", size, str(dp), str(out), opt, cache=cache)
             files |= run_part("check", str(out), cache=cache)
-            runs[(size, dp)].append(files)
+            runs[(size, dp, opt)].append(files)
             _remove(out)
     rows = []
-    for (size, dp), rs in runs.items():
+    for (size, dp, opt), rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs)
                for k in ("master_s", "files_s", "check_s", "import_s")}
         r0 = rs[0]
         total = r0["class_bytes"] + r0["head_bytes"] + r0["job_bytes"]
         bound = 10 * r0["class_bytes_max"] * r0["classes"] + r0["head_bytes_max"] * r0["world"]
-        rows.append({"model": size, "dp": dp, "world": r0["world"], **med,
+        rows.append({"model": size, "dp": dp, "optimizer": opt, "world": r0["world"], **med,
                      "runs": rs, "ok": all(r["ok"] for r in rs), "classes": r0["classes"],
                      "lowered": r0["lowered"], "bytes": total, "bytes_bound": bound,
                      "class_bytes_max": r0["class_bytes_max"],
@@ -322,11 +329,13 @@ def scale_table(rows: list[dict], master_flat: float) -> list[str]:
              f"`meshplan check` of them, fresh processes, median of {SCALE_RUNS} runs, the "
              "worlds alternating. Bytes: on disk, all files; bound: 10 x the largest class "
              "body x classes + the largest head x ranks.", "",
-             "| model | world | dp | master (s) | files (s) | check (s) | classes | lowered "
-             "| bytes (MB) | bound (MB) | class body (KB) | head (B) | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | optimizer | world | dp | master (s) | files (s) | check (s) | classes "
+             "| lowered | bytes (MB) | bound (MB) | class body (KB) | head (B) | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    names = {"sgd": "SGD", "clip": "AdamW, clip 1.0"}
     for r in rows:
-        lines.append(f"| {r['model']} | {r['world']} | {r['dp']} | {r['master_s']:.3f} | "
+        lines.append(f"| {r['model']} | {names[r['optimizer']]} | {r['world']} | {r['dp']} | "
+                     f"{r['master_s']:.3f} | "
                      f"{r['files_s']:.2f} | {r['check_s']:.2f} | {r['classes']} | "
                      f"{r['lowered']} | {r['bytes'] / 1e6:.1f} | {r['bytes_bound'] / 1e6:.1f} | "
                      f"{r['class_bytes_max'] / 1e3:.0f} | {r['head_bytes_max']} | "

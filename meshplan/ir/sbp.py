@@ -60,11 +60,11 @@ def local_box(shape: tuple[int, ...], sbp: NdSbp, grid: tuple[int, ...],
     """The slice of a logical tensor of `shape` held at grid coordinate `coord`."""
     box = tuple((0, s) for s in shape)
     for axis, s in enumerate(sbp):
-        box = _split_axis(box, s, grid[axis], coord[axis])
+        box = split_axis(box, s, grid[axis], coord[axis])
     return box
 
 
-def _split_axis(box: Box, s, parts: int, index: int) -> Box:
+def split_axis(box: Box, s, parts: int, index: int) -> Box:
     """`box` cut by layout `s` of one mesh axis: part `index` of `parts`."""
     if not isinstance(s, Shard):
         return box

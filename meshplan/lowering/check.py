@@ -123,12 +123,13 @@ def spans(ranks: list[int]) -> str:
 
 
 def check_plans(job: Job, plans: dict[int, RankPlan], covered=frozenset(),
-                norm_plans=None) -> CheckResult:
+                norm_plans=None, norm_errors: list[str] | None = None) -> CheckResult:
     """Run every proof over `plans` (all ranks' or some); never raises for a
     bad plan. Ranks in `covered` are not missing: their plans are translates
     of given ones (`lowering/check_classes.py`), so their transfers and
     collectives are proven by those; `norm_plans` (default `plans`) are the
-    plans the gradient norm's proof reads, every rank's."""
+    plans the gradient norm's proof reads, every rank's, unless its
+    `norm_errors` are given (argued over classes)."""
     absent = _absent(job, plans) - set(covered)
     res = CheckResult(missing=sorted(absent))
     res.skipped = _skipped(job, plans, absent)
@@ -137,7 +138,8 @@ def check_plans(job: Job, plans: dict[int, RankPlan], covered=frozenset(),
                   split_and_live):
         res.errors += proof(job, plans)
     if not res.missing:  # the norm's total sums over ranks that may be missing
-        res.errors += norm_coverage(job, plans if norm_plans is None else norm_plans)
+        res.errors += norm_errors if norm_errors is not None else norm_coverage(
+            job, plans if norm_plans is None else norm_plans)
     if not res.errors:
         _simulate(job, plans, res)
     res.ok = not res.errors

@@ -46,6 +46,8 @@ from meshplan.ir import Phase
 from meshplan.ir.job import Job
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF, GRAD_SQ, SQ_SUM
 from meshplan.lowering.check import CheckResult, RankCheck, check_plans
+from meshplan.lowering.check_norm import clips
+from meshplan.lowering.check_norm_classes import norm_over_classes
 from meshplan.lowering.classes import GroupNames, fixed_axes
 from meshplan.lowering.files import PlanDir, read_heads, read_job
 from meshplan.lowering.rankplan import RankPlan
@@ -95,8 +97,17 @@ def check_dir_plans(job: Job, d: PlanDir, heads: dict[int, dict]) -> CheckResult
                                            if a not in fixed))
         rep_of.update((r, rep) for r in ranks)
         reps[rep] = d.plan(heads[rep])
-    norm = _norm_plans(job, d, heads, members, reps, rep_of) if _clips(job) else None
-    res = check_plans(job, reps, set(rep_of) - set(reps), norm)
+    norm_errors, norm = None, None
+    if clips(job):
+        classes = {}
+        for k, ranks in members.items():
+            r, body = rep_of[ranks[0]], d.body(k, "")
+            classes[k] = (heads[r]["stage"], tuple(heads[r]["coord"][a] for a in fixed),
+                          reps[r], [body["groups"][t[7]] for t in body["tasks"]])
+        norm_errors = norm_over_classes(job, classes, fixed)
+        if norm_errors is None:  # a chain with a listed group: every rank's norm read
+            norm = _norm_plans(job, d, heads, members, reps, rep_of)
+    res = check_plans(job, reps, set(rep_of) - set(reps), norm, norm_errors)
     res.ranks = {r: RankCheck.of(reps[rep_of[r]]) for r in sorted(heads)}
     return res
 
@@ -114,10 +125,6 @@ def _head_errors(places, d: PlanDir, r: int, h: dict, fixed) -> str:
         return (f"rank {r}: its head names class {h['class'][:12]}, which is not the class of "
                 f"stage {stage} at coordinate {list(coord)}; recompile the whole directory")
     return ""
-
-
-def _clips(job: Job) -> bool:
-    return any(op.kind == CLIP_COEF for op in job.graph.ops)
 
 
 @dataclass(frozen=True)

@@ -34,46 +34,29 @@ from meshplan.ir.sbp import box_numel, local_box
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 
-_FIRST = "replica_first"  # KernelVariant.REPLICA_FIRST
+FIRST = "replica_first"  # KernelVariant.REPLICA_FIRST
 
 
 def norm_coverage(job, plans) -> list[str]:
     """Errors of proof 8 (empty when the norm counts each parameter once)."""
     g = job.graph
-    if not any(op.kind == CLIP_COEF for op in g.ops):
+    if not clips(job):
         return []
-    producer = {o: op for op in g.ops for o in op.outputs if o >= 0}
-    trained = {g.values[_root(op.args[0].id, producer)].name: g.values[op.args[0].id].meta.shape
-               for op in g.ops if rule_for(op.kind).category is Category.OPTIMIZER}
+    producer, trained = producers(g), trained_shapes(g)
     errors: list[str] = []
     counted: dict[int, list] = {}
     chains: dict[int, list[tuple[int, ...]]] = {}
     for r, p in sorted(plans.items()):
-        by_op = {t.op: t for t in p.tasks}
-        coef = [t for t in p.tasks if g.ops[t.op].kind == CLIP_COEF]
-        if not coef:
+        got = norm_terms(g, producer, p.tasks)
+        if got is None:
             continue
-        chain, total = _chain(g.ops[coef[0].op].args[0].id, producer, by_op)
-        if total is None:
-            errors.append(f"rank {r}: its clipping factor does not come from a sum of "
-                          "squared gradient norms; recompile the plan")
+        if isinstance(got, str):
+            errors.append(f"rank {r}: {got}")
             continue
-        chains[r] = chain
-        counted[r] = []
-        for a in total.args:
-            assert isinstance(a, Ref)
-            sq = producer.get(a.id)
-            task = by_op.get(sq.id) if sq is not None else None
-            if sq is None or sq.kind != GRAD_SQ or task is None:
-                errors.append(f"rank {r}: its norm sums a value no grad_sq task of its own "
-                              "makes; recompile the plan")
-                continue
-            if any(tag == _FIRST and c != 0 for tag, c in zip(task.variant, p.coord)):
-                continue  # a replica another rank counts
-            if dict(sq.kwargs).get("counted") is False:
-                continue  # a tied weight's copy another stage counts
-            counted[r].append((g.values[_root(sq.args[0].id, producer)].name,
-                               _local_box(job, r, sq.args[1].id)))
+        chain, terms = got
+        chains[r] = [t.group for t in chain]
+        counted[r] = [(name, _local_box(job, r, vid)) for name, vid, variant in terms
+                      if not any(tag == FIRST and c != 0 for tag, c in zip(variant, p.coord))]
     if errors or not chains:
         return errors
     finals = _sources(chains)
@@ -94,6 +77,50 @@ def norm_coverage(job, plans) -> list[str]:
     return errors
 
 
+def clips(job: Job) -> bool:
+    return any(op.kind == CLIP_COEF for op in job.graph.ops)
+
+
+def producers(g) -> dict[int, Op]:
+    return {o: op for op in g.ops for o in op.outputs if o >= 0}
+
+
+def trained_shapes(g) -> dict[str, tuple[int, ...]]:
+    """Each trained parameter's name and logical shape."""
+    producer = producers(g)
+    return {g.values[_root(op.args[0].id, producer)].name: g.values[op.args[0].id].meta.shape
+            for op in g.ops if rule_for(op.kind).category is Category.OPTIMIZER}
+
+
+def norm_terms(g, producer, tasks):
+    """What a plan's clipping factor sums: (the all-reduce tasks from its
+    sum of squares to the factor, first applied first; per grad_sq task it
+    counts, (parameter name, the squared value's id, the task's variant));
+    None without a factor; a reason (one line) when it is not such a sum.
+    A tied weight's copy that another stage counts (`counted=False`) is left
+    out; a replica's (REPLICA_FIRST) is the caller's to leave out."""
+    by_op = {t.op: t for t in tasks}
+    coef = next((t for t in tasks if g.ops[t.op].kind == CLIP_COEF), None)
+    if coef is None:
+        return None
+    chain, total = _chain(g.ops[coef.op].args[0].id, producer, by_op)
+    if total is None:
+        return ("its clipping factor does not come from a sum of squared gradient norms; "
+                "recompile the plan")
+    terms = []
+    for a in total.args:
+        assert isinstance(a, Ref)
+        sq = producer.get(a.id)
+        task = by_op.get(sq.id) if sq is not None else None
+        if sq is None or sq.kind != GRAD_SQ or task is None:
+            return "its norm sums a value no grad_sq task of its own makes; recompile the plan"
+        if dict(sq.kwargs).get("counted") is False:
+            continue  # a tied weight's copy another stage counts
+        terms.append((g.values[_root(sq.args[0].id, producer)].name, sq.args[1].id,
+                      task.variant))
+    return chain, terms
+
+
 def _root(vid: int, producer) -> int:
     """The state `vid` is made from through boxing ops (a parameter sliced or
     gathered for its optimizer): its graph input."""
@@ -104,15 +131,16 @@ def _root(vid: int, producer) -> int:
     return vid
 
 
-def _chain(vid: int, producer, by_op) -> tuple[list[tuple[int, ...]], Op | None]:
-    """The groups of the all-reduces from the norm's sum to `vid`, first
-    applied first, and that `sq_sum` op (None if the chain meets another op)."""
-    groups: list[tuple[int, ...]] = []
+def _chain(vid: int, producer, by_op) -> tuple[list, Op | None]:
+    """The tasks of the all-reduces (over more than one rank) from the norm's
+    sum to `vid`, first applied first, and that `sq_sum` op (None if the
+    chain meets another op)."""
+    groups: list = []
     op = producer.get(vid)
     while op is not None and op.kind == ALL_REDUCE:
         task = by_op.get(op.id)
         if task is not None and len(task.group) > 1:
-            groups.append(task.group)
+            groups.append(task)
         op = producer.get(op.args[0].id)
     if op is None or op.kind != SQ_SUM:
         return groups, None
@@ -163,6 +191,12 @@ def _tiles(src: Counter, counted: dict, trained: dict) -> list[str]:
     for rank, times in src.items():
         for name, box in counted.get(rank, ()):
             pieces.setdefault(name, []).extend([box] * times)
+    return tiling_errors(pieces, trained)
+
+
+def tiling_errors(pieces: dict[str, list], trained: dict) -> list[str]:
+    """What is wrong with each parameter's `pieces` (boxes, one per count):
+    left out, in part or whole, or counted more than once."""
     out = []
     for name, boxes in sorted(pieces.items()):
         whole = 1
