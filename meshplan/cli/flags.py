@@ -16,6 +16,7 @@ from meshplan.cli.config_name import format_config_name, parse_config_name
 from meshplan.cli.train_config import is_config_file
 from meshplan.errors import ConfigError, ScheduleError
 from meshplan.ir.choices import (
+    Kernels,
     LrScheduleKind,
     NonFinite,
     OptimizerKind,
@@ -208,6 +209,11 @@ def add_device_flags(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    "has one. Plans are lowered per device type (its kernels)")
     if backend:
         g.add_argument("--backend", choices=("gloo", "nccl"), default="", help=BACKEND_HELP)
+        g.add_argument("--kernels", choices=[k.value for k in Kernels], default="eager",
+                       help="eager (default): one aten kernel per op; inductor: each run of "
+                       "compute ops between two communications compiled by Inductor, once "
+                       "per process at its first step (needs a C++ compiler on cpu, Triton "
+                       "on cuda)")
 
 
 def add_verb(sub, name: str, help: str, epilog: str, run, planning: bool = True,

@@ -236,7 +236,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
         strategy = strategy_of(a, cfg)
         r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a), seed=a.seed,
                    mesh=mesh_of(a), strategy=strategy, lr=a.lr, bounds=bounds_of(a),
-                   device=a.device, run_options={"backend": a.backend},
+                   device=a.device, run_options={"backend": a.backend, "kernels": a.kernels},
                    reference_rng=a.reference_rng, ref_runs=a.ref_runs, **overrides(a))
     else:
         m = a.num_microbatches or 1
@@ -244,7 +244,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
                    global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
                    num_microbatches=m, seed=a.seed, lr=a.lr, bounds=bounds_of(a),
                    device=a.device, reference_rng=a.reference_rng, ref_runs=a.ref_runs,
-                   **overrides(a))
+                   run_options={"kernels": a.kernels}, **overrides(a))
     if a.json:
         print(json.dumps(r.to_json()))
         return 0 if r.ok else 1

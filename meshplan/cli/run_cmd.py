@@ -17,7 +17,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     strategy = strategy_of(a, cfg)
     common = dict(steps=a.steps, optimizer=optimizer_config(a), seed=a.seed, threads=a.threads,
                   timeout_s=a.timeout, lr=a.lr, trace=a.trace, device=a.device,
-                  backend=a.backend, **overrides(a))
+                  backend=a.backend, kernels=a.kernels, **overrides(a))
     if under_torchrun():
         r = run_torchrun(a.model, a.size, mesh_of(a), strategy, save_dir=a.save_dir, **common)
         if r is None:  # not rank 0: rank 0 reports for everyone

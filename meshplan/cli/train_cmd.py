@@ -218,7 +218,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                threads=a.threads, checkpoint_every=a.checkpoint_every,
                async_checkpoint=a.async_checkpoint, init_from=init_from,
                timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout, device=a.device,
-               backend=a.backend)
+               backend=a.backend, kernels=a.kernels)
     with a.progress.task("training steps", steps) as update:
         if under_torchrun():  # this process is one rank; global rank 0 reports
             r = train_here(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,

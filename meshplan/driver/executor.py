@@ -20,13 +20,15 @@ from meshplan.runtime.rank_executor import RankExecutor
 class Executor:
     """Runs `graph` (a train step) on one device."""
 
-    def __init__(self, graph: Graph, device: str | torch.device = "cpu"):
+    def __init__(self, graph: Graph, device: str | torch.device = "cpu",
+                 kernels: str = "eager"):
         m = graph.facts.train.num_microbatches if graph.facts.train else 1
         strategy = Strategy(global_batch_size=m, precision=graph.facts.precision)
         self.job = plan_job(graph, Mesh(1, 1), strategy)
         self.graph = self.job.graph
         device = torch.device(device)
-        self.rank = RankExecutor(self.job, rank_plan(self.job, 0, device.type), device=device)
+        self.rank = RankExecutor(self.job, rank_plan(self.job, 0, device.type), device=device,
+                                 kernels=kernels)
         self.mem = self.rank.mem
 
     def init_state(self, module) -> dict:

@@ -30,6 +30,7 @@ from meshplan.lowering.files import read_plan
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.checkpoint import check_resumable
 from meshplan.runtime.devices import resolve_backend, resolve_device
+from meshplan.runtime.fused import check_kernels
 from meshplan.runtime.launch import launch_local
 from meshplan.runtime.rank_result import RankResult, read_gathered
 from meshplan.runtime.state import weights_of
@@ -83,7 +84,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         plan_dir: str = "", save_dir: str = "", resume: bool = False,
         lr: float | None = None, trace: str = "", on_step=None,
         report_state: bool = False, device: str = "cpu", backend: str = "",
-        **overrides) -> RunResult:
+        kernels: str = "eager", **overrides) -> RunResult:
     """Train on `mesh.world` local processes; returns losses, step times, memory.
 
     With `trace` (a path), the last step is timed on every rank and written
@@ -92,10 +93,12 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
     With `report_state`, "state_slices" holds every rank's final state
     (rank -> `<name>|<box>` -> tensor) for `verify`.
     `device` is cpu, cuda or auto; `backend` gloo or nccl (""
-    picks: nccl on cuda, gloo on cpu; see runtime/devices.py)."""
+    picks: nccl on cuda, gloo on cpu; see runtime/devices.py); `kernels`
+    eager or inductor (`runtime/fused.py`)."""
     t0 = time.perf_counter()
     check_run_args(steps, threads, timeout_s)
     device, backend = run_devices(device, backend, mesh.world)
+    check_kernels(kernels, device)
     if plan_dir:  # compiled plans: validated whole before any process starts
         job = _load_plans(plan_dir, mesh, model, size, overrides, device)
     else:
@@ -104,7 +107,7 @@ def run(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: int = 10,
         check_resumable(save_dir, job)
     spec = RunSpec(steps, "", threads, timeout_s, plan_dir=plan_dir, save_dir=save_dir,
                    resume=resume, trace=bool(trace), report_state=report_state, device=device,
-                   backend=backend, seed=seed)
+                   backend=backend, seed=seed, kernels=kernels)
     weights, batches = zoo_source(model, size, seed, steps, job.strategy.global_batch_size,
                                   overrides)
     return launch(job, spec, t0, trace, saved={"weights": weights, "batches": batches},

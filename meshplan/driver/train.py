@@ -188,7 +188,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
               eval_batches: int = 0, checkpoint_every: int = 0, keep: int = 0,
               async_checkpoint: bool = False, resume_from: str = "", threads: int = 1,
               timeout_s: float = 300.0, stall_s: float = 300.0, device: str = "cpu",
-              backend: str = "", tensorboard: bool | None = None, on_step=None,
+              backend: str = "", kernels: str = "eager", tensorboard: bool | None = None,
+              on_step=None,
               append: bool = False, record: dict | None = None,
               init_from: str = "", max_restarts: int = 0) -> TrainResult:
     """Train `job` from `weights` for `steps` steps on `job.mesh.world` local
@@ -216,7 +217,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                     eval_every=eval_every, eval_batches=eval_batches,
                     checkpoint_every=checkpoint_every, async_checkpoint=async_checkpoint,
                     resume_from=resume_from, threads=threads, timeout_s=timeout_s,
-                    stall_s=stall_s, device=device, backend=backend, init_from=init_from)
+                    stall_s=stall_s, device=device, backend=backend, init_from=init_from,
+                    kernels=kernels)
     per_step = job.strategy.global_batch_size * (data.seq_len if tokens else 1)
     saved = {"weights": weights, "batches": [] if tokens else list(data)}
     first = check_resumable(resume_from, job) if resume_from else 0
@@ -267,7 +269,7 @@ def run_spec(job: Job, data, steps: int, out: str, record: dict | None, *, eval_
              checkpoint_every: int = 0, async_checkpoint: bool = False,
              resume_from: str = "", threads: int = 1, timeout_s: float = 300.0,
              stall_s: float = 300.0, device: str = "cpu", backend: str = "",
-             init_from: str = ""):
+             init_from: str = "", kernels: str = "eager"):
     """What every rank of a training run is told (`RunSpec`); writes `record`
     as `out/model.json`, copied, with `out/config.toml`, into each checkpoint."""
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -276,7 +278,8 @@ def run_spec(job: Job, data, steps: int, out: str, record: dict | None, *, eval_
     files = tuple(str(Path(out) / f) for f in ("config.toml", MODEL_FILE)
                   if (Path(out) / f).is_file())
     return RunSpec(steps, "", threads, timeout_s, device=device,
-                   backend=backend, report_state=True, step_rows=True, stall_s=stall_s,
+                   backend=backend, kernels=kernels, report_state=True, step_rows=True,
+                   stall_s=stall_s,
                    data=data.to_json() if isinstance(data, TokenFeed) else "",
                    eval_data=eval_data.to_json() if eval_data is not None else "",
                    eval_every=eval_every if eval_job is not None else 0,

@@ -50,6 +50,7 @@ from meshplan.passes.plan import PASSES, Compilation
 from meshplan.runtime.amp import INIT_SCALE
 from meshplan.runtime.checkpoint import box_key
 from meshplan.runtime.devices import resolve_device
+from meshplan.runtime.fused import check_kernels
 from meshplan.runtime.rank_executor import NonFiniteNorm, halted
 
 
@@ -87,6 +88,7 @@ def verify(
     `ref_runs` eager runs of other seeds, and the losses are judged against
     their spread (`compare.spread_verdict`), parameters not at all."""
     device = resolve_device(device)
+    check_kernels((run_options or {}).get("kernels", "eager"), device)
     if strategy is not None:
         global_batch_size = strategy.global_batch_size
         num_microbatches = strategy.num_microbatches
@@ -117,7 +119,8 @@ def verify(
                 "measured_peak_bytes": max(r["measured_peak_bytes"]
                                            for r in result.ranks.values())}
     else:
-        mine = _single(module, batches, opt, num_microbatches, precision, init_scale, device)
+        mine = _single(module, batches, opt, num_microbatches, precision, init_scale, device,
+                       (run_options or {}).get("kernels", "eager"))
     if reference_rng == "torch":
         return _against_spread(mine, reference, batches, num_microbatches, opt, precision,
                                init_scale, device, seed, ref_runs)
@@ -268,7 +271,7 @@ def mean_rel_diff(a: list[float], b: list[float]) -> float:
 
 
 def _single(module, batches, opt, m: int, precision: Precision = Precision.FP32,
-            init_scale: float = INIT_SCALE, device: str = "cpu") -> dict:
+            init_scale: float = INIT_SCALE, device: str = "cpu", kernels: str = "eager") -> dict:
     """meshplan on this one process: capture, autodiff, the one-rank executor."""
     micro = [split_microbatches(b, m) for b in batches]
     t0 = time.perf_counter()
@@ -279,7 +282,7 @@ def _single(module, batches, opt, m: int, precision: Precision = Precision.FP32,
                        stop_after="autodiff").graph
     t2 = time.perf_counter()
     reset_peak(device)
-    ex = Executor(graph, device)
+    ex = Executor(graph, device, kernels)
     state = ex.init_state(module)
     losses, times, norms = [], [], []
     for k, mbs in enumerate(micro):

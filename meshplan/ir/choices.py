@@ -84,6 +84,13 @@ class NonFinite(enum.StrEnum):
     SKIP = "skip"  # no rank applies the update; training goes on
 
 
+class Kernels(enum.StrEnum):
+    """How a rank runs its compute ops (`--kernels`, `runtime/fused.py`)."""
+
+    EAGER = "eager"        # one aten kernel per op
+    INDUCTOR = "inductor"  # each run of compute ops between communications compiled
+
+
 class KernelVariant(enum.StrEnum):
     """A rank-dependent variant of an op's kernel along one mesh axis (`Job.variant`)."""
 

@@ -69,6 +69,35 @@ def _groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
     return groups
 
 
+def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
+    """Ops as groups: each maximal run of consecutive ops that run their own
+    kernels (none in `kernels`, no hook after one) one group, the rest one op
+    each; and per run of two or more ops, by its group's index: (its inputs,
+    the values it makes that a later group, a hook or `keeps` reads)."""
+    groups: list[list[Op]] = []
+    for op in ops:
+        own = op.id not in kernels and op.id not in hooks
+        if own and groups and groups[-1][-1].id not in kernels \
+                and groups[-1][-1].id not in hooks:
+            groups[-1].append(op)
+        else:
+            groups.append([op])
+    later: set[int] = set(keeps)
+    runs: dict[int, tuple[list[int], list[int]]] = {}
+    for i in range(len(groups) - 1, -1, -1):
+        group = groups[i]
+        made = {o for op in group for o in op.outputs if o != ABSENT}
+        if len(group) > 1:
+            ins = list(dict.fromkeys(r for op in group for r in op.refs() if r not in made))
+            runs[i] = (ins, [o for op in group for o in op.outputs
+                             if o != ABSENT and o in later])
+            later |= set(ins)
+        else:
+            later |= {r for op in group for r in op.refs()}
+        later |= {v for op in group if op.id in hooks for v in hooks[op.id][1]}
+    return groups, runs
+
+
 def _call_line(group: list[Op], consts: _Consts, device, kernels: dict) -> str:
     """`outputs = kernel(args)` for one op, or one batched call for a group."""
     def outs(op):
@@ -100,6 +129,7 @@ def compile_segment(
     kernels: dict | None = None,
     borrowed: Iterable[int] = (),
     hooks: dict | None = None,
+    fuse: Callable | None = None,
 ) -> Callable:
     """A function `f(env, mem)` that runs `ops` in order.
 
@@ -110,34 +140,50 @@ def compile_segment(
     here leaves `env` too (and `mem`), unless it is `borrowed` (owned by
     someone else, like the state). `hooks` ({op id: (fn, value ids)}) calls
     `fn([values])` right after that op (a gradient bucket starting); a value
-    a hook reads lives until then."""
+    a hook reads lives until then. `fuse(ops, ins, outs, name)`, when given,
+    makes the callable of each run of two or more ops that run their own
+    kernels (`fused.py`): one call from the run's inputs to the values read
+    after it."""
     kernels, hooks = kernels or {}, hooks or {}
-    groups = _groups(list(ops), kernels)
     keeps, reads, borrowed = set(keeps), set(reads), set(borrowed)
+    if fuse is None:
+        groups = _groups(list(ops), kernels)
+        runs: dict[int, tuple[list[int], list[int]]] = {}
+    else:
+        groups, runs = _runs(list(ops), kernels, hooks, keeps)
     consts = _Consts()
+
     def hooked(group) -> list[int]:  # the values a hook after one of `group`'s ops reads
         return [v for op in group if op.id in hooks for v in hooks[op.id][1]]
 
+    def refs(i: int, group) -> list[int]:  # a run reads its inputs only
+        return runs[i][0] if i in runs else [r for op in group for r in op.refs()]
+
     last_use = {}
     for i, group in enumerate(groups):
-        for op in group:
-            for r in op.refs():
-                last_use[r] = i
+        for r in refs(i, group):
+            last_use[r] = i
         for v in hooked(group):
             last_use[v] = i
     lines = [f"def {name}(env, mem):"]
     line_ops: dict[int, tuple[int, ...]] = {}  # source line -> ops it calls
     lines += [f"    v{r} = env[{r}]" for r in sorted(reads)]
     for i, group in enumerate(groups):
-        lines.append(_call_line(group, consts, device, kernels))
+        if i in runs:
+            ins, made = runs[i]
+            call = consts.ref(fuse(group, ins, made, f"{name} run {i}"))
+            lines.append(f"    {''.join(f'v{o}, ' for o in made)}= "
+                         f"{call}({', '.join(f'v{r}' for r in ins)})")
+        else:
+            lines.append(_call_line(group, consts, device, kernels))
+            made = [o for op in group for o in op.outputs if o != ABSENT]
         line_ops[len(lines)] = tuple(op.id for op in group)
-        made = [o for op in group for o in op.outputs if o != ABSENT]
         lines += [f"    mem.add(v{o})" for o in made]
         for op in group:
             if op.id in hooks:
                 fn, vids = hooks[op.id]
                 lines.append(f"    {consts.ref(fn)}([{', '.join(f'v{v}' for v in vids)}])")
-        used = dict.fromkeys([r for op in group for r in op.refs()] + hooked(group))
+        used = dict.fromkeys(refs(i, group) + hooked(group))
         dead = [r for r in used if last_use[r] == i and r not in keeps]
         dead += [o for o in made if o not in last_use and o not in keeps]
         for d in dead:

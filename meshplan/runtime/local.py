@@ -177,7 +177,7 @@ class LocalRun:
     reports: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
-def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
+def local_ranks(job, module, plans=None, timeout_s: float = 60.0, kernels: str = "eager"):
     """(hub, [(executor, state)] per rank) for `job` from `module`'s weights;
     `plans` (rank -> RankPlan) replaces lowering, e.g. plans read from files."""
     world, hub = job.mesh.world, Hub(timeout_s)
@@ -185,7 +185,8 @@ def local_ranks(job, module, plans=None, timeout_s: float = 60.0):
     ranks = []
     for r in range(world):
         comm = LocalComm(r, groups, hub, world) if world > 1 else None
-        ex = RankExecutor(job, plans[r] if plans is not None else rank_plan(job, r), comm)
+        ex = RankExecutor(job, plans[r] if plans is not None else rank_plan(job, r), comm,
+                          kernels=kernels)
         ranks.append((ex, ex.init_state(module)))
     return hub, ranks
 

@@ -69,6 +69,7 @@ from meshplan.runtime.bind import RankContext, bind_task, deferred_all_reduce, l
 from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.data import data_rows
 from meshplan.runtime.early_collectives import EarlyCollectives
+from meshplan.runtime.fused import InductorRun
 from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes
@@ -86,8 +87,8 @@ class RankExecutor:
     its stage's view of the Job (`job` may be that view or the whole Job)."""
 
     def __init__(self, job: Job | StageView, plan: RankPlan, comm=None, device="cpu",
-                 seed: int = 0):
-        self.plan, self.comm = plan, comm
+                 seed: int = 0, kernels: str = "eager"):
+        self.plan, self.comm, self.kernels = plan, comm, kernels
         self.device = torch.device(device)
         if plan.device != self.device.type:
             raise ConfigError(f"rank {plan.rank}'s plan was lowered for {plan.device} but "
@@ -208,9 +209,11 @@ class RankExecutor:
         state_reads += [(r, self.updates[r][0]) for r in reads
                         if r in self.updates and r not in self.names and key == STEP_TEMPLATE]
         name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
+        fuse = (lambda run, ins, outs, label: InductorRun(run, ins, outs, self.device, label)) \
+            if self.kernels == "inductor" else None
         fn = compile_segment(ops, reads=reads, keeps=keeps + shared, device=self.device,
                              name=name, kernels=kernels, borrowed=[r for r, _ in state_reads],
-                             hooks=hooks)
+                             hooks=hooks, fuse=fuse)
         mb_updates = [(o, n) for o in keeps if o in self.updates
                       for n, role in [self.updates[o]] if role in _PER_MICROBATCH]
         step_updates = [(o, n) for o in keeps if o in self.updates

@@ -87,6 +87,7 @@ class RunSpec:
     init_from: str = ""   # the starting weights' source (JSON: `runtime/init_weights.py`)
     async_checkpoint: bool = False  # periodic checkpoints saved in the background
     seed: int = 0  # the random ops' seed (a resumed run takes its checkpoint's)
+    kernels: str = "eager"  # eager | inductor (`runtime/fused.py`)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in self.__slots__})
@@ -180,7 +181,7 @@ def _train(spec: RunSpec, reader: JobReader, rank: int, world: int, progress=Non
     assert not missing, f"plan uses groups the strategy does not make: {sorted(missing)}"
     if comm is not None:  # before step 0: this rank's plan against its peers'
         agree(plan, view, comm.groups)
-    ex = RankExecutor(view, plan, comm, device=device, seed=spec.seed)
+    ex = RankExecutor(view, plan, comm, device=device, seed=spec.seed, kernels=spec.kernels)
     _CURRENT["executor"] = ex
     ex.on_action = reporter(rank, progress, beats)
     module, feed = _source(spec, view, ex, source)

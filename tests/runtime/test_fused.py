@@ -1,0 +1,86 @@
+"""`--kernels inductor` (`runtime/fused.py`): each run of a segment's compute
+ops becomes one FX graph. With the compile step left out (the graph run as
+it is: the same kernels in the same order) every layout trains bitwise equal
+to eager kernels, so the runs, their inputs and their outputs are right; with
+Inductor itself, the zoo trains equal to eager PyTorch within fp32 bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshplan.driver.plan import plan_model, zoo_strategy
+from meshplan.driver.verify import verify
+from meshplan.errors import ConfigError
+from meshplan.ir.mesh import Mesh
+from meshplan.models import build_model, example_batch, model_config
+from meshplan.runtime import fused
+from meshplan.runtime.local import local_ranks, train_local
+
+LAYOUTS = {  # name: (model, strategy fields)
+    "gpt 1 rank": ("gpt", dict(global_batch_size=8, micro_batch_size=4)),
+    "gpt dp2·tp2·pp2·vpp2": ("gpt", dict(dp=2, tp=2, pp=2, vpp=2, global_batch_size=8,
+                                         micro_batch_size=2, schedule="interleaved")),
+    "gpt zbv zero3": ("gpt", dict(dp=2, pp=2, vpp=2, schedule="zbv", zero=3,
+                                  global_batch_size=8, micro_batch_size=2)),
+    "gpt recompute full": ("gpt", dict(pp=2, recompute="full", global_batch_size=8,
+                                       micro_batch_size=2)),
+    "bert dp2·tp2": ("bert", dict(dp=2, tp=2, global_batch_size=8, micro_batch_size=2)),
+    "resnet dp2·pp2": ("resnet", dict(dp=2, pp=2, global_batch_size=8, micro_batch_size=2)),
+}
+
+
+def _train(name: str, kernels: str, steps: int = 2):
+    model, fields = LAYOUTS[name]
+    cfg = model_config(model, "tiny")
+    s = zoo_strategy(model, cfg, **fields)
+    job = plan_model(model, "tiny", Mesh(1, s.dp * s.tp * s.pp), s, "adamw").job
+    torch.manual_seed(0)
+    hub, ranks = local_ranks(job, build_model(cfg), kernels=kernels)
+    run = train_local(job, hub, ranks, [example_batch(cfg, 8, seed=k) for k in range(steps)])
+    return run, ranks
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_runs_as_graphs_equal_eager_kernels_bitwise(name, monkeypatch):
+    monkeypatch.setattr(fused.torch, "compile", lambda gm, **kw: gm)
+    eager, _ = _train(name, "eager")
+    graphs, ranks = _train(name, "inductor")
+    assert graphs.losses == eager.losses
+    for r, mine in graphs.slices.items():
+        for key, t in mine.items():
+            assert torch.equal(t, eager.slices[r][key]), (r, key)
+    runs = [fn for ex, _ in ranks for seg in ex.segments.values() for fn in seg[0].__globals__["K"]
+            if isinstance(fn, fused.InductorRun)]
+    assert runs and all(len(r.ops) > 1 for r in runs)
+
+
+def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
+    from torch._dynamo.exc import Unsupported
+
+    def refuse(gm, **kw):
+        def call(*a):
+            raise Unsupported("planted: no lowering for this op")
+        return call
+
+    monkeypatch.setattr(fused.torch, "compile", refuse)
+    with pytest.warns(UserWarning, match="Inductor refused a run of .* planted: no lowering"):
+        refused, _ = _train("gpt 1 rank", "inductor")
+    eager, _ = _train("gpt 1 rank", "eager")
+    assert refused.losses == eager.losses
+
+
+def test_no_compiler_is_one_line(monkeypatch):
+    monkeypatch.setattr(fused.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="needs a C.. compiler .* use --kernels eager"):
+        fused.check_kernels("inductor", "cpu")
+    fused.check_kernels("eager", "cpu")
+    with pytest.raises(ConfigError, match="kernels"):
+        fused.check_kernels("fast", "cpu")
+
+
+@pytest.mark.skipif(not fused.can_compile(), reason="no C++ compiler for Inductor on cpu")
+def test_inductor_trains_gpt_equal_to_eager_pytorch():
+    r = verify("gpt", "tiny", steps=3, optimizer="adamw", run_options={"kernels": "inductor"})
+    assert r.ok, r.problems
+    assert r["max_abs_diff"] <= 1e-5, (r.losses, r.ref_losses)
