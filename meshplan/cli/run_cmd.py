@@ -42,6 +42,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"{len(peaks)} ranks; peak memory per rank planned "
           f"{max(p for p, _ in peaks) / 2**20:.2f} MiB, measured "
           f"{max(m for _, m in peaks) / 2**20:.2f} MiB")
+    if a.kernels == "inductor":
+        secs = [v.get("kernel_compile_s", 0.0) for v in r.ranks.values()]
+        notes = [n for v in r.ranks.values() for n in v.get("kernel_notes", [])]
+        print(f"Inductor: each rank's runs compiled (or loaded from the cache) in at most "
+              f"{max(secs):.1f} s, at its first step" + "".join(f"\n  {n}" for n in notes[:5]))
     for line in load_lines(r.reports):
         print(line)
     if r.trace:

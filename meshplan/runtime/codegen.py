@@ -152,6 +152,7 @@ def compile_segment(
     else:
         groups, runs = _runs(list(ops), kernels, hooks, keeps)
     consts = _Consts()
+    made_runs: list = []  # the callables `fuse` made, in order
 
     def hooked(group) -> list[int]:  # the values a hook after one of `group`'s ops reads
         return [v for op in group if op.id in hooks for v in hooks[op.id][1]]
@@ -171,7 +172,8 @@ def compile_segment(
     for i, group in enumerate(groups):
         if i in runs:
             ins, made = runs[i]
-            call = consts.ref(fuse(group, ins, made, f"{name} run {i}"))
+            made_runs.append(fuse(group, ins, made, f"{name} run {i}"))
+            call = consts.ref(made_runs[-1])
             lines.append(f"    {''.join(f'v{o}, ' for o in made)}= "
                          f"{call}({', '.join(f'v{r}' for r in ins)})")
         else:
@@ -201,6 +203,7 @@ def compile_segment(
     fn = scope[name]
     fn.source = source
     fn.line_ops = line_ops
+    fn.runs = made_runs
     return fn
 
 

@@ -22,6 +22,7 @@ import importlib.util
 import operator
 import os
 import shutil
+import time
 import warnings
 from typing import Callable
 
@@ -103,14 +104,17 @@ class InductorRun:
         self.gm = graph_of(ops, ins, outs, device)
         self.fn: Callable | None = None
         self.note = ""  # why it runs eagerly, when Inductor refused it
+        self.compile_s = 0.0  # its first call: compiled (or loaded from the cache) and run
 
     def __call__(self, *args):
         if self.fn is not None:
             return self.fn(*args)
         compiled = torch.compile(self.gm, backend="inductor", fullgraph=True, dynamic=False)
+        t0 = time.perf_counter()
         try:  # compiled at this first call; a refusal is raised before anything runs
             out = compiled(*args)
         except _REFUSALS as err:
+            self.compile_s = time.perf_counter() - t0
             first = (str(err).strip() or type(err).__name__).splitlines()[0]
             kinds = sorted({op.kind for op in self.ops})
             self.note = (f"{self.name}: Inductor refused a run of {len(self.ops)} ops "
@@ -120,6 +124,7 @@ class InductorRun:
             self.fn = self.gm
             return self.gm(*args)
         self.fn = compiled
+        self.compile_s = time.perf_counter() - t0
         return out
 
 

@@ -283,6 +283,11 @@ class RankExecutor:
         self.current = "done"
         return [losses[k] for k in sorted(losses)]
 
+    def kernel_compile(self) -> tuple[float, list[str]]:
+        """(seconds of the Inductor runs' first calls, notes of runs it refused)."""
+        runs = [run for seg in self.segments.values() for run in seg[0].runs]
+        return sum(r.compile_s for r in runs), [r.note for r in runs if r.note]
+
     def grad_norm(self, state: dict) -> float | None:
         """The last step's global gradient norm (clipping on), else None."""
         return float(state[GRAD_NORM]) if self.clips and GRAD_NORM in state else None

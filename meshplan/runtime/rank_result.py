@@ -42,6 +42,10 @@ class RankResult:
     # the graph's reports this rank makes (its stage's): name -> per step, the
     # micro-batches' sum (a mixture of experts' tokens per expert)
     reports: dict[str, list] = field(default_factory=dict)
+    # `--kernels inductor`: seconds of the runs' first calls (Inductor's compile, or
+    # its cache's load, and one run), and the notes of runs it refused
+    kernel_compile_s: float = 0.0
+    kernel_notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -56,7 +60,8 @@ class RankResult:
                 "measured_peak_bytes": self.measured_peak_bytes,
                 "live_peak_bytes": self.live_peak_bytes, "device": self.device,
                 "attention_fallbacks": self.attention_fallbacks,
-                "attention_ran": self.attention_ran, "planned_peak": self.planned_peak}
+                "attention_ran": self.attention_ran, "planned_peak": self.planned_peak,
+                "kernel_compile_s": self.kernel_compile_s, "kernel_notes": self.kernel_notes}
 
 
 def read_results(results: Path, world: int) -> dict[int, RankResult]:

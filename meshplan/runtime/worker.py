@@ -215,7 +215,8 @@ def _train(spec: RunSpec, reader: JobReader, rank: int, world: int, progress=Non
                       checkpoint.state_slices(state, ex.ctx))
     result = RankResult(rank, losses, norms, skipped, times, start, plan.memory.peak_bytes(),
                         dict(plan.memory.peak), measured_peak(device, ex.mem), ex.mem.peak,
-                        str(device), dict(FALLBACKS), dict(RAN), trace, rows_read, reports)
+                        str(device), dict(FALLBACKS), dict(RAN), trace, rows_read, reports,
+                        *ex.kernel_compile())
     data = result.to_json().encode()
     if spec.gather:  # no shared file system (torchrun): results travel as bytes
 

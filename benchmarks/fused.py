@@ -1,0 +1,194 @@
+"""Fused kernels (`--kernels inductor`, issue 39): meshplan's compute runs
+compiled by Inductor against `torch.compile(model)` and eager PyTorch.
+
+Two parts, one run (`python benchmarks/fused.py [--parts step,compile]`):
+
+1. step: GPT small and BERT small, one process, AdamW, batch 8: eager
+   PyTorch, `torch.compile(model)` (forward and backward compiled; torch's
+   AdamW eager), meshplan with eager kernels and meshplan with Inductor, on
+   the same weights and batch, one step of each in turn (the machine is
+   noisy), after warm-up steps that compile; the median step of each.
+   Targets: meshplan inductor <= 1.0x torch.compile's step, <= 0.85x eager's.
+2. compile: the demo's layout (GPT tiny, dp2 tp2 pp2 vpp2, 8 local
+   processes), `meshplan run --steps 2`, fresh processes: eager kernels,
+   then Inductor with an empty cache (cold) and again with it (warm), each
+   run's wall time and the ranks' Inductor seconds (`kernel_compile_s`:
+   the runs' first calls). Target: warm at most 1.10x eager's wall time.
+
+Run: python benchmarks/fused.py     (about 10 minutes on 2 cores, cold caches)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer  # noqa: E402
+from meshplan.capture import capture  # noqa: E402
+from meshplan.driver.executor import Executor  # noqa: E402
+from meshplan.ir.mesh import Mesh, Strategy  # noqa: E402
+from meshplan.models import build_model, example_batch, model_config  # noqa: E402
+from meshplan.passes.plan import PASSES, Compilation  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"vs_torch_compile": 1.0, "vs_eager": 0.85, "warm_over_eager": 1.10}
+
+
+def _torch_step(module, opt, data):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = module(*data)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
+def step_part(model: str, batch: int = 8, steps: int = 8, warmup: int = 3) -> dict:
+    cfg = model_config(model, "small")
+    torch.manual_seed(0)
+    module = build_model(cfg)
+    opt_cfg = OptimizerConfig.default("adamw")
+    data = example_batch(cfg, batch)
+    graph = PASSES.run(Compilation(capture(module, data), Mesh(1, 1), Strategy(), opt_cfg),
+                       stop_after="autodiff").graph
+    contenders = {}
+    eager_ref = copy.deepcopy(module)
+    contenders["eager"] = _torch_step(eager_ref, torch_optimizer(opt_cfg, eager_ref), data)
+    compiled_ref = copy.deepcopy(module)
+    contenders["torch.compile"] = _torch_step(torch.compile(compiled_ref),
+                                              torch_optimizer(opt_cfg, compiled_ref), data)
+    for kernels in ("eager", "inductor"):
+        ex = Executor(graph, "cpu", kernels)
+        state = ex.init_state(module)
+        contenders[f"meshplan {kernels}"] = (lambda ex=ex, state=state:
+                                             ex.step(state, [data]))
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    losses: dict[str, list[float]] = {k: [] for k in contenders}
+    first: dict[str, float] = {}
+    for i in range(warmup + steps):
+        for name, step in contenders.items():
+            t0 = time.perf_counter()
+            losses[name].append(float(step()))
+            dt = time.perf_counter() - t0
+            if i == 0:
+                first[name] = dt
+            if i >= warmup:
+                times[name].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"model": f"{model}-small", "batch": batch, "steps": steps, "warmup": warmup,
+            "step_s": med, "first_step_s": first, "losses": losses,
+            "vs_torch_compile": med["meshplan inductor"] / med["torch.compile"],
+            "vs_eager": med["meshplan inductor"] / med["eager"],
+            "loss_diff_vs_eager": max(abs(a - b) for a, b in zip(losses["meshplan inductor"],
+                                                                  losses["eager"]))}
+
+
+def _run(kernels: str, cache: str, out: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "meshplan", "run", "--model", "gpt", "--size",
+                        "tiny", "--nodes", "2", "--devices-per-node", "4", "--dp", "2", "--tp",
+                        "2", "--pp", "2", "--vpp", "2", "--schedule", "interleaved",
+                        "--micro-batch-size", "1", "--global-batch-size", "16", "--steps", "2",
+                        "--kernels", kernels, "--timeout", "600", "--json"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(p.stderr[-2000:])
+    res = json.loads(p.stdout)
+    compile_s = [r.get("kernel_compile_s", 0.0) for r in res["ranks"].values()]
+    return {"kernels": kernels, "wall_s": wall, "first_step_s": res.get("step_s", [None])[0],
+            "kernel_compile_s": compile_s,
+            "notes": [n for r in res["ranks"].values() for n in r.get("kernel_notes", [])]}
+
+
+def compile_part() -> dict:
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
+        common.wait_quiet(30)
+        eager = _run("eager", cache, out)
+        common.wait_quiet(30)
+        cold = _run("inductor", cache, out)
+        common.wait_quiet(30)
+        warm = _run("inductor", cache, out)
+        common.wait_quiet(30)
+        eager2 = _run("eager", cache, out)
+    base = statistics.median([eager["wall_s"], eager2["wall_s"]])
+    return {"eager": [eager, eager2], "cold": cold, "warm": warm,
+            "warm_over_eager": warm["wall_s"] / base, "cold_over_eager": cold["wall_s"] / base}
+
+
+def table(res: dict) -> str:
+    lines = ["# Fused kernels (`--kernels inductor`)", "",
+             f"Machine: {res['machine']['cpu_count']} CPUs, torch {res['machine']['torch']}.",
+             ""]
+    if "step" in res:
+        lines += ["## 1. Step time, one process, AdamW, batch 8 (median of interleaved steps)",
+                  "", "| model | eager (ms) | torch.compile (ms) | meshplan eager (ms) | "
+                  "meshplan inductor (ms) | inductor / torch.compile | inductor / eager | "
+                  "first step: torch.compile, meshplan inductor (s) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in res["step"]:
+            s, f = r["step_s"], r["first_step_s"]
+            lines.append(
+                f"| {r['model']} | {s['eager'] * 1e3:.0f} | {s['torch.compile'] * 1e3:.0f} | "
+                f"{s['meshplan eager'] * 1e3:.0f} | {s['meshplan inductor'] * 1e3:.0f} | "
+                f"{r['vs_torch_compile']:.3f} | {r['vs_eager']:.3f} | "
+                f"{f['torch.compile']:.1f}, {f['meshplan inductor']:.1f} |")
+        worst_tc = max(r["vs_torch_compile"] for r in res["step"])
+        worst_e = max(r["vs_eager"] for r in res["step"])
+        lines += ["", f"- meshplan inductor / torch.compile: at most {worst_tc:.3f} (target <= "
+                  f"{TARGETS['vs_torch_compile']}): "
+                  f"{'met' if worst_tc <= TARGETS['vs_torch_compile'] else 'NOT met'}",
+                  f"- meshplan inductor / eager: at most {worst_e:.3f} (target <= "
+                  f"{TARGETS['vs_eager']}): "
+                  f"{'met' if worst_e <= TARGETS['vs_eager'] else 'NOT met'}", ""]
+    if "compile" in res:
+        c = res["compile"]
+
+        def row(name, r):
+            ks = r["kernel_compile_s"]
+            return (f"| {name} | {r['wall_s']:.1f} | {max(ks):.1f} | "
+                    f"{statistics.median(ks):.1f} | {len(r['notes'])} |")
+        lines += ["## 2. Compile cost: the demo's layout (GPT tiny, dp2 tp2 pp2 vpp2, 8 "
+                  "processes), `meshplan run --steps 2`", "",
+                  "| kernels | wall (s) | Inductor s per rank, max | median | refused runs |",
+                  "|---|---|---|---|---|", row("eager", c["eager"][0]),
+                  row("inductor, cold cache", c["cold"]),
+                  row("inductor, warm cache", c["warm"]), row("eager, again", c["eager"][1]),
+                  "", f"- warm / eager wall: {c['warm_over_eager']:.2f} (target <= "
+                  f"{TARGETS['warm_over_eager']}): "
+                  f"{'met' if c['warm_over_eager'] <= TARGETS['warm_over_eager'] else 'NOT met'}"
+                  f"; cold / eager: {c['cold_over_eager']:.2f}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="step,compile")
+    args = p.parse_args()
+    path = common.RESULTS / "fused.json"
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res["machine"], res["targets"] = common.machine(), TARGETS
+    for name in args.parts.split(","):
+        print(f"== {name}", flush=True)
+        res[name] = [step_part("gpt"), step_part("bert")] if name == "step" else compile_part()
+        common.write("fused", res, table(res))
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
