@@ -11,6 +11,7 @@ budget (default 450 s, under 8 minutes on one H200):
   speed_eager        AdamW, one GPU): step time, TFLOP/s, fraction of peak,
   speed_compile      planned vs measured peak memory; eager; torch.compile of
                      each block (regional compilation)
+  speed_inductor   the same GPT, meshplan with --kernels inductor (issue 39)
   pytest_cuda      the tests marked `cuda` (pytest -m cuda)
   verify_pp2_vpp2  pp=2 vpp=2 on one GPU, two ranks, host-staged gloo
   verify_tp2       tp=2 on one GPU, two ranks, host-staged gloo
@@ -52,7 +53,7 @@ from gpu_report import write_report  # noqa: E402  (this folder is on sys.path)
 PARTS = [
     ("verify_fp32", 90), ("verify_bf16", 90), ("speed_meshplan", 150), ("speed_eager", 90),
     ("pytest_cuda", 150), ("verify_pp2_vpp2", 120), ("verify_tp2", 100), ("dropout", 100),
-    ("speed_compile", 180), ("speed_profile", 120),
+    ("speed_compile", 180), ("speed_inductor", 240), ("speed_profile", 120),
 ]
 MIN_PART_S = 20  # a part is not started with less budget left than this
 _RUNNING: list = []  # the part process now running (its own process group)

@@ -229,7 +229,7 @@ def _speed_record(res: Result, a, cfg, params: int, batch: int, times: list[floa
     res.set(ok=True, judged="ran and timed (targets are judged in the report)", **out)
 
 
-def _meshplan_step(cfg, batch: int, over: dict, dev, res: Result):
+def _meshplan_step(cfg, batch: int, over: dict, dev, res: Result, kernels: str = "eager"):
     """A ready meshplan step on `dev` (plan, lowering, state); its facts go to `res`."""
     from meshplan.driver.plan import plan_model, zoo_strategy
     from meshplan.ir.mesh import Mesh
@@ -250,7 +250,7 @@ def _meshplan_step(cfg, batch: int, over: dict, dev, res: Result):
         f"{time.perf_counter() - t1:.1f} s; attention kernels {kernels}")
     res.set(plan_s=t1 - t0, ops=len(job.graph.ops), attention_kernels=kernels,
             planned_peak_bytes=plan.memory.peak_bytes(), planned_peak=dict(plan.memory.peak))
-    ex = RankExecutor(job, plan, None, device=dev)
+    ex = RankExecutor(job, plan, None, device=dev, kernels=kernels)
     torch.manual_seed(0)
     module = build_model(cfg, device=dev)
     params = param_count(module)
@@ -272,16 +272,23 @@ def _reset_peak(dev) -> None:
         torch.cuda.reset_peak_memory_stats(dev)
 
 
-def part_speed_meshplan(res: Result, a) -> None:
+def part_speed_meshplan(res: Result, a, kernels: str = "eager") -> None:
     from meshplan.ops.device_kernels import FALLBACKS, RAN
 
     dev = torch.device(a.device)
     cfg, batch, over = speed_config(a.dry)
-    step, params, ex = _meshplan_step(cfg, batch, over, dev, res)
-    times = timed_steps(step, dev, a.warmup, a.iters, res, "meshplan")
+    step, params, ex = _meshplan_step(cfg, batch, over, dev, res, kernels)
+    times = timed_steps(step, dev, a.warmup, a.iters, res, f"meshplan {kernels}")
+    compile_s, notes = ex.kernel_compile()
     _speed_record(res, a, cfg, params, batch, times, dev, live_peak_bytes=ex.mem.peak,
                   planned_peak_bytes=ex.plan.memory.peak_bytes(),
-                  attention_fallbacks=dict(FALLBACKS), attention_ran=dict(RAN))
+                  attention_fallbacks=dict(FALLBACKS), attention_ran=dict(RAN),
+                  kernels=kernels, kernel_compile_s=compile_s, kernel_notes=notes)
+
+
+def part_speed_inductor(res: Result, a) -> None:
+    """meshplan with `--kernels inductor` (issue 39): each run compiled."""
+    part_speed_meshplan(res, a, "inductor")
 
 
 def _eager_step(cfg, batch: int, dev, compiled: bool, backend: str):
@@ -423,6 +430,7 @@ PARTS = {
     "speed_meshplan": part_speed_meshplan,
     "speed_eager": part_speed_eager,
     "speed_compile": part_speed_compile,
+    "speed_inductor": part_speed_inductor,
     "speed_profile": part_speed_profile,
 }
 

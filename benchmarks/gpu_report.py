@@ -54,7 +54,8 @@ def _summary(part: dict) -> str:
 
 def _speed_table(parts: dict) -> list[str]:
     rows = [("meshplan", "speed_meshplan"), ("eager PyTorch", "speed_eager"),
-            ("torch.compile (each block)", "speed_compile")]
+            ("torch.compile (each block)", "speed_compile"),
+            ("meshplan, --kernels inductor", "speed_inductor")]
     have = [(label, parts[n]["result"]) for label, n in rows
             if n in parts and "step_s" in parts[n].get("result", {})]
     if not have:
