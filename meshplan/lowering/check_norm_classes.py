@@ -78,9 +78,9 @@ def norm_over_classes(job: Job, classes: dict[str, tuple], fixed: tuple[int, ...
                 "recompile the plan"]
     if any(ref[0] not in ("axis", "stages") for c in chains.values() for ref in c):
         return None
-    held = {k: Counter({(k, frozenset()): 1}) for k in chains}
+    held: dict[str, Counter] = {k: Counter({(k, frozenset()): 1}) for k in chains}
     for step in range(len(next(iter(chains.values())))):
-        new = {}
+        new: dict[str, Counter] = {}
         for k, chain in chains.items():
             stage, f = classes[k][0], classes[k][1]
             ref = chain[step]
@@ -94,9 +94,9 @@ def norm_over_classes(job: Job, classes: dict[str, tuple], fixed: tuple[int, ...
             else:
                 at = [(st, f) for st in ref[1]]
             total: Counter = Counter()
-            for key in at:
-                if class_at.get(key) in held:  # (a stage without a norm adds nothing)
-                    total.update(held[class_at[key]])
+            for place in at:
+                if class_at.get(place) in held:  # (a stage without a norm adds nothing)
+                    total.update(held[class_at[place]])
             new[k] = total
         held = new
     seen: dict[frozenset, list[str]] = {}
