@@ -69,7 +69,8 @@ def add_demo_flags(p: argparse.ArgumentParser) -> None:
 def cmd_demo(a: argparse.Namespace) -> int:
     if a.steps < 1:
         raise ConfigError(f"--steps {a.steps}: the demo needs at least one step")
-    r = demo(Path(a.out), a.steps, a.workers, a.progress, bounds_of(a), a.device, a.backend)
+    r = demo(Path(a.out), a.steps, a.workers, a.progress, bounds_of(a), a.device, a.backend,
+             a.kernels)
     ok = r["ok"]
     r["files"]["summary"] = str(Path(a.out) / "demo.json")
     write_atomic(Path(r["files"]["summary"]), json.dumps(r, indent=1).encode())
@@ -95,9 +96,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def demo(out: Path, steps: int = 10, workers: int | None = None, progress=None,
-         bounds=None, device: str = "cpu", backend: str = "") -> dict:
+         bounds=None, device: str = "cpu", backend: str = "", kernels: str = "eager") -> dict:
     """Compile, check, train and draw the demo job into `out` (on `device`,
-    cpu | cuda | auto, with `backend`); returns the figures."""
+    cpu | cuda | auto, with `backend` and `kernels`); returns the figures."""
     device, backend = run_devices(device, backend, MESH.world)
 
     progress = progress or Progress(quiet=True)
@@ -121,6 +122,7 @@ def demo(out: Path, steps: int = 10, workers: int | None = None, progress=None,
         r = verify(MODEL, SIZE, steps=steps, mesh=MESH, strategy=strategy, bounds=bounds,
                    device=device,
                    run_options={"plan_dir": str(out / "plans"), "backend": backend,
+                                "kernels": kernels,
                                 "trace": str(out / "trace.json"), "on_step": update})
     t4 = time.perf_counter()
     draw_losses(range(steps), r["losses"], r["ref_losses"], out / "losses.png",

@@ -47,6 +47,7 @@ from meshplan.ir.job import Job
 from meshplan.ops.infer import to_sig
 from meshplan.ops.table import rule_for
 from meshplan.runtime.checkpoint import COMPLETE, check_resumable
+from meshplan.runtime.fused import check_kernels
 from meshplan.runtime.worker import RunSpec
 
 log_line = logging.getLogger("meshplan")
@@ -272,6 +273,7 @@ def run_spec(job: Job, data, steps: int, out: str, record: dict | None, *, eval_
              init_from: str = "", kernels: str = "eager"):
     """What every rank of a training run is told (`RunSpec`); writes `record`
     as `out/model.json`, copied, with `out/config.toml`, into each checkpoint."""
+    check_kernels(kernels, device)
     Path(out).mkdir(parents=True, exist_ok=True)
     if record is not None:
         write_atomic(Path(out) / MODEL_FILE, json.dumps(record, indent=1).encode())

@@ -33,12 +33,13 @@ from meshplan.errors import ConfigError
 from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ir.choices import Kernels, choose
 from meshplan.ops.table import rule_for
+from meshplan.runtime.devices import resolve_device
 
 
 def check_kernels(kernels: str, device) -> None:
     """A user's `--kernels inductor` where this machine cannot compile: one line."""
     choose(Kernels, kernels, "kernels")
-    if kernels == Kernels.INDUCTOR and (why := _missing(torch.device(device).type)):
+    if kernels == Kernels.INDUCTOR and (why := _missing(resolve_device(str(device)))):
         raise ConfigError(why)
 
 

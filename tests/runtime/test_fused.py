@@ -121,3 +121,19 @@ def test_inductor_verifies_at_every_layout(name):
     assert r["max_abs_diff"] <= 1e-5, (r.losses, r.ref_losses)
     notes = [n for v in r.details.get("ranks", {}).values() for n in v.get("kernel_notes", [])]
     assert not notes, notes  # Inductor compiled every run
+
+
+def test_the_command_without_a_compiler_is_one_line():
+    """`--kernels inductor` where $CXX names no compiler: exit 2, one line,
+    before any rank starts."""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "meshplan", "run", "--model", "gpt", "--size",
+                        "tiny", "--steps", "1", "--kernels", "inductor"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "CXX": "/nonexistent/c++"})
+    assert p.returncode == 2, p
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "needs a C++ compiler" in p.stderr and "--kernels eager" in p.stderr
