@@ -30,3 +30,42 @@ def sequence_order(strategy, seq: int) -> list[int]:
     if strategy.cp > 1 and strategy.cp_balance:
         return zigzag(seq, strategy.cp)
     return list(range(seq))
+
+
+def causal_pairs(strategy, seq: int, rows: tuple[int, int], keys: tuple[int, int]) -> int:
+    """The (query, key) pairs a causal attention keeps between the computed
+    positions `rows` [lo, hi) and `keys` [lo, hi): those whose key's token is
+    at most its query's. Exact, in closed form over the order's runs of
+    consecutive tokens (2cp of them when balanced), not per position."""
+    runs = _runs(strategy.cp if strategy.cp > 1 and strategy.cp_balance else 1, seq)
+    return sum(_below(a, a + n, c, c + m) for a, n in _cut(runs, *rows)
+               for c, m in _cut(runs, *keys))
+
+
+def _runs(cp: int, seq: int) -> tuple[tuple[int, int, int], ...]:
+    """(position, first token, length) of each run of the order."""
+    if cp == 1:
+        return ((0, 0, seq),)
+    c = seq // (2 * cp)
+    return tuple((i * c, k * c, c) for i, k in enumerate(chunk_order(cp)))
+
+
+def _cut(runs, lo: int, hi: int) -> list[tuple[int, int]]:
+    """(first token, length) of the runs' parts at positions [lo, hi)."""
+    out = []
+    for pos, token, n in runs:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            out.append((token + a - pos, b - a))
+    return out
+
+
+def _below(a: int, b: int, c: int, d: int) -> int:
+    """Pairs (p, k), p in [a, b), k in [c, d), with k <= p."""
+    total = 0
+    lo, hi = max(a, c), min(b, d)
+    if lo < hi:  # p inside the keys: p - c + 1 of them
+        total += (hi - lo) * ((lo - c + 1) + (hi - c)) // 2
+    if b > max(a, d):  # p past the keys: all d - c
+        total += (b - max(a, d)) * (d - c)
+    return total

@@ -14,7 +14,6 @@ wall-clock seconds.
 
 from __future__ import annotations
 
-import bisect
 from functools import cache
 
 from meshplan.costmodel import CPU_DEFAULT, DeviceModel
@@ -22,7 +21,7 @@ from meshplan.ir import Phase, TensorMeta
 from meshplan.ir.choices import KernelVariant
 from meshplan.ir.kinds import short
 from meshplan.ir.sbp import local_box
-from meshplan.ir.sequence_order import sequence_order
+from meshplan.ir.sequence_order import causal_pairs
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.lowering.rankplan import RankPlan, TaskKind
 from meshplan.ops.cost import bytes_moved
@@ -130,12 +129,10 @@ def causal_share(job, op, coord: tuple[int, ...]) -> float:
     backward = len(op.outputs) == 3
     q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
     seq = job.graph.values[q.id].meta.shape[2]
-    order = sequence_order(s, seq)
     grid = s.placement(job.stage[op.id]).grid
     (q_lo, q_hi), (k_lo, k_hi) = (local_box(job.graph.values[v.id].meta.shape, job.sbp[v.id],
                                             grid, coord)[2] for v in (q, k))
-    keys = sorted(order[k_lo:k_hi])
-    pairs = sum(bisect.bisect_right(keys, p) for p in order[q_lo:q_hi])
+    pairs = causal_pairs(s, seq, (q_lo, q_hi), (k_lo, k_hi))
     return pairs / max(1, (q_hi - q_lo) * (k_hi - k_lo))
 
 
