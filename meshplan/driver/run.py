@@ -173,7 +173,7 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
                  optimizer: str | OptimizerConfig = "sgd", seed: int = 0, threads: int = 1,
                  timeout_s: float = 60.0, lr: float | None = None, trace: str = "",
                  save_dir: str = "", device: str = "cpu", backend: str = "",
-                 **overrides) -> RunResult | None:
+                 kernels: str = "eager", **overrides) -> RunResult | None:
     """This process is one torchrun rank: rank 0 plans and broadcasts the Job,
     every rank lowers and runs itself. Returns the merged result on rank 0.
     With `save_dir` (on storage every rank reaches) the ranks save a DCP
@@ -182,6 +182,7 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device, backend = run_devices(device, backend,
                                   int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    check_kernels(kernels, device)
     if world != mesh.world:
         raise RuntimeFault(f"torchrun started {world} ranks but the strategy needs "
                            f"{mesh.nodes}x{mesh.devices_per_node} = {mesh.world}; match "
@@ -194,7 +195,8 @@ def run_torchrun(model: str, size: str, mesh: Mesh, strategy: Strategy, steps: i
 
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as results:
         spec = RunSpec(steps, results, threads, timeout_s, gather=True, trace=bool(trace),
-                       save_dir=save_dir, device=device, backend=backend, seed=seed)
+                       save_dir=save_dir, device=device, backend=backend, seed=seed,
+                       kernels=kernels)
         source = zoo_source(model, size, seed, steps, strategy.global_batch_size, overrides)
         code = rank_main(spec, rank, world, None, "env://", master=master, source=source)
         if code != 0:

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import operator
 import os
@@ -54,7 +55,7 @@ def _missing(device_type: str) -> str:
             return ("--kernels inductor on cuda needs Triton, which this Python lacks; "
                     "pip install triton, or use --kernels eager")
         return ""
-    from torch._inductor import config
+    from torch._inductor import config  # Inductor loads only for --kernels inductor
 
     cxx = config.cpp.cxx[-1] if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
     if shutil.which(os.environ.get("CXX", cxx or "g++")) is None:
@@ -114,7 +115,7 @@ class InductorRun:
         t0 = time.perf_counter()
         try:  # compiled at this first call; a refusal is raised before anything runs
             out = compiled(*args)
-        except _REFUSALS as err:
+        except _refusals() as err:
             self.compile_s = time.perf_counter() - t0
             first = (str(err).strip() or type(err).__name__).splitlines()[0]
             kinds = sorted({op.kind for op in self.ops})
@@ -129,18 +130,16 @@ class InductorRun:
         return out
 
 
+@functools.cache
 def _refusals() -> tuple[type[BaseException], ...]:
     """What `torch.compile` raises while it traces and compiles (before the
     graph runs): dynamo's refusals, the backend's failures."""
-    from torch._dynamo import exc
+    from torch._dynamo import exc  # dynamo loads only when a run is compiled
 
     out: list = [exc.Unsupported, exc.BackendCompilerFailed, exc.TorchRuntimeError]
     try:
-        from torch._inductor.exc import InductorError
+        from torch._inductor.exc import InductorError  # torch >= 2.6
         out.append(InductorError)
     except ImportError:  # older torch
         pass
     return tuple(out)
-
-
-_REFUSALS = _refusals()
