@@ -137,6 +137,17 @@ def batches(steps: int) -> list:
     return [example_batch(cfg(), BATCH, seed=s) for s in range(steps)]
 
 
+def torch_step(module, opt, data):
+    """One eager PyTorch training step of `module` on `data` (its loss as a float)."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = module(*data)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
 def sgd(named) -> torch.optim.Optimizer:
     """meshplan's default SGD on (name, parameter) pairs."""
     return torch_optimizer(OptimizerConfig.default("sgd"), named)

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import machine, median, write  # noqa: E402
+from benchmarks.common import machine, median, torch_step, write  # noqa: E402
 from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer  # noqa: E402
 from meshplan.capture import capture  # noqa: E402
 from meshplan.driver.executor import Executor  # noqa: E402
@@ -73,15 +73,7 @@ def _eager(p: float):
     torch.manual_seed(0)
     module = copy.deepcopy(build_model(cfg))
     data = example_batch(cfg, BATCH)
-    opt = torch_optimizer(OPT, module)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = module(*data)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step, None
+    return torch_step(module, torch_optimizer(OPT, module), data), None
 
 
 def main() -> None:

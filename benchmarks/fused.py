@@ -47,16 +47,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"vs_torch_compile": 1.0, "vs_eager": 0.85, "warm_over_eager": 1.10}
 
 
-def _torch_step(module, opt, data):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        loss = module(*data)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step
-
-
 def step_part(model: str, batch: int = 8, steps: int = 8, warmup: int = 3) -> dict:
     cfg = model_config(model, "small")
     torch.manual_seed(0)
@@ -67,10 +57,11 @@ def step_part(model: str, batch: int = 8, steps: int = 8, warmup: int = 3) -> di
                        stop_after="autodiff").graph
     contenders = {}
     eager_ref = copy.deepcopy(module)
-    contenders["eager"] = _torch_step(eager_ref, torch_optimizer(opt_cfg, eager_ref), data)
+    contenders["eager"] = common.torch_step(eager_ref, torch_optimizer(opt_cfg, eager_ref),
+                                            data)
     compiled_ref = copy.deepcopy(module)
-    contenders["torch.compile"] = _torch_step(torch.compile(compiled_ref),
-                                              torch_optimizer(opt_cfg, compiled_ref), data)
+    contenders["torch.compile"] = common.torch_step(torch.compile(compiled_ref),
+                                                    torch_optimizer(opt_cfg, compiled_ref), data)
     for kernels in ("eager", "inductor"):
         ex = Executor(graph, "cpu", kernels)
         state = ex.init_state(module)

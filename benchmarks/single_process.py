@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from common import machine, median, write  # noqa: E402
+from common import machine, median, torch_step, write  # noqa: E402
 
 from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer  # noqa: E402
 from meshplan.capture import capture  # noqa: E402
@@ -38,14 +38,7 @@ def bench(size: str, batch: int, steps: int, warmup: int) -> dict:
                       stop_after="autodiff").graph
     ex = Executor(step)
     state = ex.init_state(module)
-    opt = torch_optimizer(opt_cfg, ref)
-
-    def eager_step():
-        opt.zero_grad(set_to_none=True)
-        loss = ref(*data)
-        loss.backward()
-        opt.step()
-        return loss.item()
+    eager_step = torch_step(ref, torch_optimizer(opt_cfg, ref), data)
 
     mesh, eager = [], []
     for i in range(warmup + steps):

@@ -167,9 +167,11 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
     m = cand.microbatches(st.global_batch)
     g = _geometry(cand.schedule, cand.pp, cand.vpp)
     split = spec_of(cand.schedule).splits_backward
-    once: dict = {}  # equal stages are one object (`stage_works`, `with_dp`): priced once
-    priced = [once[id(w)] if id(w) in once else once.setdefault(id(w), _in_action(
-        w, cand, st, split)) for w in works]
+    once: dict[int, tuple] = {}  # equal stages are one object (`stage_works`): priced once
+    for w in works:
+        if id(w) not in once:
+            once[id(w)] = _in_action(w, cand, st, split)
+    priced = [once[id(w)] for w in works]
     cost = {(v, k): x for v, fiw in enumerate(priced) for k, x in zip("fiw", fiw)}
     steps: dict = {}
     for mine in g.stages:

@@ -50,6 +50,7 @@ from meshplan.search.estimate import (
 from meshplan.search.full import fits
 from meshplan.search.probe import Probe, Spec, probe_key, probe_many, probe_or_error
 from meshplan.search.space import Candidate, Space, candidates
+from meshplan.search.work import Work
 
 GiB = 1 << 30
 # Full plans a proof may make: a count, so the winner does not depend on the
@@ -266,11 +267,12 @@ class _Pricer:
                 if self.probe(pkey) is None:
                     return None
                 patterns = self._stages(pkey, counts)
-            made: dict = {}  # equal stages stay one object (priced once)
-            self.works[wkey] = [
-                made[(id(w), id(pw))] if (id(w), id(pw)) in made else
-                made.setdefault((id(w), id(pw)), with_dp(w, cand, split, pw))
-                for w, pw in zip(self._stages(key, counts), patterns)]
+            made: dict[tuple[int, int], Work] = {}  # equal stages stay one object
+            for w, pw in zip(self._stages(key, counts), patterns):
+                if (id(w), id(pw)) not in made:
+                    made[(id(w), id(pw))] = with_dp(w, cand, split, pw)
+            self.works[wkey] = [made[(id(w), id(pw))]
+                                for w, pw in zip(self._stages(key, counts), patterns)]
         return counts, self.works[wkey]
 
     def prefetch(self, cands: list[Candidate]) -> None:

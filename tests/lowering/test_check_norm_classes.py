@@ -142,12 +142,8 @@ def test_the_proof_over_classes_reads_no_member(root, monkeypatch):
     assert check_dir(out)[1].ok
 
 
-def test_a_class_without_its_norm_reductions(root, tmp_path):
-    """Planted: a class's norm all-reduces name no group: its members' norms
-    are their own pieces' only. Both proofs say so."""
-    job, out = _compiled("zero3 dp4", root)
-    shutil.copytree(out, tmp_path / "p")
-    d = tmp_path / "p"
+def _without_reductions(job, d) -> None:
+    """Planted (one stage: one class): the step's all-reduces name no group."""
     body = _body(d, head(d, 0)["class"])
     _, reduce = _norm_tasks(job, body)
     assert reduce
@@ -155,5 +151,30 @@ def test_a_class_without_its_norm_reductions(root, tmp_path):
     for i in reduce:
         body["tasks"][i][7] = len(body["groups"]) - 1
     new_body(d, body, range(job.mesh.world))
+
+
+def test_a_class_without_its_norm_reductions(root, tmp_path):
+    """Planted: a class's norm all-reduces name no group: its members' norms
+    are their own pieces' only. Both proofs say so."""
+    job, out = _compiled("zero3 dp4", root)
+    shutil.copytree(out, tmp_path / "p")
+    d = tmp_path / "p"
+    _without_reductions(job, d)
     classes, ranks = _verdicts(job, d)
     assert classes and classes == ranks
+
+
+def test_a_chain_not_of_lines_falls_back_to_every_ranks_norm(root, tmp_path, monkeypatch):
+    """Where the classes' argument does not apply (a listed group: None), the
+    check reads every rank's norm tasks: it passes a correct directory and
+    still catches the planted bug above."""
+    from meshplan.lowering import check_classes
+
+    monkeypatch.setattr(check_classes, "norm_over_classes", lambda *a: None)
+    job, out = _compiled("zero3 dp4", root)
+    assert check_dir(out)[1].ok
+    shutil.copytree(out, tmp_path / "p")
+    d = tmp_path / "p"
+    _without_reductions(job, d)
+    res = check_dir(d)[1]
+    assert not res.ok and any("gradient norm" in e or "norms are" in e for e in res.errors)
