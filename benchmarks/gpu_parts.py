@@ -116,15 +116,20 @@ def part_verify_bf16(res: Result, a) -> None:
                    "verdict (bf16 bounds; vs fp32 for information)")
 
 
-def _two_ranks(res: Result, a, judged: str, dropout: float = 0.0, **fields) -> dict:
+def _two_ranks(res: Result, a, judged: str, model: str = "gpt", over: dict | None = None,
+               **fields) -> dict:
+    """verify's verdict for `model` tiny (with config overrides `over`) on
+    two ranks sharing the one device through host-staged gloo."""
+    from meshplan.driver.plan import zoo_strategy
     from meshplan.driver.verify import verify
     from meshplan.ir.mesh import Mesh
+    from meshplan.models import model_config
 
-    backend = "gloo"  # two ranks share one GPU: host-staged
-    over = {"dropout": dropout} if dropout else {}
-    r = verify("gpt", "tiny", steps=a.steps, optimizer="adamw", mesh=Mesh(1, 2),
-               strategy=_tiny_strategy(**fields), device=a.device,
-               run_options={"backend": backend, "timeout_s": 120.0}, **over)
+    over = over or {}
+    strategy = zoo_strategy(model, model_config(model, "tiny", **over), **fields)
+    r = verify(model, "tiny", steps=a.steps, optimizer="adamw", mesh=Mesh(1, 2),
+               strategy=strategy, device=a.device,
+               run_options={"backend": "gloo", "timeout_s": 120.0}, **over)
     _verify_result(res, r, judged)
     return r
 
@@ -138,6 +143,22 @@ def part_verify_pp2_vpp2(res: Result, a) -> None:
 def part_verify_tp2(res: Result, a) -> None:
     _two_ranks(res, a, "GPT tiny tp=2, 2 ranks on one device, host-staged gloo: "
                "verify's verdict", tp=2, global_batch_size=8, micro_batch_size=8)
+
+
+def part_verify_cp2(res: Result, a) -> None:
+    """Context parallelism (issue 37): GPT tiny at seq 256 with its sequence
+    split over cp=2 (causal, load-balanced zigzag chunks)."""
+    _two_ranks(res, a, "GPT tiny seq 256 cp=2 (causal, zigzag), 2 ranks on one device, "
+               "host-staged gloo: verify's verdict", over={"seq_len": 256}, cp=2,
+               global_batch_size=4, micro_batch_size=4)
+
+
+def part_verify_moe_ep2(res: Result, a) -> None:
+    """Expert parallelism (issue 38): the zoo MoE tiny, dropless, experts
+    split over ep=2 (dp=2), tokens dispatched and combined by all-to-alls."""
+    _two_ranks(res, a, "zoo MoE tiny dropless dp=2 ep=2, 2 ranks on one device, host-staged "
+               "gloo: verify's verdict (router and experts included)", model="moe", dp=2,
+               ep=2, global_batch_size=8, micro_batch_size=2)
 
 
 def part_dropout(res: Result, a) -> None:
@@ -156,7 +177,7 @@ def part_dropout(res: Result, a) -> None:
                for f in (rng.bits, lambda *x: rng.keep_mask(*x[:2], 0.1, *x[2:])))
     say(f"counter-based words on {a.device} equal the CPU's: {same}")
     r = _two_ranks(res, a, "GPT tiny dropout 0.1 tp=2, 2 ranks on one device: verify's "
-                   "verdict against eager drawing the same masks", dropout=0.1, tp=2,
+                   "verdict against eager drawing the same masks", over={"dropout": 0.1}, tp=2,
                    global_batch_size=8, micro_batch_size=8)
     res.set(ok=r["ok"] and same, bits_equal_cpu=same)
 
@@ -244,11 +265,11 @@ def _meshplan_step(cfg, batch: int, over: dict, dev, res: Result, kernels: str =
     job = plan_model("gpt", "small", Mesh(1, 1), strategy, "adamw", None, **over).job
     t1 = time.perf_counter()
     plan = lower(job, 0, dev.type)
-    kernels = sorted({plan.kernel_of(t, job.graph) for t in plan.tasks
-                      if "attention" in plan.kernel_of(t, job.graph)})
+    attention = sorted({plan.kernel_of(t, job.graph) for t in plan.tasks
+                        if "attention" in plan.kernel_of(t, job.graph)})
     say(f"planned in {t1 - t0:.1f} s ({len(job.graph.ops)} ops), lowered in "
-        f"{time.perf_counter() - t1:.1f} s; attention kernels {kernels}")
-    res.set(plan_s=t1 - t0, ops=len(job.graph.ops), attention_kernels=kernels,
+        f"{time.perf_counter() - t1:.1f} s; attention kernels {attention}")
+    res.set(plan_s=t1 - t0, ops=len(job.graph.ops), attention_kernels=attention,
             planned_peak_bytes=plan.memory.peak_bytes(), planned_peak=dict(plan.memory.peak))
     ex = RankExecutor(job, plan, None, device=dev, kernels=kernels)
     torch.manual_seed(0)
@@ -427,6 +448,8 @@ PARTS = {
     "verify_pp2_vpp2": part_verify_pp2_vpp2,
     "verify_tp2": part_verify_tp2,
     "dropout": part_dropout,
+    "verify_cp2": part_verify_cp2,
+    "verify_moe_ep2": part_verify_moe_ep2,
     "speed_meshplan": part_speed_meshplan,
     "speed_eager": part_speed_eager,
     "speed_compile": part_speed_compile,

@@ -66,7 +66,7 @@ def _speed_table(parts: dict) -> list[str]:
            f"{c['seq_len']}, vocab {c['vocab']}, batch {c['batch']}), bf16, AdamW, one device",
            "", "Model FLOPs per step = 6 x params x tokens + 12 x layers x hidden x seq x "
            "tokens (attention, full square).", "",
-           "| run | step (ms) | tokens/s | TFLOP/s | of peak | peak memory layoutned / measured "
+           "| run | step (ms) | tokens/s | TFLOP/s | of peak | peak memory planned / measured "
            "(GiB) |", "|---|---:|---:|---:|---:|---|"]
     for label, r in have:
         frac = f"{r['fraction_of_peak']:.1%}" if r.get("fraction_of_peak") else "-"
@@ -90,6 +90,18 @@ def _speed_table(parts: dict) -> list[str]:
         planned, measured = mine["planned_peak_bytes"], mine["measured_peak_bytes"]
         out.append(f"- meshplan memory: planned {_gib(planned)} GiB, measured (allocator) "
                    f"{_gib(measured)} GiB, measured / planned {measured / planned:.2f}")
+    fused, compiled = by.get("meshplan, --kernels inductor"), by.get("torch.compile (each block)")
+    if fused and compiled:
+        ratio = fused["step_s"] / compiled["step_s"]
+        out.append(f"- meshplan --kernels inductor / torch.compile step time: {ratio:.3f} "
+                   f"(issue 39's target <= 1.0: {'met' if ratio <= 1.0 else 'NOT met'})")
+    if fused and fused.get("fraction_of_peak") and compiled and \
+            compiled.get("fraction_of_peak"):
+        met = "met" if fused["fraction_of_peak"] >= compiled["fraction_of_peak"] else "NOT met"
+        out.append(f"- meshplan --kernels inductor fraction of peak: "
+                   f"{fused['fraction_of_peak']:.1%} (target >= torch.compile's "
+                   f"{compiled['fraction_of_peak']:.1%}: {met}); Inductor compile "
+                   f"{fused.get('kernel_compile_s', 0):.1f} s at its first step")
     backend = by.get("torch.compile (each block)", {}).get("compile_backend")
     if backend:
         out.append(f"- torch.compile: every transformer block compiled ({backend}; regional "

@@ -24,7 +24,10 @@ Invariants:
 [Note: which CUDA attention kernel] Eager PyTorch dispatches
 `scaled_dot_product_attention` on CUDA to flash (fp16/bf16, head_dim a
 multiple of 8 up to 256, no mask, no dropout here), else memory-efficient
-(fp32 too; head_dim a multiple of 16 bytes), else math. The choosers below
+(fp32 too; head_dim a multiple of 16 bytes), else math. A mask given at run
+time (a rank's causal rows under context parallelism, `CAUSAL_OFFSET`) sends
+the flash adapters to the efficient kernel, which takes one: flash and
+cuDNN here take none, and ignoring it would be a silent wrong answer. The choosers below
 follow the same order, so meshplan runs the kernel eager runs and `verify`
 compares like with like. Where eager's dispatcher prefers cuDNN attention
 (torch 2.10 and later on sm90/sm100 with a recent cuDNN: the H100 and H200),
@@ -160,6 +163,9 @@ def _eager_runs_cudnn(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, is_caus
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                   is_causal: bool = False, *, attn_mask: Tensor | None = None,
                   scale: float | None = None) -> tuple[Tensor, Tensor]:
+    if attn_mask is not None:  # a rank's causal rows (CAUSAL_OFFSET): flash takes no mask
+        return _efficient_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask,
+                                  scale=scale)
     name = CUDNN if _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale) else FLASH
     try:
         if name == CUDNN:
@@ -180,6 +186,9 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
 def _flash_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
                     scale: float | None = None) -> Grads3:
+    if attn_mask is not None:  # its forward ran the efficient kernel (above)
+        return _efficient_backward(g, q, k, v, out, lse, dropout_p, is_causal,
+                                   attn_mask=attn_mask, scale=scale)
     if lse.numel() == 0:  # the forward fell back
         return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
     cudnn = _eager_runs_cudnn(q, k, v, dropout_p, is_causal, scale)
@@ -212,12 +221,23 @@ def _rng_of(forward: str, device: torch.device, n: int) -> tuple[Tensor, ...]:
     return got
 
 
+def _bias(attn_mask: Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """A mask as the efficient kernel takes it (SDPA's own preprocessing): its
+    rows padded to 16 elements, then viewed at (batch, heads, Lq, Lk)."""
+    if attn_mask is None:
+        return None
+    lk = k.shape[-2]
+    if lk % 16:
+        attn_mask = torch.nn.functional.pad(attn_mask, (0, -lk % 16))[..., :lk]
+    return attn_mask.expand(q.shape[0], q.shape[1], q.shape[-2], lk)
+
+
 def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0,
                       is_causal: bool = False, *, attn_mask: Tensor | None = None,
                       scale: float | None = None) -> tuple[Tensor, Tensor]:
     try:
         r = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, attn_mask, True, dropout_p, is_causal, scale=scale)
+            q, k, v, _bias(attn_mask, q, k), True, dropout_p, is_causal, scale=scale)
     except RuntimeError as err:
         _fallback(EFFICIENT, err)
         return _math_forward(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
@@ -230,15 +250,17 @@ def _efficient_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                         dropout_p: float, is_causal: bool, *, attn_mask: Tensor | None = None,
                         scale: float | None = None) -> Grads3:
     if lse.numel() == 0:
-        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask,
+                              scale=scale)
     seed, offset = _rng_of(EFFICIENT, q.device, 2)
     try:
         gq, gk, gv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            g, q, k, v, attn_mask, out, lse, seed, offset, dropout_p,
+            g, q, k, v, _bias(attn_mask, q, k), out, lse, seed, offset, dropout_p,
             [True, True, True, False], is_causal, scale=scale)
     except RuntimeError as err:
         _fallback(EFFICIENT_BACKWARD, err)
-        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+        return _math_backward(g, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask,
+                              scale=scale)
     _ran(EFFICIENT_BACKWARD)
     return gq, gk, gv
 

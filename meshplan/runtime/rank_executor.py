@@ -54,7 +54,7 @@ import torch
 
 from meshplan.errors import ConfigError, KernelFault, TrainingHalted
 from meshplan.ir import GRAD_NORM, LOSS_SCALE, LR, STEP_COUNT, Role
-from meshplan.ir.choices import Precision
+from meshplan.ir.choices import Kernels, Precision, choose
 from meshplan.ir.job import Job, StageView
 from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF
 from meshplan.lowering.rankplan import (
@@ -88,7 +88,8 @@ class RankExecutor:
 
     def __init__(self, job: Job | StageView, plan: RankPlan, comm=None, device="cpu",
                  seed: int = 0, kernels: str = "eager"):
-        self.plan, self.comm, self.kernels = plan, comm, kernels
+        self.plan, self.comm = plan, comm
+        self.kernels = choose(Kernels, kernels, "kernels")
         self.device = torch.device(device)
         if plan.device != self.device.type:
             raise ConfigError(f"rank {plan.rank}'s plan was lowered for {plan.device} but "

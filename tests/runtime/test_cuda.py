@@ -44,6 +44,34 @@ def test_cuda_attention_adapters_match_eager(dtype, forward, backward):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("dtype,forward,backward", [
+    (torch.bfloat16, dk.FLASH, dk.FLASH_BACKWARD),
+    (torch.float32, dk.EFFICIENT, dk.EFFICIENT_BACKWARD),
+])
+def test_cuda_attention_adapters_honour_a_causal_offset_mask(dtype, forward, backward):
+    """A cp rank's rows (positions 16..31 and 48..63 of 64, zigzag) against
+    every key: the adapters with CAUSAL_OFFSET's mask equal those rows of
+    eager's whole causal attention (flash takes no mask: it must not be
+    dropped)."""
+    from meshplan.runtime.local_kernels import causal_attention, causal_attention_backward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype)
+    rows = list(range(16, 32)) + list(range(48, 64))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref_grads = torch.autograd.grad(ref[:, :, rows], (q,), g[:, :, rows])[0][:, :, rows]
+    with torch.no_grad():
+        mine = q[:, :, rows].contiguous()
+        out, lse = causal_attention(dk.adapter(forward), rows, range(64))(mine, k, v, 0.0, True)
+        gq = causal_attention_backward(dk.adapter(backward), rows, range(64))(
+            g[:, :, rows].contiguous(), mine, k, v, out, lse, 0.0, True)[0]
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref[:, :, rows], **tol)
+    torch.testing.assert_close(gq, ref_grads, **tol)
+
+
 def test_gpt_tiny_fp32_on_cuda_matches_eager_cuda():
     from meshplan.driver.verify import verify
 
