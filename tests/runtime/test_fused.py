@@ -14,6 +14,8 @@ from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
+from meshplan.ops import kernels
+from meshplan.ops.table import rule_for
 from meshplan.runtime import fused
 from meshplan.runtime.local import local_ranks, train_local
 
@@ -44,7 +46,7 @@ def _train(name: str, kernels: str, steps: int = 2):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_runs_as_graphs_equal_eager_kernels_bitwise(name, monkeypatch):
     monkeypatch.setattr(fused.torch, "compile", lambda gm, **kw: gm)
-    eager, _ = _train(name, "eager")
+    eager, eager_ranks = _train(name, "eager")
     graphs, ranks = _train(name, "inductor")
     assert graphs.losses == eager.losses
     for r, mine in graphs.slices.items():
@@ -52,6 +54,15 @@ def test_runs_as_graphs_equal_eager_kernels_bitwise(name, monkeypatch):
             assert torch.equal(t, eager.slices[r][key]), (r, key)
     runs = [run for ex, _ in ranks for seg in ex.segments.values() for run in seg[0].runs]
     assert runs and all(len(r.ops) > 1 for r in runs)
+    # the optimizer stays torch's multi-tensor calls, batched as with eager kernels
+    assert not any(rule_for(op.kind).batched for r in runs for op in r.ops)
+    assert _multi_calls(ranks) == _multi_calls(eager_ranks)
+
+
+def _multi_calls(ranks) -> int:
+    """How many segments call AdamW's multi-tensor kernel."""
+    return sum(k is kernels.adamw_multi for ex, _ in ranks for seg in ex.segments.values()
+               for k in seg[0].__globals__["K"])
 
 
 def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
