@@ -20,6 +20,7 @@ budget (default 450 s, under 8 minutes on one H200):
   dropout          counter-based random bits on the GPU equal the CPU's, and
                      GPT tiny dropout 0.1 tp=2 verifies (same masks as eager)
   speed_profile    one profiled step of meshplan and of eager: where time goes
+  profile_inductor the same for meshplan --kernels inductor and torch.compile
 
 and writes benchmarks/results/gpu.json and gpu.md after every part, so a run
 cut short still leaves what it found. A part that fails, crashes or runs out
@@ -57,6 +58,7 @@ PARTS = [
     ("speed_meshplan", 150), ("speed_eager", 90), ("speed_compile", 180),
     ("pytest_cuda", 150), ("speed_inductor", 240), ("verify_pp2_vpp2", 120),
     ("verify_tp2", 100), ("dropout", 100), ("speed_profile", 120),
+    ("profile_inductor", 150),
 ]
 MIN_PART_S = 20  # a part is not started with less budget left than this
 _RUNNING: list = []  # the part process now running (its own process group)

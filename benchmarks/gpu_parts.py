@@ -403,7 +403,7 @@ def _top(prof, n: int = 15) -> dict:
     }
 
 
-def part_speed_profile(res: Result, a) -> None:
+def part_speed_profile(res: Result, a, names=("meshplan", "eager")) -> None:
     """Where one step's time goes, meshplan and eager: device busy time vs the
     step's wall time (launch-bound when far apart), and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -411,11 +411,13 @@ def part_speed_profile(res: Result, a) -> None:
     dev = torch.device(a.device)
     cfg, batch, over = speed_config(a.dry)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    for name in ("meshplan", "eager"):
-        if name == "meshplan":
-            step = _meshplan_step(cfg, batch, over, dev, _Scratch())[0]
+    backend = a.compile_backend or ("inductor" if dev.type == "cuda" else "aot_eager")
+    for name in names:
+        if name.startswith("meshplan"):
+            kernels = "inductor" if name.endswith("inductor") else "eager"
+            step = _meshplan_step(cfg, batch, over, dev, _Scratch(), kernels)[0]
         else:
-            step = _eager_step(cfg, batch, dev, False, "")[0]
+            step = _eager_step(cfg, batch, dev, name == "torch.compile", backend)[0]
         timed_steps(step, dev, 2, 0, _Scratch(), f"profile {name}")
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
@@ -429,6 +431,12 @@ def part_speed_profile(res: Result, a) -> None:
         del step
         _reset_peak(dev)
     res.set(ok=True, judged="profiled one step each")
+
+
+def part_profile_inductor(res: Result, a) -> None:
+    """Where the step's time goes with `--kernels inductor` and with
+    torch.compile of each block (issue 39: a missed target is profiled)."""
+    part_speed_profile(res, a, ("meshplan inductor", "torch.compile"))
 
 
 class _Scratch(Result):
@@ -455,6 +463,7 @@ PARTS = {
     "speed_compile": part_speed_compile,
     "speed_inductor": part_speed_inductor,
     "speed_profile": part_speed_profile,
+    "profile_inductor": part_profile_inductor,
 }
 
 

@@ -111,9 +111,10 @@ def _speed_table(parts: dict) -> list[str]:
 
 
 def _profile(parts: dict) -> list[str]:
-    r = parts.get("speed_profile", {}).get("result", {})
+    r = parts.get("speed_profile", {}).get("result", {}) | \
+        parts.get("profile_inductor", {}).get("result", {})
     out = []
-    for name in ("meshplan", "eager"):
+    for name in ("meshplan", "eager", "meshplan inductor", "torch.compile"):
         if name not in r:
             continue
         x = r[name]
