@@ -55,7 +55,7 @@ def _kernel(kind: str):
     return getattr(k, "_op", k)  # an OpOverload's C++ callable skips a Python frame
 
 
-def _groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
+def batch_groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
     """Consecutive ops of one batchable kind and equal literals form a group."""
     groups: list[list[Op]] = []
     for op in ops:
@@ -71,28 +71,23 @@ def _groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
 
 def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
     """Ops as groups: each maximal run of consecutive ops that run their own
-    kernels (none in `kernels`, no hook after one, not a batchable optimizer
-    op: those stay torch's multi-tensor call, as with eager kernels) one
-    group, batchable ops as `_groups` batches them, the rest one op each;
-    and per run of two or more ops, by its group's index: (its inputs, the
-    values it makes that a later group, a hook or `keeps` reads)."""
+    kernels (none in `kernels`, no hook after one) one group, the rest one op
+    each; and per run of two or more ops, by its group's index: (its inputs,
+    the values it makes that a later group, a hook or `keeps` reads)."""
     groups: list[list[Op]] = []
-    fusible: list[bool] = []
-    for group in _groups(ops, kernels):
-        op = group[0]
-        own = (len(group) == 1 and op.id not in kernels and op.id not in hooks
-               and rule_for(op.kind).batched is None)
-        if own and fusible and fusible[-1]:
+    for op in ops:
+        own = op.id not in kernels and op.id not in hooks
+        if own and groups and groups[-1][-1].id not in kernels \
+                and groups[-1][-1].id not in hooks:
             groups[-1].append(op)
         else:
-            groups.append(list(group))
-            fusible.append(own)
+            groups.append([op])
     later: set[int] = set(keeps)
     runs: dict[int, tuple[list[int], list[int]]] = {}
     for i in range(len(groups) - 1, -1, -1):
         group = groups[i]
         made = {o for op in group for o in op.outputs if o != ABSENT}
-        if fusible[i] and len(group) > 1:
+        if len(group) > 1:
             ins = list(dict.fromkeys(r for op in group for r in op.refs() if r not in made))
             runs[i] = (ins, [o for op in group for o in op.outputs
                              if o != ABSENT and o in later])
@@ -152,7 +147,7 @@ def compile_segment(
     kernels, hooks = kernels or {}, hooks or {}
     keeps, reads, borrowed = set(keeps), set(reads), set(borrowed)
     if fuse is None:
-        groups = _groups(list(ops), kernels)
+        groups = batch_groups(list(ops), kernels)
         runs: dict[int, tuple[list[int], list[int]]] = {}
     else:
         groups, runs = _runs(list(ops), kernels, hooks, keeps)

@@ -11,14 +11,18 @@ Invariants:
   values the segment reads after the run; it is compiled on its first call,
   with the real inputs (static shapes: a segment's shapes do not change
   from step to step), by `torch.compile(backend="inductor")`, whose on-disk
-  cache the ranks of a machine share.
-- A run Inductor refuses runs its graph eagerly (the same kernels, in order),
-  with one warning naming the run and the reason.
+  cache the ranks of a machine share; equal runs of several ranks compile
+  one at a time (`compile_lock`), so one compiles and the rest load.
+- A run Inductor refuses runs its graph eagerly (the same kernels, in order,
+  consecutive optimizer ops batched into torch's multi-tensor calls as with
+  eager kernels), with one warning naming the run and the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib.util
 import operator
 import os
@@ -30,10 +34,16 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
 from meshplan.errors import ConfigError
 from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ir.choices import Kernels, choose
 from meshplan.ops.table import rule_for
+from meshplan.runtime.codegen import batch_groups
 from meshplan.runtime.devices import resolve_device
 
 
@@ -68,8 +78,11 @@ def kernel_of(op: Op) -> Callable:
     return rule_for(op.kind).kernel  # an OpOverload itself: FX names it
 
 
-def graph_of(ops: list[Op], ins: list[int], outs: list[int], device) -> fx.GraphModule:
-    """The run's ops as one FX graph: placeholders `ins`, output `outs`."""
+def graph_of(ops: list[Op], ins: list[int], outs: list[int], device,
+             batched: bool = False) -> fx.GraphModule:
+    """The run's ops as one FX graph: placeholders `ins`, output `outs`;
+    `batched`: consecutive optimizer ops as one multi-tensor call each, as
+    eager kernels run them (`codegen.batch_groups`)."""
     g = fx.Graph()
     node: dict[int, fx.Node] = {v: g.placeholder(f"v{v}") for v in ins}
 
@@ -84,9 +97,19 @@ def graph_of(ops: list[Op], ins: list[int], outs: list[int], device) -> fx.Graph
             return device
         return a
 
-    for op in ops:
-        call = g.call_function(kernel_of(op), tuple(arg(a) for a in op.args),
-                               {k: arg(v) for k, v in op.kwargs})
+    for group in batch_groups(ops, {}) if batched else [[op] for op in ops]:
+        op = group[0]
+        kwargs = {k: arg(v) for k, v in op.kwargs}
+        if len(group) > 1:  # outputs: one list per output position, an entry per op
+            columns = tuple([arg(a) for a in column] for column in zip(*(x.args for x in group)))
+            call = g.call_function(rule_for(op.kind).batched, columns, kwargs)
+            for i, x in enumerate(group):
+                for j, o in enumerate(x.outputs):
+                    if o != ABSENT:
+                        column_j = g.call_function(operator.getitem, (call, j))
+                        node[o] = g.call_function(operator.getitem, (column_j, i))
+            continue
+        call = g.call_function(kernel_of(op), tuple(arg(a) for a in op.args), kwargs)
         if len(op.outputs) == 1 and not rule_for(op.kind).returns_list:
             if op.outputs[0] != ABSENT:
                 node[op.outputs[0]] = call
@@ -104,6 +127,7 @@ class InductorRun:
     def __init__(self, ops: list[Op], ins: list[int], outs: list[int], device, name: str):
         self.ops, self.name = ops, name
         self.gm = graph_of(ops, ins, outs, device)
+        self.eager = functools.partial(graph_of, ops, ins, outs, device, True)  # if refused
         self.fn: Callable | None = None
         self.note = ""  # why it runs eagerly, when Inductor refused it
         self.compile_s = 0.0  # its first call: compiled (or loaded from the cache) and run
@@ -114,7 +138,8 @@ class InductorRun:
         compiled = torch.compile(self.gm, backend="inductor", fullgraph=True, dynamic=False)
         t0 = time.perf_counter()
         try:  # compiled at this first call; a refusal is raised before anything runs
-            out = compiled(*args)
+            with compile_lock(self.gm, args):
+                out = compiled(*args)
         except _refusals() as err:
             self.compile_s = time.perf_counter() - t0
             first = (str(err).strip() or type(err).__name__).splitlines()[0]
@@ -123,11 +148,42 @@ class InductorRun:
                          f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}): "
                          f"{first[:200]}; it runs with eager kernels")
             warnings.warn(self.note, stacklevel=2)
-            self.fn = self.gm
-            return self.gm(*args)
+            self.fn = self.eager()
+            return self.fn(*args)
         self.fn = compiled
         self.compile_s = time.perf_counter() - t0
         return out
+
+
+def compile_key(gm: fx.GraphModule, args) -> str:
+    """What Inductor's cache keys a run's compile on, as this process sees it:
+    the graph's code and its inputs' shapes, strides, dtypes and devices."""
+    metas = [(tuple(a.shape), tuple(a.stride()), str(a.dtype), a.device.type)
+             if isinstance(a, torch.Tensor) else repr(a) for a in args]
+    return hashlib.sha256(f"{gm.code}\n{metas}".encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def compile_lock(gm: fx.GraphModule, args):
+    """Held while a run is compiled and first run: an exclusive file lock per
+    `compile_key`, in Inductor's cache folder. The ranks of a machine whose
+    runs are equal (a rank class's members, equal stages) then compile one
+    at a time: the first compiles, the others wait and load from the cache
+    it filled, instead of all compiling at once. The holder waits on no
+    other rank (a run has no communication), so no cycle can form."""
+    if fcntl is None:  # not POSIX: every rank compiles for itself
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # only when compiling
+
+    folder = os.path.join(cache_dir(), "meshplan-locks")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, compile_key(gm, args)), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @functools.cache
