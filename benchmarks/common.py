@@ -201,10 +201,11 @@ def timed_steps(step, steps: list, device: torch.device) -> tuple[list[float], l
     return losses, times
 
 
-def meshplan_rank(job_path: str, rank: int, device: torch.device, config=None):
+def meshplan_rank(job_path: str, rank: int, device: torch.device, config=None,
+                  kernels: str = "eager"):
     """(executor, state) of `rank` for the Job at `job_path`, lowered here for
     `device`, its state sliced from the seed-0 weights of the GPT of `config`
-    (default `cfg()`)."""
+    (default `cfg()`); `kernels` as `--kernels`."""
     from meshplan.ir.job import Job
     from meshplan.lowering.lower import lower
     from meshplan.runtime.comm import Comm, job_groups
@@ -213,7 +214,7 @@ def meshplan_rank(job_path: str, rank: int, device: torch.device, config=None):
     job = Job.from_bytes(Path(job_path).read_bytes())
     backend = "nccl" if device.type == "cuda" else "gloo"
     comm = Comm(rank, job_groups(job.strategy, job.graph.ops), backend, device)
-    ex = RankExecutor(job, lower(job, rank, device.type), comm, device=device)
+    ex = RankExecutor(job, lower(job, rank, device.type), comm, device=device, kernels=kernels)
     torch.manual_seed(0)
     return ex, ex.init_state(build_model(config or cfg()))
 
@@ -259,12 +260,13 @@ def _example_io(stage: int, stages: int, micro: int,
 
 class TorchPipeline:
     """torch.distributed.pipelining's `schedule` (a class name) on this rank's
-    `stage_ids` of `stages`, `m` micro-batches of `micro`, SGD. With `spans`
+    `stage_ids` of `stages`, `m` micro-batches of `micro`, SGD; `compiled`:
+    each stage's module through `torch.compile` (Inductor). With `spans`
     a list, a step appends one `Span` per stage compute call (named as
     meshplan's actions: F, B, or I and W), per loss and for the optimizer."""
 
     def __init__(self, schedule: str, stage_ids: list[int], stages: int, micro: int, m: int,
-                 device: torch.device):
+                 device: torch.device, compiled: bool = False):
         from torch.distributed import pipelining
 
         torch.manual_seed(0)
@@ -273,8 +275,9 @@ class TorchPipeline:
         self.stages = []
         for s in stage_ids:
             x, y = _example_io(s, stages, micro, device)
-            stage = pipelining.PipelineStage(Chunk(model, s, stages).to(device), s, stages,
-                                             device, input_args=x, output_args=y)
+            chunk = Chunk(model, s, stages).to(device)
+            stage = pipelining.PipelineStage(torch.compile(chunk) if compiled else chunk, s,
+                                             stages, device, input_args=x, output_args=y)
             self._trace(stage)
             self.stages.append(stage)
         cls = getattr(pipelining, schedule)

@@ -14,6 +14,10 @@ Two parts, one run (`python benchmarks/fused.py [--parts step,compile]`):
    then Inductor with an empty cache (cold) and again with it (warm), each
    run's wall time and the ranks' Inductor seconds (`kernel_compile_s`:
    the runs' first calls). Target: warm at most 1.10x eager's wall time.
+3. pp2: meshplan 1F1B on 2 processes, eager kernels and Inductor, against
+   torch.distributed.pipelining's Schedule1F1B with eager and compiled
+   stages (`fused_pp2.py`). Target: meshplan inductor <= 1.0x torch's
+   compiled stages.
 
 Run: python benchmarks/fused.py     (about 10 minutes on 2 cores, cold caches)
 """
@@ -35,6 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from fused_pp2 import CONFIGS as PP2_CONFIGS  # noqa: E402
+from fused_pp2 import pp2_part  # noqa: E402
 
 from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer  # noqa: E402
 from meshplan.capture import capture  # noqa: E402
@@ -164,19 +170,35 @@ def table(res: dict) -> str:
                   f"{TARGETS['warm_over_eager']}): "
                   f"{'met' if c['warm_over_eager'] <= TARGETS['warm_over_eager'] else 'NOT met'}"
                   f"; cold / eager: {c['cold_over_eager']:.2f}", ""]
+    if "pp2" in res:
+        c = res["pp2"]["configs"]
+        lines += ["## 3. pp=2 on 2 processes, 1F1B (GPT 8 layers, hidden 128, seq 64, batch 16 "
+                  "as 4 micro-batches, SGD)", "",
+                  "| system | step (ms) | per round (ms) | first step (s) | max loss diff vs "
+                  "torch eager |", "|---|---|---|---|---|"]
+        for k in PP2_CONFIGS:
+            r = c[k]
+            lines.append(f"| {k} | {r['step_s'] * 1e3:.1f} | "
+                         f"{', '.join(f'{x * 1e3:.1f}' for x in r['per_round_s'])} | "
+                         f"{max(r['first_step_s']):.1f} | {r['loss_diff_vs_torch_eager']:.1e} |")
+        ratio = c["vs_torch_compiled"]
+        lines += ["", f"- meshplan inductor / torch pipelining with compiled stages: {ratio:.3f} "
+                  f"(target <= {TARGETS['vs_torch_compile']}): "
+                  f"{'met' if ratio <= TARGETS['vs_torch_compile'] else 'NOT met'}", ""]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="step,compile")
+    p.add_argument("--parts", default="step,compile,pp2")
     args = p.parse_args()
     path = common.RESULTS / "fused.json"
     res = json.loads(path.read_text()) if path.exists() else {}
     res["machine"], res["targets"] = common.machine(), TARGETS
     for name in args.parts.split(","):
         print(f"== {name}", flush=True)
-        res[name] = [step_part("gpt"), step_part("bert")] if name == "step" else compile_part()
+        res[name] = ([step_part("gpt"), step_part("bert")] if name == "step" else
+                     compile_part() if name == "compile" else pp2_part())
         common.write("fused", res, table(res))
     print(table(res))
 
