@@ -227,17 +227,31 @@ def forget_probes() -> None:
     _planned.cache_clear()
 
 
-def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel) -> dict:
-    """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero, ep, cp]), in
-    forked worker processes, one per core: {key: Probe, or the planner's
-    ConfigError}. One core, or few keys: here, in turn."""
-    workers = min(os.cpu_count() or 1, len(keys))
-    if workers < 2 or len(keys) < 4:
-        return {k: probe_or_error(spec, k, dev) for k in keys}
+def probe_pool() -> ProcessPoolExecutor | None:
+    """Forked worker processes, one per core, that `probe_many` may reuse
+    (they keep what they captured and planned); None on one core."""
+    if (os.cpu_count() or 1) < 2:
+        return None
     ctx = multiprocessing.get_context("fork")  # the workers share this process's imports
-    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+    return ProcessPoolExecutor(os.cpu_count(), mp_context=ctx)
+
+
+def probe_many(spec: Spec, keys: list[tuple], dev: DeviceModel,
+               pool: ProcessPoolExecutor | None = None) -> dict:
+    """`probe(spec, *key)` for every key (tp, mbs, recompute[, dp, zero, ep, cp]), in
+    `pool`'s workers, or in a pool of its own: {key: Probe, or the planner's
+    ConfigError}. One core, or few keys: here, in turn."""
+    if (os.cpu_count() or 1) < 2 or len(keys) < 4:
+        return {k: probe_or_error(spec, k, dev) for k in keys}
+    own = pool is None
+    pool = pool or probe_pool()
+    assert pool is not None
+    try:
         return dict(zip(keys, pool.map(probe_or_error, [spec] * len(keys), keys,
                                        [dev] * len(keys))))
+    finally:
+        if own:
+            pool.shutdown()
 
 
 def probe_or_error(spec: Spec, key: tuple, dev: DeviceModel):

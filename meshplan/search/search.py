@@ -27,9 +27,11 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from meshplan.costmodel import DeviceModel
@@ -48,7 +50,14 @@ from meshplan.search.estimate import (
     with_dp,
 )
 from meshplan.search.full import fits
-from meshplan.search.probe import Probe, Spec, probe_key, probe_many, probe_or_error
+from meshplan.search.probe import (
+    Probe,
+    Spec,
+    probe_key,
+    probe_many,
+    probe_or_error,
+    probe_pool,
+)
 from meshplan.search.space import Candidate, Space, candidates
 from meshplan.search.work import Work
 
@@ -133,32 +142,35 @@ def _search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
         space = replace(space, samples=spec.samples)
     if spec.experts and not space.experts:
         space = replace(space, experts=spec.experts)
-    cands = list(candidates(mesh, layers, global_batch, space))
-    pricer.prefetch(cands)
-    queue: list = []
-    for n, cand in enumerate(cands):
-        pricer.considered += 1
-        lazy = cand.recompute != Recompute.NONE and not exhaustive
-        entry = pricer.optimistic(cand) if lazy else pricer.exact(cand)
-        if entry is not None:
-            queue.append((*entry, n, cand))
-    heapq.heapify(queue)
-    res = SearchResult([])
-    proof = _Proof(spec, st, limit) if prove else None
-    for r in _in_order(pricer, queue, exhaustive):
-        fits = max(r.pred.peak) <= limit
-        if proof is not None and res.proven is None:
-            if proof.made >= MAX_PROOFS and not fits:
-                res.unproven += 1
+    try:
+        cands = list(candidates(mesh, layers, global_batch, space))
+        pricer.prefetch(cands, exhaustive)
+        queue: list = []
+        for n, cand in enumerate(cands):
+            pricer.considered += 1
+            lazy = cand.recompute != Recompute.NONE and not exhaustive
+            entry = pricer.optimistic(cand) if lazy else pricer.exact(cand)
+            if entry is not None:
+                queue.append((*entry, n, cand))
+        heapq.heapify(queue)
+        res = SearchResult([])
+        proof = _Proof(spec, st, limit) if prove else None
+        for r in _in_order(pricer, queue, exhaustive):
+            fits = max(r.pred.peak) <= limit
+            if proof is not None and res.proven is None:
+                if proof.made >= MAX_PROOFS and not fits:
+                    res.unproven += 1
+                    continue
+                res.proven = proof.planned(r)
+                if res.proven is None:
+                    continue
+            elif not fits:  # may fit, but is slower than the winner: not listed
                 continue
-            res.proven = proof.planned(r)
-            if res.proven is None:
-                continue
-        elif not fits:  # may fit, but is slower than the winner: not listed
-            continue
-        res.ranked.append(r)
-        if len(res.ranked) >= top:
-            break
+            res.ranked.append(r)
+            if len(res.ranked) >= top:
+                break
+    finally:
+        pricer.close()  # the probes' workers
     if proof is not None:
         res.proofs, res.over_when_planned, res.proof_s = proof.made, proof.over, proof.seconds
         if res.proven is None:
@@ -181,6 +193,7 @@ def _in_order(pricer: _Pricer, queue: list, exhaustive: bool) -> Iterator[Ranked
         if queue and (exhaustive or not ready or queue[0][0] <= ready[0][0]):
             bound, exact, n, cand = heapq.heappop(queue)
             if not exact:  # probe it now, and queue it by its own bound
+                pricer.fetch_sure(cand, queue, ready)
                 entry = pricer.exact(cand)
                 if entry is not None:
                     heapq.heappush(queue, (*entry, n, cand))
@@ -225,6 +238,7 @@ class _Pricer:
     def __init__(self, spec: Spec, layers: int, st: Setting, limit: int):
         self.spec, self.layers, self.st, self.limit = spec, layers, st, limit
         self.probes: dict = {}
+        self.pool: ProcessPoolExecutor | None = None  # probe_many's workers, once needed
         self.works: dict = {}
         self.layouts: dict = {}
         self.stages: dict = {}
@@ -275,15 +289,40 @@ class _Pricer:
                                 for w, pw in zip(self._stages(key, counts), patterns)]
         return counts, self.works[wkey]
 
-    def prefetch(self, cands: list[Candidate]) -> None:
-        """Plan every probe the candidates may need, on all cores at once
-        (`probe.probe_many`); a probe the search then never asks for costs
-        a core's share of the time only."""
-        keys: set[tuple] = {probe_key(c.tp, c.micro_batch_size, r, c.ep, c.cp) for c in cands
-                            for r in {c.recompute, Recompute.NONE}}
-        keys |= {(c.tp, 1, c.recompute, 2, 3) for c in cands if c.dp > 1}
-        for key, got in probe_many(self.spec, sorted(keys, key=str), self.st.dev).items():
-            self.probes[key] = got
+    def prefetch(self, cands: list[Candidate], exhaustive: bool = False) -> None:
+        """Plan the probes every candidate is first priced with, on all cores
+        at once (`probe.probe_many`): without recompute, as a candidate with
+        recompute is first bounded by its twin without (`optimistic`). Its
+        own probes are planned when the search reaches it (`fetch_sure`),
+        unless `exhaustive` (all at once here)."""
+        def modes(c: Candidate) -> set:
+            return {c.recompute, Recompute.NONE} if exhaustive else {Recompute.NONE}
+
+        self._fetch({k for c in cands for r in modes(c) for k in _keys(c, r)})
+
+    def fetch_sure(self, cand: Candidate, queue: list, ready: list) -> None:
+        """Before `cand`'s own probes are planned: with them, those of every
+        queued candidate still priced without its recompute that the search
+        surely reaches before it yields again, on all cores at once: those
+        bounded by no more than any simulated step to come (the ready ones',
+        and the queued exact bounds, which their steps cannot undercut)."""
+        if all(k in self.probes for k in _keys(cand, cand.recompute)):
+            return
+        limit = min([e[0] for e in queue if e[1]] + [r[0] for r in ready[:1]],
+                    default=-math.inf)  # nothing bounds the steps to come yet: `cand` alone
+        self._fetch({k for c in [cand] + [e[3] for e in queue if not e[1] and e[0] <= limit]
+                     for k in _keys(c, c.recompute)})
+
+    def _fetch(self, keys: set) -> None:
+        todo = sorted(keys - self.probes.keys(), key=str)
+        if len(todo) >= 4 and self.pool is None:  # one pool for the whole search: its
+            self.pool = probe_pool()              # workers keep what they captured
+        self.probes.update(probe_many(self.spec, todo, self.st.dev, self.pool))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
 
     def _stages(self, key, counts):
         if (key, counts) not in self.stages:
@@ -324,6 +363,13 @@ class _Pricer:
         self.over_memory += 1
         if self.smallest is None or peak < self.smallest[0]:
             self.smallest = (peak, cand)
+
+
+def _keys(c: Candidate, recompute: str) -> list[tuple]:
+    """The probes `c` is priced with at `recompute`: its layers', and at dp > 1
+    its dp collectives' pattern (`_Pricer._works`)."""
+    keys = [probe_key(c.tp, c.micro_batch_size, recompute, c.ep, c.cp)]
+    return keys + [(c.tp, 1, recompute, 2, 3)] if c.dp > 1 else keys
 
 
 def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int,
