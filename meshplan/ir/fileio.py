@@ -161,6 +161,24 @@ class LineLog:
         self._file.close()
 
 
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+    """An exclusive lock on the empty file `path` (made if missing), held
+    for the block: processes of one machine taking the same path run their
+    blocks one at a time. Without POSIX locks (no `fcntl`) it locks nothing."""
+    try:
+        import fcntl  # reason: POSIX only
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:  # nothing is written: the file is the lock's name
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _drop_torn_line(path: Path) -> None:
     try:
         with open(path, "rb+") as f:

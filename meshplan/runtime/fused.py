@@ -34,14 +34,10 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-try:
-    import fcntl
-except ImportError:  # not POSIX
-    fcntl = None  # type: ignore[assignment]
-
 from meshplan.errors import ConfigError
 from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ir.choices import Kernels, choose
+from meshplan.ir.fileio import file_lock
 from meshplan.ops.table import rule_for
 from meshplan.runtime.codegen import batch_groups
 from meshplan.runtime.devices import resolve_device
@@ -171,19 +167,12 @@ def compile_lock(gm: fx.GraphModule, args):
     at a time: the first compiles, the others wait and load from the cache
     it filled, instead of all compiling at once. The holder waits on no
     other rank (a run has no communication), so no cycle can form."""
-    if fcntl is None:  # not POSIX: every rank compiles for itself
-        yield
-        return
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # only when compiling
 
     folder = os.path.join(cache_dir(), "meshplan-locks")
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, compile_key(gm, args)), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with file_lock(os.path.join(folder, compile_key(gm, args))):
+        yield
 
 
 @functools.cache
