@@ -4,12 +4,13 @@ Invariants:
 - `strategy_of(a, cfg)` is how every planning verb gets its Strategy: the
   flags' own, or with `--auto` the search's winner (dp, tp, pp, vpp,
   schedule, micro-batch, recompute, ZeRO level and layers per virtual
-  stage, ep for a mixture of experts and cp when nothing fits without,
-  unless `--ep` or `--cp` fixes it), keeping
+  stage, ep for a mixture of experts, cp when nothing fits without and
+  sequence parallelism with tp > 1, unless `--ep`, `--cp` or
+  `--sequence-parallel` fixes it), keeping
   the flags' mesh, global batch, precision and buckets.
 - The search runs once per command; a user mistake (unknown device model,
-  a memory limit nothing fits, a mesh the model cannot use, a flag it does
-  not search yet: --sequence-parallel) is one ConfigError line.
+  a memory limit nothing fits, a mesh the model cannot use) is one
+  ConfigError line.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ from meshplan.search.space import Space
 def run_search(a: argparse.Namespace):
     """The search over the flags' model and mesh, its winner (`ranked[0]`)
     proven by its full plan: (SearchResult, DeviceModel, limit)."""
-    if getattr(a, "sequence_parallel", False):  # not searched: the winner would drop it unsaid
-        raise ConfigError("--sequence-parallel with --auto: the search does not choose nor keep "
-                          "it yet; drop --auto to plan it yourself, or drop --sequence-parallel")
     dev = load_device_model(a.device_model or "cpu-local")
     limit = parse_bytes(a.memory_per_device) if a.memory_per_device else dev.memory_bytes
     spec = ModelSpec(a.model, a.size, tuple(sorted(overrides(a).items())),
@@ -49,9 +47,14 @@ def run_search(a: argparse.Namespace):
     if cp > 1 and not spec.seq:
         raise ConfigError(f"--cp {cp} with --auto: --model {a.model} has no sequence to split; "
                           "drop --cp")
-    # --ep and --cp fix theirs; else the search chooses (cp when nothing fits without)
+    sp = getattr(a, "sequence_parallel", False)
+    if sp and not spec.seq:
+        raise ConfigError(f"--sequence-parallel with --auto: --model {a.model} has no sequence "
+                          "to split; drop --sequence-parallel")
+    # --ep, --cp and --sequence-parallel fix theirs (sp: the winner has tp > 1);
+    # else the search chooses (cp when nothing fits without)
     space = Space(eps=(ep,) if ep > 1 else (), seq=spec.seq if cp > 1 else 0,
-                  cps=(cp,) if cp > 1 else ())
+                  cps=(cp,) if cp > 1 else (), sps=(True,) if sp else (False, True))
     gbs = a.global_batch_size or a.default_gbs
     return search(spec, mesh_of(a), gbs, dev, memory_limit=limit, space=space,
                   bucket_mb=a.bucket_mb), dev, limit
@@ -80,7 +83,7 @@ def fields_of(a: argparse.Namespace, ranked) -> dict:
     """The Strategy fields of a ranked candidate, under the flags' batch and precision."""
     c = ranked.cand
     return {"dp": c.dp, "tp": c.tp, "pp": c.pp, "vpp": c.vpp, "ep": c.ep, "cp": c.cp,
-            "schedule": c.schedule,
+            "sequence_parallel": c.sp, "schedule": c.schedule,
             "global_batch_size": a.global_batch_size or a.default_gbs,
             "micro_batch_size": c.micro_batch_size, "recompute": c.recompute,
             "zero": c.zero, "precision": a.precision, "bucket_mb": a.bucket_mb,

@@ -39,7 +39,8 @@ def fits(spec: Spec, cand: Candidate, st: Setting, stage_layers: tuple[int, ...]
     strategy = spec.strategy(dp=cand.dp, tp=cand.tp, pp=cand.pp, vpp=cand.vpp,
                              schedule=cand.schedule, global_batch_size=st.global_batch,
                              micro_batch_size=cand.micro_batch_size, recompute=cand.recompute,
-                             zero=cand.zero, ep=cand.ep, cp=cand.cp, bucket_mb=st.bucket_mb,
+                             zero=cand.zero, ep=cand.ep, cp=cand.cp, sequence_parallel=cand.sp,
+                             bucket_mb=st.bucket_mb,
                              stage_layers=stage_layers if cand.pp > 1 else ())
     try:
         job = spec.plan(st.mesh, strategy)

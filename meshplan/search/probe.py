@@ -108,11 +108,12 @@ class ModelSpec:
         return getattr(self.config(), "seq_len", 0) or 0
 
     def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel,
-                   ep: int = 1, cp: int = 1):
+                   ep: int = 1, cp: int = 1, sp: bool = False):
         """The probe's Job (three layers as three stages, `_orders`) and
         Strategy, and the layers of its middle stage."""
         n = PROBE_LAYERS
         strategy = self.strategy(n, dp=dp, tp=tp, pp=n, vpp=1, zero=zero, ep=ep, cp=cp,
+                                 sequence_parallel=sp,
                                  global_batch_size=2 * mbs * dp, micro_batch_size=mbs,
                                  schedule=CSV, schedule_orders=_orders(), recompute=recompute,
                                  bucket_mb=0)
@@ -148,8 +149,8 @@ class GraphSpec:
     experts = seq = 0  # not searched for a captured graph: its ep and cp are 1
 
     def probe_plan(self, tp: int, mbs: int, recompute: str, dp: int, zero: ZeroLevel,
-                   ep: int = 1, cp: int = 1):
-        assert ep == cp == 1, "a captured graph's probes are planned at ep and cp 1"
+                   ep: int = 1, cp: int = 1, sp: bool = False):
+        assert ep == cp == 1 and not sp, "a captured graph's probes: ep and cp 1, no sp"
         n, b = PROBE_LAYERS, self.samples
         d = dp if dp > 1 else b // mbs  # a rank's micro-batch is the probe's
         mid = self.layers - 2
@@ -188,34 +189,38 @@ class Probe:
 
 
 def probe(spec: Spec, tp: int, mbs: int, recompute: str, dev: DeviceModel,
-          dp: int = 1, zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1, cp: int = 1) -> Probe:
+          dp: int = 1, zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1, cp: int = 1,
+          sp: bool = False) -> Probe:
     """One layer's Work at (tp, micro-batch `mbs`, `recompute`) on `dev`;
     raises the planner's ConfigError for a tp the model cannot use. With
     `dp` = 2 and a ZeRO level, its dp collectives are the level's pattern
     (which ZeRO 3 cannot derive: it gathers again in the backward only what
     the backward reads). With `dp` = `ep` > 1, the experts rest split over
     ep and its all-to-alls are the candidate's; with `cp` > 1, a rank holds
-    1/cp of the sequence and its keys' and values' gathers are planned
+    1/cp of the sequence and its keys' and values' gathers are planned; with
+    `sp`, the activations between tp blocks are split by sequence over tp
     (`probe_key`)."""
-    job, reps, span = _planned(spec, tp, mbs, recompute, dp, zero, ep, cp)
+    job, reps, span = _planned(spec, tp, mbs, recompute, dp, zero, ep, cp, sp)
     works = [read_work(job, reps[s], dev).by_stage[s] for s in range(PROBE_LAYERS)]
     body = replace(works[1].per(span), layers=1)
     return Probe(works[0].minus(body), body, works[2].minus(body))
 
 
-def probe_key(tp: int, mbs: int, recompute: str, ep: int = 1, cp: int = 1) -> tuple:
+def probe_key(tp: int, mbs: int, recompute: str, ep: int = 1, cp: int = 1,
+              sp: bool = False) -> tuple:
     """The probe of a candidate's layers: at dp = 1, or with ep > 1 at
-    dp = ep (its experts split, its tokens sent by all-to-all), at its cp."""
-    if ep == cp == 1:
+    dp = ep (its experts split, its tokens sent by all-to-all), at its cp,
+    with sequence parallelism or not."""
+    if ep == cp == 1 and not sp:
         return (tp, mbs, recompute)
-    return (tp, mbs, recompute, ep, ZeroLevel.NONE, ep, cp)
+    return (tp, mbs, recompute, ep, ZeroLevel.NONE, ep, cp, sp)
 
 
 @cache
 def _planned(spec: Spec, tp: int, mbs: int, recompute: str, dp: int = 1,
-             zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1, cp: int = 1):
+             zero: ZeroLevel = ZeroLevel.NONE, ep: int = 1, cp: int = 1, sp: bool = False):
     try:
-        job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero, ep, cp)
+        job, strategy, span = spec.probe_plan(tp, mbs, recompute, dp, zero, ep, cp, sp)
     except (ConfigError, ScheduleError) as err:
         raise ConfigError(str(err)) from None
     return job, {s: lower(job, strategy.ranks_of_stage(s)[0])

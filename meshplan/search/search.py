@@ -102,7 +102,7 @@ class SearchResult:
         c, pred = self.ranked[i].cand, self.ranked[i].pred
         return Strategy(dp=c.dp, tp=c.tp, pp=c.pp, vpp=c.vpp, schedule=c.schedule,
                         micro_batch_size=c.micro_batch_size, recompute=Recompute(c.recompute),
-                        zero=c.zero, ep=c.ep, cp=c.cp,
+                        zero=c.zero, ep=c.ep, cp=c.cp, sequence_parallel=c.sp,
                         stage_layers=pred.stage_layers if c.pp > 1 else (),
                         layer_pattern=layer_pattern, **fields)
 
@@ -142,6 +142,8 @@ def _search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
         space = replace(space, samples=spec.samples)
     if spec.experts and not space.experts:
         space = replace(space, experts=spec.experts)
+    if not spec.seq:  # nothing to split by sequence (a ResNet, a captured graph)
+        space = replace(space, sps=tuple(x for x in space.sps if not x))
     try:
         cands = list(candidates(mesh, layers, global_batch, space))
         pricer.prefetch(cands, exhaustive)
@@ -262,9 +264,10 @@ class _Pricer:
         `recompute`. The layout is balanced on the costs without recompute,
         for every recompute mode: recompute then only adds work to the same
         stages, so a candidate priced without it bounds it (`optimistic`)."""
-        base = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp)
+        base = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp,
+                         cand.sp)
         p0 = self.probe(base)
-        key = probe_key(cand.tp, cand.micro_batch_size, recompute, cand.ep, cand.cp)
+        key = probe_key(cand.tp, cand.micro_batch_size, recompute, cand.ep, cand.cp, cand.sp)
         p = self.probe(key) if p0 is not None and key != base else p0
         if p is None or p0 is None:
             return None
@@ -368,7 +371,7 @@ class _Pricer:
 def _keys(c: Candidate, recompute: str) -> list[tuple]:
     """The probes `c` is priced with at `recompute`: its layers', and at dp > 1
     its dp collectives' pattern (`_Pricer._works`)."""
-    keys = [probe_key(c.tp, c.micro_batch_size, recompute, c.ep, c.cp)]
+    keys = [probe_key(c.tp, c.micro_batch_size, recompute, c.ep, c.cp, c.sp)]
     return keys + [(c.tp, 1, recompute, 2, 3)] if c.dp > 1 else keys
 
 

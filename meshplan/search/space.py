@@ -2,7 +2,7 @@
 
 Invariants:
 - A `Candidate` fixes dp, tp, pp, vpp, the schedule, the micro-batch size,
-  recompute, the ZeRO level, ep and cp; its uneven layout (layers per virtual
+  recompute, the ZeRO level, ep, cp and sequence parallelism; its uneven layout (layers per virtual
   stage) is derived by cost when it is priced (`estimate`).
 - `candidates` yields only strategies the planner accepts on their face:
   dp * cp * tp * pp = world; tp divides the devices of a node (a tp group never
@@ -50,6 +50,7 @@ class Candidate:
     zero: ZeroLevel
     ep: int = 1  # of the dp ranks, those the experts split over (Strategy.ep)
     cp: int = 1  # the ranks each sequence is split over (Strategy.cp)
+    sp: bool = False  # sequence parallelism over tp (Strategy.sequence_parallel)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroLevel.parse(self.zero))  # frozen
@@ -59,7 +60,8 @@ class Candidate:
 
     def label(self) -> str:
         parts = [f"dp{self.dp}"] + ([f"ep{self.ep}"] if self.ep > 1 else []) + \
-            ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"tp{self.tp}", f"pp{self.pp}"]
+            ([f"cp{self.cp}"] if self.cp > 1 else []) + [f"tp{self.tp}"] + \
+            (["sp"] if self.sp else []) + [f"pp{self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.pp > 1:
@@ -92,6 +94,10 @@ class Space:
     # divisor of the ranks left that 2 x cp divides it by, or only those in `cps`
     seq: int = 0
     cps: tuple[int, ...] = ()
+    # sequence parallelism with tp > 1: each of these ((False, True): both;
+    # (True,): only candidates with it, so tp > 1); a model without a
+    # sequence never has it (`search`)
+    sps: tuple[bool, ...] = (False, True)
 
 
 def candidates(mesh: Mesh, layers: int, global_batch: int,
@@ -121,8 +127,15 @@ def candidates(mesh: Mesh, layers: int, global_batch: int,
                             continue
                         for rc in space.recompute:
                             for z in space.zero if dp > 1 else (ZeroLevel.NONE,):
-                                yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc), z,
-                                                ep, cp)
+                                for sp in space.sps if tp > 1 else _no_sp(space):
+                                    yield Candidate(dp, tp, pp, vpp, schedule, mbs, str(rc),
+                                                    z, ep, cp, sp)
+
+
+def _no_sp(space: Space) -> tuple[bool, ...]:
+    """tp = 1 has no sequence parallelism: allowed only where the space allows
+    candidates without (`--sequence-parallel --auto` fixes it on: tp > 1)."""
+    return (False,) if False in space.sps else ()
 
 
 def _cps(ranks: int, space: Space) -> list[int]:

@@ -202,8 +202,9 @@ CASES: list[Case] = [
         "plan", "--model", "moe", "--devices-per-node", "4", "--cp", "2", "--ep", "2"),
     cli("sp-without-tp", "strategy", ConfigError, "needs tp > 1",
         "plan", "--model", "gpt", "--devices-per-node", "2", "--sequence-parallel"),
-    cli("sp-with-auto", "strategy", ConfigError, "--sequence-parallel with --auto",
-        "plan", "--model", "gpt", "--devices-per-node", "2", "--sequence-parallel", "--auto",
+    cli("sp-with-auto-no-sequence", "strategy", ConfigError,
+        "--sequence-parallel with --auto: --model resnet has no sequence",
+        "plan", "--model", "resnet", "--devices-per-node", "2", "--sequence-parallel", "--auto",
         "--device-model", "h100-80gb"),
     # ---- capture (custom modules through the Python API) --------------------------------
     py("data-dependent-mask", "capture", CaptureError, "data-dependent shape",

@@ -280,3 +280,35 @@ def test_a_gpt_8b_at_seq_131072_on_64_h200s_splits_the_sequence():
     res = search(spec, Mesh(8, 8), 16, h200)
     assert res.winner.cand.cp > 1
     assert res.proven is not None and max(res.proven.peak) <= h200.memory_bytes
+
+
+# ---- sequence parallelism: searched with tp > 1 where the model has a sequence ----
+
+def test_the_search_chooses_sequence_parallelism_where_only_it_fits():
+    """GPT small at seq 2048 on 2 devices of a node, batch 2: at 250 MiB a
+    device, tp2 with its activations between blocks split by sequence
+    (236 MiB estimated) fits and nothing without sequence parallelism does
+    (tp2: 266, dp2: 422, pp2: 373); the winner has it, its full plan within
+    the limit."""
+    space = Space(recompute=("none",), schedules=("1f1b",), cps=(1,), zero=(0,))
+    tight = 250 << 20
+    with pytest.raises(ConfigError, match="no strategy fits"):
+        search(LONG, Mesh(1, 2), 2, DEV, memory_limit=tight, space=replace(space, sps=(False,)))
+    res = search(LONG, Mesh(1, 2), 2, DEV, memory_limit=tight, space=space)
+    assert res.winner.cand.sp and res.winner.cand.tp == 2
+    assert "tp2 sp" in res.winner.cand.label()
+    assert res.proven is not None and max(res.proven.peak) <= tight
+    # its probes were planned with it: the estimate is the full plan's peak
+    assert max(res.winner.pred.peak) == pytest.approx(max(res.proven.peak), rel=0.02)
+    assert res.strategy().sequence_parallel
+    assert not any(c.sp for c in candidates(Mesh(1, 2), 4, 8, SMALL) if c.tp == 1)
+
+
+def test_cli_sequence_parallel_with_auto_keeps_it():
+    """`--sequence-parallel --auto`: every candidate has it (so tp > 1)."""
+    r = _cli("plan", "--model", "gpt", "--size", "tiny", "--devices-per-node", "4",
+             "--global-batch-size", "16", "--auto", "--sequence-parallel",
+             "--device-model", "a100-80gb", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["top"]
+    assert rows and all(row["sequence_parallel"] and row["tp"] > 1 for row in rows)
