@@ -282,7 +282,7 @@ def test_a_gpt_8b_at_seq_131072_on_64_h200s_splits_the_sequence():
     assert res.proven is not None and max(res.proven.peak) <= h200.memory_bytes
 
 
-# ---- sequence parallelism: searched with tp > 1 where the model has a sequence ----
+# ---- sequence parallelism: with tp > 1 where the model has a sequence, when asked ----
 
 def test_the_search_chooses_sequence_parallelism_where_only_it_fits():
     """GPT small at seq 2048 on 2 devices of a node, batch 2: at 250 MiB a
@@ -290,7 +290,8 @@ def test_the_search_chooses_sequence_parallelism_where_only_it_fits():
     (236 MiB estimated) fits and nothing without sequence parallelism does
     (tp2: 266, dp2: 422, pp2: 373); the winner has it, its full plan within
     the limit."""
-    space = Space(recompute=("none",), schedules=("1f1b",), cps=(1,), zero=(0,))
+    space = Space(recompute=("none",), schedules=("1f1b",), cps=(1,), zero=(0,),
+                  sps=(False, True))
     tight = 250 << 20
     with pytest.raises(ConfigError, match="no strategy fits"):
         search(LONG, Mesh(1, 2), 2, DEV, memory_limit=tight, space=replace(space, sps=(False,)))
