@@ -280,7 +280,7 @@ class _Pricer:
         if wkey not in self.works:
             patterns: list = [None] * n
             if cand.dp > 1:  # the dp collectives' pattern: this stage at dp 2, ZeRO 3
-                pkey = (cand.tp, 1, recompute, 2, 3)
+                pkey = _pattern_key(cand, recompute)
                 if self.probe(pkey) is None:
                     return None
                 patterns = self._stages(pkey, counts)
@@ -368,11 +368,16 @@ class _Pricer:
             self.smallest = (peak, cand)
 
 
+def _pattern_key(c: Candidate, recompute: str) -> tuple:
+    """The probe of `c`'s dp collectives' pattern: its stage at dp 2, ZeRO 3."""
+    return (c.tp, 1, recompute, 2, 3)
+
+
 def _keys(c: Candidate, recompute: str) -> list[tuple]:
     """The probes `c` is priced with at `recompute`: its layers', and at dp > 1
     its dp collectives' pattern (`_Pricer._works`)."""
     keys = [probe_key(c.tp, c.micro_batch_size, recompute, c.ep, c.cp, c.sp)]
-    return keys + [(c.tp, 1, recompute, 2, 3)] if c.dp > 1 else keys
+    return keys + [_pattern_key(c, recompute)] if c.dp > 1 else keys
 
 
 def _nothing_fits(pricer: _Pricer, limit: int, mesh: Mesh, gbs: int,
