@@ -97,9 +97,7 @@ class Space:
     # sequence parallelism with tp > 1: each of these ((False, True): both;
     # (True,): only candidates with it, so tp > 1; `--sequence-parallel
     # --auto`); a model without a sequence never has it (`search`). Not
-    # weighed by default: it finds faster plans (GPT-3 175B on 1024 A100s:
-    # a 22.9 s step against 24.2) but plans 40-65% more probes, which puts
-    # the searches measured in `benchmarks/` over their 10 s on 2 cores
+    # weighed by default: it plans 40-65% more probes (docs/concepts/auto.md)
     sps: tuple[bool, ...] = (False,)
 
 
