@@ -101,6 +101,7 @@ class KernelVariant(enum.StrEnum):
     MEAN_RESCALE = "mean_rescale"  # a mean over a sharded dim, rescaled to the global count
     REPLICA_FIRST = "replica_first"  # a replicated piece counted by the axis's first rank only
     CAUSAL_OFFSET = "causal_offset"  # causal attention of a sequence shard of the queries
+    RING = "ring"  # attention of sequence shards, keys and values passed around the axis's ring
 
 
 E = TypeVar("E", bound=enum.StrEnum)

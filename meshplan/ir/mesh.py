@@ -38,7 +38,7 @@ from meshplan.ir.zero import ZeroLevel
 
 AXES = ("dp", "tp")  # the placement grid's axes, outermost first (with ep: `Strategy.axes`)
 # attention's forms over cp (`Strategy.cp_attention`; propagate.CP_FORMS keeps each one's)
-CP_ATTENTION = ("auto", "allgather", "alltoall")
+CP_ATTENTION = ("auto", "allgather", "alltoall", "ring")
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,21 @@ def causal_pairs(strategy, seq: int, rows: tuple[int, int], keys: tuple[int, int
                for c, m in _cut(runs, *keys))
 
 
+def runs_at(strategy, seq: int, lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """(row from `lo`, first token, length) of each run of consecutive
+    tokens at the computed positions [lo, hi), in order; adjacent runs joined."""
+    out: list[tuple[int, int, int]] = []
+    row = 0
+    for token, n in _cut(_runs(strategy.cp if strategy.cp > 1 and strategy.cp_balance else 1,
+                               seq), lo, hi):
+        if out and out[-1][1] + out[-1][2] == token:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((row, token, n))
+        row += n
+    return tuple(out)
+
+
 def _runs(cp: int, seq: int) -> tuple[tuple[int, int, int], ...]:
     """(position, first token, length) of each run of the order."""
     if cp == 1:

@@ -52,7 +52,35 @@ def compute_cost(job, t, value_meta: dict, dev: DeviceModel,
         flops = 2 * flops * causal_share(job, op, coord)
         dtype = next((o.dtype for o in outs if o is not None), "float32")
         seconds = dev.compute_seconds(flops, bytes_moved(sig, outs), dtype)
+    if KernelVariant.RING in t.variant and coord:
+        return _ring_cost(job, op, t, sig, outs, flops, value_meta, dev, coord)
     return flops, seconds
+
+
+def _ring_cost(job, op, t, sig, outs, flops: float, value_meta: dict, dev: DeviceModel,
+               coord: tuple[int, ...]) -> tuple[float, float]:
+    """(flops, seconds) of a ring attention task: its rows against every
+    key (a causal one's pairs its tokens keep), each block's transfer hidden
+    behind the previous block's compute where it is shorter (the forward
+    passes keys and values cp-1 times; the backward also their gradients,
+    in fp32, cp times)."""
+    backward = len(op.outputs) == 3
+    causal = op.args[7] if backward else (len(op.args) > 4 and op.args[4] is True)
+    q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
+    n, seq = len(t.group), job.graph.values[q.id].meta.shape[2]
+    kmeta = value_meta.get(k.id) or job.graph.values[k.id].meta
+    rows, cols = (value_meta.get(q.id) or job.graph.values[q.id].meta).shape[2], kmeta.shape[2]
+    per_pair = (2 * flops if causal else flops) / max(1, rows * cols)
+    grid = job.strategy.placement(job.stage[op.id]).grid
+    lo, hi = local_box(job.graph.values[q.id].meta.shape, job.sbp[q.id], grid, coord)[2]
+    pairs = causal_pairs(job.strategy, seq, (lo, hi), (0, seq)) if causal else rows * seq
+    dtype = next((o.dtype for o in outs if o is not None), "float32")
+    compute = dev.compute_seconds(per_pair * pairs, n * bytes_moved(sig, outs), dtype)
+    crosses = len({job.mesh.node_of(r) for r in t.group}) > 1
+    moved = (n - 1) * dev.p2p_seconds(2 * kmeta.nbytes, crosses)
+    if backward:  # the gradients travel as fp32
+        moved += n * dev.p2p_seconds(2 * kmeta.nbytes * 4 // kmeta.dtype.itemsize, crosses)
+    return per_pair * pairs, max(compute, moved)
 
 
 def send_bytes(t, metas: dict) -> int:

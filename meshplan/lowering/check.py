@@ -5,11 +5,14 @@ Proves, in order (each failure is one message; `errors` lists them all):
    every task reads and writes only buffers of its own rank's plan;
    every op of the rank's stage in the Job is exactly one of its tasks (no
    collective, gradient reduction or optimizer update dropped or doubled),
-   and every collective's group is the rank's line along the op's axis;
+   and every collective's group (a ring attention's too) is the rank's line
+   along the op's axis;
 2. every send task has exactly one matching recv task on its peer (peer,
    box, shape, dtype, bytes) and vice versa, and every SEND action of a
    micro-batch has the peer's RECV action of the same micro-batch;
-3. every collective has the same participants and the same position in the
+3. every collective (and ring attention: its steps are sends to the next
+   member and receives from the one before, which each member posts before
+   it waits) has the same participants and the same position in the
    per-group order on every member (the group's sequence of (op,
    micro-batch) instances, expanded from each member's action order); every
    gradient bucket starts in its task group after the last value it carries
@@ -65,7 +68,13 @@ from meshplan.lowering.check_live import split_and_live
 from meshplan.lowering.check_norm import norm_coverage
 from meshplan.lowering.check_shared import shared_copies
 from meshplan.lowering.ids import DEVICE_TYPES, LOCAL_BITS, TaskId
-from meshplan.lowering.rankplan import RankPlan, TaskKind, expand_collectives
+from meshplan.lowering.rankplan import (
+    RankPlan,
+    TaskKind,
+    expand_collectives,
+    joins_group,
+    ring_axis,
+)
 from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
 from meshplan.schedules.grid import format_grid
@@ -223,9 +232,12 @@ def _tasks_match_job(job: Job, plans) -> list[str]:
         place = s.placement(p.stage)
         coord = place.coord(r)
         for t in p.tasks:
-            if t.kind not in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
+            if not joins_group(t):
                 continue
             kw = dict(job.graph.ops[t.op].kwargs)
+            ring = ring_axis(t.variant)
+            if ring is not None:  # a ring attention's blocks travel along its axis's line
+                kw = {"axis": ring}
             if "stages" in kw:  # across the stages holding copies of a shared parameter
                 axis = f"stages {list(kw['stages'])}"
                 line = tuple(s.placement(st).rank_at(coord) for st in kw["stages"])

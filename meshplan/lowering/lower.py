@@ -46,6 +46,7 @@ from meshplan.lowering.rankplan import (
     RankPlan,
     Task,
     TaskKind,
+    ring_axis,
 )
 from meshplan.ops.rule import Category
 from meshplan.ops.table import physical_kernel, rule_for
@@ -141,7 +142,8 @@ class _Lowering:
             stream = COLLECTIVE_STREAM
         else:
             kind = TaskKind.OPTIMIZER if category is Category.OPTIMIZER else TaskKind.COMPUTE
-            stream, group = COMPUTE_STREAM, ()
+            ring = ring_axis(view.op_variant[op.id])  # a ring op runs over its line
+            stream, group = COMPUTE_STREAM, () if ring is None else self.group(ring)
         outs = [o for o in op.outputs if o >= 0]
         refs = op.refs()
         task = Task(self.tid(stream, op.id), kind, op.id, view.op_chunk[op.id], op.phase,

@@ -24,7 +24,8 @@ that action (`ops.kernels.accumulate_grad`); for an accumulator written
 into its bucket's slot (`buckets.writes_slot`) that second copy is the
 bucket's flat tensor, counted once.
 Kernel workspace ("temp") is the largest temp of any task, looked up by the
-task's physical signature in the Job's `temps` (the master worked them out).
+task's physical signature in the Job's `temps` (the master worked them out),
+a ring attention's with its blocks and accumulators (`ring_bytes`).
 
 Invariant: `peak` = the sum of the layout's extents, split by category:
 param (incl. module buffers), grad, optimizer, activation, temp.
@@ -34,12 +35,19 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 
 from meshplan.ir import TensorMeta
 from meshplan.ir.kinds import ALL_GATHER
 from meshplan.lowering.buckets import bound, bucketed_bytes, flat_intervals, grad_buckets, run_order
 from meshplan.lowering.prefetch import prefetched_bytes
-from meshplan.lowering.rankplan import STATE_CATEGORIES, Block, BufferCategory, MemoryLayout
+from meshplan.lowering.rankplan import (
+    STATE_CATEGORIES,
+    Block,
+    BufferCategory,
+    MemoryLayout,
+    ring_axis,
+)
 from meshplan.ops.infer import to_sig
 from meshplan.ops.temp import has_temp, temp_key
 
@@ -199,12 +207,27 @@ def _gathered(by_value: dict, op, members: int) -> int:
 
 
 def _temp(low) -> int:
-    """The largest kernel workspace of any task on this rank."""
+    """The largest kernel workspace of any task on this rank (a ring
+    attention's: its kernel's, and its own blocks and accumulators)."""
     values, best = low.view.values, 0
     for t in low.tasks:
         op = low.op_of[t.op]
-        if t.kind.value != "compute" or not has_temp(op.kind):
+        ring = ring_axis(t.variant) is not None
+        if t.kind.value != "compute" or not (ring or has_temp(op.kind)):
             continue
         sig = to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
-        best = max(best, low.view.temps[temp_key(op.kind, sig)])
+        own = low.view.temps[temp_key(op.kind, sig)] if has_temp(op.kind) else 0
+        best = max(best, own + (ring_bytes(op, sig) if ring else 0))
     return best
+
+
+def ring_bytes(op, sig) -> int:
+    """A ring attention's own buffers (`runtime/ring_attention.py`): the
+    keys' and values' block held and the one arriving; its fp32
+    accumulators: the rows' output and log-sum-exp, or the backward's query
+    gradients and the travelling key and value gradients, held and arriving."""
+    backward = len(op.outputs) == 3
+    q, k = (sig[1], sig[2]) if backward else (sig[0], sig[1])
+    qn, kn = math.prod(q.shape), math.prod(k.shape)
+    blocks = 4 * kn * k.dtype.itemsize
+    return blocks + 4 * (qn + 4 * kn if backward else qn + qn // q.shape[-1])

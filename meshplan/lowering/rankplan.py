@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from meshplan.ir import DType, Phase
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.kinds import ALL_REDUCE
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.schedules.action import Action, ActionType
@@ -174,6 +175,19 @@ class RankPlan:
         return task.kernel or graph.ops[task.op].kind
 
 
+def ring_axis(variant: tuple[str, ...]) -> int | None:
+    """The mesh axis along whose line a ring attention task (RING) passes
+    its blocks; its group is that line, and its order among the group's
+    collectives is proven as theirs (`expand_collectives`)."""
+    return variant.index(KernelVariant.RING) if KernelVariant.RING in variant else None
+
+
+def joins_group(t: Task) -> bool:
+    """Whether task `t` communicates with its group: a collective, a
+    gradient reduction or a ring."""
+    return t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) or ring_axis(t.variant) is not None
+
+
 def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),
                        buckets=()) -> dict[tuple, list]:
     """Per group: the (op, micro-batch) collectives this rank joins, in order
@@ -185,7 +199,7 @@ def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),
     carried = {op for b in buckets for op in b.ops}
     by_template = defaultdict(list)
     for t in p.tasks:
-        if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) and t.op not in carried:
+        if joins_group(t) and t.op not in carried:
             by_template[template_of(t)].append(t)
     position = {t.op: i for i, t in enumerate(p.tasks)}
     last_run = {key: i for i, a in enumerate(p.actions) for key in action_templates(a, where)}

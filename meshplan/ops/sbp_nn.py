@@ -144,7 +144,9 @@ def attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     and queries split by sequence against whole keys and values (context
     parallelism's all-gather form: each rank's rows of the output, its keys'
     and values' gradients partial sums), causal through CAUSAL_OFFSET (the
-    mask at the queries' own positions)."""
+    mask at the queries' own positions); or every tensor split by sequence,
+    the keys and values passed around the axis's ring inside the kernel
+    (RING: `runtime/ring_attention.py`)."""
     ts = tensors((args, kwargs))
     q = ts[0] if len(ts[0].shape) == 4 else ts[1]
     sigs = [same(len(ts), len(outs), Shard(d)) for d in (0, 1) if q.shape[d] > 1]
@@ -156,6 +158,8 @@ def attention(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
         seq = Shard(2)
         sigs.append(SbpSig((seq, seq, R, R, seq, seq), (seq, P, P), kv) if backward else
                     SbpSig((seq, R, R), (seq, seq), kv))
+        if q.shape[2] % n == 0:  # the ring passes equal blocks
+            sigs.append(SbpSig((seq,) * len(ts), (seq,) * len(outs), KV.RING))
     return sigs + [replicated(len(ts), len(outs))]
 
 

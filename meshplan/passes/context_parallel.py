@@ -23,8 +23,10 @@ Invariants:
   through every position-wise op; attention's rule (`ops/sbp_nn.py`)
   offers its queries split by sequence against whole keys and values (the
   boxing all-gathers them: Llama 3's form), or a head or batch split
-  (DeepSpeed Ulysses' all-to-alls); `--cp-attention` names the form, or
-  lets the cheaper be chosen (`propagate.CP_FORMS`).
+  (DeepSpeed Ulysses' all-to-alls), or every tensor split by sequence with
+  the keys and values passed around the cp ring inside the kernel (ring
+  attention, `runtime/ring_attention.py`); `--cp-attention` names the form,
+  or lets the cheaper of the first two be chosen (`propagate.CP_FORMS`).
 - With the all-gather form a layer's keys and values are gathered whole
   for its forward and again for its backward (`gathered_keys`, boxing's
   regather), so between the two a rank keeps only its own rows.
@@ -122,18 +124,20 @@ def _neighbour_dim(graph: Graph, op, seq: int) -> int | None:
 
 
 def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int,
-                          balanced: bool = False) -> None:
+                          balanced: bool = False, ring: bool = False) -> None:
     """One ConfigError line unless the graph has attention and each one's
     queries are split over the cp axis (`sigs`: op id -> a signature per
     axis); with the sequence `balanced`, every causal kernel (forward and
     backward) takes its mask at its rows' positions (asserted: the all-gather
-    form is the one propagation may choose then)."""
+    form or the ring is the one propagation may choose then); the `ring`
+    passes equal blocks, so cp must divide the sequence (one line)."""
     if balanced:
         for op in graph.ops:
             at = 7 if len(op.outputs) == 3 else 4  # is_causal, backward or forward
             if op.kind.startswith(ATTENTION[0][:-len(".default")]) and \
                     len(op.args) > at and op.args[at] is True:
-                assert sigs[op.id][cp_axis].variant == KernelVariant.CAUSAL_OFFSET, op
+                assert sigs[op.id][cp_axis].variant in (KernelVariant.CAUSAL_OFFSET,
+                                                        KernelVariant.RING), op
     ops = [op for op in graph.ops if op.kind in ATTENTION and op.phase is Phase.FORWARD]
     if not ops:
         raise ConfigError(f"--cp {cp}: the model has no scaled_dot_product_attention to split "
@@ -141,9 +145,13 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int,
                           "attention with dropout runs as its math ops: set its dropout to 0); "
                           "use --cp 1")
     for op in ops:
+        seq = graph.values[op.refs()[0]].meta.shape[-2]
+        if ring and seq % cp:
+            raise ConfigError(f"--cp-attention ring: --cp {cp} does not divide the sequence's "
+                              f"{seq} tokens, and the ring passes equal blocks; choose --cp "
+                              "dividing it, or --cp-attention allgather")
         if not isinstance(sigs[op.id][cp_axis].ins[0], Shard):
             where = op.module_path or "the model"
-            seq = graph.values[op.refs()[0]].meta.shape[-2]
             if seq % cp:
                 ok = [d for d in range(2, seq + 1) if seq % d == 0]
                 raise ConfigError(f"--cp {cp} does not divide the sequence's {seq} tokens, so "
@@ -152,6 +160,19 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int,
             raise ConfigError(f"--cp {cp}: the attention {op.kind} in {where} cannot compute on "
                               "a split of the sequence (a causal one with grouped-query heads "
                               "runs only whole); use --cp 1")
+
+
+def ring_note(graph: Graph, sigs: dict, cp_axis: int) -> tuple[str, ...]:
+    """With `--cp-attention ring`, a note naming the attentions that compute
+    another form (one taking the model's own mask has no ring kernel)."""
+    other = sorted({op.module_path or "the model" for op in graph.ops
+                    if op.kind in ATTENTION and op.phase is Phase.FORWARD
+                    and sigs[op.id][cp_axis].variant != KernelVariant.RING})
+    if not other:
+        return ()
+    return (f"cp: ring attention for the flash attentions; {len(other)} taking the model's own "
+            f"mask ({other[0]}{', ...' if len(other) > 1 else ''}) gather keys and values "
+            "instead (no ring kernel takes a mask)",)
 
 
 def gathered_keys(graph: Graph) -> frozenset[int]:

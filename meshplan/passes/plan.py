@@ -43,6 +43,7 @@ from meshplan.passes.context_parallel import (
     balance_sequence,
     check_attention_split,
     gathered_keys,
+    ring_note,
 )
 from meshplan.passes.derive import resolve_derived
 from meshplan.passes.eval_mode import eval_mode
@@ -189,7 +190,10 @@ def _balance_sequence(c: Compilation) -> None:
 def _context_parallel(c: Compilation) -> None:
     s = c.strategy
     assert s.cp_axis is not None and c.sbp is not None
-    check_attention_split(c.graph, c.sbp.sigs, s.cp_axis, s.cp, c.balanced)
+    check_attention_split(c.graph, c.sbp.sigs, s.cp_axis, s.cp, c.balanced,
+                          s.cp_attention == "ring")
+    if s.cp_attention == "ring":
+        c.notes += ring_note(c.graph, c.sbp.sigs, s.cp_axis)
     if s.cp_balance and not c.balanced:  # left in order (or a train step made by hand):
         c.strategy = replace(s, cp_balance=False)  # the Job says so; CAUSAL_OFFSET reads it
 

@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 from meshplan.ir import Graph, Phase, Role, TensorMeta
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.kinds import GRAD_SQ, VJP
 from meshplan.ir.mesh import CP_ATTENTION
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
@@ -332,9 +333,13 @@ def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:
 
 
 # an attention's signatures each context-parallel form keeps (its first input:
-# the queries, or the output's gradient, laid out as the queries)
-CP_FORMS = {"auto": None, "allgather": lambda sig: sig.ins[0] == Shard(2),
-            "alltoall": lambda sig: sig.ins[0] in (Shard(0), Shard(1))}
+# the queries, or the output's gradient, laid out as the queries); the ring
+# only when named (its communication is inside the kernel, which boxing
+# costs do not see)
+CP_FORMS = {"auto": lambda sig: sig.variant != KernelVariant.RING,
+            "allgather": lambda sig: sig.ins[0] == Shard(2) and sig.variant != KernelVariant.RING,
+            "alltoall": lambda sig: sig.ins[0] in (Shard(0), Shard(1)),
+            "ring": lambda sig: sig.variant == KernelVariant.RING}
 assert tuple(CP_FORMS) == CP_ATTENTION, "each named form keeps its signatures"
 
 

@@ -22,7 +22,7 @@ from meshplan.ir.job import Job, StageView, stage_view
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import Box, intersect, local_box
-from meshplan.ir.sequence_order import sequence_order
+from meshplan.ir.sequence_order import runs_at, sequence_order
 from meshplan.lowering.rankplan import RankPlan, Task, TaskKind
 from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.device_kernels import adapter
@@ -30,6 +30,7 @@ from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
+from meshplan.runtime.ring_attention import ring_attention, ring_attention_backward
 
 if TYPE_CHECKING:  # torch.distributed is loaded only where a rank talks (comm.py)
     from meshplan.runtime.comm import Comm
@@ -77,6 +78,8 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
                                                            ctx, comm))
     if op.kind in RANDOM_KERNELS:
         return _random(op, ctx)
+    if KernelVariant.RING in task.variant:
+        return _ring(op, task, ctx, comm)
     if any(task.variant):
         return _variant(op, task, ctx)
     if task.kernel:  # the device's own kernel, with the logical op's signature
@@ -258,6 +261,24 @@ def _causal_offset(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Cal
     (q_lo, q_hi), (k_lo, k_hi) = ctx.box(q.id)[2], ctx.box(k.id)[2]
     wrap = lk.causal_attention_backward if backward else lk.causal_attention
     return wrap(kernel, order[q_lo:q_hi], order[k_lo:k_hi])
+
+
+def _ring(op: Op, task: Task, ctx: RankContext, comm: Comm) -> Callable:
+    """Attention of this rank's rows, keys and values passed around its line
+    along the ring's axis (`runtime/ring_attention.py`): the runs of tokens
+    this rank's queries and each member's keys hold."""
+    axis = task.variant.index(KernelVariant.RING)
+    assert task.variant.count(KernelVariant.RING) == 1 and task.group == tuple(
+        ctx.place.rank_at(c) for c in ctx.along(axis)), "a ring over its own axis's line"
+    backward = len(op.outputs) == 3  # (grad_out, q, k, v, out, lse, ...)
+    q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
+    seq = ctx.view.values[q.id].meta.shape[2]
+    rows = runs_at(ctx.view.strategy, seq, *ctx.box(q.id)[2])
+    keys = [runs_at(ctx.view.strategy, seq, *ctx.box(k.id, c)[2]) for c in ctx.along(axis)]
+    kernel = adapter(task.kernel) if task.kernel else rule_for(op.kind).kernel
+    wrap = ring_attention_backward if backward else ring_attention
+    return wrap(kernel, rows, keys, ctx.coord[axis],
+                lambda x, step: comm.shift(x, task.group, op.id, step))
 
 
 def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:

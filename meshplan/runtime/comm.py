@@ -193,6 +193,27 @@ class Comm:
             return out
         return take
 
+    def shift(self, x: torch.Tensor, group, op: int, step: int) -> Callable[[], torch.Tensor]:
+        """Send `x` to the member after this rank in `group` (a ring) and
+        receive the one before's into a tensor like it, in the background:
+        returns the call that waits for both and gives the received tensor.
+        Tagged by ring `op` and `step` (a transfer's tags name other ops);
+        one op's steps in one micro-batch differ, its micro-batches arrive
+        in the order every member runs them."""
+        t0 = time.perf_counter()
+        tag = tag_of(op, step)
+        me = group.index(self.rank)
+        got = torch.empty_like(x, memory_format=torch.contiguous_format)
+        works = (self.p2p or p2p)([("send", x.contiguous(), group[(me + 1) % len(group)], tag),
+                                   ("recv", got, group[me - 1], tag)])
+
+        def take() -> torch.Tensor:
+            for w in works:
+                w.wait()
+            self._record(f"ring shift {list(group)}", t0)
+            return got
+        return take
+
     def _record(self, name: str, t0: float) -> None:
         if self.spans is not None:
             if self.cuda:  # traced: the collective's time on the device

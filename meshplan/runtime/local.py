@@ -24,7 +24,7 @@ import torch
 
 from meshplan.errors import RuntimeFault
 from meshplan.runtime.checkpoint import state_slices
-from meshplan.runtime.comm import job_groups
+from meshplan.runtime.comm import Comm, job_groups
 from meshplan.runtime.data import split_microbatches
 from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.rank_executor import RankExecutor
@@ -151,6 +151,11 @@ class LocalComm:
             outs.append([p.view(shp[m]) for p, shp in zip(part.split(sizes), shapes)])
         gathered = [torch.cat([o[k] for o in outs], dim=dim) for k, dim in enumerate(dims)]
         return gathered.__getitem__
+
+    shift = Comm.shift  # the ring's step, over `p2p` below
+
+    def _record(self, name: str, t0: float) -> None:
+        """Spans are the launched ranks' (threads' would interleave)."""
 
     def p2p(self, ops) -> list:
         works = []

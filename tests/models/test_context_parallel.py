@@ -6,8 +6,10 @@ parameter), by the plan's structure, and against a planted bug."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
+import torch
 
 from meshplan.cli.config_name import format_config_name, parse_config_name
 from meshplan.driver.plan import plan_model, zoo_strategy
@@ -17,7 +19,9 @@ from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL
 from meshplan.ir.mesh import Mesh
 from meshplan.ir.sbp import Shard
 from meshplan.ir.sequence_order import zigzag
+from meshplan.lowering.check import check_plans
 from meshplan.lowering.lower import lower
+from meshplan.lowering.rankplan import ring_axis
 from meshplan.models import model_config
 from meshplan.passes.context_parallel import ATTENTION
 from tests.runtime._util import eager_verdict
@@ -114,6 +118,90 @@ def test_a_plain_causal_kernel_on_query_rows_is_caught(monkeypatch):
     assert not eager_verdict(job, cfg, 4)["ok"]
 
 
+RING = {"cp2": dict(cp=2), "cp4": dict(cp=4), "cp2tp2sp": dict(cp=2, tp=2, sequence_parallel=True),
+        "cp2pp2": dict(cp=2, pp=2), "dp2cp2": dict(dp=2, cp=2),
+        "cp2_in_order": dict(cp=2, cp_balance=False)}
+
+
+@pytest.mark.parametrize("layout", list(RING))
+def test_ring_attention_trains_as_eager(layout):
+    """`--cp-attention ring`: every attention's queries, keys and values
+    stay the rank's rows; the keys and values go around the cp ring inside
+    the kernel (forward and backward), balanced or in order."""
+    cfg, s, job = _job("gpt", dict(RING[layout], cp_attention="ring"), SEQ)
+    rings = [op for op in job.graph.ops if job.variant[op.id][s.cp_axis] == KernelVariant.RING]
+    assert len(rings) == 2 * cfg.layers  # each layer's forward and backward
+    assert all(job.sbp[r][s.cp_axis] == Shard(2) for op in rings for r in op.refs())
+    assert not any(op.kind == ALL_GATHER and dict(op.kwargs)["axis"] == s.cp_axis
+                   and job.graph.values[op.args[0].id].meta.dtype.name != "int64"
+                   for op in job.graph.ops)
+    verdict = eager_verdict(job, cfg, 4)
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
+
+
+def test_ring_attention_of_a_bidirectional_model_trains_as_eager():
+    cfg, s, job = _job("bert", dict(cp=2, cp_attention="ring"))
+    assert any(v[s.cp_axis] == KernelVariant.RING for v in job.variant)
+    verdict = eager_verdict(job, cfg, 4)
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
+
+
+@pytest.mark.parametrize("plant", ["source", "gradients"])
+def test_a_ring_passing_the_wrong_block_is_caught(monkeypatch, plant):
+    """Planted: the forward masks each block as another rank's (its keys'
+    positions from the wrong neighbour), or the backward drops the key and
+    value gradients arriving from the ring: eager disagrees."""
+    from meshplan.runtime import ring_attention as ra
+
+    if plant == "source":
+        real = ra.ring_attention
+        monkeypatch.setattr(ra, "ring_attention", lambda kernel, rows, keys, me, shift: real(
+            kernel, rows, keys[1:] + keys[:1], me, shift))
+    else:
+        real_shift = ra.ring_attention_backward
+
+        def lose_arrivals(kernel, rows, keys, me, shift):
+            return real_shift(kernel, rows, keys, me, lambda x, step: (
+                (lambda: torch.zeros_like(x)) if step % 2 else shift(x, step)))
+        monkeypatch.setattr(ra, "ring_attention_backward", lose_arrivals)
+    from meshplan.runtime import bind
+    monkeypatch.setattr(bind, "ring_attention", ra.ring_attention)
+    monkeypatch.setattr(bind, "ring_attention_backward", ra.ring_attention_backward)
+    cfg, s, job = _job("gpt", dict(cp=4, cp_attention="ring"), 32)
+    assert not eager_verdict(job, cfg, 4)["ok"]
+
+
+def test_the_check_proves_each_ring_on_its_line_and_in_one_order():
+    """A ring attention task's group is its cp line, and its place among
+    the group's collectives is proven as theirs: a plan whose ring runs
+    over another line, or whose two rings are swapped, fails the check."""
+    cfg, s, job = _job("gpt", dict(cp=2, tp=2, cp_attention="ring"), 32)
+    plans = {r: lower(job, r) for r in range(job.mesh.world)}
+    assert check_plans(job, plans).ok
+    rings = [i for i, t in enumerate(plans[0].tasks) if ring_axis(t.variant) is not None]
+    assert len(rings) == 2 * cfg.layers and all(
+        plans[0].tasks[i].group == (0, 2) for i in rings)  # the cp line of rank 0 (dp, cp, tp)
+    tasks = list(plans[0].tasks)
+    tasks[rings[0]] = replace(tasks[rings[0]], group=(0, 1))
+    bad = check_plans(job, {**plans, 0: replace(plans[0], tasks=tuple(tasks))})
+    assert not bad.ok and any("runs over [0, 1]" in e for e in bad.errors), bad.errors
+    tasks = list(plans[0].tasks)
+    a, b = rings[0], rings[1]
+    tasks[a], tasks[b] = tasks[b], tasks[a]
+    swapped = check_plans(job, {**plans, 0: replace(plans[0], tasks=tuple(tasks))})
+    assert not swapped.ok and any("collective order differs" in e for e in swapped.errors), \
+        swapped.errors
+
+
+def test_ring_needs_equal_blocks_and_says_which_attention_it_leaves():
+    with pytest.raises(ConfigError, match="ring passes equal blocks"):
+        _job("gpt", dict(cp=3, cp_balance=False, cp_attention="ring"), 50)
+    pytest.importorskip("transformers")
+    _, s, job = _job("hf:llama", dict(cp=2, cp_attention="ring"))
+    assert any("taking the model's own mask (model.model.layers.0.self_attn" in n
+               for n in job.notes), job.notes
+
+
 def test_planned_activations_fall_with_cp():
     """GPT small at seq 2048 (the issue's bar: cp2's activations at most
     0.55x of cp1's): the planned activation peak per rank, cp1, cp2, cp4."""
@@ -126,11 +214,15 @@ def test_planned_activations_fall_with_cp():
     assert peaks[2] <= 0.55 * peaks[1] and peaks[4] <= 0.3 * peaks[1], peaks
 
 
-def test_verify_context_parallel_on_processes(capsys):
-    """`meshplan verify --cp 2 --dp 2` on 4 gloo processes."""
+@pytest.mark.parametrize("layout", [["--cp", "2"], ["--cp", "2", "--tp", "2",
+                                                  "--sequence-parallel", "--cp-attention",
+                                                  "ring"]])
+def test_verify_context_parallel_on_processes(capsys, layout):
+    """`meshplan verify --cp 2 --dp 2`, and the ring with tp2 and sequence
+    parallelism (its shifts on gloo's point-to-point), on 4 gloo processes."""
     from meshplan.cli.main import main
 
-    code = main(["verify", "--model", "gpt", "--devices-per-node", "4", "--cp", "2",
+    code = main(["verify", "--model", "gpt", "--devices-per-node", "4", *layout,
                  "--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "1",
                  "--seq-len", "64", "--json"])
     out = capsys.readouterr().out

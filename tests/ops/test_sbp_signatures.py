@@ -16,6 +16,7 @@ rank's slice from the signature itself: an independent reading of what
 
 from __future__ import annotations
 
+import threading
 import zlib
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,8 @@ from meshplan.ops.sbp_sig import P, R, SbpSig
 from meshplan.ops.sbp_table import SBP
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
+from meshplan.runtime.local import Hub, LocalComm
+from meshplan.runtime.ring_attention import ring_attention, ring_attention_backward
 
 F64, F32 = torch.float64, torch.float32
 aten = torch.ops.aten
@@ -80,7 +83,7 @@ def _flash(b=6, h=6, L=4, e=4):
 
 
 def _flash_backward():
-    q, k, v = _flash()
+    q, k, v = _flash(L=6)  # 6: a ring over 2 and 3 ranks
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)
     return (f(*out.shape), q, k, v, out, lse, 0.0, True)
 
@@ -242,7 +245,7 @@ CASES: dict[str, Case] = {
     "nll_loss_backward_weight": _c("aten.nll_loss_backward.default", lambda: (
         f(), f(6, 12), targets(12, 6), pos(12), 2, -100, torch.tensor(5.0, dtype=F64))),
     "flash": _c("aten._scaled_dot_product_flash_attention_for_cpu.default",
-                lambda: (*_flash(), 0.0, True)),
+                lambda: (*_flash(L=6), 0.0, True)),
     "flash_bidirectional": _c("aten._scaled_dot_product_flash_attention_for_cpu.default",
                               lambda: (*_flash(L=6), 0.0, False)),
     "index_select": _c("aten.index_select.default", lambda: (f(6, 12, 4), 1, ints(12, 6))),
@@ -361,6 +364,32 @@ def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
     return kernel
 
 
+def _ring_ranks(case: Case, args, n: int, pieces) -> list[tuple]:
+    """Every rank's outputs under a RING signature: the n ranks at once, on
+    threads passing their blocks through a local hub, each given its rows
+    and every member's keys as runs of tokens (in order here)."""
+    ts = _tensors(args)
+    backward = len(ts) == 6
+    wrap = ring_attention_backward if backward else ring_attention
+    seq = ts[1 if backward else 0].shape[2]
+    keys = [((0, lo, hi - lo),) for lo, hi in (split_range(seq, n, j) for j in range(n))]
+    hub, group, out = Hub(30.0), tuple(range(n)), [None] * n
+
+    def rank(i: int) -> None:
+        comm = LocalComm(i, [group], hub, n)
+        kernel = wrap(rule_for(case.kind).kernel, keys[i], keys, i,
+                      lambda x, step: comm.shift(x, group, 0, step))
+        out[i] = _outputs(kernel(*_with(args, [p[i] for p in pieces]), **dict(case.kw)))
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(o is not None for o in out), "a ring rank failed or hung"
+    return out  # type: ignore[return-value]
+
+
 def _localize(kind, args, whole, sig: SbpSig, n: int, i: int) -> tuple:
     """`args` with the rule's shape arguments set to rank i's output shapes."""
     args = list(args)
@@ -389,7 +418,9 @@ def check_signature(case: Case, args, whole, sig: SbpSig, n: int) -> None:
     pieces = [_pieces(t, s, n) for t, s in zip(ts, sig.ins)]
     kw = dict(case.kw)
     per_rank = []
-    for i in range(n):
+    if sig.variant == "ring":
+        per_rank = _ring_ranks(case, args, n, pieces)
+    for i in range(n if sig.variant != "ring" else 0):
         local = _localize(case.kind, _with(args, [p[i] for p in pieces]), whole, sig, n, i)
         per_rank.append(_outputs(_variant(case.kind, sig, args, whole, n, i)(*local, **kw)))
     for k, (want, s) in enumerate(zip(whole, sig.outs)):
