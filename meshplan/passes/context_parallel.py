@@ -171,8 +171,8 @@ def ring_note(graph: Graph, sigs: dict, cp_axis: int) -> tuple[str, ...]:
     if not other:
         return ()
     return (f"cp: ring attention for the flash attentions; {len(other)} taking the model's own "
-            f"mask ({other[0]}{', ...' if len(other) > 1 else ''}) gather keys and values "
-            "instead (no ring kernel takes a mask)",)
+            f"mask ({other[0]}{', ...' if len(other) > 1 else ''}) take the cheaper of the "
+            "all-gather and all-to-all forms instead (no ring kernel takes a mask)",)
 
 
 def gathered_keys(graph: Graph) -> frozenset[int]:

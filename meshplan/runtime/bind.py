@@ -31,6 +31,7 @@ from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
 from meshplan.runtime.ring_attention import ring_attention, ring_attention_backward
+from meshplan.schedules.trace import Track
 
 if TYPE_CHECKING:  # torch.distributed is loaded only where a rank talks (comm.py)
     from meshplan.runtime.comm import Comm
@@ -278,7 +279,8 @@ def _ring(op: Op, task: Task, ctx: RankContext, comm: Comm) -> Callable:
     kernel = adapter(task.kernel) if task.kernel else rule_for(op.kind).kernel
     wrap = ring_attention_backward if backward else ring_attention
     return wrap(kernel, rows, keys, ctx.coord[axis],
-                lambda x, step: comm.shift(x, task.group, op.id, step))
+                lambda x, step: comm.shift(x, task.group, op.id, step),
+                lambda name, t0: comm.record(name, t0, Track.COMPUTE))
 
 
 def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:

@@ -61,7 +61,7 @@ class _Recorded:
 
     def wait(self) -> bool:
         done = self.work.wait()
-        self.comm._record(self.name, self.t0)
+        self.comm.record(self.name, self.t0)
         return done
 
 
@@ -89,7 +89,7 @@ class Comm:
         else:
             out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, op=_OPS[op], group=self.groups[group])
-        self._record(f"all_reduce({op}) {list(group)}", t0)
+        self.record(f"all_reduce({op}) {list(group)}", t0)
         return out.to(x.device) if self.host_staged else out
 
     def all_reduce_async(self, x: torch.Tensor, group, op: str = "sum",
@@ -125,7 +125,7 @@ class Comm:
         out = flat.new_empty(sum(counts))
         dist.all_to_all_single(out, flat, output_split_sizes=counts, input_split_sizes=sizes,
                                group=self.groups[group])
-        self._record(f"all_to_all {list(group)}", t0)
+        self.record(f"all_to_all {list(group)}", t0)
         return out.to(device)
 
     def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
@@ -181,7 +181,7 @@ class Comm:
             if not state["waited"]:
                 work.wait()
                 state["waited"] = True
-                self._record(f"all_gather {list(group)}", t0)
+                self.record(f"all_gather {list(group)}", t0)
             dim, cut = dims[k], rows[k]
             pieces = [p[offsets[k]:offsets[k + 1]].view(f) for p, f in zip(parts, full[k])]
             if any(n < f[dim] for n, f in zip(cut, full[k])):
@@ -210,15 +210,17 @@ class Comm:
         def take() -> torch.Tensor:
             for w in works:
                 w.wait()
-            self._record(f"ring shift {list(group)}", t0)
+            self.record(f"ring shift {list(group)}", t0)
             return got
         return take
 
-    def _record(self, name: str, t0: float) -> None:
+    def record(self, name: str, t0: float, track: Track = Track.COMM) -> None:
+        """A span from `t0` to now (when spans are on): a collective's, or
+        a ring attention block's compute."""
         if self.spans is not None:
-            if self.cuda:  # traced: the collective's time on the device
+            if self.cuda:  # traced: the work's time on the device
                 torch.cuda.synchronize()
-            self.spans.append(Span(name, Track.COMM, t0, time.perf_counter()))
+            self.spans.append(Span(name, track, t0, time.perf_counter()))
 
 
 def job_groups(strategy, ops=()) -> list[tuple[int, ...]]:

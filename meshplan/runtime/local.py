@@ -154,7 +154,7 @@ class LocalComm:
 
     shift = Comm.shift  # the ring's step, over `p2p` below
 
-    def _record(self, name: str, t0: float) -> None:
+    def record(self, name: str, t0: float, track=None) -> None:
         """Spans are the launched ranks' (threads' would interleave)."""
 
     def p2p(self, ops) -> list:

@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -40,6 +41,11 @@ from meshplan.runtime.local_kernels import causal_mask
 Runs = tuple[tuple[int, int, int], ...]  # (local row, first token, length)
 # shift(x, step) -> take(): x sent to the next member, the previous one's received
 Shift = Callable[[torch.Tensor, int], Callable[[], torch.Tensor]]
+Record = Callable[[str, float], None]  # record(name, t0): a span from t0 to now (a trace)
+
+
+def _no_record(name: str, t0: float) -> None:
+    pass
 
 
 def _pairs(rows: Runs, keys: Runs, causal: bool):
@@ -63,9 +69,11 @@ def _mask(where, like: torch.Tensor):
     return None if where is None else causal_mask(*where, like)
 
 
-def ring_attention(kernel, rows: Runs, keys: list[Runs], me: int, shift: Shift):
+def ring_attention(kernel, rows: Runs, keys: list[Runs], me: int, shift: Shift,
+                   record: Record = _no_record):
     """The flash forward (q, k, v, dropout_p, is_causal, *, attn_mask, scale)
-    -> (out, lse) of rank `me` of the ring, `keys[j]` the runs member j holds."""
+    -> (out, lse) of rank `me` of the ring, `keys[j]` the runs member j holds;
+    each step's blocks `record`ed as one span."""
     n = len(keys)
 
     def attention(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
@@ -76,10 +84,12 @@ def ring_attention(kernel, rows: Runs, keys: list[Runs], me: int, shift: Shift):
         kv = torch.stack((k, v))
         for s in range(n):
             take = shift(kv, s) if s < n - 1 else None
+            t0 = time.perf_counter()
             for qs, ks, causal, where in _pairs(rows, keys[(me - s) % n], is_causal):
                 o, m = kernel(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], 0.0, causal,
                               attn_mask=_mask(where, q), scale=scale)
                 _merge(out[:, :, qs], lse[:, :, qs], o, m)
+            record(f"ring F block of {(me - s) % n}", t0)
             if take is not None:
                 kv = take()
         return out.to(q.dtype), lse
@@ -94,7 +104,8 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, m: torch.Tenso
     lse.copy_(new)
 
 
-def ring_attention_backward(kernel, rows: Runs, keys: list[Runs], me: int, shift: Shift):
+def ring_attention_backward(kernel, rows: Runs, keys: list[Runs], me: int, shift: Shift,
+                            record: Record = _no_record):
     """The flash backward (g, q, k, v, out, lse, dropout_p, is_causal, *,
     attn_mask, scale) -> (dq, dk, dv) of rank `me` of the ring."""
     n = len(keys)
@@ -109,6 +120,7 @@ def ring_attention_backward(kernel, rows: Runs, keys: list[Runs], me: int, shift
         for s in range(n):
             take = shift(kv, 2 * s) if s < n - 1 else None
             mine = kv.new_zeros(kv.shape, dtype=acc)
+            t0 = time.perf_counter()
             for qs, ks, causal, where in _pairs(rows, keys[(me - s) % n], is_causal):
                 gq, gk, gv = kernel(g[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
                                     out[:, :, qs], lse[:, :, qs], 0.0, causal,
@@ -116,6 +128,7 @@ def ring_attention_backward(kernel, rows: Runs, keys: list[Runs], me: int, shift
                 dq[:, :, qs] += gq
                 mine[0][:, :, ks] += gk
                 mine[1][:, :, ks] += gv
+            record(f"ring B block of {(me - s) % n}", t0)
             if grads is not None:
                 mine += grads()
             grads = shift(mine, 2 * s + 1)  # on to the next holder; the last step's: home
