@@ -155,14 +155,14 @@ def test_a_ring_passing_the_wrong_block_is_caught(monkeypatch, plant):
 
     if plant == "source":
         real = ra.ring_attention
-        monkeypatch.setattr(ra, "ring_attention", lambda kernel, rows, keys, me, shift: real(
-            kernel, rows, keys[1:] + keys[:1], me, shift))
+        monkeypatch.setattr(ra, "ring_attention", lambda kernel, rows, keys, *rest: real(
+            kernel, rows, keys[1:] + keys[:1], *rest))
     else:
         real_shift = ra.ring_attention_backward
 
-        def lose_arrivals(kernel, rows, keys, me, shift):
+        def lose_arrivals(kernel, rows, keys, me, shift, record):
             return real_shift(kernel, rows, keys, me, lambda x, step: (
-                (lambda: torch.zeros_like(x)) if step % 2 else shift(x, step)))
+                (lambda: torch.zeros_like(x)) if step % 2 else shift(x, step)), record)
         monkeypatch.setattr(ra, "ring_attention_backward", lose_arrivals)
     from meshplan.runtime import bind
     monkeypatch.setattr(bind, "ring_attention", ra.ring_attention)
