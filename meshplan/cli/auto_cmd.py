@@ -54,7 +54,7 @@ def run_search(a: argparse.Namespace):
     # --ep, --cp and --sequence-parallel fix theirs (sp: the winner has tp > 1);
     # else the search chooses (cp when nothing fits without)
     space = Space(eps=(ep,) if ep > 1 else (), seq=spec.seq if cp > 1 else 0,
-                  cps=(cp,) if cp > 1 else (), sps=(True,) if sp else (False,))
+                  cps=(cp,) if cp > 1 else (), **({"sps": (True,)} if sp else {}))
     gbs = a.global_batch_size or a.default_gbs
     return search(spec, mesh_of(a), gbs, dev, memory_limit=limit, space=space,
                   bucket_mb=a.bucket_mb), dev, limit

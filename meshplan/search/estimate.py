@@ -130,6 +130,27 @@ class Priced:
     stage_layers: tuple[int, ...]
     host: tuple[tuple[int, ...], ...] = ()  # per node (distinct): its ranks of each stage
     host_cores: int = 0
+    # per rank: the STEP's seconds however much of its reduction the
+    # backward hides (all but the last bucket): what more work cannot undercut
+    step_floor: tuple[float, ...] = ()
+
+    def bounding(self, cand: Candidate, works: list[Work] | None = None) -> Priced:
+        """A bound below `cand`'s pricing, from this one of its twin without
+        recompute (nor, given the twin's `works`, sequence parallelism:
+        each action less what it could save, `Work.sp_bound`, and the
+        boundary's shard over tp); its STEP at the floor, as more backward
+        work hides more of the reduction."""
+        cost, comm = self.cost, self.comm
+        if works is not None:
+            split = spec_of(cand.schedule).splits_backward
+            cost = {}
+            for (v, k), x in self.cost.items():
+                w = works[v]
+                save = {"f": w.sp_f, "i": w.sp_i if split else w.sp_i + w.sp_w,
+                        "w": w.sp_w if split else 0.0}[k]
+                cost[(v, k)] = max(0.0, x - save)
+            comm = {k: x / cand.tp for k, x in self.comm.items()}
+        return replace(self, cand=cand, cost=cost, comm=comm, step=self.step_floor)
 
     def lower_bound(self) -> float:
         """A bound on the simulated step: rank r waits for the first forward
@@ -179,7 +200,7 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
         if key not in steps:
             steps[key] = _step_seconds([works[v] for v in mine], [priced[v] for v in mine],
                                        cand, st)
-    step = tuple(steps[tuple(id(works[v]) for v in mine)] for mine in g.stages)
+    step, floor = zip(*(steps[tuple(id(works[v]) for v in mine)] for mine in g.stages))
     comm = {}
     for v in range(len(works) - 1):
         cross = _stages_cross(cand, st.mesh, g.stage_of[v], g.stage_of[v + 1])
@@ -189,7 +210,7 @@ def price(cand: Candidate, works: list[Work], st: Setting, counts: tuple[int, ..
     if peaks is None:
         peaks = memory(cand, works, counts, st)
     return Priced(cand, m, cost, comm, step, peaks, flops, counts, _host_loads(cand, st),
-                  st.dev.host_cores)
+                  st.dev.host_cores, floor)
 
 
 def _host_loads(cand: Candidate, st: Setting) -> tuple[tuple[int, ...], ...]:
@@ -419,17 +440,19 @@ def _keys(phase: Slot) -> set[tuple[Slot, DpKind]]:
 
 
 def _step_seconds(works: list[Work], priced: list[tuple], cand: Candidate,
-                  st: Setting) -> float:
+                  st: Setting) -> tuple[float, float]:
+    """The STEP's seconds, and its floor (`Priced.step_floor`)."""
     own = sum(w.step for w in works)
     reduce = sum(dp_seconds(w, {(Slot.STEP, DpKind.ALL_REDUCE),
                                 (Slot.STEP, DpKind.REDUCE_SCATTER)}, cand, st)
                  for w in works)
+    floor = reduce
     if st.buckets and reduce:  # overlapped with the last backward, but for the last bucket
         grads = sum(w.grad for w in works)
-        last = reduce / max(1, math.ceil(grads / (st.bucket_mb * MiB)))
+        floor = last = reduce / max(1, math.ceil(grads / (st.bucket_mb * MiB)))
         reduce = max(reduce - sum(p[1] + p[2] for p in priced), last)
     gather = sum(dp_seconds(w, {(Slot.STEP, DpKind.ALL_GATHER)}, cand, st) for w in works)
-    return own + reduce + gather
+    return own + reduce + gather, own + floor + gather
 
 
 def _crosses(cand: Candidate, mesh: Mesh, over: Over = Over.DP) -> bool:

@@ -137,20 +137,20 @@ def _search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
     layers = spec.layers
     limit = memory_limit if memory_limit is not None else dev.memory_bytes
     st = Setting(mesh, global_batch, dev, bucket_mb, spec.precision)
-    pricer = _Pricer(spec, layers, st, limit)
     if spec.samples:
         space = replace(space, samples=spec.samples)
     if spec.experts and not space.experts:
         space = replace(space, experts=spec.experts)
     if not spec.seq:  # nothing to split by sequence (a ResNet, a captured graph)
         space = replace(space, sps=tuple(x for x in space.sps if not x))
+    pricer = _Pricer(spec, layers, st, limit, lazy_sp=set(space.sps) == {False, True})
     try:
         cands = list(candidates(mesh, layers, global_batch, space))
         pricer.prefetch(cands, exhaustive)
         queue: list = []
         for n, cand in enumerate(cands):
             pricer.considered += 1
-            lazy = cand.recompute != Recompute.NONE and not exhaustive
+            lazy = pricer.lazy(cand) and not exhaustive
             entry = pricer.optimistic(cand) if lazy else pricer.exact(cand)
             if entry is not None:
                 queue.append((*entry, n, cand))
@@ -198,6 +198,7 @@ def _in_order(pricer: _Pricer, queue: list, exhaustive: bool) -> Iterator[Ranked
                 pricer.fetch_sure(cand, queue, ready)
                 entry = pricer.exact(cand)
                 if entry is not None:
+                    assert entry[0] >= bound * (1 - 1e-9), (cand, bound, entry[0])
                     heapq.heappush(queue, (*entry, n, cand))
                 continue
             pred = pricer.priced.pop(cand).predict()
@@ -237,14 +238,19 @@ class _Proof:
 class _Pricer:
     """Candidates priced from cached probes, layouts and stage works."""
 
-    def __init__(self, spec: Spec, layers: int, st: Setting, limit: int):
+    def __init__(self, spec: Spec, layers: int, st: Setting, limit: int,
+                 lazy_sp: bool = False):
+        """`lazy_sp`: candidates with sequence parallelism are first bounded
+        by their twins without (`optimistic`), as those are searched too."""
         self.spec, self.layers, self.st, self.limit = spec, layers, st, limit
+        self.lazy_sp = lazy_sp
         self.probes: dict = {}
         self.pool: ProcessPoolExecutor | None = None  # probe_many's workers, once needed
         self.works: dict = {}
         self.layouts: dict = {}
         self.stages: dict = {}
         self.priced: dict[Candidate, Priced] = {}
+        self.bounds: dict[Candidate, tuple[int, Priced]] = {}  # optimistic: twins' state, price
         self.considered = self.over_memory = self.simulated = 0
         self.refused: Counter = Counter()
         self.smallest: tuple[int, Candidate] | None = None
@@ -266,16 +272,21 @@ class _Pricer:
         stages, so a candidate priced without it bounds it (`optimistic`)."""
         base = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp,
                          cand.sp)
+        # the layout: balanced on the costs without recompute (and, where its
+        # twin is searched too, without sequence parallelism)
+        lbase = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp,
+                          cand.sp and not self.lazy_sp)
         p0 = self.probe(base)
         key = probe_key(cand.tp, cand.micro_batch_size, recompute, cand.ep, cand.cp, cand.sp)
         p = self.probe(key) if p0 is not None and key != base else p0
-        if p is None or p0 is None:
+        pl = self.probe(lbase) if lbase != base else p0
+        if p is None or p0 is None or pl is None:
             return None
         split = spec_of(cand.schedule).splits_backward
         n = cand.pp * cand.vpp
-        if (base, n) not in self.layouts:
-            self.layouts[(base, n)] = layout(p0, cand, self.layers)
-        counts = self.layouts[(base, n)]
+        if (lbase, n) not in self.layouts:
+            self.layouts[(lbase, n)] = layout(pl, cand, self.layers)
+        counts = self.layouts[(lbase, n)]
         wkey = (key, n, cand.dp, cand.zero, split)
         if wkey not in self.works:
             patterns: list = [None] * n
@@ -292,16 +303,28 @@ class _Pricer:
                                 for w, pw in zip(self._stages(key, counts), patterns)]
         return counts, self.works[wkey]
 
+    def lazy(self, cand: Candidate) -> bool:
+        """Whether `cand` is first bounded by a twin (`optimistic`): one
+        with recompute by its twin without, one with sequence parallelism
+        (where both are searched) by its twin without."""
+        return cand.recompute != Recompute.NONE or (self.lazy_sp and cand.sp)
+
+    def _twin(self, cand: Candidate) -> Candidate:
+        """The candidate `optimistic` prices `cand` by (recompute aside)."""
+        return replace(cand, sp=False) if self.lazy_sp and cand.sp else cand
+
     def prefetch(self, cands: list[Candidate], exhaustive: bool = False) -> None:
         """Plan the probes every candidate is first priced with, on all cores
-        at once (`probe.probe_many`): without recompute, as a candidate with
-        recompute is first bounded by its twin without (`optimistic`). Its
-        own probes are planned when the search reaches it (`fetch_sure`),
-        unless `exhaustive` (all at once here)."""
-        def modes(c: Candidate) -> set:
-            return {c.recompute, Recompute.NONE} if exhaustive else {Recompute.NONE}
-
-        self._fetch({k for c in cands for r in modes(c) for k in _keys(c, r)})
+        at once (`probe.probe_many`): its twin's without recompute (nor
+        sequence parallelism, where its twin is searched too), as it is
+        first bounded by it (`optimistic`). Its own probes are planned when
+        the search reaches it (`fetch_sure`), unless `exhaustive` (all at
+        once here)."""
+        if exhaustive:
+            self._fetch({k for c in cands for r in {c.recompute, Recompute.NONE}
+                         for k in _keys(c, r)})
+            return
+        self._fetch({k for c in cands for k in _keys(self._twin(c), Recompute.NONE)})
 
     def fetch_sure(self, cand: Candidate, queue: list, ready: list) -> None:
         """Before `cand`'s own probes are planned: with them, those of every
@@ -309,12 +332,12 @@ class _Pricer:
         surely reaches before it yields again, on all cores at once: those
         bounded by no more than any simulated step to come (the ready ones',
         and the queued exact bounds, which their steps cannot undercut)."""
-        if all(k in self.probes for k in _keys(cand, cand.recompute)):
+        if all(k in self.probes for k in _own_keys(cand)):
             return
         limit = min([e[0] for e in queue if e[1]] + [r[0] for r in ready[:1]],
                     default=-math.inf)  # nothing bounds the steps to come yet: `cand` alone
         self._fetch({k for c in [cand] + [e[3] for e in queue if not e[1] and e[0] <= limit]
-                     for k in _keys(c, c.recompute)})
+                     for k in _own_keys(c)})
 
     def _fetch(self, keys: set) -> None:
         todo = sorted(keys - self.probes.keys(), key=str)
@@ -349,18 +372,25 @@ class _Pricer:
 
     def optimistic(self, cand: Candidate):
         """(bound, False): recompute only adds work to the same layout, so
-        the candidate priced without it bounds it."""
-        got = self._works(cand, Recompute.NONE)
+        the candidate priced without it bounds it; sequence parallelism
+        saves at most its twin's tp collectives and a share of its
+        replicated compute, on the same layout (`Priced.bounding`)."""
+        twin = replace(self._twin(cand), recompute=Recompute.NONE)
+        got = self._works(twin, Recompute.NONE)
         if got is None:
             return None
         counts, works = got
-        state = max(memory(cand, works, counts, self.st, part="state"))
+        if twin not in self.bounds:  # shared by its recompute modes, with and without sp
+            state = max(memory(twin, works, counts, self.st, part="state"))
+            self.bounds[twin] = (state, price(twin, works, self.st, counts, (0,)))
+        state, priced = self.bounds[twin]
         if state > self.limit:  # its state alone is too big, with or without recompute
             self.over_memory += 1
             if self.least_state is None or state < self.least_state[0]:
                 self.least_state = (state, cand)
             return None
-        return price(cand, works, self.st, counts, (0,)).lower_bound(), False
+        sp = works if cand.sp != twin.sp else None
+        return priced.bounding(cand, sp).lower_bound(), False
 
     def _too_big(self, peak: int, cand: Candidate) -> None:
         self.over_memory += 1
@@ -371,6 +401,12 @@ class _Pricer:
 def _pattern_key(c: Candidate, recompute: str) -> tuple:
     """The probe of `c`'s dp collectives' pattern: its stage at dp 2, ZeRO 3."""
     return (c.tp, 1, recompute, 2, 3)
+
+
+def _own_keys(c: Candidate) -> set[tuple]:
+    """The probes `c` is priced exactly with: its layers' at its recompute
+    and without (its layout's, and its bound's)."""
+    return set(_keys(c, c.recompute)) | set(_keys(c, Recompute.NONE))
 
 
 def _keys(c: Candidate, recompute: str) -> list[tuple]:

@@ -94,11 +94,11 @@ class Space:
     # divisor of the ranks left that 2 x cp divides it by, or only those in `cps`
     seq: int = 0
     cps: tuple[int, ...] = ()
-    # sequence parallelism with tp > 1: each of these ((False, True): both;
-    # (True,): only candidates with it, so tp > 1; `--sequence-parallel
-    # --auto`); a model without a sequence never has it (`search`). Not
-    # weighed by default: it plans 40-65% more probes (docs/concepts/auto.md)
-    sps: tuple[bool, ...] = (False,)
+    # sequence parallelism with tp > 1: each of these ((False, True): both,
+    # a candidate with it first bounded by its twin without, `search`;
+    # (True,): only candidates with it, so tp > 1, `--sequence-parallel
+    # --auto`); a model without a sequence never has it (`search`)
+    sps: tuple[bool, ...] = (False, True)
 
 
 def candidates(mesh: Mesh, layers: int, global_batch: int,

@@ -34,6 +34,7 @@ from typing import Any
 from meshplan.costmodel import DeviceModel
 from meshplan.ir import Phase, TensorMeta
 from meshplan.ir.kinds import short
+from meshplan.ir.sbp import Replicate
 from meshplan.lowering.action_times import compute_cost, full_bytes, send_bytes
 from meshplan.lowering.rankplan import BufferCategory, RankPlan, TaskKind
 from meshplan.passes.expert_parallel import is_expert_param
@@ -110,6 +111,12 @@ class Work:
     temp: int = 0
     send_f: int = 0           # bytes per micro-batch the stage sends on (its boundary)
     send_b: int = 0
+    # seconds of f, i, w that sequence parallelism could at most save at this
+    # tp: its tp collectives, and the (1 - 1/tp) share of its compute
+    # replicated over tp (`estimate.Priced.bounding`)
+    sp_f: float = 0.0
+    sp_i: float = 0.0
+    sp_w: float = 0.0
 
     def plus(self, o: Work) -> Work:
         out = {n: getattr(self, n) + getattr(o, n) for n in _ADDITIVE}
@@ -167,6 +174,7 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
     value_meta = {b.value: metas[b.id] for b in plan.buffers}
     task_of = {t.id: t for t in plan.tasks}
     stage = plan.stage
+    tp, tp_axis = job.strategy.tp, job.strategy.tp_axis
     step_v = where.stage_at(stage, 0)
     for t in plan.tasks:
         v = step_v if t.phase is Phase.OPTIMIZER else where.stage_at(stage, t.chunk)
@@ -183,8 +191,9 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
                 w["dp"][dkey] += full
             else:
                 crosses = len({job.mesh.node_of(r) for r in t.group}) > 1
-                w[key] = w.get(key, 0.0) + dev.collective_seconds(
-                    short(op.kind), full, len(t.group), crosses)
+                seconds = dev.collective_seconds(short(op.kind), full, len(t.group), crosses)
+                w[key] = w.get(key, 0.0) + seconds
+                _could_save(w, key, seconds)
             continue
         if t.kind is TaskKind.SEND:
             name = "send_f" if t.phase is Phase.FORWARD else "send_b"
@@ -194,6 +203,8 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
             continue
         flops, seconds = compute_cost(job, t, value_meta, dev, plan.coord)
         w[key] = w.get(key, 0.0) + seconds
+        if tp > 1 and all(isinstance(job.sbp[r][tp_axis], Replicate) for r in op.refs()):
+            _could_save(w, key, seconds * (1 - 1 / tp))
         if key is not Slot.STEP:
             w["flops"] = w.get("flops", 0.0) + flops
     _memory(job, plan, task_of, where, stage, acc)
@@ -202,6 +213,12 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
         dp = tuple(sorted((k, (w["dpn"][k], w["dp"][k])) for k in w["dpn"]))
         by_stage[v] = Work(**{k: x for k, x in w.items() if k not in ("dp", "dpn")}, dp=dp)
     return StageWork(by_stage, dict(plan.memory.peak))
+
+
+def _could_save(w: dict, key: Slot, seconds: float) -> None:
+    """Count `seconds` of slot `key` as what sequence parallelism could save."""
+    if key is not Slot.STEP:
+        w[f"sp_{key}"] = w.get(f"sp_{key}", 0.0) + seconds
 
 
 def _data_axes(strategy) -> dict[int, Over]:

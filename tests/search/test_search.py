@@ -48,6 +48,33 @@ def test_a_planted_loose_bound_breaks_pruning(monkeypatch):
     assert [r.cand for r in pruned.ranked] != [r.cand for r in every.ranked]
 
 
+def test_sequence_parallel_candidates_are_bounded_by_their_twins():
+    """A candidate with sequence parallelism is first bounded by its twin
+    without (less what it could save): on GPT tiny on 4 devices the pruned
+    search still returns the exhaustive ranking (above), sp candidates in it,
+    probing fewer; a planted bound that forgets the savings (above the
+    candidate's own) is caught when the candidate is priced."""
+    from meshplan.search import estimate
+
+    mesh = Mesh(1, 4)
+    pruned = search(SPEC, mesh, 16, DEV, space=SMALL, prove=False, top=200)
+    every = search(SPEC, mesh, 16, DEV, space=SMALL, exhaustive=True, prove=False, top=200)
+    assert [r.cand for r in pruned.ranked] == [r.cand for r in every.ranked]
+    assert any(r.cand.sp for r in every.ranked)
+    best = search(SPEC, mesh, 16, DEV, space=SMALL, prove=False)
+    without = search(SPEC, mesh, 16, DEV, space=replace(SMALL, sps=(False,)), prove=False)
+    assert best.probes < every.probes and best.probes == without.probes
+    real = estimate.Priced.bounding
+
+    def forgets(self, cand, works=None):
+        got = real(self, cand, works)
+        return replace(got, cost={k: 2 * x for k, x in got.cost.items()}) if works else got
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(estimate.Priced, "bounding", forgets)
+        with pytest.raises(AssertionError):
+            search(SPEC, mesh, 16, DEV, space=SMALL, prove=False, top=200)
+
+
 @cache
 def _every_plan(spec: ModelSpec = SPEC, space: Space = SMALL) -> tuple:
     """Every candidate of `spec` on 4 devices in `space` (GPT tiny, SMALL),
