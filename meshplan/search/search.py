@@ -114,20 +114,30 @@ def search(spec: Spec, mesh: Mesh, global_batch: int, dev: DeviceModel,
     """The `top` fastest candidates within `memory_limit` bytes per device
     (the device model's memory when None), by simulated step time; with
     `prove`, the first is the fastest whose full plan fits. Context
-    parallelism is searched for a sequence of `LONG_SEQ` tokens or more,
-    for a shorter one when nothing fits without it, or when `space` has a
-    sequence."""
+    parallelism, and sequence parallelism beside candidates without it
+    (unless `space.sps` says), are searched for a sequence of `LONG_SEQ`
+    tokens or more (where activations weigh), for a shorter one when
+    nothing fits without them, or (cp) when `space` has a sequence."""
     t0 = time.perf_counter()
     space = space or Space()
-    if spec.seq >= LONG_SEQ and not space.seq and space.cps != (1,):
+    long = spec.seq >= LONG_SEQ
+    if long and not space.seq and space.cps != (1,):
         space = replace(space, seq=spec.seq)
+    auto_sp = not space.sps
+    if auto_sp:
+        space = replace(space, sps=(False, True) if long else (False,))
     try:
         return _search(spec, mesh, global_batch, dev, memory_limit, space, top, bucket_mb,
                        exhaustive, prove, t0)
     except ConfigError:
-        if space.seq or not spec.seq or space.cps == (1,):
+        wider: dict = {}
+        if spec.seq and not space.seq and space.cps != (1,):
+            wider["seq"] = spec.seq
+        if spec.seq and auto_sp and space.sps == (False,):
+            wider["sps"] = (False, True)
+        if not wider:
             raise
-    return _search(spec, mesh, global_batch, dev, memory_limit, replace(space, seq=spec.seq),
+    return _search(spec, mesh, global_batch, dev, memory_limit, replace(space, **wider),
                    top, bucket_mb, exhaustive, prove, t0)
 
 
@@ -269,18 +279,14 @@ class _Pricer:
         """(layers per virtual stage, Work per virtual stage) of `cand` at
         `recompute`. The layout is balanced on the costs without recompute,
         for every recompute mode: recompute then only adds work to the same
-        stages, so a candidate priced without it bounds it (`optimistic`)."""
-        base = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp,
-                         cand.sp)
-        # the layout: balanced on the costs without recompute (and, where its
-        # twin is searched too, without sequence parallelism)
-        lbase = probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp,
-                          cand.sp and not self.lazy_sp)
-        p0 = self.probe(base)
+        stages, so a candidate priced without it bounds it (`optimistic`);
+        and, where its twin without sequence parallelism is searched too,
+        without it (`_layout_key`)."""
+        lbase = self._layout_key(cand)
+        pl = self.probe(lbase)
         key = probe_key(cand.tp, cand.micro_batch_size, recompute, cand.ep, cand.cp, cand.sp)
-        p = self.probe(key) if p0 is not None and key != base else p0
-        pl = self.probe(lbase) if lbase != base else p0
-        if p is None or p0 is None or pl is None:
+        p = self.probe(key) if pl is not None and key != lbase else pl
+        if p is None or pl is None:
             return None
         split = spec_of(cand.schedule).splits_backward
         n = cand.pp * cand.vpp
@@ -302,6 +308,18 @@ class _Pricer:
             self.works[wkey] = [made[(id(w), id(pw))]
                                 for w, pw in zip(self._stages(key, counts), patterns)]
         return counts, self.works[wkey]
+
+    def _layout_key(self, cand: Candidate) -> tuple:
+        """The probe `cand`'s layout is balanced on: its layers' without
+        recompute (nor sequence parallelism, where its twin is searched too)."""
+        return probe_key(cand.tp, cand.micro_batch_size, Recompute.NONE, cand.ep, cand.cp,
+                         cand.sp and not self.lazy_sp)
+
+    def own_keys(self, c: Candidate) -> set[tuple]:
+        """The probes `c` is priced exactly with: its layers' at its
+        recompute, and its layout's (`_layout_key`); at dp > 1 its dp
+        collectives' pattern."""
+        return set(_keys(c, c.recompute)) | {self._layout_key(c)}
 
     def lazy(self, cand: Candidate) -> bool:
         """Whether `cand` is first bounded by a twin (`optimistic`): one
@@ -332,12 +350,12 @@ class _Pricer:
         surely reaches before it yields again, on all cores at once: those
         bounded by no more than any simulated step to come (the ready ones',
         and the queued exact bounds, which their steps cannot undercut)."""
-        if all(k in self.probes for k in _own_keys(cand)):
+        if all(k in self.probes for k in self.own_keys(cand)):
             return
         limit = min([e[0] for e in queue if e[1]] + [r[0] for r in ready[:1]],
                     default=-math.inf)  # nothing bounds the steps to come yet: `cand` alone
         self._fetch({k for c in [cand] + [e[3] for e in queue if not e[1] and e[0] <= limit]
-                     for k in _own_keys(c)})
+                     for k in self.own_keys(c)})
 
     def _fetch(self, keys: set) -> None:
         todo = sorted(keys - self.probes.keys(), key=str)
@@ -401,12 +419,6 @@ class _Pricer:
 def _pattern_key(c: Candidate, recompute: str) -> tuple:
     """The probe of `c`'s dp collectives' pattern: its stage at dp 2, ZeRO 3."""
     return (c.tp, 1, recompute, 2, 3)
-
-
-def _own_keys(c: Candidate) -> set[tuple]:
-    """The probes `c` is priced exactly with: its layers' at its recompute
-    and without (its layout's, and its bound's)."""
-    return set(_keys(c, c.recompute)) | set(_keys(c, Recompute.NONE))
 
 
 def _keys(c: Candidate, recompute: str) -> list[tuple]:

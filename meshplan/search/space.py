@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from meshplan.errors import ConfigError, ScheduleError
@@ -95,15 +95,19 @@ class Space:
     seq: int = 0
     cps: tuple[int, ...] = ()
     # sequence parallelism with tp > 1: each of these ((False, True): both,
-    # a candidate with it first bounded by its twin without, `search`;
-    # (True,): only candidates with it, so tp > 1, `--sequence-parallel
-    # --auto`); a model without a sequence never has it (`search`)
-    sps: tuple[bool, ...] = (False, True)
+    # a candidate with it first bounded by its twin without; (True,): only
+    # candidates with it, so tp > 1, `--sequence-parallel --auto`); ():
+    # as the sequence says (`search.search`: both for a long one, else
+    # without, and both when nothing fits without); a model without a
+    # sequence never has it
+    sps: tuple[bool, ...] = ()
 
 
 def candidates(mesh: Mesh, layers: int, global_batch: int,
                space: Space | None = None) -> Iterator[Candidate]:
     space = space or Space()
+    if not space.sps:  # as the sequence says: `search` resolves it; here, without
+        space = replace(space, sps=(False,))
     world = mesh.world
     for tp in _divisors(mesh.devices_per_node):
         if world % tp:
