@@ -8,6 +8,7 @@ budget (default 450 s, under 8 minutes on one H200):
   verify_fp32      GPT tiny, 1 GPU, fp32, meshplan vs eager CUDA
   verify_bf16      GPT tiny, 1 GPU, bf16, vs eager autocast and eager fp32
   verify_cp2       GPT tiny seq 256, cp=2 on one GPU, two ranks, host-staged gloo
+  verify_cp2_ring  the same with ring attention (--cp-attention ring)
   verify_moe_ep2   the zoo MoE tiny, dp=2 ep=2 on one GPU, two ranks, host-staged gloo
   speed_meshplan   GPT ~1.3B (24 layers, hidden 2048, seq 2048, batch 8, bf16,
   speed_eager        AdamW, one GPU): step time, TFLOP/s, fraction of peak,
@@ -54,7 +55,8 @@ from gpu_report import write_report  # noqa: E402  (this folder is on sys.path)
 # (part, time limit in seconds on a GPU), in the order they run: most
 # important first, so a short budget still answers the main questions.
 PARTS = [
-    ("verify_fp32", 90), ("verify_bf16", 90), ("verify_cp2", 100), ("verify_moe_ep2", 100),
+    ("verify_fp32", 90), ("verify_bf16", 90), ("verify_cp2", 100), ("verify_cp2_ring", 100),
+    ("verify_moe_ep2", 100),
     ("speed_meshplan", 150), ("speed_eager", 90), ("speed_compile", 180),
     ("pytest_cuda", 150), ("speed_inductor", 240), ("verify_pp2_vpp2", 120),
     ("verify_tp2", 100), ("dropout", 100), ("speed_profile", 120),

@@ -153,6 +153,15 @@ def part_verify_cp2(res: Result, a) -> None:
                global_batch_size=4, micro_batch_size=4)
 
 
+def part_verify_cp2_ring(res: Result, a) -> None:
+    """Ring attention (issue 37, `--cp-attention ring`): the same GPT at cp=2,
+    its keys and values passed around the ring inside the attention kernel
+    (the device's own kernel per block; the shifts host-staged)."""
+    _two_ranks(res, a, "GPT tiny seq 256 cp=2 ring attention (causal, zigzag), 2 ranks on one "
+               "device, host-staged gloo: verify's verdict", over={"seq_len": 256}, cp=2,
+               cp_attention="ring", global_batch_size=4, micro_batch_size=4)
+
+
 def part_verify_moe_ep2(res: Result, a) -> None:
     """Expert parallelism (issue 38): the zoo MoE tiny, dropless, experts
     split over ep=2 (dp=2), tokens dispatched and combined by all-to-alls."""
@@ -457,6 +466,7 @@ PARTS = {
     "verify_tp2": part_verify_tp2,
     "dropout": part_dropout,
     "verify_cp2": part_verify_cp2,
+    "verify_cp2_ring": part_verify_cp2_ring,
     "verify_moe_ep2": part_verify_moe_ep2,
     "speed_meshplan": part_speed_meshplan,
     "speed_eager": part_speed_eager,
