@@ -42,14 +42,17 @@ def compute_cost(job, t, value_meta: dict, dev: DeviceModel,
                  coord: tuple[int, ...] = ()) -> tuple[float, float]:
     """(flops, seconds) of compute task `t` on its physical shapes
     (`value_meta`: Job value id -> the rank's TensorMeta); a causal
-    attention of a rank's rows (CAUSAL_OFFSET, at grid `coord`) does the
-    share of its pairs that its positions keep, not half."""
+    attention of a rank's rows (CAUSAL_OFFSET) computes every pair of its
+    rows and keys, not half: its kernel takes the mask as an additive one,
+    which flash kernels apply to every block rather than skip (measured on
+    the CPU kernel: its first rows cost what its last ones do,
+    docs/concepts/long_context.md); a ring's (RING) the pairs its blocks see."""
     op = job.graph.ops[t.op]
     sig = to_sig(op.args, lambda i: value_meta.get(i) or job.graph.values[i].meta)
     outs = tuple(value_meta.get(o) for o in op.outputs if o >= 0)
     flops, seconds = _op_cost(op.kind, sig, outs, dev)
-    if KernelVariant.CAUSAL_OFFSET in t.variant and coord:  # the op's rule counts half
-        flops = 2 * flops * causal_share(job, op, coord)
+    if KernelVariant.CAUSAL_OFFSET in t.variant:  # the op's rule counts half
+        flops *= 2
         dtype = next((o.dtype for o in outs if o is not None), "float32")
         seconds = dev.compute_seconds(flops, bytes_moved(sig, outs), dtype)
     if KernelVariant.RING in t.variant and coord:
@@ -149,25 +152,9 @@ def full_bytes(kind: str, t, metas) -> int:
     return nbytes * len(t.group) if kind == "all_to_all" else nbytes
 
 
-def causal_share(job, op, coord: tuple[int, ...]) -> float:
-    """The part of a causal attention's (query, key) pairs that one rank's
-    rows (at grid `coord`) compute, over its rows times its keys: the work
-    its CAUSAL_OFFSET kernel does of a full one of its shapes."""
-    s = job.strategy
-    backward = len(op.outputs) == 3
-    q, k = (op.args[1], op.args[2]) if backward else (op.args[0], op.args[1])
-    seq = job.graph.values[q.id].meta.shape[2]
-    grid = s.placement(job.stage[op.id]).grid
-    (q_lo, q_hi), (k_lo, k_hi) = (local_box(job.graph.values[v.id].meta.shape, job.sbp[v.id],
-                                            grid, coord)[2] for v in (q, k))
-    pairs = causal_pairs(s, seq, (q_lo, q_hi), (k_lo, k_hi))
-    return pairs / max(1, (q_hi - q_lo) * (k_hi - k_lo))
-
-
 def attention_flops(job, plan: RankPlan, dev: DeviceModel) -> float:
     """The flops of one rank's attention kernels (forward and backward) per
-    micro-batch, as its plan prices them: a causal one's the pairs its
-    rows keep (`causal_share`)."""
+    micro-batch, as its plan prices them (`compute_cost`)."""
     metas = {b.value: TensorMeta(b.shape, b.dtype) for b in plan.buffers}
     return sum(compute_cost(job, t, metas, dev, plan.coord)[0] for t in plan.tasks
                if t.kind is TaskKind.COMPUTE and "scaled_dot_product" in job.graph.ops[t.op].kind)

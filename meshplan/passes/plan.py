@@ -175,8 +175,8 @@ def _propagate_sbp(c: Compilation) -> None:
     s = c.strategy
     axes = ParamAxes(s.tp_axis, s.data_axes, s.ep_axis, c.experts, s.cp_axis, s.cp_attention)
     hints = {**c.hints, **{v: {s.cp_axis: Shard(1)} for v in c.reordered}}
-    if c.balanced and s.cp_attention == "auto":  # the balanced order needs the rows' masks
-        axes = replace(axes, cp_attention="allgather")
+    if c.balanced and s.cp_attention == "auto":  # the ring computes only the pairs its
+        axes = replace(axes, cp_attention="ring")  # blocks see: balanced, half the work
     c.sbp = propagate_sbp(c.graph, c.staged().stage, s.grid, c.param_tp, hints, axes, s.zero)
 
 

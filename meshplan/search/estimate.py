@@ -50,6 +50,7 @@ from meshplan.costmodel import DeviceModel
 from meshplan.ir import Phase
 from meshplan.ir.choices import Precision
 from meshplan.ir.mesh import Mesh
+from meshplan.ir.zero import ZeroLevel
 from meshplan.lowering.lower import in_flight
 from meshplan.passes.balance import balance
 from meshplan.schedules import compute_actions, placement_of, spec_of
@@ -478,6 +479,8 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
         # copy is the buckets' flat tensors, which a single micro-batch's
         # gradient is copied into (`lowering/buckets.py`)
         grad = w.grad * (2 if m > 1 else 1)
+        if cand.cp > 1 and d > 1 and z is ZeroLevel.NONE and st.buckets:
+            grad += w.grad  # the cp all-reduce's buckets copy the dp one's results
         state += w.param + grad + w.optimizer
         if not live:
             continue

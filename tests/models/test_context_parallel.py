@@ -45,7 +45,8 @@ def _job(model: str, fields: dict, seq: int | None = None, micro: int = 1, batch
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gpt_with_cp_trains_as_eager(layout):
-    cfg, s, job = _job("gpt", LAYOUTS[layout], SEQ)
+    """The all-gather form (the ring, `auto`'s choice here, has its own below)."""
+    cfg, s, job = _job("gpt", dict(LAYOUTS[layout], cp_attention="allgather"), SEQ)
     verdict = eager_verdict(job, cfg, 4)
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
 
@@ -114,7 +115,7 @@ def test_a_plain_causal_kernel_on_query_rows_is_caught(monkeypatch):
 
     monkeypatch.setitem(bind._VARIANTS, KernelVariant.CAUSAL_OFFSET,
                         lambda kernel, op, axis, ctx: kernel)
-    cfg, s, job = _job("gpt", dict(cp=2), 32)
+    cfg, s, job = _job("gpt", dict(cp=2, cp_attention="allgather"), 32)
     assert not eager_verdict(job, cfg, 4)["ok"]
 
 
@@ -257,24 +258,39 @@ def test_zigzag_gives_each_rank_a_head_and_a_tail_chunk(seq, cp):
                                                             (2 * cp - r) * c)]
 
 
-def _attention_flops(balance: bool) -> list[float]:
+def _attention_flops(balance: bool, form: str = "ring") -> list[float]:
     from meshplan.costmodel import load_device_model
     from meshplan.lowering.action_times import attention_flops
 
-    _, s, job = _job("gpt", dict(cp=4, cp_balance=balance, cp_attention="allgather"), SEQ)
+    _, s, job = _job("gpt", dict(cp=4, cp_balance=balance, cp_attention=form), SEQ)
     assert job.strategy.cp_balance is balance
     return [attention_flops(job, lower(job, r), load_device_model("h100-80gb"))
             for r in range(4)]
 
 
 def test_causal_attention_work_is_balanced_over_cp_ranks():
-    """cp4, causal: each rank's attention flops from its plan (the pairs
-    its positions keep) within 5% of each other; in order, the last rank
-    does 7x the first's (1, 3, 5, 7 eighths of a row's keys)."""
+    """cp4, causal, the ring: each rank's attention flops from its plan (the
+    pairs its blocks see) within 5% of each other; in order, the last rank
+    does 7x the first's (1, 3, 5, 7 eighths of a row's keys). The all-gather
+    form's masked kernel computes every pair of its rows and keys, in either
+    order: equal, and about twice the ring's."""
     balanced, in_order = _attention_flops(True), _attention_flops(False)
     assert max(balanced) <= 1.05 * min(balanced), balanced
     assert max(in_order) / min(in_order) == pytest.approx(7, rel=0.1), in_order
     assert sum(balanced) == pytest.approx(sum(in_order), rel=1e-9)
+    gathered = _attention_flops(True, "allgather")
+    assert gathered == _attention_flops(False, "allgather") and len(set(gathered)) == 1
+    assert sum(gathered) == pytest.approx(2 * sum(balanced), rel=0.02)
+
+
+def test_auto_takes_the_ring_for_a_balanced_causal_sequence():
+    """`--cp-attention auto` (the default): a load-balanced causal sequence
+    takes the ring (half the all-gather form's attention work, balanced);
+    a bidirectional one the cheaper of the all-gather and all-to-all forms."""
+    _, s, job = _job("gpt", dict(cp=2), SEQ)
+    assert any(v[s.cp_axis] == KernelVariant.RING for v in job.variant)
+    _, s, job = _job("bert", dict(cp=2))
+    assert not any(v[s.cp_axis] == KernelVariant.RING for v in job.variant)
 
 
 def test_in_order_trains_as_eager_and_a_sequence_2cp_does_not_divide_is_one_line():

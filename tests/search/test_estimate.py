@@ -257,6 +257,10 @@ def test_context_parallel_priced_like_the_full_plan(long_pricer, cand):
         whole = read_work(job, lower(job, 0), LONG_ST.dev).by_stage[0]
         mine, theirs = (_moved(w.dp, cand.dp, 1, cand.cp) for w in (works[0], whole))
         assert set(mine) == set(theirs)
-        for key in theirs:  # the model's own (attention's gathers) within 2%: the token
-            # ids' are the probe's first and last stages' own
-            assert mine[key] == pytest.approx(theirs[key], rel=0.02), key
+        # the model's own within 2%; but for one gather of token ids (int64, a
+        # micro-batch's): the probe's first and last stages' own, approximated
+        # (with the ring, the default for a balanced causal sequence, they are
+        # the only gathers over cp)
+        ids = cand.micro_batch_size * LONG.config().seq_len * 8
+        for key in theirs:
+            assert mine[key] == pytest.approx(theirs[key], rel=0.02, abs=ids), key

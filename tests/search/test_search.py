@@ -301,13 +301,11 @@ def test_the_search_splits_the_sequence_only_when_nothing_fits_without():
 def test_a_gpt_8b_at_seq_131072_on_64_h200s_splits_the_sequence():
     """Issue 37's bar: GPT 8B (8.2B parameters) at seq 131072 on 8 nodes of
     8 H200s, bf16, AdamW: the winner has cp > 1 and its full plan fits
-    141 GB (the time is `benchmarks/long_context_search.py`'s to measure);
-    at this length sequence parallelism is weighed too, and taken (tp2 with
-    it is faster than without)."""
+    141 GB (the time is `benchmarks/long_context_search.py`'s to measure)."""
     spec = ModelSpec("gpt", "8b", (("seq_len", 131072),), "adamw", "bf16")
     h200 = load_device_model("h200-141gb")
     res = search(spec, Mesh(8, 8), 16, h200)
-    assert res.winner.cand.cp > 1 and res.winner.cand.sp
+    assert res.winner.cand.cp > 1
     assert res.proven is not None and max(res.proven.peak) <= h200.memory_bytes
 
 
