@@ -13,10 +13,9 @@ Four parts, one run:
    quiet: each rank's measured peak (the executor's count of live tensors)
    against its plan's, and the step time (median of the steps after the
    first).
-3. load balance: cp4 with the all-gather form (`--cp-attention allgather`;
-   at cp4 the cost model picks the all-to-all form here, which splits heads
-   and is balanced by construction), causal, each rank's attention flops
-   from its plan (the pairs of positions its rows keep), balanced and in
+3. load balance: cp4 with the ring (`--cp-attention ring`, `auto`'s form
+   for a balanced causal sequence), causal, each rank's attention flops
+   from its plan (the pairs of positions its blocks see), balanced and in
    order.
 4. anchor: `torch.distributed.tensor.experimental.context_parallel` on 2
    gloo processes, the same GPT's loss and backward under it; its result,
@@ -86,7 +85,7 @@ def balance() -> dict:
     dev = load_device_model("h100-80gb")
     out = {}
     for name, on in (("balanced", True), ("in order", False)):
-        job = _job(cp=4, cp_balance=on, cp_attention="allgather")
+        job = _job(cp=4, cp_balance=on, cp_attention="ring")
         out[name] = [attention_flops(job, lower(job, r), dev) for r in range(4)]
     return out
 
@@ -162,7 +161,7 @@ def main() -> None:
                      f"{', '.join(f'{x:.4f}' for x in r['losses'])} |")
     lines += ["", f"measured peaks within {follow:.1%} of the plan (target 10%): "
               f"{'met' if follow <= 0.10 else 'NOT met'}", "",
-              "| cp4 all-gather form, causal attention flops per rank (M) | ranks 0-3 | "
+              "| cp4 ring, causal attention flops per rank (M) | ranks 0-3 | "
               "max / min |",
               "|---|---|---|"]
     for k, v in lb.items():
