@@ -140,6 +140,19 @@ def test_ring_attention_trains_as_eager(layout):
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
 
 
+@pytest.mark.parametrize("fields", [dict(zero=3), dict(zero=1, cp_attention="allgather"),
+                                    dict(zero=2, recompute="full",
+                                         recompute_pattern=r"blocks\.\d+")],
+                         ids=["ring-zero3", "allgather-zero1", "ring-zero2-recompute"])
+def test_cp_composes_with_zero_and_recompute(fields):
+    """dp2·cp2 with ZeRO 1-3 (the weights' gradients reduced over dp and cp,
+    their state sharded over dp) and full recompute (a recomputed ring is
+    a ring of its own)."""
+    cfg, s, job = _job("gpt", dict(dp=2, cp=2, **fields), SEQ)
+    verdict = eager_verdict(job, cfg, 4)
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
+
+
 def test_ring_attention_of_a_bidirectional_model_trains_as_eager():
     cfg, s, job = _job("bert", dict(cp=2, cp_attention="ring"))
     assert any(v[s.cp_axis] == KernelVariant.RING for v in job.variant)
