@@ -138,7 +138,7 @@ class Priced:
     def bounding(self, cand: Candidate, works: list[Work] | None = None) -> Priced:
         """A bound below `cand`'s pricing, from this one of its twin without
         recompute (nor, given the twin's `works`, sequence parallelism:
-        each action less what it could save, `Work.sp_bound`, and the
+        each action less what it could save, `Work.sp_f/i/w`, and the
         boundary's shard over tp); its STEP at the floor, as more backward
         work hides more of the reduction."""
         cost, comm = self.cost, self.comm

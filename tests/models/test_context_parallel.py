@@ -172,10 +172,10 @@ def test_a_ring_passing_the_wrong_block_is_caught(monkeypatch, plant):
         monkeypatch.setattr(ra, "ring_attention", lambda kernel, rows, keys, *rest: real(
             kernel, rows, keys[1:] + keys[:1], *rest))
     else:
-        real_shift = ra.ring_attention_backward
+        real_backward = ra.ring_attention_backward
 
         def lose_arrivals(kernel, rows, keys, me, shift, record):
-            return real_shift(kernel, rows, keys, me, lambda x, step: (
+            return real_backward(kernel, rows, keys, me, lambda x, step: (
                 (lambda: torch.zeros_like(x)) if step % 2 else shift(x, step)), record)
         monkeypatch.setattr(ra, "ring_attention_backward", lose_arrivals)
     from meshplan.runtime import bind

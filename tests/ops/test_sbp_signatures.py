@@ -417,12 +417,12 @@ def check_signature(case: Case, args, whole, sig: SbpSig, n: int) -> None:
     assert len(sig.ins) == len(ts) and len(sig.outs) == len(whole), sig
     pieces = [_pieces(t, s, n) for t, s in zip(ts, sig.ins)]
     kw = dict(case.kw)
-    per_rank = []
-    if sig.variant == "ring":
+    if sig.variant == "ring":  # every rank at once: they pass blocks to each other
         per_rank = _ring_ranks(case, args, n, pieces)
-    for i in range(n if sig.variant != "ring" else 0):
-        local = _localize(case.kind, _with(args, [p[i] for p in pieces]), whole, sig, n, i)
-        per_rank.append(_outputs(_variant(case.kind, sig, args, whole, n, i)(*local, **kw)))
+    else:
+        per_rank = [_outputs(_variant(case.kind, sig, args, whole, n, i)(
+            *_localize(case.kind, _with(args, [p[i] for p in pieces]), whole, sig, n, i), **kw))
+            for i in range(n)]
     for k, (want, s) in enumerate(zip(whole, sig.outs)):
         where = f"{case.kind} {_fmt(sig)} n={n} output {k}"
         if want is None:
