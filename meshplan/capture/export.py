@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from meshplan.capture.routed_experts import fuse_routed_experts
 from meshplan.capture.structure import structure_facts
 from meshplan.errors import CaptureError
 from meshplan.ir import (
@@ -158,6 +159,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
                        if not p.requires_grad)
     graph, env = _translate(ep, prefix, type(module).__name__, same, frozen)
+    graph = fuse_routed_experts(graph)
     graph = replace(graph, facts=replace(graph.facts, aliases=_aliases(same, graph),
                                          structure=structure_facts(module),
                                          op_modules=_op_modules(graph)))

@@ -44,6 +44,11 @@ def print_plan(r: JobReport, model: str, size: str, timings: dict, capture_s: fl
             print(f"dispatched tokens: {_mib(x['dispatch_bytes_per_rank'])} per rank per "
                   f"micro-batch and block, planned at their static size"
                   + (f": {capacity}" if capacity else ""))
+        if x.get("routed_worst_bytes_per_rank"):
+            print(f"routed rows: up to {_mib(x['routed_worst_bytes_per_rank'])} arrive per "
+                  "rank per micro-batch and block (its experts' rows, with their gradients "
+                  "in the backward), planned at the worst case: every token of its ep line "
+                  "at its experts (dropless)")
     for name, stages in r.shared.items():
         print(f"shared: '{name}' has a copy on stages {stages}; its gradient is all-reduced "
               "across them once per step")

@@ -14,11 +14,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, fields
 
 from meshplan.ir import Phase, Role
+from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job
-from meshplan.ir.kinds import ALL_REDUCE, ALL_TO_ALL, CLIP_COEF, short
+from meshplan.ir.kinds import ALL_REDUCE, ALL_TO_ALL, CLIP_COEF, ROUTED_EXPERTS, short
 from meshplan.ir.sbp import fmt
 from meshplan.ir.zero import ZeroLevel
 from meshplan.lowering.lower import lower
+from meshplan.ops.routed_experts import ROUTED
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.passes.expert_parallel import expert_weights
@@ -138,11 +140,36 @@ def expert_summary(job: Job, comms: list[dict]) -> dict | None:
     m = job.strategy.num_microbatches
     a2a = [c for c in comms if c["kind"] == short(ALL_TO_ALL)]
     dispatched = max((c["bytes"] for c in a2a if c["phase"] == Phase.FORWARD.value), default=0)
+    routed_ops, routed_bytes, worst = _routed(job)
     return {"experts": experts, "per_rank": experts // ep, "ep": ep,
-            "expert_weights": len(weights), "all_to_all_ops_per_step": len(a2a) * m,
-            "all_to_all_bytes_per_step": sum(c["bytes"] for c in a2a) * m,
+            "expert_weights": len(weights), "all_to_all_ops_per_step": (len(a2a) + routed_ops) * m,
+            "all_to_all_bytes_per_step": (sum(c["bytes"] for c in a2a) + routed_bytes) * m,
             # the largest dispatched buffer, one rank's share (split over dp, ep among it)
-            "dispatch_bytes_per_rank": dispatched // job.strategy.dp}
+            "dispatch_bytes_per_rank": dispatched // job.strategy.dp,
+            # routed experts' arriving rows at their worst case, one rank's
+            "routed_worst_bytes_per_rank": worst}
+
+
+def _routed(job: Job) -> tuple[int, int, int]:
+    """Routed experts over ep (`runtime/expert_dispatch.py`), per
+    micro-batch: the all-to-alls inside their kernels (a forward's three:
+    the counts, the rows there and back; a backward's five: the counts, the
+    rows with their gradients, the gates, the rows' and the gates'
+    gradients back), their rows' logical bytes (the counts' left out), and
+    the largest rows a rank may receive in one: every row of its ep line
+    at its experts (dropless: no capacity bounds it)."""
+    ops = nbytes = worst = 0
+    s = job.strategy
+    for op in job.graph.ops:
+        if op.kind not in ROUTED or KernelVariant.EXPERTS not in job.variant[op.id]:
+            continue
+        x, idx = (job.graph.values[a.id].meta for a in op.args[:2])
+        row, rows = x.shape[-1] * x.dtype.itemsize, idx.numel
+        backward = op.kind != ROUTED_EXPERTS
+        ops += 5 if backward else 3
+        nbytes += rows * ((3 * row + 8) if backward else 2 * row)
+        worst = max(worst, rows // s.dp * s.ep * row * (2 if backward else 1))
+    return ops, nbytes, worst
 
 
 def optimizer_summary(job: Job) -> dict:

@@ -102,6 +102,7 @@ class KernelVariant(enum.StrEnum):
     REPLICA_FIRST = "replica_first"  # a replicated piece counted by the axis's first rank only
     CAUSAL_OFFSET = "causal_offset"  # causal attention of a sequence shard of the queries
     RING = "ring"  # attention of sequence shards, keys and values passed around the axis's ring
+    EXPERTS = "experts"  # routed experts of a token shard: rows sent to the axis's expert shards
 
 
 E = TypeVar("E", bound=enum.StrEnum)

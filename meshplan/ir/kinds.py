@@ -18,6 +18,9 @@ VJP = "meshplan.vjp"  # the generic gradient (ops/generic.py)
 DROPOUT = "meshplan.dropout"  # (out, mask) of x
 RANDOM_LIKE = "meshplan.random_like"  # rand_like / randn_like / bernoulli
 RANDOM = "meshplan.random"  # rand / randn / randint of a shape
+# a mixture of experts' expert compute, routed (ops/routed_experts.py)
+ROUTED_EXPERTS = "meshplan.routed_experts"
+ROUTED_EXPERTS_BACKWARD = "meshplan.routed_experts_backward"
 # optimizers
 SGD = "meshplan.sgd"
 ADAMW = "meshplan.adamw"

@@ -14,6 +14,7 @@ wall-clock seconds.
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 from meshplan.costmodel import CPU_DEFAULT, DeviceModel
@@ -57,7 +58,26 @@ def compute_cost(job, t, value_meta: dict, dev: DeviceModel,
         seconds = dev.compute_seconds(flops, bytes_moved(sig, outs), dtype)
     if KernelVariant.RING in t.variant and coord:
         return _ring_cost(job, op, t, sig, outs, flops, value_meta, dev, coord)
+    if KernelVariant.EXPERTS in t.variant:
+        return flops, seconds + _routing_seconds(job, op, t, sig, dev)
     return flops, seconds
+
+
+def _routing_seconds(job, op, t, sig, dev: DeviceModel) -> float:
+    """The all-to-alls of routed experts over its line (EXPERTS,
+    `runtime/expert_dispatch.py`), the rows spread evenly over the experts:
+    the counts, then the rows there and back (the forward's tokens; the
+    backward's tokens, their gradients and gates there, the rows' and
+    gates' gradients back). The kernel waits on each, so they add."""
+    n, x, idx = len(t.group), sig[0], sig[1]
+    rows = math.prod(idx.shape)
+    row = x.shape[-1] * x.dtype.itemsize
+    crosses = len({job.mesh.node_of(r) for r in t.group}) > 1
+    backward = len(op.outputs) == 4
+    moves = ((2 * row + 4, row + 4) if backward else (row, row))
+    seconds = dev.collective_seconds("all_to_all", 8 * (sig[3].shape[0] * n) * n, n, crosses)
+    return seconds + sum(dev.collective_seconds("all_to_all", rows * b * n, n, crosses)
+                         for b in moves)
 
 
 def _ring_cost(job, op, t, sig, outs, flops: float, value_meta: dict, dev: DeviceModel,

@@ -73,7 +73,7 @@ from meshplan.lowering.rankplan import (
     TaskKind,
     expand_collectives,
     joins_group,
-    ring_axis,
+    line_axis,
 )
 from meshplan.schedules import stage_placement
 from meshplan.schedules.action import ActionType
@@ -235,9 +235,9 @@ def _tasks_match_job(job: Job, plans) -> list[str]:
             if not joins_group(t):
                 continue
             kw = dict(job.graph.ops[t.op].kwargs)
-            ring = ring_axis(t.variant)
-            if ring is not None:  # a ring attention's blocks travel along its axis's line
-                kw = {"axis": ring}
+            inside = line_axis(t.variant)
+            if inside is not None:  # a ring's blocks, routed experts' rows travel along it
+                kw = {"axis": inside}
             if "stages" in kw:  # across the stages holding copies of a shared parameter
                 axis = f"stages {list(kw['stages'])}"
                 line = tuple(s.placement(st).rank_at(coord) for st in kw["stages"])

@@ -46,7 +46,7 @@ from meshplan.lowering.rankplan import (
     RankPlan,
     Task,
     TaskKind,
-    ring_axis,
+    line_axis,
 )
 from meshplan.ops.rule import Category
 from meshplan.ops.table import physical_kernel, rule_for
@@ -142,8 +142,8 @@ class _Lowering:
             stream = COLLECTIVE_STREAM
         else:
             kind = TaskKind.OPTIMIZER if category is Category.OPTIMIZER else TaskKind.COMPUTE
-            ring = ring_axis(view.op_variant[op.id])  # a ring op runs over its line
-            stream, group = COMPUTE_STREAM, () if ring is None else self.group(ring)
+            line = line_axis(view.op_variant[op.id])  # a ring, routed experts: over its line
+            stream, group = COMPUTE_STREAM, () if line is None else self.group(line)
         outs = [o for o in op.outputs if o >= 0]
         refs = op.refs()
         task = Task(self.tid(stream, op.id), kind, op.id, view.op_chunk[op.id], op.phase,

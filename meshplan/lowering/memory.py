@@ -46,9 +46,10 @@ from meshplan.lowering.rankplan import (
     Block,
     BufferCategory,
     MemoryLayout,
-    ring_axis,
+    line_axis,
 )
 from meshplan.ops.infer import to_sig
+from meshplan.ops.routed_experts import ROUTED
 from meshplan.ops.temp import has_temp, temp_key
 
 
@@ -208,17 +209,41 @@ def _gathered(by_value: dict, op, members: int) -> int:
 
 def _temp(low) -> int:
     """The largest kernel workspace of any task on this rank (a ring
-    attention's: its kernel's, and its own blocks and accumulators)."""
+    attention's: its kernel's, and its own blocks and accumulators; routed
+    experts': their rows at the worst case)."""
     values, best = low.view.values, 0
     for t in low.tasks:
         op = low.op_of[t.op]
-        ring = ring_axis(t.variant) is not None
-        if t.kind.value != "compute" or not (ring or has_temp(op.kind)):
+        inside = line_axis(t.variant)
+        if t.kind.value != "compute" or not (inside is not None or has_temp(op.kind)
+                                             or op.kind in ROUTED):
             continue
         sig = to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
         own = low.view.temps[temp_key(op.kind, sig)] if has_temp(op.kind) else 0
-        best = max(best, own + (ring_bytes(op, sig) if ring else 0))
+        if op.kind in ROUTED:
+            own += expert_rows_bytes(op, sig, 1 if inside is None else len(t.group))
+        elif inside is not None:
+            own += ring_bytes(op, sig)
+        best = max(best, own)
     return best
+
+
+def expert_rows_bytes(op, sig, members: int) -> int:
+    """Routed experts' own buffers (`ops/routed_experts.py`,
+    `runtime/expert_dispatch.py`) at the worst case, every row of the
+    line's `members` ranks choosing this rank's experts (dropless: no
+    capacity bounds them): the rank's sorted rows and what comes back; the
+    arriving rows, their experts' hidden values (in, gated) and outputs; in
+    the backward also the gradients' rows and the recomputed values'
+    gradients."""
+    x, idx, w_in = sig[0], sig[1], sig[3]
+    rows, h = math.prod(idx.shape), x.shape[-1]
+    hidden = math.prod(w_in.shape) // w_in.shape[0] // h  # 2I
+    arrive = members * rows
+    backward = len(op.outputs) == 4
+    per_row = (6 * h + 3 * hidden + 2) if backward else (3 * h + 3 * hidden // 2)
+    mine = rows * (3 * h + 1 if backward else 2 * h)
+    return (arrive * per_row + mine) * x.dtype.itemsize
 
 
 def ring_bytes(op, sig) -> int:

@@ -175,17 +175,21 @@ class RankPlan:
         return task.kernel or graph.ops[task.op].kind
 
 
-def ring_axis(variant: tuple[str, ...]) -> int | None:
-    """The mesh axis along whose line a ring attention task (RING) passes
-    its blocks; its group is that line, and its order among the group's
-    collectives is proven as theirs (`expand_collectives`)."""
-    return variant.index(KernelVariant.RING) if KernelVariant.RING in variant else None
+IN_KERNEL = (KernelVariant.RING, KernelVariant.EXPERTS)  # kernels that communicate
+
+
+def line_axis(variant: tuple[str, ...]) -> int | None:
+    """The mesh axis along whose line a task communicates inside its kernel:
+    a ring attention's blocks (RING), routed experts' rows (EXPERTS). Its
+    group is that line, and its order among the group's collectives is
+    proven as theirs (`expand_collectives`)."""
+    return next((a for a, v in enumerate(variant) if v in IN_KERNEL), None)
 
 
 def joins_group(t: Task) -> bool:
     """Whether task `t` communicates with its group: a collective, a
-    gradient reduction or a ring."""
-    return t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) or ring_axis(t.variant) is not None
+    gradient reduction, a ring or routed experts."""
+    return t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) or line_axis(t.variant) is not None
 
 
 def expand_collectives(p: RankPlan, where: StagePlacement, ops=(),

@@ -9,10 +9,13 @@ from meshplan.ir.kinds import (
     GRAD_SQ,
     GRAD_SUM,
     RANDOM_LIKE,
+    ROUTED_EXPERTS,
+    ROUTED_EXPERTS_BACKWARD,
     SGD,
     SQ_SUM,
 )
 from meshplan.ops import random_ops as rnd
+from meshplan.ops import routed_experts as moe
 from meshplan.ops import sbp_nn as nn
 from meshplan.ops import sbp_rules as r
 from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
@@ -103,6 +106,8 @@ SBP: dict[str, SbpRule] = {
         "aten.avg_pool2d.default", "aten.avg_pool2d_backward.default",
         "aten._adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d_backward.default")},
     DROPOUT: rnd.dropout_sbp,
+    ROUTED_EXPERTS: moe.sbp,
+    ROUTED_EXPERTS_BACKWARD: moe.sbp,
     RANDOM_LIKE: rnd.random_like_sbp,
     GRAD_SUM: nn.grad_sum,
     ACCUMULATE_GRAD: nn.accumulate,

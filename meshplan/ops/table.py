@@ -25,6 +25,7 @@ from meshplan.ops import grads_nn as nn
 from meshplan.ops import grads_pointwise as pw
 from meshplan.ops import grads_shape as sh
 from meshplan.ops import random_ops as rnd
+from meshplan.ops import routed_experts as moe
 from meshplan.ops.canonical import CANONICAL
 from meshplan.ops.device_kernels import DEVICES, Values
 from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel, vjp_sbp
@@ -187,6 +188,10 @@ _MESHPLAN_KINDS = {rule.kind: rule for rule in (
     _meshplan_rule(k.CLIP_COEF, kernels.clip_coef, infer=lambda a, kw: (a[0], a[0])),
     OpRule(k.DROPOUT, rnd.dropout_kernel, grad=nn.dropout_grad, infer=rnd.dropout_infer,
            grad_outputs=(0,)),
+    OpRule(k.ROUTED_EXPERTS, moe.routed_experts, grad=moe.grad, infer=moe.infer,
+           flops=moe.flops),
+    _meshplan_rule(k.ROUTED_EXPERTS_BACKWARD, moe.routed_experts_backward,
+                   infer=moe.infer_backward, flops=moe.flops_backward),
     _meshplan_rule(k.RANDOM_LIKE, rnd.random_like_kernel, infer=rnd.random_like_infer),
     _meshplan_rule(k.RANDOM, rnd.random_kernel, infer=rnd.random_infer),
     _boxing_rule(k.ALL_REDUCE, Category.COLLECTIVE),

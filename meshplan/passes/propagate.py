@@ -48,6 +48,7 @@ from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
 from meshplan.ir.zero import ZeroLevel
 from meshplan.ops.infer import to_sig
+from meshplan.ops.routed_experts import ROUTED
 from meshplan.ops.rule import Category
 from meshplan.ops.sbp_sig import SbpSig
 from meshplan.ops.table import rule_for
@@ -269,12 +270,12 @@ def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, met
         if any(isinstance(x, Shard) for c in chosen for x in c.ins + c.outs):
             a_args, a_kw, a_outs, nbytes = _after_split(op, refs, outs, chosen, grid, meta_of)
         forward = op.phase is Phase.FORWARD
-        form = axes.cp_attention if axis == axes.cp and _is_attention(op) else "auto"
+        form = _form(op, axis, axes)
         key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted, forward, form)
         best = cache.get(key)
         if best is None:
             best = cache[key] = _choose(op.kind, a_args, a_kw, a_outs, n, avail, nbytes,
-                                        wanted, forward, CP_FORMS[form])
+                                        wanted, forward, FORMS[form])
         chosen.append(best)
     return chosen
 
@@ -332,15 +333,26 @@ def _arriving(layout: NdSbp | None, crosses: bool) -> NdSbp | None:
     return tuple(R if isinstance(s, Partial) else s for s in layout)
 
 
+# kernels that communicate inside, along one axis: the ring's on the cp axis
+# only, the routed experts' on the ep axis only (`_form`)
+_INSIDE = (KernelVariant.RING, KernelVariant.EXPERTS)
 # an attention's signatures each context-parallel form keeps (its first input:
 # the queries, or the output's gradient, laid out as the queries); the ring
 # only when named (its communication is inside the kernel, which boxing
 # costs do not see)
-CP_FORMS = {"auto": lambda sig: sig.variant != KernelVariant.RING,
+CP_FORMS = {"auto": lambda sig: sig.variant not in _INSIDE,
             "allgather": lambda sig: sig.ins[0] == Shard(2) and sig.variant != KernelVariant.RING,
             "alltoall": lambda sig: sig.ins[0] in (Shard(0), Shard(1)),
             "ring": lambda sig: sig.variant == KernelVariant.RING}
 assert tuple(CP_FORMS) == CP_ATTENTION, "each named form keeps its signatures"
+FORMS = {**CP_FORMS, "experts": lambda sig: sig.variant != KernelVariant.RING}
+
+
+def _form(op, axis: int, axes: ParamAxes) -> str:
+    """The signatures `op` may take on `axis` (a key of `FORMS`)."""
+    if axis == axes.cp and _is_attention(op):
+        return axes.cp_attention
+    return "experts" if axis == axes.ep and op.kind in ROUTED else "auto"
 
 
 def _is_attention(op) -> bool:

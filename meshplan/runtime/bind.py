@@ -19,7 +19,13 @@ import torch
 from meshplan.ir import Op, Phase
 from meshplan.ir.choices import KernelVariant
 from meshplan.ir.job import Job, StageView, stage_view
-from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+from meshplan.ir.kinds import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    ROUTED_EXPERTS_BACKWARD,
+)
 from meshplan.ir.mesh import Placement
 from meshplan.ir.sbp import Box, intersect, local_box
 from meshplan.ir.sequence_order import runs_at, sequence_order
@@ -30,6 +36,7 @@ from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
+from meshplan.runtime.expert_dispatch import routed_experts_backward_ep, routed_experts_ep
 from meshplan.runtime.ring_attention import ring_attention, ring_attention_backward
 from meshplan.schedules.trace import Track
 
@@ -81,6 +88,8 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
         return _random(op, ctx)
     if KernelVariant.RING in task.variant:
         return _ring(op, task, ctx, comm)
+    if KernelVariant.EXPERTS in task.variant:
+        return _experts(op, task, ctx, comm)
     if any(task.variant):
         return _variant(op, task, ctx)
     if task.kernel:  # the device's own kernel, with the logical op's signature
@@ -281,6 +290,22 @@ def _ring(op: Op, task: Task, ctx: RankContext, comm: Comm) -> Callable:
     return wrap(kernel, rows, keys, ctx.coord[axis],
                 lambda x, step: comm.shift(x, task.group, op.id, step),
                 lambda name, t0: comm.record(name, t0, Track.COMPUTE))
+
+
+def _experts(op: Op, task: Task, ctx: RankContext, comm: Comm) -> Callable:
+    """Routed experts of this rank's tokens, its rows sent to the members of
+    its line along the experts' axis that hold their experts
+    (`runtime/expert_dispatch.py`); member k holds the k-th E/n of them."""
+    axis = task.variant.index(KernelVariant.EXPERTS)
+    line = ctx.along(axis)
+    assert task.variant.count(KernelVariant.EXPERTS) == 1 and task.group == tuple(
+        ctx.place.rank_at(c) for c in line), "routed over its own axis's line"
+    w_in, n = op.args[3].id, len(line)
+    experts = ctx.view.values[w_in].meta.shape[0]
+    assert [ctx.box(w_in, c)[0] for c in line] == [
+        (k * experts // n, (k + 1) * experts // n) for k in range(n)], "experts split evenly"
+    make = routed_experts_backward_ep if op.kind == ROUTED_EXPERTS_BACKWARD else routed_experts_ep
+    return make(lambda flat, sizes, counts: comm.all_to_all(flat, sizes, counts, task.group), n)
 
 
 def _replica_first(kernel: Callable, op: Op, axis: int, ctx: RankContext) -> Callable:

@@ -177,24 +177,6 @@ def test_verify_expert_parallel_on_processes(capsys):
     assert '"ok": true' in out
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS.keys() - {"ep4"}))
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
-def test_hf_moe_with_ep_trains_as_eager_its_experts_gathered(model_type, layout):
-    """transformers' MoEs at ep2, beside tp, pp, and dp with ZeRO 1: exact
-    (losses and every parameter), their experts rest split over ep and are
-    gathered whole before the grouped matmul, which the plan's note says."""
-    pytest.importorskip("transformers")
-    world, fields = LAYOUTS[layout]
-    model = f"hf:{model_type}"
-    cfg = model_config(model, "tiny")
-    s = zoo_strategy(model, cfg, global_batch_size=8, micro_batch_size=2, **fields)
-    job = plan_model(model, "tiny", Mesh(1, world), s, "sgd", None).job
-    assert any(n.startswith("ep: the expert weights are gathered") for n in job.notes)
-    verdict = eager_verdict(job, cfg, 8)
-    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
-    assert any(".experts." in n for n in verdict["params"])
-
-
 def _eager_load(module, batches, microbatches: int, routers: dict) -> dict[str, list]:
     """Tokens per expert per step, counted by forward hooks on the eager
     model's routers while torch trains it (`routers`: block -> a function of

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from meshplan.ir import TensorMeta
-from meshplan.ir.kinds import DROPOUT, RANDOM_LIKE
+from meshplan.ir.kinds import DROPOUT, RANDOM_LIKE, ROUTED_EXPERTS, ROUTED_EXPERTS_BACKWARD
 from meshplan.ir.sbp import Partial, Shard, split_range
 from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
@@ -34,6 +34,7 @@ from meshplan.ops.sbp_sig import P, R, SbpSig
 from meshplan.ops.sbp_table import SBP
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
+from meshplan.runtime.expert_dispatch import routed_experts_backward_ep, routed_experts_ep
 from meshplan.runtime.local import Hub, LocalComm
 from meshplan.runtime.ring_attention import ring_attention, ring_attention_backward
 
@@ -86,6 +87,15 @@ def _flash_backward():
     q, k, v = _flash(L=6)  # 6: a ring over 2 and 3 ranks
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)
     return (f(*out.shape), q, k, v, out, lse, 0.0, True)
+
+
+ROUTED_KW = {"act": "aten.silu.default", "transposed": False}
+
+
+def _routed(transposed: bool = False):
+    """(x, choices, gates, w_in, w_out, an output gradient)."""
+    w_in, w_out = (f(6, 6, 8), f(6, 4, 6)) if transposed else (f(6, 8, 6), f(6, 6, 4))
+    return f(12, 6), ints(6, 12, 2), f(12, 2), w_in, w_out, f(12, 6)
 
 
 _UNARY = ("exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu")
@@ -280,6 +290,11 @@ CASES: dict[str, Case] = {
     # clipping: a gradient's squared norm in the optimizer's layout, Partial out
     "grad_sq": _c("meshplan.grad_sq", lambda: (f(6, 12), f(6, 12), f(6, 12)), tol=1e-12),
     "sq_sum": _c("meshplan.sq_sum", lambda: (pos(), pos(), pos())),
+    # routed experts: 12 tokens of 6 choosing 2 of 6 experts (in 8 = gate, up; out 4)
+    "routed_experts": _c(ROUTED_EXPERTS, lambda: _routed()[:5], **ROUTED_KW),
+    "routed_experts_transposed": _c(ROUTED_EXPERTS, lambda: _routed(True)[:5],
+                                    act="aten.gelu.default", transposed=True),
+    "routed_experts_backward": _c(ROUTED_EXPERTS_BACKWARD, _routed, **ROUTED_KW),
 }
 
 
@@ -364,21 +379,37 @@ def _variant(kind, sig: SbpSig, args, whole, n: int, i: int):
     return kernel
 
 
-def _ring_ranks(case: Case, args, n: int, pieces) -> list[tuple]:
-    """Every rank's outputs under a RING signature: the n ranks at once, on
-    threads passing their blocks through a local hub, each given its rows
-    and every member's keys as runs of tokens (in order here)."""
+def _ring(case: Case, args, n: int, i: int, comm, group) -> Callable:
+    """Rank i's ring kernel: given its rows and every member's keys as runs
+    of tokens (in order here)."""
     ts = _tensors(args)
     backward = len(ts) == 6
     wrap = ring_attention_backward if backward else ring_attention
     seq = ts[1 if backward else 0].shape[2]
     keys = [((0, lo, hi - lo),) for lo, hi in (split_range(seq, n, j) for j in range(n))]
+    return wrap(rule_for(case.kind).kernel, keys[i], keys, i,
+                lambda x, step: comm.shift(x, group, 0, step))
+
+
+def _routed_kernel(case: Case, args, n: int, i: int, comm, group) -> Callable:
+    """Rank i's routed experts kernel, its rows sent through the hub."""
+    make = routed_experts_backward_ep if case.kind == ROUTED_EXPERTS_BACKWARD else \
+        routed_experts_ep
+    return make(lambda flat, sizes, counts: comm.all_to_all(flat, sizes, counts, group), n)
+
+
+_INSIDE = {"ring": _ring, "experts": _routed_kernel}  # variants whose kernels communicate
+
+
+def _inside_ranks(case: Case, sig: SbpSig, args, n: int, pieces) -> list[tuple]:
+    """Every rank's outputs under a signature whose kernel communicates
+    (RING, EXPERTS): the n ranks at once, on threads exchanging through a
+    local hub."""
     hub, group, out = Hub(30.0), tuple(range(n)), [None] * n
 
     def rank(i: int) -> None:
         comm = LocalComm(i, [group], hub, n)
-        kernel = wrap(rule_for(case.kind).kernel, keys[i], keys, i,
-                      lambda x, step: comm.shift(x, group, 0, step))
+        kernel = _INSIDE[sig.variant](case, args, n, i, comm, group)
         out[i] = _outputs(kernel(*_with(args, [p[i] for p in pieces]), **dict(case.kw)))
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(n)]
@@ -386,7 +417,7 @@ def _ring_ranks(case: Case, args, n: int, pieces) -> list[tuple]:
         t.start()
     for t in threads:
         t.join(60)
-    assert all(o is not None for o in out), "a ring rank failed or hung"
+    assert all(o is not None for o in out), f"a {sig.variant} rank failed or hung"
     return out  # type: ignore[return-value]
 
 
@@ -417,8 +448,8 @@ def check_signature(case: Case, args, whole, sig: SbpSig, n: int) -> None:
     assert len(sig.ins) == len(ts) and len(sig.outs) == len(whole), sig
     pieces = [_pieces(t, s, n) for t, s in zip(ts, sig.ins)]
     kw = dict(case.kw)
-    if sig.variant == "ring":  # every rank at once: they pass blocks to each other
-        per_rank = _ring_ranks(case, args, n, pieces)
+    if sig.variant in _INSIDE:  # every rank at once: they pass blocks or rows to each other
+        per_rank = _inside_ranks(case, sig, args, n, pieces)
     else:
         per_rank = [_outputs(_variant(case.kind, sig, args, whole, n, i)(
             *_localize(case.kind, _with(args, [p[i] for p in pieces]), whole, sig, n, i), **kw))

@@ -45,8 +45,10 @@ CATEGORY = {
     ALL_GATHER: Category.COLLECTIVE, ALL_TO_ALL: Category.COLLECTIVE,
     LOCAL_SLICE: Category.LOCAL_SLICE, TRANSFER: Category.TRANSFER,
     DROPOUT: Category.COMPUTE, RANDOM_LIKE: Category.COMPUTE, RANDOM: Category.COMPUTE,
+    kinds.ROUTED_EXPERTS: Category.COMPUTE, kinds.ROUTED_EXPERTS_BACKWARD: Category.COMPUTE,
 }
-DIFFERENTIABLE = {DROPOUT}  # the one meshplan op autodiff differentiates: its rule's gradient
+# the meshplan ops autodiff differentiates, by their rules' gradients
+DIFFERENTIABLE = {DROPOUT, kinds.ROUTED_EXPERTS}
 
 
 def test_every_meshplan_kind_has_its_own_rule():
