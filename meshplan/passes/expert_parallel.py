@@ -15,10 +15,12 @@ Invariants:
   capacity drops a choice).
 - Only the parameters are chosen here; the layouts follow by propagation:
   each expert weight is Shard(0) on the ep axis, and the tokens reach their
-  experts by the all-to-alls the boxing derives. Where an op cannot compute
-  on an expert shard (transformers' grouped matmul, whose token split per
-  expert is data-dependent), the boxing gathers the weight whole over ep
-  before it: still exact, but not expert-parallel; `gathered_note` says so.
+  experts by the all-to-alls the boxing derives (the zoo's MoE) or inside
+  a routed experts op (transformers' blocks, fused at capture:
+  `ops/routed_experts.py`). Where an op cannot compute on an expert shard
+  (a grouped matmul left unfused, whose token split per expert is
+  data-dependent), the boxing gathers the weight whole over ep before it:
+  still exact, but not expert-parallel; `gathered_note` says so.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Invariants:
 - A run is a maximal sequence of consecutive ops of one compiled segment
   (`codegen.compile_segment`) that run their own kernels: no collective,
-  variant, bucket, prefetch or random kernel of the rank's (those stay
+  variant, bucket, prefetch, random or routed experts kernel of the rank's (those stay
   meshplan's calls, so the schedule, the overlap and the proofs are as
   with eager kernels), and no hook after them.
 - The graph is the run's ops as aten calls on its inputs, returning the
