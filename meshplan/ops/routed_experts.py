@@ -34,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -49,7 +50,7 @@ from meshplan.ops.sbp_sig import Outs, P, R, SbpSig, replicated, tensors
 ROUTED = (ROUTED_EXPERTS, ROUTED_EXPERTS_BACKWARD)  # the op and its backward
 
 # the activations a gated expert may apply, by the aten kind capture saw
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "aten.silu.default": torch.nn.functional.silu,
     "aten.gelu.default": torch.nn.functional.gelu,
     "aten.relu.default": torch.relu,
