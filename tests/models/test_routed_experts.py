@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 transformers = pytest.importorskip("transformers")
 
 LAYOUTS = {"1rank": (1, dict()), "dp2": (2, dict(dp=2)), "ep2": (2, dict(dp=2, ep=2)),
+           "ep2-zero1": (2, dict(dp=2, ep=2, zero=1)),
            "ep4": (4, dict(dp=4, ep=4)), "dp4ep2-zero1": (4, dict(dp=4, ep=2, zero=1)),
            "ep2tp2": (4, dict(dp=2, ep=2, tp=2)), "ep2pp2": (4, dict(dp=2, ep=2, pp=2))}
 
@@ -97,6 +98,14 @@ def test_hf_moe_trains_as_eager_with_its_experts_where_they_rest(model, layout):
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
     assert any(".experts." in n for n in verdict["params"])
     assert any(".mlp.gate." in n for n in verdict["params"])
+
+
+def test_olmoe_expert_parallel_trains_as_eager():
+    """OLMoE's blocks (its experts unnormalized top-k gates) fuse and route too."""
+    cfg, _, job = _job("olmoe", "ep2")
+    assert any(KernelVariant.EXPERTS in v for v in job.variant)
+    verdict = eager_verdict(job, cfg, 8)
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-5, verdict["problems"]
 
 
 def test_rows_not_regrouped_by_expert_are_caught(monkeypatch):
