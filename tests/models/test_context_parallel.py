@@ -21,7 +21,7 @@ from meshplan.ir.sbp import Shard
 from meshplan.ir.sequence_order import zigzag
 from meshplan.lowering.check import check_plans
 from meshplan.lowering.lower import lower
-from meshplan.lowering.rankplan import ring_axis
+from meshplan.lowering.rankplan import line_axis
 from meshplan.models import model_config
 from meshplan.passes.context_parallel import ATTENTION
 from tests.runtime._util import eager_verdict
@@ -192,7 +192,7 @@ def test_the_check_proves_each_ring_on_its_line_and_in_one_order():
     cfg, s, job = _job("gpt", dict(cp=2, tp=2, cp_attention="ring"), 32)
     plans = {r: lower(job, r) for r in range(job.mesh.world)}
     assert check_plans(job, plans).ok
-    rings = [i for i, t in enumerate(plans[0].tasks) if ring_axis(t.variant) is not None]
+    rings = [i for i, t in enumerate(plans[0].tasks) if line_axis(t.variant) is not None]
     assert len(rings) == 2 * cfg.layers and all(
         plans[0].tasks[i].group == (0, 2) for i in rings)  # the cp line of rank 0 (dp, cp, tp)
     tasks = list(plans[0].tasks)
