@@ -10,6 +10,7 @@ budget (default 450 s, under 8 minutes on one H200):
   verify_cp2       GPT tiny seq 256, cp=2 on one GPU, two ranks, host-staged gloo
   verify_cp2_ring  the same with ring attention (--cp-attention ring)
   verify_moe_ep2   the zoo MoE tiny, dp=2 ep=2 on one GPU, two ranks, host-staged gloo
+  verify_hf_moe_ep2  transformers' Mixtral tiny, dp=2 ep=2 (routed experts), the same way
   speed_meshplan   GPT ~1.3B (24 layers, hidden 2048, seq 2048, batch 8, bf16,
   speed_eager        AdamW, one GPU): step time, TFLOP/s, fraction of peak,
   speed_compile      planned vs measured peak memory; eager; torch.compile of
@@ -56,7 +57,7 @@ from gpu_report import write_report  # noqa: E402  (this folder is on sys.path)
 # important first, so a short budget still answers the main questions.
 PARTS = [
     ("verify_fp32", 90), ("verify_bf16", 90), ("verify_cp2", 100), ("verify_cp2_ring", 100),
-    ("verify_moe_ep2", 100),
+    ("verify_moe_ep2", 100), ("verify_hf_moe_ep2", 100),
     ("speed_meshplan", 150), ("speed_eager", 90), ("speed_compile", 180),
     ("pytest_cuda", 150), ("speed_inductor", 240), ("verify_pp2_vpp2", 120),
     ("verify_tp2", 100), ("dropout", 100), ("speed_profile", 120),

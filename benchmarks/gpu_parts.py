@@ -170,6 +170,16 @@ def part_verify_moe_ep2(res: Result, a) -> None:
                ep=2, global_batch_size=8, micro_batch_size=2)
 
 
+def part_verify_hf_moe_ep2(res: Result, a) -> None:
+    """transformers' Mixtral tiny at dp=2 ep=2: its expert blocks fused into
+    routed ops, each rank's rows sent to their experts' rank by all-to-alls
+    inside the kernel, the per-expert counts exchanged first (needs
+    transformers)."""
+    _two_ranks(res, a, "transformers' Mixtral tiny dp=2 ep=2 (routed experts), 2 ranks on "
+               "one device, host-staged gloo: verify's verdict (router and experts included)",
+               model="hf:mixtral", dp=2, ep=2, global_batch_size=8, micro_batch_size=2)
+
+
 def part_dropout(res: Result, a) -> None:
     """Layout-invariant dropout on the device (issue 36): the counter-based
     generator's words on it equal the CPU's bit for bit, and GPT tiny with
@@ -468,6 +478,7 @@ PARTS = {
     "verify_cp2": part_verify_cp2,
     "verify_cp2_ring": part_verify_cp2_ring,
     "verify_moe_ep2": part_verify_moe_ep2,
+    "verify_hf_moe_ep2": part_verify_hf_moe_ep2,
     "speed_meshplan": part_speed_meshplan,
     "speed_eager": part_speed_eager,
     "speed_compile": part_speed_compile,
