@@ -52,8 +52,9 @@ class _Routes:
 
     def __init__(self, idx: Tensor, n: int, local: int, exchange: Exchange):
         self.perm, self.token, counts = sorted_rows(idx, n * local)
-        mine = torch.tensor(counts, dtype=torch.int64)
-        got = exchange(mine, [local] * n, [local] * n).view(n, local)  # [source, expert]
+        mine = torch.tensor(counts, dtype=torch.int64, device=idx.device)  # NCCL: on the device
+        got = exchange(mine, [local] * n, [local] * n).view(n, local).cpu()  # [source, expert]
+        mine = mine.cpu()
         self.sent = mine.view(n, local).sum(1).tolist()   # rows to each member
         self.came = got.sum(1).tolist()                   # rows from each member
         self.per_expert = got.sum(0).tolist()             # arrived rows per local expert
