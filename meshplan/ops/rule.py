@@ -114,3 +114,6 @@ class OpRule:
     mutates: bool = False
     # Returns a list of tensors (`Tensor[]`), even of one: bound by unpacking.
     returns_list: bool = False
+    # Its output shapes follow the values (rows per expert counted at run
+    # time): it runs as its own call, never inside an Inductor graph.
+    data_shapes: bool = False

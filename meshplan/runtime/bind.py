@@ -33,7 +33,6 @@ from meshplan.lowering.rankplan import RankPlan, Task, TaskKind
 from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.device_kernels import adapter
 from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
-from meshplan.ops.routed_experts import ROUTED
 from meshplan.ops.rule import Category
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
@@ -91,8 +90,6 @@ def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
         return _ring(op, task, ctx, comm)
     if KernelVariant.EXPERTS in task.variant:
         return _experts(op, task, ctx, comm)
-    if op.kind in ROUTED:  # its own call, never in an Inductor run: its shapes follow the data
-        return rule_for(op.kind).kernel
     if any(task.variant):
         return _variant(op, task, ctx)
     if task.kernel:  # the device's own kernel, with the logical op's signature

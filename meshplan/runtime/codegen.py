@@ -71,14 +71,16 @@ def batch_groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
 
 def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
     """Ops as groups: each maximal run of consecutive ops that run their own
-    kernels (none in `kernels`, no hook after one) one group, the rest one op
+    kernels (none in `kernels`, no hook after one, no output shaped by the
+    values: `OpRule.data_shapes`) one group, the rest one op
     each; and per run of two or more ops, by its group's index: (its inputs,
     the values it makes that a later group, a hook or `keeps` reads)."""
+    def fusable(op: Op) -> bool:  # runs its own kernel, of shapes known ahead
+        return op.id not in kernels and op.id not in hooks and not rule_for(op.kind).data_shapes
+
     groups: list[list[Op]] = []
     for op in ops:
-        own = op.id not in kernels and op.id not in hooks
-        if own and groups and groups[-1][-1].id not in kernels \
-                and groups[-1][-1].id not in hooks:
+        if fusable(op) and groups and fusable(groups[-1][-1]):
             groups[-1].append(op)
         else:
             groups.append([op])

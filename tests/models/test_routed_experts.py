@@ -159,3 +159,16 @@ def test_the_token_wise_op_takes_any_token_shard():
     want = torch.autograd.grad(out, leaves, grad)
     for got, ref in zip((gx, gg, gwi, gwo), want):
         assert torch.allclose(got, ref)
+
+
+def test_a_routed_op_is_never_inside_an_inductor_run():
+    """Its rows per expert are counted at run time (`OpRule.data_shapes`),
+    so a run of fusable ops ends before it and starts again after it."""
+    from meshplan.ir import Op  # reason: the few ops this test builds by hand
+    from meshplan.runtime.codegen import _runs  # reason: the grouping under test
+
+    ops = [Op(i, kind, (), (i,), ()) for i, kind in enumerate(
+        ["aten.relu.default", "aten.relu.default", ROUTED_EXPERTS, "aten.relu.default",
+         "aten.relu.default"])]
+    groups, _ = _runs(ops, {}, {}, set())
+    assert [[op.id for op in g] for g in groups] == [[0, 1], [2], [3, 4]]
