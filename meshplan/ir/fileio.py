@@ -25,7 +25,9 @@ Invariants:
   lines, each flushed as written: a reader sees whole lines, and at most one
   last line still being written, which a reader skips).
 - A directory of files is written into a temporary sibling and renamed into
-  place only when all of it is there (`staged_directory`).
+  place only when all of it is there (`staged_directory`); a file another
+  tool writes (a compiler's shared library) is made in a scratch sibling
+  directory and renamed into place (`built_file`).
 """
 
 from __future__ import annotations
@@ -96,6 +98,24 @@ def atomic_stream(path: str | os.PathLike):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def built_file(path: str | os.PathLike, mode: int = 0o755):
+    """Yield a scratch directory beside `path`, for a tool that writes a file
+    (and by-products of its own) itself: the file the block leaves at
+    `scratch / path.name` becomes `path` atomically once the block ends
+    without an error (`mode`: a shared library's, by default); the scratch
+    directory is removed either way."""
+    out = Path(path)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    try:
+        yield scratch
+        os.chmod(scratch / out.name, mode)
+        os.replace(scratch / out.name, out)
+        _fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -39,11 +39,18 @@ def accumulate_grad(acc: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
     (marked), and later ones add into that in place."""
     if acc is None:
         return g
-    if getattr(acc, "_meshplan_owned", False):
+    if getattr(acc, OWNED, False):
         return acc.add_(g)
-    out = acc + g
-    out._meshplan_owned = True  # type: ignore[attr-defined]  # a mark on the tensor object
-    return out
+    return own(acc + g)
+
+
+OWNED = "_meshplan_owned"  # the mark of an accumulator the step owns (`accumulate_grad`)
+
+
+def own(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` as an accumulator the step owns: later gradients add into it."""
+    setattr(t, OWNED, True)
+    return t
 
 
 def sgd_multi(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], *,

@@ -8,11 +8,12 @@ Invariants:
   meshplan's calls, so the schedule, the overlap and the proofs are as
   with eager kernels), and no hook after them.
 - The graph is the run's ops as aten calls on its inputs, returning the
-  values the segment reads after the run; it is compiled on its first call,
-  with the real inputs (static shapes: a segment's shapes do not change
-  from step to step), by `torch.compile(backend="inductor")`, whose on-disk
-  cache the ranks of a machine share; equal runs of several ranks compile
-  one at a time (`compile_lock`), so one compiles and the rest load.
+  values the segment reads after the run. At its first call it is loaded
+  from this machine's cache of AOTInductor builds, built into it first if
+  no process has (`kernel_cache.py`: one build per machine for equal runs
+  of several ranks), for the real inputs' metas (static shapes: a
+  segment's shapes do not change from step to step). Each call checks its
+  inputs' metas: other metas get (or build) their own artifact.
 - A run Inductor refuses runs its graph eagerly (the same kernels, in order,
   consecutive optimizer ops batched into torch's multi-tensor calls as with
   eager kernels), with one warning naming the run and the reason.
@@ -20,9 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
 import importlib.util
 import operator
 import os
@@ -37,10 +36,11 @@ import torch.fx as fx
 from meshplan.errors import ConfigError
 from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ir.choices import Kernels, choose
-from meshplan.ir.fileio import file_lock
+from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
 from meshplan.runtime.codegen import batch_groups
 from meshplan.runtime.devices import resolve_device
+from meshplan.runtime.kernel_cache import Refused, ahead_of_time, input_metas
 
 
 def check_kernels(kernels: str, device) -> None:
@@ -61,10 +61,8 @@ def _missing(device_type: str) -> str:
             return ("--kernels inductor on cuda needs Triton, which this Python lacks; "
                     "pip install triton, or use --kernels eager")
         return ""
-    from torch._inductor import config  # Inductor loads only for --kernels inductor
-
-    cxx = config.cpp.cxx[-1] if isinstance(config.cpp.cxx, tuple) else config.cpp.cxx
-    if shutil.which(os.environ.get("CXX", cxx or "g++")) is None:
+    cxx = os.environ.get("CXX") or "g++"  # what Inductor's builder runs on Linux
+    if shutil.which(cxx) is None:
         return ("--kernels inductor on cpu needs a C++ compiler (g++ or clang++ on the PATH, "
                 "or $CXX), which this machine lacks; install one, or use --kernels eager")
     return ""
@@ -78,9 +76,10 @@ def graph_of(ops: list[Op], ins: list[int], outs: list[int], device,
              batched: bool = False) -> fx.GraphModule:
     """The run's ops as one FX graph: placeholders `ins`, output `outs`;
     `batched`: consecutive optimizer ops as one multi-tensor call each, as
-    eager kernels run them (`codegen.batch_groups`)."""
+    eager kernels run them (`codegen.batch_groups`). Its names are positions,
+    not value ids: equal runs of several ranks have equal code (one build)."""
     g = fx.Graph()
-    node: dict[int, fx.Node] = {v: g.placeholder(f"v{v}") for v in ins}
+    node: dict[int, fx.Node] = {v: g.placeholder(f"a{i}") for i, v in enumerate(ins)}
 
     def arg(a):
         if isinstance(a, Ref):
@@ -118,73 +117,65 @@ def graph_of(ops: list[Op], ins: list[int], outs: list[int], device,
 
 
 class InductorRun:
-    """A run's callable: `(*ins) -> tuple(outs)`, compiled on its first call."""
+    """A run's callable: `(*ins) -> outs`, built (or loaded) on its first call."""
 
     def __init__(self, ops: list[Op], ins: list[int], outs: list[int], device, name: str):
-        self.ops, self.name = ops, name
+        self.ops, self.name, self.device = ops, name, torch.device(device)
         self.gm = graph_of(ops, ins, outs, device)
+        self.accumulators = _accumulators(self.gm)
         self.eager = functools.partial(graph_of, ops, ins, outs, device, True)  # if refused
         self.fn: Callable | None = None
+        self.metas: tuple | None = None  # the inputs `fn` was built for
+        self.built: dict[tuple, Callable] = {}  # by input metas
         self.note = ""  # why it runs eagerly, when Inductor refused it
-        self.compile_s = 0.0  # its first call: compiled (or loaded from the cache) and run
+        self.compile_s = 0.0  # its first calls: built (or loaded) and run
 
     def __call__(self, *args):
-        if self.fn is not None:
-            return self.fn(*args)
-        compiled = torch.compile(self.gm, backend="inductor", fullgraph=True, dynamic=False)
+        metas = input_metas(args)
+        if metas == self.metas:
+            return self.fn(*args)  # type: ignore[misc]
         t0 = time.perf_counter()
-        try:  # compiled at this first call; a refusal is raised before anything runs
-            with compile_lock(self.gm, args):
-                out = compiled(*args)
-        except _refusals() as err:
-            self.compile_s = time.perf_counter() - t0
-            first = (str(err).strip() or type(err).__name__).splitlines()[0]
-            kinds = sorted({op.kind for op in self.ops})
-            self.note = (f"{self.name}: Inductor refused a run of {len(self.ops)} ops "
-                         f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}): "
-                         f"{first[:200]}; it runs with eager kernels")
-            warnings.warn(self.note, stacklevel=2)
-            self.fn = self.eager()
-            return self.fn(*args)
-        self.fn = compiled
-        self.compile_s = time.perf_counter() - t0
+        fn = self.built.get(metas)
+        if fn is None:
+            try:
+                fn = _marking(ahead_of_time(self.gm, args, self.device), [
+                    i for i, acc in self.accumulators if args[acc] is not None])
+            except Refused as err:
+                kinds = sorted({op.kind for op in self.ops})
+                self.note = (f"{self.name}: Inductor refused a run of {len(self.ops)} ops "
+                             f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}): "
+                             f"{err}; it runs with eager kernels")
+                warnings.warn(self.note, stacklevel=2)
+                fn = self.eager()
+            self.built[metas] = fn
+        self.fn, self.metas = fn, metas
+        out = fn(*args)
+        self.compile_s += time.perf_counter() - t0
         return out
 
 
-def compile_key(gm: fx.GraphModule, args) -> str:
-    """What Inductor's cache keys a run's compile on, as this process sees it:
-    the graph's code and its inputs' shapes, strides, dtypes and devices."""
-    metas = [(tuple(a.shape), tuple(a.stride()), str(a.dtype), a.device.type)
-             if isinstance(a, torch.Tensor) else repr(a) for a in args]
-    return hashlib.sha256(f"{gm.code}\n{metas}".encode()).hexdigest()[:32]
+def _accumulators(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """(output, input) positions of `gm`'s gradient accumulations whose
+    accumulator is an input: their result is the step's own accumulator
+    whenever that input is a tensor (`kernels.accumulate_grad`)."""
+    ins = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    (outs,) = (n.args[0] for n in gm.graph.nodes if n.op == "output")
+    return [(i, ins[o.args[0]]) for i, o in enumerate(outs)
+            if o.op == "call_function" and o.target is kernels.accumulate_grad
+            and o.args[0] in ins]
 
 
-@contextlib.contextmanager
-def compile_lock(gm: fx.GraphModule, args):
-    """Held while a run is compiled and first run: an exclusive file lock per
-    `compile_key`, in Inductor's cache folder. The ranks of a machine whose
-    runs are equal (a rank class's members, equal stages) then compile one
-    at a time: the first compiles, the others wait and load from the cache
-    it filled, instead of all compiling at once. The holder waits on no
-    other rank (a run has no communication), so no cycle can form."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir  # only when compiling
+def _marking(fn: Callable, owned: list[int]) -> Callable:
+    """`fn`, marking the outputs at `owned` as accumulators the step owns, as
+    `accumulate_grad` marks them when it runs itself (a built run returns
+    plain tensors)."""
+    if not owned:
+        return fn
 
-    folder = os.path.join(cache_dir(), "meshplan-locks")
-    os.makedirs(folder, exist_ok=True)
-    with file_lock(os.path.join(folder, compile_key(gm, args))):
-        yield
+    def call(*args):
+        out = fn(*args)
+        for i in owned:
+            kernels.own(out[i])
+        return out
 
-
-@functools.cache
-def _refusals() -> tuple[type[BaseException], ...]:
-    """What `torch.compile` raises while it traces and compiles (before the
-    graph runs): dynamo's refusals, the backend's failures."""
-    from torch._dynamo import exc  # dynamo loads only when a run is compiled
-
-    out: list = [exc.Unsupported, exc.BackendCompilerFailed, exc.TorchRuntimeError]
-    try:
-        from torch._inductor.exc import InductorError  # torch >= 2.6
-        out.append(InductorError)
-    except ImportError:  # older torch
-        pass
-    return tuple(out)
+    return call

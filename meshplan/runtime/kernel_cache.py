@@ -1,0 +1,200 @@
+"""Inductor runs compiled once per machine, ahead of their use, and loaded by
+every rank without Inductor (`--kernels inductor`, docs/concepts/kernels.md).
+
+Invariants:
+- A run's artifact is a shared library that AOTInductor makes from the run's
+  graph (`fused.graph_of`), traced by `torch.export` (strict: by dynamo, so
+  torch's optimizer code traces as under `torch.compile`) on the run's real
+  inputs: static shapes, strides and dtypes. Its name is `artifact_key`:
+  every fact its code depends on (the graph's code, its inputs' metas and
+  alignment, torch's version, the device's capability, the threads a CPU
+  kernel is built for, the source of meshplan's own kernels in the graph).
+- Loading an artifact is a `dlopen` through torch's own AOTI runner
+  (`torch._C._aoti`): it imports neither Inductor nor dynamo and traces
+  nothing, so a rank whose runs are built pays no compile at all.
+- An artifact is built under a file lock per key, in one folder per machine
+  (`cache_folder`): of the processes that need the same run (a rank class's
+  members, equal stages), one builds and the others wait and load. The
+  builder waits on no other rank (a run holds no communication), so no
+  cycle can form. A build is written in a scratch folder and renamed into
+  place: no process ever loads half a library.
+- A run export or Inductor refuses leaves a note in its artifact's place
+  (`<key>.refused`, the reason), so no later process builds it again; the
+  caller runs it eagerly with that note.
+- Building neither runs the graph nor writes its inputs (export and Inductor
+  trace fake tensors): the caller's first call is the run's first execution.
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import hashlib
+import os
+import platform
+import sys
+import tempfile
+import types
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from meshplan.ir.fileio import built_file, file_lock, read_bytes, write_atomic
+
+FORMAT = 1  # bump when what an artifact holds, or how it is built, changes
+ALIGN = 16  # bytes: Inductor's kernels may assume inputs aligned to this when traced so
+
+
+class Refused(Exception):
+    """Export or Inductor cannot build this run; the message says why."""
+
+
+def input_metas(args) -> tuple:
+    """What a built run assumes of its inputs, each: shape, strides, dtype,
+    device, whether its data is `ALIGN`-aligned, and the Python attributes it
+    carries (a kernel may read one: `accumulate_grad`'s mark of ownership).
+    A call with other metas needs another artifact."""
+    return tuple((a.shape, a.stride(), a.dtype, a.device.type, a.data_ptr() % ALIGN == 0,
+                  tuple(sorted(a.__dict__.items())))
+                 if isinstance(a, torch.Tensor) else type(a) for a in args)
+
+
+def artifact_key(gm: fx.GraphModule, args, device: torch.device) -> str:
+    """The name of a run's artifact: a hash of everything its code depends on."""
+    if device.type == "cuda":
+        target = f"cuda {torch.cuda.get_device_capability(device)} {torch.version.cuda}"
+    else:
+        target = f"cpu {torch.backends.cpu.get_cpu_capability()} {platform.machine()}"
+    facts = [f"format {FORMAT}", torch.__version__, target,
+             f"threads {torch.get_num_threads()}", gm.code, repr(input_metas(args)),
+             *(_source_hash(m) for m in sorted(_python_kernels(gm)))]
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:40]
+
+
+def cache_folder() -> Path:
+    """`$TORCHINDUCTOR_CACHE_DIR/meshplan-aot`, or the same under Inductor's
+    own default folder (`<tmp>/torchinductor_<user>`): shared by the
+    processes of a machine, and emptied with Inductor's cache."""
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{_user()}")
+    return Path(root) / "meshplan-aot"
+
+
+def ahead_of_time(gm: fx.GraphModule, args, device: torch.device) -> Callable:
+    """The run `gm` built for `args`' metas, as `f(*args) -> [outputs]`:
+    loaded from this machine's cache, built into it first if no process has;
+    raises `Refused` if export or Inductor cannot build it. An input that is
+    None (an accumulator before its first gradient) is part of the graph."""
+    if not all(a is None or isinstance(a, torch.Tensor) for a in args):
+        raise Refused("an input is neither a tensor nor None")
+    bound = bind_none(gm, [a is None for a in args])
+    tensors = [a for a in args if a is not None]
+    folder = cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    key = artifact_key(bound, tensors, device)
+    lib, refused = folder / f"{key}.so", folder / f"{key}.refused"
+    if not lib.exists() and not refused.exists():
+        with file_lock(folder / f"{key}.lock"):
+            if not lib.exists() and not refused.exists():
+                try:
+                    build(bound, tensors, lib)
+                except Exception as err:  # a refusal: the run stays eager, with the reason
+                    first = (str(err).strip() or type(err).__name__).splitlines()[0]
+                    write_atomic(refused, f"{type(err).__name__}: {first[:300]}".encode())
+    if refused.exists():
+        raise Refused(read_bytes(refused).decode())
+    run = load(lib, device)
+    if len(tensors) == len(args):
+        return run
+    return lambda *xs: run(*(x for x in xs if x is not None))
+
+
+def bind_none(gm: fx.GraphModule, none: list[bool]) -> fx.GraphModule:
+    """`gm` with the inputs flagged in `none` fixed to None (gone from its
+    placeholders): the graph a run is built as for such a call."""
+    if not any(none):
+        return gm
+    g = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    inputs = iter(none)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and next(inputs):
+            env[node] = None
+        else:
+            env[node] = g.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, g)
+
+
+def build(gm: fx.GraphModule, args, lib: Path) -> None:
+    """AOTInductor's shared library of `gm` on inputs like `args`, at `lib`."""
+    from torch._inductor import aot_compile  # reason: only a cold cache builds
+
+    with built_file(lib) as scratch, warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # export's and Inductor's deprecation chatter
+        program = torch.export.export(gm, tuple(args), strict=True)
+        options = {"aot_inductor.output_path": str(scratch / lib.name)}
+        if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            # the glue between a CPU run's kernels: built 16% faster unoptimized (4.4 s
+            # against 5.2 s for a small run), at a few microseconds a call
+            options["aot_inductor.compile_wrapper_opt_level"] = "O0"
+        aot_compile(program.module(), tuple(args), options=options)
+
+
+def load(lib: Path, device: torch.device) -> Callable:
+    """`f(*args) -> [outputs]` running the library `lib` on `device`: its
+    None outputs in their places, and an output that is an input written in
+    place returned as that very tensor (its identity, and what it carries,
+    kept, as eager kernels keep them)."""
+    if device.type == "cuda":
+        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(lib), 1, str(device))
+    else:
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(lib), 1)
+    spec = pytree.treespec_loads(runner.get_call_spec()[1])
+    # one tensor, or a tuple of tensors with no None among them: the flat list as it is
+    flat = spec.is_leaf() or spec.num_leaves == spec.num_children
+    run = runner.run  # bound: keeps the runner (and its library) alive
+    same: list[tuple[int, int]] | None = None  # (output, input) pairs, found at the first call
+
+    def call(*args):
+        nonlocal same
+        out = run(args)
+        if not flat:
+            out = list(pytree.tree_unflatten(out, spec))
+        if same is None:
+            same = [(i, j) for i, o in enumerate(out) for j, a in enumerate(args)
+                    if o is not None and _is_view_of_all(o, a)]
+        for i, j in same:
+            out[i] = args[j]
+        return out
+
+    return call
+
+
+def _is_view_of_all(o: torch.Tensor, a: torch.Tensor) -> bool:
+    return (o.data_ptr() == a.data_ptr() and o.shape == a.shape and o.stride() == a.stride()
+            and o.dtype == a.dtype)
+
+
+def _python_kernels(gm: fx.GraphModule) -> set[str]:
+    """The modules of the Python functions `gm` calls (meshplan's own
+    kernels): their source is part of the code an artifact holds."""
+    return {n.target.__module__ for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, types.FunctionType)}
+
+
+@functools.cache
+def _source_hash(module: str) -> str:
+    path = getattr(sys.modules.get(module), "__file__", None)
+    body = read_bytes(path) if path else module.encode()
+    return f"{module} {hashlib.sha256(body).hexdigest()}"
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container)
+        return str(os.getuid())

@@ -1,0 +1,157 @@
+"""`runtime/kernel_cache.py`: each Inductor run is built once per machine by
+AOTInductor and loaded by every rank without Inductor. The cache's logic
+(one build per key under a lock, refusals remembered, keys) is tested with a
+planted builder; one slow test builds for real and checks what a warm rank
+pays (no Inductor, no dynamo) and what a built run keeps of eager kernels'
+semantics (strides, in-place state, the accumulators' protocol)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from meshplan.ir import Op, Ref
+from meshplan.ir import kinds as k
+from meshplan.ops import kernels
+from meshplan.runtime import fused, kernel_cache
+
+CPU = torch.device("cpu")
+
+
+def _relu_graph():
+    return torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU()))
+
+
+def test_keys_follow_what_the_code_depends_on():
+    gm, x = _relu_graph(), torch.ones(4, 8)
+    key = kernel_cache.artifact_key(gm, [x], CPU)
+    assert key == kernel_cache.artifact_key(gm, [torch.zeros(4, 8)], CPU)  # values: no
+    assert key != kernel_cache.artifact_key(gm, [torch.ones(2, 8)], CPU)  # shapes
+    assert key != kernel_cache.artifact_key(gm, [torch.ones(8, 4).t()], CPU)  # strides
+    assert key != kernel_cache.artifact_key(gm, [x.double()], CPU)  # dtypes
+    assert key != kernel_cache.artifact_key(gm, [torch.ones(33)[1:].view(4, 8)], CPU)  # alignment
+    assert key != kernel_cache.artifact_key(gm, [kernels.own(torch.ones(4, 8))], CPU)  # marks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # a CPU kernel is built for a thread count
+    try:
+        assert key != kernel_cache.artifact_key(gm, [x], CPU)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Planted:
+    """A builder that writes a stub library slowly, counting its builds, and
+    a loader that runs the graph itself."""
+
+    def __init__(self, monkeypatch, fail: str = ""):
+        self.built: list[str] = []
+        self.fail = fail
+        monkeypatch.setattr(kernel_cache, "build", self.build)
+        monkeypatch.setattr(kernel_cache, "load", lambda lib, device: self.gm)
+
+    def build(self, gm, args, lib):
+        self.built.append(lib.name)
+        self.gm = gm
+        time.sleep(0.3)
+        if self.fail:
+            raise RuntimeError(self.fail)
+        lib.touch()
+
+
+def test_equal_runs_build_once_per_machine(monkeypatch, tmp_path):
+    """Processes (here threads) of a machine needing the same run: one builds,
+    the others wait and load it; a run with other shapes builds beside them."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch)
+    gm = _relu_graph()
+    outs: list = []
+
+    def rank(x):
+        outs.append(kernel_cache.ahead_of_time(gm, [x], CPU)(x))
+
+    threads = [threading.Thread(target=rank, args=(torch.ones(4, 8) * i,)) for i in range(6)]
+    threads.append(threading.Thread(target=rank, args=(torch.ones(2, 8),)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(outs) == 7
+    assert len(planted.built) == 2 and len(set(planted.built)) == 2, planted.built
+
+
+def test_a_refused_run_is_not_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch, fail="planted: no lowering\nsecond line")
+    gm, x = _relu_graph(), torch.ones(4, 8)
+    for _ in range(2):
+        with pytest.raises(kernel_cache.Refused, match=r"^RuntimeError: planted: no lowering$"):
+            kernel_cache.ahead_of_time(gm, [x], CPU)
+    assert len(planted.built) == 1
+    assert not list((tmp_path / "meshplan-aot").glob("*.so"))  # nothing half built
+
+
+def test_none_inputs_are_part_of_the_graph(monkeypatch, tmp_path):
+    """An accumulator before its first gradient is None: the run is built
+    without that input, and called with the others."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch)
+    run = fused.InductorRun(*_accumulating_run(), CPU, "planted")
+    g = torch.ones(3)
+    out = run(None, g)
+    assert torch.equal(out[0], g * 2)
+    assert [n.op for n in planted.gm.graph.nodes].count("placeholder") == 1
+    assert getattr(out[0], kernels.OWNED, False) is False  # adopted, not owned
+
+
+def _accumulating_run():
+    """ops: d = g * 2; acc' = accumulate_grad(acc, d); inputs (acc, g)."""
+    ops = [Op(0, "aten.mul.Tensor", (Ref(1), 2), (2,)),
+           Op(1, k.ACCUMULATE_GRAD, (Ref(0), Ref(2)), (3,))]
+    return ops, [0, 1], [3]
+
+
+_WARM = """
+import sys, torch
+from meshplan.runtime.kernel_cache import ahead_of_time
+from tests.runtime.test_kernel_cache import _relu_graph
+x = torch.randn(4, 8)
+out = ahead_of_time(_relu_graph(), [x], torch.device("cpu"))(x)
+assert torch.equal(out[0], torch.relu(x))
+print(sorted(m for m in ("torch._inductor", "torch._dynamo") if m in sys.modules))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fused.can_compile(), reason="no C++ compiler for Inductor on cpu")
+def test_a_built_run_loads_without_inductor_and_keeps_eager_semantics(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def fresh_process() -> str:
+        p = subprocess.run([sys.executable, "-c", textwrap.dedent(_WARM)], capture_output=True,
+                           text=True, timeout=300, cwd=str(kernel_cache.Path(__file__).parents[2]))
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout.strip()
+
+    assert fresh_process() == "['torch._dynamo', 'torch._inductor']"  # cold: it builds
+    assert fresh_process() == "[]"  # warm: a dlopen, nothing traced or compiled
+    # strides: a transposed input gets its own artifact, not the contiguous one's
+    gm = torch.fx.symbolic_trace(lambda a, b: (a + b,))
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    for x in (b, b.t()):
+        assert torch.equal(kernel_cache.ahead_of_time(gm, [a, x], CPU)(a, x)[0], a + x)
+    # the accumulators' protocol, micro-batch by micro-batch: adopt, own, add in place
+    run = fused.InductorRun(*_accumulating_run(), CPU, "accumulate")
+    g = torch.ones(3)
+    first = run(None, g)[0]
+    second = run(first, g)[0]
+    third = run(second, g)[0]
+    assert not getattr(first, kernels.OWNED, False)
+    assert getattr(second, kernels.OWNED, False) and second is not first
+    assert third is second and torch.equal(third, g * 6)
+    assert not run.note, run.note
