@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import operator
@@ -138,7 +139,7 @@ class InductorRun:
         fn = self.built.get(metas)
         if fn is None:
             try:
-                fn = _marking(ahead_of_time(self.gm, args, self.device), [
+                fn = _marking(ahead_of_time(_specialized(self.gm, args), args, self.device), [
                     i for i, acc in self.accumulators if args[acc] is not None])
             except Refused as err:
                 kinds = sorted({op.kind for op in self.ops})
@@ -163,6 +164,27 @@ def _accumulators(gm: fx.GraphModule) -> list[tuple[int, int]]:
     return [(i, ins[o.args[0]]) for i, o in enumerate(outs)
             if o.op == "call_function" and o.target is kernels.accumulate_grad
             and o.args[0] in ins]
+
+
+def _specialized(gm: fx.GraphModule, args) -> fx.GraphModule:
+    """`gm` with each accumulation into an input accumulator as the aten op it
+    runs on these inputs (`kernels.accumulate_grad`: into an owned tensor in
+    place, into another out of place; a None one stays, and adopts): a
+    trace sees fake tensors, which do not carry the mark of ownership."""
+    ins = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ops = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is kernels.accumulate_grad \
+                and node.args[0] in ins and (acc := args[ins.index(node.args[0])]) is not None:
+            owned = getattr(acc, kernels.OWNED, False)
+            ops[node.name] = torch.ops.aten.add_.Tensor if owned else torch.ops.aten.add.Tensor
+    if not ops:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.name in ops:
+            node.target = ops[node.name]
+    return fx.GraphModule(gm, graph)
 
 
 def _marking(fn: Callable, owned: list[int]) -> Callable:

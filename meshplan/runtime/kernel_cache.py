@@ -2,14 +2,18 @@
 every rank without Inductor (`--kernels inductor`, docs/concepts/kernels.md).
 
 Invariants:
-- A run's artifact is a shared library that AOTInductor makes from the run's
-  graph (`fused.graph_of`), traced by `torch.export` (strict: by dynamo, so
-  torch's optimizer code traces as under `torch.compile`) on the run's real
-  inputs: static shapes, strides and dtypes. Its name is `artifact_key`:
-  every fact its code depends on (the graph's code, its inputs' metas and
-  alignment, torch's version, the device's capability, the threads a CPU
-  kernel is built for, the source of meshplan's own kernels in the graph).
-- Loading an artifact is a `dlopen` through torch's own AOTI runner
+- A run's artifact is a package (a shared library) that AOTInductor makes
+  from the run's graph (`fused.graph_of`), traced by `torch.export` on the
+  run's real inputs: static shapes, strides and dtypes. Export freezes the
+  tensors inside `torch.func`'s transforms (a generic gradient) as
+  constants; such a graph is traced to aten ops by `make_fx` first. A
+  traced graph still holding a tensor constant is refused: a run has no
+  tensor of its own, so such a constant is an input frozen at its example
+  value. The artifact's name is `artifact_key`: every fact its code
+  depends on (the graph's code, its inputs' metas and alignment, torch's
+  version, the device's capability, the threads a CPU kernel is built
+  for, the source of meshplan's own kernels in the graph).
+- Loading an artifact is a `dlopen` through torch's own AOTI package loader
   (`torch._C._aoti`): it imports neither Inductor nor dynamo and traces
   nothing, so a rank whose runs are built pays no compile at all.
 - An artifact is built under a file lock per key, in one folder per machine
@@ -17,7 +21,7 @@ Invariants:
   members, equal stages), one builds and the others wait and load. The
   builder waits on no other rank (a run holds no communication), so no
   cycle can form. A build is written in a scratch folder and renamed into
-  place: no process ever loads half a library.
+  place: no process ever loads half a package.
 - A run export or Inductor refuses leaves a note in its artifact's place
   (`<key>.refused`, the reason), so no later process builds it again; the
   caller runs it eagerly with that note.
@@ -96,7 +100,7 @@ def ahead_of_time(gm: fx.GraphModule, args, device: torch.device) -> Callable:
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
     key = artifact_key(bound, tensors, device)
-    lib, refused = folder / f"{key}.so", folder / f"{key}.refused"
+    lib, refused = folder / f"{key}.pt2", folder / f"{key}.refused"
     if not lib.exists() and not refused.exists():
         with file_lock(folder / f"{key}.lock"):
             if not lib.exists() and not refused.exists():
@@ -130,29 +134,33 @@ def bind_none(gm: fx.GraphModule, none: list[bool]) -> fx.GraphModule:
 
 
 def build(gm: fx.GraphModule, args, lib: Path) -> None:
-    """AOTInductor's shared library of `gm` on inputs like `args`, at `lib`."""
-    from torch._inductor import aot_compile  # reason: only a cold cache builds
+    """AOTInductor's package of `gm` on inputs like `args`, at `lib`."""
+    from torch._inductor import aoti_compile_and_package  # reason: only a cold cache builds
+    from torch.fx.experimental.proxy_tensor import make_fx  # reason: as Inductor
 
     with built_file(lib) as scratch, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # export's and Inductor's deprecation chatter
-        program = torch.export.export(gm, tuple(args), strict=True)
-        options = {"aot_inductor.output_path": str(scratch / lib.name)}
+        program = torch.export.export(gm, tuple(args), strict=False)
+        if program.constants:  # `torch.func` in a generic gradient: its aten ops first
+            program = torch.export.export(make_fx(gm, tracing_mode="fake")(*args), tuple(args))
+        if program.constants:  # a run has no tensor of its own: one is an input frozen
+            raise RuntimeError(f"export froze {len(program.constants)} tensors as constants")
+        options = {}
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             # the glue between a CPU run's kernels: built 16% faster unoptimized (4.4 s
             # against 5.2 s for a small run), at a few microseconds a call
             options["aot_inductor.compile_wrapper_opt_level"] = "O0"
-        aot_compile(program.module(), tuple(args), options=options)
+        aoti_compile_and_package(program, package_path=str(scratch / lib.name),
+                                 inductor_configs=options)
 
 
 def load(lib: Path, device: torch.device) -> Callable:
-    """`f(*args) -> [outputs]` running the library `lib` on `device`: its
+    """`f(*args) -> [outputs]` running the package `lib` on `device`: its
     None outputs in their places, and an output that is an input written in
     place returned as that very tensor (its identity, and what it carries,
     kept, as eager kernels keep them)."""
-    if device.type == "cuda":
-        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(lib), 1, str(device))
-    else:
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(lib), 1)
+    index = device.index if device.type == "cuda" and device.index is not None else -1
+    runner = torch._C._aoti.AOTIModelPackageLoader(str(lib), "model", False, 1, index)
     spec = pytree.treespec_loads(runner.get_call_spec()[1])
     # one tensor, or a tuple of tensors with no None among them: the flat list as it is
     flat = spec.is_leaf() or spec.num_leaves == spec.num_children

@@ -46,7 +46,7 @@ def test_keys_follow_what_the_code_depends_on():
 
 
 class _Planted:
-    """A builder that writes a stub library slowly, counting its builds, and
+    """A builder that writes a stub package slowly, counting its builds, and
     a loader that runs the graph itself."""
 
     def __init__(self, monkeypatch, fail: str = ""):
@@ -93,7 +93,7 @@ def test_a_refused_run_is_not_built_again(monkeypatch, tmp_path):
         with pytest.raises(kernel_cache.Refused, match=r"^RuntimeError: planted: no lowering$"):
             kernel_cache.ahead_of_time(gm, [x], CPU)
     assert len(planted.built) == 1
-    assert not list((tmp_path / "meshplan-aot").glob("*.so"))  # nothing half built
+    assert not list((tmp_path / "meshplan-aot").glob("*.pt2"))  # nothing half built
 
 
 def test_none_inputs_are_part_of_the_graph(monkeypatch, tmp_path):
@@ -114,6 +114,17 @@ def _accumulating_run():
     ops = [Op(0, "aten.mul.Tensor", (Ref(1), 2), (2,)),
            Op(1, k.ACCUMULATE_GRAD, (Ref(0), Ref(2)), (3,))]
     return ops, [0, 1], [3]
+
+
+def _sin_vjp(x, g):
+    return torch.func.vjp(torch.sin, x)[1](g)[0]
+
+
+def _vjp_graph():
+    g = torch.fx.Graph()
+    x, gout = g.placeholder("a0"), g.placeholder("a1")
+    g.output((g.call_function(_sin_vjp, (x, gout)),))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
 _WARM = """
@@ -145,6 +156,11 @@ def test_a_built_run_loads_without_inductor_and_keeps_eager_semantics(monkeypatc
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     for x in (b, b.t()):
         assert torch.equal(kernel_cache.ahead_of_time(gm, [a, x], CPU)(a, x)[0], a + x)
+    # a generic gradient (`torch.func.vjp`): traced to aten ops, not frozen at its example
+    gm = _vjp_graph()
+    for x in (torch.randn(8), torch.randn(8)):
+        got = kernel_cache.ahead_of_time(gm, [x, b[0]], CPU)(x, b[0])[0]
+        assert torch.allclose(got, torch.cos(x) * b[0], atol=1e-6), (got, x)
     # the accumulators' protocol, micro-batch by micro-batch: adopt, own, add in place
     run = fused.InductorRun(*_accumulating_run(), CPU, "accumulate")
     g = torch.ones(3)
