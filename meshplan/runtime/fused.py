@@ -41,7 +41,7 @@ from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
 from meshplan.runtime.codegen import batch_groups
 from meshplan.runtime.devices import resolve_device
-from meshplan.runtime.kernel_cache import Refused, ahead_of_time, input_metas
+from meshplan.runtime.kernel_cache import Refused, ahead_of_time, input_metas, measured_once
 
 
 def check_kernels(kernels: str, device) -> None:
@@ -118,39 +118,61 @@ def graph_of(ops: list[Op], ins: list[int], outs: list[int], device,
 
 
 class InductorRun:
-    """A run's callable: `(*ins) -> outs`, built (or loaded) on its first call."""
+    """A run's callable: `(*ins) -> outs`, built (or loaded) on its first call.
+    On a CPU each variant's first call also measures the bytes the run
+    allocates at its high-water mark (`kernel_cache.measured`: Inductor's
+    buffers are not values the executor holds); every call then counts them
+    in `mem`'s peak, on top of what is live (a GPU's allocator sees them)."""
 
-    def __init__(self, ops: list[Op], ins: list[int], outs: list[int], device, name: str):
-        self.ops, self.name, self.device = ops, name, torch.device(device)
+    def __init__(self, ops: list[Op], ins: list[int], outs: list[int], device, name: str,
+                 mem=None):
+        self.ops, self.name, self.device, self.mem = ops, name, torch.device(device), mem
         self.gm = graph_of(ops, ins, outs, device)
         self.accumulators = _accumulators(self.gm)
         self.eager = functools.partial(graph_of, ops, ins, outs, device, True)  # if refused
         self.fn: Callable | None = None
         self.metas: tuple | None = None  # the inputs `fn` was built for
-        self.built: dict[tuple, Callable] = {}  # by input metas
+        self.scratch = 0  # bytes `fn` allocates at its high-water mark (CPU)
+        self.built: dict[tuple, tuple[Callable, int]] = {}  # by input metas
         self.note = ""  # why it runs eagerly, when Inductor refused it
         self.compile_s = 0.0  # its first calls: built (or loaded) and run
 
     def __call__(self, *args):
         metas = input_metas(args)
-        if metas == self.metas:
-            return self.fn(*args)  # type: ignore[misc]
+        if metas != self.metas:
+            return self._first(metas, args)
+        if self.mem is not None:
+            self.mem.transient(self.scratch)
+        return self.fn(*args)  # type: ignore[misc]
+
+    def _first(self, metas: tuple, args):
+        """A call with inputs of new metas: their variant built or loaded
+        (or eager, if refused), run, and its scratch measured once."""
         t0 = time.perf_counter()
-        fn = self.built.get(metas)
-        if fn is None:
-            try:
-                fn = _marking(ahead_of_time(_specialized(self.gm, args), args, self.device), [
-                    i for i, acc in self.accumulators if args[acc] is not None])
-            except Refused as err:
-                kinds = sorted({op.kind for op in self.ops})
-                self.note = (f"{self.name}: Inductor refused a run of {len(self.ops)} ops "
-                             f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}): "
-                             f"{err}; it runs with eager kernels")
-                warnings.warn(self.note, stacklevel=2)
-                fn = self.eager()
-            self.built[metas] = fn
-        self.fn, self.metas = fn, metas
-        out = fn(*args)
+        if metas in self.built:
+            self.fn, self.scratch = self.built[metas]
+            self.metas = metas
+            return self(*args)
+        lib = None
+        try:
+            built = ahead_of_time(_specialized(self.gm, args), args, self.device)
+            lib = getattr(built, "artifact", None)
+            fn = _marking(built, [i for i, acc in self.accumulators if args[acc] is not None])
+        except Refused as err:
+            kinds = sorted({op.kind for op in self.ops})
+            self.note = (f"{self.name}: Inductor refused a run of {len(self.ops)} ops "
+                         f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}): "
+                         f"{err}; it runs with eager kernels")
+            warnings.warn(self.note, stacklevel=2)
+            fn = self.eager()
+        if self.device.type == "cpu":
+            out, scratch = measured_once(fn, args, lib)
+        else:
+            out, scratch = fn(*args), 0
+        self.built[metas] = (fn, scratch)
+        self.fn, self.metas, self.scratch = fn, metas, scratch
+        if self.mem is not None:
+            self.mem.transient(scratch)
         self.compile_s += time.perf_counter() - t0
         return out
 

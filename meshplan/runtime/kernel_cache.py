@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import getpass
 import hashlib
@@ -38,6 +39,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -112,9 +114,10 @@ def ahead_of_time(gm: fx.GraphModule, args, device: torch.device) -> Callable:
     if refused.exists():
         raise Refused(read_bytes(refused).decode())
     run = load(lib, device)
-    if len(tensors) == len(args):
-        return run
-    return lambda *xs: run(*(x for x in xs if x is not None))
+    call = run if len(tensors) == len(args) else \
+        lambda *xs: run(*(x for x in xs if x is not None))
+    call.artifact = lib  # type: ignore[attr-defined]  # where its measured scratch is kept
+    return call
 
 
 def bind_none(gm: fx.GraphModule, none: list[bool]) -> fx.GraphModule:
@@ -206,3 +209,62 @@ def _user() -> str:
         return getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container)
         return str(os.getuid())
+
+
+def measured_once(fn: Callable, args, lib: Path | None) -> tuple[list, int]:
+    """`measured(fn, args)`, its bytes kept beside the artifact `lib` (if
+    any) for the processes that load it later: they run without a profiler."""
+    known = lib.with_suffix(".scratch") if lib is not None else None
+    if known is not None and known.exists():
+        return fn(*args), int(read_bytes(known))
+    out, scratch = measured(fn, args)
+    if known is not None:
+        write_atomic(known, str(scratch).encode())
+    return out, scratch
+
+
+_MEASURING = threading.Lock()  # one profiler a process: ranks on threads take turns
+
+
+def measured(fn: Callable, args) -> tuple[list, int]:
+    """`fn(*args)` run once, with the bytes it allocates on the CPU at its
+    high-water mark (a built run's own buffers and its outputs; its inputs
+    are the caller's): the allocator's events as `torch.profiler` records
+    them, this thread's only."""
+    from torch.profiler import ProfilerActivity, profile, record_function  # reason: measuring
+
+    with _MEASURING:
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():  # kineto announces each start and stop there
+            prof.start()
+        try:
+            with record_function(_MARK):
+                out = fn(*args)
+        finally:
+            with _quiet_stderr():
+                prof.stop()
+    events = prof.profiler.kineto_results.events()
+    mine = {e.start_thread_id() for e in events if e.name() == _MARK}
+    live = peak = 0
+    cpu = torch._C._autograd.DeviceType.CPU
+    for e in sorted((e for e in events if e.name() == "[memory]" and e.device_type() == cpu
+                     and e.start_thread_id() in mine), key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return out, peak
+
+
+_MARK = "meshplan.measured_run"
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

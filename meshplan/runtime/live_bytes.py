@@ -34,6 +34,12 @@ class LiveBytes:
         else:
             entry[0] += 1
 
+    def transient(self, nbytes: int) -> None:
+        """`nbytes` held for a moment on top of what is live (a built run's
+        own buffers and outputs, measured: `fused.InductorRun`)."""
+        if self.live + nbytes > self.peak:
+            self.peak = self.live + nbytes
+
     def drop(self, t) -> None:
         if not isinstance(t, torch.Tensor):
             return

@@ -210,7 +210,8 @@ class RankExecutor:
         state_reads += [(r, self.updates[r][0]) for r in reads
                         if r in self.updates and r not in self.names and key == STEP_TEMPLATE]
         name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
-        fuse = (lambda run, ins, outs, label: InductorRun(run, ins, outs, self.device, label)) \
+        fuse = (lambda run, ins, outs, label: InductorRun(run, ins, outs, self.device, label,
+                                                          self.mem)) \
             if self.kernels == "inductor" else None
         fn = compile_segment(ops, reads=reads, keeps=keeps + shared, device=self.device,
                              name=name, kernels=kernels, borrowed=[r for r, _ in state_reads],

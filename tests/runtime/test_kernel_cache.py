@@ -171,3 +171,32 @@ def test_a_built_run_loads_without_inductor_and_keeps_eager_semantics(monkeypatc
     assert getattr(second, kernels.OWNED, False) and second is not first
     assert third is second and torch.equal(third, g * 6)
     assert not run.note, run.note
+
+
+def test_a_runs_scratch_is_its_own_allocations_at_their_high_water():
+    """Three 64 KiB buffers alive at once: 192 KiB, whatever another thread
+    (a rank on threads) allocates meanwhile."""
+    x = torch.ones(128, 128)
+    busy, stop = threading.Event(), threading.Event()
+
+    def other_rank():
+        while not stop.is_set():
+            torch.empty(1 << 20).fill_(1.0)
+            busy.set()
+
+    def run(x):
+        a = x * 2
+        b = a + 1
+        c = b * b
+        return [c.sum()]
+
+    t = threading.Thread(target=other_rank, daemon=True)
+    t.start()
+    try:
+        assert busy.wait(10)
+        out, scratch = kernel_cache.measured(run, [x])
+    finally:
+        stop.set()
+        t.join(10)
+    assert out[0].item() == 128 * 128 * 9
+    assert 3 * x.nbytes <= scratch < 3 * x.nbytes + 1024, scratch
