@@ -69,21 +69,39 @@ def batch_groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
     return groups
 
 
+def fuses(op: Op) -> bool:
+    """Whether Inductor can fuse `op` into a kernel with its neighbours: not a
+    view (torch's schema says so) and not a library kernel (a matmul,
+    attention, a convolution: the ops the cost model prices by their flops,
+    `OpRule.flops`), which a compiled graph calls as it is. A run with less
+    than two such ops gains nothing from a build (seconds of C++ compiling
+    on a cold cache) and runs with eager kernels."""
+    rule = rule_for(op.kind)
+    return rule.flops is None and not getattr(rule.kernel, "is_view", False)
+
+
 def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
     """Ops as groups: each maximal run of consecutive ops that run their own
     kernels (none in `kernels`, no hook after one, no output shaped by the
-    values: `OpRule.data_shapes`) one group, the rest one op
-    each; and per run of two or more ops, by its group's index: (its inputs,
-    the values it makes that a later group, a hook or `keeps` reads)."""
+    values: `OpRule.data_shapes`) and hold two or more ops Inductor fuses
+    (`fuses`) one group, the rest as with eager kernels (`batch_groups`);
+    and per run, by its group's index: (its inputs, the values it makes
+    that a later group, a hook or `keeps` reads)."""
     def fusable(op: Op) -> bool:  # runs its own kernel, of shapes known ahead
         return op.id not in kernels and op.id not in hooks and not rule_for(op.kind).data_shapes
 
-    groups: list[list[Op]] = []
+    spans: list[list[Op]] = []
     for op in ops:
-        if fusable(op) and groups and fusable(groups[-1][-1]):
-            groups[-1].append(op)
+        if fusable(op) and spans and fusable(spans[-1][-1]):
+            spans[-1].append(op)
         else:
-            groups.append([op])
+            spans.append([op])
+    groups: list[list[Op]] = []
+    for span in spans:  # one with less than two ops to fuse runs as with eager kernels
+        if len(span) > 1 and sum(map(fuses, span)) < 2:
+            groups += batch_groups(span, kernels)
+        else:
+            groups.append(span)
     later: set[int] = set(keeps)
     runs: dict[int, tuple[list[int], list[int]]] = {}
     for i in range(len(groups) - 1, -1, -1):
@@ -143,9 +161,9 @@ def compile_segment(
     someone else, like the state). `hooks` ({op id: (fn, value ids)}) calls
     `fn([values])` right after that op (a gradient bucket starting); a value
     a hook reads lives until then. `fuse(ops, ins, outs, name)`, when given,
-    makes the callable of each run of two or more ops that run their own
-    kernels (`fused.py`): one call from the run's inputs to the values read
-    after it."""
+    makes the callable of each run of ops that run their own kernels, two
+    or more of which Inductor fuses (`_runs`, `fused.py`): one call from the
+    run's inputs to the values read after it."""
     kernels, hooks = kernels or {}, hooks or {}
     keeps, reads, borrowed = set(keeps), set(reads), set(borrowed)
     if fuse is None:

@@ -157,7 +157,8 @@ class InductorRun:
         try:
             built = ahead_of_time(_specialized(self.gm, args), args, self.device)
             lib = getattr(built, "artifact", None)
-            fn = _marking(built, [i for i, acc in self.accumulators if args[acc] is not None])
+            fn = _marking(built, [i for i, acc in self.accumulators if args[acc] is not None],
+                          [i for i, acc in self.accumulators if args[acc] is None])
         except Refused as err:
             kinds = sorted({op.kind for op in self.ops})
             self.note = (f"{self.name}: Inductor refused a run of {len(self.ops)} ops "
@@ -209,17 +210,35 @@ def _specialized(gm: fx.GraphModule, args) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _marking(fn: Callable, owned: list[int]) -> Callable:
-    """`fn`, marking the outputs at `owned` as accumulators the step owns, as
-    `accumulate_grad` marks them when it runs itself (a built run returns
-    plain tensors)."""
-    if not owned:
+def _marking(fn: Callable, owned: list[int], adopted: list[int]) -> Callable:
+    """`fn`, marking as accumulators the step owns the outputs at `owned`
+    (sums into an accumulator, as `accumulate_grad` marks them when it runs
+    itself: a built run returns plain tensors) and those at `adopted` (a
+    first gradient) that are the run's own buffers: dense, sharing storage
+    with no other input or output. Later micro-batches add into those in
+    place, where eager kernels first add out of place into a fresh tensor
+    (an adopted gradient may be an expanded view, or another parameter's):
+    the same values, one copy less, and one variant of the run less to
+    build (`accumulate_grad` into an owned tensor, never into a borrowed one)."""
+    if not owned and not adopted:
         return fn
 
     def call(*args):
         out = fn(*args)
         for i in owned:
             kernels.own(out[i])
+        for i in adopted:
+            if _sole_owner(out[i], [*out, *args]):
+                kernels.own(out[i])
         return out
 
     return call
+
+
+def _sole_owner(t, tensors: list) -> bool:
+    """Whether `t` is a dense tensor whose storage no other of `tensors` shares."""
+    if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() == 0:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return sum(isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == ptr
+               for x in tensors) == 1

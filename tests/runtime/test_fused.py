@@ -12,11 +12,12 @@ import torch
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError
+from meshplan.ir import Op, Ref
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
-from meshplan.runtime import fused, kernel_cache
+from meshplan.runtime import codegen, fused, kernel_cache
 from meshplan.runtime.codegen import batch_groups
 from meshplan.runtime.local import local_ranks, train_local
 
@@ -56,6 +57,22 @@ def test_runs_as_graphs_equal_eager_kernels_bitwise(name, monkeypatch):
             assert torch.equal(t, eager.slices[r][key]), (r, key)
     runs = [run for ex, _ in ranks for seg in ex.segments.values() for run in seg[0].runs]
     assert runs and all(len(r.ops) > 1 for r in runs)
+
+
+def test_a_run_is_built_only_with_two_ops_to_fuse():
+    """Views and library kernels (matmuls: the ops priced by their flops) are
+    the same compiled or not: a run with one op besides them runs eagerly,
+    unbuilt; with two, they make one run."""
+    ops = [Op(0, "aten.reshape.default", (Ref(1), (8, 4)), (2,)),
+           Op(1, "aten.t.default", (Ref(2),), (3,)),
+           Op(2, "aten.mm.default", (Ref(3), Ref(2)), (4,)),
+           Op(3, "aten.gelu.default", (Ref(4),), (5,))]
+    assert [codegen.fuses(op) for op in ops] == [False, False, False, True]
+    groups, runs = codegen._runs(ops, {}, {}, {5})
+    assert not runs and [len(g) for g in groups] == [1, 1, 1, 1]
+    add = Op(4, "aten.add.Tensor", (Ref(5), Ref(4)), (6,))
+    groups, runs = codegen._runs([*ops, add], {}, {}, {6})
+    assert [len(g) for g in groups] == [5] and runs == {0: ([1], [6])}
 
 
 def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):

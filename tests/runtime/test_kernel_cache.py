@@ -106,7 +106,31 @@ def test_none_inputs_are_part_of_the_graph(monkeypatch, tmp_path):
     out = run(None, g)
     assert torch.equal(out[0], g * 2)
     assert [n.op for n in planted.gm.graph.nodes].count("placeholder") == 1
-    assert getattr(out[0], kernels.OWNED, False) is False  # adopted, not owned
+    assert getattr(out[0], kernels.OWNED, False)  # the run's own buffer: later ones add into it
+
+
+def test_a_first_gradient_is_owned_only_where_the_run_made_it(monkeypatch, tmp_path):
+    """A built run's first gradient is owned (later micro-batches add into it
+    in place) where it is a buffer of the run's own; one that is an input, or
+    that two accumulators adopt, is borrowed, as eager kernels keep them all:
+    never written, the next micro-batch adds out of place."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    _Planted(monkeypatch)
+    mul = "aten.mul.Tensor"  # d = g * 2 (two adopt it), e = g * 3; one adopts g itself
+    ops = [Op(0, mul, (Ref(1), 2), (2,)), Op(1, mul, (Ref(1), 3), (3,)),
+           Op(2, k.ACCUMULATE_GRAD, (Ref(10), Ref(2)), (20,)),
+           Op(3, k.ACCUMULATE_GRAD, (Ref(11), Ref(2)), (21,)),
+           Op(4, k.ACCUMULATE_GRAD, (Ref(12), Ref(1)), (22,)),
+           Op(5, k.ACCUMULATE_GRAD, (Ref(13), Ref(3)), (23,))]
+    run = fused.InductorRun(ops, [1, 10, 11, 12, 13], [20, 21, 22, 23], CPU, "planted")
+    g = torch.ones(3)
+    first = run(g, None, None, None, None)
+    assert [bool(getattr(t, kernels.OWNED, False)) for t in first] == [False, False, False, True]
+    second = run(g, *first)
+    assert second[3] is first[3] and torch.equal(second[3], g * 6)  # in place, its own
+    assert all(second[i] is not first[i] for i in range(3))  # out of place: borrowed ones
+    assert torch.equal(first[0], g * 2) and torch.equal(g, torch.ones(3))  # never written
+    assert [torch.equal(t, g * c) for t, c in zip(second, (4, 4, 2, 6))] == [True] * 4
 
 
 def _accumulating_run():
@@ -161,15 +185,16 @@ def test_a_built_run_loads_without_inductor_and_keeps_eager_semantics(monkeypatc
     for x in (torch.randn(8), torch.randn(8)):
         got = kernel_cache.ahead_of_time(gm, [x, b[0]], CPU)(x, b[0])[0]
         assert torch.allclose(got, torch.cos(x) * b[0], atol=1e-6), (got, x)
-    # the accumulators' protocol, micro-batch by micro-batch: adopt, own, add in place
+    # the accumulators' protocol, micro-batch by micro-batch: the run's own first gradient
+    # owned, later ones added into it in place: two variants built, not three
     run = fused.InductorRun(*_accumulating_run(), CPU, "accumulate")
     g = torch.ones(3)
     first = run(None, g)[0]
     second = run(first, g)[0]
     third = run(second, g)[0]
-    assert not getattr(first, kernels.OWNED, False)
-    assert getattr(second, kernels.OWNED, False) and second is not first
-    assert third is second and torch.equal(third, g * 6)
+    assert getattr(first, kernels.OWNED, False)
+    assert third is second is first and torch.equal(third, g * 6)
+    assert len(run.built) == 2
     assert not run.note, run.note
 
 
