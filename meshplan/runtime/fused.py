@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import importlib.util
@@ -227,18 +228,18 @@ def _marking(fn: Callable, owned: list[int], adopted: list[int]) -> Callable:
         out = fn(*args)
         for i in owned:
             kernels.own(out[i])
-        for i in adopted:
-            if _sole_owner(out[i], [*out, *args]):
+        if adopted:
+            for i in _alone(out, args, adopted):
                 kernels.own(out[i])
         return out
 
     return call
 
 
-def _sole_owner(t, tensors: list) -> bool:
-    """Whether `t` is a dense tensor whose storage no other of `tensors` shares."""
-    if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() == 0:
-        return False
-    ptr = t.untyped_storage().data_ptr()
-    return sum(isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() == ptr
-               for x in tensors) == 1
+def _alone(out, args, positions: list[int]) -> list[int]:
+    """Of `positions` in `out`, those of dense tensors whose storage no other
+    input or output shares."""
+    tensors = [x for x in (*out, *args) if isinstance(x, torch.Tensor)]
+    users = collections.Counter(x.untyped_storage().data_ptr() for x in tensors)
+    return [i for i in positions if isinstance(t := out[i], torch.Tensor) and t.numel()
+            and t.is_contiguous() and users[t.untyped_storage().data_ptr()] == 1]
