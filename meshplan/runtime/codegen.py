@@ -73,7 +73,7 @@ def fuses(op: Op) -> bool:
     """Whether Inductor can fuse `op` into a kernel with its neighbours: not a
     view (torch's schema says so) and not a library kernel (a matmul,
     attention, a convolution: the ops the cost model prices by their flops,
-    `OpRule.flops`), which a compiled graph calls as it is. A run with less
+    `OpRule.flops`), which a compiled graph calls as it is. A run with fewer
     than two such ops gains nothing from a build (seconds of C++ compiling
     on a cold cache) and runs with eager kernels."""
     rule = rule_for(op.kind)
@@ -97,7 +97,7 @@ def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
         else:
             spans.append([op])
     groups: list[list[Op]] = []
-    for span in spans:  # one with less than two ops to fuse runs as with eager kernels
+    for span in spans:  # one with fewer than two ops to fuse runs as with eager kernels
         if len(span) > 1 and sum(map(fuses, span)) < 2:
             groups += batch_groups(span, kernels)
         else:
