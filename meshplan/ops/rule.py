@@ -117,3 +117,12 @@ class OpRule:
     # Its output shapes follow the values (rows per expert counted at run
     # time): it runs as its own call, never inside an Inductor graph.
     data_shapes: bool = False
+
+    @property
+    def fuses(self) -> bool:
+        """Whether Inductor can fuse it into a kernel with its neighbours: not
+        a view (torch's schema says so) and not a library kernel (a matmul,
+        attention, a convolution: the ops priced by their `flops`), which a
+        compiled graph calls as it is (`runtime/codegen.py` builds a run only
+        with two or more such ops)."""
+        return self.flops is None and not getattr(self.kernel, "is_view", False)

@@ -69,22 +69,12 @@ def batch_groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
     return groups
 
 
-def fuses(op: Op) -> bool:
-    """Whether Inductor can fuse `op` into a kernel with its neighbours: not a
-    view (torch's schema says so) and not a library kernel (a matmul,
-    attention, a convolution: the ops the cost model prices by their flops,
-    `OpRule.flops`), which a compiled graph calls as it is. A run with fewer
-    than two such ops gains nothing from a build (seconds of C++ compiling
-    on a cold cache) and runs with eager kernels."""
-    rule = rule_for(op.kind)
-    return rule.flops is None and not getattr(rule.kernel, "is_view", False)
-
-
 def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
     """Ops as groups: each maximal run of consecutive ops that run their own
     kernels (none in `kernels`, no hook after one, no output shaped by the
     values: `OpRule.data_shapes`) and hold two or more ops Inductor fuses
-    (`fuses`) one group, the rest as with eager kernels (`batch_groups`);
+    (`OpRule.fuses`: a shorter one would cost a build, seconds of C++ on a
+    cold cache, and gain nothing) one group, the rest as with eager kernels (`batch_groups`);
     and per run, by its group's index: (its inputs, the values it makes
     that a later group, a hook or `keeps` reads)."""
     def fusable(op: Op) -> bool:  # runs its own kernel, of shapes known ahead
@@ -98,7 +88,7 @@ def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
             spans.append([op])
     groups: list[list[Op]] = []
     for span in spans:  # one with fewer than two ops to fuse runs as with eager kernels
-        if len(span) > 1 and sum(map(fuses, span)) < 2:
+        if len(span) > 1 and sum(rule_for(op.kind).fuses for op in span) < 2:
             groups += batch_groups(span, kernels)
         else:
             groups.append(span)

@@ -7,7 +7,7 @@ Invariants:
   variant, bucket, prefetch, random or routed experts kernel of the rank's (those stay
   meshplan's calls, so the schedule, the overlap and the proofs are as
   with eager kernels), and no hook after them, holding two or more ops
-  Inductor fuses (`codegen.fuses`; a shorter one runs as eager kernels).
+  Inductor fuses (`OpRule.fuses`; a shorter one runs as eager kernels).
 - The graph is the run's ops as aten calls on its inputs, returning the
   values the segment reads after the run. At its first call it is loaded
   from this machine's cache of AOTInductor builds, built into it first if

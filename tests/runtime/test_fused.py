@@ -67,7 +67,7 @@ def test_a_run_is_built_only_with_two_ops_to_fuse():
            Op(1, "aten.t.default", (Ref(2),), (3,)),
            Op(2, "aten.mm.default", (Ref(3), Ref(2)), (4,)),
            Op(3, "aten.gelu.default", (Ref(4),), (5,))]
-    assert [codegen.fuses(op) for op in ops] == [False, False, False, True]
+    assert [rule_for(op.kind).fuses for op in ops] == [False, False, False, True]
     groups, runs = codegen._runs(ops, {}, {}, {5})
     assert not runs and [len(g) for g in groups] == [1, 1, 1, 1]
     add = Op(4, "aten.add.Tensor", (Ref(5), Ref(4)), (6,))
