@@ -18,6 +18,10 @@ Two parts, one run (`python benchmarks/fused.py [--parts step,compile]`):
    torch.distributed.pipelining's Schedule1F1B with eager and compiled
    stages (`fused_pp2.py`). Target: meshplan inductor <= 1.0x torch's
    compiled stages.
+4. cold: GPT tiny at one process (AdamW), at pp2 with 4 micro-batches and at
+   the demo's layout, `meshplan run --steps 2` in fresh processes with an
+   empty cache folder, beside eager kernels: the wall time, each rank's
+   build seconds, the packages built (the cost a machine pays once).
 
 Run: python benchmarks/fused.py     (about 10 minutes on 2 cores, cold caches)
 """
@@ -94,14 +98,26 @@ def step_part(model: str, batch: int = 8, steps: int = 8, warmup: int = 3) -> di
                                                                   losses["eager"]))}
 
 
-def _run(kernels: str, cache: str, out: str) -> dict:
+DEMO = ["--nodes", "2", "--devices-per-node", "4", "--dp", "2", "--tp", "2", "--pp", "2",
+        "--vpp", "2", "--schedule", "interleaved", "--micro-batch-size", "1",
+        "--global-batch-size", "16"]
+COLD = {  # layouts whose cold start part 4 measures: (what, `meshplan run` arguments)
+    "gpt tiny, 1 process, AdamW": ["--optimizer", "adamw", "--global-batch-size", "8"],
+    "gpt tiny, pp2, 4 micro-batches": ["--devices-per-node", "2", "--pp", "2",
+                                       "--micro-batch-size", "2", "--global-batch-size", "8"],
+    "gpt tiny, demo layout (dp2 tp2 pp2 vpp2)": DEMO,
+}
+
+
+def _run(kernels: str, cache: str, layout: list[str] = DEMO, steps: int = 2) -> dict:
+    """`meshplan run` of GPT tiny at `layout` in fresh processes, with Inductor's
+    cache folder `cache`: its wall time, the ranks' first-call seconds of their
+    runs, and the packages the cache then holds."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "meshplan", "run", "--model", "gpt", "--size",
-                        "tiny", "--nodes", "2", "--devices-per-node", "4", "--dp", "2", "--tp",
-                        "2", "--pp", "2", "--vpp", "2", "--schedule", "interleaved",
-                        "--micro-batch-size", "1", "--global-batch-size", "16", "--steps", "2",
-                        "--kernels", kernels, "--timeout", "600", "--json"],
+                        "tiny", *layout, "--steps", str(steps), "--kernels", kernels,
+                        "--timeout", "600", "--json"],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
@@ -109,23 +125,38 @@ def _run(kernels: str, cache: str, out: str) -> dict:
     res = json.loads(p.stdout)
     compile_s = [r.get("kernel_compile_s", 0.0) for r in res["ranks"].values()]
     return {"kernels": kernels, "wall_s": wall, "first_step_s": res.get("step_s", [None])[0],
-            "kernel_compile_s": compile_s,
+            "kernel_compile_s": compile_s, "losses": res.get("losses"),
+            "packages": len(list(Path(cache).glob("meshplan-aot/*.pt2"))),
             "notes": [n for r in res["ranks"].values() for n in r.get("kernel_notes", [])]}
 
 
 def compile_part() -> dict:
-    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as cache:
         common.wait_quiet(30)
-        eager = _run("eager", cache, out)
+        eager = _run("eager", cache)
         common.wait_quiet(30)
-        cold = _run("inductor", cache, out)
+        cold = _run("inductor", cache)
         common.wait_quiet(30)
-        warm = _run("inductor", cache, out)
+        warm = _run("inductor", cache)
         common.wait_quiet(30)
-        eager2 = _run("eager", cache, out)
+        eager2 = _run("eager", cache)
     base = statistics.median([eager["wall_s"], eager2["wall_s"]])
     return {"eager": [eager, eager2], "cold": cold, "warm": warm,
             "warm_over_eager": warm["wall_s"] / base, "cold_over_eager": cold["wall_s"] / base}
+
+
+def cold_part() -> dict:
+    """Each `COLD` layout's first steps with an empty cache: what a first
+    `meshplan run --kernels inductor` on a machine costs, and the packages
+    it builds, beside eager kernels' run of the same layout."""
+    out = {}
+    for name, layout in COLD.items():
+        with tempfile.TemporaryDirectory() as cache:
+            common.wait_quiet(30)
+            eager = _run("eager", cache, layout)
+            common.wait_quiet(30)
+            out[name] = {"eager": eager, "cold": _run("inductor", cache, layout)}
+    return out
 
 
 def table(res: dict) -> str:
@@ -185,12 +216,24 @@ def table(res: dict) -> str:
         lines += ["", f"- meshplan inductor / torch pipelining with compiled stages: {ratio:.3f} "
                   f"(target <= {TARGETS['vs_torch_compile']}): "
                   f"{'met' if ratio <= TARGETS['vs_torch_compile'] else 'NOT met'}", ""]
+    if "cold" in res:
+        lines += ["## 4. A cold cache: `meshplan run --steps 2 --kernels inductor`, fresh "
+                  "processes, an empty cache folder", "",
+                  "| layout | eager wall (s) | cold wall (s) | build s per rank, max | packages "
+                  "built | refused runs | same losses as eager |", "|---|---|---|---|---|---|---|"]
+        for name, r in res["cold"].items():
+            e, c = r["eager"], r["cold"]
+            diff = max(abs(a - b) for a, b in zip(e["losses"], c["losses"]))
+            lines.append(f"| {name} | {e['wall_s']:.1f} | {c['wall_s']:.1f} | "
+                         f"{max(c['kernel_compile_s']):.1f} | {c['packages']} | "
+                         f"{len(c['notes'])} | within {diff:.1e} |")
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="step,compile,pp2")
+    p.add_argument("--parts", default="step,compile,pp2,cold")
     args = p.parse_args()
     path = common.RESULTS / "fused.json"
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -198,7 +241,8 @@ def main() -> None:
     for name in args.parts.split(","):
         print(f"== {name}", flush=True)
         res[name] = ([step_part("gpt"), step_part("bert")] if name == "step" else
-                     compile_part() if name == "compile" else pp2_part())
+                     compile_part() if name == "compile" else
+                     cold_part() if name == "cold" else pp2_part())
         common.write("fused", res, table(res))
     print(table(res))
 
