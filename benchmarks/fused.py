@@ -1,7 +1,7 @@
 """Fused kernels (`--kernels inductor`, issue 39): meshplan's compute runs
 compiled by Inductor against `torch.compile(model)` and eager PyTorch.
 
-Two parts, one run (`python benchmarks/fused.py [--parts step,compile]`):
+Four parts, one run (`python benchmarks/fused.py [--parts step,compile,pp2,cold]`):
 
 1. step: GPT small and BERT small, one process, AdamW, batch 8: eager
    PyTorch, `torch.compile(model)` (forward and backward compiled; torch's
@@ -18,8 +18,8 @@ Two parts, one run (`python benchmarks/fused.py [--parts step,compile]`):
    torch.distributed.pipelining's Schedule1F1B with eager and compiled
    stages (`fused_pp2.py`). Target: meshplan inductor <= 1.0x torch's
    compiled stages.
-4. cold: GPT tiny at one process (AdamW), at pp2 with 4 micro-batches and at
-   the demo's layout, `meshplan run --steps 2` in fresh processes with an
+4. cold: GPT tiny at one process (AdamW) and at pp2 with 4 micro-batches
+   (the demo's layout: part 2), `meshplan run --steps 2` in fresh processes with an
    empty cache folder, beside eager kernels: the wall time, each rank's
    build seconds, the packages built (the cost a machine pays once).
 
@@ -105,8 +105,7 @@ COLD = {  # layouts whose cold start part 4 measures: (what, `meshplan run` argu
     "gpt tiny, 1 process, AdamW": ["--optimizer", "adamw", "--global-batch-size", "8"],
     "gpt tiny, pp2, 4 micro-batches": ["--devices-per-node", "2", "--pp", "2",
                                        "--micro-batch-size", "2", "--global-batch-size", "8"],
-    "gpt tiny, demo layout (dp2 tp2 pp2 vpp2)": DEMO,
-}
+}  # the demo's layout: part 2
 
 
 def _run(kernels: str, cache: str, layout: list[str] = DEMO, steps: int = 2) -> dict:
