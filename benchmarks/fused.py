@@ -1,7 +1,7 @@
 """Fused kernels (`--kernels inductor`, issue 39): meshplan's compute runs
 compiled by Inductor against `torch.compile(model)` and eager PyTorch.
 
-Four parts, one run (`python benchmarks/fused.py [--parts step,compile,pp2,cold]`):
+Five parts, one run (`python benchmarks/fused.py [--parts step,compile,pp2,cold,optimizer]`):
 
 1. step: GPT small and BERT small, one process, AdamW, batch 8: eager
    PyTorch, `torch.compile(model)` (forward and backward compiled; torch's
@@ -22,6 +22,9 @@ Four parts, one run (`python benchmarks/fused.py [--parts step,compile,pp2,cold]
    (the demo's layout: part 2), `meshplan run --steps 2` in fresh processes with an
    empty cache folder, beside eager kernels: the wall time, each rank's
    build seconds, the packages built (the cost a machine pays once).
+5. optimizer: GPT small's AdamW update as torch's per-tensor loop, torch's
+   fused kernel (what `--kernels inductor` runs) and Inductor's code for
+   it (`fused_optimizer.py`).
 
 Run: python benchmarks/fused.py     (about 10 minutes on 2 cores, cold caches)
 """
@@ -43,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from fused_optimizer import optimizer_part, optimizer_table  # noqa: E402
 from fused_pp2 import CONFIGS as PP2_CONFIGS  # noqa: E402
 from fused_pp2 import pp2_part  # noqa: E402
 
@@ -227,12 +231,14 @@ def table(res: dict) -> str:
                          f"{max(c['kernel_compile_s']):.1f} | {c['packages']} | "
                          f"{len(c['notes'])} | within {diff:.1e} |")
         lines.append("")
+    if "optimizer" in res:
+        lines += optimizer_table(res["optimizer"])
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="step,compile,pp2,cold")
+    p.add_argument("--parts", default="step,compile,pp2,cold,optimizer")
     args = p.parse_args()
     path = common.RESULTS / "fused.json"
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -241,7 +247,8 @@ def main() -> None:
         print(f"== {name}", flush=True)
         res[name] = ([step_part("gpt"), step_part("bert")] if name == "step" else
                      compile_part() if name == "compile" else
-                     cold_part() if name == "cold" else pp2_part())
+                     cold_part() if name == "cold" else
+                     optimizer_part() if name == "optimizer" else pp2_part())
         common.write("fused", res, table(res))
     print(table(res))
 

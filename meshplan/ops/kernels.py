@@ -8,12 +8,18 @@ Invariants:
   torch's own choice of implementation per device (`foreach=None`: the
   per-tensor loop on CPU, the multi-tensor kernels on CUDA). Their
   `*_multi` forms take one list per argument; the executor batches a run of
-  optimizer ops into one such call, as `torch.optim` itself does.
+  optimizer ops into one such call, as `torch.optim` itself does. With
+  `fused=True` (`--kernels inductor`: `OpRule.fused_batched`) they call
+  torch's fused kernel (`torch._fused_adamw_`: one vectorized pass over all
+  the lists), on the parameters whose tensors are dense: on CPU that kernel
+  reads a transposed or expanded tensor wrongly, silently (measured: nan for
+  an expanded gradient), so a non-dense gradient is made dense first and a
+  parameter with a non-dense state takes the per-tensor loop.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -55,17 +61,21 @@ def own(t: torch.Tensor) -> torch.Tensor:
 
 def sgd_multi(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], *,
               lr: float | Tensor, momentum: float, weight_decay: float, dampening: float,
-              nesterov: bool, coef: Tensor | None = None,
+              nesterov: bool, coef: Tensor | None = None, fused: bool = False,
               ) -> tuple[list[Tensor], list[Tensor | None]]:
     """`torch.optim.SGD` steps on lists of parameters (each gradient first
     times the clipping factor `coef`, if given; `lr` a float, or the
-    schedule's state tensor); returns (params, bufs)."""
+    schedule's state tensor; `fused`: torch's fused kernel); returns
+    (params, bufs)."""
     bufs, grads = list(bufs), clipped(grads, coef)
+
+    def step(ps, gs, bs, fuse):
+        _sgd(ps, gs, bs, weight_decay=weight_decay, momentum=momentum, lr=float(lr),
+             dampening=dampening, nesterov=nesterov, maximize=False, foreach=None,
+             fused=fuse or None)
+
     with torch.no_grad():
-        _sgd(
-            params, grads, bufs, weight_decay=weight_decay, momentum=momentum, lr=float(lr),
-            dampening=dampening, nesterov=nesterov, maximize=False, foreach=None,
-        )
+        by_kernel(step, [params, grads, bufs], fused)
     return params, bufs
 
 
@@ -79,19 +89,44 @@ def sgd_step(param: Tensor, grad: Tensor, buf: Tensor | None,
 def adamw_multi(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                 exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float | Tensor,
                 beta1: float, beta2: float, eps: float, weight_decay: float,
-                coef: Tensor | None = None) -> tuple[list[Tensor], ...]:
+                coef: Tensor | None = None, fused: bool = False) -> tuple[list[Tensor], ...]:
     """`torch.optim.AdamW` steps on lists of parameters (each gradient first
     times the clipping factor `coef`, if given; `lr` a float, or the
-    schedule's state tensor); returns the new state lists."""
+    schedule's state tensor; `fused`: torch's fused kernel); returns the new
+    state lists."""
     grads = clipped(grads, coef)
+
+    def step(ps, gs, ms, vs, ss, fuse):
+        _adamw(ps, gs, ms, vs, [], ss, foreach=None, capturable=False, differentiable=False,
+               fused=fuse or None, grad_scale=None, found_inf=None, has_complex=False,
+               amsgrad=False, beta1=beta1, beta2=beta2, lr=float(lr),
+               weight_decay=weight_decay, eps=eps, maximize=False)
+
     with torch.no_grad():
-        _adamw(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
-            capturable=False, differentiable=False, fused=None, grad_scale=None,
-            found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=float(lr), weight_decay=weight_decay, eps=eps, maximize=False,
-        )
+        by_kernel(step, [params, grads, exp_avgs, exp_avg_sqs, steps], fused)
     return params, exp_avgs, exp_avg_sqs, steps
+
+
+def by_kernel(step: Callable, lists: list[list], fused: bool) -> None:
+    """`step(*lists, fuse)`, torch's functional optimizer: with `fused`, its
+    fused kernel on the parameters whose tensors are dense (a gradient made
+    dense first), the per-tensor loop on the others; lists of state written
+    back (a first step's new momentum buffers)."""
+    if not fused:
+        step(*lists, False)
+        return
+    lists[1] = [g if g.is_contiguous() else g.contiguous() for g in lists[1]]
+    state = lists[:1] + lists[2:]
+    dense = [all(x[i] is None or x[i].is_contiguous() for x in state)
+             for i in range(len(lists[0]))]
+    for fuse in (True, False):
+        picked = [i for i, d in enumerate(dense) if d == fuse]
+        if picked:
+            part = [[x[i] for i in picked] for x in lists]
+            step(*part, fuse)
+            for x, y in zip(lists, part):  # a first step's new momentum buffers
+                for i, t in zip(picked, y):
+                    x[i] = t
 
 
 def adamw_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,

@@ -93,6 +93,12 @@ class OpRule:
     # shared; returns one list per output. Lets the executor run a run of
     # such ops (one per parameter) as a single call.
     batched: Optional[Callable] = None
+    # `batched` also takes `fused=True`: torch's fused kernel for it (one
+    # vectorized pass over all the lists: `torch._fused_adamw_`). With
+    # `--kernels inductor` a group of such ops calls that, never inside an
+    # Inductor graph: nothing to build, and faster than Inductor's code for
+    # the same update (docs/concepts/kernels.md).
+    fused_batched: bool = False
     # SBP signatures along one mesh axis (see `sbp_sig.py`); default: replicated.
     sbp: Optional[SbpRule] = None
     # (argument position, output index): the argument is a shape that must
@@ -125,4 +131,5 @@ class OpRule:
         attention, a convolution: the ops priced by their `flops`), which a
         compiled graph calls as it is (`runtime/codegen.py` builds a run only
         with two or more such ops)."""
-        return self.flops is None and not getattr(self.kernel, "is_view", False)
+        return (self.flops is None and not self.fused_batched
+                and not getattr(self.kernel, "is_view", False))

@@ -72,13 +72,16 @@ def batch_groups(ops: list[Op], kernels: dict) -> list[list[Op]]:
 def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
     """Ops as groups: each maximal run of consecutive ops that run their own
     kernels (none in `kernels`, no hook after one, no output shaped by the
-    values: `OpRule.data_shapes`) and hold two or more ops Inductor fuses
+    values: `OpRule.data_shapes`, none torch has a fused kernel for:
+    `OpRule.fused_batched`) and hold two or more ops Inductor fuses
     (`OpRule.fuses`: a shorter one would cost a build, seconds of C++ on a
-    cold cache, and gain nothing) one group, the rest as with eager kernels (`batch_groups`);
-    and per run, by its group's index: (its inputs, the values it makes
-    that a later group, a hook or `keeps` reads)."""
+    cold cache, and gain nothing) one group, the rest as with eager kernels
+    (`batch_groups`); and per run, by its group's index: (its inputs, the
+    values it makes that a later group, a hook or `keeps` reads)."""
     def fusable(op: Op) -> bool:  # runs its own kernel, of shapes known ahead
-        return op.id not in kernels and op.id not in hooks and not rule_for(op.kind).data_shapes
+        rule = rule_for(op.kind)
+        return (op.id not in kernels and op.id not in hooks and not rule.data_shapes
+                and not rule.fused_batched)
 
     spans: list[list[Op]] = []
     for op in ops:
@@ -87,17 +90,23 @@ def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
         else:
             spans.append([op])
     groups: list[list[Op]] = []
-    for span in spans:  # one with fewer than two ops to fuse runs as with eager kernels
-        if len(span) > 1 and sum(rule_for(op.kind).fuses for op in span) < 2:
-            groups += batch_groups(span, kernels)
-        else:
-            groups.append(span)
+    built: set[int] = set()  # the groups that are runs
+    eager: list[Op] = []  # consecutive ops that run as with eager kernels
+    for span in spans:
+        if sum(rule_for(op.kind).fuses for op in span) < 2:
+            eager += span
+            continue
+        groups += batch_groups(eager, kernels)
+        eager = []
+        built.add(len(groups))
+        groups.append(span)
+    groups += batch_groups(eager, kernels)
     later: set[int] = set(keeps)
     runs: dict[int, tuple[list[int], list[int]]] = {}
     for i in range(len(groups) - 1, -1, -1):
         group = groups[i]
         made = {o for op in group for o in op.outputs if o != ABSENT}
-        if len(group) > 1:
+        if i in built:
             ins = list(dict.fromkeys(r for op in group for r in op.refs() if r not in made))
             runs[i] = (ins, [o for op in group for o in op.outputs
                              if o != ABSENT and o in later])
@@ -108,21 +117,27 @@ def _runs(ops: list[Op], kernels: dict, hooks: dict, keeps: set[int]):
     return groups, runs
 
 
-def _call_line(group: list[Op], consts: _Consts, device, kernels: dict) -> str:
-    """`outputs = kernel(args)` for one op, or one batched call for a group."""
+def _call_line(group: list[Op], consts: _Consts, device, kernels: dict,
+               fused: bool = False) -> str:
+    """`outputs = kernel(args)` for one op, or one batched call for a group
+    (`fused`: torch's fused kernel where the op has one, a group of one too:
+    `OpRule.fused_batched`)."""
     def outs(op):
         return [f"v{o}" if o != ABSENT else "_" for o in op.outputs]
 
+    rule = rule_for(group[0].kind)
+    fused = fused and rule.fused_batched and group[0].id not in kernels
     kw = [f"{k}={_expr(v, consts, device)}" for k, v in group[0].kwargs]
-    if len(group) == 1:
+    if len(group) == 1 and not fused:
         (op,) = group
         args = [_expr(a, consts, device) for a in op.args] + kw
         names = outs(op)  # a list of one tensor is unpacked too
-        unpack = len(names) > 1 or rule_for(op.kind).returns_list
+        unpack = len(names) > 1 or rule.returns_list
         target = ", ".join(names) + ("," if len(names) == 1 else "") if unpack else names[0]
         kernel = kernels.get(op.id) or _kernel(op.kind)
         return f"    {target} = {consts.ref(kernel)}({', '.join(args)})"
-    kernel = consts.ref(rule_for(group[0].kind).batched)
+    kw += ["fused=True"] if fused else []
+    kernel = consts.ref(rule.batched)
     columns = zip(*(op.args for op in group))
     args = ["[" + ", ".join(_expr(a, consts, device) for a in col) + "]" for col in columns]
     targets = ", ".join("[" + ", ".join(col) + "]" for col in zip(*(outs(op) for op in group)))
@@ -187,7 +202,7 @@ def compile_segment(
             lines.append(f"    {''.join(f'v{o}, ' for o in made)}= "
                          f"{call}({', '.join(f'v{r}' for r in ins)})")
         else:
-            lines.append(_call_line(group, consts, device, kernels))
+            lines.append(_call_line(group, consts, device, kernels, fuse is not None))
             made = [o for op in group for o in op.outputs if o != ABSENT]
         line_ops[len(lines)] = tuple(op.id for op in group)
         lines += [f"    mem.add(v{o})" for o in made]

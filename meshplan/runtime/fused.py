@@ -15,16 +15,16 @@ Invariants:
   of several ranks), for the real inputs' metas (static shapes: a
   segment's shapes do not change from step to step). Each call checks its
   inputs' metas: other metas get (or build) their own artifact.
-- A run Inductor refuses runs its graph eagerly (the same kernels, in order,
-  consecutive optimizer ops batched into torch's multi-tensor calls as with
-  eager kernels), with one warning naming the run and the reason.
+- The optimizer's updates are in no run: torch's fused kernel runs them
+  (`OpRule.fused_batched`, `codegen._call_line`).
+- A run Inductor refuses runs its graph eagerly (the same kernels, in
+  order), with one warning naming the run and the reason.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
-import functools
 import importlib.util
 import operator
 import os
@@ -41,7 +41,6 @@ from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ir.choices import Kernels, choose
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
-from meshplan.runtime.codegen import batch_groups
 from meshplan.runtime.devices import resolve_device
 from meshplan.runtime.kernel_cache import Refused, ahead_of_time, input_metas, measured_once
 
@@ -75,12 +74,10 @@ def kernel_of(op: Op) -> Callable:
     return rule_for(op.kind).kernel  # an OpOverload itself: FX names it
 
 
-def graph_of(ops: list[Op], ins: list[int], outs: list[int], device,
-             batched: bool = False) -> fx.GraphModule:
-    """The run's ops as one FX graph: placeholders `ins`, output `outs`;
-    `batched`: consecutive optimizer ops as one multi-tensor call each, as
-    eager kernels run them (`codegen.batch_groups`). Its names are positions,
-    not value ids: equal runs of several ranks have equal code (one build)."""
+def graph_of(ops: list[Op], ins: list[int], outs: list[int], device) -> fx.GraphModule:
+    """The run's ops as one FX graph: placeholders `ins`, output `outs`. Its
+    names are positions, not value ids: equal runs of several ranks have
+    equal code (one build)."""
     g = fx.Graph()
     node: dict[int, fx.Node] = {v: g.placeholder(f"a{i}") for i, v in enumerate(ins)}
 
@@ -95,18 +92,8 @@ def graph_of(ops: list[Op], ins: list[int], outs: list[int], device,
             return device
         return a
 
-    for group in batch_groups(ops, {}) if batched else [[op] for op in ops]:
-        op = group[0]
+    for op in ops:
         kwargs = {k: arg(v) for k, v in op.kwargs}
-        if len(group) > 1:  # outputs: one list per output position, an entry per op
-            columns = tuple([arg(a) for a in column] for column in zip(*(x.args for x in group)))
-            call = g.call_function(rule_for(op.kind).batched, columns, kwargs)
-            for i, x in enumerate(group):
-                for j, o in enumerate(x.outputs):
-                    if o != ABSENT:
-                        column_j = g.call_function(operator.getitem, (call, j))
-                        node[o] = g.call_function(operator.getitem, (column_j, i))
-            continue
         call = g.call_function(kernel_of(op), tuple(arg(a) for a in op.args), kwargs)
         if len(op.outputs) == 1 and not rule_for(op.kind).returns_list:
             if op.outputs[0] != ABSENT:
@@ -131,7 +118,6 @@ class InductorRun:
         self.ops, self.name, self.device, self.mem = ops, name, torch.device(device), mem
         self.gm = graph_of(ops, ins, outs, device)
         self.accumulators = _accumulators(self.gm)
-        self.eager = functools.partial(graph_of, ops, ins, outs, device, True)  # if refused
         self.fn: Callable | None = None
         self.metas: tuple | None = None  # the inputs `fn` was built for
         self.scratch = 0  # bytes `fn` allocates at its high-water mark (CPU)
@@ -167,7 +153,7 @@ class InductorRun:
                          f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}): "
                          f"{err}; it runs with eager kernels")
             warnings.warn(self.note, stacklevel=2)
-            fn = self.eager()
+            fn = self.gm  # its aten kernels, in order
         if self.device.type == "cpu":
             out, scratch = measured_once(fn, args, lib)
         else:

@@ -12,13 +12,12 @@ import torch
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError
-from meshplan.ir import Op, Ref
+from meshplan.ir import Op, Ref, Role
 from meshplan.ir.mesh import Mesh
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
 from meshplan.runtime import codegen, fused, kernel_cache
-from meshplan.runtime.codegen import batch_groups
 from meshplan.runtime.local import local_ranks, train_local
 
 LAYOUTS = {  # name: (model, strategy fields)
@@ -46,9 +45,17 @@ def _train(name: str, kernels: str, steps: int = 2):
     return run, ranks
 
 
+def _optimizer_loop(monkeypatch):
+    """The optimizer's per-tensor loop with `--kernels inductor` too, not
+    torch's fused kernel (equal within rounding: `test_the_fused_optimizer_...`)."""
+    loop = kernels.by_kernel
+    monkeypatch.setattr(kernels, "by_kernel", lambda step, lists, fused: loop(step, lists, False))
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_runs_as_graphs_equal_eager_kernels_bitwise(name, monkeypatch):
     monkeypatch.setattr(fused, "ahead_of_time", lambda gm, args, device: gm)
+    _optimizer_loop(monkeypatch)
     eager, _ = _train(name, "eager")
     graphs, ranks = _train(name, "inductor")
     assert graphs.losses == eager.losses
@@ -80,19 +87,33 @@ def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
         raise kernel_cache.Refused("planted: no lowering for this op")
 
     monkeypatch.setattr(fused, "ahead_of_time", refuse)
+    _optimizer_loop(monkeypatch)
     with pytest.warns(UserWarning, match="Inductor refused a run of .* planted: no lowering"):
         refused, ranks = _train("gpt 1 rank", "inductor")
     eager, _ = _train("gpt 1 rank", "eager")
     assert refused.losses == eager.losses
     for key, t in refused.slices[0].items():
         assert torch.equal(t, eager.slices[0][key]), key
-    # the refused optimizer run runs torch's multi-tensor AdamW, batched as with eager kernels
-    runs = [run for ex, _ in ranks for seg in ex.segments.values() for run in seg[0].runs]
-    optimizer = [r for r in runs if any(rule_for(op.kind).batched for op in r.ops)]
-    for r in optimizer:
-        calls = [n.target for n in r.fn.graph.nodes].count(kernels.adamw_multi)
-        assert calls == sum(len(g) > 1 for g in batch_groups(r.ops, {})) > 0
-    assert optimizer
+
+
+def test_the_optimizer_runs_torchs_fused_kernel_in_no_run():
+    """With Inductor the updates are in no run: one call of torch's fused
+    kernel per group (`OpRule.fused_batched`); eager kernels keep torch's
+    per-tensor loop, as `torch.optim` runs it on a CPU."""
+    for mode in ("inductor", "eager"):
+        _, ranks = _train("gpt 1 rank", mode, steps=1)
+        (ex, _), = ranks
+        segments = [seg[0] for seg in ex.segments.values()]
+        runs = [op for seg in segments for run in seg.runs for op in run.ops]
+        assert not any(rule_for(op.kind).fused_batched for op in runs)
+        updates = 0
+        for seg in segments:
+            lines = seg.source.splitlines()
+            for at, ids in seg.line_ops.items():
+                if rule_for(ex.view.op_of[ids[0]].kind).fused_batched:
+                    updates += len(ids)
+                    assert ("fused=True" in lines[at - 1]) == (mode == "inductor"), lines[at - 1]
+        assert updates == len(ex.view.inputs_by_role(Role.PARAM))
 
 
 def test_no_compiler_is_one_line(monkeypatch):
