@@ -96,8 +96,8 @@ class OpRule:
     # `batched` also takes `fused=True`: torch's fused kernel for it (one
     # vectorized pass over all the lists: `torch._fused_adamw_`). With
     # `--kernels inductor` a group of such ops calls that, never inside an
-    # Inductor graph: nothing to build, and faster than Inductor's code for
-    # the same update (docs/concepts/kernels.md).
+    # Inductor graph: as fast as Inductor's code for the same update, with
+    # nothing to build (docs/concepts/kernels.md).
     fused_batched: bool = False
     # SBP signatures along one mesh axis (see `sbp_sig.py`); default: replicated.
     sbp: Optional[SbpRule] = None
@@ -129,7 +129,8 @@ class OpRule:
         """Whether Inductor can fuse it into a kernel with its neighbours: not
         a view (torch's schema says so) and not a library kernel (a matmul,
         attention, a convolution: the ops priced by their `flops`), which a
-        compiled graph calls as it is (`runtime/codegen.py` builds a run only
-        with two or more such ops)."""
+        compiled graph calls as it is, nor an op torch has a fused kernel
+        for (`fused_batched`), which no graph holds (`runtime/codegen.py`
+        builds a run only with two or more ops that fuse)."""
         return (self.flops is None and not self.fused_batched
                 and not getattr(self.kernel, "is_view", False))
