@@ -44,12 +44,7 @@ def _state(kind: str, params):
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("clip", [False, True])
-@pytest.mark.parametrize("direct", [True, False])
-def test_the_fused_kernel_equals_the_loop_for_any_strides(kind, clip, direct, monkeypatch):
-    """`direct`: AdamW's kernel called as it is (tensors of one kind), else
-    through torch's functional optimizer (tensors of several dtypes)."""
-    if not direct:
-        monkeypatch.setattr(kernels, "_one_kind", lambda params, grads: False)
+def test_the_fused_kernel_equals_the_loop_for_any_strides(kind, clip):
     params, _ = _tensors(0)
     loop, fused = [p.clone() for p in params], [p.clone() for p in params]
     fused[1] = fused[1].t().contiguous().t()  # transposed, as the original
@@ -76,4 +71,4 @@ def test_a_non_dense_tensor_given_to_the_fused_kernel_is_caught(monkeypatch):
 
     monkeypatch.setattr(kernels, "by_kernel", unchecked)
     with pytest.raises(AssertionError):
-        test_the_fused_kernel_equals_the_loop_for_any_strides("adamw", False, True, monkeypatch)
+        test_the_fused_kernel_equals_the_loop_for_any_strides("adamw", False)

@@ -6,6 +6,8 @@ Inductor itself, the zoo trains equal to eager PyTorch within fp32 bounds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError
 from meshplan.ir import Op, Ref, Role
 from meshplan.ir.mesh import Mesh
+from meshplan.ir.optimizer_config import OptimizerConfig
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
@@ -33,11 +36,11 @@ LAYOUTS = {  # name: (model, strategy fields)
 }
 
 
-def _train(name: str, kernels: str, steps: int = 2):
+def _train(name: str, kernels: str, steps: int = 2, optimizer="adamw"):
     model, fields = LAYOUTS[name]
     cfg = model_config(model, "tiny")
     s = zoo_strategy(model, cfg, **fields)
-    job = plan_model(model, "tiny", Mesh(1, s.dp * s.tp * s.pp), s, "adamw").job
+    job = plan_model(model, "tiny", Mesh(1, s.dp * s.tp * s.pp), s, optimizer).job
     torch.manual_seed(0)
     hub, ranks = local_ranks(job, build_model(cfg), kernels=kernels, timeout_s=600)
     run = train_local(job, hub, ranks, [example_batch(cfg, 8, seed=k) for k in range(steps)],
@@ -82,6 +85,22 @@ def test_a_run_is_built_only_with_two_ops_to_fuse():
     assert [len(g) for g in groups] == [5] and runs == {0: ([1], [6])}
 
 
+def test_an_update_is_in_no_run_even_among_ops_that_fuse():
+    """An optimizer update between ops that fuse ends the run before it and
+    starts none: torch's fused kernel runs it (`OpRule.fused_batched`)."""
+    hp = (("lr", 1e-3), ("beta1", 0.9), ("beta2", 0.999), ("eps", 1e-8),
+          ("weight_decay", 0.0))
+    ops = [Op(0, "aten.mul.Tensor", (Ref(1), Ref(1)), (2,)),
+           Op(1, "aten.add.Tensor", (Ref(2), Ref(1)), (3,)),
+           Op(2, "meshplan.adamw", (Ref(4), Ref(3), Ref(5), Ref(6), Ref(7)), (8, 9, 10, 11),
+              hp),
+           Op(3, "aten.mul.Tensor", (Ref(8), Ref(8)), (12,)),
+           Op(4, "aten.add.Tensor", (Ref(12), Ref(8)), (13,))]
+    groups, runs = codegen._runs(ops, {}, {}, {9, 10, 11, 13})
+    assert [[op.id for op in g] for g in groups] == [[0, 1], [2], [3, 4]]
+    assert sorted(runs) == [0, 2]
+
+
 def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
     def refuse(gm, args, device):
         raise kernel_cache.Refused("planted: no lowering for this op")
@@ -96,12 +115,16 @@ def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
         assert torch.equal(t, eager.slices[0][key]), key
 
 
-def test_the_optimizer_runs_torchs_fused_kernel_in_no_run():
+def test_the_optimizer_runs_torchs_fused_kernel_in_no_run(monkeypatch):
     """With Inductor the updates are in no run: one call of torch's fused
     kernel per group (`OpRule.fused_batched`); eager kernels keep torch's
-    per-tensor loop, as `torch.optim` runs it on a CPU."""
+    per-tensor loop, as `torch.optim` runs it on a CPU. With clipping, whose
+    norm's ops fuse and come right before the updates. (The runs' graphs
+    run as they are: which ops a run holds does not depend on its build.)"""
+    monkeypatch.setattr(fused, "ahead_of_time", lambda gm, args, device: gm)
+    clipping = dataclasses.replace(OptimizerConfig.default("adamw"), max_grad_norm=1.0)
     for mode in ("inductor", "eager"):
-        _, ranks = _train("gpt 1 rank", mode, steps=1)
+        _, ranks = _train("gpt 1 rank", mode, steps=1, optimizer=clipping)
         (ex, _), = ranks
         segments = [seg[0] for seg in ex.segments.values()]
         runs = [op for seg in segments for run in seg.runs for op in run.ops]
