@@ -129,8 +129,6 @@ class OpRule:
         """Whether Inductor can fuse it into a kernel with its neighbours: not
         a view (torch's schema says so) and not a library kernel (a matmul,
         attention, a convolution: the ops priced by their `flops`), which a
-        compiled graph calls as it is, nor an op torch has a fused kernel
-        for (`fused_batched`), which no graph holds (`runtime/codegen.py`
-        builds a run only with two or more ops that fuse)."""
-        return (self.flops is None and not self.fused_batched
-                and not getattr(self.kernel, "is_view", False))
+        compiled graph calls as it is (`runtime/codegen.py` builds a run only
+        with two or more such ops)."""
+        return self.flops is None and not getattr(self.kernel, "is_view", False)
