@@ -25,7 +25,9 @@ into its bucket's slot (`buckets.writes_slot`) that second copy is the
 bucket's flat tensor, counted once.
 Kernel workspace ("temp") is the largest temp of any task, looked up by the
 task's physical signature in the Job's `temps` (the master worked them out),
-a ring attention's with its blocks and accumulators (`ring_bytes`).
+a ring attention's with its blocks and accumulators (`ring_bytes`), or of
+any batched call of parameter updates (`_update_temp`: the clipped
+gradients and torch's optimizer temporaries, on this device type).
 
 Invariant: `peak` = the sum of the layout's extents, split by category:
 param (incl. module buffers), grad, optimizer, activation, temp.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 
 from meshplan.ir import TensorMeta
@@ -50,6 +53,7 @@ from meshplan.lowering.rankplan import (
 )
 from meshplan.ops.infer import to_sig
 from meshplan.ops.routed_experts import ROUTED
+from meshplan.ops.table import rule_for
 from meshplan.ops.temp import has_temp, temp_key
 
 
@@ -136,7 +140,7 @@ def memory_layout(low, buffers) -> MemoryLayout:
     saved_extent = off
     transient = [b for b in buffers if b.category == BufferCategory.ACTIVATION
                  and b.id not in saved_ids and b.value not in updates]
-    intervals, flats = _intervals(low, buffers, transient)
+    intervals, flats, order = _intervals(low, buffers, transient)
     offsets, extent = _first_fit(intervals)
     for b in transient:
         blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[b.id], b.nbytes,
@@ -149,7 +153,7 @@ def memory_layout(low, buffers) -> MemoryLayout:
         if low.view.strategy.zero.regathers else 0
     peak["activation"] = saved_extent + extent + ahead
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
-    peak["temp"] = _temp(low)
+    peak["temp"] = max(_temp(low), _update_temp(low, order))
     for k in ("param", "grad", "optimizer", "activation", "temp"):
         peak.setdefault(k, 0)
     total = sum(peak.values())
@@ -158,12 +162,13 @@ def memory_layout(low, buffers) -> MemoryLayout:
                       tuple((k, peak[k]) for k in order) + (("total", total),))
 
 
-def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]], list]:
+def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]], list, list]:
     """(buffer id, first task index, last task index + 1, bytes) of transient
     buffers, over the order the runtime runs the tasks in (per-micro-batch
     gradient buckets move their reductions: `buckets.run_order`); and of
     those buckets' flat copies (keys -1, -2, ...), with (key, bytes, the
-    buffer ids they copy). A value a bucket copies dies at its start."""
+    buffer ids they copy); and that order. A value a bucket copies dies at
+    its start."""
     by_value = {b.value: b for b in buffers}
     buckets = grad_buckets(low.tasks, low.op_of.__getitem__, low.view.values, {},
                            bound(low.view.strategy), lambda v: by_value[v].nbytes) \
@@ -187,7 +192,7 @@ def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]]
             uses = [index[t] for t in b.producers if t in index] + [copied[b.id]]
         if uses:
             out.append((b.id, min(uses), max(uses) + 1, b.nbytes))
-    return out, flats
+    return out, flats, order
 
 
 def _padded(low, buffers):
@@ -225,6 +230,23 @@ def _temp(low) -> int:
         elif inside is not None:
             own += ring_bytes(op, sig)
         best = max(best, own)
+    return best
+
+
+def _update_temp(low, order) -> int:
+    """The largest workspace of one batched call of parameter updates
+    (`OpRule.batched_temp`), per maximal run of the rank's update ops of one
+    kind and equal literals in the order they run, other ops left out:
+    each group the executor batches (`codegen.batch_groups`) is part of one."""
+    values, best = low.view.values, 0
+    ups = [op for op in (low.op_of[t.op] for t in order)
+           if rule_for(op.kind).batched_temp is not None]
+    for _, run in itertools.groupby(ups, key=lambda op: (op.kind, op.kwargs)):
+        run = list(run)
+        sigs = [to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
+                for op in run]
+        best = max(best, rule_for(run[0].kind).batched_temp(sigs, dict(run[0].kwargs),
+                                                              low.device))
     return best
 
 

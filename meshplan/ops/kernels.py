@@ -13,8 +13,14 @@ Invariants:
   torch's fused kernel (`torch._fused_adamw_`: one vectorized pass over all
   the lists), on the parameters whose tensors are dense: on CPU that kernel
   reads a transposed or expanded tensor wrongly, silently (measured: nan for
-  an expanded gradient), so a non-dense gradient is made dense first and a
-  parameter with a non-dense state takes the per-tensor loop.
+  an expanded gradient), so a parameter with any tensor not dense takes the
+  per-tensor loop.
+- What a batched call allocates beyond its arguments (`*_temp`, the memory
+  plan's workspace of a group: `OpRule.batched_temp`), measured with the
+  CPU allocator's events: the clipped gradients, all of the group's at once;
+  torch's per-tensor loop one or two tensors of the largest parameter's
+  size at a time; its multi-tensor kernels (CUDA) that much for every
+  parameter of the group at once; the fused kernel nothing.
 """
 
 from __future__ import annotations
@@ -111,15 +117,14 @@ def adamw_multi(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
 
 def by_kernel(step: Callable, lists: list[list], fused: bool) -> None:
     """`step(*lists, fuse)`, torch's functional optimizer: with `fused`, its
-    fused kernel on the parameters whose tensors are dense (a gradient made
-    dense first), the per-tensor loop on the others; lists of state written
-    back (a first step's new momentum buffers)."""
+    fused kernel on the parameters whose tensors are all dense, the
+    per-tensor loop on the others (a copy made dense would be workspace the
+    memory plan does not hold); lists of state written back (a first step's
+    new momentum buffers)."""
     if not fused:
         step(*lists, False)
         return
-    lists[1] = [g if g.is_contiguous() else g.contiguous() for g in lists[1]]
-    state = lists[:1] + lists[2:]
-    dense = [all(x[i] is None or x[i].is_contiguous() for x in state)
+    dense = [all(x[i] is None or x[i].is_contiguous() for x in lists)
              for i in range(len(lists[0]))]
     for fuse in (True, False):
         picked = [i for i, d in enumerate(dense) if d == fuse]
@@ -138,6 +143,42 @@ def adamw_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
     return tuple(x[0] for x in out)
 
 
+def sgd_temp(sigs: list[tuple], kwargs: dict, device: str) -> int:
+    """Bytes one `sgd_multi` call over ops of argument signatures `sigs`
+    (param, grad, buf) allocates beyond them, at most, on `device`: the
+    clipped gradients, and torch's weight-decayed gradients
+    (`grad.add(param)`)."""
+    own = _torch_temp([s[0].nbytes for s in sigs], 1, device) if kwargs["weight_decay"] else 0
+    return _clip_temp(sigs, kwargs) + own
+
+
+def adamw_temp(sigs: list[tuple], kwargs: dict, device: str) -> int:
+    """Bytes one `adamw_multi` call over ops of argument signatures `sigs`
+    (param, grad, exp_avg, exp_avg_sq, step) allocates beyond them, at most,
+    on `device`: the clipped gradients, and torch's denominators (the loop's
+    `denom = exp_avg_sq.sqrt() / bias_correction2_sqrt`: two tensors while
+    the last parameter's `denom` lives; the multi-tensor kernels'
+    `_foreach_sqrt`, one per parameter)."""
+    return _clip_temp(sigs, kwargs) + _torch_temp([s[3].nbytes for s in sigs], 2, device,
+                                                  held=1)
+
+
+def _torch_temp(sizes: list[int], loop: int, device: str, held: int = 0) -> int:
+    """Temporaries of torch's functional optimizer: in its per-tensor loop
+    (CPU's default, and the fused path's fallback) `loop` tensors of a
+    parameter's size, `held` of the parameter before it still alive; in its
+    multi-tensor kernels (the default elsewhere) one per parameter, all at
+    once; its fused kernel makes none."""
+    first, *rest = sorted(sizes, reverse=True)
+    one_at_a_time = loop * first + held * (rest[0] if rest else 0)
+    return one_at_a_time if device == "cpu" else max(one_at_a_time, sum(sizes))
+
+
+def _clip_temp(sigs: list[tuple], kwargs: dict) -> int:
+    """The clipped gradients, all made before the update (`clipped`)."""
+    return sum(s[1].nbytes for s in sigs) if kwargs.get("coef") is not None else 0
+
+
 def clipped(grads: list[Tensor], coef: Tensor | None) -> list[Tensor]:
     """Each gradient times the clipping factor, as `clip_grad_norm_` scales
     `.grad` (always, a factor of 1 included). Out of place: an accumulator
@@ -154,6 +195,12 @@ def grad_sq(param: Tensor, grad: Tensor, *slots: Tensor, counted: bool = True) -
     if not counted:
         return grad.new_zeros((), dtype=torch.float32)
     return torch.linalg.vector_norm(grad.to(torch.promote_types(grad.dtype, torch.float32))) ** 2
+
+
+def grad_sq_temp(sig: tuple) -> int:
+    """`grad_sq`'s workspace: a gradient narrower than float32, cast to it."""
+    grad = sig[1]
+    return grad.numel * 4 if grad.dtype.itemsize < 4 else 0
 
 
 def sq_sum(*squares: Tensor, device: torch.device | None = None) -> Tensor:

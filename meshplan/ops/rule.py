@@ -99,6 +99,10 @@ class OpRule:
     # Inductor graph: as fast as Inductor's code for the same update, with
     # nothing to build (docs/concepts/kernels.md).
     fused_batched: bool = False
+    # (the group's argument signatures, the shared kwargs, device type) ->
+    # the bytes one `batched` call allocates beyond its arguments, at most:
+    # the workspace of a group of such ops in the memory plan.
+    batched_temp: Optional[Callable[[list, dict, str], int]] = None
     # SBP signatures along one mesh axis (see `sbp_sig.py`); default: replicated.
     sbp: Optional[SbpRule] = None
     # (argument position, output index): the argument is a shape that must

@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshplan.ir import DType, TensorMeta
+from meshplan.ir import kinds as k
 from meshplan.ops import kernels
+from meshplan.ops.table import rule_for
+from tests.allocator import peak_of
 
 HP = {"adamw": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
       "sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01, dampening=0.0, nesterov=False)}
@@ -72,3 +76,50 @@ def test_a_non_dense_tensor_given_to_the_fused_kernel_is_caught(monkeypatch):
     monkeypatch.setattr(kernels, "by_kernel", unchecked)
     with pytest.raises(AssertionError):
         test_the_fused_kernel_equals_the_loop_for_any_strides("adamw", False)
+
+
+def _meta(t: torch.Tensor):
+    return TensorMeta(tuple(t.shape), DType(str(t.dtype).removeprefix("torch.")))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batched_update_allocates_at_most_its_planned_workspace(kind, fused, clip, seed):
+    """The memory plan's workspace of a group of updates (`OpRule.batched_temp`
+    on cpu) bounds what the call allocates, measured by the CPU allocator,
+    for any sizes and strides; and the per-tensor loop on one parameter
+    reaches it (nothing counted that it does not allocate)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 20000, (seed + 1,), generator=g).tolist()
+    params = [torch.randn(n, generator=g) for n in sizes]
+    grads = [torch.randn(n, generator=g) for n in sizes]
+    grads[0] = torch.randn(1, generator=g).expand(sizes[0])  # a sum's backward: not dense
+    state = _state(kind, params)
+    if kind == "sgd":  # the buffers of a step after the first (the first makes them: state)
+        state = ([torch.zeros_like(p) for p in params],)
+    coef = torch.tensor(0.37) if clip else None
+    hp = HP[kind] | ({"coef": coef} if clip else {})
+    sigs = [(_meta(p), _meta(gr)) + tuple(_meta(x[i]) for x in state)
+            for i, (p, gr) in enumerate(zip(params, grads))]
+    planned = rule_for(k.ADAMW if kind == "adamw" else k.SGD).batched_temp(sigs, hp, "cpu")
+    measured = peak_of(lambda: _step(kind, params, grads, state, fused, coef))
+    assert measured <= planned + 64, (measured, planned)  # + a few scalars (lr, steps)
+    if not fused and len(sizes) == 1:
+        assert measured >= planned, (measured, planned)
+
+
+def test_a_workspace_that_misses_the_clipped_gradients_is_caught(monkeypatch):
+    """Planted: the clipped gradients counted nowhere."""
+    monkeypatch.setattr(kernels, "_clip_temp", lambda sigs, kwargs: 0)
+    with pytest.raises(AssertionError):
+        test_a_batched_update_allocates_at_most_its_planned_workspace("adamw", False, True, 2)
+
+
+def test_a_loop_workspace_that_misses_the_last_denominator_is_caught(monkeypatch):
+    """Planted: AdamW's loop counted without the previous parameter's `denom`."""
+    loop = kernels._torch_temp
+    monkeypatch.setattr(kernels, "_torch_temp", lambda *a, held=0: loop(*a))
+    with pytest.raises(AssertionError):
+        test_a_batched_update_allocates_at_most_its_planned_workspace("adamw", False, False, 2)
