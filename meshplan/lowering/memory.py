@@ -140,7 +140,7 @@ def memory_layout(low, buffers) -> MemoryLayout:
     saved_extent = off
     transient = [b for b in buffers if b.category == BufferCategory.ACTIVATION
                  and b.id not in saved_ids and b.value not in updates]
-    intervals, flats, order = _intervals(low, buffers, transient)
+    intervals, flats, ran = _intervals(low, buffers, transient)
     offsets, extent = _first_fit(intervals)
     for b in transient:
         blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[b.id], b.nbytes,
@@ -153,7 +153,7 @@ def memory_layout(low, buffers) -> MemoryLayout:
         if low.view.strategy.zero.regathers else 0
     peak["activation"] = saved_extent + extent + ahead
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
-    peak["temp"] = max(_temp(low), _update_temp(low, order))
+    peak["temp"] = max(_temp(low), _update_temp(low, ran))
     for k in ("param", "grad", "optimizer", "activation", "temp"):
         peak.setdefault(k, 0)
     total = sum(peak.values())
@@ -241,12 +241,13 @@ def _update_temp(low, order) -> int:
     values, best = low.view.values, 0
     ups = [op for op in (low.op_of[t.op] for t in order)
            if rule_for(op.kind).batched_temp is not None]
-    for _, run in itertools.groupby(ups, key=lambda op: (op.kind, op.kwargs)):
-        run = list(run)
+    for _, group in itertools.groupby(ups, key=lambda op: (op.kind, op.kwargs)):
+        run = list(group)
         sigs = [to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
                 for op in run]
-        best = max(best, rule_for(run[0].kind).batched_temp(sigs, dict(run[0].kwargs),
-                                                              low.device))
+        workspace = rule_for(run[0].kind).batched_temp
+        assert workspace is not None
+        best = max(best, workspace(sigs, dict(run[0].kwargs), low.device))
     return best
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshplan.ir import DType, TensorMeta
-from meshplan.ir import kinds as k
+from meshplan.ir import DType, TensorMeta, kinds
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
 from tests.allocator import peak_of
@@ -103,7 +102,7 @@ def test_a_batched_update_allocates_at_most_its_planned_workspace(kind, fused, c
     hp = HP[kind] | ({"coef": coef} if clip else {})
     sigs = [(_meta(p), _meta(gr)) + tuple(_meta(x[i]) for x in state)
             for i, (p, gr) in enumerate(zip(params, grads))]
-    planned = rule_for(k.ADAMW if kind == "adamw" else k.SGD).batched_temp(sigs, hp, "cpu")
+    planned = rule_for(kinds.ADAMW if kind == "adamw" else kinds.SGD).batched_temp(sigs, hp, "cpu")
     measured = peak_of(lambda: _step(kind, params, grads, state, fused, coef))
     assert measured <= planned + 64, (measured, planned)  # + a few scalars (lr, steps)
     if not fused and len(sizes) == 1:
