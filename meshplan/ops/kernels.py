@@ -18,9 +18,10 @@ Invariants:
 - What a batched call allocates beyond its arguments (`*_temp`, the memory
   plan's workspace of a group: `OpRule.batched_temp`), measured with the
   CPU allocator's events: the clipped gradients, all of the group's at once;
-  torch's per-tensor loop one or two tensors of the largest parameter's
-  size at a time; its multi-tensor kernels (CUDA) that much for every
-  parameter of the group at once; the fused kernel nothing.
+  torch's per-tensor loop one or two tensors of a parameter's size at a
+  time (AdamW's with the previous parameter's denominator); its
+  multi-tensor kernels (CUDA) one for every parameter of the group at once;
+  the fused kernel nothing.
 """
 
 from __future__ import annotations

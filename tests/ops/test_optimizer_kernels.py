@@ -122,3 +122,13 @@ def test_a_loop_workspace_that_misses_the_last_denominator_is_caught(monkeypatch
     monkeypatch.setattr(kernels, "_torch_temp", lambda *a, held=0: loop(*a))
     with pytest.raises(AssertionError):
         test_a_batched_update_allocates_at_most_its_planned_workspace("adamw", False, False, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gradients_norm_allocates_at_most_its_workspace(dtype):
+    """`grad_sq` casts a gradient narrower than float32 (its rule's temp
+    bytes count that); a float32 one it reads as it is."""
+    grad = torch.randn(3000, dtype=dtype)
+    planned = rule_for(kinds.GRAD_SQ).temp_bytes((_meta(grad), _meta(grad)))
+    measured = peak_of(lambda: kernels.grad_sq(grad, grad))
+    assert planned <= measured <= planned + 64, (measured, planned)
