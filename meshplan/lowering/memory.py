@@ -216,14 +216,14 @@ def _temp(low) -> int:
     """The largest kernel workspace of any task on this rank (a ring
     attention's: its kernel's, and its own blocks and accumulators; routed
     experts': their rows at the worst case)."""
-    values, best = low.view.values, 0
+    best = 0
     for t in low.tasks:
         op = low.op_of[t.op]
         inside = line_axis(t.variant)
         if t.kind.value != "compute" or not (inside is not None or has_temp(op.kind)
                                              or op.kind in ROUTED):
             continue
-        sig = to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
+        sig = _local_sig(low, op)
         own = low.view.temps[temp_key(op.kind, sig)] if has_temp(op.kind) else 0
         if op.kind in ROUTED:
             own += expert_rows_bytes(op, sig, 1 if inside is None else len(t.group))
@@ -238,17 +238,22 @@ def _update_temp(low, order) -> int:
     (`OpRule.batched_temp`), per maximal run of the rank's update ops of one
     kind and equal literals in the order they run, other ops left out:
     each group the executor batches (`codegen.batch_groups`) is part of one."""
-    values, best = low.view.values, 0
+    best = 0
     ups = [op for op in (low.op_of[t.op] for t in order)
            if rule_for(op.kind).batched_temp is not None]
     for _, group in itertools.groupby(ups, key=lambda op: (op.kind, op.kwargs)):
         run = list(group)
-        sigs = [to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
-                for op in run]
         workspace = rule_for(run[0].kind).batched_temp
         assert workspace is not None
-        best = max(best, workspace(sigs, dict(run[0].kwargs), low.device))
+        best = max(best, workspace([_local_sig(low, op) for op in run], dict(run[0].kwargs),
+                                   low.device))
     return best
+
+
+def _local_sig(low, op) -> tuple:
+    """`op`'s argument signature on this rank: its buffers' local shapes."""
+    values = low.view.values
+    return to_sig(op.args, lambda i: TensorMeta(low.bufs[i].shape, values[i].meta.dtype))
 
 
 def expert_rows_bytes(op, sig, members: int) -> int:
