@@ -27,7 +27,11 @@ Kernel workspace ("temp") is the largest temp of any task, looked up by the
 task's physical signature in the Job's `temps` (the master worked them out),
 a ring attention's with its blocks and accumulators (`ring_bytes`), or of
 any batched call of parameter updates (`_update_temp`: the clipped
-gradients and torch's optimizer temporaries, on this device type).
+gradients and torch's optimizer temporaries, on this device type); and on
+top of it, as collectives run in the background, the workspace of the two
+largest collective calls (`_collective_temp`: an all-gather's parts and
+the backend's own flat output, a reduce-scatter's all-reduced copy, an
+all-to-all's flat tensors).
 
 Invariant: `peak` = the sum of the layout's extents, split by category:
 param (incl. module buffers), grad, optimizer, activation, temp.
@@ -39,17 +43,20 @@ import bisect
 import heapq
 import itertools
 import math
+from collections import defaultdict
 
 from meshplan.ir import TensorMeta
-from meshplan.ir.kinds import ALL_GATHER
+from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.lowering.buckets import bound, bucketed_bytes, flat_intervals, grad_buckets, run_order
-from meshplan.lowering.prefetch import prefetched_bytes
+from meshplan.lowering.prefetch import gather_groups, prefetched_bytes
 from meshplan.lowering.rankplan import (
     STATE_CATEGORIES,
     Block,
     BufferCategory,
     MemoryLayout,
+    TaskKind,
     line_axis,
+    template_of,
 )
 from meshplan.ops.infer import to_sig
 from meshplan.ops.routed_experts import ROUTED
@@ -140,7 +147,11 @@ def memory_layout(low, buffers) -> MemoryLayout:
     saved_extent = off
     transient = [b for b in buffers if b.category == BufferCategory.ACTIVATION
                  and b.id not in saved_ids and b.value not in updates]
-    intervals, flats, ran = _intervals(low, buffers, transient)
+    by_value = {b.value: b for b in buffers}
+    buckets = grad_buckets(low.tasks, low.op_of.__getitem__, low.view.values, {},
+                           bound(low.view.strategy), lambda v: by_value[v].nbytes) \
+        if bound(low.view.strategy) else ()
+    intervals, flats, ran = _intervals(low, buffers, transient, buckets)
     offsets, extent = _first_fit(intervals)
     for b in transient:
         blocks.append(Block(low.next_id(), act_arena, saved_extent + offsets[b.id], b.nbytes,
@@ -153,7 +164,9 @@ def memory_layout(low, buffers) -> MemoryLayout:
         if low.view.strategy.zero.regathers else 0
     peak["activation"] = saved_extent + extent + ahead
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
-    peak["temp"] = max(_temp(low), _update_temp(low, ran))
+    # collectives run in the background, beside any kernel's workspace
+    peak["temp"] = max(_temp(low), _update_temp(low, ran)) + \
+        _collective_temp(low, by_value, buckets)
     for k in ("param", "grad", "optimizer", "activation", "temp"):
         peak.setdefault(k, 0)
     total = sum(peak.values())
@@ -162,7 +175,8 @@ def memory_layout(low, buffers) -> MemoryLayout:
                       tuple((k, peak[k]) for k in order) + (("total", total),))
 
 
-def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]], list, list]:
+def _intervals(low, buffers, transient, buckets) -> tuple[list[tuple[int, int, int, int]],
+                                                          list, list]:
     """(buffer id, first task index, last task index + 1, bytes) of transient
     buffers, over the order the runtime runs the tasks in (per-micro-batch
     gradient buckets move their reductions: `buckets.run_order`); and of
@@ -170,9 +184,6 @@ def _intervals(low, buffers, transient) -> tuple[list[tuple[int, int, int, int]]
     buffer ids they copy); and that order. A value a bucket copies dies at
     its start."""
     by_value = {b.value: b for b in buffers}
-    buckets = grad_buckets(low.tasks, low.op_of.__getitem__, low.view.values, {},
-                           bound(low.view.strategy), lambda v: by_value[v].nbytes) \
-        if bound(low.view.strategy) else ()
     order = run_order(low.tasks, buckets, low.op_of.__getitem__)
     index = {t.id: i for i, t in enumerate(order)}
     out: list[tuple[int, int, int, int]] = []
@@ -231,6 +242,47 @@ def _temp(low) -> int:
             own += ring_bytes(op, sig)
         best = max(best, own)
     return best
+
+
+def _collective_temp(low, by_value: dict, buckets) -> int:
+    """The workspace of the collective calls in flight at once
+    (`runtime/comm.py`), beyond the values and flat copies the layout holds:
+    - an all-gather's: the backend's own flat output of all it gathers
+      (gloo's and NCCL's list all-gathers gather into one, then copy out),
+      and, for a gather in no bucket, the members' parts it is joined from
+      and this rank's padded part; a ZeRO-3 layer's prefetched gathers are
+      one call, whose parts `prefetched_bytes` counts;
+    - a reduce-scatter's: the all-reduced copy of its whole input;
+    - an all-to-all's: the flat tensor sent and the one received.
+    A process group runs two calls at once (gloo's two worker threads), so
+    the two largest of one task group (an action's) count."""
+    layers = [g for gs in gather_groups(low.tasks, low.op_of.__getitem__, low.view.values,
+                                        low.view.strategy.layer_pattern).values() for g in gs] \
+        if low.view.strategy.zero.regathers else []
+    prefetched = {t.id for g in layers for t in g}
+    bucketed = {op for b in buckets for op in b.ops}
+    sizes: dict[tuple, list[int]] = defaultdict(list)
+    for b in buckets:
+        if b.kind == ALL_GATHER:
+            sizes[b.template].append(sum(_gathered(by_value, low.op_of[o], len(b.group))
+                                         for o in b.ops))
+    for g in layers:
+        gathered = sum(_gathered(by_value, low.op_of[t.op], len(t.group)) for t in g)
+        sizes[template_of(g[0])].append(gathered + gathered // len(g[0].group))
+    for t in low.tasks:
+        op = low.op_of[t.op]
+        if t.kind not in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) or len(t.group) < 2 \
+                or t.op in bucketed or t.id in prefetched:
+            continue
+        own = sizes[template_of(t)]
+        if op.kind == ALL_GATHER:
+            gathered = _gathered(by_value, op, len(t.group))
+            own.append(2 * gathered + gathered // len(t.group))
+        elif op.kind == REDUCE_SCATTER:
+            own.append(by_value[op.args[0].id].nbytes)
+        elif op.kind == ALL_TO_ALL:
+            own.append(by_value[op.args[0].id].nbytes + by_value[op.outputs[0]].nbytes)
+    return max((sum(heapq.nlargest(2, own)) for own in sizes.values()), default=0)
 
 
 def _update_temp(low, order) -> int:

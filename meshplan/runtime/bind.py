@@ -178,6 +178,15 @@ def _all_gather(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) ->
     return lambda x, **_: comm.all_gather(x, group, dim, shapes)
 
 
+def gather_into(task: Task, ctx: RankContext, comm: Comm, into: Callable) -> Callable:
+    """A STEP all-gather of an updated parameter shard, written into the
+    parameter's own tensor (`into()`, None: a fresh one)."""
+    op = ctx.view.op_of[task.op]
+    dim, shapes = gathered_parts(op, ctx)
+    return _slot_aware(op, ctx, lambda x, **_: comm.all_gather(x, task.group, dim, shapes,
+                                                               out=into()))
+
+
 def _reduce_scatter(op: Op, kw: dict, group: Group, ctx: RankContext, comm: Comm) -> Callable:
     narrow = narrower(ctx, op.args[0].id, op.outputs[0])
     return lambda x, **_: narrow(comm.all_reduce(x, group, "sum"))

@@ -128,27 +128,32 @@ class Comm:
         self.record(f"all_to_all {list(group)}", t0)
         return out.to(device)
 
-    def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, group, dim: int, shapes,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather along `dim`; `shapes` are every member's local shapes. Uneven
         parts (a dim that does not divide by the group) travel padded to the
-        largest, as gloo and NCCL gather equal sizes only, and are cut back."""
-        return self.all_gather_async(x, group, dim, shapes)()
+        largest, as gloo and NCCL gather equal sizes only, and are cut back.
+        `out`: a tensor of the gathered shape to write the result into."""
+        return self.all_gather_async(x, group, dim, shapes, out)()
 
-    def all_gather_async(self, x: torch.Tensor, group, dim: int, shapes):
+    def all_gather_async(self, x: torch.Tensor, group, dim: int, shapes,
+                         out: torch.Tensor | None = None):
         """`all_gather`, started in the background: returns the call that
         waits for it and gives the gathered tensor."""
-        take = self.all_gather_many_async([x], group, [dim], [shapes])
+        take = self.all_gather_many_async([x], group, [dim], [shapes], [out])
         return lambda: take(0)
 
     def all_gather_many_async(self, xs: list[torch.Tensor], group, dims: list[int],
-                              shapes: list) -> Callable[[int], torch.Tensor]:
+                              shapes: list, outs: list | None = None
+                              ) -> Callable[[int], torch.Tensor]:
         """Gather tensors `xs` (one dtype; each along its `dims[k]`, every
         member's local shapes `shapes[k]`) in one collective, started in the
         background: each member's parts, each padded to the largest along
         its dim, travel as one flat tensor (one collective a ZeRO-3 layer,
         as FSDP2 gathers a block). Returns `take(k)`, which waits (the first
         time) and gives the k-th gathered tensor; the flat tensors go when
-        every one is taken."""
+        every one is taken. `outs[k]` (None: a fresh tensor) is where the
+        k-th gathered tensor is written (`into_place`)."""
         t0 = time.perf_counter()
         where = "cpu" if self.host_staged else xs[0].device
         mine, full, rows = [], [], []
@@ -186,7 +191,7 @@ class Comm:
             pieces = [p[offsets[k]:offsets[k + 1]].view(f) for p, f in zip(parts, full[k])]
             if any(n < f[dim] for n, f in zip(cut, full[k])):
                 pieces = [p.narrow(dim, 0, n) for p, n in zip(pieces, cut)]
-            out = torch.cat(pieces, dim=dim).to(devices[k])
+            out = into_place(pieces, dim, outs[k] if outs else None, devices[k])
             state["left"] -= 1
             if state["left"] == 0:
                 parts = None
@@ -221,6 +226,24 @@ class Comm:
             if self.cuda:  # traced: the work's time on the device
                 torch.cuda.synchronize()
             self.spans.append(Span(name, track, t0, time.perf_counter()))
+
+
+def into_place(pieces: list[torch.Tensor], dim: int, out: torch.Tensor | None,
+               device) -> torch.Tensor:
+    """`pieces` joined along `dim`, on `device`: written into `out` when
+    given and of the joined shape and dtype, contiguous (a parameter
+    gathered into its own storage, so the step holds no second copy of
+    it), else into a fresh tensor."""
+    if out is not None:
+        shape = list(pieces[0].shape)
+        shape[dim] = sum(p.shape[dim] for p in pieces)
+        if list(out.shape) != shape or out.dtype != pieces[0].dtype or not out.is_contiguous():
+            out = None
+    if out is None:
+        return torch.cat(pieces, dim=dim).to(device)
+    if out.device == pieces[0].device:
+        return torch.cat(pieces, dim=dim, out=out)
+    return out.copy_(torch.cat(pieces, dim=dim))  # staged through the host
 
 
 def job_groups(strategy, ops=()) -> list[tuple[int, ...]]:

@@ -24,6 +24,9 @@ Invariants:
   until the step ends; a per-micro-batch one's until its last slice is
   taken; an all-gather bucket's parts are `Comm`'s, gone once its last
   tensor is taken (uncounted, as ZeRO-3's gathered parts are).
+- An all-gather bucket writes each gathered parameter into the parameter's
+  own tensor where the executor gives one (`start_step`'s `into`), as the
+  plan's layout has it (an update aliases its state).
 """
 
 from __future__ import annotations
@@ -58,10 +61,15 @@ class GradBuckets:
         self.flats: dict[int, torch.Tensor] = {}  # a STEP bucket's flat tensor, kept
         self.gathers: dict[int, list] = {}  # all-gather buckets started: [take, tensors left]
         self.microbatches = 0
+        self.into = lambda vid: None
 
-    def start_step(self, microbatches: int) -> None:
+    def start_step(self, microbatches: int, into=None) -> None:
+        """`into(value id)`: the tensor a gathered value is written into (None:
+        a fresh one)."""
         self.microbatches = microbatches
         self.runs.clear()
+        if into is not None:
+            self.into = into
 
     def ran(self, key) -> None:
         """Task group `key` is about to run (once more this step)."""
@@ -115,8 +123,9 @@ class GradBuckets:
             return  # not the last micro-batch: the gradients are not final yet
         if b.kind == ALL_GATHER:  # its parts live until its last tensor is taken
             dims, shapes = zip(*self.parts[i])
+            outs = [self.into(self.ctx.view.op_of[op].outputs[0]) for op in b.ops]
             self.gathers[i] = [self.comm.all_gather_many_async(grads, b.group, list(dims),
-                                                               list(shapes)), len(b.ops)]
+                                                               list(shapes), outs), len(b.ops)]
             return
         flat = self._flat(i, grads, keep=not b.every_run)
         self.mem.add(flat)

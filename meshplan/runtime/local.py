@@ -24,7 +24,7 @@ import torch
 
 from meshplan.errors import RuntimeFault
 from meshplan.runtime.checkpoint import state_slices
-from meshplan.runtime.comm import Comm, job_groups
+from meshplan.runtime.comm import Comm, into_place, job_groups
 from meshplan.runtime.data import split_microbatches
 from meshplan.runtime.own_plan import rank_plan
 from meshplan.runtime.rank_executor import RankExecutor
@@ -131,25 +131,29 @@ class LocalComm:
         assert [p[me].numel() for p in sent] == counts
         return torch.cat([p[me] for p in sent])
 
-    def all_gather(self, x: torch.Tensor, group, dim: int, shapes) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, group, dim: int, shapes,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         parts = self._exchange(group, x.contiguous())
         assert [tuple(p.shape) for p in parts] == [tuple(s) for s in shapes]
-        return torch.cat(parts, dim=dim)
+        return into_place(parts, dim, out, x.device)
 
-    def all_gather_async(self, x: torch.Tensor, group, dim: int, shapes):
+    def all_gather_async(self, x: torch.Tensor, group, dim: int, shapes,
+                         out: torch.Tensor | None = None):
         """At once (threads need no background work); the call gives the result."""
-        out = self.all_gather(x, group, dim, shapes)
-        return lambda: out
+        got = self.all_gather(x, group, dim, shapes, out)
+        return lambda: got
 
-    def all_gather_many_async(self, xs: list[torch.Tensor], group, dims: list[int], shapes):
+    def all_gather_many_async(self, xs: list[torch.Tensor], group, dims: list[int], shapes,
+                              outs: list | None = None):
         """Every one of `xs` in one exchange, at once; `take(k)` gives the
-        k-th gathered tensor."""
+        k-th gathered tensor (written into `outs[k]` when given)."""
         parts = self._exchange(group, torch.cat([x.reshape(-1) for x in xs]))
-        outs = []
+        pieces = []
         for m, part in enumerate(parts):  # member m's pieces, in order
             sizes = [math.prod(shp[m]) for shp in shapes]
-            outs.append([p.view(shp[m]) for p, shp in zip(part.split(sizes), shapes)])
-        gathered = [torch.cat([o[k] for o in outs], dim=dim) for k, dim in enumerate(dims)]
+            pieces.append([p.view(shp[m]) for p, shp in zip(part.split(sizes), shapes)])
+        gathered = [into_place([o[k] for o in pieces], dim, outs[k] if outs else None,
+                               xs[k].device) for k, dim in enumerate(dims)]
         return gathered.__getitem__
 
     shift = Comm.shift  # the ring's step, over `p2p` below

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from functools import partial
 
 import torch
 
@@ -56,7 +57,7 @@ from meshplan.errors import ConfigError, KernelFault, TrainingHalted
 from meshplan.ir import GRAD_NORM, LOSS_SCALE, LR, STEP_COUNT, Role
 from meshplan.ir.choices import Kernels, Precision, choose
 from meshplan.ir.job import Job, StageView
-from meshplan.ir.kinds import ALL_REDUCE, CLIP_COEF
+from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, CLIP_COEF
 from meshplan.lowering.rankplan import (
     STEP_TEMPLATE,
     RankPlan,
@@ -65,7 +66,13 @@ from meshplan.lowering.rankplan import (
     template_of,
 )
 from meshplan.runtime.amp import initial_loss_scale, next_scale
-from meshplan.runtime.bind import RankContext, bind_task, deferred_all_reduce, localize
+from meshplan.runtime.bind import (
+    RankContext,
+    bind_task,
+    deferred_all_reduce,
+    gather_into,
+    localize,
+)
 from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.data import data_rows
 from meshplan.runtime.early_collectives import EarlyCollectives
@@ -124,6 +131,8 @@ class RankExecutor:
         self.report_ids = frozenset(self.reports.values())
         self.step_reports: dict[str, torch.Tensor] = {}
         self._reported: set[tuple[str, int]] = set()
+        self.in_place: dict[int, str] = {}  # STEP gathers written into their state (`_into`)
+        self._state: dict = {}  # the state of the step running
         self.buckets = GradBuckets(plan.buckets, self.ctx, comm, self.mem) \
             if comm is not None and plan.buckets else None
         self.run_at = {i: k for k, i in enumerate(plan.run_ids)} if self.buckets else {}
@@ -197,13 +206,18 @@ class RankExecutor:
         keeps = [o for o in produced if o in self.uses or o in self.updates or o == loss
                  or o in self.report_ids]
         shared = [r for r in reads if self.uses.get(r, 0) > 1]  # others read it too
+        if key == STEP_TEMPLATE and self.comm is not None:
+            self.in_place = self._gathered_in_place(ops)
         kernels = {}
         for t in tasks:
             k = (early.get(t.op) or
                  t.op in self.deferred and deferred_all_reduce(t, self.ctx, self.comm,
                                                                self.pending) or
                  self.buckets and self.buckets.kernel(g[t.op]) or
-                 self.prefetch and self.prefetch.kernel(t) or bind_task(t, self.ctx, self.comm))
+                 self.prefetch and self.prefetch.kernel(t) or
+                 g[t.op].outputs[0] in self.in_place and len(t.group) > 1 and
+                 gather_into(t, self.ctx, self.comm, partial(self._into, g[t.op].outputs[0])) or
+                 bind_task(t, self.ctx, self.comm))
             if k is not None:
                 kernels[t.op] = k
         state_reads = [(r, self.names[r]) for r in reads if r in self.names]
@@ -221,6 +235,28 @@ class RankExecutor:
         step_updates = [(o, n) for o in keeps if o in self.updates
                         for n, role in [self.updates[o]] if role not in _PER_MICROBATCH]
         return fn, state_reads, mb_updates, step_updates, shared
+
+    def _gathered_in_place(self, ops) -> dict[int, str]:
+        """The STEP's all-gathers of updated state (ZeRO 1 and 2's parameters)
+        that may write into the state's own tensor: no later op of the STEP
+        reads its old value. Value id -> state name."""
+        old = {name: vid for vid, name in self.names.items()}
+        out = {}
+        for i, op in enumerate(ops):
+            new = op.outputs[0] if op.kind == ALL_GATHER else None
+            if new not in self.updates:
+                continue
+            name = self.updates[new][0]
+            if not any(old.get(name) in later.refs() for later in ops[i + 1:]):
+                out[new] = name
+        return out
+
+    def _into(self, vid: int):
+        """Where gathered value `vid` is written: its state's tensor of the
+        step running, if `_gathered_in_place` allows (`comm.into_place` takes
+        it only if shape and dtype fit), else None."""
+        name = self.in_place.get(vid)
+        return None if name is None else self._state.get(name)
 
     # ------------------------------------------------------------ state
     def init_state(self, module) -> dict:
@@ -253,8 +289,9 @@ class RankExecutor:
         envs = [self._data_env(mb, local_rows) for mb in microbatches]
         self.nonfinite = None
         self.left: list[dict[int, int]] = [{} for _ in microbatches]
+        self._state = state
         if self.buckets is not None:
-            self.buckets.start_step(len(envs))
+            self.buckets.start_step(len(envs), self._into)
         if self.prefetch is not None:
             self.prefetch.start_step(state)
         losses: dict[int, torch.Tensor] = {}

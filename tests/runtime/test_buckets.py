@@ -133,7 +133,7 @@ def test_a_bucket_started_early_breaks_equality(monkeypatch):
     from meshplan.runtime.grad_buckets import GradBuckets
 
     assert _local_verdict()
-    monkeypatch.setattr(GradBuckets, "start_step", lambda self, m: (
+    monkeypatch.setattr(GradBuckets, "start_step", lambda self, m, into=None: (
         setattr(self, "microbatches", 1), self.runs.clear()))
     assert not _local_verdict()
 
