@@ -46,7 +46,7 @@ import math
 from collections import defaultdict
 
 from meshplan.ir import TensorMeta
-from meshplan.ir.kinds import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER
+from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from meshplan.lowering.buckets import bound, bucketed_bytes, flat_intervals, grad_buckets, run_order
 from meshplan.lowering.prefetch import gather_groups, prefetched_bytes
 from meshplan.lowering.rankplan import (
@@ -253,6 +253,8 @@ def _collective_temp(low, by_value: dict, buckets) -> int:
       and this rank's padded part; a ZeRO-3 layer's prefetched gathers are
       one call, whose parts `prefetched_bytes` counts;
     - a reduce-scatter's: the all-reduced copy of its whole input;
+    - an all-reduce's: its output, which the finished call holds until the
+      backend's worker thread lets go of it, maybe past its last use;
     - an all-to-all's: the flat tensor sent and the one received.
     A process group runs two calls at once (gloo's two worker threads), so
     the two largest of one task group (an action's) count."""
@@ -280,6 +282,8 @@ def _collective_temp(low, by_value: dict, buckets) -> int:
             own.append(2 * gathered + gathered // len(t.group))
         elif op.kind == REDUCE_SCATTER:
             own.append(by_value[op.args[0].id].nbytes)
+        elif op.kind == ALL_REDUCE:  # its output, held a moment past its last use
+            own.append(by_value[op.outputs[0]].nbytes)
         elif op.kind == ALL_TO_ALL:
             own.append(by_value[op.args[0].id].nbytes + by_value[op.outputs[0]].nbytes)
     return max((sum(heapq.nlargest(2, own)) for own in sizes.values()), default=0)

@@ -152,8 +152,9 @@ class Comm:
         its dim, travel as one flat tensor (one collective a ZeRO-3 layer,
         as FSDP2 gathers a block). Returns `take(k)`, which waits (the first
         time) and gives the k-th gathered tensor; the flat tensors go when
-        every one is taken. `outs[k]` (None: a fresh tensor) is where the
-        k-th gathered tensor is written (`into_place`)."""
+        every one is taken (on the host, their storage is freed then, and
+        the one sent once waited). `outs[k]` (None: a fresh tensor) is
+        where the k-th gathered tensor is written (`into_place`)."""
         t0 = time.perf_counter()
         where = "cpu" if self.host_staged else xs[0].device
         mine, full, rows = [], [], []
@@ -171,7 +172,9 @@ class Comm:
         sizes = [math.prod(f[0]) for f in full]
         assert all(math.prod(s) == n for f, n in zip(full, sizes) for s in f), \
             "a gathered tensor's members differ beyond its gathered dim"
-        flat = torch.cat(mine) if len(mine) > 1 else mine[0]
+        host = where == "cpu" or where == torch.device("cpu")
+        # on the host a copy of its own even for one tensor: freed once waited
+        flat = torch.cat(mine) if len(mine) > 1 or host else mine[0]
         parts: list | None = [torch.empty_like(flat) for _ in shapes[0]]
         work = dist.all_gather(parts, flat, group=self.groups[group], async_op=True)
         state = {"waited": False, "left": len(xs)}
@@ -186,6 +189,8 @@ class Comm:
             if not state["waited"]:
                 work.wait()
                 state["waited"] = True
+                if host:
+                    flat.untyped_storage().resize_(0)
                 self.record(f"all_gather {list(group)}", t0)
             dim, cut = dims[k], rows[k]
             pieces = [p[offsets[k]:offsets[k + 1]].view(f) for p, f in zip(parts, full[k])]
@@ -194,6 +199,10 @@ class Comm:
             out = into_place(pieces, dim, outs[k] if outs else None, devices[k])
             state["left"] -= 1
             if state["left"] == 0:
+                if host:  # freed now: the finished work, which gloo's worker thread
+                    # lets go of a moment later, holds them too (as FSDP frees its own)
+                    for p in parts:
+                        p.untyped_storage().resize_(0)
                 parts = None
             return out
         return take

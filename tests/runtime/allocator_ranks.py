@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from meshplan.ir.fileio import read_bytes, write_atomic
 from meshplan.ir.job import Job
+from meshplan.lowering import memory
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.comm import Comm, rank_groups
 from meshplan.runtime.data import split_microbatches
@@ -23,7 +24,19 @@ from meshplan.runtime.rank_executor import RankExecutor
 from tests.allocator import AllocatorPeak
 
 
-def main(job_path: str, rank: int, world: int, port: int, config: str, out: str) -> None:
+def plant(bug: str) -> None:
+    """Plant `bug` in this process: "copy", ZeRO 1 and 2's STEP gathers into
+    fresh tensors (the parameter's old one lives to the STEP's end, as
+    before); "no_comm_temp", a plan without the collectives' workspace."""
+    if bug == "copy":
+        RankExecutor._into = lambda self, vid: None
+    elif bug == "no_comm_temp":
+        memory._collective_temp = lambda low, by_value, buckets: 0
+
+
+def main(job_path: str, rank: int, world: int, port: int, config: str, out: str,
+         bug: str = "-") -> None:
+    plant(bug)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}",
@@ -56,4 +69,4 @@ def main(job_path: str, rank: int, world: int, port: int, config: str, out: str)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *map(int, sys.argv[2:5]), *sys.argv[5:7])
+    main(sys.argv[1], *map(int, sys.argv[2:5]), *sys.argv[5:8])
