@@ -43,7 +43,6 @@ import bisect
 import heapq
 import itertools
 import math
-from collections import defaultdict
 
 from meshplan.ir import TensorMeta
 from meshplan.ir.kinds import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
@@ -56,7 +55,6 @@ from meshplan.lowering.rankplan import (
     MemoryLayout,
     TaskKind,
     line_axis,
-    template_of,
 )
 from meshplan.ops.infer import to_sig
 from meshplan.ops.routed_experts import ROUTED
@@ -254,39 +252,41 @@ def _collective_temp(low, by_value: dict, buckets) -> int:
       one call, whose parts `prefetched_bytes` counts;
     - a reduce-scatter's: the all-reduced copy of its whole input;
     - an all-reduce's: its output, which the finished call holds until the
-      backend's worker thread lets go of it, maybe past its last use;
+      backend's worker thread lets go of it, maybe past its last use; so a
+      per-micro-batch reduction bucket's flat tensor;
     - an all-to-all's: the flat tensor sent and the one received.
-    A process group runs two calls at once (gloo's two worker threads), so
-    the two largest of one task group (an action's) count."""
+    Gloo's two worker threads each hold one call, running or just finished
+    (a finished one until the worker lets go of it, maybe into the next
+    action), so the two largest of the rank count."""
     layers = [g for gs in gather_groups(low.tasks, low.op_of.__getitem__, low.view.values,
                                         low.view.strategy.layer_pattern).values() for g in gs] \
         if low.view.strategy.zero.regathers else []
     prefetched = {t.id for g in layers for t in g}
     bucketed = {op for b in buckets for op in b.ops}
-    sizes: dict[tuple, list[int]] = defaultdict(list)
+    sizes: list[int] = []
     for b in buckets:
         if b.kind == ALL_GATHER:
-            sizes[b.template].append(sum(_gathered(by_value, low.op_of[o], len(b.group))
-                                         for o in b.ops))
+            sizes.append(sum(_gathered(by_value, low.op_of[o], len(b.group)) for o in b.ops))
+        elif b.every_run:  # its flat tensor, held by the finished call past its last slice
+            sizes.append(sum(by_value[v].nbytes for v in b.sources))
     for g in layers:
         gathered = sum(_gathered(by_value, low.op_of[t.op], len(t.group)) for t in g)
-        sizes[template_of(g[0])].append(gathered + gathered // len(g[0].group))
+        sizes.append(gathered + gathered // len(g[0].group))
     for t in low.tasks:
         op = low.op_of[t.op]
         if t.kind not in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) or len(t.group) < 2 \
                 or t.op in bucketed or t.id in prefetched:
             continue
-        own = sizes[template_of(t)]
         if op.kind == ALL_GATHER:
             gathered = _gathered(by_value, op, len(t.group))
-            own.append(2 * gathered + gathered // len(t.group))
+            sizes.append(2 * gathered + gathered // len(t.group))
         elif op.kind == REDUCE_SCATTER:
-            own.append(by_value[op.args[0].id].nbytes)
+            sizes.append(by_value[op.args[0].id].nbytes)
         elif op.kind == ALL_REDUCE:  # its output, held a moment past its last use
-            own.append(by_value[op.outputs[0]].nbytes)
+            sizes.append(by_value[op.outputs[0]].nbytes)
         elif op.kind == ALL_TO_ALL:
-            own.append(by_value[op.args[0].id].nbytes + by_value[op.outputs[0]].nbytes)
-    return max((sum(heapq.nlargest(2, own)) for own in sizes.values()), default=0)
+            sizes.append(by_value[op.args[0].id].nbytes + by_value[op.outputs[0]].nbytes)
+    return sum(heapq.nlargest(2, sizes))
 
 
 def _update_temp(low, order) -> int:
