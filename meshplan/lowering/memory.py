@@ -31,7 +31,7 @@ gradients and torch's optimizer temporaries, on this device type); and on
 top of it, as collectives run in the background, the workspace of the two
 largest collective calls (`_collective_temp`: an all-gather's parts and
 the backend's own flat output, a reduce-scatter's all-reduced copy, an
-all-to-all's flat tensors).
+all-to-all's flat tensors, what gloo's workers hold of a finished call).
 
 Invariant: `peak` = the sum of the layout's extents, split by category:
 param (incl. module buffers), grad, optimizer, activation, temp.
