@@ -42,6 +42,7 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, replace
 from functools import cache
@@ -517,7 +518,38 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
         # memory layout counts on GPT tiny; test_estimate holds it near)
         shards = gathered // d
         transient += _live_buckets(shards, cap) * (min(cap, shards) * (d + 2))
-    return kept + transient
+    return kept + transient + _collective_bytes(works, layers, cand, st)
+
+
+def _collective_bytes(works: list[Work], layers: list[int], cand: Candidate,
+                      st: Setting) -> int:
+    """The dp collectives' own buffers (`lowering/memory._collective_temp`):
+    the two largest calls' — a STEP gather bucket's backend output, a
+    per-micro-batch reduce-scatter bucket's flat tensor, a ZeRO-3 layer's
+    gather, an all-to-all's flat tensors; without buckets a layer's worth
+    of one parameter's gather or reduction (an upper estimate of the
+    largest parameter's)."""
+    d = cand.dp
+    if d <= 1:
+        return 0
+    cap = int(st.bucket_mb * MiB) if st.buckets else 0
+    sizes = []
+    for w, k in zip(works, layers):
+        k = max(k, 1)
+        # an all-to-all (ep): the flat tensors sent and received, one op's
+        moved = [b // max(1, n) for key, (n, b) in w.dp if key.kind is DpKind.ALL_TO_ALL]
+        sizes += [2 * b for b in moved]
+        gathered = _dp_bytes(w, (Slot.STEP,), DpKind.ALL_GATHER)
+        scattered = _dp_bytes(w, _BACKWARD, DpKind.REDUCE_SCATTER)
+        if cap:
+            sizes += [min(cap, gathered), min(cap, scattered)]
+        else:
+            reduced = scattered + _dp_bytes(w, _BACKWARD, DpKind.ALL_REDUCE)
+            sizes += [gathered // k * 2 + gathered // k // d, reduced // k]
+        if cand.zero.regathers:
+            layer = _dp_bytes(w, (Slot.F,), DpKind.ALL_GATHER) // k
+            sizes.append(layer + layer // d)
+    return sum(heapq.nlargest(2, sizes))
 
 
 def _live_buckets(nbytes: int, cap: int) -> int:
