@@ -13,7 +13,7 @@ On several ranks (`tests/runtime/test_allocator_ranks.py`'s cases, each
 rank a process on gloo) the peak moves with what is in flight when, so
 each case runs three times and the lowest margin over its ranks and runs
 is reported; against it, the plan without the collectives' workspace
-(`memory._collective_temp`, as before it was counted), and the peak when
+(`memory.collective_temp`, as before it was counted), and the peak when
 ZeRO 1 and 2's gathers write fresh tensors (as before).
 
     python benchmarks/allocator_memory.py

@@ -29,7 +29,7 @@ a ring attention's with its blocks and accumulators (`ring_bytes`), or of
 any batched call of parameter updates (`_update_temp`: the clipped
 gradients and torch's optimizer temporaries, on this device type); and on
 top of it, as collectives run in the background, the workspace of the two
-largest collective calls (`_collective_temp`: an all-gather's parts and
+largest collective calls (`collective_temp`: an all-gather's parts and
 the backend's own flat output, a reduce-scatter's all-reduced copy, an
 all-to-all's flat tensors, what gloo's workers hold of a finished call).
 
@@ -164,7 +164,7 @@ def memory_layout(low, buffers) -> MemoryLayout:
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
     # collectives run in the background, beside any kernel's workspace
     peak["temp"] = max(_temp(low), _update_temp(low, ran)) + \
-        _collective_temp(low, by_value, buckets)
+        collective_temp(low, by_value, buckets)
     for k in ("param", "grad", "optimizer", "activation", "temp"):
         peak.setdefault(k, 0)
     total = sum(peak.values())
@@ -242,7 +242,7 @@ def _temp(low) -> int:
     return best
 
 
-def _collective_temp(low, by_value: dict, buckets) -> int:
+def collective_temp(low, by_value: dict, buckets) -> int:
     """The workspace of the collective calls in flight at once
     (`runtime/comm.py`), beyond the values and flat copies the layout holds:
     - an all-gather's: the backend's own flat output of all it gathers

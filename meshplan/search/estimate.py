@@ -523,7 +523,7 @@ def _peak(works: list[Work], chunks: list[int], layers: list[int], live: dict,
 
 def _collective_bytes(works: list[Work], layers: list[int], cand: Candidate,
                       st: Setting) -> int:
-    """The dp collectives' own buffers (`lowering/memory._collective_temp`):
+    """The dp collectives' own buffers (`lowering/memory.collective_temp`):
     the two largest calls' — a STEP gather bucket's backend output, a
     per-micro-batch reduce-scatter bucket's flat tensor, a ZeRO-3 layer's
     gather, an all-to-all's flat tensors; without buckets a layer's worth

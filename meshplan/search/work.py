@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
+from types import SimpleNamespace
 from typing import Any
 
 from meshplan.costmodel import DeviceModel
@@ -36,6 +37,7 @@ from meshplan.ir import Phase, TensorMeta
 from meshplan.ir.kinds import short
 from meshplan.ir.sbp import Replicate
 from meshplan.lowering.action_times import compute_cost, full_bytes, send_bytes
+from meshplan.lowering.memory import collective_temp
 from meshplan.lowering.rankplan import BufferCategory, RankPlan, TaskKind
 from meshplan.passes.expert_parallel import is_expert_param
 from meshplan.schedules import stage_placement
@@ -258,4 +260,9 @@ def _memory(job, plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
     peak = dict(plan.memory.peak)
     w = acc.setdefault(first, {"dp": Counter(), "dpn": Counter()})
     w["transient"] = max(0, peak.get("activation", 0) - saved_extent)
-    w["temp"] = peak.get("temp", 0)
+    # the kernels' workspace alone: the estimate prices the candidate's own
+    # dp collectives' buffers (`estimate._collective_bytes`), not the probe's
+    low = SimpleNamespace(tasks=plan.tasks, op_of=job.graph.ops,
+                          view=SimpleNamespace(values=job.graph.values, strategy=job.strategy))
+    w["temp"] = peak.get("temp", 0) - collective_temp(
+        low, {b.value: b for b in plan.buffers}, plan.buckets)

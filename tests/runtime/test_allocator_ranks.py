@@ -1,7 +1,7 @@
 """The plan's peak against the CPU allocator's, on every rank of a gloo run
 in processes (`tests/runtime/allocator_ranks.py`): ZeRO 1-3's gathers and
 reductions and tp·pp's transfers, with their buffers and the backend's
-own (`lowering/memory._collective_temp`). On threads the profiler sees one
+own (`lowering/memory.collective_temp`). On threads the profiler sees one
 rank only (`test_memory.py`), so these run as processes.
 
 The allocator's peak moves from run to run with what is in flight when; the
