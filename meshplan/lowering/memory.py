@@ -242,7 +242,7 @@ def _temp(low) -> int:
     return best
 
 
-def collective_temp(low, by_value: dict, buckets) -> int:
+def collective_temp(low, by_value: dict, buckets, keep=None) -> int:
     """The workspace of the collective calls in flight at once
     (`runtime/comm.py`), beyond the values and flat copies the layout holds:
     - an all-gather's: the backend's own flat output of all it gathers
@@ -257,10 +257,13 @@ def collective_temp(low, by_value: dict, buckets) -> int:
     - an all-to-all's: the flat tensor sent and the one received.
     Gloo's two worker threads each hold one call, running or just finished
     (a finished one until the worker lets go of it, maybe into the next
-    action), so the two largest of the rank count."""
+    action), so the two largest of the rank count. `keep(task)`: only the
+    collective tasks it keeps (the search's probes: those not over dp)."""
     layers = [g for gs in gather_groups(low.tasks, low.op_of.__getitem__, low.view.values,
                                         low.view.strategy.layer_pattern).values() for g in gs] \
         if low.view.strategy.zero.regathers else []
+    if keep is not None:
+        layers = [g for g in layers if keep(g[0])]
     prefetched = {t.id for g in layers for t in g}
     bucketed = {op for b in buckets for op in b.ops}
     sizes: list[int] = []
@@ -275,7 +278,7 @@ def collective_temp(low, by_value: dict, buckets) -> int:
     for t in low.tasks:
         op = low.op_of[t.op]
         if t.kind not in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) or len(t.group) < 2 \
-                or t.op in bucketed or t.id in prefetched:
+                or t.op in bucketed or t.id in prefetched or (keep is not None and not keep(t)):
             continue
         if op.kind == ALL_GATHER:
             gathered = _gathered(by_value, op, len(t.group))

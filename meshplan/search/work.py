@@ -260,9 +260,15 @@ def _memory(job, plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
     peak = dict(plan.memory.peak)
     w = acc.setdefault(first, {"dp": Counter(), "dpn": Counter()})
     w["transient"] = max(0, peak.get("activation", 0) - saved_extent)
-    # the kernels' workspace alone: the estimate prices the candidate's own
-    # dp collectives' buffers (`estimate._collective_bytes`), not the probe's
+    # without the data-side collectives' buffers: the estimate prices the
+    # candidate's own (`estimate._collective_bytes`), not the probe's
     low = SimpleNamespace(tasks=plan.tasks, op_of=job.graph.ops,
                           view=SimpleNamespace(values=job.graph.values, strategy=job.strategy))
-    w["temp"] = peak.get("temp", 0) - collective_temp(
-        low, {b.value: b for b in plan.buffers}, plan.buckets)
+    by_value = {b.value: b for b in plan.buffers}
+    over = _data_axes(job.strategy)
+
+    def model_side(t) -> bool:
+        kw = dict(job.graph.ops[t.op].kwargs)
+        return "stages" not in kw and over.get(kw.get("axis")) is None
+    w["temp"] = peak.get("temp", 0) - collective_temp(low, by_value, plan.buckets) + \
+        collective_temp(low, by_value, (), keep=model_side)
