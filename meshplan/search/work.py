@@ -269,6 +269,6 @@ def _memory(job, plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
 
     def model_side(t) -> bool:
         kw = dict(job.graph.ops[t.op].kwargs)
-        return "stages" not in kw and over.get(kw.get("axis")) is None
+        return "stages" not in kw and ("axis" not in kw or kw["axis"] not in over)
     w["temp"] = peak.get("temp", 0) - collective_temp(low, by_value, plan.buckets) + \
         collective_temp(low, by_value, (), keep=model_side)
