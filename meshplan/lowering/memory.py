@@ -163,8 +163,8 @@ def memory_layout(low, buffers) -> MemoryLayout:
     peak["activation"] = saved_extent + extent + ahead
     arenas.append((act_arena, "activations", saved_extent + extent + ahead))
     # collectives run in the background, beside any kernel's workspace
-    peak["temp"] = max(_temp(low), _update_temp(low, ran)) + \
-        collective_temp(low, by_value, buckets)
+    peak["temp"] = max(_temp(low), _update_temp(low, ran)) + collective_temp(
+        low.tasks, low.op_of, low.view.values, low.view.strategy, by_value, buckets)
     for k in ("param", "grad", "optimizer", "activation", "temp"):
         peak.setdefault(k, 0)
     total = sum(peak.values())
@@ -242,7 +242,8 @@ def _temp(low) -> int:
     return best
 
 
-def collective_temp(low, by_value: dict, buckets, keep=None) -> int:
+def collective_temp(tasks, op_of, values, strategy, by_value: dict, buckets,
+                    keep=None) -> int:
     """The workspace of the collective calls in flight at once
     (`runtime/comm.py`), beyond the values and flat copies the layout holds:
     - an all-gather's: the backend's own flat output of all it gathers
@@ -258,10 +259,11 @@ def collective_temp(low, by_value: dict, buckets, keep=None) -> int:
     Gloo's two worker threads each hold one call, running or just finished
     (a finished one until the worker lets go of it, maybe into the next
     action), so the two largest of the rank count. `keep(task)`: only the
-    collective tasks it keeps (the search's probes: those not over dp)."""
-    layers = [g for gs in gather_groups(low.tasks, low.op_of.__getitem__, low.view.values,
-                                        low.view.strategy.layer_pattern).values() for g in gs] \
-        if low.view.strategy.zero.regathers else []
+    collective tasks it keeps (the search's probes: those not over dp).
+    `op_of`, `values`: op and value by id; `by_value`: buffer by value."""
+    layers = [g for gs in gather_groups(tasks, op_of.__getitem__, values,
+                                        strategy.layer_pattern).values() for g in gs] \
+        if strategy.zero.regathers else []
     if keep is not None:
         layers = [g for g in layers if keep(g[0])]
     prefetched = {t.id for g in layers for t in g}
@@ -269,14 +271,14 @@ def collective_temp(low, by_value: dict, buckets, keep=None) -> int:
     sizes: list[int] = []
     for b in buckets:
         if b.kind == ALL_GATHER:
-            sizes.append(sum(_gathered(by_value, low.op_of[o], len(b.group)) for o in b.ops))
+            sizes.append(sum(_gathered(by_value, op_of[o], len(b.group)) for o in b.ops))
         elif b.every_run:  # its flat tensor, held by the finished call past its last slice
             sizes.append(sum(by_value[v].nbytes for v in b.sources))
     for g in layers:
-        gathered = sum(_gathered(by_value, low.op_of[t.op], len(t.group)) for t in g)
+        gathered = sum(_gathered(by_value, op_of[t.op], len(t.group)) for t in g)
         sizes.append(gathered + gathered // len(g[0].group))
-    for t in low.tasks:
-        op = low.op_of[t.op]
+    for t in tasks:
+        op = op_of[t.op]
         if t.kind not in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE) or len(t.group) < 2 \
                 or t.op in bucketed or t.id in prefetched or (keep is not None and not keep(t)):
             continue

@@ -29,7 +29,6 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
-from types import SimpleNamespace
 from typing import Any
 
 from meshplan.costmodel import DeviceModel
@@ -185,8 +184,7 @@ def read_work(job, plan: RankPlan, dev: DeviceModel) -> StageWork:
         op = job.graph.ops[t.op]
         if t.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
             full = full_bytes(short(op.kind), t, metas)
-            kw = dict(op.kwargs)
-            axis = Over.DP if "stages" in kw else over.get(kw["axis"]) if "axis" in kw else None
+            axis = _data_side(op, over)
             if axis is not None:
                 dkey = DpKey(key, DpKind(short(op.kind)), axis)
                 w["dpn"][dkey] += 1
@@ -221,6 +219,13 @@ def _could_save(w: dict, key: Slot, seconds: float) -> None:
     """Count `seconds` of slot `key` as what sequence parallelism could save."""
     if key is not Slot.STEP:
         w[f"sp_{key}"] = w.get(f"sp_{key}", 0.0) + seconds
+
+
+def _data_side(op, over: dict[int, Over]) -> Over | None:
+    """The data-side ranks collective `op` runs over (None: a model-side one,
+    tp's or a stage boundary's); `over`: `_data_axes`."""
+    kw = dict(op.kwargs)
+    return Over.DP if "stages" in kw else over.get(kw["axis"]) if "axis" in kw else None
 
 
 def _data_axes(strategy) -> dict[int, Over]:
@@ -262,13 +267,10 @@ def _memory(job, plan: RankPlan, task_of, where, stage: int, acc: dict) -> None:
     w["transient"] = max(0, peak.get("activation", 0) - saved_extent)
     # without the data-side collectives' buffers: the estimate prices the
     # candidate's own (`estimate._collective_bytes`), not the probe's
-    low = SimpleNamespace(tasks=plan.tasks, op_of=job.graph.ops,
-                          view=SimpleNamespace(values=job.graph.values, strategy=job.strategy))
     by_value = {b.value: b for b in plan.buffers}
     over = _data_axes(job.strategy)
-
-    def model_side(t) -> bool:
-        kw = dict(job.graph.ops[t.op].kwargs)
-        return "stages" not in kw and ("axis" not in kw or kw["axis"] not in over)
-    w["temp"] = peak.get("temp", 0) - collective_temp(low, by_value, plan.buckets) + \
-        collective_temp(low, by_value, (), keep=model_side)
+    g, s = job.graph, job.strategy
+    w["temp"] = peak.get("temp", 0) - \
+        collective_temp(plan.tasks, g.ops, g.values, s, by_value, plan.buckets) + \
+        collective_temp(plan.tasks, g.ops, g.values, s, by_value, (),
+                        keep=lambda t: _data_side(g.ops[t.op], over) is None)
