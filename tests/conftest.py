@@ -2,11 +2,21 @@
 Tests marked `cuda` are skipped where there is no CUDA device."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
 
-os.environ.setdefault("MESHPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="meshplan-test-cache-"))
+# The capture cache of this run alone, removed at its end.
+_OWN_CACHE = None if "MESHPLAN_CACHE_DIR" in os.environ else \
+    tempfile.mkdtemp(prefix="meshplan-test-cache-")
+if _OWN_CACHE is not None:
+    os.environ["MESHPLAN_CACHE_DIR"] = _OWN_CACHE
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_addoption(parser):

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import time
@@ -147,6 +148,11 @@ def rank_main(spec: RunSpec, rank: int, world: int, job_bytes: bytes | None,
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
+        # The executor, freed now: a spawned rank ends in `os._exit`, which runs
+        # no destructor, and an AOTInductor run's loader deletes the folder it
+        # unpacked its package into (/tmp/aotinductor_*, 3.5 MB) only in its own.
+        _CURRENT.clear()
+        gc.collect()
 
 
 _CURRENT: dict = {}

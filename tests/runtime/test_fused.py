@@ -7,6 +7,9 @@ Inductor itself, the zoo trains equal to eager PyTorch within fp32 bounds."""
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
+import tempfile
 
 import pytest
 import torch
@@ -183,6 +186,7 @@ def test_inductor_verifies_at_every_layout(name):
     if model.startswith("hf:"):
         pytest.importorskip("transformers")
     cfg = model_config(model, "tiny")
+    before = _unpacked()
     r = verify(model, "tiny", steps=3, optimizer="sgd" if model in SGD else "adamw",
                mesh=Mesh(1, ranks),
                strategy=zoo_strategy(model, cfg, **fields),
@@ -191,12 +195,17 @@ def test_inductor_verifies_at_every_layout(name):
     assert r["max_abs_diff"] <= 1e-5, (r.losses, r.ref_losses)
     notes = [n for v in r.details.get("ranks", {}).values() for n in v.get("kernel_notes", [])]
     assert not notes, notes  # Inductor compiled every run
+    # each rank's loaders deleted the folders they unpacked their packages into
+    assert not _unpacked() - before, sorted(_unpacked() - before)[:3]
+
+
+def _unpacked() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "aotinductor_*")))
 
 
 def test_the_command_without_a_compiler_is_one_line():
     """`--kernels inductor` where $CXX names no compiler: exit 2, one line,
     before any rank starts."""
-    import os
     import subprocess
     import sys
 
