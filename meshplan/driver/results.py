@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,12 @@ class JsonResult(Mapping):
 
     def __len__(self) -> int:
         return len(self.to_json())
+
+
+def steady_step_s(step_s: list[float]) -> float | None:
+    """The median step time after the first, which carries the warm-up (lazy
+    builds of kernels, first allocations): the first alone in a 1-step run."""
+    return statistics.median(step_s[1:] or step_s) if step_s else None
 
 
 @dataclass(eq=False)

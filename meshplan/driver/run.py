@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -20,7 +19,7 @@ import torch
 
 from meshplan.autodiff import OptimizerConfig
 from meshplan.driver.plan import plan_model
-from meshplan.driver.results import RunResult
+from meshplan.driver.results import RunResult, steady_step_s
 from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
 from meshplan.ir.fileio import write_atomic
@@ -222,7 +221,7 @@ def merge(per_rank: dict[int, RankResult], job, wall_s: float, trace: str = "") 
         rank_grad_norms={str(r): v.grad_norms for r, v in sorted(per_rank.items())
                          if v.grad_norms},
         skipped_steps=any_rank.skipped_steps,
-        median_step_s=statistics.median(steps) if steps else None,
+        median_step_s=steady_step_s(steps),
         ranks={str(r): v.memory() for r, v in sorted(per_rank.items())},
         job_digest=job.digest() if job is not None else None, wall_s=wall_s,
         first_step=any_rank.first_step,

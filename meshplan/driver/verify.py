@@ -37,7 +37,7 @@ from meshplan.driver.compare import (
 )
 from meshplan.driver.executor import Executor
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
-from meshplan.driver.results import VerifyResult
+from meshplan.driver.results import VerifyResult, steady_step_s
 from meshplan.driver.run import run
 from meshplan.driver.same_masks import SameMasks
 from meshplan.errors import ConfigError
@@ -141,7 +141,7 @@ def verify(
         verdict, losses, ref.losses, rank_losses, **extra, model=model, size=size,
         config=asdict(cfg), steps=steps, optimizer=str(opt.kind),
         global_batch_size=global_batch_size, num_microbatches=num_microbatches, **mine,
-        ref_step_s=statistics.median(ref.step_s), ref_grad_norms=ref.grad_norms,
+        ref_step_s=steady_step_s(ref.step_s), ref_grad_norms=ref.grad_norms,
         grad_norms=next(iter((mine.get("rank_grad_norms") or {}).values()), []))
 
 
@@ -155,7 +155,7 @@ def _against_spread(mine: dict, module, batches, m: int, opt: OptimizerConfig,
         run_k = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale,
                             device)
         curves.append(run_k.losses)
-        times += run_k.step_s
+        times.append(steady_step_s(run_k.step_s))
     verdict = spread_verdict(mine["rank_losses"], curves)
     mine.pop("slices")
     losses, rank_losses = mine.pop("losses"), mine.pop("rank_losses")
@@ -299,7 +299,7 @@ def _single(module, batches, opt, m: int, precision: Precision = Precision.FP32,
             "rank_grad_norms": {"0": norms} if norms else {},
             "slices": whole_slices(state), "ops": len(graph.ops),
             "capture_s": t1 - t0, "autodiff_s": t2 - t1,
-            "step_s": statistics.median(times),
+            "step_s": steady_step_s(times),
             "measured_peak_bytes": peak_of(device) or ex.mem.peak,
             "live_peak_bytes": ex.mem.peak,
             "planned_peak_bytes": ex.rank.plan.memory.peak_bytes(),
