@@ -174,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_flags(p, steps=10)
     add_device_flags(p)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds any collective may wait before the run fails")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds any collective may wait before the run fails (default 60; "
+                        "900 with --kernels inductor, whose first step waits on the "
+                        "peers' builds of their kernels on a cold cache)")
     p.add_argument("--plan-dir", default="", help="run plans written by `meshplan compile`")
     p.add_argument("--save-dir", default="", help="write a checkpoint there at the end")
     p.add_argument("--resume", action="store_true",
