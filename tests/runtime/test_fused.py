@@ -26,11 +26,11 @@ from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
 from meshplan.runtime import codegen, fused, kernel_cache
 from meshplan.runtime.local import local_ranks, train_local
+from tests.runtime._util import GPT_1_RANK, GPT_4D
 
 LAYOUTS = {  # name: (model, strategy fields)
-    "gpt 1 rank": ("gpt", dict(global_batch_size=8, micro_batch_size=4)),
-    "gpt dp2·tp2·pp2·vpp2": ("gpt", dict(dp=2, tp=2, pp=2, vpp=2, global_batch_size=8,
-                                         micro_batch_size=2, schedule="interleaved")),
+    "gpt 1 rank": ("gpt", GPT_1_RANK),
+    "gpt dp2·tp2·pp2·vpp2": ("gpt", GPT_4D),
     "gpt zbv zero3": ("gpt", dict(dp=2, pp=2, vpp=2, schedule="zbv", zero=3,
                                   global_batch_size=8, micro_batch_size=2)),
     "gpt recompute full": ("gpt", dict(pp=2, recompute="full", global_batch_size=8,
@@ -154,7 +154,9 @@ def test_no_compiler_is_one_line(monkeypatch):
 
 @pytest.mark.skipif(not fused.can_compile(), reason="no C++ compiler for Inductor on cpu")
 def test_inductor_trains_gpt_equal_to_eager_pytorch():
-    r = verify("gpt", "tiny", steps=3, optimizer="adamw", run_options={"kernels": "inductor"})
+    r = verify("gpt", "tiny", steps=3, optimizer="adamw",
+               strategy=zoo_strategy("gpt", model_config("gpt", "tiny"), **GPT_1_RANK),
+               run_options={"kernels": "inductor"})
     assert r.ok, r.problems
     assert r["max_abs_diff"] <= 1e-5, (r.losses, r.ref_losses)
 

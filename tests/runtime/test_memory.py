@@ -19,6 +19,7 @@ from meshplan.runtime import fused
 from meshplan.runtime.data import split_microbatches
 from meshplan.runtime.local import local_ranks, train_local
 from tests.allocator import AllocatorPeak
+from tests.runtime._util import GPT_1_RANK, GPT_4D
 
 
 def measured_and_planned(mesh: Mesh, optimizer: str, kernels: str = "eager",
@@ -54,15 +55,21 @@ def test_planned_peak_bounds_the_measured_peak(mesh, optimizer, fields):
 @pytest.mark.slow
 @pytest.mark.skipif(not fused.can_compile(), reason="no C++ compiler for Inductor on cpu")
 @pytest.mark.parametrize("mesh, optimizer, fields", [
-    (Mesh(1, 1), "adamw", dict(global_batch_size=8, micro_batch_size=4)),
-    (Mesh(1, 4), "sgd", dict(tp=2, pp=2, global_batch_size=8, micro_batch_size=2)),
+    (Mesh(1, 1), "adamw", GPT_1_RANK),
+    (Mesh(1, 8), "sgd", GPT_4D),
 ])
 def test_planned_peak_bounds_inductors_measured_peak(mesh, optimizer, fields):
     """With `--kernels inductor` the measured peak counts each built run's own
     buffers (measured at its first call) on top of the values live around
-    it; the plan, counting every value of the eager op sequence, bounds it."""
-    for rank, (measured, planned) in enumerate(
-            measured_and_planned(mesh, optimizer, kernels="inductor", **fields)):
+    it; the plan, counting every value of the eager op sequence, bounds it.
+    On one torch thread, as `test_fused`'s verify built these layouts' runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peaks = measured_and_planned(mesh, optimizer, kernels="inductor", **fields)
+    finally:
+        torch.set_num_threads(threads)
+    for rank, (measured, planned) in enumerate(peaks):
         assert 0 < measured <= planned, f"rank {rank}: measured {measured} > planned {planned}"
 
 
