@@ -35,7 +35,7 @@ from meshplan.driver.export import ExportFormat, check_out, export, memory_sourc
 from meshplan.driver.init_from import is_pretrained_dir, weight_source
 from meshplan.driver.metrics import perplexity, read_metrics
 from meshplan.driver.model_record import model_record
-from meshplan.driver.run import under_torchrun
+from meshplan.driver.run import train_timeout, under_torchrun
 from meshplan.driver.train import (
     CHECKPOINTS,
     complete_checkpoints,
@@ -217,8 +217,8 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
     run = dict(eval_data=eval_feed, eval_every=a.eval_every, eval_batches=a.eval_batches,
                threads=a.threads, checkpoint_every=a.checkpoint_every,
                async_checkpoint=a.async_checkpoint, init_from=init_from,
-               timeout_s=a.stall_timeout + 60, stall_s=a.stall_timeout, device=a.device,
-               backend=a.backend, kernels=a.kernels)
+               timeout_s=train_timeout(a.stall_timeout, a.kernels), stall_s=a.stall_timeout,
+               device=a.device, backend=a.backend, kernels=a.kernels)
     with a.progress.task("training steps", steps) as update:
         if under_torchrun():  # this process is one rank; global rank 0 reports
             r = train_here(lm.job, _weights(lm.module), feed, steps, a.out, eval_job=lm.eval_job,

@@ -52,6 +52,14 @@ def timeout_for(timeout_s: float | None, kernels: str) -> float:
     return TIMEOUT_S.get(kernels, TIMEOUT_S["eager"]) if timeout_s is None else timeout_s
 
 
+def train_timeout(stall_s: float, kernels: str) -> float:
+    """A training run's collective timeout: a minute past its stall watchdog
+    (which ends a hung run first, naming the rank), and no shorter than the
+    kernels' default: a rank waits in a receive while a peer builds its
+    runs, which the watchdog counts as progress."""
+    return max(stall_s + 60, timeout_for(None, kernels))
+
+
 def check_run_args(steps: int, threads: int, timeout_s: float) -> None:
     """Flags every rank would trip over: refused before any process starts."""
     for flag, value in (("--steps", steps), ("--threads", threads)):

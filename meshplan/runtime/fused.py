@@ -114,8 +114,9 @@ class InductorRun:
     in `mem`'s peak, on top of what is live (a GPU's allocator sees them)."""
 
     def __init__(self, ops: list[Op], ins: list[int], outs: list[int], device, name: str,
-                 mem=None):
+                 mem=None, on_built: Callable[[], None] | None = None):
         self.ops, self.name, self.device, self.mem = ops, name, torch.device(device), mem
+        self.on_built = on_built  # told of each variant built or loaded (a watchdog's progress)
         self.gm = graph_of(ops, ins, outs, device)
         self.accumulators = _accumulators(self.gm)
         self.fn: Callable | None = None
@@ -154,6 +155,8 @@ class InductorRun:
                          f"{err}; it runs with eager kernels")
             warnings.warn(self.note, stacklevel=2)
             fn = self.gm  # its aten kernels, in order
+        if self.on_built is not None:
+            self.on_built()
         if self.device.type == "cpu":
             out, scratch = measured_once(fn, args, lib)
         else:

@@ -108,6 +108,7 @@ class RankExecutor:
         self.next_step = 0  # the random ops' step: `step` counts it on
         self.mem = LiveBytes()
         self.current = "load"
+        self.index = -1  # the action running (its index in the plan)
         self.on_action = None  # called with each action's index (a launcher's watchdog)
         self.spans: list | None = None  # when a list: each action's Span is appended
         values = view.values.values()
@@ -225,7 +226,7 @@ class RankExecutor:
                         if r in self.updates and r not in self.names and key == STEP_TEMPLATE]
         name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
         fuse = (lambda run, ins, outs, label: InductorRun(run, ins, outs, self.device, label,
-                                                          self.mem)) \
+                                                          self.mem, self._built)) \
             if self.kernels == "inductor" else None
         fn = compile_segment(ops, reads=reads, keeps=keeps + shared, device=self.device,
                              name=name, kernels=kernels, borrowed=[r for r, _ in state_reads],
@@ -235,6 +236,12 @@ class RankExecutor:
         step_updates = [(o, n) for o in keeps if o in self.updates
                         for n, role in [self.updates[o]] if role not in _PER_MICROBATCH]
         return fn, state_reads, mb_updates, step_updates, shared
+
+    def _built(self) -> None:
+        """A run built or loaded inside an action (a cold cache's first step
+        spends minutes there): progress, as an action's start is."""
+        if self.on_action is not None:
+            self.on_action(self.index)
 
     def _gathered_in_place(self, ops) -> dict[int, str]:
         """The STEP's all-gathers of updated state (ZeRO 1 and 2's parameters)
@@ -298,7 +305,7 @@ class RankExecutor:
         self.step_losses = losses
         self.step_reports, self._reported = {}, set()
         for index, action in enumerate(self.plan.actions):
-            self.current = str(action)
+            self.current, self.index = str(action), index
             if self.on_action is not None:
                 self.on_action(index)
             t0 = time.perf_counter()

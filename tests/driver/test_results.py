@@ -57,13 +57,3 @@ def test_the_steady_step_leaves_out_the_first_steps_warm_up():
     assert steady_step_s([20.0, 0.06]) == 0.06
     assert steady_step_s([20.0, 0.06, 0.08, 0.07]) == 0.07
     assert steady_step_s([0.5]) == 0.5 and steady_step_s([]) is None
-
-
-def test_a_timeout_left_unset_covers_a_cold_first_step_of_inductor_kernels():
-    """With Inductor's kernels a first step waits on the peers' builds (a
-    cold ResNet tiny dp2·pp2 receive waited past 60 s); a timeout the caller
-    sets is kept, either way."""
-    from meshplan.driver.run import timeout_for
-
-    assert timeout_for(None, "eager") == 60.0 and timeout_for(None, "inductor") == 900.0
-    assert timeout_for(30.0, "inductor") == 30.0 and timeout_for(5.0, "eager") == 5.0

@@ -25,6 +25,7 @@ from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
 from meshplan.runtime import codegen, fused, kernel_cache
+from meshplan.runtime.data import split_microbatches
 from meshplan.runtime.local import local_ranks, train_local
 from tests.runtime._util import GPT_1_RANK, GPT_4D
 
@@ -103,6 +104,32 @@ def test_an_update_is_in_no_run_even_among_ops_that_fuse():
     groups, runs = codegen._runs(ops, {}, {}, {9, 10, 11, 13})
     assert [[op.id for op in g] for g in groups] == [[0, 1], [2], [3, 4]]
     assert sorted(runs) == [0, 2]
+
+
+def test_each_run_built_inside_an_action_is_the_ranks_progress(monkeypatch):
+    """A cold cache's first step spends minutes building inside its actions;
+    the stall watchdog (`runtime/launch.py`) sees each run built or loaded
+    as the rank's progress, as it sees an action's start. A later step's
+    runs are built: its actions alone stamp."""
+    monkeypatch.setattr(fused, "ahead_of_time", lambda gm, args, device: gm)
+    model, fields = LAYOUTS["gpt 1 rank"]
+    cfg = model_config(model, "tiny")
+    job = plan_model(model, "tiny", Mesh(1, 1), zoo_strategy(model, cfg, **fields)).job
+    torch.manual_seed(0)
+    _, [(ex, state)] = local_ranks(job, build_model(cfg), kernels="inductor")
+    batches = [split_microbatches(example_batch(cfg, 8, seed=i), job.strategy.num_microbatches)
+               for i in range(2)]
+    stamps: list[list[int]] = []
+    for batch in batches:
+        stamps.append([])
+        ex.on_action = stamps[-1].append
+        ex.step(state, batch)
+    actions = list(range(len(ex.plan.actions)))
+    runs = [run for seg in ex.segments.values() for run in seg[0].runs]
+    variants = sum(len(run.built) for run in runs)
+    assert variants > len(runs) > 0  # the backward's second micro-batch: a variant of its own
+    assert len(stamps[0]) == len(actions) + variants and sorted(set(stamps[0])) == actions
+    assert stamps[1] == actions
 
 
 def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
