@@ -40,13 +40,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """Tiny matmuls on one thread: measured 4x faster on the shared 2-core
-    machine (llama tp2*pp2 case: 26.7 s -> 6.6 s), nearly all of it eager."""
+def _one_thread():
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls on one thread: measured 4x faster on the shared 2-core
+    machine (llama tp2*pp2 case: 26.7 s -> 6.6 s), nearly all of it eager."""
+    yield from _one_thread()
+
+
+@pytest.fixture
+def one_torch_thread_here():
+    """One torch thread for one test: ranks on threads then build (and load)
+    the Inductor runs that spawned ranks (one thread each) build."""
+    yield from _one_thread()

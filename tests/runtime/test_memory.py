@@ -58,18 +58,14 @@ def test_planned_peak_bounds_the_measured_peak(mesh, optimizer, fields):
     (Mesh(1, 1), "adamw", GPT_1_RANK),
     (Mesh(1, 8), "sgd", GPT_4D),
 ])
-def test_planned_peak_bounds_inductors_measured_peak(mesh, optimizer, fields):
+def test_planned_peak_bounds_inductors_measured_peak(mesh, optimizer, fields,
+                                                     one_torch_thread_here):
     """With `--kernels inductor` the measured peak counts each built run's own
     buffers (measured at its first call) on top of the values live around
     it; the plan, counting every value of the eager op sequence, bounds it.
     On one torch thread, as `test_fused`'s verify built these layouts' runs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        peaks = measured_and_planned(mesh, optimizer, kernels="inductor", **fields)
-    finally:
-        torch.set_num_threads(threads)
-    for rank, (measured, planned) in enumerate(peaks):
+    for rank, (measured, planned) in enumerate(
+            measured_and_planned(mesh, optimizer, kernels="inductor", **fields)):
         assert 0 < measured <= planned, f"rank {rank}: measured {measured} > planned {planned}"
 
 
