@@ -64,6 +64,9 @@ def launch_local(spec: RunSpec, world: int, job_bytes: bytes,
                          name=f"meshplan-rank-{r}") for r in range(world)]
     for p in procs:
         p.start()
+    # the stall clock starts when the ranks exist: a fork server's first start
+    # (its import of torch, seconds on a cold machine) is not a rank's stall
+    beats[:] = [time.monotonic()] * (2 * world)
     try:
         _watch(procs, results, spec.stall_s, progress, job_bytes,
                _step_reporter(steps_done, on_step), beats)
