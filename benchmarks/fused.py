@@ -89,8 +89,8 @@ def step_part(model: str, batch: int = 8, steps: int = 8, warmup: int = 3) -> di
             t0 = time.perf_counter()
             losses[name].append(float(step()))
             dt = time.perf_counter() - t0
-            if i == 0:
-                first[name] = dt
+            if i == 0 or i == 1 and name == "meshplan inductor":  # to its first compiled
+                first[name] = first.get(name, 0.0) + dt  # step: its first runs eager kernels
             if i >= warmup:
                 times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -170,7 +170,7 @@ def table(res: dict) -> str:
         lines += ["## 1. Step time, one process, AdamW, batch 8 (median of interleaved steps)",
                   "", "| model | eager (ms) | torch.compile (ms) | meshplan eager (ms) | "
                   "meshplan inductor (ms) | inductor / torch.compile | inductor / eager | "
-                  "first step: torch.compile, meshplan inductor (s) |",
+                  "to the first compiled step: torch.compile, meshplan inductor (s) |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in res["step"]:
             s, f = r["step_s"], r["first_step_s"]
@@ -208,8 +208,8 @@ def table(res: dict) -> str:
         c = res["pp2"]["configs"]
         lines += ["## 3. pp=2 on 2 processes, 1F1B (GPT 8 layers, hidden 128, seq 64, batch 16 "
                   "as 4 micro-batches, SGD)", "",
-                  "| system | step (ms) | per round (ms) | first step (s) | max loss diff vs "
-                  "torch eager |", "|---|---|---|---|---|"]
+                  "| system | step (ms) | per round (ms) | to the first compiled step (s) | "
+                  "max loss diff vs torch eager |", "|---|---|---|---|---|"]
         for k in PP2_CONFIGS:
             r = c[k]
             lines.append(f"| {k} | {r['step_s'] * 1e3:.1f} | "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -83,21 +82,21 @@ def train_here(job, weights: dict, data, steps: int, out: str, *, eval_job=None,
     results.mkdir(parents=True, exist_ok=True)
     spec = run_spec(job, data, steps, out, record if rank == 0 else None,
                     eval_job=eval_job, resume_from=resume_from, **run)
-    with tempfile.TemporaryDirectory(prefix="meshplan-rank-") as local:
-        eval_file = ""
-        if eval_job is not None:
-            eval_file = str(Path(local) / "eval_job.bin")
-            write_atomic(Path(eval_file), eval_job.to_bytes())  # this process's own copy
-        spec = replace(spec, results=str(results), eval_job=eval_file)
-        merging = _Merging(job, data, out, results, tensorboard, resume_from, keep,
-                           on_step, spec) if rank == 0 else None
-        batches = [] if spec.data else list(data)
-        try:
-            code = rank_main(spec, rank, world, None, "env://", master=job.to_bytes,
-                             source=(weights, batches))
-        finally:
-            if merging is not None:
-                merging.stop()
+    eval_file = ""
+    if eval_job is not None:  # this process's own copy, in the attempt's folder (removed
+        # with it at the end, and left in the run's folder, not /tmp, by a killed worker)
+        eval_file = str(results / f"eval_job_{rank}.bin")
+        write_atomic(Path(eval_file), eval_job.to_bytes())
+    spec = replace(spec, results=str(results), eval_job=eval_file)
+    merging = _Merging(job, data, out, results, tensorboard, resume_from, keep,
+                       on_step, spec) if rank == 0 else None
+    batches = [] if spec.data else list(data)
+    try:
+        code = rank_main(spec, rank, world, None, "env://", master=job.to_bytes,
+                         source=(weights, batches))
+    finally:
+        if merging is not None:
+            merging.stop()
     if code != 0:
         fail = json.loads((results / f"fail_{rank}.json").read_text())
         raise RuntimeFault(f"rank {rank} failed in action {fail['action']}: {fail['error']}")

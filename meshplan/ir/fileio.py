@@ -182,19 +182,25 @@ class LineLog:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike):
+def file_lock(path: str | os.PathLike, wait: bool = True):
     """An exclusive lock on the empty file `path` (made if missing), held
     for the block: processes of one machine taking the same path run their
-    blocks one at a time. Without POSIX locks (no `fcntl`) it locks nothing."""
+    blocks one at a time. Yields whether it holds the lock: with `wait`
+    False it does not wait for another holder (False then). Without POSIX
+    locks (no `fcntl`) it locks nothing."""
     try:
         import fcntl  # reason: POSIX only
     except ImportError:
-        yield
+        yield True
         return
     with open(path, "a") as f:  # nothing is written: the file is the lock's name
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 

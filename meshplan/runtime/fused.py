@@ -42,7 +42,16 @@ from meshplan.ir.choices import Kernels, choose
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
 from meshplan.runtime.devices import resolve_device
-from meshplan.runtime.kernel_cache import Refused, ahead_of_time, input_metas, measured_once
+from meshplan.runtime.kernel_cache import (
+    Refused,
+    ahead_of_time,
+    build_ahead,
+    example,
+    input_metas,
+    measured,
+    measured_once,
+    template,
+)
 
 
 def check_kernels(kernels: str, device) -> None:
@@ -111,12 +120,20 @@ class InductorRun:
     On a CPU each variant's first call also measures the bytes the run
     allocates at its high-water mark (`kernel_cache.measured`: Inductor's
     buffers are not values the executor holds); every call then counts them
-    in `mem`'s peak, on top of what is live (a GPU's allocator sees them)."""
+    in `mem`'s peak, on top of what is live (a GPU's allocator sees them).
+
+    While `rehearsing()` (the job's first step) a call runs the graph with
+    eager kernels and notes its variant; `build_noted` then builds them all,
+    every rank at once, before the next step loads them."""
 
     def __init__(self, ops: list[Op], ins: list[int], outs: list[int], device, name: str,
-                 mem=None, on_built: Callable[[], None] | None = None):
+                 mem=None, on_built: Callable[[], None] | None = None,
+                 rehearsing: Callable[[], bool] | None = None):
         self.ops, self.name, self.device, self.mem = ops, name, torch.device(device), mem
         self.on_built = on_built  # told of each variant built or loaded (a watchdog's progress)
+        self.rehearsing = rehearsing
+        # a rehearsed variant's metas -> (its graph, its inputs' templates, marks, scratch)
+        self.noted: dict[tuple, tuple[fx.GraphModule, list, tuple, int]] = {}
         self.gm = graph_of(ops, ins, outs, device)
         self.accumulators = _accumulators(self.gm)
         self.fn: Callable | None = None
@@ -142,12 +159,13 @@ class InductorRun:
             self.fn, self.scratch = self.built[metas]
             self.metas = metas
             return self(*args)
+        if self.rehearsing is not None and self.rehearsing():
+            return self._rehearse(metas, args)
         lib = None
         try:
             built = ahead_of_time(_specialized(self.gm, args), args, self.device)
             lib = getattr(built, "artifact", None)
-            fn = _marking(built, [i for i, acc in self.accumulators if args[acc] is not None],
-                          [i for i, acc in self.accumulators if args[acc] is None])
+            fn = _marking(built, *self._marks(args))
         except Refused as err:
             kinds = sorted({op.kind for op in self.ops})
             self.note = (f"{self.name}: Inductor refused a run of {len(self.ops)} ops "
@@ -167,6 +185,56 @@ class InductorRun:
             self.mem.transient(scratch)
         self.compile_s += time.perf_counter() - t0
         return out
+
+    def _marks(self, args) -> tuple[list[int], list[int]]:
+        """(owned, adopted) outputs for `_marking`: accumulations into a
+        tensor, and first gradients (the accumulator None)."""
+        return ([i for i, acc in self.accumulators if args[acc] is not None],
+                [i for i, acc in self.accumulators if args[acc] is None])
+
+    def _rehearse(self, metas: tuple, args):
+        """A call of the job's first step: the variant's graph (specialized as
+        it is built) run with eager kernels, its outputs marked as a built
+        run marks them, so the next steps call the variants this one did;
+        noted, with its scratch measured once (CPU) and counted as a built
+        run's is."""
+        if metas not in self.noted:
+            gm, marks = _specialized(self.gm, args), self._marks(args)
+            fn = _marking(gm, *marks)
+            out, scratch = measured(fn, args) if self.device.type == "cpu" else (fn(*args), 0)
+            self.noted[metas] = (gm, [template(a) for a in args], marks, scratch)
+        else:
+            gm, _, marks, scratch = self.noted[metas]
+            out = _marking(gm, *marks)(*args)
+        if self.mem is not None:
+            self.mem.transient(scratch)
+        return out
+
+
+def build_noted(runs: list[InductorRun], on_each: Callable[[], None] | None = None) -> None:
+    """Build every variant the runs' rehearsal noted into this machine's
+    cache (loading none: each run's next first call does), and forget them.
+    First those no other process is building, then a wait for the rest:
+    members of a rank class, noting equal runs in the same order, so share
+    the builds out; each rank builds at once, not when a peer's output
+    reaches it (a stage after the first waited on the builds before it)."""
+    later = []
+    for run in runs:
+        for gm, templates, _, _ in run.noted.values():
+            t0 = time.perf_counter()
+            args = [example(t) for t in templates]
+            if not build_ahead(gm, args, run.device, wait=False):
+                later.append((run, gm, templates))
+            run.compile_s += time.perf_counter() - t0
+            if on_each is not None:
+                on_each()
+        run.noted.clear()
+    for run, gm, templates in later:
+        t0 = time.perf_counter()
+        build_ahead(gm, [example(t) for t in templates], run.device, wait=True)
+        run.compile_s += time.perf_counter() - t0
+        if on_each is not None:
+            on_each()
 
 
 def _accumulators(gm: fx.GraphModule) -> list[tuple[int, int]]:

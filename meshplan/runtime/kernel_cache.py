@@ -95,29 +95,80 @@ def ahead_of_time(gm: fx.GraphModule, args, device: torch.device) -> Callable:
     loaded from this machine's cache, built into it first if no process has;
     raises `Refused` if export or Inductor cannot build it. An input that is
     None (an accumulator before its first gradient) is part of the graph."""
+    bound, tensors, folder, key = _artifact(gm, args, device)
+    _build_once(bound, tensors, folder, key, wait=True)
+    refused = folder / f"{key}.refused"
+    if refused.exists():
+        raise Refused(read_bytes(refused).decode())
+    lib = folder / f"{key}.pt2"
+    run = load(lib, device)
+    call = run if len(tensors) == len(args) else \
+        lambda *xs: run(*(x for x in xs if x is not None))
+    call.artifact = lib  # type: ignore[attr-defined]  # where its measured scratch is kept
+    return call
+
+
+def build_ahead(gm: fx.GraphModule, args, device: torch.device, wait: bool) -> bool:
+    """Build the run `gm` for `args`' metas into this machine's cache, unless
+    a process has (a refusal is kept as `ahead_of_time` keeps it); loads
+    nothing. With `wait` False it leaves a run another process is building
+    and returns False: members of a rank class building their runs in the
+    same order so share them out, rather than each waiting on the same one."""
+    try:
+        found = _artifact(gm, args, device)
+    except Refused:  # `ahead_of_time` refuses it at its call
+        return True
+    return _build_once(*found, wait=wait)
+
+
+def _artifact(gm: fx.GraphModule, args, device: torch.device):
+    """(graph with its None inputs bound, tensor inputs, cache folder, key)."""
     if not all(a is None or isinstance(a, torch.Tensor) for a in args):
         raise Refused("an input is neither a tensor nor None")
     bound = bind_none(gm, [a is None for a in args])
     tensors = [a for a in args if a is not None]
     folder = cache_folder()
     folder.mkdir(parents=True, exist_ok=True)
-    key = artifact_key(bound, tensors, device)
+    return bound, tensors, folder, artifact_key(bound, tensors, device)
+
+
+def _build_once(bound: fx.GraphModule, tensors, folder: Path, key: str, wait: bool) -> bool:
+    """The artifact `key` (or its refusal) built under its file lock, if no
+    process has; False if `wait` is False and another process holds the lock."""
     lib, refused = folder / f"{key}.pt2", folder / f"{key}.refused"
-    if not lib.exists() and not refused.exists():
-        with file_lock(folder / f"{key}.lock"):
-            if not lib.exists() and not refused.exists():
-                try:
-                    build(bound, tensors, lib)
-                except Exception as err:  # a refusal: the run stays eager, with the reason
-                    first = (str(err).strip() or type(err).__name__).splitlines()[0]
-                    write_atomic(refused, f"{type(err).__name__}: {first[:300]}".encode())
-    if refused.exists():
-        raise Refused(read_bytes(refused).decode())
-    run = load(lib, device)
-    call = run if len(tensors) == len(args) else \
-        lambda *xs: run(*(x for x in xs if x is not None))
-    call.artifact = lib  # type: ignore[attr-defined]  # where its measured scratch is kept
-    return call
+    if lib.exists() or refused.exists():
+        return True
+    with file_lock(folder / f"{key}.lock", wait=wait) as held:
+        if held and not lib.exists() and not refused.exists():
+            try:
+                build(bound, tensors, lib)
+            except Exception as err:  # a refusal: the run stays eager, with the reason
+                first = (str(err).strip() or type(err).__name__).splitlines()[0]
+                write_atomic(refused, f"{type(err).__name__}: {first[:300]}".encode())
+    return held
+
+
+def template(a):
+    """What building a run needs of input `a`, without holding its data:
+    its `input_metas` (an input that is not a tensor as it is)."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    return (tuple(a.shape), a.stride(), a.dtype, a.device, a.data_ptr() % ALIGN == 0,
+            dict(a.__dict__))
+
+
+def example(t):
+    """An input with the metas `template` kept (its values unset: a build
+    traces fake tensors)."""
+    if not isinstance(t, tuple):
+        return t
+    shape, stride, dtype, device, aligned, attrs = t
+    offset = 0 if aligned else 1  # one element off: unaligned for elements under ALIGN bytes
+    size = offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) \
+        else offset
+    x = torch.empty(size, dtype=dtype, device=device).as_strided(shape, stride, offset)
+    x.__dict__.update(attrs)
+    return x
 
 
 def bind_none(gm: fx.GraphModule, none: list[bool]) -> fx.GraphModule:

@@ -76,7 +76,7 @@ from meshplan.runtime.bind import (
 from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.data import data_rows
 from meshplan.runtime.early_collectives import EarlyCollectives
-from meshplan.runtime.fused import InductorRun
+from meshplan.runtime.fused import InductorRun, build_noted
 from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes
@@ -226,7 +226,8 @@ class RankExecutor:
                         if r in self.updates and r not in self.names and key == STEP_TEMPLATE]
         name = "step" if key == STEP_TEMPLATE else f"chunk{key[0]}_{key[1].value}"
         fuse = (lambda run, ins, outs, label: InductorRun(run, ins, outs, self.device, label,
-                                                          self.mem, self._built)) \
+                                                          self.mem, self._built,
+                                                          self._rehearsing)) \
             if self.kernels == "inductor" else None
         fn = compile_segment(ops, reads=reads, keeps=keeps + shared, device=self.device,
                              name=name, kernels=kernels, borrowed=[r for r, _ in state_reads],
@@ -236,6 +237,19 @@ class RankExecutor:
         step_updates = [(o, n) for o in keeps if o in self.updates
                         for n, role in [self.updates[o]] if role not in _PER_MICROBATCH]
         return fn, state_reads, mb_updates, step_updates, shared
+
+    def _rehearsing(self) -> bool:
+        """The job's first step runs its Inductor runs with eager kernels and
+        notes their variants (`InductorRun._rehearse`), built before the next
+        step: every rank builds at once, and a run's numbers do not depend on
+        whether this machine's cache held it (a resumed run calls no step 0)."""
+        return self.ctx.random.step == 0
+
+    def _build_noted(self) -> None:
+        runs = [run for seg in self.segments.values() for run in seg[0].runs]
+        if any(run.noted for run in runs):
+            self.current = "build kernels"
+            build_noted(runs, self._built)
 
     def _built(self) -> None:
         """A run built or loaded inside an action (a cold cache's first step
@@ -289,6 +303,8 @@ class RankExecutor:
         micro-batch (empty if it holds none)."""
         self.ctx.random.step = self.next_step
         self.next_step += 1
+        if self.kernels == "inductor" and not self._rehearsing():
+            self._build_noted()  # what step 0 rehearsed, before this step loads it
         for name in self.grad_names:
             self._swap(state, name, None)
         if LOSS_SCALE in state:  # the state is the truth: a checkpoint may have set it

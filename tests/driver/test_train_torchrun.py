@@ -55,10 +55,13 @@ def test_torchrun_restarts_a_killed_worker_from_the_newest_checkpoint(tmp_path):
     whole = tmp_path / "whole"
     assert main(["-q", "train", "--data", str(data), "--out", str(whole), *RUN]) == 0
     out = tmp_path / "torchrun"
+    tmp = tmp_path / "tmp"  # the workers' temporary folder: a killed one leaves nothing there
+    tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                              "4", "--max-restarts", "1", "-m", "meshplan", "-q", "train",
                              "--data", str(data), "--out", str(out), *RUN],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=os.environ | {"TMPDIR": str(tmp)})
     try:
         deadline = time.monotonic() + WAIT_S
         killed = None
@@ -89,6 +92,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_newest_checkpoint(tmp_path):
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert not (out / ".ranks").exists()
+    assert not list(tmp.glob("meshplan-*")), sorted(tmp.iterdir())
 
 
 @pytest.mark.slow

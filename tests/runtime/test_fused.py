@@ -60,9 +60,32 @@ def _optimizer_loop(monkeypatch):
     monkeypatch.setattr(kernels, "by_kernel", lambda step, lists, fused: loop(step, lists, False))
 
 
+def _graphs_as_they_are(monkeypatch) -> dict[str, list[str]]:
+    """Each run's graph run as it is (its aten kernels, in order): nothing
+    built, nothing loaded. Returns the artifact keys asked to be built
+    ("noted", after the first step) and loaded ("called"), as they come."""
+    keys: dict[str, list[str]] = {"noted": [], "called": []}
+
+    def key(gm, args, device) -> str:
+        return kernel_cache._artifact(gm, args, device)[3]
+
+    def load(gm, args, device):
+        keys["called"].append(key(gm, args, device))
+        return gm
+
+    def build(gm, args, device, wait):
+        keys["noted"].append(key(gm, args, device))
+        return True
+
+    monkeypatch.setattr(fused, "ahead_of_time", load)
+    monkeypatch.setattr(fused, "build_ahead", build)
+    return keys
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_runs_as_graphs_equal_eager_kernels_bitwise(name, monkeypatch):
-    monkeypatch.setattr(fused, "ahead_of_time", lambda gm, args, device: gm)
+    """And the second step calls exactly the variants the first noted."""
+    keys = _graphs_as_they_are(monkeypatch)
     _optimizer_loop(monkeypatch)
     eager, _ = _train(name, "eager")
     graphs, ranks = _train(name, "inductor")
@@ -72,6 +95,7 @@ def test_runs_as_graphs_equal_eager_kernels_bitwise(name, monkeypatch):
             assert torch.equal(t, eager.slices[r][key]), (r, key)
     runs = [run for ex, _ in ranks for seg in ex.segments.values() for run in seg[0].runs]
     assert runs and all(len(r.ops) > 1 for r in runs)
+    assert keys["noted"] and sorted(keys["called"]) == sorted(keys["noted"])
 
 
 def test_a_run_is_built_only_with_two_ops_to_fuse():
@@ -106,19 +130,20 @@ def test_an_update_is_in_no_run_even_among_ops_that_fuse():
     assert sorted(runs) == [0, 2]
 
 
-def test_each_run_built_inside_an_action_is_the_ranks_progress(monkeypatch):
-    """A cold cache's first step spends minutes building inside its actions;
-    the stall watchdog (`runtime/launch.py`) sees each run built or loaded
-    as the rank's progress, as it sees an action's start. A later step's
-    runs are built: its actions alone stamp."""
-    monkeypatch.setattr(fused, "ahead_of_time", lambda gm, args, device: gm)
+def test_each_run_built_or_loaded_is_the_ranks_progress(monkeypatch):
+    """The first step runs every run with eager kernels (its actions alone
+    stamp); the second starts by building what it noted, minutes with a cold
+    cache, then loads each variant at its first call: the stall watchdog
+    (`runtime/launch.py`) sees each build and each load as the rank's
+    progress, as it sees an action's start. Later steps' actions alone stamp."""
+    _graphs_as_they_are(monkeypatch)
     model, fields = LAYOUTS["gpt 1 rank"]
     cfg = model_config(model, "tiny")
     job = plan_model(model, "tiny", Mesh(1, 1), zoo_strategy(model, cfg, **fields)).job
     torch.manual_seed(0)
     _, [(ex, state)] = local_ranks(job, build_model(cfg), kernels="inductor")
     batches = [split_microbatches(example_batch(cfg, 8, seed=i), job.strategy.num_microbatches)
-               for i in range(2)]
+               for i in range(3)]
     stamps: list[list[int]] = []
     for batch in batches:
         stamps.append([])
@@ -128,8 +153,9 @@ def test_each_run_built_inside_an_action_is_the_ranks_progress(monkeypatch):
     runs = [run for seg in ex.segments.values() for run in seg[0].runs]
     variants = sum(len(run.built) for run in runs)
     assert variants > len(runs) > 0  # the backward's second micro-batch: a variant of its own
-    assert len(stamps[0]) == len(actions) + variants and sorted(set(stamps[0])) == actions
-    assert stamps[1] == actions
+    assert stamps[0] == actions
+    assert len(stamps[1]) == len(actions) + 2 * variants and sorted(set(stamps[1])) == actions
+    assert stamps[2] == actions
 
 
 def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
@@ -137,6 +163,7 @@ def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
         raise kernel_cache.Refused("planted: no lowering for this op")
 
     monkeypatch.setattr(fused, "ahead_of_time", refuse)
+    monkeypatch.setattr(fused, "build_ahead", lambda gm, args, device, wait: True)
     _optimizer_loop(monkeypatch)
     with pytest.warns(UserWarning, match="Inductor refused a run of .* planted: no lowering"):
         refused, ranks = _train("gpt 1 rank", "inductor")
@@ -152,7 +179,7 @@ def test_the_optimizer_runs_torchs_fused_kernel_in_no_run(monkeypatch):
     per-tensor loop, as `torch.optim` runs it on a CPU. With clipping, whose
     norm's ops fuse and come right before the updates. (The runs' graphs
     run as they are: which ops a run holds does not depend on its build.)"""
-    monkeypatch.setattr(fused, "ahead_of_time", lambda gm, args, device: gm)
+    _graphs_as_they_are(monkeypatch)
     clipping = dataclasses.replace(OptimizerConfig.default("adamw"), max_grad_norm=1.0)
     for mode in ("inductor", "eager"):
         _, ranks = _train("gpt 1 rank", mode, steps=1, optimizer=clipping)

@@ -18,6 +18,7 @@ import torch
 
 from meshplan.ir import Op, Ref
 from meshplan.ir import kinds as k
+from meshplan.ir.fileio import file_lock
 from meshplan.ops import kernels
 from meshplan.runtime import fused, kernel_cache
 
@@ -51,13 +52,16 @@ class _Planted:
 
     def __init__(self, monkeypatch, fail: str = ""):
         self.built: list[str] = []
+        self.by: list[str] = []  # the thread of each build
+        self.graphs: dict[str, torch.fx.GraphModule] = {}
         self.fail = fail
         monkeypatch.setattr(kernel_cache, "build", self.build)
-        monkeypatch.setattr(kernel_cache, "load", lambda lib, device: self.gm)
+        monkeypatch.setattr(kernel_cache, "load", lambda lib, device: self.graphs[lib.name])
 
     def build(self, gm, args, lib):
         self.built.append(lib.name)
-        self.gm = gm
+        self.by.append(threading.current_thread().name)
+        self.gm = self.graphs[lib.name] = gm
         time.sleep(0.3)
         if self.fail:
             raise RuntimeError(self.fail)
@@ -83,6 +87,113 @@ def test_equal_runs_build_once_per_machine(monkeypatch, tmp_path):
         t.join(30)
     assert len(outs) == 7
     assert len(planted.built) == 2 and len(set(planted.built)) == 2, planted.built
+
+
+def test_a_run_another_process_is_building_is_left_for_later(monkeypatch, tmp_path):
+    """`build_ahead` without waiting returns False on a run whose lock another
+    process holds, builds it once free, and finds it built after."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch)
+    gm, x = _relu_graph(), torch.ones(4, 8)
+    folder = kernel_cache.cache_folder()
+    folder.mkdir(parents=True)
+    with file_lock(folder / f"{kernel_cache.artifact_key(gm, [x], CPU)}.lock"):
+        assert kernel_cache.build_ahead(gm, [x], CPU, wait=False) is False
+    assert not planted.built
+    assert kernel_cache.build_ahead(gm, [x], CPU, wait=False) is True
+    assert kernel_cache.build_ahead(gm, [x], CPU, wait=True) is True
+    assert len(planted.built) == 1
+
+
+def _noted_runs(count: int) -> list:
+    """`count` runs of other shapes, each with a variant its first step noted."""
+    runs = [fused.InductorRun(*_accumulating_run(), CPU, f"run {n}", rehearsing=lambda: True)
+            for n in range(count)]
+    for n, run in enumerate(runs):
+        run(None, torch.ones(n + 1))
+    return runs
+
+
+def test_a_rank_builds_first_the_runs_no_peer_is_building(monkeypatch, tmp_path):
+    """While a peer holds the first run's lock, the rank builds the others,
+    then waits for that one."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch)
+    runs = _noted_runs(4)
+    (gm, templates, _, _), = runs[0].noted.values()
+    *_, folder, key = kernel_cache._artifact(gm, [kernel_cache.example(t) for t in templates],
+                                             CPU)
+    rank = threading.Thread(target=fused.build_noted, args=(runs,))
+    with file_lock(folder / f"{key}.lock"):  # the peer, building it
+        rank.start()
+        deadline = time.monotonic() + 20
+        while len(planted.built) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(planted.built) == 3 and f"{key}.pt2" not in planted.built, planted.built
+    rank.join(20)
+    assert planted.built[3] == f"{key}.pt2" and not any(run.noted for run in runs)
+
+
+def test_rank_class_members_share_their_builds_out(monkeypatch, tmp_path):
+    """Two ranks with equal runs build what their first steps noted at once:
+    each run is built once, half of them by each rank (each leaves the run
+    the other is building for later, and finds it built then)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch)
+    members = [_noted_runs(4), _noted_runs(4)]
+    start = threading.Barrier(2)
+
+    def member(runs):
+        start.wait(10)
+        fused.build_noted(runs)
+
+    threads = [threading.Thread(target=member, args=(runs,), name=f"rank {i}")
+               for i, runs in enumerate(members)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(planted.built) == len(set(planted.built)) == 4, planted.built
+    assert sorted(planted.by) == ["rank 0", "rank 0", "rank 1", "rank 1"], planted.by
+    assert not any(run.noted for runs in members for run in runs)
+
+
+def test_the_first_step_runs_eager_kernels_and_notes_what_to_build(monkeypatch, tmp_path):
+    """The job's first step: each variant's graph with eager kernels, marked
+    as its build will mark it (the first gradient owned, the next added into
+    it in place), nothing built; the next step builds both variants, then
+    loads them at their first calls."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch)
+    step = [0]
+    run = fused.InductorRun(*_accumulating_run(), CPU, "planted",
+                            rehearsing=lambda: step[0] == 0)
+    g = torch.ones(3)
+    first = run(None, g)[0]
+    second = run(first, g)[0]
+    assert getattr(first, kernels.OWNED, False) and second is first
+    assert torch.equal(second, g * 4)
+    assert not planted.built and len(run.noted) == 2 and not run.built
+    step[0] = 1
+    fused.build_noted([run])
+    assert len(planted.built) == 2 and not run.noted
+    third = run(None, g)[0]
+    assert run(third, g)[0] is third and torch.equal(third, g * 4)
+    assert len(planted.built) == 2 and len(run.built) == 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.ones(4, 8), lambda: torch.ones(8, 4).t(), lambda: torch.ones(8).expand(4, 8),
+    lambda: torch.ones(33)[1:].view(4, 8), lambda: torch.ones(9, dtype=torch.bool)[1:],
+    lambda: kernels.own(torch.ones(4, 8)), lambda: torch.ones(0, 8), lambda: torch.tensor(2.0)],
+    ids=["dense", "transposed", "expanded", "unaligned", "bool", "owned", "empty", "scalar"])
+def test_an_example_has_the_metas_of_its_input(make):
+    """What a step notes to build later is a template, not the input's data;
+    the example made from it gets the artifact the input would."""
+    a = make()
+    e = kernel_cache.example(kernel_cache.template(a))
+    assert kernel_cache.input_metas([e]) == kernel_cache.input_metas([a])
+    assert not a.numel() or e.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
 
 
 def test_a_refused_run_is_not_built_again(monkeypatch, tmp_path):
