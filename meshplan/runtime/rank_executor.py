@@ -252,8 +252,8 @@ class RankExecutor:
             build_noted(runs, self._built)
 
     def _built(self) -> None:
-        """A run built or loaded inside an action (a cold cache's first step
-        spends minutes there): progress, as an action's start is."""
+        """A run built or loaded (a cold cache's second step spends minutes
+        building): progress, as an action's start is."""
         if self.on_action is not None:
             self.on_action(self.index)
 
