@@ -17,8 +17,12 @@ Invariants:
   inputs' metas: other metas get (or build) their own artifact.
 - The optimizer's updates are in no run: torch's fused kernel runs them
   (`OpRule.fused_batched`, `codegen._call_line`).
+- The job's first step runs each run's graph with eager kernels, as it is
+  built (accumulations specialized, outputs marked as a built run marks
+  them: the next steps call the same variants), and notes each variant;
+  `build_noted` builds them at the next step's start, every rank at once.
 - A run Inductor refuses runs its graph eagerly (the same kernels, in
-  order), with one warning naming the run and the reason.
+  order, as rehearsed), with one warning naming the run and the reason.
 """
 
 from __future__ import annotations
@@ -161,9 +165,9 @@ class InductorRun:
             return self(*args)
         if self.rehearsing is not None and self.rehearsing():
             return self._rehearse(metas, args)
-        lib = None
+        lib, gm = None, _specialized(self.gm, args)
         try:
-            built = ahead_of_time(_specialized(self.gm, args), args, self.device)
+            built = ahead_of_time(gm, args, self.device)
             lib = getattr(built, "artifact", None)
             fn = _marking(built, *self._marks(args))
         except Refused as err:
@@ -172,7 +176,7 @@ class InductorRun:
                          f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}): "
                          f"{err}; it runs with eager kernels")
             warnings.warn(self.note, stacklevel=2)
-            fn = self.gm  # its aten kernels, in order
+            fn = _marking(gm, *self._marks(args))  # its aten kernels, in order, as rehearsed
         if self.on_built is not None:
             self.on_built()
         if self.device.type == "cpu":
