@@ -7,16 +7,27 @@ import tempfile
 
 import pytest
 
+from meshplan.runtime.kernel_cache import cache_folder
+
 # The capture cache of this run alone, removed at its end.
 _OWN_CACHE = None if "MESHPLAN_CACHE_DIR" in os.environ else \
     tempfile.mkdtemp(prefix="meshplan-test-cache-")
 if _OWN_CACHE is not None:
     os.environ["MESHPLAN_CACHE_DIR"] = _OWN_CACHE
 
+# A temporary folder of this process (a pytest worker) and the processes it
+# starts, removed at its end: a test that looks for what its ranks left in
+# the temporary folder (an AOTInductor loader's unpacked package) sees its
+# own, not a concurrent worker's. Inductor's cache stays the machine's one.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_folder().parent))
+_OWN_TMP = tempfile.mkdtemp(prefix="meshplan-test-tmp-")
+os.environ["TMPDIR"] = tempfile.tempdir = _OWN_TMP
+
 
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    shutil.rmtree(_OWN_TMP, ignore_errors=True)
 
 
 def pytest_addoption(parser):

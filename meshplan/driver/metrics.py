@@ -183,5 +183,7 @@ def read_tensorboard(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
     acc = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+    # by the time written: the files come in the order of their names, which end
+    # in a counter of the writing process ("...9" after "...10")
+    return {tag: [(e.step, e.value) for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)]
             for tag in acc.Tags()["scalars"]}
