@@ -52,8 +52,8 @@ from meshplan.runtime.kernel_cache import (
     build_ahead,
     example,
     input_metas,
-    measured,
     measured_once,
+    rehearsal_file,
     template,
 )
 
@@ -180,7 +180,7 @@ class InductorRun:
         if self.on_built is not None:
             self.on_built()
         if self.device.type == "cpu":
-            out, scratch = measured_once(fn, args, lib)
+            out, scratch = measured_once(fn, args, lib and lib.with_suffix(".scratch"))
         else:
             out, scratch = fn(*args), 0
         self.built[metas] = (fn, scratch)
@@ -200,12 +200,13 @@ class InductorRun:
         """A call of the job's first step: the variant's graph (specialized as
         it is built) run with eager kernels, its outputs marked as a built
         run marks them, so the next steps call the variants this one did;
-        noted, with its scratch measured once (CPU) and counted as a built
+        noted, with its scratch measured once a machine (CPU) and counted as a built
         run's is."""
         if metas not in self.noted:
             gm, marks = _specialized(self.gm, args), self._marks(args)
             fn = _marking(gm, *marks)
-            out, scratch = measured(fn, args) if self.device.type == "cpu" else (fn(*args), 0)
+            out, scratch = (measured_once(fn, args, rehearsal_file(gm, args, self.device))
+                            if self.device.type == "cpu" else (fn(*args), 0))
             self.noted[metas] = (gm, [template(a) for a in args], marks, scratch)
         else:
             gm, _, marks, scratch = self.noted[metas]

@@ -121,6 +121,17 @@ def build_ahead(gm: fx.GraphModule, args, device: torch.device, wait: bool) -> b
     return _build_once(*found, wait=wait)
 
 
+def rehearsal_file(gm: fx.GraphModule, args, device: torch.device) -> Path | None:
+    """Where the bytes the rehearsal of the run `gm` on `args`' metas
+    allocates (its eager kernels', `fused.InductorRun._rehearse`) are kept
+    on this machine, beside its artifact: a warm cache measures no run."""
+    try:
+        _, _, folder, key = _artifact(gm, args, device)
+    except Refused:
+        return None
+    return folder / f"{key}.eager-scratch"
+
+
 def _artifact(gm: fx.GraphModule, args, device: torch.device):
     """(graph with its None inputs bound, tensor inputs, cache folder, key)."""
     if not all(a is None or isinstance(a, torch.Tensor) for a in args):
@@ -262,10 +273,10 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def measured_once(fn: Callable, args, lib: Path | None) -> tuple[list, int]:
-    """`measured(fn, args)`, its bytes kept beside the artifact `lib` (if
-    any) for the processes that load it later: they run without a profiler."""
-    known = lib.with_suffix(".scratch") if lib is not None else None
+def measured_once(fn: Callable, args, known: Path | None) -> tuple[list, int]:
+    """`measured(fn, args)`, its bytes kept in the file `known` (if any) for
+    the processes that run it later: they run without a profiler (starting
+    one costs a rank about half a second)."""
     if known is not None and known.exists():
         return fn(*args), int(read_bytes(known))
     out, scratch = measured(fn, args)

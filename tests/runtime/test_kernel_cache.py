@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -180,6 +181,26 @@ def test_the_first_step_runs_eager_kernels_and_notes_what_to_build(monkeypatch, 
     third = run(None, g)[0]
     assert run(third, g)[0] is third and torch.equal(third, g * 4)
     assert len(planted.built) == 2 and len(run.built) == 2
+
+
+def test_a_warm_cache_rehearses_without_a_profiler(monkeypatch, tmp_path):
+    """The rehearsal's bytes are measured once a machine, kept beside the
+    run's artifact: a later process (a warm cache) counts the same bytes
+    without starting a profiler (seconds a step 0 of 8 ranks)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    measured = []
+    real = kernel_cache.measured
+    monkeypatch.setattr(kernel_cache, "measured",
+                        lambda fn, args: measured.append(1) or real(fn, args))
+    mem = [[], []]
+    for seen in mem:  # two processes of a machine, one after the other
+        run = fused.InductorRun(*_accumulating_run(), CPU, "planted",
+                                mem=types.SimpleNamespace(transient=seen.append),
+                                rehearsing=lambda: True)
+        g = torch.ones(3)
+        run(run(None, g)[0], g)
+    assert len(measured) == 2  # the first process's two variants, the second's none
+    assert mem[0] == mem[1] and mem[0][0] > 0  # the first variant's output, at least
 
 
 @pytest.mark.parametrize("make", [
