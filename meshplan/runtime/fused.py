@@ -45,6 +45,7 @@ from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ir.choices import Kernels, choose
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
+from meshplan.runtime import build_helpers
 from meshplan.runtime.devices import resolve_device
 from meshplan.runtime.kernel_cache import (
     Refused,
@@ -52,6 +53,7 @@ from meshplan.runtime.kernel_cache import (
     build_ahead,
     example,
     input_metas,
+    is_built,
     measured_once,
     rehearsal_file,
     template,
@@ -138,7 +140,8 @@ class InductorRun:
         self.rehearsing = rehearsing
         # a rehearsed variant's metas -> (its graph, its inputs' templates, marks, scratch)
         self.noted: dict[tuple, tuple[fx.GraphModule, list, tuple, int]] = {}
-        self.gm = graph_of(ops, ins, outs, device)
+        self.ins, self.outs = ins, outs
+        self.gm = graph_of(ops, ins, outs, self.device)
         self.accumulators = _accumulators(self.gm)
         self.fn: Callable | None = None
         self.metas: tuple | None = None  # the inputs `fn` was built for
@@ -216,30 +219,49 @@ class InductorRun:
         return out
 
 
-def build_noted(runs: list[InductorRun], on_each: Callable[[], None] | None = None) -> None:
+def build_noted(runs: list[InductorRun], on_each: Callable[[], None] | None = None,
+                local_ranks: int = 1) -> None:
     """Build every variant the runs' rehearsal noted into this machine's
     cache (loading none: each run's next first call does), and forget them.
     First those no other process is building, then a wait for the rest:
     members of a rank class, noting equal runs in the same order, so share
-    the builds out; each rank builds at once, not when a peer's output
-    reaches it (a stage after the first waited on the builds before it)."""
-    later = []
+    the builds out, and so do helper processes on the cores the machine has
+    spare (`build_helpers`); each rank builds at once, not when a peer's
+    output reaches it (a stage after the first waited on the builds before it)."""
+    tasks = [(run, (run.ops, run.ins, run.outs, templates, run.device))
+             for run in runs for _, templates, _, _ in run.noted.values()]
     for run in runs:
-        for gm, templates, _, _ in run.noted.values():
-            t0 = time.perf_counter()
-            args = [example(t) for t in templates]
-            if not build_ahead(gm, args, run.device, wait=False):
-                later.append((run, gm, templates))
-            run.compile_s += time.perf_counter() - t0
-            if on_each is not None:
-                on_each()
         run.noted.clear()
-    for run, gm, templates in later:
-        t0 = time.perf_counter()
-        build_ahead(gm, [example(t) for t in templates], run.device, wait=True)
-        run.compile_s += time.perf_counter() - t0
-        if on_each is not None:
-            on_each()
+    tasks = [(run, task) for run, task in tasks if not is_built(*task_graph(task))]
+    helpers = build_helpers.count(runs[0].device, local_ranks, len(tasks)) if tasks else 0
+    with build_helpers.beside([task for _, task in tasks], helpers):
+        later = [(run, task) for run, task in tasks
+                 if not _timed(run, on_each, build_task, task, wait=False)]
+        for run, task in later:
+            _timed(run, on_each, build_task, task, wait=True)
+
+
+def task_graph(task: tuple) -> tuple[fx.GraphModule, list, torch.device]:
+    """A noted variant, `(ops, ins, outs, input templates, device)`, as the
+    graph it is built as, inputs like its own, and its device: made from
+    the same facts the same way in every process, so under the same key."""
+    ops, ins, outs, templates, device = task
+    args = [example(t) for t in templates]
+    return _specialized(graph_of(ops, ins, outs, device), args), args, device
+
+
+def build_task(task: tuple, wait: bool) -> bool:
+    """`kernel_cache.build_ahead` of a noted variant (`task_graph`)."""
+    return build_ahead(*task_graph(task), wait=wait)
+
+
+def _timed(run: InductorRun, on_each, fn: Callable, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    run.compile_s += time.perf_counter() - t0
+    if on_each is not None:
+        on_each()
+    return out
 
 
 def _accumulators(gm: fx.GraphModule) -> list[tuple[int, int]]:

@@ -121,6 +121,16 @@ def build_ahead(gm: fx.GraphModule, args, device: torch.device, wait: bool) -> b
     return _build_once(*found, wait=wait)
 
 
+def is_built(gm: fx.GraphModule, args, device: torch.device) -> bool:
+    """Whether this machine's cache holds the run `gm` for `args`' metas (or
+    its refusal)."""
+    try:
+        _, _, folder, key = _artifact(gm, args, device)
+    except Refused:
+        return True
+    return (folder / f"{key}.pt2").exists() or (folder / f"{key}.refused").exists()
+
+
 def rehearsal_file(gm: fx.GraphModule, args, device: torch.device) -> Path | None:
     """Where the bytes the rehearsal of the run `gm` on `args`' metas
     allocates (its eager kernels', `fused.InductorRun._rehearse`) are kept

@@ -47,6 +47,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import defaultdict
 from functools import partial
@@ -249,7 +250,8 @@ class RankExecutor:
         runs = [run for seg in self.segments.values() for run in seg[0].runs]
         if any(run.noted for run in runs):
             self.current = "build kernels"
-            build_noted(runs, self._built)
+            local = int(os.environ.get("LOCAL_WORLD_SIZE") or self.view.mesh.world)
+            build_noted(runs, self._built, local)  # launched locally: every rank is local
 
     def _built(self) -> None:
         """A run built or loaded (a cold cache's second step spends minutes

@@ -3,10 +3,12 @@ AOTInductor and loaded by every rank without Inductor. The cache's logic
 (one build per key under a lock, refusals remembered, keys) is tested with a
 planted builder; one slow test builds for real and checks what a warm rank
 pays (no Inductor, no dynamo) and what a built run keeps of eager kernels'
-semantics (strides, in-place state, the accumulators' protocol)."""
+semantics (strides, in-place state, the accumulators' protocol); another
+has a helper process (`build_helpers.py`) build a rank's noted runs."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,7 +23,7 @@ from meshplan.ir import Op, Ref
 from meshplan.ir import kinds as k
 from meshplan.ir.fileio import file_lock
 from meshplan.ops import kernels
-from meshplan.runtime import fused, kernel_cache
+from meshplan.runtime import build_helpers, fused, kernel_cache
 
 CPU = torch.device("cpu")
 
@@ -57,6 +59,7 @@ class _Planted:
         self.graphs: dict[str, torch.fx.GraphModule] = {}
         self.fail = fail
         monkeypatch.setattr(kernel_cache, "build", self.build)
+        monkeypatch.setattr(build_helpers, "count", lambda *_: 0)  # they would build for real
         monkeypatch.setattr(kernel_cache, "load", lambda lib, device: self.graphs[lib.name])
 
     def build(self, gm, args, lib):
@@ -357,3 +360,50 @@ def test_a_runs_scratch_is_its_own_allocations_at_their_high_water():
         t.join(10)
     assert out[0].item() == 128 * 128 * 9
     assert 3 * x.nbytes <= scratch < 3 * x.nbytes + 1024, scratch
+
+
+@pytest.mark.parametrize("device, local, runs, expected", [
+    ("cpu", 1, 10, 7),  # every spare core
+    ("cpu", 1, 3, 2),  # a run each, the rank's own first
+    ("cpu", 1, 1, 0),  # the rank builds it
+    ("cpu", 4, 10, 1),
+    ("cpu", 8, 10, 0),  # no core spare
+    ("cpu", 16, 10, 0),
+    ("cuda", 1, 10, 0),  # a device context each: never
+])
+def test_helpers_take_the_spare_cores(monkeypatch, device, local, runs, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
+    assert build_helpers.count(torch.device(device), local, runs) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fused.can_compile(), reason="no C++ compiler for Inductor on cpu")
+def test_a_helper_builds_the_runs_the_rank_loads(monkeypatch, tmp_path):
+    """A helper builds a rank's noted runs while the rank builds none; then
+    each run's next first call loads its package (no build in the rank),
+    and the helper has ended."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.set_num_threads(1)  # a helper left at its default (this machine's cores) mis-keys
+    runs = [fused.InductorRun(*_accumulating_run(), CPU, f"run {n}", rehearsing=lambda: True)
+            for n in range(1)]
+    for n, run in enumerate(runs):  # step 0: an owned gradient added into
+        run(kernels.own(torch.zeros(n + 2)), torch.ones(n + 2))
+    tasks = [(run.ops, run.ins, run.outs, templates, run.device)
+             for run in runs for _, templates, _, _ in run.noted.values()]
+    assert len(tasks) == 1
+    with build_helpers.beside(tasks, 1) as procs:
+        deadline = time.monotonic() + 300
+        while not all(kernel_cache.is_built(*fused.task_graph(t)) for t in tasks):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no build"
+            time.sleep(0.5)
+    assert procs[0].poll() is not None  # ended on the way out
+    assert len(list((tmp_path / "meshplan-aot").glob("*.pt2"))) == 1
+
+    def no_build(*_):
+        raise AssertionError("the rank built a run its helper built")
+
+    monkeypatch.setattr(kernel_cache, "build", no_build)
+    for n, run in enumerate(runs):
+        run.rehearsing, acc = (lambda: False), kernels.own(torch.ones(n + 2))
+        assert run(acc, torch.ones(n + 2))[0] is acc and torch.equal(acc, torch.full((n + 2,), 3.))
+    assert sum(len(run.built) for run in runs) == 1
