@@ -4,12 +4,17 @@ processes) and at pp2 (2 processes, 4 micro-batches), each run in fresh
 processes with an empty cache folder, from this checkout ("after") and from
 a git worktree of `--before REV`, alternately (these machines are noisy).
 
-It measured the step-0 rehearsal (docs/concepts/kernels.md: the first step
-runs eager kernels, the second starts by building every run, all ranks at
-once) against the build at each run's first call, inside the first step:
-`--before 680de16`.
+It measured:
+- the step-0 rehearsal (docs/concepts/kernels.md: the first step runs eager
+  kernels, the second starts by building every run, all ranks at once)
+  against the build at each run's first call, inside the first step:
+  `--before 680de16` (results/cold_start.md);
+- helper processes building a rank's runs on the spare cores, at one
+  process (2 cores: one helper): `--before 611ca56 --layouts 1p --name
+  cold_start_helpers` (results/cold_start_helpers.md).
 
-Run: python benchmarks/cold_start.py --before 680de16 [--rounds 1]
+Run: python benchmarks/cold_start.py --before REV [--rounds 1] [--layouts demo,pp2,1p]
+     [--name cold_start]
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import common  # noqa: E402
 from fused import COLD, DEMO  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = {"gpt tiny, dp2 tp2 pp2 vpp2 (the demo's)": DEMO,
-           "gpt tiny, pp2, 4 micro-batches": COLD["gpt tiny, pp2, 4 micro-batches"]}
+LAYOUTS = {"demo": ("gpt tiny, dp2 tp2 pp2 vpp2 (the demo's)", DEMO),
+           "pp2": ("gpt tiny, pp2, 4 micro-batches", COLD["gpt tiny, pp2, 4 micro-batches"]),
+           "1p": ("gpt tiny, 1 process, AdamW", COLD["gpt tiny, 1 process, AdamW"])}
 
 
 def cold_run(tree: Path, layout: list[str]) -> dict:
@@ -73,6 +79,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", required=True, help="the git revision to compare with")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--layouts", default="demo,pp2", help=f"of {', '.join(LAYOUTS)}")
+    p.add_argument("--name", default="cold_start", help="the results' file name")
     args = p.parse_args()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=ROOT, check=True).stdout.strip()
@@ -82,7 +90,7 @@ def main() -> None:
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(old), args.before],
                        cwd=ROOT, check=True)
         try:
-            for name, layout in LAYOUTS.items():
+            for name, layout in (LAYOUTS[k] for k in args.layouts.split(",")):
                 runs: dict[str, list] = {"before": [], "after": []}
                 for k in range(args.rounds):
                     for which in (("before", "after") if k % 2 == 0 else ("after", "before")):
@@ -91,7 +99,7 @@ def main() -> None:
                 res["layouts"][name] = runs
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT)
-    common.write("cold_start", res, table(res))
+    common.write(args.name, res, table(res))
 
 
 if __name__ == "__main__":
