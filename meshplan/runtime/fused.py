@@ -138,8 +138,9 @@ class InductorRun:
         self.ops, self.name, self.device, self.mem = ops, name, torch.device(device), mem
         self.on_built = on_built  # told of each variant built or loaded (a watchdog's progress)
         self.rehearsing = rehearsing
-        # a rehearsed variant's metas -> (its graph, its inputs' templates, marks, scratch)
-        self.noted: dict[tuple, tuple[fx.GraphModule, list, tuple, int]] = {}
+        # a rehearsed variant's metas -> (its graph, marked as built; its inputs' templates;
+        # its scratch)
+        self.noted: dict[tuple, tuple[Callable, list, int]] = {}
         self.ins, self.outs = ins, outs
         self.gm = graph_of(ops, ins, outs, self.device)
         self.accumulators = _accumulators(self.gm)
@@ -193,6 +194,11 @@ class InductorRun:
         self.compile_s += time.perf_counter() - t0
         return out
 
+    def noted_tasks(self) -> list[tuple]:
+        """Each variant the rehearsal noted, as `build_task` takes it."""
+        return [(self.ops, self.ins, self.outs, templates, self.device)
+                for _, templates, _ in self.noted.values()]
+
     def _marks(self, args) -> tuple[list[int], list[int]]:
         """(owned, adopted) outputs for `_marking`: accumulations into a
         tensor, and first gradients (the accumulator None)."""
@@ -206,14 +212,14 @@ class InductorRun:
         noted, with its scratch measured once a machine (CPU) and counted as a built
         run's is."""
         if metas not in self.noted:
-            gm, marks = _specialized(self.gm, args), self._marks(args)
-            fn = _marking(gm, *marks)
+            gm = _specialized(self.gm, args)
+            fn = _marking(gm, *self._marks(args))
             out, scratch = (measured_once(fn, args, rehearsal_file(gm, args, self.device))
                             if self.device.type == "cpu" else (fn(*args), 0))
-            self.noted[metas] = (gm, [template(a) for a in args], marks, scratch)
+            self.noted[metas] = (fn, [template(a) for a in args], scratch)
         else:
-            gm, _, marks, scratch = self.noted[metas]
-            out = _marking(gm, *marks)(*args)
+            fn, _, scratch = self.noted[metas]
+            out = fn(*args)
         if self.mem is not None:
             self.mem.transient(scratch)
         return out
@@ -228,8 +234,7 @@ def build_noted(runs: list[InductorRun], on_each: Callable[[], None] | None = No
     the builds out, and so do helper processes on the cores the machine has
     spare (`build_helpers`); each rank builds at once, not when a peer's
     output reaches it (a stage after the first waited on the builds before it)."""
-    tasks = [(run, (run.ops, run.ins, run.outs, templates, run.device))
-             for run in runs for _, templates, _, _ in run.noted.values()]
+    tasks = [(run, task) for run in runs for task in run.noted_tasks()]
     for run in runs:
         run.noted.clear()
     tasks = [(run, task) for run, task in tasks if not is_built(*task_graph(task))]

@@ -124,9 +124,8 @@ def test_a_rank_builds_first_the_runs_no_peer_is_building(monkeypatch, tmp_path)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     planted = _Planted(monkeypatch)
     runs = _noted_runs(4)
-    (gm, templates, _, _), = runs[0].noted.values()
-    *_, folder, key = kernel_cache._artifact(gm, [kernel_cache.example(t) for t in templates],
-                                             CPU)
+    task, = runs[0].noted_tasks()
+    *_, folder, key = kernel_cache._artifact(*fused.task_graph(task))
     rank = threading.Thread(target=fused.build_noted, args=(runs,))
     with file_lock(folder / f"{key}.lock"):  # the peer, building it
         rank.start()
@@ -388,8 +387,7 @@ def test_a_helper_builds_the_runs_the_rank_loads(monkeypatch, tmp_path):
             for n in range(1)]
     for n, run in enumerate(runs):  # step 0: an owned gradient added into
         run(kernels.own(torch.zeros(n + 2)), torch.ones(n + 2))
-    tasks = [(run.ops, run.ins, run.outs, templates, run.device)
-             for run in runs for _, templates, _, _ in run.noted.values()]
+    tasks = [task for run in runs for task in run.noted_tasks()]
     assert len(tasks) == 1
     with build_helpers.beside(tasks, 1) as procs:
         deadline = time.monotonic() + 300
