@@ -48,7 +48,8 @@ def count(device: torch.device, local_ranks: int, runs: int) -> int:
 def beside(tasks: list, helpers: int):
     """`helpers` processes building `tasks` (`fused.build_task`'s) while the
     caller builds them too; ended on the way out. Yields the processes."""
-    procs = [_start(tasks, (i + 1) * len(tasks) // (helpers + 1)) for i in range(helpers)]
+    procs = [p for i in range(helpers)
+             if (p := _start(tasks, (i + 1) * len(tasks) // (helpers + 1))) is not None]
     try:
         yield procs
     finally:
@@ -57,13 +58,18 @@ def beside(tasks: list, helpers: int):
             p.wait()
 
 
-def _start(tasks: list, offset: int) -> subprocess.Popen:
+def _start(tasks: list, offset: int) -> subprocess.Popen | None:
+    """A helper building `tasks` from `offset` on; None if none could start
+    (the rank builds them all itself)."""
     root = str(Path(meshplan.__file__).resolve().parents[1])
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    p = subprocess.Popen([sys.executable, "-m", "meshplan.runtime.build_helpers"],
-                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, env=env)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "meshplan.runtime.build_helpers"],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=env)
+    except OSError:  # no process to spare (a limit on processes, or memory)
+        return None
     payload = pickle.dumps((torch.get_num_threads(), offset, tasks))
     # fed from a thread: the helper reads it after importing torch (seconds)
     threading.Thread(target=_feed, args=(p.stdin, payload), daemon=True).start()

@@ -375,6 +375,19 @@ def test_helpers_take_the_spare_cores(monkeypatch, device, local, runs, expected
     assert build_helpers.count(torch.device(device), local, runs) == expected
 
 
+def test_a_rank_builds_alone_where_no_helper_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    planted = _Planted(monkeypatch)
+    monkeypatch.setattr(build_helpers, "count", lambda *_: 1)
+
+    def no_process(*_, **__):
+        raise OSError("planted: no process to spare")
+
+    monkeypatch.setattr(build_helpers.subprocess, "Popen", no_process)
+    fused.build_noted(_noted_runs(2))
+    assert len(planted.built) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not fused.can_compile(), reason="no C++ compiler for Inductor on cpu")
 def test_a_helper_builds_the_runs_the_rank_loads(monkeypatch, tmp_path):
