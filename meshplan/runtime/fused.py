@@ -209,8 +209,8 @@ class InductorRun:
         """A call of the job's first step: the variant's graph (specialized as
         it is built) run with eager kernels, its outputs marked as a built
         run marks them, so the next steps call the variants this one did;
-        noted, with its scratch measured once a machine (CPU) and counted as a built
-        run's is."""
+        noted, with its scratch measured once a machine (CPU) and counted as
+        a built run's is."""
         if metas not in self.noted:
             gm = _specialized(self.gm, args)
             fn = _marking(gm, *self._marks(args))

@@ -27,6 +27,9 @@ Invariants:
   caller runs it eagerly with that note.
 - Building neither runs the graph nor writes its inputs (export and Inductor
   trace fake tensors): the caller's first call is the run's first execution.
+- Beside an artifact lie the bytes its run allocates (`<key>.scratch`) and
+  those its rehearsal on eager kernels allocates (`<key>.eager-scratch`),
+  each measured by the first process that runs it (`measured_once`).
 """
 
 from __future__ import annotations
@@ -124,22 +127,25 @@ def build_ahead(gm: fx.GraphModule, args, device: torch.device, wait: bool) -> b
 def is_built(gm: fx.GraphModule, args, device: torch.device) -> bool:
     """Whether this machine's cache holds the run `gm` for `args`' metas (or
     its refusal)."""
-    try:
-        _, _, folder, key = _artifact(gm, args, device)
-    except Refused:
-        return True
-    return (folder / f"{key}.pt2").exists() or (folder / f"{key}.refused").exists()
+    lib = _beside(gm, args, device, ".pt2")
+    return lib is None or lib.exists() or lib.with_suffix(".refused").exists()
 
 
 def rehearsal_file(gm: fx.GraphModule, args, device: torch.device) -> Path | None:
     """Where the bytes the rehearsal of the run `gm` on `args`' metas
     allocates (its eager kernels', `fused.InductorRun._rehearse`) are kept
     on this machine, beside its artifact: a warm cache measures no run."""
+    return _beside(gm, args, device, ".eager-scratch")
+
+
+def _beside(gm: fx.GraphModule, args, device: torch.device, suffix: str) -> Path | None:
+    """The file `suffix` of the run's artifact; None for a run refused before
+    any key (an input neither a tensor nor None)."""
     try:
         _, _, folder, key = _artifact(gm, args, device)
     except Refused:
         return None
-    return folder / f"{key}.eager-scratch"
+    return folder / f"{key}{suffix}"
 
 
 def _artifact(gm: fx.GraphModule, args, device: torch.device):
