@@ -250,8 +250,9 @@ class RankExecutor:
         runs = [run for seg in self.segments.values() for run in seg[0].runs]
         if any(run.noted for run in runs):
             self.current = "build kernels"
+            # the ranks of this machine: torchrun's count, else every rank (launched here)
             local = int(os.environ.get("LOCAL_WORLD_SIZE") or self.view.mesh.world)
-            build_noted(runs, self._built, local)  # launched locally: every rank is local
+            build_noted(runs, self._built, local)
 
     def _built(self) -> None:
         """A run built or loaded (a cold cache's second step spends minutes
