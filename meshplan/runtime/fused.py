@@ -20,7 +20,8 @@ Invariants:
 - The job's first step runs each run's graph with eager kernels, as it is
   built (accumulations specialized, outputs marked as a built run marks
   them: the next steps call the same variants), and notes each variant;
-  `build_noted` builds them at the next step's start, every rank at once.
+  `builds.build_noted` builds them at the next step's start, every rank at
+  once.
 - A run Inductor refuses runs its graph eagerly (the same kernels, in
   order, as rehearsed), with one warning naming the run and the reason.
 """
@@ -45,15 +46,11 @@ from meshplan.ir import ABSENT, DEVICE, DType, Op, Ref
 from meshplan.ir.choices import Kernels, choose
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
-from meshplan.runtime import build_helpers
 from meshplan.runtime.devices import resolve_device
 from meshplan.runtime.kernel_cache import (
     Refused,
     ahead_of_time,
-    build_ahead,
-    example,
     input_metas,
-    is_built,
     measured_once,
     rehearsal_file,
     template,
@@ -129,7 +126,7 @@ class InductorRun:
     in `mem`'s peak, on top of what is live (a GPU's allocator sees them).
 
     While `rehearsing()` (the job's first step) a call runs the graph with
-    eager kernels and notes its variant; `build_noted` then builds them all,
+    eager kernels and notes its variant; `builds.build_noted` then builds them all,
     every rank at once, before the next step loads them."""
 
     def __init__(self, ops: list[Op], ins: list[int], outs: list[int], device, name: str,
@@ -169,7 +166,7 @@ class InductorRun:
             return self(*args)
         if self.rehearsing is not None and self.rehearsing():
             return self._rehearse(metas, args)
-        lib, gm = None, _specialized(self.gm, args)
+        lib, gm = None, specialized(self.gm, args)
         try:
             built = ahead_of_time(gm, args, self.device)
             lib = getattr(built, "artifact", None)
@@ -195,7 +192,7 @@ class InductorRun:
         return out
 
     def noted_tasks(self) -> list[tuple]:
-        """Each variant the rehearsal noted, as `build_task` takes it."""
+        """Each variant the rehearsal noted, as `builds.build_task` takes it."""
         return [(self.ops, self.ins, self.outs, templates, self.device)
                 for _, templates, _ in self.noted.values()]
 
@@ -212,7 +209,7 @@ class InductorRun:
         noted, with its scratch measured once a machine (CPU) and counted as
         a built run's is."""
         if metas not in self.noted:
-            gm = _specialized(self.gm, args)
+            gm = specialized(self.gm, args)
             fn = _marking(gm, *self._marks(args))
             out, scratch = (measured_once(fn, args, rehearsal_file(gm, args, self.device))
                             if self.device.type == "cpu" else (fn(*args), 0))
@@ -223,50 +220,6 @@ class InductorRun:
         if self.mem is not None:
             self.mem.transient(scratch)
         return out
-
-
-def build_noted(runs: list[InductorRun], on_each: Callable[[], None] | None = None,
-                local_ranks: int = 1) -> None:
-    """Build every variant the runs' rehearsal noted into this machine's
-    cache (loading none: each run's next first call does), and forget them.
-    First those no other process is building, then a wait for the rest:
-    members of a rank class, noting equal runs in the same order, so share
-    the builds out, and so do helper processes on the cores the machine has
-    spare (`build_helpers`); each rank builds at once, not when a peer's
-    output reaches it (a stage after the first waited on the builds before it)."""
-    tasks = [(run, task) for run in runs for task in run.noted_tasks()]
-    for run in runs:
-        run.noted.clear()
-    tasks = [(run, task) for run, task in tasks if not is_built(*task_graph(task))]
-    helpers = build_helpers.count(runs[0].device, local_ranks, len(tasks)) if tasks else 0
-    with build_helpers.beside([task for _, task in tasks], helpers):
-        later = [(run, task) for run, task in tasks
-                 if not _timed(run, on_each, build_task, task, wait=False)]
-        for run, task in later:
-            _timed(run, on_each, build_task, task, wait=True)
-
-
-def task_graph(task: tuple) -> tuple[fx.GraphModule, list, torch.device]:
-    """A noted variant, `(ops, ins, outs, input templates, device)`, as the
-    graph it is built as, inputs like its own, and its device: made from
-    the same facts the same way in every process, so under the same key."""
-    ops, ins, outs, templates, device = task
-    args = [example(t) for t in templates]
-    return _specialized(graph_of(ops, ins, outs, device), args), args, device
-
-
-def build_task(task: tuple, wait: bool) -> bool:
-    """`kernel_cache.build_ahead` of a noted variant (`task_graph`)."""
-    return build_ahead(*task_graph(task), wait=wait)
-
-
-def _timed(run: InductorRun, on_each, fn: Callable, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    run.compile_s += time.perf_counter() - t0
-    if on_each is not None:
-        on_each()
-    return out
 
 
 def _accumulators(gm: fx.GraphModule) -> list[tuple[int, int]]:
@@ -280,7 +233,7 @@ def _accumulators(gm: fx.GraphModule) -> list[tuple[int, int]]:
             and o.args[0] in ins]
 
 
-def _specialized(gm: fx.GraphModule, args) -> fx.GraphModule:
+def specialized(gm: fx.GraphModule, args) -> fx.GraphModule:
     """`gm` with each accumulation into an input accumulator as the aten op it
     runs on these inputs (`kernels.accumulate_grad`: into an owned tensor in
     place, into another out of place; a None one stays, and adopts): a

@@ -74,10 +74,11 @@ from meshplan.runtime.bind import (
     gather_into,
     localize,
 )
+from meshplan.runtime.builds import build_noted
 from meshplan.runtime.codegen import compile_segment, failing_ops
 from meshplan.runtime.data import data_rows
 from meshplan.runtime.early_collectives import EarlyCollectives
-from meshplan.runtime.fused import InductorRun, build_noted
+from meshplan.runtime.fused import InductorRun
 from meshplan.runtime.gather_prefetch import GatherPrefetch
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.live_bytes import LiveBytes

@@ -24,7 +24,7 @@ from meshplan.ir.optimizer_config import OptimizerConfig
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops import kernels
 from meshplan.ops.table import rule_for
-from meshplan.runtime import build_helpers, codegen, fused, kernel_cache
+from meshplan.runtime import builds, codegen, fused, kernel_cache
 from meshplan.runtime.data import split_microbatches
 from meshplan.runtime.local import local_ranks, train_local
 from tests.runtime._util import GPT_1_RANK, GPT_4D
@@ -78,9 +78,9 @@ def _graphs_as_they_are(monkeypatch) -> dict[str, list[str]]:
         return True
 
     monkeypatch.setattr(fused, "ahead_of_time", load)
-    monkeypatch.setattr(fused, "build_ahead", build)
-    monkeypatch.setattr(fused, "is_built", lambda *_: False)
-    monkeypatch.setattr(build_helpers, "count", lambda *_: 0)  # they would build for real
+    monkeypatch.setattr(builds, "build_ahead", build)
+    monkeypatch.setattr(builds, "is_built", lambda *_: False)
+    monkeypatch.setattr(builds, "helper_count", lambda *_: 0)  # they would build for real
     return keys
 
 
@@ -165,7 +165,8 @@ def test_a_run_inductor_refuses_runs_eagerly_with_a_note(monkeypatch):
         raise kernel_cache.Refused("planted: no lowering for this op")
 
     monkeypatch.setattr(fused, "ahead_of_time", refuse)
-    monkeypatch.setattr(fused, "build_ahead", lambda gm, args, device, wait: True)
+    monkeypatch.setattr(builds, "build_ahead", lambda gm, args, device, wait: True)
+    monkeypatch.setattr(builds, "helper_count", lambda *_: 0)  # they would build for real
     _optimizer_loop(monkeypatch)
     with pytest.warns(UserWarning, match="Inductor refused a run of .* planted: no lowering"):
         refused, ranks = _train("gpt 1 rank", "inductor")

@@ -4,10 +4,11 @@ AOTInductor and loaded by every rank without Inductor. The cache's logic
 planted builder; one slow test builds for real and checks what a warm rank
 pays (no Inductor, no dynamo) and what a built run keeps of eager kernels'
 semantics (strides, in-place state, the accumulators' protocol); another
-has a helper process (`build_helpers.py`) build a rank's noted runs."""
+has a helper process (`builds.py`) build a rank's noted runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from meshplan.ir import Op, Ref
 from meshplan.ir import kinds as k
 from meshplan.ir.fileio import file_lock
 from meshplan.ops import kernels
-from meshplan.runtime import build_helpers, fused, kernel_cache
+from meshplan.runtime import builds, fused, kernel_cache
 
 CPU = torch.device("cpu")
 
@@ -59,7 +60,7 @@ class _Planted:
         self.graphs: dict[str, torch.fx.GraphModule] = {}
         self.fail = fail
         monkeypatch.setattr(kernel_cache, "build", self.build)
-        monkeypatch.setattr(build_helpers, "count", lambda *_: 0)  # they would build for real
+        monkeypatch.setattr(builds, "helper_count", lambda *_: 0)  # they would build for real
         monkeypatch.setattr(kernel_cache, "load", lambda lib, device: self.graphs[lib.name])
 
     def build(self, gm, args, lib):
@@ -125,8 +126,8 @@ def test_a_rank_builds_first_the_runs_no_peer_is_building(monkeypatch, tmp_path)
     planted = _Planted(monkeypatch)
     runs = _noted_runs(4)
     task, = runs[0].noted_tasks()
-    *_, folder, key = kernel_cache._artifact(*fused.task_graph(task))
-    rank = threading.Thread(target=fused.build_noted, args=(runs,))
+    *_, folder, key = kernel_cache._artifact(*builds.task_graph(task))
+    rank = threading.Thread(target=builds.build_noted, args=(runs,))
     with file_lock(folder / f"{key}.lock"):  # the peer, building it
         rank.start()
         deadline = time.monotonic() + 20
@@ -148,7 +149,7 @@ def test_rank_class_members_share_their_builds_out(monkeypatch, tmp_path):
 
     def member(runs):
         start.wait(10)
-        fused.build_noted(runs)
+        builds.build_noted(runs)
 
     threads = [threading.Thread(target=member, args=(runs,), name=f"rank {i}")
                for i, runs in enumerate(members)]
@@ -178,7 +179,7 @@ def test_the_first_step_runs_eager_kernels_and_notes_what_to_build(monkeypatch, 
     assert torch.equal(second, g * 4)
     assert not planted.built and len(run.noted) == 2 and not run.built
     step[0] = 1
-    fused.build_noted([run])
+    builds.build_noted([run])
     assert len(planted.built) == 2 and not run.noted
     third = run(None, g)[0]
     assert run(third, g)[0] is third and torch.equal(third, g * 4)
@@ -372,19 +373,35 @@ def test_a_runs_scratch_is_its_own_allocations_at_their_high_water():
 ])
 def test_helpers_take_the_spare_cores(monkeypatch, device, local, runs, expected):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
-    assert build_helpers.count(torch.device(device), local, runs) == expected
+    assert builds.helper_count(torch.device(device), local, runs) == expected
+
+
+def test_a_helper_gets_the_tasks_the_rank_noted():
+    """A task as JSON (what a helper reads) makes the graph, and key, the
+    rank's makes; one holding what JSON cannot starts no helper."""
+    run = fused.InductorRun(*_accumulating_run(), CPU, "run", rehearsing=lambda: True)
+    run(None, torch.ones(3, dtype=torch.float64)[1:])  # unaligned, a first gradient
+    run(kernels.own(torch.ones(2, dtype=torch.float64)), torch.ones(2, dtype=torch.float64))
+    tasks = run.noted_tasks()
+    back = [builds._task_from_json(d) for d in json.loads(builds._tasks_to_json(tasks))]
+    keys = [kernel_cache._artifact(*builds.task_graph(t))[3] for t in (*tasks, *back)]
+    assert len(set(keys)) == 2 and keys[:2] == keys[2:]
+    odd = [(*t[:3], [(*tp[:5], {"mark": object()}) for tp in t[3]], t[4]) for t in tasks[1:]]
+    assert builds._tasks_to_json(odd) is None
+    with builds.beside(odd, 1) as procs:
+        assert procs == []
 
 
 def test_a_rank_builds_alone_where_no_helper_starts(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     planted = _Planted(monkeypatch)
-    monkeypatch.setattr(build_helpers, "count", lambda *_: 1)
+    monkeypatch.setattr(builds, "helper_count", lambda *_: 1)
 
     def no_process(*_, **__):
         raise OSError("planted: no process to spare")
 
-    monkeypatch.setattr(build_helpers.subprocess, "Popen", no_process)
-    fused.build_noted(_noted_runs(2))
+    monkeypatch.setattr(builds.subprocess, "Popen", no_process)
+    builds.build_noted(_noted_runs(2))
     assert len(planted.built) == 2
 
 
@@ -402,9 +419,9 @@ def test_a_helper_builds_the_runs_the_rank_loads(monkeypatch, tmp_path):
         run(kernels.own(torch.zeros(n + 2)), torch.ones(n + 2))
     tasks = [task for run in runs for task in run.noted_tasks()]
     assert len(tasks) == 1
-    with build_helpers.beside(tasks, 1) as procs:
+    with builds.beside(tasks, 1) as procs:
         deadline = time.monotonic() + 300
-        while not all(kernel_cache.is_built(*fused.task_graph(t)) for t in tasks):
+        while not all(kernel_cache.is_built(*builds.task_graph(t)) for t in tasks):
             assert time.monotonic() < deadline and procs[0].poll() is None, "no build"
             time.sleep(0.5)
     assert procs[0].poll() is not None  # ended on the way out
