@@ -13,6 +13,10 @@ Invariants:
   functional form (`copy_` into a slice -> `slice_scatter`, ...) and every
   mutated buffer into an output; that output becomes an `Update`. Capture
   itself rewrites no mutation ([Note: mutation], docs/concepts/capture.md).
+- A `torch.no_grad()`, `enable_grad()` or `autocast` region of the forward
+  is inlined by the same call, each value leaving a grad-disabled region
+  detached first (`capture/grad_regions.py`): no gradient flows back
+  through it, as in eager PyTorch.
 - Ops are rewritten into canonical forms (`ops.canonical`).
 - A parameter with `requires_grad` off is state the step reads and never
   trains (a `BUFFER`): no gradient, no optimizer slot, as in eager torch.
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from meshplan.capture.grad_regions import detach_no_grad_values, has_regions
 from meshplan.capture.routed_experts import fuse_routed_experts
 from meshplan.capture.structure import structure_facts
 from meshplan.errors import CaptureError
@@ -178,11 +183,16 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
 # self-check), paid only by programs that mutate: a program with no mutating
 # node is already functional, and is what functionalization would return.
 def functional(ep, model_name: str):
-    """`ep` with every mutation functionalized by torch (itself if it has none)."""
+    """`ep` with every mutation functionalized by torch, and its grad-mode
+    and autocast regions inlined (`capture/grad_regions.py`; itself if it
+    has neither)."""
     mutates = any(node.op == "call_function" and str(node.target).startswith("aten.")
                   and rule_for(str(node.target)).mutates for node in ep.graph.nodes)
-    if not mutates:
+    regions = has_regions(ep.graph_module)
+    if not mutates and not regions:
         return ep
+    if regions:  # their mutations are inside them, where the scan above does not look
+        detach_no_grad_values(ep.graph_module)
     try:
         return ep.run_decompositions({})
     except Exception as e:  # torch raises many kinds; the first line says what

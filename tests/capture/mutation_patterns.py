@@ -98,10 +98,35 @@ def counter(layer, h):  # a buffer updated in place: a step counter the forward 
     return h * (1.0 + 0.0 * layer.calls)
 
 
+def ema(layer, h):  # a buffer updated under no_grad from the activations (a running mean)
+    with torch.no_grad():
+        layer.ema.mul_(0.9).add_(0.1 * h.mean((0, 1)))
+    return h - layer.ema
+
+
+def no_grad_scale(layer, h):  # a value computed under no_grad: a constant to the backward
+    with torch.no_grad():
+        scale = h.pow(2).mean().sqrt() + 1.0
+    return h / scale
+
+
+def enable_inside_no_grad(layer, h):  # enable_grad inside no_grad: the gradient flows
+    with torch.no_grad():  # through h (from outside), not through `stat` (made inside)
+        stat = h.abs().mean(-1, keepdim=True)
+        with torch.enable_grad():
+            h = h * stat
+    return h
+
+
+def autocast_off(layer, h):  # an autocast region (off: an fp32 step computes the same)
+    with torch.autocast("cpu", enabled=False):
+        return h * 2.0 - 1.0
+
+
 PATTERNS = {f.__name__: f for f in (
     slice_assign, fill_slice, add_on_view, masked_fill_whole, bool_mask_assign, index_put,
     mul_on_view, masked_fill_on_view, scatter, on_transpose, on_view, chained_views,
-    batch_norm, counter)}
+    batch_norm, counter, ema, no_grad_scale, enable_inside_no_grad, autocast_off)}
 INPUT_MUTATION = "input_mutated"  # the model writes into its own input tensor
 
 
@@ -114,6 +139,8 @@ class Block(nn.Module):
             self.norm = nn.BatchNorm1d(WIDTH)
         if pattern == "counter":
             self.register_buffer("calls", torch.zeros(()))
+        if pattern == "ema":
+            self.register_buffer("ema", torch.zeros(WIDTH))
 
     def forward(self, x):
         h = self.fc2(torch.relu(self.fc1(x)))
