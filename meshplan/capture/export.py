@@ -126,12 +126,15 @@ _FAKE_LOG = "torch._subclasses.fake_tensor"
 class Traced:
     """A capture with what the self-check needs to find the op that differs
     (`driver/capture_check.py`): the functional program torch exported, and
-    for each of its fx nodes the Ref(s) standing for its output(s)."""
+    for each of its fx nodes the Ref(s) standing for its output(s); the
+    program as exported (mutations in place, which torch's autograd can
+    differentiate: `aten.copy` has no derivative), its no-grad values detached."""
 
     graph: Graph
     program: torch.export.ExportedProgram
     refs: dict[str, Ref | tuple]
     prefix: str  # what the program's parameter names carry before the module's FQNs
+    exported: torch.export.ExportedProgram
 
 
 def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -> Graph:
@@ -159,7 +162,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
                 else "check that the inputs fit the model")
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
                            f"{_first_line(e)}; {hint}") from e
-    ep = functional(ep, type(module).__name__)
+    exported, ep = ep, functional(ep, type(module).__name__)
     same = _tensor_ids(module)
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
                        if not p.requires_grad)
@@ -169,7 +172,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
                                          structure=structure_facts(module),
                                          op_modules=_op_modules(graph)))
     check_well_formed(graph)
-    return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix)
+    return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix, exported)
 
 
 # [Note: mutation] Export's training IR keeps in-place ops as they are

@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
 import torch
@@ -33,6 +34,7 @@ from meshplan.runtime.codegen import compile_segment
 from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.state import own_tensor, weights_of
 
+_LOG = logging.getLogger(__name__)
 SEED = 1234
 # fp32 rounding over a whole forward: kernels that sum in another order
 # (attention, a cross-entropy split into log-softmax and nll) may differ by a
@@ -63,6 +65,7 @@ def check_capture(traced: Traced, module, inputs: tuple, loss_fn=None,
     with _kept(module):  # the loss alone: each value is freed after its last use
         mine = _run_graph(graph, module, args, keeps=[graph.loss])[graph.loss]
     if _close(mine, eager):
+        _check_gradients(traced, module, inputs, loss_fn, targets)
         return
     with _kept(module):  # every value, to find the first that differs
         env = _run_graph(graph, module, args, [o for op in graph.ops for o in op.outputs])
@@ -79,6 +82,56 @@ def check_capture(traced: Traced, module, inputs: tuple, loss_fn=None,
                            "anyway")
     raise CaptureError(f"{head}; the first op that differs is {culprit}; this is a meshplan "
                        "bug: report it, or pass self_check=False to capture anyway")
+
+
+def _check_gradients(traced: Traced, module, inputs: tuple, loss_fn, targets: tuple) -> None:
+    """Raise `CaptureError` if a trained parameter's gradient through torch's
+    exported program (torch's autograd over its aten ops) differs from the
+    module's own backward, which no forward value shows. Measured, torch
+    2.13: export keeps a `torch.autograd.Function`'s forward and drops its
+    backward (a straight-through estimator, a gradient reversal), and traces
+    a `torch.no_grad()` inside a `torch.autocast` block as plain ops.
+    Skipped where there is nothing to compare: the two forwards differ
+    (random ops drawn otherwise), or torch cannot differentiate one of them."""
+    trained = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    leaf = {id(p): p.detach().requires_grad_() for p in trained.values()}
+    try:
+        with _kept(module), torch.enable_grad():
+            out = module(*_copies(inputs))
+            eager_loss = loss_fn(out, *_copies(targets)) if loss_fn is not None else out
+            eager = torch.autograd.grad(eager_loss, list(trained.values()), allow_unused=True)
+        with _kept(module), torch.enable_grad():
+            loss = _program_loss(traced, module, (*inputs, *targets), leaf)
+            if not _close(loss, eager_loss):
+                return
+            mine = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
+    except RuntimeError as e:  # no derivative, no parameter the loss depends on, ...
+        _LOG.debug("capture self-check: gradients not compared: %s", e)
+        return
+    for name, a, b in zip(trained, mine, eager):
+        a, b = (torch.zeros_like(trained[name]) if g is None else g for g in (a, b))
+        if not _close(a, b):
+            raise CaptureError(
+                f"capture self-check: {type(module).__name__}'s gradient of '{name}' through "
+                "torch.export's program differs from its own backward (max |diff| "
+                f"{float((a.double() - b.double()).abs().max()):.3g}): export keeps a "
+                "torch.autograd.Function's forward but not its backward, and loses a "
+                "torch.no_grad() inside torch.autocast; write the gradient with tensor ops "
+                "(a straight-through estimator: x + (f(x) - x).detach()), or pass "
+                "self_check=False to capture anyway")
+
+
+def _program_loss(traced: Traced, module, args: tuple, leaf: dict):
+    """The loss of torch's own run of the program as exported (its writes in
+    place: torch's autograd differentiates them, not the functional
+    program's `aten.copy`), its trained parameters the tensors `leaf` gives
+    (by the identity of the module's); its buffers are the module's own, as
+    `_kept` restores them."""
+    ep = traced.exported
+    outs = torch.fx.Interpreter(ep.graph_module).run(
+        *_program_inputs(traced, module, args, leaf, ep))
+    kinds = [spec.kind.name for spec in ep.graph_signature.output_specs]
+    return outs[next(i for i, k in enumerate(kinds) if k in ("USER_OUTPUT", "LOSS_OUTPUT"))]
 
 
 def _is_real(module, tensors: tuple) -> bool:
@@ -128,8 +181,26 @@ def _run_graph(graph: Graph, module, args: tuple, keeps: list[int]) -> dict[int,
 
 def _program_values(traced: Traced, module, args: tuple) -> dict[str, object]:
     """Every fx node's value in torch's own run of the exported program."""
-    ep = traced.program
+    values: dict[str, object] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n):
+            values[n.name] = out = super().run_node(n)
+            return out
+
+    Recorder(traced.program.graph_module).run(*_program_inputs(traced, module, args))
+    return values
+
+
+def _program_inputs(traced: Traced, module, args: tuple, leaf: dict | None = None,
+                    ep=None) -> list:
+    """The inputs of the exported program `ep` (default: the functional one):
+    copies of `args`, its constants, and the module's parameters and buffers
+    (a parameter as `leaf` has it, by the identity of the module's tensor,
+    where it does)."""
+    ep, leaf = ep or traced.program, leaf or {}
     own = weights_of(module)
+    named = dict(module.named_parameters(remove_duplicate=False))
     data = iter(_copies(args))
     flat = []
     for spec in ep.graph_signature.input_specs:
@@ -139,16 +210,9 @@ def _program_values(traced: Traced, module, args: tuple) -> dict[str, object]:
         elif kind == "CONSTANT_TENSOR" and spec.target in ep.constants:
             flat.append(ep.constants[spec.target])
         else:
-            flat.append(own[spec.target.removeprefix(traced.prefix)])
-    values: dict[str, object] = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n):
-            values[n.name] = out = super().run_node(n)
-            return out
-
-    Recorder(ep.graph_module).run(*flat)
-    return values
+            name = spec.target.removeprefix(traced.prefix)
+            flat.append(leaf.get(id(named.get(name)), own[name]))
+    return flat
 
 
 def _first_difference(traced: Traced, env: dict, torch_values: dict) -> str | None:

@@ -11,10 +11,13 @@ import torch
 from torch import nn
 
 import meshplan.api as mp
+from meshplan.autodiff import OptimizerConfig
 from meshplan.driver import capture_check
+from meshplan.driver.verify import against_eager
 from meshplan.errors import CaptureError
 from meshplan.ops import canonical
 from meshplan.ops.table import rule_for
+from meshplan.runtime.local import local_ranks, train_local
 from tests.capture.mutation_patterns import Net, batches
 
 
@@ -142,3 +145,78 @@ def test_a_program_that_is_not_the_module_is_blamed_on_export():
     torch.manual_seed(0)
     with pytest.raises(CaptureError, match="torch.export's program differs from the module"):
         mp.capture(Drifts(), (torch.randn(2, 4),))
+
+
+class _RoundSTE(torch.autograd.Function):  # a straight-through estimator
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Reverse(torch.autograd.Function):  # a gradient reversal layer
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class LostBackward(nn.Module):
+    """A forward whose backward torch.export's program does not keep."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.lin, self.kind = nn.Linear(8, 8), kind
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        if self.kind == "straight-through":
+            h = _RoundSTE.apply(h * 4) / 4
+        elif self.kind == "reversal":
+            h = h + 0.5 * _Reverse.apply(h)
+        else:  # export traces this no_grad as plain ops
+            with torch.autocast("cpu", enabled=False):
+                with torch.no_grad():
+                    q = h * 3
+                h = h + q
+        return nn.functional.mse_loss(h, y)
+
+
+LOST = ["straight-through", "reversal", "no_grad in autocast"]
+
+
+def _lost(kind: str):
+    torch.manual_seed(0)
+    return LostBackward(kind), (torch.randn(4, 8), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("kind", LOST)
+def test_a_backward_export_loses_is_refused_naming_the_parameter(kind):
+    module, inputs = _lost(kind)
+    with pytest.raises(CaptureError) as err:
+        mp.capture(module, inputs)
+    msg = str(err.value)
+    assert "\n" not in msg and "self_check=False" in msg
+    assert "gradient of 'lin.weight'" in msg and "torch.autograd.Function" in msg
+
+
+@pytest.mark.parametrize("kind", LOST)
+def test_without_the_gradient_check_those_captures_train_wrong(kind, monkeypatch):
+    """What the check stands for: with it off (a planted bug), each of them
+    is captured and trains away from eager PyTorch, with no other signal."""
+    monkeypatch.setattr(capture_check, "_check_gradients", lambda *a: None)
+    module, (x, y) = _lost(kind)
+    strategy = mp.Strategy(global_batch_size=4, micro_batch_size=4)
+    job = mp.plan(mp.capture(module, (x, y)), mp.Mesh(1, 1), strategy)
+    hub, ranks = local_ranks(job, module, timeout_s=30)
+    data = [(x.clone(), y.clone())] * 2
+    run = train_local(job, hub, ranks, data, timeout_s=30)
+    verdict, _ = against_eager(run.rank_losses, run.slices, module, data, 1,
+                               OptimizerConfig.default("sgd"))
+    assert not verdict["ok"] and any("lin.weight" in p for p in verdict["problems"])
