@@ -15,7 +15,10 @@ machine is shared): the tree before the change (`--base`, checked out with
 Target (issue 29): this tree's first `api` capture of every transformers
 model the project tests within 1.2x of the base tree's.
 
-`python benchmarks/capture_cost.py [--rounds 3] [--base REV]`.
+`python benchmarks/capture_cost.py [--rounds 3] [--base REV] [--name NAME]`:
+results in `benchmarks/results/NAME.{json,md}` (default `capture_cost`; the
+gradient self-check's against the tree before it: `--base d2d65b1 --name
+capture_cost_grads`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--base", default=BASE)
+    ap.add_argument("--name", default="capture_cost")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="meshplan-base-"))
     subprocess.run(["git", "worktree", "add", "-q", "--detach", str(base), args.base],
@@ -100,11 +104,11 @@ def main() -> None:
             print(model, json.dumps({k: v for k, v in row.items() if k != "raw"}), flush=True)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT)
-    write("capture_cost", result, table(result))
+    write(args.name, result, table(result))
 
 
 def table(result: dict) -> str:
-    lines = ["# Capture cost: torch's functionalization and the self-check (issue 29)", "",
+    lines = [f"# Capture cost: this tree against `{result['base']}`", "",
              f"Medians of {result['rounds']} alternating rounds, a fresh process each, "
              f"against main at `{result['base']}`; seconds.", "",
              "| model | ops | base first | first | ratio | base again | again | ratio "

@@ -25,7 +25,8 @@ Invariants:
 - The module's structure (layer list, declared tp plan, head and vocabulary
   counts) is recorded for derived plans (`capture/structure.py`).
 - A tensor constant that is no parameter or buffer (transformers' attention
-  lifts some) becomes an `aten.full` op when its elements are equal.
+  lifts some) becomes an `aten.full` op when its elements are equal, else
+  (up to `CONSTANT_ELEMENTS`) ops that make it element by element.
 - Shapes are export's own (`node.meta["val"]`); inference runs only for ops
   that capture itself creates.
 """
@@ -62,6 +63,7 @@ from meshplan.ops.resolve import custom_op_module, is_custom
 from meshplan.ops.table import rule_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+CONSTANT_ELEMENTS = 64  # a constant the forward makes, element by element, at most
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SKIP = {
     "aten._assert_tensor_metadata.default",
@@ -286,21 +288,35 @@ class ConstantOnMeta(CaptureError):
 
 def _constant(ctx: _Ctx, t: torch.Tensor, name: str, node) -> Ref:
     """A tensor constant of the forward (not a parameter or buffer: no state
-    holds it) as an op that makes it, when all its elements are equal (empty
-    and scalar constants, as transformers' attention lifts)."""
+    holds it) as ops that make it: `aten.full` when all its elements are
+    equal (empty and scalar constants, as transformers' attention lifts),
+    else, up to `CONSTANT_ELEMENTS`, each element an `aten.scalar_tensor`
+    stacked into the constant's shape (an index list, `torch.tensor([0, 1,
+    1, 3])`): the values live in the graph, so every rank makes them."""
     if t.is_meta and t.numel():
         raise ConstantOnMeta(f"tensor constant '{name}' ({list(t.shape)}) was made on the "
                              "meta device, so its value is unknown; capture the module with "
                              "its weights")
     flat = t.detach().flatten()
-    if flat.numel() and not bool((flat == flat[0]).all()):
+    kw = (("dtype", DType.of(t.dtype)), ("device", DEVICE))
+    if not flat.numel() or bool((flat == flat[0]).all()):
+        value = flat[0].item() if flat.numel() else 0
+        e = Emitter(ctx.builder, module_path=_module_path(node, ""), source="")
+        (out,) = e.emit("aten.full.default", (tuple(t.shape), value), (_meta(t, node),), kw)
+        return Ref(out)
+    # made before the first op, at the root (pipeline stages find layers contiguous),
+    # and named by the line of its first reader (a placeholder has none)
+    at = next(iter(node.users), node)
+    e = Emitter(ctx.builder, module_path=_module_path(node, ""), source=_source(at))
+    if flat.numel() > CONSTANT_ELEMENTS:
         raise CaptureError(f"tensor constant '{name}' ({list(t.shape)}) is not a parameter or "
-                           "buffer, so no rank could load it; register it with "
-                           "register_buffer(...)")
-    value = flat[0].item() if flat.numel() else 0
-    e = Emitter(ctx.builder, module_path=_module_path(node, ""), source="")
-    (out,) = e.emit("aten.full.default", (tuple(t.shape), value), (_meta(t, node),),
-                    (("dtype", DType.of(t.dtype)), ("device", DEVICE)))
+                           f"buffer, and has more than {CONSTANT_ELEMENTS} elements to make on "
+                           f"every rank; register it with register_buffer(...) [{_where(at)}]")
+    one = TensorMeta.of(flat[0])
+    parts = [e.emit("aten.scalar_tensor.default", (x,), (one,), kw)[0] for x in flat.tolist()]
+    (stacked,) = e.emit("aten.stack.default", (tuple(Ref(p) for p in parts),),
+                        (TensorMeta.of(flat),))
+    (out,) = e.emit("aten.view.default", (Ref(stacked), tuple(t.shape)), (_meta(t, node),))
     return Ref(out)
 
 

@@ -238,7 +238,10 @@ def _first_difference(traced: Traced, env: dict, torch_values: dict) -> str | No
 def _written_at(node):
     """The node whose source line a user recognises: for the `*_scatter` that
     functionalization makes where a view's base is next read, the write into
-    the view (its `src`); else the node itself."""
+    the view (its `src`); for a tensor constant (a placeholder: no line), its
+    first reader; else the node itself."""
+    if node.op != "call_function":
+        return next(iter(node.users), node)
     src = node.args[1] if len(node.args) > 1 else None
     if str(node.target).split(".")[1].endswith("_scatter") and isinstance(src, torch.fx.Node):
         return src

@@ -52,6 +52,12 @@ def index_put(layer, h):  # index_put_ with integer indices
     return s
 
 
+def constant_index(layer, h):  # positions picked by an index list the forward makes
+    s = h.clone()  # (a tensor constant, its elements not all equal: made one by one)
+    s[:, :4] = h[:, torch.tensor([6, 0, 3, 1])] * 2.0
+    return s
+
+
 def mul_on_view(layer, h):
     s = h.clone()
     s[..., ::2].mul_(0.5)
@@ -125,7 +131,7 @@ def autocast_off(layer, h):  # an autocast region (off: an fp32 step computes th
 
 PATTERNS = {f.__name__: f for f in (
     slice_assign, fill_slice, add_on_view, masked_fill_whole, bool_mask_assign, index_put,
-    mul_on_view, masked_fill_on_view, scatter, on_transpose, on_view, chained_views,
+    constant_index, mul_on_view, masked_fill_on_view, scatter, on_transpose, on_view, chained_views,
     batch_norm, counter, ema, no_grad_scale, enable_inside_no_grad, autocast_off)}
 INPUT_MUTATION = "input_mutated"  # the model writes into its own input tensor
 

@@ -110,3 +110,26 @@ def test_a_failing_op_at_export_is_one_line_without_torchs_traceback():
     finally:
         log.removeHandler(handler)
     assert not records, records[0].getMessage()  # its traceback would bury our one line
+
+
+class Weighted(nn.Module):
+    """A forward that makes a tensor constant of `n` distinct elements."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.lin, self.n = nn.Linear(4, 4), n
+
+    def forward(self, x):
+        w = torch.tensor([float(i) for i in range(self.n)])
+        return (self.lin(x).sum() * w).mean()
+
+
+def test_a_small_constant_is_made_in_the_graph_and_a_large_one_is_refused():
+    torch.manual_seed(0)
+    graph = capture(Weighted(5), (torch.randn(2, 4),))
+    assert sum(op.kind == "aten.scalar_tensor.default" for op in graph.ops) == 5
+    with pytest.raises(CaptureError) as err:
+        capture(Weighted(65), (torch.randn(2, 4),))
+    msg = str(err.value)
+    assert "\n" not in msg and "register_buffer" in msg and "more than 64 elements" in msg
+    assert "test_capture.py, line" in msg
