@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 
 from meshplan.errors import CaptureError, ConfigError, PlanError, RuntimeFault, ScheduleError
@@ -49,6 +50,16 @@ def _capture(module_cls, **kw):
         from meshplan.capture import capture
 
         return capture(module_cls(), models.example(), **kw)
+    return call
+
+
+def _checked(module_cls):
+    """`mp.capture`: capture and its self-check (real weights)."""
+    def call(tmp):
+        import meshplan.api as mp
+
+        torch.manual_seed(0)
+        return mp.capture(module_cls(), models.example())
     return call
 
 
@@ -217,6 +228,12 @@ CASES: list[Case] = [
        _capture(models.NonZero)),
     py("unsupported-op", "capture", CaptureError, "not an aten op, so no generic rule applies",
        _capture(models.Branch)),
+    py("custom-backward", "capture", CaptureError,
+       "gradient of 'fc.weight' through torch.export's program differs from its own backward",
+       _checked(models.CustomBackward)),
+    py("constant-too-large", "capture", CaptureError,
+       "has more than 64 elements to make on every rank; register it with register_buffer",
+       _capture(models.LargeConstant)),
     py("python-branch-on-data", "capture", CaptureError, "pick with torch.where",
        _capture(models.PythonBranch)),
     py("no-loss", "capture", CaptureError, "not a scalar loss; return the loss, or pass loss_fn",

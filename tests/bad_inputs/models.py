@@ -40,6 +40,30 @@ class Branch(_Base):
         return torch.cond(y.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (y,)).sum()
 
 
+class _Round(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):  # straight through: export keeps the forward alone
+        return g
+
+
+class CustomBackward(_Base):
+    """A `torch.autograd.Function`: its backward is not in export's program."""
+
+    def forward(self, x):
+        return _Round.apply(self.fc(x) * 4).square().mean()
+
+
+class LargeConstant(_Base):
+    """A tensor constant of 100 distinct elements made in the forward."""
+
+    def forward(self, x):
+        return (self.fc(x).sum() * torch.tensor([float(i) for i in range(100)])).mean()
+
+
 class PythonBranch(_Base):
     """A Python `if` on a tensor's value: export cannot trace it."""
 
