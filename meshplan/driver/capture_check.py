@@ -17,6 +17,11 @@ Invariants:
   same fx node in torch's own run of the exported program
   (`torch.fx.Interpreter`); where those all agree, the difference is
   export's, and the message says so.
+- Once the losses agree, each trained parameter's gradient through torch's
+  program as exported (torch's autograd over its aten ops) is compared with
+  the module's own backward, within the same bound: what export drops (a
+  `torch.autograd.Function`'s backward) is a `CaptureError` naming the
+  parameter. meshplan's own autodiff is not judged here (`verify` does).
 """
 
 from __future__ import annotations
