@@ -126,6 +126,9 @@ def state_slices(state: dict, ctx, primary_only: bool = False,
     `primary_only`, only the first of replicas writes (a checkpoint), else
     every rank does (`verify` checks the replicas agree)."""
     values = _state_values(ctx.view)
+    # a buffer the forward writes and never reads (spectral norm's `_u`, a statistic
+    # kept for logging) is no value of the stage, only a final one: saved at its box
+    values |= {n: v for n, v in ctx.view.finals.items() if "@" not in n and n not in values}
     out = {}
     for name, t in state.items():
         if t is None or name not in values or (primary_only and not _primary(ctx, values[name])):

@@ -110,6 +110,12 @@ def ema(layer, h):  # a buffer updated under no_grad from the activations (a run
     return h - layer.ema
 
 
+def written_only(layer, h):  # a buffer the forward writes and never reads (a statistic
+    with torch.no_grad():  # kept for logging; spectral norm's `_u`)
+        layer.last.copy_(h.mean((0, 1)))
+    return h
+
+
 def no_grad_scale(layer, h):  # a value computed under no_grad: a constant to the backward
     with torch.no_grad():
         scale = h.pow(2).mean().sqrt() + 1.0
@@ -132,7 +138,7 @@ def autocast_off(layer, h):  # an autocast region (off: an fp32 step computes th
 PATTERNS = {f.__name__: f for f in (
     slice_assign, fill_slice, add_on_view, masked_fill_whole, bool_mask_assign, index_put,
     constant_index, mul_on_view, masked_fill_on_view, scatter, on_transpose, on_view, chained_views,
-    batch_norm, counter, ema, no_grad_scale, enable_inside_no_grad, autocast_off)}
+    batch_norm, counter, ema, written_only, no_grad_scale, enable_inside_no_grad, autocast_off)}
 INPUT_MUTATION = "input_mutated"  # the model writes into its own input tensor
 
 
@@ -147,6 +153,8 @@ class Block(nn.Module):
             self.register_buffer("calls", torch.zeros(()))
         if pattern == "ema":
             self.register_buffer("ema", torch.zeros(WIDTH))
+        if pattern == "written_only":
+            self.register_buffer("last", torch.zeros(WIDTH))
 
     def forward(self, x):
         h = self.fc2(torch.relu(self.fc1(x)))
