@@ -15,7 +15,10 @@ passes into a nested `enable_grad` region. Values passed through
 unchanged (the region's own inputs) and those an inner region made keep
 their gradients, as in eager PyTorch. An `aten.detach` is no
 differentiable op (`ops/table.py`), so autodiff sends no gradient back
-through it. Autocast regions take their enclosing grad mode.
+through it. Autocast regions take their enclosing grad mode (export nests
+an autocast block inside a `no_grad` one: `autocast_inside_no_grad` in the
+mutation table). Export 2.13 makes an `enable_grad` inside a `no_grad` a
+sibling region, not a nested one; the nested form is handled all the same.
 """
 
 from __future__ import annotations

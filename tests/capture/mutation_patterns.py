@@ -130,6 +130,13 @@ def enable_inside_no_grad(layer, h):  # enable_grad inside no_grad: the gradient
     return h
 
 
+def autocast_inside_no_grad(layer, h):  # export nests this region inside the no_grad one
+    with torch.no_grad():
+        with torch.autocast("cpu", enabled=False):
+            stat = h.abs().mean(-1, keepdim=True)
+    return h * stat
+
+
 def autocast_off(layer, h):  # an autocast region (off: an fp32 step computes the same)
     with torch.autocast("cpu", enabled=False):
         return h * 2.0 - 1.0
@@ -137,8 +144,9 @@ def autocast_off(layer, h):  # an autocast region (off: an fp32 step computes th
 
 PATTERNS = {f.__name__: f for f in (
     slice_assign, fill_slice, add_on_view, masked_fill_whole, bool_mask_assign, index_put,
-    constant_index, mul_on_view, masked_fill_on_view, scatter, on_transpose, on_view, chained_views,
-    batch_norm, counter, ema, written_only, no_grad_scale, enable_inside_no_grad, autocast_off)}
+    constant_index, mul_on_view, masked_fill_on_view, scatter, on_transpose, on_view,
+    chained_views, batch_norm, counter, ema, written_only, no_grad_scale, enable_inside_no_grad,
+    autocast_inside_no_grad, autocast_off)}
 INPUT_MUTATION = "input_mutated"  # the model writes into its own input tensor
 
 
