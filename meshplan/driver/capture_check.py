@@ -101,9 +101,8 @@ def _check_gradients(traced: Traced, module, inputs: tuple, loss_fn, targets: tu
     trained = {n: p for n, p in module.named_parameters() if p.requires_grad}
     leaf = {id(p): p.detach().requires_grad_() for p in trained.values()}
     try:
-        with _kept(module), torch.enable_grad():
-            out = module(*_copies(inputs))
-            eager_loss = loss_fn(out, *_copies(targets)) if loss_fn is not None else out
+        with _kept(module), torch.enable_grad():  # random calls draw torch's numbers, as
+            eager_loss = _module_loss(module, inputs, loss_fn, targets)  # the program's do
             eager = torch.autograd.grad(eager_loss, list(trained.values()), allow_unused=True)
         with _kept(module), torch.enable_grad():
             loss = _program_loss(traced, module, (*inputs, *targets), leaf)
@@ -165,8 +164,13 @@ def _copies(tensors: tuple) -> tuple:
 
 def _eager_loss(module, inputs: tuple, loss_fn, targets: tuple) -> torch.Tensor:
     with SameMasks().at(0, 0):  # the captured graph's random ops draw at (0, 0) alike
-        out = module(*_copies(inputs))
-        return loss_fn(out, *_copies(targets)) if loss_fn is not None else out
+        return _module_loss(module, inputs, loss_fn, targets)
+
+
+def _module_loss(module, inputs: tuple, loss_fn, targets: tuple) -> torch.Tensor:
+    """The module's own loss on copies of `inputs` and `targets`."""
+    out = module(*_copies(inputs))
+    return loss_fn(out, *_copies(targets)) if loss_fn is not None else out
 
 
 def _run_graph(graph: Graph, module, args: tuple, keeps: list[int]) -> dict[int, torch.Tensor]:
