@@ -40,7 +40,10 @@ Proves, in order (each failure is one message; `errors` lists them all):
 8. with clipping, every rank's gradient norm counts every trained parameter
    exactly once: the pieces its grad_sq tasks count, brought together by
    the all-reduces from each rank's sum to its factor, tile each parameter
-   (`lowering/check_norm.py`).
+   (`lowering/check_norm.py`);
+9. every state a rank writes rests where it is read: each update's value
+   has its state's local shape and dtype on the rank
+   (`lowering/check_state.py`).
 Failures that point at an action come with the schedule grid and
 `<-- ERROR HERE`.
 
@@ -67,6 +70,7 @@ from meshplan.lowering.buckets import buckets_of, misplaced, run_order
 from meshplan.lowering.check_live import split_and_live
 from meshplan.lowering.check_norm import norm_coverage
 from meshplan.lowering.check_shared import shared_copies
+from meshplan.lowering.check_state import states_rest
 from meshplan.lowering.ids import DEVICE_TYPES, LOCAL_BITS, TaskId
 from meshplan.lowering.rankplan import (
     RankPlan,
@@ -144,7 +148,7 @@ def check_plans(job: Job, plans: dict[int, RankPlan], covered=frozenset(),
     res.skipped = _skipped(job, plans, absent)
     for proof in (_unique_ids, _references, _tasks_match_job, partial(_p2p, absent=absent),
                   _collectives, _stages_agree, _schedule, shared_copies, _devices,
-                  split_and_live):
+                  split_and_live, states_rest):
         res.errors += proof(job, plans)
     if not res.missing:  # the norm's total sums over ranks that may be missing
         res.errors += norm_errors if norm_errors is not None else norm_coverage(

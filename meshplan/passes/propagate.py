@@ -9,7 +9,9 @@ Invariants:
   Replicate on tp; parameters as the tensor-parallel plan says (Replicate on
   dp), an expert parameter Shard(0) (its expert dim) on ep, the others
   Replicate there; optimizer state follows
-  its parameter; a gradient accumulator takes whatever its first use needs.
+  its parameter; a gradient accumulator takes whatever its first use needs,
+  and keeps it: a later use (a weight two stages read) boxes its
+  contribution to the accumulator, never the accumulator to itself.
   Sharded data parallel (`zero`, a `ZeroLevel`) changes only these layouts
   at rest, on the data axes a state is Replicate on (`zero_layout`), for the roles its level shards
   (`ZeroLevel.shards`: the optimizer state, then the gradient accumulators,
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import Graph, Phase, Role, TensorMeta
 from meshplan.ir.choices import KernelVariant
-from meshplan.ir.kinds import GRAD_SQ, VJP
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, VJP
 from meshplan.ir.mesh import CP_ATTENTION
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
@@ -274,10 +276,21 @@ def _choose_axes(op, refs, have, outs, sig_args, sig_kw, grid, hints, cache, met
         key = (op.kind, a_args, a_kw, a_outs, n, avail, wanted, forward, form)
         best = cache.get(key)
         if best is None:
+            keep = FORMS[form]
+            if op.kind == ACCUMULATE_GRAD and avail[0] is not None:
+                keep = _keeps_accumulator(avail[0])
             best = cache[key] = _choose(op.kind, a_args, a_kw, a_outs, n, avail, nbytes,
-                                        wanted, forward, FORMS[form])
+                                        wanted, forward, keep)
         chosen.append(best)
     return chosen
+
+
+def _keeps_accumulator(acc: Sbp):
+    """An accumulator already laid out (by its first use, or at rest) is
+    never boxed: it is None before a step's first micro-batch, and its
+    update must rest where it does. The contribution comes to it instead
+    (a parameter two stages read accumulates on each, in one layout)."""
+    return lambda sig: sig.ins[0] == acc
 
 
 def _squares_like(op, refs, have, outs, sig_args, sig_kw, grid, opt_sigs):

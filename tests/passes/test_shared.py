@@ -11,13 +11,16 @@ import pytest
 import torch
 from torch import nn
 
+import meshplan.api as mp
 from meshplan.autodiff import OptimizerConfig
 from meshplan.capture import capture
 from meshplan.driver.plan import plan_model, zoo_strategy
 from meshplan.driver.verify import against_eager
 from meshplan.errors import ConfigError
 from meshplan.ir import Phase
-from meshplan.ir.mesh import Mesh
+from meshplan.ir.mesh import Mesh, Strategy
+from meshplan.lowering.check import check_plans
+from meshplan.lowering.lower import lower
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.runtime.local import run_local
 
@@ -147,3 +150,58 @@ def test_derived_plans_on_the_zoo_gpt():
                                     (r"blocks\.\d+\.mlp\.fc2$", "rowwise"),  # MLP pair
                                     ("wte", "vocab"), ("head", "vocab"))
     assert any("tp_plan derived from structure" in n for n in job.notes)
+
+
+class ReadTwice(nn.Module):
+    """Stage 1 reads a stage-0 weight whole (a slice of it), where stage 0
+    reads it as tensor parallelism splits it (rowwise: by columns)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(fc1=nn.Linear(8, 16), fc2=nn.Linear(16, 8)))
+                                    for _ in range(4))
+
+    def forward(self, x, y):
+        for i, b in enumerate(self.blocks):
+            x = x + b["fc2"](torch.tanh(b["fc1"](x)))
+            if i == 3:
+                x = x @ self.blocks[0]["fc2"].weight[:, :8].t()
+        return nn.functional.mse_loss(x, y)
+
+
+def _read_twice_job():
+    s = Strategy(tp=2, pp=2, global_batch_size=8, micro_batch_size=2,
+                 layer_pattern=r"blocks\.(\d+)",
+                 tp_plan=((r"blocks\.\d+\.fc1", "colwise"), (r"blocks\.\d+\.fc2", "rowwise")))
+    torch.manual_seed(0)
+    module = ReadTwice()
+    batches = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+    graph = capture(module, (batches[0][0][:2], batches[0][1][:2]))
+    return mp.plan(graph, Mesh(1, 4), s, "adamw"), module, batches
+
+
+def test_a_weight_two_stages_read_in_different_layouts_trains_as_eager():
+    """Each stage's accumulator of `blocks.0.fc2.weight` rests in the layout
+    its first use chose; a later use's contribution is boxed to it, never the
+    accumulator (None before a step's first micro-batch) to the use."""
+    job, module, batches = _read_twice_job()
+    assert check_plans(job, {r: lower(job, r) for r in range(4)}).ok
+    run = run_local(job, copy.deepcopy(module), batches)
+    verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
+                               job.strategy.num_microbatches, OptimizerConfig.default("adamw"))
+    assert verdict["ok"], verdict["problems"]
+    assert "blocks.0.fc2.weight" in verdict["params"]
+
+
+def test_the_check_refuses_an_accumulator_written_in_another_layout(monkeypatch):
+    """Planted: let boxing convert the accumulator to its use's layout (the
+    bug: stage 0 wrote a tp shard of a state held whole, and crashed reading
+    the absent accumulator); proof 9 names the state."""
+    import meshplan.passes.propagate as propagate
+
+    monkeypatch.setattr(propagate, "_keeps_accumulator", lambda acc: lambda sig: True)
+    job, _, _ = _read_twice_job()
+    res = check_plans(job, {r: lower(job, r) for r in range(4)})
+    assert not res.ok
+    assert any("state 'blocks.0.fc2.weight@grad' rests as [8, 16]" in e and "writes [8, 8]" in e
+               for e in res.errors), res.errors
