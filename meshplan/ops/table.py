@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from meshplan.errors import CaptureError
-from meshplan.ir import DType, Op, TensorMeta
+from meshplan.ir import DType, Op, Ref, TensorMeta
 from meshplan.ir import kinds as k
 from meshplan.ir.choices import OpPrecision, OpRecompute
 from meshplan.ops import cost, kernels
@@ -234,7 +234,7 @@ def rule_for(kind: str) -> OpRule:
     return OpRule(
         kind=kind,
         kernel=kernel,
-        grad=grad if grad is not None else vjp_grad,
+        grad=vjp_grad if grad is None else partial(_real_only, grad),
         canonical=canonical,
         flops=_FLOPS.get(kind),
         temp_bytes=_TEMP.get(kind),
@@ -249,6 +249,17 @@ def rule_for(kind: str) -> OpRule:
         mutates=kind in _HIDDEN_MUTATION or _schema_mutates(kernel),
         returns_list=_schema_returns_list(kernel),
     )
+
+
+def _real_only(grad: Callable, e, op: Op, gouts, needs):
+    """A hand-written gradient rule (`_GRADS`) is for real tensors. On a
+    complex one (a rotary embedding's product with its complex frequencies)
+    torch differentiates the op (`vjp_grad`): its rules take the conjugates
+    (the gradient of a * b to a is g * conj(b)), which `g * b` is not."""
+    values = [*op.refs(), *(o for o in op.outputs if o >= 0)]
+    if any(e.meta(Ref(v)).dtype.torch.is_complex for v in values):
+        return vjp_grad(e, op, gouts, needs)
+    return grad(e, op, gouts, needs)
 
 
 def _schema_mutates(kernel) -> bool:
