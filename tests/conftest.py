@@ -1,6 +1,7 @@
 """Shared fixtures. `--regen-goldens` rewrites tests/goldens/* from the code.
 Tests marked `cuda` are skipped where there is no CUDA device."""
 
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -27,7 +28,11 @@ os.environ["TMPDIR"] = tempfile.tempdir = _OWN_TMP
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
-    shutil.rmtree(_OWN_TMP, ignore_errors=True)
+    # after multiprocessing's own temporary folder (inside it, removed by its
+    # finalizer at exit, priority -100) is gone: removing it first made that
+    # finalizer print a FileNotFoundError traceback at every pytest exit
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(_OWN_TMP,),
+                                  kwargs={"ignore_errors": True}, exitpriority=-101)
 
 
 def pytest_addoption(parser):

@@ -21,20 +21,31 @@ Invariants:
   program as exported (torch's autograd over its aten ops) is compared with
   the module's own backward, within the same bound: what export drops (a
   `torch.autograd.Function`'s backward) is a `CaptureError` naming the
-  parameter. meshplan's own autodiff is not judged here (`verify` does).
+  parameter.
+- Then meshplan's own backward (`autodiff`: the rule table's gradients, run
+  by the executor's code) is judged the same way against the module's own,
+  its random ops drawing the graph's numbers: a rule that is wrong for
+  what a model feeds it (a complex product's conjugate, once) is a
+  `CaptureError` naming the parameter, not a run that trains wrong. Each
+  tensor's bound is relative to its largest gradient, floored at a
+  hundredth of the largest of all (a gradient that is zero but for
+  rounding, a bias before a norm, is judged on the scale of the others).
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
+from meshplan.autodiff import build_train_step
 from meshplan.capture.export import Traced, trace, where
 from meshplan.driver.same_masks import SameMasks
 from meshplan.errors import CaptureError
-from meshplan.ir import Graph, Ref, Role
+from meshplan.ir import Graph, Phase, Ref, Role
+from meshplan.ir.kinds import DROPOUT, RANDOM, RANDOM_LIKE
+from meshplan.ir.state_name import StateName
 from meshplan.runtime.codegen import compile_segment
 from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.state import own_tensor, weights_of
@@ -90,28 +101,46 @@ def check_capture(traced: Traced, module, inputs: tuple, loss_fn=None,
 
 
 def _check_gradients(traced: Traced, module, inputs: tuple, loss_fn, targets: tuple) -> None:
-    """Raise `CaptureError` if a trained parameter's gradient through torch's
-    exported program (torch's autograd over its aten ops) differs from the
-    module's own backward, which no forward value shows. Measured, torch
-    2.13: export keeps a `torch.autograd.Function`'s forward and drops its
-    backward (a straight-through estimator, a gradient reversal), and traces
-    a `torch.no_grad()` inside a `torch.autocast` block as plain ops.
-    Skipped where there is nothing to compare: the two forwards differ
-    (random ops drawn otherwise), or torch cannot differentiate one of them."""
+    """The two gradient checks: torch's through the exported program, then
+    meshplan's own backward, each against the module's own backward."""
     trained = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    leaf = {id(p): p.detach().requires_grad_() for p in trained.values()}
-    try:
-        with _kept(module), torch.enable_grad():  # random calls draw torch's numbers, as
-            eager_loss = _module_loss(module, inputs, loss_fn, targets)  # the program's do
-            eager = torch.autograd.grad(eager_loss, list(trained.values()), allow_unused=True)
-        with _kept(module), torch.enable_grad():
-            loss = _program_loss(traced, module, (*inputs, *targets), leaf)
-            if not _close(loss, eager_loss):
-                return
-            mine = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
+    if not trained:
+        return
+    try:  # random calls draw torch's numbers, as the exported program's do
+        eager = _eager_grads(module, trained, inputs, loss_fn, targets, same_masks=False)
+        _check_export_gradients(traced, module, (*inputs, *targets), trained, *eager)
+        if _has_random_ops(traced.graph):  # the graph's random ops draw SameMasks' numbers
+            eager = _eager_grads(module, trained, inputs, loss_fn, targets, same_masks=True)
     except RuntimeError as e:  # no derivative, no parameter the loss depends on, ...
         _LOG.debug("capture self-check: gradients not compared: %s", e)
         return
+    _check_autodiff(traced.graph, module, (*inputs, *targets), dict(zip(trained, eager[1])))
+
+
+def _eager_grads(module, trained: dict, inputs: tuple, loss_fn, targets: tuple,
+                 same_masks: bool) -> tuple:
+    """(the module's own loss, its gradient of each of `trained`, or None)."""
+    with _kept(module), torch.enable_grad():
+        with SameMasks().at(0, 0) if same_masks else nullcontext():
+            loss = _module_loss(module, inputs, loss_fn, targets)
+        return loss, torch.autograd.grad(loss, list(trained.values()), allow_unused=True)
+
+
+def _check_export_gradients(traced: Traced, module, args: tuple, trained: dict, eager_loss,
+                            eager: tuple) -> None:
+    """Raise `CaptureError` if a trained parameter's gradient through torch's
+    exported program (torch's autograd over its aten ops) differs from the
+    module's own backward (`eager`), which no forward value shows. Measured,
+    torch 2.13: export keeps a `torch.autograd.Function`'s forward and drops
+    its backward (a straight-through estimator, a gradient reversal), and
+    traces a `torch.no_grad()` inside a `torch.autocast` block as plain ops.
+    Skipped where the two forwards differ (random ops drawn otherwise)."""
+    leaf = {id(p): p.detach().requires_grad_() for p in trained.values()}
+    with _kept(module), torch.enable_grad():
+        loss = _program_loss(traced, module, args, leaf)
+        if not _close(loss, eager_loss):
+            return
+        mine = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
     for name, a, b in zip(trained, mine, eager):
         a, b = (torch.zeros_like(trained[name]) if g is None else g for g in (a, b))
         if not _close(a, b):
@@ -123,6 +152,37 @@ def _check_gradients(traced: Traced, module, inputs: tuple, loss_fn, targets: tu
                 "torch.no_grad() inside torch.autocast; write the gradient with tensor ops "
                 "(a straight-through estimator: x + (f(x) - x).detach()), or pass "
                 "self_check=False to capture anyway")
+
+
+def _check_autodiff(graph: Graph, module, args: tuple, eager: dict) -> None:
+    """Raise `CaptureError` if a parameter's gradient through meshplan's
+    backward of `graph` (one micro-batch, no optimizer) differs from
+    `eager` ({name: the module's own gradient, or None})."""
+    try:
+        step = build_train_step(graph)
+    except CaptureError:  # planning says it, in its own words
+        return
+    made = {u.name: u.value for u in step.updates}
+    grad_of = {n: made[str(StateName.grad(n))] for n in eager if str(StateName.grad(n)) in made}
+    ops = [op for op in step.ops if op.phase is not Phase.OPTIMIZER]
+    with _kept(module):
+        env = _run_graph(step, module, args, list(grad_of.values()), ops)
+    pairs = {n: (env[v], torch.zeros_like(env[v]) if eager[n] is None else eager[n])
+             for n, v in grad_of.items()}
+    floor = max((float(b.detach().abs().max()) for _, b in pairs.values() if b.numel()),
+                default=0.0) / 100
+    for name, (a, b) in pairs.items():
+        if not _close(a, b, floor):
+            raise CaptureError(
+                f"capture self-check: meshplan's gradient of '{name}' differs from "
+                f"{type(module).__name__}'s own backward (max |diff| "
+                f"{float((a.double() - b.double()).abs().max()):.3g}, its largest "
+                f"{float(b.abs().max()):.3g}); this is a meshplan bug: report it, or pass "
+                "self_check=False to capture anyway")
+
+
+def _has_random_ops(graph: Graph) -> bool:
+    return any(op.kind in (DROPOUT, RANDOM, RANDOM_LIKE) for op in graph.ops)
 
 
 def _program_loss(traced: Traced, module, args: tuple, leaf: dict):
@@ -173,18 +233,25 @@ def _module_loss(module, inputs: tuple, loss_fn, targets: tuple) -> torch.Tensor
     return loss_fn(out, *_copies(targets)) if loss_fn is not None else out
 
 
-def _run_graph(graph: Graph, module, args: tuple, keeps: list[int]) -> dict[int, torch.Tensor]:
-    """The values `keeps` of the forward `graph`, run as the executor runs a segment."""
+def _run_graph(graph: Graph, module, args: tuple, keeps: list[int],
+               ops=None) -> dict[int, torch.Tensor]:
+    """The values `keeps` of `graph` (its `ops`, default all), run as the
+    executor runs a segment; a gradient accumulator starts empty (None)."""
     own = weights_of(module)
     data = iter(_copies(args))
+    ops = graph.ops if ops is None else ops
+    read = {r for op in ops for r in op.refs()}
     env = {}
     for vid in graph.inputs:
         v = graph.values[vid]
-        env[vid] = own_tensor(own, graph, v.name) if v.role is not Role.DATA else next(data)
-    device = next((t.device for t in env.values()), torch.device("cpu"))
-    fn = compile_segment(graph.ops, reads=list(graph.inputs),
+        if v.role is Role.DATA:
+            env[vid] = next(data)
+        elif vid in read:
+            env[vid] = None if v.role is Role.GRAD else own_tensor(own, graph, v.name)
+    device = next((t.device for t in env.values() if t is not None), torch.device("cpu"))
+    fn = compile_segment(ops, reads=list(env),
                          keeps=[k for k in keeps if k >= 0],
-                         device=device, name="self_check", borrowed=list(graph.inputs))
+                         device=device, name="self_check", borrowed=list(env))
     return fn(env, LiveBytes())
 
 
@@ -257,7 +324,9 @@ def _written_at(node):
     return node
 
 
-def _close(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
+def _close(mine: torch.Tensor, theirs: torch.Tensor, floor: float = 1.0) -> bool:
+    """Within rounding: relative to `theirs`' largest magnitude, or `floor`
+    where that is smaller."""
     if mine.shape != theirs.shape:
         return False
     if not theirs.is_floating_point():
@@ -265,5 +334,5 @@ def _close(mine: torch.Tensor, theirs: torch.Tensor) -> bool:
     a, b = mine.detach().double(), theirs.detach().double()
     rtol = max(RTOL_FP32, 16 * torch.finfo(theirs.dtype).eps)
     scale = float(b.abs().max()) if b.numel() else 0.0
-    return bool(((a - b).abs() <= rtol * max(scale, 1.0)).all()) and \
+    return bool(((a - b).abs() <= rtol * max(scale, floor)).all()) and \
         bool(torch.isfinite(a).eq(torch.isfinite(b)).all())

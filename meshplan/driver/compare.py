@@ -117,11 +117,18 @@ def assemble(slices: dict[int, dict[str, torch.Tensor]],
 
 
 def gap_of(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise |a - b| in double; equal infinities and two NaNs agree (0),
-    a NaN against a number is infinitely far."""
-    a, b = a.double(), b.double()
+    """Elementwise |a - b| in double (of complex values: the distance in the
+    plane); equal infinities and two NaNs agree (0), a NaN against a number
+    is infinitely far."""
+    a, b = wide(a), wide(b)
     same = (a == b) | (a.isnan() & b.isnan())
-    return torch.where(same, torch.zeros_like(a), (a - b).abs().nan_to_num(float("inf")))
+    return torch.where(same, 0.0, (a - b).abs().nan_to_num(float("inf")))
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in double precision, complex kept complex (a cast to double
+    would drop the imaginary part)."""
+    return t.to(torch.complex128) if t.is_complex() else t.double()
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -170,7 +177,7 @@ def update_rel(mine: torch.Tensor, ref: torch.Tensor, start: torch.Tensor,
     """|mine - ref| / |ref - start| in norm (outside `quiet` elements): how far
     a tensor's update is from eager's; None where eager moved no element by
     1e-4 (an update of rounding's size has no direction to miss)."""
-    gap, moved = mine.double() - ref.double(), ref.double() - start.double()
+    gap, moved = wide(mine) - wide(ref), wide(ref) - wide(start)
     if quiet is not None:
         gap, moved = gap[~quiet], moved[~quiet]
     if not moved.numel() or float(moved.abs().max()) < 1e-4:
@@ -184,7 +191,7 @@ def tensor_diff(mine: torch.Tensor, ref: torch.Tensor, bounds: Bounds,
     """Max absolute and relative difference of one tensor, and whether it
     passes; with `flips` and this tensor's `quiet` mask, AdamW's rounding-
     decided elements are allowed (counted in `flips`)."""
-    a, b = mine.double(), ref.double()
+    a, b = wide(mine), wide(ref)
     if a.shape != b.shape:
         return {"max_abs": float("inf"), "max_rel": float("inf"), "bound_used": float("inf"),
                 "ok": False}
