@@ -323,11 +323,14 @@ def _positions_after_padding(model_type: str) -> bool:
     from transformers.models.auto.configuration_auto import model_type_to_module_name  # optional
 
     name = model_type_to_module_name(model_type)
-    try:
-        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    except ImportError:
-        return False
+    mods = []  # a package may hold several models: data2vec's modeling_data2vec_text
+    for file in dict.fromkeys((name, model_type.replace("-", "_"))):
+        try:
+            mods.append(importlib.import_module(f"transformers.models.{name}.modeling_{file}"))
+        except ImportError:
+            continue
     return any(hasattr(x, "create_position_ids_from_input_ids")
+               for mod in mods
                for x in (mod, *(v for v in vars(mod).values() if inspect.isclass(v))))
 
 
