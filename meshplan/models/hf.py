@@ -46,14 +46,16 @@ TESTED = (
     # causal LMs
     "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "codegen", "ctrl", "biogpt", "bloom",
     "falcon", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite",
-    "glm", "internlm3", "phi", "phi3", "olmo", "bitnet", "lfm2", "mamba",
+    "glm", "internlm3", "phi", "phi3", "olmo", "bitnet", "lfm2", "mamba", "cpmant",
     # masked LMs
     "bert", "albert", "distilbert", "electra", "roberta", "xlm-roberta", "camembert",
-    "deberta-v2", "megatron-bert", "modernbert",
+    "deberta-v2", "megatron-bert", "modernbert", "data2vec-text",
     # encoder-decoders
     "bart", "mbart", "t5", "marian", "pegasus",
     # mixtures of experts (transformers' grouped matmul; experts replicated over tp)
     "mixtral", "qwen2_moe", "olmoe", "gpt_oss",
+    # llama4: experts, and a rotary product with complex frequencies
+    "llama4_text",
 )
 SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xlm-roberta",
                 "bart", "t5", "mixtral")
