@@ -167,8 +167,13 @@ def _check_autodiff(graph: Graph, module, args: tuple, eager: dict) -> None:
     ops = [op for op in step.ops if op.phase is not Phase.OPTIMIZER]
     with _kept(module):
         env = _run_graph(step, module, args, list(grad_of.values()), ops)
-    pairs = {n: (env[v], torch.zeros_like(env[v]) if eager[n] is None else eager[n])
-             for n, v in grad_of.items()}
+    params = {v.name for v in graph.inputs_by_role(Role.PARAM)}
+    pairs = {}  # name -> (meshplan's gradient, the module's); a missing one is zero
+    for n, b in eager.items():
+        a = env.get(grad_of.get(n, -1))
+        if n in params and (a is not None or b is not None):
+            pairs[n] = (torch.zeros_like(b) if a is None else a,
+                        torch.zeros_like(a) if b is None else b)
     floor = max((float(b.detach().abs().max()) for _, b in pairs.values() if b.numel()),
                 default=0.0) / 100
     for name, (a, b) in pairs.items():

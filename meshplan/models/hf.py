@@ -56,16 +56,21 @@ TESTED = (
     "mixtral", "qwen2_moe", "olmoe", "gpt_oss",
     # llama4: experts, and a rotary product with complex frequencies
     "llama4_text",
+    # DeepSeek: multi-head latent attention, grouped routing, shared experts
+    "deepseek_v2", "deepseek_v3",
 )
 SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xlm-roberta",
-                "bart", "t5", "mixtral")
+                "bart", "t5", "mixtral", "deepseek_v3")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
 # a mixture of experts' config fields: its experts per layer, those each token takes
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
-# built here, it keeps a few: 4 experts, 2 per token
-_EXPERTS = dict.fromkeys(_EXPERT_COUNTS, 4) | dict.fromkeys(_EXPERTS_PER_TOKEN, 2)
+# built here, it keeps a few: 4 experts, 2 per token; DeepSeek's grouped
+# routing (experts in `n_group` groups, a token's taken from `topk_group`
+# of them) in 2 groups of 2, one of which a token takes
+_EXPERTS = dict.fromkeys(_EXPERT_COUNTS, 4) | dict.fromkeys(_EXPERTS_PER_TOKEN, 2) | {
+    "n_group": 2, "topk_group": 1}
 TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
 CAUSAL, MASKED, SEQ2SEQ = "causal-LM", "masked-LM", "encoder-decoder"
 _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
@@ -230,12 +235,15 @@ def _fields(probe, cfg) -> dict:
         if getattr(probe, "decoder_start_token_id", None) is None:  # T5: the decoder starts
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
     for name, v in vars(probe).items():  # head and MLP widths, under their many names
-        if isinstance(v, int) and not isinstance(v, bool) or (name, v) == ("head_dim", None):
+        if isinstance(v, int) and not isinstance(v, bool) or v is None and \
+                name in ("head_dim", *_EXPERTS_PER_TOKEN):
             width = _width(name, v, probe, cfg)
             if width is not None:
                 kw[name] = width
-    if hasattr(probe, "num_key_value_heads"):
-        kw["num_key_value_heads"] = max(1, cfg.heads // 2)  # grouped-query attention
+    if hasattr(probe, "num_key_value_heads"):  # grouped-query attention, but for
+        # multi-head latent attention (DeepSeek's), whose keys have every head
+        kw["num_key_value_heads"] = cfg.heads if hasattr(probe, "kv_lora_rank") else \
+            max(1, cfg.heads // 2)
     kw.update({d: cfg.dropout for d, v in probe.to_dict().items()  # whatever its name
                if isinstance(v, float) and ("dropout" in d or d.endswith("pdrop"))})
     kw["tie_word_embeddings"] = cfg.tie_embeddings
@@ -286,6 +294,10 @@ def _width(name: str, v: int | None, probe, cfg) -> int | None:
         return head
     if name in _EXPERTS and v is not None:
         return min(v, _EXPERTS[name])
+    if name in _EXPERTS_PER_TOKEN and v is None and any(  # left to the checkpoint (DeepSeek-V2)
+            isinstance(getattr(probe, n, None), int) and getattr(probe, n) > 0
+            for n in _EXPERT_COUNTS):
+        return _EXPERTS[name]
     if name.endswith("vocab_size") or name.startswith("vocab_size"):
         return cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocabulary
     return None

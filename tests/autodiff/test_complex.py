@@ -103,3 +103,18 @@ def test_the_verdict_sees_a_complex_tensor_s_imaginary_part():
     d = tensor_diff(off, ref, BOUNDS[Precision.FP32])
     assert not d["ok"] and abs(d["max_abs"] - 0.5) < 1e-6
     assert tensor_diff(ref.clone(), ref, BOUNDS[Precision.FP32])["ok"]
+
+
+def test_the_capture_check_refuses_a_gradient_autodiff_cut(monkeypatch):
+    """Planted: the FFT's complex output left out of the values that need a
+    gradient (the bug FourierMix once trained with): no gradient reaches
+    `inp.weight`, which the module's own backward moves."""
+    from meshplan.autodiff import backward
+
+    keep = backward._requires_grad
+    monkeypatch.setattr(backward, "_requires_grad", lambda graph: {
+        v for v in keep(graph) if not graph.values[v].meta.dtype.torch.is_complex})
+    torch.manual_seed(0)
+    model = FourierMix()
+    with pytest.raises(CaptureError, match="meshplan's gradient of 'inp.weight' differs"):
+        mp.capture(model, (torch.randn(4, 6, 8), torch.randn(4, 6)))
