@@ -165,8 +165,14 @@ def _check_autodiff(graph: Graph, module, args: tuple, eager: dict) -> None:
     made = {u.name: u.value for u in step.updates}
     grad_of = {n: made[str(StateName.grad(n))] for n in eager if str(StateName.grad(n)) in made}
     ops = [op for op in step.ops if op.phase is not Phase.OPTIMIZER]
-    with _kept(module):
-        env = _run_graph(step, module, args, list(grad_of.values()), ops)
+    try:
+        with _kept(module):
+            env = _run_graph(step, module, args, list(grad_of.values()), ops)
+    except RuntimeError as e:  # it would fail the same way in the run's first step
+        raise CaptureError(
+            f"capture self-check: meshplan's backward of {type(module).__name__} fails on "
+            f"the example: {type(e).__name__}: {str(e).splitlines()[0][:200]}; this is a "
+            "meshplan bug: report it, or pass self_check=False to capture anyway") from e
     params = {v.name for v in graph.inputs_by_role(Role.PARAM)}
     pairs = {}  # name -> (meshplan's gradient, the module's); a missing one is zero
     for n, b in eager.items():

@@ -120,7 +120,10 @@ def vjp_kernel(fwd_kind: str, fwd_args: tuple, fwd_kwargs: tuple, gouts: tuple,
             kept[:] = [i for i, o in enumerate(outs) if _carries_grad(o)]
             return tuple(outs[i] for i in kept)
 
-        outs, pullback = torch.func.vjp(differentiable_outputs, *primals)  # type: ignore[misc]
+        # grad mode on whatever the caller's: an op that saves for backward only
+        # when it is (LSTM's workspace) left it undefined under no_grad
+        with torch.enable_grad():
+            outs, pullback = torch.func.vjp(differentiable_outputs, *primals)  # type: ignore[misc]
         grads = pullback(tuple(gouts[i] if gouts[i] is not None else torch.zeros_like(o)
                                for i, o in zip(kept, outs)))
     else:

@@ -220,3 +220,26 @@ def test_without_the_gradient_check_those_captures_train_wrong(kind, monkeypatch
     verdict, _ = against_eager(run.rank_losses, run.slices, module, data, 1,
                                OptimizerConfig.default("sgd"))
     assert not verdict["ok"] and any("lin.weight" in p for p in verdict["problems"])
+
+
+def test_a_backward_that_fails_on_the_example_is_one_line(monkeypatch):
+    """Planted: a backward kernel that raises (as an LSTM's did under the
+    check's no_grad): one CaptureError line, not a traceback from the check."""
+    real = rule_for
+
+    def planted(k):
+        rule = real(k)
+        if k != "aten.threshold_backward.default":
+            return rule
+
+        def boom(*a, **kw):
+            raise RuntimeError("Expected a proper Tensor but got None")
+        return replace(rule, kernel=boom)
+
+    monkeypatch.setattr("meshplan.runtime.codegen.rule_for", planted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(CaptureError, match=r"meshplan's backward of .* fails on the example: "
+                       r"RuntimeError: Expected a proper Tensor but got None; this is a "
+                       "meshplan bug"):
+        mp.capture(model, (torch.randn(4, 4),), loss_fn=lambda out: out.pow(2).mean())

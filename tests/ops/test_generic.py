@@ -102,3 +102,35 @@ def test_data_dependent_shape_fails_at_capture_with_one_line():
     line = inspect.getsourcelines(_Pick.forward)[1] + 1
     assert f"test_generic.py, line {line}" in msg, msg
     assert "torch.nonzero(x > 0)" in msg
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(6, 6, batch_first=True, num_layers=2)
+
+    def forward(self, x, y):
+        out, _ = self.rnn(x)
+        return F.mse_loss(out[:, -1], y)
+
+
+def test_the_vjp_kernel_differentiates_whatever_the_callers_grad_mode():
+    """An LSTM saves its workspace for backward only with grad mode on: the
+    vjp kernel's forward turns it on itself. Under the capture self-check's
+    no_grad, the backward once failed ('Expected a proper Tensor but got
+    None ... workspace'), and capturing any LSTM raised it."""
+    torch.manual_seed(0)
+    model = _Recurrent()
+    batch = (torch.randn(2, 3, 6), torch.randn(2, 6))
+    step = build_train_step(capture(model, batch), OptimizerConfig("sgd", lr=0.1))
+    after = []  # the weights after one step, with grad mode on, then off
+    for mode in (torch.enable_grad, torch.no_grad):
+        ex = Executor(step)
+        state = ex.init_state(model)
+        with mode():
+            ex.step(state, [batch])
+        after.append({n: state[n].clone() for n, _ in model.named_parameters()})
+    model(*batch).backward()  # and the step is eager's
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(after[1][name], after[0][name], msg=name)
+        torch.testing.assert_close(after[0][name], p.detach() - 0.1 * p.grad, msg=name)
