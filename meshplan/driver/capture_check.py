@@ -168,6 +168,8 @@ def _check_autodiff(graph: Graph, module, args: tuple, eager: dict) -> None:
     try:
         with _kept(module):
             env = _run_graph(step, module, args, list(grad_of.values()), ops)
+    except torch.OutOfMemoryError:  # the device's limit, not a fault of the backward
+        raise
     except RuntimeError as e:  # it would fail the same way in the run's first step
         raise CaptureError(
             f"capture self-check: meshplan's backward of {type(module).__name__} fails on "
