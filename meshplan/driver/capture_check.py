@@ -44,8 +44,8 @@ from meshplan.capture.export import Traced, trace, where
 from meshplan.driver.same_masks import SameMasks
 from meshplan.errors import CaptureError
 from meshplan.ir import Graph, Phase, Ref, Role
-from meshplan.ir.kinds import DROPOUT, RANDOM, RANDOM_LIKE
 from meshplan.ir.state_name import StateName
+from meshplan.ops import random_ops
 from meshplan.runtime.codegen import compile_segment
 from meshplan.runtime.live_bytes import LiveBytes
 from meshplan.runtime.state import own_tensor, weights_of
@@ -195,7 +195,7 @@ def _check_autodiff(graph: Graph, module, args: tuple, eager: dict) -> None:
 
 
 def _has_random_ops(graph: Graph) -> bool:
-    return any(op.kind in (DROPOUT, RANDOM, RANDOM_LIKE) for op in graph.ops)
+    return any(op.kind in random_ops.KERNELS for op in graph.ops)
 
 
 def _program_loss(traced: Traced, module, args: tuple, leaf: dict):
