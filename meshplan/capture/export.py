@@ -36,7 +36,9 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -64,12 +66,14 @@ from meshplan.ops.table import rule_for
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 CONSTANT_ELEMENTS = 64  # a constant the forward makes, element by element, at most
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_PARENT = os.path.dirname(_PACKAGE_DIR)
 _SKIP = {
     "aten._assert_tensor_metadata.default",
     "aten._assert_scalar.default",
     "aten.sym_constrain_range_for_size.default",
 }
+_READS_VALUE = {"aten.item.default", "aten._local_scalar_dense.default"}
 _ROLE = {"PARAMETER": Role.PARAM, "BUFFER": Role.BUFFER, "CONSTANT_TENSOR": Role.BUFFER,
          "USER_INPUT": Role.DATA}
 
@@ -124,6 +128,15 @@ class _quiet:
 _FAKE_LOG = "torch._subclasses.fake_tensor"
 
 
+@contextmanager
+def _torch_noise():
+    """Silence torch's own noise while it traces (a failing op's traceback in
+    the fake-tensor log, pytree's deprecation warnings): the user gets our line."""
+    with warnings.catch_warnings(), _quiet(_FAKE_LOG):
+        warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)
+        yield
+
+
 @dataclass(frozen=True)
 class Traced:
     """A capture with what the self-check needs to find the op that differs
@@ -153,17 +166,18 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
     try:
-        with warnings.catch_warnings(), _quiet(_FAKE_LOG):  # torch's own noise: the error
-            warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)  # is ours
+        with _torch_noise():
             ep = torch.export.export(model, args, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # torch raises many kinds; the first line says what
-        hint = ("the forward branches on a tensor's value (e.g. `if x.item() > 0`): compute "
-                "both sides and pick with torch.where" if "DataDependent" in type(e).__name__
-                else "check that the inputs fit the model")
+        if "DataDependent" in type(e).__name__:  # torch's first line names a symbol, not code
+            raise CaptureError(f"torch.export failed on {type(module).__name__}: the forward "
+                               f"branches on a tensor's value{_raised_at(e)}; compute both "
+                               "sides and pick with torch.where, or move the check out of "
+                               "the forward") from e
         raise CaptureError(f"torch.export failed on {type(module).__name__}: "
-                           f"{_first_line(e)}; {hint}") from e
+                           f"{_first_line(e)}; check that the inputs fit the model") from e
     exported, ep = ep, functional(ep, type(module).__name__)
     same = _tensor_ids(module)
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
@@ -199,11 +213,23 @@ def functional(ep, model_name: str):
     if regions:  # their mutations are inside them, where the scan above does not look
         detach_no_grad_values(ep.graph_module)
     try:
-        return ep.run_decompositions({})
+        with _torch_noise():
+            return ep.run_decompositions({})
     except Exception as e:  # torch raises many kinds; the first line says what
         raise CaptureError(f"torch could not functionalize the mutation in "
                            f"{model_name}: {_first_line(e)}; write the "
                            "value out of place (e.g. torch.cat, torch.where)") from e
+
+
+def _raised_at(e: Exception) -> str:
+    """` at file, line N (`code`)`: the innermost line of the model's own code
+    (outside torch and meshplan) on the way to `e`, or an example when none."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith((_TORCH_DIR, _PACKAGE_DIR))]
+    if not frames:
+        return " (e.g. `if x.item() > 0`)"
+    f = frames[-1]
+    return f" at {_short(f'{f.filename}, line {f.lineno}')} (`{(f.line or '').strip()}`)"
 
 
 def _tensor_ids(module: nn.Module) -> dict[str, int]:
@@ -239,7 +265,10 @@ def _translate(ep, prefix: str, model_name: str, same: dict[str, int],
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     loss = None
     first: dict[int, Ref] = {}  # tensor identity -> the input made for it
+    checks = _checks_only(ep.graph)
     for node in ep.graph.nodes:
+        if node in checks:
+            continue
         if node.op == "placeholder":
             spec = specs[node.name]
             if spec.kind.name == "CONSTANT_TENSOR" and spec.target not in same:
@@ -259,6 +288,24 @@ def _translate(ep, prefix: str, model_name: str, same: dict[str, int],
             loss = _outputs(ctx, ep, node, model_name)
     assert loss is not None
     return ctx.builder.build(loss.id, GraphFacts(model_class=model_name)), ctx.env
+
+
+def _checks_only(graph) -> set:
+    """The nodes computed only for a check on the data (`assert
+    lengths.max().item() <= slen`: an `item` and the ops before it, feeding
+    `_assert_scalar` alone). A check computes nothing the model returns, and
+    a value read off the device is no tensor a plan can hold, so capture
+    leaves them out, as it leaves the asserts (`_SKIP`)."""
+    dropped: set = set()
+    for node in reversed(graph.nodes):
+        users = list(node.users)
+        if (node.op == "call_function" and users
+                and not (str(node.target).startswith("aten.")
+                         and rule_for(str(node.target)).mutates)
+                and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+                and all(str(u.target) in _SKIP or u in dropped for u in users)):
+            dropped.add(node)
+    return dropped
 
 
 def _outputs(ctx: _Ctx, ep, node, model_name: str) -> Ref:
@@ -411,6 +458,10 @@ def _add_call(ctx: _Ctx, node, prefix: str) -> None:
     kind = str(node.target)
     if kind in _SKIP:
         return
+    if kind in _READS_VALUE:
+        raise CaptureError(f"cannot capture {kind} at {_where(node)}: the forward reads a "
+                           "tensor's value (`.item()`, `.tolist()`) and computes with it, "
+                           "which a plan made before the data cannot hold; keep it a tensor")
     e = Emitter(ctx.builder, module_path=_module_path(node, prefix), source=_source(node))
     try:
         _emit_node(ctx, e, node, kind)

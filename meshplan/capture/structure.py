@@ -68,9 +68,10 @@ def _join(prefix: str, path: str) -> str:
 
 
 def _layer_list(module: nn.Module, hf_path: str, hf) -> tuple[str, str]:
-    for key in (getattr(hf, "_pp_plan", None) or {}):
+    named = dict(module.named_modules())
+    for key in (getattr(hf, "_pp_plan", None) or {}):  # a key may name no module (hrm_text)
         path = _join(hf_path, key)
-        if isinstance(module.get_submodule(path), nn.ModuleList):
+        if isinstance(named.get(path), nn.ModuleList):
             return path, "transformers _pp_plan"
     stacks = _stacks(module, hf)
     lists = [p for p in (_longest_list(module, s) for s in stacks) if p]

@@ -47,11 +47,12 @@ TESTED = (
     "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "codegen", "ctrl", "biogpt", "bloom",
     "falcon", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite",
     "glm", "internlm3", "phi", "phi3", "olmo", "bitnet", "lfm2", "mamba", "cpmant",
+    "xlm", "hrm_text",
     # masked LMs
     "bert", "albert", "distilbert", "electra", "roberta", "xlm-roberta", "camembert",
-    "deberta-v2", "megatron-bert", "modernbert", "data2vec-text",
+    "deberta-v2", "megatron-bert", "modernbert", "data2vec-text", "esm",
     # encoder-decoders
-    "bart", "mbart", "t5", "marian", "pegasus",
+    "bart", "mbart", "t5", "marian", "pegasus", "m2m_100",
     # mixtures of experts (transformers' grouped matmul; experts replicated over tp)
     "mixtral", "qwen2_moe", "olmoe", "gpt_oss",
     # llama4: experts, and a rotary product with complex frequencies
@@ -192,9 +193,8 @@ def hf_config(cfg):
     tf = _transformers()
     if cfg.source:
         conf = tf.AutoConfig.from_pretrained(cfg.source)
-        for name, v in conf.to_dict().items():  # our dropout, whatever its name
-            if isinstance(v, float) and ("dropout" in name or name.endswith("pdrop")):
-                setattr(conf, name, cfg.dropout)
+        for name, v in _dropouts(conf, cfg).items():
+            setattr(conf, name, v)
         return conf
     model_type = cfg.model.removeprefix(PREFIX)
     if model_type not in tf.CONFIG_MAPPING:
@@ -244,8 +244,7 @@ def _fields(probe, cfg) -> dict:
         # multi-head latent attention (DeepSeek's), whose keys have every head
         kw["num_key_value_heads"] = cfg.heads if hasattr(probe, "kv_lora_rank") else \
             max(1, cfg.heads // 2)
-    kw.update({d: cfg.dropout for d, v in probe.to_dict().items()  # whatever its name
-               if isinstance(v, float) and ("dropout" in d or d.endswith("pdrop"))})
+    kw.update(_dropouts(probe, cfg))
     kw["tie_word_embeddings"] = cfg.tie_embeddings
     kw.update(_per_layer(probe, cfg.layers))
     base = _transformers().PreTrainedConfig
@@ -258,11 +257,22 @@ def _fields(probe, cfg) -> dict:
     if isinstance(getattr(probe, "rotary_dim", None), int):  # rotary on part of each head
         kw["rotary_dim"] = _rotary_dim(probe, cfg)
     pad = kw.get("pad_token_id", getattr(probe, "pad_token_id", None))
-    if isinstance(pad, int) and _positions_after_padding(cfg.model.removeprefix(PREFIX)):
+    if _positions_after_padding(cfg.model.removeprefix(PREFIX)):
+        if pad is None:  # ESM's config leaves it to the checkpoint, whose pad is 1
+            pad = kw["pad_token_id"] = 1
         # RoBERTa-style position ids start at pad + 1: the table needs that many rows more
         pos = next(n for n in ("max_position_embeddings", "n_positions") if n in kw)
         kw[pos] = cfg.seq_len + pad + 1
     return kw
+
+
+def _dropouts(conf, cfg) -> dict:
+    """Every dropout field of `conf`, whatever its name, at `cfg.dropout`;
+    every LayerDrop (`encoder_layerdrop`, ...) at 0: skipping a whole layer
+    at random is a branch on a tensor's value, which no static plan holds."""
+    return {d: 0.0 if d.endswith("layerdrop") else cfg.dropout
+            for d, v in conf.to_dict().items() if isinstance(v, float)
+            and ("dropout" in d or d.endswith("pdrop") or d.endswith("layerdrop"))}
 
 
 def experts_of(module: nn.Module) -> tuple[int, int] | None:

@@ -144,9 +144,13 @@ def _instance(rx: re.Pattern[str], path: str) -> str | None:
     return m.group(0) if m and m.group(0) else None
 
 
+class NotContiguous(ConfigError):
+    """A layer whose ops another layer's interrupt (a layer called twice)."""
+
+
 def _not_contiguous(name: str, end: tuple[int, Op], op: Op):
     last, mid = end
-    raise ConfigError(
+    raise NotContiguous(
         f"layer '{name}' is not contiguous in the forward pass: its ops stop at op #{last}, "
         f"op #{mid.id} {mid.kind} ('{mid.module_path}') runs in between, and '{name}' "
         f"resumes at op #{op.id} {op.kind} ('{op.module_path}'); call each layer once, "

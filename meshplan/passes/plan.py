@@ -56,7 +56,7 @@ from meshplan.passes.expert_parallel import (
 from meshplan.passes.grad_norm import split_norm
 from meshplan.passes.log_softmax import expand_log_softmax
 from meshplan.passes.manager import Pass, PassManager
-from meshplan.passes.pipeline import StageAssignment, assign_stages
+from meshplan.passes.pipeline import NotContiguous, StageAssignment, assign_stages
 from meshplan.passes.precision import apply_precision
 from meshplan.passes.propagate import ParamAxes, SbpAssignment, propagate_sbp
 from meshplan.passes.recompute import recompute
@@ -137,8 +137,14 @@ def _expand_log_softmax(c: Compilation) -> None:
 
 def _assign_stages(c: Compilation) -> None:
     s, n = c.strategy, len(c.graph.ops)
+    one = StageAssignment((0,) * n, (0,) * n, (), (), (), ())
     if s.pp == s.vpp == 1 and not s.layer_pattern:
-        c.stages = StageAssignment((0,) * n, (0,) * n, (), (), (), ())
+        c.stages = one
+    elif s.pp == s.vpp == 1 and not (s.layer_stages or s.stage_layers):
+        try:  # the layers only name the one stage's parts in the report
+            c.stages = assign_stages(c.graph, 1, 1, s.layer_pattern)
+        except NotContiguous as e:  # a layer called twice (HRM's loop) cannot be cut, nor need be
+            c.stages = replace(one, notes=(f"one stage, no layers: {str(e).split(';')[0]}",))
     else:
         c.stages = assign_stages(c.graph, s.pp, s.vpp, s.layer_pattern, s.layer_stages,
                                  stage_placement(s), s.stage_layers)

@@ -56,3 +56,25 @@ def test_a_model_far_larger_than_its_sizes_is_refused_naming_its_largest_paramet
     with pytest.raises(ConfigError) as e:
         build_model(model_config("hf:gpt2", "tiny"))
     assert "\n" not in str(e.value) and "the largest, transformer." in str(e.value)
+
+
+def test_layerdrop_is_off_and_dropout_is_ours():
+    """LayerDrop skips a whole layer at random, a branch on a value: off, as
+    M2M-100's default 0.05 would refuse the model at capture."""
+    conf = hf.hf_config(model_config("hf:m2m_100", "tiny", dropout=0.1))
+    assert (conf.encoder_layerdrop, conf.decoder_layerdrop) == (0.0, 0.0)
+    assert conf.dropout == conf.attention_dropout == 0.1
+
+
+def test_a_type_whose_positions_follow_padding_gets_a_pad_token():
+    """ESM leaves its pad token to the checkpoint; its positions need one."""
+    conf = hf.hf_config(model_config("hf:esm", "tiny"))
+    assert conf.pad_token_id == 1
+    assert conf.max_position_embeddings == model_config("hf:esm", "tiny").seq_len + 2
+
+
+def test_a_pp_plan_naming_no_module_falls_back_to_the_longest_layer_list():
+    """hrm_text's `_pp_plan` names `layers`, which its model does not have."""
+    module = build_model(model_config("hf:hrm_text", "tiny"), device="meta")
+    assert "layers" in module.model.model._pp_plan and not hasattr(module.model.model, "layers")
+    assert structure_facts(module).layers == "model.model.L_module.layers"

@@ -283,3 +283,32 @@ def test_parameter_tied_across_stages_is_placed_with_its_first_reader():
     w = next(v.id for v in g.inputs_by_role(Role.PARAM) if v.name == "blocks.0.weight")
     opt = next(op for op in g.ops if op.phase is Phase.OPTIMIZER and op.args[0] == Ref(w))
     assert a.stage[opt.id] == 0
+
+
+class _Looped(nn.Module):
+    """A block called twice (HRM's recurrent depth): blocks.0, blocks.1, blocks.0."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x, y):
+        for i in (0, 1, 0):
+            x = torch.tanh(self.blocks[i](x))
+        return nn.functional.mse_loss(x, y)
+
+
+def test_a_layer_called_twice_trains_on_one_stage_and_is_refused_on_two():
+    import meshplan.api as mp
+
+    torch.manual_seed(0)
+    model = _Looped()
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
+    graph = mp.capture(model, batches[0])
+    one = mp.Strategy(global_batch_size=4, micro_batch_size=4, layer_pattern=PATTERN)
+    job = mp.plan(graph, mp.Mesh(1, 1), one)
+    assert job.layers == () and any("not contiguous" in n for n in job.notes), job.notes
+    r = mp.verify(job, model, batches)
+    assert r["ok"], r["problems"]
+    with pytest.raises(ConfigError, match=r"layer 'blocks\.0' is not contiguous"):
+        mp.plan(graph, mp.Mesh(1, 2), dataclasses.replace(one, pp=2, global_batch_size=8))
