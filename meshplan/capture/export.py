@@ -33,12 +33,14 @@ Invariants:
 
 from __future__ import annotations
 
+import io
 import logging
 import operator
 import os
+import sys
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -68,6 +70,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 CONSTANT_ELEMENTS = 64  # a constant the forward makes, element by element, at most
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PACKAGE_PARENT = os.path.dirname(_PACKAGE_DIR)
+_ZOO_DIR = os.path.join(_PACKAGE_DIR, "models")
 _SKIP = {
     "aten._assert_tensor_metadata.default",
     "aten._assert_scalar.default",
@@ -126,15 +129,51 @@ class _quiet:
 
 
 _FAKE_LOG = "torch._subclasses.fake_tensor"
+_SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"  # prints the graph at a data-dependent error
 
 
 @contextmanager
 def _torch_noise():
     """Silence torch's own noise while it traces (a failing op's traceback in
-    the fake-tensor log, pytree's deprecation warnings): the user gets our line."""
-    with warnings.catch_warnings(), _quiet(_FAKE_LOG):
-        warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)
+    the fake-tensor log, the graph so far that export prints at an error,
+    pytree's deprecation warnings): the user gets our line."""
+    printed = io.StringIO()
+    try:
+        with warnings.catch_warnings(), _quiet(_FAKE_LOG), _quiet(_SHAPES_LOG), \
+                redirect_stderr(printed):
+            warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)
+            yield
+    except Exception as e:  # torch prints the graph so far to stderr: keep all but that
+        graph = str(getattr(e, "partial_fx_graph", "") or "")
+        sys.stderr.write(printed.getvalue().replace(graph + "\n", "") if graph
+                         else printed.getvalue())
+        raise
+    sys.stderr.write(printed.getvalue())
+
+
+@contextmanager
+def _to_that_changes_nothing():
+    """`module.to(dtype)` in a forward (Switch Transformers' router casts its
+    classifier to fp32 each call) returns the module as it is when every
+    tensor already has that dtype and device, as eager's `.to` leaves them:
+    under export, whose parameters are fake tensors, `.to` would swap each
+    for itself and fail. A `.to` that changes a tensor runs as it is."""
+    to = nn.Module.to
+
+    def unchanged_to(module, *args, **kwargs):
+        device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if fmt is None and all((device is None or t.device == device) and
+                               (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+                               for t in tensors):
+            return module
+        return to(module, *args, **kwargs)
+
+    nn.Module.to = unchanged_to  # type: ignore[method-assign]
+    try:
         yield
+    finally:
+        nn.Module.to = to  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)
@@ -166,7 +205,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
     try:
-        with _torch_noise():
+        with _torch_noise(), _to_that_changes_nothing():
             ep = torch.export.export(model, args, strict=False)
     except CaptureError:
         raise
@@ -176,8 +215,9 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
                                f"branches on a tensor's value{_raised_at(e)}; compute both "
                                "sides and pick with torch.where, or move the check out of "
                                "the forward") from e
-        raise CaptureError(f"torch.export failed on {type(module).__name__}: "
-                           f"{_first_line(e)}; check that the inputs fit the model") from e
+        raise CaptureError(f"torch.export failed on {type(module).__name__}"
+                           f"{_raised_at(e, '')}: {_first_line(e)}; check that the inputs "
+                           "fit the model") from e
     exported, ep = ep, functional(ep, type(module).__name__)
     same = _tensor_ids(module)
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
@@ -221,13 +261,19 @@ def functional(ep, model_name: str):
                            "value out of place (e.g. torch.cat, torch.where)") from e
 
 
-def _raised_at(e: Exception) -> str:
+def _models_code(path: str) -> bool:
+    """A model's own source: not torch's, not code torch generates
+    (`<string>`), not meshplan's but for its zoo (`meshplan/models`)."""
+    return not path.startswith((_TORCH_DIR, "<")) and (
+        not path.startswith(_PACKAGE_DIR) or path.startswith(_ZOO_DIR))
+
+
+def _raised_at(e: Exception, unknown: str = " (e.g. `if x.item() > 0`)") -> str:
     """` at file, line N (`code`)`: the innermost line of the model's own code
-    (outside torch and meshplan) on the way to `e`, or an example when none."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith((_TORCH_DIR, _PACKAGE_DIR))]
+    on the way to `e`, or `unknown` when none."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _models_code(f.filename)]
     if not frames:
-        return " (e.g. `if x.item() > 0`)"
+        return unknown
     f = frames[-1]
     return f" at {_short(f'{f.filename}, line {f.lineno}')} (`{(f.line or '').strip()}`)"
 

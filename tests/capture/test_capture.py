@@ -64,6 +64,8 @@ def test_inputs_that_do_not_fit_are_capture_error():
     with pytest.raises(CaptureError) as e:
         capture(build_model(cfg), (images[:, :1], labels))  # 1 channel, model wants 3
     assert "torch.export failed" in str(e.value) and "\n" not in str(e.value)
+    # the model's own line that raised, outside torch and meshplan
+    assert "at meshplan/models/resnet.py, line" in str(e.value), str(e.value)
 
 
 @pytest.mark.slow
@@ -133,3 +135,39 @@ def test_a_small_constant_is_made_in_the_graph_and_a_large_one_is_refused():
     msg = str(err.value)
     assert "\n" not in msg and "register_buffer" in msg and "more than 64 elements" in msg
     assert "test_capture.py, line" in msg
+
+
+class _CastsItsRouter(nn.Module):
+    """Switch Transformers' router: `.to(fp32)` on a submodule in every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        self.router = self.router.to(torch.float32)
+        h = torch.softmax(self.router(x), dim=-1)
+        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def test_a_to_that_changes_nothing_in_the_forward_trains_as_eager():
+    import meshplan.api as mp
+
+    torch.manual_seed(0)
+    model = _CastsItsRouter()
+    batches = [(torch.randn(4, 4), torch.randn(4)) for _ in range(2)]
+    job = mp.plan(mp.capture(model, batches[0]), mp.Mesh(1, 1),
+                  mp.Strategy(global_batch_size=4, micro_batch_size=4))
+    r = mp.verify(job, model, batches)
+    assert r["ok"], r["problems"]
+
+
+def test_planted_without_the_unchanged_to_the_cast_fails_export(monkeypatch):
+    from contextlib import nullcontext
+
+    from meshplan.capture import export
+
+    monkeypatch.setattr(export, "_to_that_changes_nothing", nullcontext)
+    with pytest.raises(CaptureError, match="Couldn't swap"):
+        capture(_CastsItsRouter(), (torch.randn(4, 4), torch.randn(4)))
