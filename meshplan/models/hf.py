@@ -59,6 +59,8 @@ TESTED = (
     "llama4_text",
     # DeepSeek: multi-head latent attention, grouped routing, shared experts
     "deepseek_v2", "deepseek_v3",
+    # dots1: DeepSeek-V3's kind, its expert counts left to the checkpoint
+    "dots1",
 )
 SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xlm-roberta",
                 "bart", "t5", "mixtral", "deepseek_v3")
@@ -69,9 +71,9 @@ _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_n
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
 # built here, it keeps a few: 4 experts, 2 per token; DeepSeek's grouped
 # routing (experts in `n_group` groups, a token's taken from `topk_group`
-# of them) in 2 groups of 2, one of which a token takes
+# of them) in 2 groups of 2, one of which a token takes; one shared expert
 _EXPERTS = dict.fromkeys(_EXPERT_COUNTS, 4) | dict.fromkeys(_EXPERTS_PER_TOKEN, 2) | {
-    "n_group": 2, "topk_group": 1}
+    "n_group": 2, "topk_group": 1, "n_shared_experts": 1}
 TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
 CAUSAL, MASKED, SEQ2SEQ = "causal-LM", "masked-LM", "encoder-decoder"
 _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
@@ -236,7 +238,7 @@ def _fields(probe, cfg) -> dict:
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
     for name, v in vars(probe).items():  # head and MLP widths, under their many names
         if isinstance(v, int) and not isinstance(v, bool) or v is None and \
-                name in ("head_dim", *_EXPERTS_PER_TOKEN):
+                name in ("head_dim", *_EXPERTS):
             width = _width(name, v, probe, cfg)
             if width is not None:
                 kw[name] = width
@@ -287,6 +289,15 @@ def experts_of(module: nn.Module) -> tuple[int, int] | None:
     return (experts, top_k) if experts and top_k else None
 
 
+def _has_experts(probe) -> bool:
+    """A mixture of experts whose config leaves a count to the checkpoint:
+    DeepSeek-V2's experts per token, dots1's experts too (its experts' own
+    width, `moe_intermediate_size`, says it has them)."""
+    return hasattr(probe, "moe_intermediate_size") or any(
+        isinstance(getattr(probe, n, None), int) and getattr(probe, n) > 0
+        for n in _EXPERT_COUNTS)
+
+
 def _width(name: str, v: int | None, probe, cfg) -> int | None:
     """Our size for the config's integer field `name` (default `v`), or None
     to leave it: heads, MLP widths, multi-head latent attention (DeepSeek's
@@ -304,9 +315,7 @@ def _width(name: str, v: int | None, probe, cfg) -> int | None:
         return head
     if name in _EXPERTS and v is not None:
         return min(v, _EXPERTS[name])
-    if name in _EXPERTS_PER_TOKEN and v is None and any(  # left to the checkpoint (DeepSeek-V2)
-            isinstance(getattr(probe, n, None), int) and getattr(probe, n) > 0
-            for n in _EXPERT_COUNTS):
+    if name in _EXPERTS and v is None and _has_experts(probe):  # left to the checkpoint
         return _EXPERTS[name]
     if name.endswith("vocab_size") or name.startswith("vocab_size"):
         return cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocabulary

@@ -78,3 +78,12 @@ def test_a_pp_plan_naming_no_module_falls_back_to_the_longest_layer_list():
     module = build_model(model_config("hf:hrm_text", "tiny"), device="meta")
     assert "layers" in module.model.model._pp_plan and not hasattr(module.model.model, "layers")
     assert structure_facts(module).layers == "model.model.L_module.layers"
+
+
+def test_expert_counts_left_to_the_checkpoint_get_ours():
+    """dots1's config leaves its experts, those per token and its shared ones
+    to the checkpoint (None); its experts' own width says it has them."""
+    conf = hf.hf_config(model_config("hf:dots1", "tiny"))
+    assert (conf.n_routed_experts, conf.num_experts_per_tok, conf.n_shared_experts) == (4, 2, 1)
+    dense = hf.hf_config(model_config("hf:llama", "tiny"))
+    assert not any(hasattr(dense, n) for n in ("n_routed_experts", "num_experts_per_tok"))
