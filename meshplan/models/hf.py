@@ -72,6 +72,7 @@ _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
 # built here, it keeps a few: 4 experts, 2 per token; DeepSeek's grouped
 # routing (experts in `n_group` groups, a token's taken from `topk_group`
 # of them) in 2 groups of 2, one of which a token takes; one shared expert
+# where the config leaves their count to the checkpoint
 _EXPERTS = dict.fromkeys(_EXPERT_COUNTS, 4) | dict.fromkeys(_EXPERTS_PER_TOKEN, 2) | {
     "n_group": 2, "topk_group": 1, "n_shared_experts": 1}
 TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
@@ -313,7 +314,7 @@ def _width(name: str, v: int | None, probe, cfg) -> int | None:
         return head // 2
     if name in ("v_head_dim", "qk_head_dim"):
         return head
-    if name in _EXPERTS and v is not None:
+    if name in _EXPERTS and v is not None and name != "n_shared_experts":  # as many as given
         return min(v, _EXPERTS[name])
     if name in _EXPERTS and v is None and _has_experts(probe):  # left to the checkpoint
         return _EXPERTS[name]
