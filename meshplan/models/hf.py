@@ -68,13 +68,14 @@ ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
 # a mixture of experts' config fields: its experts per layer, those each token takes
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k",
+                      "moe_k")
 # built here, it keeps a few: 4 experts, 2 per token; DeepSeek's grouped
 # routing (experts in `n_group` groups, a token's taken from `topk_group`
 # of them) in 2 groups of 2, one of which a token takes; one shared expert
 # where the config leaves their count to the checkpoint
 _EXPERTS = dict.fromkeys(_EXPERT_COUNTS, 4) | dict.fromkeys(_EXPERTS_PER_TOKEN, 2) | {
-    "n_group": 2, "topk_group": 1, "n_shared_experts": 1}
+    "n_group": 2, "num_expert_group": 2, "topk_group": 1, "n_shared_experts": 1}
 TOO_LARGE = 40  # a built model over this many times its sizes' transformer is refused
 CAUSAL, MASKED, SEQ2SEQ = "causal-LM", "masked-LM", "encoder-decoder"
 _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)

@@ -87,3 +87,10 @@ def test_expert_counts_left_to_the_checkpoint_get_ours():
     assert (conf.n_routed_experts, conf.num_experts_per_tok, conf.n_shared_experts) == (4, 2, 1)
     dense = hf.hf_config(model_config("hf:llama", "tiny"))
     assert not any(hasattr(dense, n) for n in ("n_routed_experts", "num_experts_per_tok"))
+
+
+def test_grouped_routing_under_its_other_names_gets_our_sizes():
+    """Bailing's `num_expert_group` and `num_experts_per_token` (8 of 512 in
+    8 groups by default: 4 experts in 8 groups was a view of width 0)."""
+    conf = hf.hf_config(model_config("hf:bailing_hybrid", "tiny"))
+    assert (conf.num_experts, conf.num_expert_group, conf.num_experts_per_token) == (4, 2, 2)
