@@ -238,6 +238,8 @@ def _fields(probe, cfg) -> dict:
             kw.update({n: value for n in names if hasattr(probe, n)})
         if getattr(probe, "decoder_start_token_id", None) is None:  # T5: the decoder starts
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
+        if getattr(probe, "pad_token_id", 0) is None:  # EncoderDecoderModel's: what shifting
+            kw["pad_token_id"] = 0  # the labels right needs, as the start token above
     for name, v in vars(probe).items():  # head and MLP widths, under their many names
         if isinstance(v, int) and not isinstance(v, bool) or v is None and \
                 name in ("head_dim", *_EXPERTS):

@@ -94,3 +94,11 @@ def test_grouped_routing_under_its_other_names_gets_our_sizes():
     8 groups by default: 4 experts in 8 groups was a view of width 0)."""
     conf = hf.hf_config(model_config("hf:bailing_hybrid", "tiny"))
     assert (conf.num_experts, conf.num_expert_group, conf.num_experts_per_token) == (4, 2, 2)
+
+
+def test_an_encoder_decoder_with_no_pad_token_gets_one():
+    """EncoderDecoderModel's config leaves pad and start tokens to the
+    checkpoint; shifting the labels right into the decoder needs both."""
+    conf = hf.hf_config(model_config("hf:encoder-decoder", "tiny"))
+    assert (conf.pad_token_id, conf.decoder_start_token_id) == (0, 0)
+    assert hf.hf_config(model_config("hf:bart", "tiny")).pad_token_id == 1  # its own kept
