@@ -33,14 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
-import io
-import logging
 import operator
-import os
-import sys
-import traceback
-import warnings
-from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -49,6 +42,13 @@ from torch import nn
 from meshplan.capture.grad_regions import detach_no_grad_values, has_regions
 from meshplan.capture.routed_experts import fuse_routed_experts
 from meshplan.capture.structure import structure_facts
+from meshplan.capture.torch_export import (
+    TORCH_DIR,
+    export_program,
+    first_line,
+    short,
+    torch_noise,
+)
 from meshplan.errors import CaptureError
 from meshplan.ir import (
     DEVICE,
@@ -66,11 +66,7 @@ from meshplan.ops.emit import Emitter
 from meshplan.ops.resolve import custom_op_module, is_custom
 from meshplan.ops.table import rule_for
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 CONSTANT_ELEMENTS = 64  # a constant the forward makes, element by element, at most
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PACKAGE_PARENT = os.path.dirname(_PACKAGE_DIR)
-_ZOO_DIR = os.path.join(_PACKAGE_DIR, "models")
 _SKIP = {
     "aten._assert_tensor_metadata.default",
     "aten._assert_scalar.default",
@@ -114,68 +110,6 @@ class _Ctx:
         return self.random_ops - 1
 
 
-class _quiet:
-    """Silence a logger for a while (torch's fake-tensor logger prints the
-    traceback of an op that fails at export: the user gets our one line)."""
-
-    def __init__(self, name: str):
-        self.log = logging.getLogger(name)
-
-    def __enter__(self):
-        self.was, self.log.disabled = self.log.disabled, True
-
-    def __exit__(self, *exc):
-        self.log.disabled = self.was
-
-
-_FAKE_LOG = "torch._subclasses.fake_tensor"
-_SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"  # prints the graph at a data-dependent error
-
-
-@contextmanager
-def _torch_noise():
-    """Silence torch's own noise while it traces (a failing op's traceback in
-    the fake-tensor log, the graph so far that export prints at an error,
-    pytree's deprecation warnings): the user gets our line."""
-    printed = io.StringIO()
-    try:
-        with warnings.catch_warnings(), _quiet(_FAKE_LOG), _quiet(_SHAPES_LOG), \
-                redirect_stderr(printed):
-            warnings.filterwarnings("ignore", r".*treespec, LeafSpec", FutureWarning)
-            yield
-    except Exception as e:  # torch prints the graph so far to stderr: keep all but that
-        graph = str(getattr(e, "partial_fx_graph", "") or "")
-        sys.stderr.write(printed.getvalue().replace(graph + "\n", "") if graph
-                         else printed.getvalue())
-        raise
-    sys.stderr.write(printed.getvalue())
-
-
-@contextmanager
-def _to_that_changes_nothing():
-    """`module.to(dtype)` in a forward (Switch Transformers' router casts its
-    classifier to fp32 each call) returns the module as it is when every
-    tensor already has that dtype and device, as eager's `.to` leaves them:
-    under export, whose parameters are fake tensors, `.to` would swap each
-    for itself and fail. A `.to` that changes a tensor runs as it is."""
-    to = nn.Module.to
-
-    def unchanged_to(module, *args, **kwargs):
-        device, dtype, _, fmt = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = [*module.parameters(), *module.buffers()]
-        if fmt is None and all((device is None or t.device == device) and
-                               (dtype is None or not t.is_floating_point() or t.dtype == dtype)
-                               for t in tensors):
-            return module
-        return to(module, *args, **kwargs)
-
-    nn.Module.to = unchanged_to  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.to = to  # type: ignore[method-assign]
-
-
 @dataclass(frozen=True)
 class Traced:
     """A capture with what the self-check needs to find the op that differs
@@ -204,20 +138,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     model = _WithLoss(module, loss_fn, len(inputs)) if loss_fn is not None else module
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
-    try:
-        with _torch_noise(), _to_that_changes_nothing():
-            ep = torch.export.export(model, args, strict=False)
-    except CaptureError:
-        raise
-    except Exception as e:  # torch raises many kinds; the first line says what
-        if "DataDependent" in type(e).__name__:  # torch's first line names a symbol, not code
-            raise CaptureError(f"torch.export failed on {type(module).__name__}: the forward "
-                               f"branches on a tensor's value{_raised_at(e)}; compute both "
-                               "sides and pick with torch.where, or move the check out of "
-                               "the forward") from e
-        raise CaptureError(f"torch.export failed on {type(module).__name__}"
-                           f"{_raised_at(e, '')}: {_first_line(e)}; check that the inputs "
-                           "fit the model") from e
+    ep = export_program(model, args, type(module).__name__)
     exported, ep = ep, functional(ep, type(module).__name__)
     same = _tensor_ids(module)
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
@@ -253,29 +174,12 @@ def functional(ep, model_name: str):
     if regions:  # their mutations are inside them, where the scan above does not look
         detach_no_grad_values(ep.graph_module)
     try:
-        with _torch_noise():
+        with torch_noise():
             return ep.run_decompositions({})
     except Exception as e:  # torch raises many kinds; the first line says what
         raise CaptureError(f"torch could not functionalize the mutation in "
-                           f"{model_name}: {_first_line(e)}; write the "
+                           f"{model_name}: {first_line(e)}; write the "
                            "value out of place (e.g. torch.cat, torch.where)") from e
-
-
-def _models_code(path: str) -> bool:
-    """A model's own source: not torch's, not code torch generates
-    (`<string>`), not meshplan's but for its zoo (`meshplan/models`)."""
-    return not path.startswith((_TORCH_DIR, "<")) and (
-        not path.startswith(_PACKAGE_DIR) or path.startswith(_ZOO_DIR))
-
-
-def _raised_at(e: Exception, unknown: str = " (e.g. `if x.item() > 0`)") -> str:
-    """` at file, line N (`code`)`: the innermost line of the model's own code
-    on the way to `e`, or `unknown` when none."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if _models_code(f.filename)]
-    if not frames:
-        return unknown
-    f = frames[-1]
-    return f" at {_short(f'{f.filename}, line {f.lineno}')} (`{(f.line or '').strip()}`)"
 
 
 def _tensor_ids(module: nn.Module) -> dict[str, int]:
@@ -298,11 +202,6 @@ def _op_modules(graph: Graph) -> tuple[str, ...]:
     """The modules that register the graph's custom ops (`GraphFacts.op_modules`)."""
     custom = {op.kind for op in graph.ops if is_custom(op.kind)}
     return tuple(sorted({m for kind in custom if (m := custom_op_module(kind)) is not None}))
-
-
-def _first_line(e: Exception) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def _translate(ep, prefix: str, model_name: str, same: dict[str, int],
@@ -463,22 +362,10 @@ def _source(node) -> str:
               for i in range(len(lines)) if lines[i].startswith("File ")]
     if not frames:
         return "unknown source"
-    user = [f for f in frames if _TORCH_DIR not in f[0]] or frames
+    user = [f for f in frames if TORCH_DIR not in f[0]] or frames
     head, code = user[-1]
     loc = head.split(", in ")[0].removeprefix("File ").replace('"', "")
-    return f"{_short(loc)}: {code}"
-
-
-def _short(loc: str) -> str:
-    """A source path that does not depend on where the code is checked out:
-    meshplan's own files relative to the package's parent, others relative to
-    the working directory when inside it. Keeps graphs and Jobs byte-stable."""
-    path, _, line = loc.partition(", line ")
-    for root in (_PACKAGE_PARENT, os.getcwd()):
-        if path.startswith(root + os.sep):
-            path = os.path.relpath(path, root)
-            break
-    return f"{path}, line {line}" if line else path
+    return f"{short(loc)}: {code}"
 
 
 def _lit(a, ctx: _Ctx):
@@ -516,7 +403,7 @@ def _add_call(ctx: _Ctx, node, prefix: str) -> None:
             raise
         raise CaptureError(f"{err} [op {kind} at {_where(node)}]") from err
     except Exception as err:  # a kernel or shape function refused the op
-        raise CaptureError(f"cannot capture {kind} at {_where(node)}: {_first_line(err)}") from err
+        raise CaptureError(f"cannot capture {kind} at {_where(node)}: {first_line(err)}") from err
 
 
 def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:

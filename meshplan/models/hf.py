@@ -13,8 +13,9 @@ Invariants:
   (transformers shifts them); a masked LM takes BERT-style masked inputs
   with labels -100 where unmasked; an encoder-decoder (T5, BART, Marian;
   preferred where a type has a decoder-only variant too) denoises: masked
-  inputs to the encoder, the whole sequence as labels, from which
-  transformers derives the decoder's inputs. Its encoder and its decoder
+  inputs to the encoder (with its attention mask, every token kept), the
+  whole sequence as labels, from which transformers derives the decoder's
+  inputs. Its encoder and its decoder
   each get `layers` layers.
 - Tying follows the config (`tie_word_embeddings`), overridable through
   `ModelConfig.tie_embeddings`.
@@ -52,7 +53,7 @@ TESTED = (
     "bert", "albert", "distilbert", "electra", "roberta", "xlm-roberta", "camembert",
     "deberta-v2", "megatron-bert", "modernbert", "data2vec-text", "esm",
     # encoder-decoders
-    "bart", "mbart", "t5", "marian", "pegasus", "m2m_100",
+    "bart", "mbart", "t5", "marian", "pegasus", "m2m_100", "longt5",
     # mixtures of experts (transformers' grouped matmul; experts replicated over tp)
     "mixtral", "qwen2_moe", "olmoe", "gpt_oss",
     # llama4: experts, and a rotary product with complex frequencies
@@ -85,14 +86,21 @@ _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
 
 
 class HFLoss(nn.Module):
-    """A transformers model whose forward returns its loss."""
+    """A transformers model whose forward returns its loss. An encoder-decoder
+    (`masked`) is given its encoder's attention mask, every token kept, as a
+    real batch comes with one: under export, T5's kind (LongT5, Switch)
+    makes none of its own and fails without it."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, masked: bool = False):
         super().__init__()
         self.model = model
+        self.masked = masked
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's own loss of predicting `labels` from `input_ids`."""
+        if self.masked:
+            return self.model(input_ids=input_ids, labels=labels,
+                              attention_mask=torch.ones_like(input_ids)).loss
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
@@ -429,7 +437,7 @@ def build_hf(cfg) -> nn.Module:
         raise
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
         raise _unbuildable(cfg, e) from None
-    return HFLoss(model).train()
+    return HFLoss(model, masked=task_of(cfg) == SEQ2SEQ).train()
 
 
 def _check_size(cfg, model: nn.Module) -> None:

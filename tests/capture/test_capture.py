@@ -166,8 +166,8 @@ def test_a_to_that_changes_nothing_in_the_forward_trains_as_eager():
 def test_planted_without_the_unchanged_to_the_cast_fails_export(monkeypatch):
     from contextlib import nullcontext
 
-    from meshplan.capture import export
+    from meshplan.capture import torch_export
 
-    monkeypatch.setattr(export, "_to_that_changes_nothing", nullcontext)
+    monkeypatch.setattr(torch_export, "_to_that_changes_nothing", nullcontext)
     with pytest.raises(CaptureError, match="Couldn't swap"):
         capture(_CastsItsRouter(), (torch.randn(4, 4), torch.randn(4)))
