@@ -87,9 +87,10 @@ _SIZES = {  # name -> (layers, heads, hidden, seq_len, vocab)
 
 class HFLoss(nn.Module):
     """A transformers model whose forward returns its loss. An encoder-decoder
-    (`masked`) is given its encoder's attention mask, every token kept, as a
-    real batch comes with one: under export, T5's kind (LongT5, Switch)
-    makes none of its own and fails without it."""
+    (`masked`: its config's `is_encoder_decoder`, so not the speech models
+    trained as one, whose mask places audio) is given its encoder's attention
+    mask, every token kept, as a real batch comes with one: under export,
+    T5's kind (LongT5) makes none of its own and fails without it."""
 
     def __init__(self, model: nn.Module, masked: bool = False):
         super().__init__()
@@ -437,7 +438,7 @@ def build_hf(cfg) -> nn.Module:
         raise
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
         raise _unbuildable(cfg, e) from None
-    return HFLoss(model, masked=task_of(cfg) == SEQ2SEQ).train()
+    return HFLoss(model, masked=bool(getattr(conf, "is_encoder_decoder", False))).train()
 
 
 def _check_size(cfg, model: nn.Module) -> None:

@@ -47,6 +47,8 @@ def test_an_encoder_decoder_gets_our_sizes_in_both_stacks_and_both_layer_lists()
     assert conf.dropout_rate == 0.0 and conf.tie_word_embeddings  # T5 ties, by its default
     module = build_model(cfg, device="meta")
     assert structure_facts(module).layers == "model.encoder.block,model.decoder.block"
+    # its encoder is given a mask, as a real batch (LongT5 makes none of its own under export)
+    assert module.masked and not build_model(model_config("hf:gpt2", "tiny"), "meta").masked
     inputs, labels = example_batch(cfg, 2)
     assert (labels != -100).all() and (inputs == 0).any()  # denoise the whole sequence
 
