@@ -28,12 +28,14 @@ ADAMW = "meshplan.adamw"
 GRAD_SQ = "meshplan.grad_sq"
 SQ_SUM = "meshplan.sq_sum"
 CLIP_COEF = "meshplan.clip_coef"
-# boxing: collectives along a mesh axis, a rank keeping its part, a stage transfer
+# boxing: collectives along a mesh axis, a rank keeping its part (of a whole tensor, or
+# the whole as its share of a sum: the first rank of the axis, zeros elsewhere), a transfer
 ALL_REDUCE = "meshplan.all_reduce"
 REDUCE_SCATTER = "meshplan.reduce_scatter"
 ALL_GATHER = "meshplan.all_gather"
 ALL_TO_ALL = "meshplan.all_to_all"
 LOCAL_SLICE = "meshplan.local_slice"
+LOCAL_PARTIAL = "meshplan.local_partial"
 TRANSFER = "meshplan.transfer"
 
 

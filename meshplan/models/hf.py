@@ -64,7 +64,7 @@ TESTED = (
     "dots1",
 )
 SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xlm-roberta",
-                "bart", "t5", "mixtral", "deepseek_v3")
+                "electra", "bart", "t5", "mixtral", "deepseek_v3")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
 # a mixture of experts' config fields: its experts per layer, those each token takes

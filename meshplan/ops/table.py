@@ -201,6 +201,7 @@ _MESHPLAN_KINDS = {rule.kind: rule for rule in (
     _boxing_rule(k.ALL_GATHER, Category.COLLECTIVE),
     _boxing_rule(k.ALL_TO_ALL, Category.COLLECTIVE),
     _boxing_rule(k.LOCAL_SLICE, Category.LOCAL_SLICE),
+    _boxing_rule(k.LOCAL_PARTIAL, Category.LOCAL_SLICE),
     _boxing_rule(k.TRANSFER, Category.TRANSFER),
 )}
 

@@ -8,6 +8,9 @@ Invariants:
     P -> R  all_reduce        P -> S(d)  reduce_scatter
     S(d) -> R  all_gather     S(i) -> S(j)  all_to_all
     R -> S(d)  local_slice (no communication)
+    R -> P(sum)  local_partial (no communication: the axis's first rank
+               keeps the value, the others hold zeros; exact, where DTensor's
+               divides by the axis size)
   Partial axes are reduced first.
 - Across placements: a value Partial across the stages holding copies of a
   shared parameter (its per-stage gradient) becomes Replicate by one
@@ -45,6 +48,7 @@ from meshplan.ir.kinds import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
+    LOCAL_PARTIAL,
     LOCAL_SLICE,
     REDUCE_SCATTER,
     TRANSFER,
@@ -261,7 +265,9 @@ def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, Sbp]]:
 
 
 def _step(src, dst) -> tuple[str, dict]:
-    assert not isinstance(dst, Partial), f"cannot make {dst} from {src}"
+    if isinstance(dst, Partial):  # a gradient accumulator's share of a whole contribution
+        assert isinstance(src, Replicate) and dst.op == "sum", f"cannot make {dst} from {src}"
+        return LOCAL_PARTIAL, {}
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return ALL_REDUCE, {"op": src.op}

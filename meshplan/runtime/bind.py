@@ -23,6 +23,7 @@ from meshplan.ir.kinds import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
+    LOCAL_PARTIAL,
     REDUCE_SCATTER,
     ROUTED_EXPERTS_BACKWARD,
 )
@@ -77,6 +78,8 @@ class RankContext:
 def bind_task(task: Task, ctx: RankContext, comm: Comm) -> Callable | None:
     """The callable for `task`, or None to run the op's own kernel."""
     op = ctx.view.op_of[task.op]
+    if op.kind == LOCAL_PARTIAL:
+        return _slot_aware(op, ctx, _share_of_sum(ctx, dict(op.kwargs)["axis"]))
     if rule_for(op.kind).category is Category.LOCAL_SLICE:
         return _slot_aware(op, ctx, narrower(ctx, op.args[0].id, op.outputs[0]))
     if task.kind in (TaskKind.COLLECTIVE, TaskKind.GRAD_REDUCE):
@@ -119,6 +122,13 @@ def _slot_aware(op: Op, ctx: RankContext, kernel: Callable) -> Callable:
     if op.phase is not Phase.OPTIMIZER:
         return kernel
     return lambda x, **kw: None if x is None else kernel(x, **kw)
+
+
+def _share_of_sum(ctx: RankContext, axis: int) -> Callable:
+    """x, whole on every rank -> this rank's share of a sum over `axis` that
+    is x: x itself on the axis's first rank, zeros on the others."""
+    first = ctx.coord[axis] == 0
+    return lambda x, **_layout: x if first else torch.zeros_like(x)
 
 
 def narrower(ctx: RankContext, src: int, dst: int, have: Box | None = None) -> Callable:

@@ -106,3 +106,14 @@ def test_every_other_type_is_refused_in_one_line():
         with pytest.raises(ConfigError) as e:
             build_model(model_config(f"hf:{t}", "tiny"), device="meta")
         assert "\n" not in str(e.value) and f"hf:{t}" in str(e.value), (t, str(e.value))
+
+
+def test_planted_a_whole_contribution_on_every_rank_trains_electra_wrong(monkeypatch):
+    """ELECTRA at tp2·pp2: its embedding's gradient accumulator is Partial over
+    tp and takes a whole contribution, which each rank's share must sum to
+    (`runtime/bind._share_of_sum`). Planted: every rank keeps it whole."""
+    from meshplan.runtime import bind
+
+    monkeypatch.setattr(bind, "_share_of_sum", lambda ctx, axis: lambda x, **_: x)
+    _, verdict, _ = train("electra", "tp2pp2")
+    assert not verdict["ok"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,3 +73,21 @@ def test_every_step_is_one_the_runtime_can_run(grid, shape, data):
         assert legal(shape, grid, cur, axis, dst), (have, need, cur, axis, dst)
         cur = tuple(dst if a == axis else s for a, s in enumerate(cur))
     assert cur == need
+
+
+def test_a_whole_value_becomes_its_share_of_a_sum_locally():
+    """R -> P(sum): a gradient accumulator laid out Partial takes a whole
+    contribution (ELECTRA's tied embedding at tp2·pp2 crashed planning here,
+    `cannot make P from R`). The axis's first rank keeps it, the others hold
+    zeros: their sum is the value, exactly."""
+    from types import SimpleNamespace
+
+    from meshplan.ir.kinds import LOCAL_PARTIAL
+    from meshplan.passes.boxing import _step
+    from meshplan.runtime.bind import _share_of_sum
+
+    assert conversion_steps((R, R), (R, P)) == [(1, P)]
+    assert _step(R, P) == (LOCAL_PARTIAL, {})
+    x = torch.randn(3, 5)
+    shares = [_share_of_sum(SimpleNamespace(coord=(0, k)), 1)(x) for k in range(3)]
+    assert torch.equal(sum(shares), x) and torch.equal(shares[0], x)
