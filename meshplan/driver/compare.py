@@ -19,6 +19,13 @@ Invariants:
   AdamW divides by sqrt(v) + eps and so turns the rounding of a gradient
   that is zero in exact arithmetic (attention's key bias) into updates of
   up to ~lr/10, the same in both runs' kind but not in value.
+  A run the twin's noise does not cover (fp32 only) is judged again with a
+  second noise, fp32's own rounding error: how far the reference trained in
+  float64 is from the fp32 one (`verify.exact_train`). A plan's other
+  reductions (tp's split sums) round by as much, and the twin, whose sums
+  differ only in sample order, can see 100x less (CPM-Ant, Gemma 4 at
+  tp2·pp2: the twin 1e-6, fp32 itself 1e-4, the run 3e-5). It only widens
+  the bounds, so a run within them is never run in float64.
 - AdamW (`Flips`): Adam's step is about +-lr whatever the gradient's size,
   so where a gradient is within rounding of zero its direction is rounding's
   choice, in eager as in any parallel plan. Those elements may differ by up
