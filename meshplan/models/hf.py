@@ -15,8 +15,7 @@ Invariants:
   preferred where a type has a decoder-only variant too) denoises: masked
   inputs to the encoder (with its attention mask, every token kept), the
   whole sequence as labels, from which transformers derives the decoder's
-  inputs. Its encoder and its decoder
-  each get `layers` layers.
+  inputs. Its encoder and its decoder each get `layers` layers.
 - Tying follows the config (`tie_word_embeddings`), overridable through
   `ModelConfig.tie_embeddings`.
 - A model may instead come from a `save_pretrained` directory
