@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from meshplan.capture.functions import function_modules
 from meshplan.capture.grad_regions import detach_no_grad_values, has_regions
 from meshplan.capture.routed_experts import fuse_routed_experts
 from meshplan.capture.structure import structure_facts
@@ -63,6 +64,7 @@ from meshplan.ir import (
 )
 from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ops.emit import Emitter
+from meshplan.ops.random_ops import draws
 from meshplan.ops.resolve import custom_op_module, is_custom
 from meshplan.ops.table import rule_for
 
@@ -201,7 +203,9 @@ def _aliases(same: dict[str, int], graph: Graph) -> tuple[tuple[str, str], ...]:
 def _op_modules(graph: Graph) -> tuple[str, ...]:
     """The modules that register the graph's custom ops (`GraphFacts.op_modules`)."""
     custom = {op.kind for op in graph.ops if is_custom(op.kind)}
-    return tuple(sorted({m for kind in custom if (m := custom_op_module(kind)) is not None}))
+    functions = {m for op in graph.ops for m in function_modules(op.kind, op.args)}
+    return tuple(sorted(functions | {m for kind in custom
+                                     if (m := custom_op_module(kind)) is not None}))
 
 
 def _translate(ep, prefix: str, model_name: str, same: dict[str, int],
@@ -415,6 +419,11 @@ def _emit_node(ctx: _Ctx, e: Emitter, node, kind: str) -> None:
     assert not rule.mutates, f"{kind} survived functionalization"
     args = tuple(_lit(a, ctx) for a in node.args)
     kwargs = {k: _lit(v, ctx) for k, v in node.kwargs.items() if k not in ("layout", "pin_memory")}
+    if rule.canonical is None and draws(node.target, args, kwargs):
+        raise CaptureError(f"{kind} draws random numbers from torch's generator, which "
+                           "differ by rank and layout; draw them with dropout, rand, randn, "
+                           "randint, bernoulli or uniform_, normal_, exponential_, which "
+                           "meshplan draws the same on every layout")
     val = node.meta.get("val")
     if rule.canonical is not None:
         outs = rule.canonical(e, args, kwargs, ctx)

@@ -24,6 +24,7 @@ from contextlib import contextmanager, redirect_stderr
 import torch
 from torch import nn
 
+from meshplan.capture.functions import kept_whole
 from meshplan.errors import CaptureError
 
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -38,7 +39,7 @@ def export_program(model: nn.Module, args: tuple, name: str) -> torch.export.Exp
     """`torch.export.export(model, args, strict=False)`, or one CaptureError
     naming `name` (the user's module) and the line of its code that failed."""
     try:
-        with torch_noise(), _to_that_changes_nothing():
+        with torch_noise(), _to_that_changes_nothing(), kept_whole():
             return torch.export.export(model, args, strict=False)
     except CaptureError:
         raise

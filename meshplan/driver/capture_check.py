@@ -20,8 +20,8 @@ Invariants:
 - Once the losses agree, each trained parameter's gradient through torch's
   program as exported (torch's autograd over its aten ops) is compared with
   the module's own backward, within the same bound: what export drops (a
-  `torch.autograd.Function`'s backward) is a `CaptureError` naming the
-  parameter.
+  gradient hook, a `no_grad` inside `autocast`) is a `CaptureError` naming
+  the parameter.
 - Then meshplan's own backward (`autodiff`: the rule table's gradients, run
   by the executor's code) is judged the same way against the module's own,
   its random ops drawing the graph's numbers: a rule that is wrong for
@@ -131,10 +131,11 @@ def _check_export_gradients(traced: Traced, module, args: tuple, trained: dict, 
     """Raise `CaptureError` if a trained parameter's gradient through torch's
     exported program (torch's autograd over its aten ops) differs from the
     module's own backward (`eager`), which no forward value shows. Measured,
-    torch 2.13: export keeps a `torch.autograd.Function`'s forward and drops
-    its backward (a straight-through estimator, a gradient reversal), and
-    traces a `torch.no_grad()` inside a `torch.autocast` block as plain ops.
-    Skipped where the two forwards differ (random ops drawn otherwise)."""
+    torch 2.13: export drops a gradient hook (`register_hook`) and traces a
+    `torch.no_grad()` inside a `torch.autocast` block as plain ops (a
+    `torch.autograd.Function`'s backward, which it drops too, capture keeps:
+    `capture/functions.py`). Skipped where the two forwards differ (random
+    ops drawn otherwise)."""
     leaf = {id(p): p.detach().requires_grad_() for p in trained.values()}
     with _kept(module), torch.enable_grad():
         loss = _program_loss(traced, module, args, leaf)
@@ -147,10 +148,10 @@ def _check_export_gradients(traced: Traced, module, args: tuple, trained: dict, 
             raise CaptureError(
                 f"capture self-check: {type(module).__name__}'s gradient of '{name}' through "
                 "torch.export's program differs from its own backward (max |diff| "
-                f"{float((a.double() - b.double()).abs().max()):.3g}): export keeps a "
-                "torch.autograd.Function's forward but not its backward, and loses a "
-                "torch.no_grad() inside torch.autocast; write the gradient with tensor ops "
-                "(a straight-through estimator: x + (f(x) - x).detach()), or pass "
+                f"{float((a.double() - b.double()).abs().max()):.3g}): export drops a "
+                "gradient hook (register_hook) and a torch.no_grad() inside torch.autocast; "
+                "write the gradient with tensor ops (a straight-through estimator: x + "
+                "(f(x) - x).detach()) or a torch.autograd.Function, or pass "
                 "self_check=False to capture anyway")
 
 

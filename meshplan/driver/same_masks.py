@@ -3,7 +3,8 @@
 `SameMasks(seed)` is a `TorchFunctionMode` for the reference only: inside
 `at(step, microbatch)` the user's eager module runs as written, but each
 random call (`F.dropout`, attention's `dropout_p`, `torch.rand`/`randn`/
-`randint`/`bernoulli` and their `_like` forms) draws from the
+`randint`/`bernoulli` and their `_like` forms, and the in-place `uniform_`,
+`exponential_`, `normal_` and `bernoulli_`) draws from the
 counter-based generator (`ops/counter_rng.py`) under the key meshplan's op
 has: its ordinal among the forward's random calls, in program order (as
 capture numbers them, `ops/random_ops.py`). The draws are whole tensors;
@@ -108,6 +109,21 @@ def _bernoulli(m: SameMasks, x, p=None, *, generator=None, **_kw):
     return (_uniform(m, x) < (x if p is None else float(p))).to(x.dtype)
 
 
+def _in_place(dist: str):
+    """`x.uniform_(a, b)`, `x.exponential_(lambd)`, `x.normal_(mean, std)`:
+    the arithmetic of their capture (`random_ops.distribution`)."""
+    def draw(m: SameMasks, x, *args, generator=None, **kw):
+        base = _like(ro.DISTRIBUTIONS[dist][0])(m, x)
+        out = ro.distribution(lambda kind, *a: resolve_op(kind)(*a), base, dist,
+                              ro.params_of(dist, (x, *args), kw))
+        return x.copy_(out)
+    return draw
+
+
+def _bernoulli_in_place(m: SameMasks, x, p=0.5, *, generator=None):
+    return x.copy_(_bernoulli(m, x, p))
+
+
 def _size(size) -> tuple[int, ...]:
     return tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) \
         else tuple(size)
@@ -138,4 +154,6 @@ _HANDLERS = {
     torch.bernoulli: _bernoulli, torch.Tensor.bernoulli: _bernoulli,
     torch.rand: _shaped("uniform"), torch.randn: _shaped("normal"),
     torch.randint: _randint,
+    torch.Tensor.uniform_: _in_place("uniform"), torch.Tensor.exponential_: _in_place("exponential"),
+    torch.Tensor.normal_: _in_place("normal"), torch.Tensor.bernoulli_: _bernoulli_in_place,
 }

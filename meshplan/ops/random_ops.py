@@ -1,6 +1,7 @@
 """Random ops, layout-invariant: dropout (attention's too, its math as aten
-ops), and the draws of `rand`/`randn`/`randint`/`bernoulli`, as meshplan
-ops whose numbers come from the counter-based generator (`counter_rng.py`).
+ops), and the draws of `rand`/`randn`/`randint`/`bernoulli` and of the
+in-place `uniform_`/`exponential_`/`normal_`, as meshplan ops whose numbers
+come from the counter-based generator (`counter_rng.py`).
 
 Invariants:
 - Capture gives each random op a key, its ordinal among the forward's
@@ -12,6 +13,8 @@ Invariants:
   of the logical `shape`) from the stream of (seed, step, op key,
   micro-batch): `runtime/bind.py` binds them per rank; the logical kernel here
   draws the whole tensor at step 0, micro-batch 0, seed 0.
+- Any other op that draws from torch's generator is refused at capture
+  (`draws`): its numbers would depend on the rank and the layout.
 - Dropout's output follows its input's layout; a Partial input stays
   Partial (dropout is linear in x, every holder draws the same mask) and
   its mask is Replicate. A draw with no input (`rand(shape)`) is Replicate.
@@ -198,7 +201,60 @@ def _shaped(dist: str, bounds: int):
     return rewrite
 
 
+# the distributions of the in-place draws (`x.uniform_(a, b)`, `exponential_`,
+# `normal_`), by their functional ops' names: (the draw they transform, their
+# parameters' names, defaults)
+DISTRIBUTIONS = {
+    "uniform": ("uniform", ("from", "to"), (0.0, 1.0)),
+    "exponential": ("uniform", ("lambd",), (1.0,)),
+    "normal": ("normal", ("mean", "std"), (0.0, 1.0)),
+}
+
+
+def distribution(call, draw, dist: str, params: tuple[float, ...]):
+    """`draw` (uniform on [0, 1), or standard normal for "normal"), as
+    `dist`'s numbers by aten ops (`call(kind, *args)`): a + (b - a) u,
+    -log(1 - u) / lambd, mean + std n. Capture emits them; the eager
+    reference (`driver/same_masks.py`) runs them, so both compute alike."""
+    if dist == "exponential":
+        log = call("aten.log1p.default", call("aten.neg.default", draw))
+        return call("aten.mul.Tensor", log, -1.0 / params[0])
+    a, b = params
+    scale = b - a if dist == "uniform" else b
+    return call("aten.add.Tensor", call("aten.mul.Tensor", draw, scale), a)
+
+
+def params_of(dist: str, args: tuple, kw: dict) -> tuple[float, ...]:
+    """A distribution op's parameters, positional or named, else defaults."""
+    _, names, defaults = DISTRIBUTIONS[dist]
+    return tuple(float(args[i] if i < len(args) else kw.get(n, d))
+                 for i, (n, d) in enumerate(zip(names, defaults), start=1))
+
+
+def _distribution(dist: str):
+    def rewrite(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
+        draw = e.call(RANDOM_LIKE, args[0], DISTRIBUTIONS[dist][0], 0.0, ctx.random_key())
+        return (distribution(e.call, draw, dist, params_of(dist, args, kw)),)
+    return rewrite
+
+
+def draws(op, args: tuple, kwargs: dict) -> bool:
+    """Whether aten op `op` (the fx target) draws from torch's generator
+    with these arguments: it is seeded, and no dropout probability of 0 or
+    `train=False` turns its draw off (an LSTM without dropout does not)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    named = dict(kwargs)
+    named.update((a.name, v) for a, v in zip(op._schema.arguments, args))
+    if named.get("train", named.get("training", True)) is False:
+        return False
+    return named.get("dropout", named.get("dropout_p", 1)) != 0
+
+
 CANONICAL = {
+    "aten.uniform.default": _distribution("uniform"),
+    "aten.exponential.default": _distribution("exponential"),
+    "aten.normal_functional.default": _distribution("normal"),
     "aten.native_dropout.default": native_dropout,
     "aten.bernoulli.default": bernoulli,
     "aten.bernoulli.p": bernoulli,

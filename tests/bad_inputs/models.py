@@ -40,21 +40,38 @@ class Branch(_Base):
         return torch.cond(y.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (y,)).sum()
 
 
-class _Round(torch.autograd.Function):
+class _Noisy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
+    def forward(ctx, x):  # a recompute for the backward would draw other numbers
+        return x * torch.rand_like(x)
 
     @staticmethod
-    def backward(ctx, g):  # straight through: export keeps the forward alone
+    def backward(ctx, g):
         return g
 
 
-class CustomBackward(_Base):
-    """A `torch.autograd.Function`: its backward is not in export's program."""
+class RandomFunction(_Base):
+    """A `torch.autograd.Function` that draws random numbers in its forward."""
 
     def forward(self, x):
-        return _Round.apply(self.fc(x) * 4).square().mean()
+        return _Noisy.apply(self.fc(x)).square().mean()
+
+
+class GradientHook(_Base):
+    """A gradient hook in the forward: export's program drops it."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: -g)
+        return h.square().mean()
+
+
+class TorchsDraw(_Base):
+    """`torch.randperm`: its numbers would differ by rank and layout."""
+
+    def forward(self, x):
+        return self.fc(x)[:, torch.randperm(3)].square().mean()
 
 
 class LargeConstant(_Base):
