@@ -39,7 +39,6 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from meshplan.capture.functions import function_modules
 from meshplan.capture.grad_regions import detach_no_grad_values, has_regions
 from meshplan.capture.routed_experts import fuse_routed_experts
 from meshplan.capture.structure import structure_facts
@@ -65,7 +64,7 @@ from meshplan.ir import (
 from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ops.emit import Emitter
 from meshplan.ops.random_ops import draws
-from meshplan.ops.resolve import custom_op_module, is_custom
+from meshplan.ops.resolve import modules_of
 from meshplan.ops.table import rule_for
 
 CONSTANT_ELEMENTS = 64  # a constant the forward makes, element by element, at most
@@ -149,7 +148,7 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     graph = fuse_routed_experts(graph)
     graph = replace(graph, facts=replace(graph.facts, aliases=_aliases(same, graph),
                                          structure=structure_facts(module),
-                                         op_modules=_op_modules(graph)))
+                                         op_modules=modules_of(graph.ops)))
     check_well_formed(graph)
     return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix, exported)
 
@@ -198,14 +197,6 @@ def _aliases(same: dict[str, int], graph: Graph) -> tuple[tuple[str, str], ...]:
     out = [(name, input_of[key]) for name, key in same.items()
            if key in input_of and input_of[key] != name]
     return tuple(sorted(out))
-
-
-def _op_modules(graph: Graph) -> tuple[str, ...]:
-    """The modules that register the graph's custom ops (`GraphFacts.op_modules`)."""
-    custom = {op.kind for op in graph.ops if is_custom(op.kind)}
-    functions = {m for op in graph.ops for m in function_modules(op.kind, op.args)}
-    return tuple(sorted(functions | {m for kind in custom
-                                     if (m := custom_op_module(kind)) is not None}))
 
 
 def _translate(ep, prefix: str, model_name: str, same: dict[str, int],

@@ -154,6 +154,8 @@ _HANDLERS = {
     torch.bernoulli: _bernoulli, torch.Tensor.bernoulli: _bernoulli,
     torch.rand: _shaped("uniform"), torch.randn: _shaped("normal"),
     torch.randint: _randint,
-    torch.Tensor.uniform_: _in_place("uniform"), torch.Tensor.exponential_: _in_place("exponential"),
-    torch.Tensor.normal_: _in_place("normal"), torch.Tensor.bernoulli_: _bernoulli_in_place,
+    torch.Tensor.uniform_: _in_place("uniform"),
+    torch.Tensor.exponential_: _in_place("exponential"),
+    torch.Tensor.normal_: _in_place("normal"),
+    torch.Tensor.bernoulli_: _bernoulli_in_place,
 }

@@ -49,7 +49,6 @@ class OpRecompute(enum.StrEnum):
 
     FREE = ""          # recompute it freely
     KEEP = "keep"      # keep its output (costly to redo, or communication)
-    RANDOM = "random"  # draws from torch's generator: it cannot be replayed
 
 
 class TpStyle(enum.StrEnum):

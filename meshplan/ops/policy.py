@@ -4,11 +4,9 @@
   float input cast down) and `FP32` kinds in fp32 (low inputs cast back);
   the lists are CUDA autocast's. Kinds not listed follow type promotion.
 - `RECOMPUTE`: under selective activation checkpointing, `KEEP` kinds (costly
-  to redo: matmuls, attention, convolution) keep their outputs. aten kinds
-  whose name says they draw random numbers are `RANDOM`: they draw from
-  torch's generator and cannot be replayed (see `recompute_class`); capture
-  makes the common ones meshplan's own random ops, which replay
-  (`random_ops.py`).
+  to redo: matmuls, attention, convolution) keep their outputs. A random op
+  is meshplan's own, which replays (capture refuses any other draw,
+  `random_ops.draws`).
 
 `table.rule_for` copies these into each `OpRule` (`precision`, `recompute`),
 as `ir/choices` members (`OpPrecision`, `OpRecompute`).
@@ -45,12 +43,8 @@ PRECISION: dict[str, OpPrecision] = ({k: OpPrecision.LOW for k in _LOW}
 
 # The expensive kinds are exactly those that compute in low precision.
 RECOMPUTE: dict[str, OpRecompute] = {k: OpRecompute.KEEP for k in _LOW}
-_RANDOM_WORDS = ("dropout", "bernoulli", "rand")
 
 
 def recompute_class(kind: str) -> OpRecompute:
     """What selective recompute does with an aten kind."""
-    name = kind.split(".")[1] if "." in kind else kind
-    if any(w in name for w in _RANDOM_WORDS):
-        return OpRecompute.RANDOM
     return RECOMPUTE.get(kind, OpRecompute.FREE)

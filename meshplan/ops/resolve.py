@@ -19,6 +19,8 @@ from torch._library.simple_registry import singleton  # and of fake kernels
 
 from meshplan.errors import CaptureError
 from meshplan.ir.kinds import PREFIX as MESHPLAN_PREFIX
+from meshplan.ops.function_op import KIND as FUNCTION
+from meshplan.ops.function_op import function_module
 
 
 @cache
@@ -79,3 +81,12 @@ def custom_op_module(kind: str) -> str | None:
     fn = opdef._init_fn if opdef is not None else getattr(fake, "func", None)
     module = getattr(fn, "__module__", None)
     return None if module in (None, "__main__") else module
+
+
+def modules_of(ops) -> tuple[str, ...]:
+    """The modules a process imports to run `ops`: each custom op's
+    registering module (`custom_op_module`) and each kept-whole Function's
+    (`function_op.function_module`)."""
+    found = {custom_op_module(kind) for kind in {op.kind for op in ops} if is_custom(kind)}
+    found |= {function_module(op.kind, op.args) for op in ops if op.kind == FUNCTION}
+    return tuple(sorted(m for m in found if m is not None))

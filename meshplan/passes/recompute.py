@@ -19,9 +19,9 @@ Invariants:
   ones between them.
 - Cross-stage transfers are never cloned. A random op is cloned like any
   other: its numbers are a function of its key and where the step stands
-  (`ops/random_ops.py`), so the clone draws the forward's mask again. A
-  region with an aten random op meshplan does not rewrite (it draws from
-  torch's generator) is refused: a replay would need that generator's state.
+  (`ops/random_ops.py`), so the clone draws the forward's mask again
+  (capture refuses every draw from torch's generator, which a replay could
+  not repeat).
 - Ops keep their relative order; clones are inserted, never moved, so the
   graph stays topologically ordered and every `grad_of` points backward.
 """
@@ -104,11 +104,6 @@ def _regions(g: Graph, pattern: str, mode: Recompute) -> dict[int, str]:
         policy = rule_for(op.kind).recompute
         if where is None or (mode == Recompute.SELECTIVE and policy is OpRecompute.KEEP):
             continue
-        if policy is OpRecompute.RANDOM:
-            raise ConfigError(f"cannot recompute {op.kind} at '{op.module_path}': it draws "
-                              "from torch's generator, whose state a replay would need "
-                              "(meshplan's own random ops, dropout and rand/randn/randint/"
-                              "bernoulli, replay); exclude it with --recompute-pattern")
         out[op.id] = where
     if not out and mode == Recompute.FULL:
         raise ConfigError(f"recompute pattern '{pattern}' matches no forward module path; "

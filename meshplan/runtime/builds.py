@@ -13,6 +13,9 @@ Invariants:
 - A helper only speeds the builds up: it never waits on a lock, and the
   rank's last pass waits on every run it left, and builds one a dead helper
   dropped. A helper that fails, or never starts, costs time and nothing else.
+  It imports the modules that register the runs' custom ops first, as the
+  rank did (`ops.resolve.modules_of`): a run it could not trace would be
+  kept as refused, for every process.
 - A helper makes each run's graph as the rank does, from the run's ops and
   its inputs' templates (`task_graph`), so under the same artifact key (an FX
   graph's own pickle traces its code again, into other code), and builds
@@ -29,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -43,6 +47,7 @@ import torch.fx as fx
 
 import meshplan
 from meshplan.ir.serialize import op_from_row, op_to_row
+from meshplan.ops.resolve import modules_of
 from meshplan.runtime.fused import InductorRun, graph_of, specialized
 from meshplan.runtime.kernel_cache import build_ahead, example, is_built
 
@@ -138,13 +143,16 @@ def _feed(pipe, payload: bytes) -> None:
 
 
 def _tasks_to_json(tasks: list) -> bytes | None:
-    """`tasks` as JSON; None if a template holds what JSON cannot (an
-    input's Python attribute of another type: no helper then)."""
+    """`tasks` as JSON, with the modules their ops need imported (custom
+    ops); None if a template holds what JSON cannot (an input's Python
+    attribute of another type: no helper then)."""
     try:
-        return json.dumps([
-            {"ops": [op_to_row(op) for op in ops], "ins": list(ins), "outs": list(outs),
-             "templates": [_template_to_json(t) for t in templates], "device": str(device)}
-            for ops, ins, outs, templates, device in tasks]).encode()
+        return json.dumps({
+            "modules": modules_of([op for ops, *_ in tasks for op in ops]),
+            "tasks": [{"ops": [op_to_row(op) for op in ops], "ins": list(ins),
+                       "outs": list(outs), "device": str(device),
+                       "templates": [_template_to_json(t) for t in templates]}
+                      for ops, ins, outs, templates, device in tasks]}).encode()
     except TypeError:
         return None
 
@@ -174,7 +182,10 @@ def main(threads: str, offset: str) -> None:
     """A helper: build each task of its stdin, from `offset` round, with
     `threads` threads, leaving those another process is building."""
     torch.set_num_threads(int(threads))
-    tasks = [_task_from_json(d) for d in json.loads(sys.stdin.buffer.read())]
+    payload = json.loads(sys.stdin.buffer.read())
+    for module in payload["modules"]:  # else a custom op is unknown here, and its run refused
+        importlib.import_module(module)
+    tasks = [_task_from_json(d) for d in payload["tasks"]]
     for task in tasks[int(offset):] + tasks[:int(offset)]:
         build_task(task, wait=False)
 

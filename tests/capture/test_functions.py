@@ -1,5 +1,6 @@
 """A `torch.autograd.Function` is kept whole (`capture/functions.py`): its
-forward as the op `meshplan_fn::apply`, and its own backward for gradient,
+forward as the op `meshplan_fn::apply` (`ops/function_op.py`), and its own
+backward for gradient,
 so a straight-through estimator, a gradient reversal or a clipped
 derivative trains as in eager PyTorch. torch.export alone keeps the forward
 and drops the backward: the planted tests turn the keeping off and see the
@@ -19,6 +20,7 @@ from meshplan.driver import capture_check
 from meshplan.driver.compare import Bounds
 from meshplan.driver.verify import against_eager
 from meshplan.errors import CaptureError
+from meshplan.ops import function_op
 from meshplan.runtime.local import local_ranks, train_local
 from tests.capture.functions_toy import Net, RoundSTE, batches
 
@@ -46,7 +48,7 @@ def _trains(job, module, data) -> dict:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_function_trains_with_its_own_backward_as_in_eager(kind):
     job, module, data = _job(kind)
-    assert functions.KIND in {op.kind for op in job.graph.ops}
+    assert function_op.KIND in {op.kind for op in job.graph.ops}
     assert "tests.capture.functions_toy" in job.graph.facts.op_modules
     verdict = _trains(job, module, data)
     assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-6, verdict["problems"]
@@ -115,7 +117,7 @@ def test_an_argument_json_cannot_hold_is_refused_in_one_line():
         pass
 
     with pytest.raises(CaptureError, match="RoundSTE takes or returns a Obj; .*tensors, numbers"):
-        functions._leaf(RoundSTE, Obj())
+        function_op.leaf(RoundSTE, Obj())
 
 
 class _Ctx:
@@ -144,9 +146,9 @@ def test_each_function_traced_through_has_its_forwards_derivative_for_backward()
     pytest.importorskip("transformers")
     x = torch.linspace(-6, 6, 2001)
     for path in functions.DERIVATIVE:
-        own, derivative = _own_and_derivative(functions._resolve(path), x)
+        own, derivative = _own_and_derivative(function_op.resolve_function(path), x)
         torch.testing.assert_close(own, derivative, rtol=1e-5, atol=1e-6, msg=path)
-    clipped = functions._resolve("transformers.models.recurrent_gemma.modeling_recurrent_gemma"
-                                 ":SqrtBoundDerivative")
+    clipped = function_op.resolve_function(
+        "transformers.models.recurrent_gemma.modeling_recurrent_gemma:SqrtBoundDerivative")
     own, derivative = _own_and_derivative(clipped, torch.linspace(0, 1e-6, 101))
     assert not torch.allclose(own, derivative, rtol=1e-2)

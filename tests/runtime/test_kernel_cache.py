@@ -23,7 +23,7 @@ import torch
 from meshplan.ir import Op, Ref
 from meshplan.ir import kinds as k
 from meshplan.ir.fileio import file_lock
-from meshplan.ops import kernels
+from meshplan.ops import function_op, kernels
 from meshplan.runtime import builds, fused, kernel_cache
 
 CPU = torch.device("cpu")
@@ -383,7 +383,8 @@ def test_a_helper_gets_the_tasks_the_rank_noted():
     run(None, torch.ones(3, dtype=torch.float64)[1:])  # unaligned, a first gradient
     run(kernels.own(torch.ones(2, dtype=torch.float64)), torch.ones(2, dtype=torch.float64))
     tasks = run.noted_tasks()
-    back = [builds._task_from_json(d) for d in json.loads(builds._tasks_to_json(tasks))]
+    back = [builds._task_from_json(d)
+            for d in json.loads(builds._tasks_to_json(tasks))["tasks"]]
     keys = [kernel_cache._artifact(*builds.task_graph(t))[3] for t in (*tasks, *back)]
     assert len(set(keys)) == 2 and keys[:2] == keys[2:]
     odd = [(*t[:3], [(*tp[:5], {"mark": object()}) for tp in t[3]], t[4]) for t in tasks[1:]]
@@ -435,3 +436,45 @@ def test_a_helper_builds_the_runs_the_rank_loads(monkeypatch, tmp_path):
         run.rehearsing, acc = (lambda: False), kernels.own(torch.ones(n + 2))
         assert run(acc, torch.ones(n + 2))[0] is acc and torch.equal(acc, torch.full((n + 2,), 3.))
     assert sum(len(run.built) for run in runs) == 1
+
+
+def _custom_run():
+    """ops: h = x * 2; r = RoundSTE(h) (a Function kept whole, the custom op
+    of `ops/function_op.py`); y = scaled_tanh(r, w) (a custom op of
+    `tests.ops.custom_ops_toy`); inputs x, w."""
+    from tests.capture.functions_toy import RoundSTE
+    from tests.ops import custom_ops_toy  # noqa: F401  (registers scaled_tanh here)
+
+    layout, _ = function_op.spelled(RoundSTE, ((torch.empty(0),), {}))
+    ops = [Op(0, "aten.mul.Tensor", (Ref(0), 2), (2,)),
+           Op(1, function_op.KIND, (function_op.path_of(RoundSTE), json.dumps(layout),
+                                    (Ref(2),)), (3,)),
+           Op(2, "meshplan_test.scaled_tanh.default", (Ref(3), Ref(1)), (4,))]
+    return ops, [0, 1], [4]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not fused.can_compile(), reason="no C++ compiler for Inductor on cpu")
+def test_a_helper_imports_the_modules_of_its_runs_custom_ops(monkeypatch, tmp_path):
+    """A helper, a fresh process, builds a run holding custom ops: it
+    imports their modules first (before, it kept the run as refused, an
+    unknown op, and the rank obeyed the refusal)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.set_num_threads(1)
+    run = fused.InductorRun(*_custom_run(), CPU, "run", rehearsing=lambda: True)
+    x, w = torch.tensor([0.3, 1.4, -2.6]), torch.tensor([1.0, 0.5, 2.0])
+    expected = torch.tanh(torch.round(x * 2)) * w
+    assert torch.equal(run(x, w)[0], expected)
+    tasks = run.noted_tasks()
+    assert json.loads(builds._tasks_to_json(tasks))["modules"] == [
+        "meshplan.ops.function_op", "tests.capture.functions_toy", "tests.ops.custom_ops_toy"]
+    with builds.beside(tasks, 1) as procs:
+        deadline = time.monotonic() + 300
+        while not all(kernel_cache.is_built(*builds.task_graph(t)) for t in tasks):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no build"
+            time.sleep(0.5)
+    folder = tmp_path / "meshplan-aot"
+    assert [p.read_text() for p in folder.glob("*.refused")] == []
+    assert len(list(folder.glob("*.pt2"))) == 1
+    run.rehearsing = lambda: False
+    torch.testing.assert_close(run(x, w)[0], expected)
