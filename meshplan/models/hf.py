@@ -48,6 +48,8 @@ TESTED = (
     "falcon", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite",
     "glm", "internlm3", "phi", "phi3", "olmo", "bitnet", "lfm2", "mamba", "cpmant",
     "xlm", "hrm_text",
+    # torch.autograd.Functions with their own backward (kept whole by capture)
+    "recurrent_gemma", "yoso",
     # masked LMs
     "bert", "albert", "distilbert", "electra", "roberta", "xlm-roberta", "camembert",
     "deberta-v2", "megatron-bert", "modernbert", "data2vec-text", "esm",
@@ -61,9 +63,11 @@ TESTED = (
     "deepseek_v2", "deepseek_v3",
     # dots1: DeepSeek-V3's kind, its expert counts left to the checkpoint
     "dots1",
+    # phimoe: routing sampled in training (in-place exponential_, uniform_), its own backward
+    "phimoe",
 )
 SPLIT_TESTED = ("gpt2", "gptj", "bloom", "llama", "mamba", "bert", "albert", "xlm-roberta",
-                "electra", "bart", "t5", "mixtral", "deepseek_v3")
+                "electra", "bart", "t5", "mixtral", "deepseek_v3", "phimoe")
 ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta",
             "deberta-v2", "camembert", "megatron-bert", "modernbert")
 # a mixture of experts' config fields: its experts per layer, those each token takes

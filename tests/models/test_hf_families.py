@@ -117,3 +117,17 @@ def test_planted_a_whole_contribution_on_every_rank_trains_electra_wrong(monkeyp
     monkeypatch.setattr(bind, "_share_of_sum", lambda ctx, axis: lambda x, **_: x)
     _, verdict, _ = train("electra", "tp2pp2")
     assert not verdict["ok"]
+
+
+def test_planted_export_alone_trains_yoso_wrong(monkeypatch, tmp_path):
+    """YOSO's attention is a `torch.autograd.Function` with a backward of its
+    own, which capture keeps whole (`capture/functions.py`). Planted: traced
+    through, as by export alone, the forward's derivative trains instead."""
+    from contextlib import nullcontext
+
+    from meshplan.capture import torch_export
+
+    monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))  # a capture of its own
+    monkeypatch.setattr(torch_export, "kept_whole", nullcontext)
+    _, verdict, _ = train("yoso", "1rank")
+    assert not verdict["ok"]
