@@ -28,7 +28,15 @@ from contextlib import contextmanager
 import torch
 
 from meshplan.errors import CaptureError
-from meshplan.ops.function_op import APPLY, HERE, apply_op, path_of, spelled, unflatten
+from meshplan.ops.function_op import (
+    APPLY,
+    HERE,
+    OUTPUTS,
+    apply_op,
+    path_of,
+    spelled,
+    unflatten,
+)
 
 # Functions whose backward is the derivative of their forward (up to
 # rounding), traced through so their ops keep their splits; each is tested
@@ -65,5 +73,6 @@ def _as_op(cls: type, args: tuple, kwargs: dict):
                            "function, where a rank's process cannot import it; define it at "
                            f"the top level of module {cls.__module__}")
     layout, tensors = spelled(cls, (args, kwargs))
-    flat = apply_op(path, json.dumps(layout), tensors)
-    return unflatten(HERE.out, flat)  # the structure the kernel just made
+    text = json.dumps(layout)
+    flat = apply_op(path, text, tensors)  # its kernel spells the outputs' structure
+    return unflatten(OUTPUTS[path, text], flat)

@@ -31,9 +31,11 @@ from meshplan.errors import CaptureError
 
 KIND = "meshplan_fn.apply.default"
 APPLY = torch.autograd.Function.__dict__["apply"]  # torch's own classmethod
-# .inside: a kernel is applying a Function (capture routes none then);
-# .out: the structure of the outputs the last application made
-HERE = threading.local()
+HERE = threading.local()  # .inside: a kernel is applying a Function (capture routes none)
+# (path, layout) -> the structure of the outputs the Function made: what
+# capture rebuilds from the op's flat list (keyed, not the last call's: a
+# fake kernel's result torch caches would not run the kernel again)
+OUTPUTS: dict[tuple[str, str], dict] = {}
 
 
 def path_of(cls: type) -> str:
@@ -91,7 +93,7 @@ def spelled(cls: type, tree) -> tuple[dict, list[Tensor]]:
 def _call(path: str, layout: str, tensors: list[Tensor]) -> list[Tensor]:
     """Apply the Function at `path` (torch's own `apply`) to the arguments
     `layout` and `tensors` spell; its tensor outputs, in order (their
-    structure in `HERE.out`)."""
+    structure in `OUTPUTS`)."""
     cls = resolve_function(path)
     args, kwargs = unflatten(json.loads(layout), tensors)
     was, HERE.inside = getattr(HERE, "inside", False), True
@@ -99,7 +101,7 @@ def _call(path: str, layout: str, tensors: list[Tensor]) -> list[Tensor]:
         out = APPLY.__func__(cls, *args, **kwargs)
     finally:
         HERE.inside = was
-    HERE.out, flat = spelled(cls, out)
+    OUTPUTS[path, layout], flat = spelled(cls, out)
     return flat
 
 

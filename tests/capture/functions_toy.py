@@ -90,6 +90,10 @@ class Net(nn.Module):
                                               scale=0.5)
             assert none is None
             h = out + idx.unsqueeze(-1).float()
+        elif self.kind == "interleaved":  # one Function, another of other outputs, the first
+            a = RoundSTE.apply(h * 4) / 4
+            out, _, _ = ScaledPair.apply(h, {"w": self.w, "k": 3}, x, torch.float32)
+            h = a + out + RoundSTE.apply(h * 2) / 2
         elif self.kind == "draws":
             h = Drawing.apply(h)
         elif self.kind == "dirty":

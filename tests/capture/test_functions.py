@@ -25,7 +25,7 @@ from meshplan.runtime.local import local_ranks, train_local
 from tests.capture.functions_toy import Net, RoundSTE, batches
 
 TIGHT = Bounds(loss_atol=1e-6, atol=1e-6, rtol=1e-6)
-KINDS = ["straight-through", "reversal", "kinds"]
+KINDS = ["straight-through", "reversal", "kinds", "interleaved"]
 
 
 def _job(kind: str, dp: int = 1):
