@@ -109,7 +109,8 @@ def _unaliased(outs: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
     """A custom op's outputs alias neither its inputs nor each other."""
     kept: list[Tensor] = []
     for o in outs:
-        if any(torch._C._is_alias_of(o, t) for t in (*tensors, *kept)):
+        if any(torch._C._is_alias_of(o, t)  # type: ignore[attr-defined]
+               for t in (*tensors, *kept)):
             o = o.clone()
         kept.append(o)
     return kept
