@@ -17,7 +17,8 @@ Invariants:
   meshplan cannot know which splits a Function's backward commutes with.
 - A Function in `DERIVATIVE` (its backward is its forward's derivative,
   tested in tests/capture/test_functions.py) is traced through, as export
-  does, so that its ops keep their splits.
+  does, so that its ops keep their splits; so is one whose backward cannot
+  run (under `no_grad`, or on tensors none of which requires grad).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 from contextlib import contextmanager
 
 import torch
+from torch.utils import _pytree as pytree
 
 from meshplan.errors import CaptureError
 from meshplan.ops.function_op import (
@@ -51,7 +53,7 @@ def kept_whole():
     """While torch exports: each Function defined outside torch, but those
     in `DERIVATIVE`, applied as one `meshplan_fn::apply` op."""
     def apply(cls, *args, **kwargs):
-        if getattr(HERE, "inside", False) or _traced_through(cls):
+        if getattr(HERE, "inside", False) or _traced_through(cls, (args, kwargs)):
             return APPLY.__func__(cls, *args, **kwargs)
         return _as_op(cls, args, kwargs)
 
@@ -62,8 +64,13 @@ def kept_whole():
         torch.autograd.Function.apply = APPLY
 
 
-def _traced_through(cls: type) -> bool:
-    return cls.__module__.split(".")[0] == "torch" or path_of(cls) in DERIVATIVE
+def _traced_through(cls: type, args) -> bool:
+    """torch's own Functions, those in `DERIVATIVE`, and any whose backward
+    cannot run (grad mode off, or no input that requires grad)."""
+    return (cls.__module__.split(".")[0] == "torch" or path_of(cls) in DERIVATIVE
+            or not torch.is_grad_enabled()
+            or not any(isinstance(t, torch.Tensor) and t.requires_grad
+                       for t in pytree.tree_leaves(args)))
 
 
 def _as_op(cls: type, args: tuple, kwargs: dict):

@@ -94,6 +94,10 @@ class Net(nn.Module):
             a = RoundSTE.apply(h * 4) / 4
             out, _, _ = ScaledPair.apply(h, {"w": self.w, "k": 3}, x, torch.float32)
             h = a + out + RoundSTE.apply(h * 2) / 2
+        elif self.kind == "no backward":  # nothing to differentiate: traced through
+            with torch.no_grad():
+                h = h + RoundSTE.apply(h * 4)
+            h = h + RoundSTE.apply(x)
         elif self.kind == "draws":
             h = Drawing.apply(h)
         elif self.kind == "dirty":

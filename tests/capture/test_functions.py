@@ -55,6 +55,16 @@ def test_a_function_trains_with_its_own_backward_as_in_eager(kind):
     assert verdict["params"]["fc1.weight"]["ok"]  # trained through the Function's backward
 
 
+def test_a_function_whose_backward_cannot_run_is_traced_through():
+    """Under no_grad, or on the data alone, no backward runs: its ops keep
+    their splits, as export traces them."""
+    job, module, data = _job("no backward")
+    assert function_op.KIND not in {op.kind for op in job.graph.ops}
+    assert "aten.round.default" in {op.kind for op in job.graph.ops}
+    verdict = _trains(job, module, data)
+    assert verdict["ok"] and verdict["max_abs_diff"] <= 1e-6, verdict["problems"]
+
+
 def test_a_function_trains_as_in_eager_in_each_ranks_process():
     """dp2 on 2 gloo processes: each imports the Function's module by name."""
     job, module, data = _job("kinds", dp=2)
@@ -93,8 +103,12 @@ def test_a_function_defined_in_a_function_is_refused_in_one_line():
             return g * 2
 
     class Uses(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
         def forward(self, x):
-            return Local.apply(x).sum()
+            return Local.apply(self.fc(x)).sum()
 
     with pytest.raises(CaptureError, match=r"^torch.autograd.Function test_a_function_defined_"
                                            r".*Local is defined inside a function.*top level"):
