@@ -91,6 +91,35 @@ def sdpa(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return _first(out)
 
 
+def elementwise_loss(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
+    """mse_loss(x, y, reduction) as the loss of each element (reduction 0),
+    then its sum or mean: a split batch sums to a Partial, where the whole
+    loss would need every element gathered. Still one `mse_loss`, so its
+    precision is the loss's (fp32 under autocast)."""
+    reduction = args[2] if len(args) > 2 else kw.get("reduction", 1)
+    each = e.call("aten.mse_loss.default", args[0], args[1], 0)
+    if reduction == 0:
+        return (each,)
+    return (e.call("aten.mean.default" if reduction == 1 else "aten.sum.default", each),)
+
+
+def cast(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
+    """`type_as`, `to(other)`, `to(device, dtype)`, `to(dtype=...)`: a cast
+    to the dtype they name (`_to_copy`, whose rule splits as its input and
+    passes a Partial), or the input itself when it has that dtype already.
+    The device is the rank's (capture writes every device as it), and a
+    `type_as`'s other tensor gives only its dtype, so it is no input."""
+    x = args[0]
+    dtype: Any
+    if len(args) > 1 and isinstance(args[1], Ref):  # type_as, to.other
+        dtype = e.meta(args[1]).dtype
+    else:  # to.device's dtype is positional, to.dtype_layout's a keyword
+        dtype = args[2] if len(args) > 2 else kw.get("dtype")
+    if dtype is None or dtype == e.meta(x).dtype:
+        return (x,)
+    return (e.call("aten._to_copy.default", x, dtype=dtype),)
+
+
 def max_pool2d(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     return _first(e.call_multi("aten.max_pool2d_with_indices.default", *args, **kw))
 
@@ -114,6 +143,9 @@ def clone(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
 
 CANONICAL: dict[str, CanonicalFn] = {
     "aten.clone.default": clone,
+    "aten.mse_loss.default": elementwise_loss,
+    **dict.fromkeys(("aten.type_as.default", "aten.to.other", "aten.to.device",
+                     "aten.to.dtype_layout"), cast),
     "aten.layer_norm.default": layer_norm,
     "aten.softmax.int": softmax,
     "aten.log_softmax.int": log_softmax,

@@ -8,7 +8,7 @@ differentiable aten op, at the price of one extra forward.
 Its args are `(fwd_kind, fwd_args, fwd_kwargs, gouts, wrt)` where `wrt`
 indexes the forward op's tensor arguments in traversal order.
 
-Its SBP signatures (`vjp_sbp`), for a forward kind of `sbp_table.SPLIT_VJP`, are the
+Its SBP signatures (`vjp_sbp`), for a forward kind `sbp_table.splits_its_vjp`, are the
 forward's own splits: where the forward computes each output shard from
 its inputs' shards (no Partial output), the vjp of a shard gives the
 gradient of each split input's shard, and of a replicated (broadcast)
@@ -27,7 +27,7 @@ from meshplan.ir.sbp import Partial, Replicate, Shard
 from meshplan.ops.resolve import is_custom, resolve_op
 from meshplan.ops.rule import Emits, Gouts, Grads, Needs
 from meshplan.ops.sbp_sig import Outs, SbpRule, SbpSig, replicated, tensors
-from meshplan.ops.sbp_table import SPLIT_VJP
+from meshplan.ops.sbp_table import splits_its_vjp
 
 
 def _tensor_slots(op: Op) -> list[Ref]:
@@ -52,7 +52,7 @@ def vjp_sbp(sbp_of: Callable[[str], SbpRule], args: tuple, kwargs: dict, outs: O
     table's; see the module docstring)."""
     kind, fwd_args, fwd_kwargs, gouts, wrt = args
     n_in = len(tensors((args, kwargs)))
-    if kind not in SPLIT_VJP:
+    if not splits_its_vjp(kind):
         return [replicated(n_in, len(outs))]
     fwd_outs = tuple(g if isinstance(g, TensorMeta) else None for g in gouts)
     sigs = []

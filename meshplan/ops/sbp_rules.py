@@ -67,6 +67,19 @@ def pointwise(linear_in: tuple[int, ...] = ()) -> SbpRule:
     return rule
 
 
+def broadcast(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """broadcast_tensors: each output its input expanded to the common shape."""
+    ts = tensors((args, kwargs))
+    return _broadcast_shards(ts, len(outs)) + [replicated(len(ts), len(outs))]
+
+
+def elementwise_loss(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """mse_loss(x, y, reduction): pointwise when it reduces nothing (0), the
+    form capture emits (`canonical.elementwise_loss`); whole otherwise."""
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    return pointwise()(args, kwargs, outs, n) if reduction == 0 else [replicated(2, 1)]
+
+
 def additive(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """add / sub / rsub: Partial + Partial is Partial. Not with a number
     operand: each rank would add it, so the sum would hold it n times."""
@@ -240,3 +253,42 @@ def reduction(kind: str) -> SbpRule:
         return sigs + [replicated(1, 1)]
 
     return rule
+
+
+def stack(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """stack(tensors, dim): equal shapes; input dim d is the output's d, or
+    d + 1 from the new dim on. Linear in all of them together."""
+    ts = tensors(args[:1])
+    nd = len(ts[0].shape)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    dim = dim + nd + 1 if dim < 0 else dim
+    sigs = [SbpSig((Shard(d),) * len(ts), (Shard(d + (d >= dim)),))
+            for d in range(nd) if ts[0].shape[d] > 1]
+    return sigs + [SbpSig((P,) * len(ts), (P,)), replicated(len(ts), 1)]
+
+
+def gather(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """gather(x, dim, index): the output has the index's shape. A dim other
+    than `dim` may be split on both where they are equal; the index's `dim`
+    may be split against the whole input (each rank picks its entries: the
+    index's other dims must meet the input's rows they name, so not those)."""
+    x, index = tensors((args, kwargs))
+    nd = len(x.shape)
+    dim = norm_dim(args[1], nd)
+    sigs = [SbpSig((Shard(d), Shard(d)), (Shard(d),)) for d in range(nd)
+            if d != dim and index.shape[d] > 1 and x.shape[d] == index.shape[d]]
+    if index.shape[dim] > 1:
+        sigs.append(SbpSig((R, Shard(dim)), (Shard(dim),)))
+    return sigs + [replicated(2, 1)]
+
+
+def leading_dims(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """rms_norm(x, normalized_shape, weight?, eps): the dims before the
+    normalized ones may be split (the weight whole)."""
+    ts = tensors((args, kwargs))
+    x = ts[0]
+    lead = len(x.shape) - len(args[1])
+    w = (R,) * (len(ts) - 1)
+    sigs = [SbpSig((Shard(d),) + w, (Shard(d),) * len(outs))
+            for d in range(lead) if x.shape[d] > 1]
+    return sigs + [replicated(len(ts), len(outs))]

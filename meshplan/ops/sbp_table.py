@@ -1,6 +1,19 @@
-"""Kind -> SBP rule. Kinds not listed are replicated (always correct)."""
+"""Kind -> SBP rule (`sbp_rule`): the table's; else, for an aten op torch
+tags `pointwise` (and does not draw random numbers: those are
+`random_ops`'), the pointwise rule; else every tensor replicated (always
+correct, and slow: a split activation is gathered whole to meet it).
+
+Invariant: torch's `pointwise` tag means every tensor argument broadcasts
+against the others elementwise, which is all the pointwise rule assumes;
+the table lists the untagged kinds that are pointwise too, and the kinds
+whose rule needs more (linearity, a dim).
+"""
 
 from __future__ import annotations
+
+from functools import cache
+
+import torch
 
 from meshplan.ir.kinds import (
     ACCUMULATE_GRAD,
@@ -35,6 +48,11 @@ SBP: dict[str, SbpRule] = {
     "aten.alias.default": _LINEAR_IN_0,
     "aten._to_copy.default": _LINEAR_IN_0,
     "aten.to.dtype": _LINEAR_IN_0,
+    "aten.detach.default": _LINEAR_IN_0,
+    "aten.multiply.Tensor": r.pointwise((0, 1)),
+    **{f"aten.{k}": r.pointwise() for k in (  # pointwise, untagged by torch
+        "where.ScalarOther", "where.ScalarSelf", "where.Scalar", "__and__.Tensor",
+        "__or__.Tensor", "__xor__.Tensor", "log_sigmoid.default")},
     "aten.gelu_backward.default": _LINEAR_IN_0,
     "aten.tanh_backward.default": _LINEAR_IN_0,
     "aten.sigmoid_backward.default": _LINEAR_IN_0,
@@ -67,6 +85,11 @@ SBP: dict[str, SbpRule] = {
     "aten.chunk.default": r.along_dim(2),
     "aten.unbind.int": r.along_dim(1, removes_dim=True),
     "aten.cat.default": r.along_dim(1),
+    "aten.stack.default": r.stack,
+    "aten.broadcast_tensors.default": r.broadcast,
+    "aten.mse_loss.default": r.elementwise_loss,
+    "aten.gather.default": r.gather,
+    "aten.sort.default": r.along_dim(1, default_dim=-1, linear=False),
     "aten.slice.Tensor": r.along_dim(1),
     "aten.select.int": r.along_dim(1, removes_dim=True),
     "aten.slice_backward.default": r.along_dim(2),
@@ -100,6 +123,8 @@ SBP: dict[str, SbpRule] = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": nn.attention,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": nn.attention,
     "aten.conv2d.default": nn.conv2d,
+    "aten.conv1d.default": nn.conv2d,  # the same arguments, groups at 6
+    "aten.rms_norm.default": r.leading_dims,
     "aten.convolution_backward.default": nn.conv2d_backward,
     **{k: nn.batch_passthrough for k in (
         "aten.max_pool2d_with_indices.default", "aten.max_pool2d_with_indices_backward.default",
@@ -119,8 +144,36 @@ SBP: dict[str, SbpRule] = {
 
 
 # Forward kinds with an SBP rule and no exact gradient, whose generic vjp
-# takes the forward's own splits (ops/generic.py: vjp_sbp)
-SPLIT_VJP = frozenset({"aten.scaled_dot_product_attention.default", "aten.topk.default"})
+# takes the forward's own splits (ops/generic.py: vjp_sbp); pointwise ones too
+SPLIT_VJP = frozenset({
+    "aten.scaled_dot_product_attention.default", "aten.topk.default", "aten.stack.default",
+    "aten.gather.default", "aten.sort.default", "aten.conv1d.default", "aten.rms_norm.default",
+    "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar",
+    "aten.log_sigmoid.default", "aten.multiply.Tensor", "aten.broadcast_tensors.default",
+    "aten.mse_loss.default"})
+_POINTWISE = r.pointwise()
+
+
+@cache
+def tagged_pointwise(kind: str) -> bool:
+    """Whether torch tags the aten op `kind` pointwise, and it draws nothing."""
+    head, _, overload = kind.rpartition(".")
+    packet = getattr(torch.ops.aten, head.removeprefix("aten."), None) \
+        if head.startswith("aten.") else None
+    op = getattr(packet, overload, None)
+    tags = getattr(op, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+
+
+def sbp_rule(kind: str) -> SbpRule:
+    """The SBP rule of `kind` (the module docstring)."""
+    return SBP.get(kind) or (_POINTWISE if tagged_pointwise(kind) else replicated_rule)
+
+
+def splits_its_vjp(kind: str) -> bool:
+    """Whether the generic vjp of a `kind` op takes the forward's splits."""
+    return kind in SPLIT_VJP or tagged_pointwise(kind)
+
 
 def replicated_rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """The default: every tensor replicated (correct for any op)."""

@@ -32,7 +32,7 @@ from meshplan.ops.generic import vjp_grad, vjp_infer, vjp_kernel, vjp_sbp
 from meshplan.ops.policy import PRECISION, recompute_class
 from meshplan.ops.resolve import AUTOGRAD_FORMULA, custom_op_missing, is_custom, resolve_op
 from meshplan.ops.rule import Category, OpRule
-from meshplan.ops.sbp_table import SBP, replicated_rule
+from meshplan.ops.sbp_table import sbp_rule
 
 _GRADS = {
     # pointwise
@@ -219,7 +219,7 @@ def rule_for(kind: str) -> OpRule:
     """The rule of `kind`: exact if listed, else the generic rule."""
     if kind in _MESHPLAN_KINDS:
         return replace(_MESHPLAN_KINDS[kind], sbp=partial(vjp_sbp, _sbp_of) if kind == k.VJP
-                       else SBP.get(kind, replicated_rule))
+                       else sbp_rule(kind))
     if kind.startswith(k.PREFIX):
         raise CaptureError(f"op {kind!r} is neither an aten op nor a meshplan op")
     missing = () if not is_custom(kind) else tuple(
@@ -242,7 +242,7 @@ def rule_for(kind: str) -> OpRule:
         exact=grad is not None or kind in _NONDIFF,
         differentiable=kind not in _NONDIFF,
         grad_outputs=_GRAD_OUTPUTS.get(kind),
-        sbp=SBP.get(kind, replicated_rule),
+        sbp=sbp_rule(kind),
         shape_args=_SHAPE_ARGS.get(kind, ()),
         precision=PRECISION.get(kind, OpPrecision.PROMOTE),
         recompute=recompute_class(kind),

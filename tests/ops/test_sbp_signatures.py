@@ -26,12 +26,12 @@ import pytest
 import torch
 
 from meshplan.ir import TensorMeta
-from meshplan.ir.kinds import DROPOUT, RANDOM_LIKE, ROUTED_EXPERTS, ROUTED_EXPERTS_BACKWARD
+from meshplan.ir.kinds import DROPOUT, RANDOM_LIKE, ROUTED_EXPERTS, ROUTED_EXPERTS_BACKWARD, VJP
 from meshplan.ir.sbp import Partial, Shard, split_range
 from meshplan.ops.counter_rng import RandomCounter
 from meshplan.ops.random_ops import KERNELS as RANDOM_KERNELS
 from meshplan.ops.sbp_sig import P, R, SbpSig
-from meshplan.ops.sbp_table import SBP
+from meshplan.ops.sbp_table import SBP, tagged_pointwise
 from meshplan.ops.table import rule_for
 from meshplan.runtime import local_kernels as lk
 from meshplan.runtime.expert_dispatch import routed_experts_backward_ep, routed_experts_ep
@@ -195,6 +195,23 @@ CASES: dict[str, Case] = {
     "chunk": _c("aten.chunk.default", lambda: (f(12, 6), 3, 0)),
     "unbind": _c("aten.unbind.int", lambda: (f(6, 3, 6), 1)),
     "cat": _c("aten.cat.default", lambda: ((f(6, 4), f(6, 2)), 1)),
+    "stack": _c("aten.stack.default", lambda: ((f(6, 4), f(6, 4), f(6, 4)), 1)),
+    "stack_last": _c("aten.stack.default", lambda: ((f(6, 6), f(6, 6)), -1)),
+    "gather": _c("aten.gather.default", lambda: (f(6, 6, 4), 2, ints(4, 6, 6, 3))),
+    "gather_fewer_rows": _c("aten.gather.default", lambda: (f(6, 6), 1, ints(6, 3, 2))),
+    "sort": _c("aten.sort.default", lambda: (f(6, 6, 4),)),
+    "sort_dim0": _c("aten.sort.default", lambda: (f(6, 6), 0, True)),
+    "broadcast_tensors": _c("aten.broadcast_tensors.default",
+                            lambda: ((f(6, 1), f(1, 6), f(6, 6)),)),
+    "mse_loss_each": _c("aten.mse_loss.default", lambda: (f(6, 6), f(6, 6), 0)),
+    "mse_loss_mean": _c("aten.mse_loss.default", lambda: (f(6, 6), f(6, 6))),
+    "detach": _c("aten.detach.default", lambda: (f(6, 6),)),
+    "multiply": _c("aten.multiply.Tensor", lambda: (f(6, 6), f(6))),
+    "where_scalar_other": _c("aten.where.ScalarOther", lambda: (mask(6, 6), f(6, 6), 0.5)),
+    "where_scalar_self": _c("aten.where.ScalarSelf", lambda: (mask(6, 1), 0.5, f(6, 6))),
+    "where_scalar": _c("aten.where.Scalar", lambda: (mask(6, 6), 1.0, -1.0)),
+    **{k: _c(f"aten.__{k}__.Tensor", lambda: (mask(6, 6), mask(6))) for k in ("and", "or", "xor")},
+    "log_sigmoid": _c("aten.log_sigmoid.default", lambda: (f(6, 6),)),
     "cat_dim0": _c("aten.cat.default", lambda: ((f(6, 6, 6), f(6, 6, 6)),)),
     "slice": _c("aten.slice.Tensor", lambda: (f(6, 12), 1, 2, 10, 2)),
     "select": _c("aten.select.int", lambda: (f(6, 4, 6), 1, 2)),
@@ -278,6 +295,12 @@ CASES: dict[str, Case] = {
     "conv2d_backward": _c("aten.convolution_backward.default", lambda: (
         f(6, 12, 5, 5), f(6, 6, 5, 5), f(12, 6, 3, 3), (12,), (1, 1), (1, 1), (1, 1), False,
         (0, 0), 1, (True, True, True))),
+    "conv1d": _c("aten.conv1d.default",
+                 lambda: (f(6, 6, 5), f(12, 6, 3), f(12), (1,), (1,), (1,), 1)),
+    "conv1d_depthwise": _c("aten.conv1d.default",
+                           lambda: (f(6, 6, 5), f(6, 1, 3), f(6), (1,), (2,), (1,), 6)),
+    "rms_norm": _c("aten.rms_norm.default", lambda: (f(6, 6, 4), (4,), f(4), 1e-6)),
+    "rms_norm_2d": _c("aten.rms_norm.default", lambda: (f(6, 6, 4), (6, 4), None, None)),
     **{k: _c(f"aten.{k}.default", make) for k, make in _POOL.items()},
     "max_pool2d_with_indices_backward": _c("aten.max_pool2d_with_indices_backward.default",
                                            _max_pool_backward),
@@ -488,6 +511,68 @@ def test_every_signature_gives_the_logical_result(name, n):
     replicated = SbpSig((R,) * len(sigs[-1].ins),
                         tuple(None if o is None else R for o in whole))
     assert replicated in sigs, f"{case.kind}: no all-Replicate signature"
+    for sig in sigs:
+        check_signature(case, args, whole, sig, n)
+
+
+# Aten ops torch tags pointwise, listed in no table: the pointwise rule
+TAGGED = {
+    "sin": _c("aten.sin.default", lambda: (f(6, 6),)),
+    "erf": _c("aten.erf.default", lambda: (f(6, 6),)),
+    "softplus": _c("aten.softplus.default", lambda: (f(6, 6), 1.5, 20.0)),
+    "square": _c("aten.square.default", lambda: (f(6, 6),)),
+    "expm1": _c("aten.expm1.default", lambda: (f(6, 6),)),
+    "bitwise_not": _c("aten.bitwise_not.default", lambda: (mask(6, 6),)),
+    "eq": _c("aten.eq.Tensor", lambda: (ints(3, 6, 6), ints(3, 6))),
+    "where": _c("aten.where.self", lambda: (mask(6, 1), f(6, 6), f(6))),
+    "pow": _c("aten.pow.Tensor_Tensor", lambda: (pos(6, 6), f(1, 6))),
+    "minimum": _c("aten.minimum.default", lambda: (f(6, 6), f(6, 6))),
+    "lerp": _c("aten.lerp.Tensor", lambda: (f(6, 6), f(6, 6), pos(6))),
+}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", list(TAGGED))
+def test_an_op_torch_tags_pointwise_splits_as_one(name, n):
+    """Not in the table, yet split: torch's `pointwise` tag gives the rule,
+    each of whose signatures computes the logical result; a random op with
+    the tag (rrelu) stays whole."""
+    case = TAGGED[name]
+    assert case.kind not in SBP and tagged_pointwise(case.kind)
+    args, whole, sigs = _signatures(case, n)
+    assert any(isinstance(s, Shard) for sig in sigs for s in sig.outs), sigs
+    for sig in sigs:
+        check_signature(case, args, whole, sig, n)
+    assert not tagged_pointwise("aten.rrelu.default") and \
+        rule_for("aten.rrelu.default").sbp(_walk((f(6, 6),), TensorMeta.of), {},
+                                           (TensorMeta.of(f(6, 6)),), n) == [SbpSig((R,), (R,))]
+
+
+# The generic vjp of a forward kind `splits_its_vjp`: its signatures from the forward's
+VJPS = {"erf": (TAGGED["erf"], (0,)), "pow": (TAGGED["pow"], (0, 1)),
+        "gather": (CASES["gather"], (0,)), "stack": (CASES["stack"], (0, 1, 2)),
+        "rms_norm": (CASES["rms_norm"], (0, 1)), "conv1d": (CASES["conv1d"], (0, 1, 2)),
+        "mse_loss": (CASES["mse_loss_each"], (0, 1)),
+        "broadcast_tensors": (CASES["broadcast_tensors"], (0, 1, 2))}
+
+
+def _vjp_case(name: str) -> Case:
+    fwd, wrt = VJPS[name]
+    torch.manual_seed(zlib.crc32(name.encode()))
+    args = fwd.make()
+    out = _outputs(rule_for(fwd.kind).kernel(*_walk(args, torch.clone), **dict(fwd.kw)))
+    gouts = tuple(f(*o.shape) for o in out)
+    return _c(VJP, lambda: (fwd.kind, args, tuple(fwd.kw), gouts, wrt), tol=1e-9)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", list(VJPS))
+def test_a_generic_vjp_splits_as_its_forward(name, n):
+    """Each of its signatures gives the logical gradients: a split input's
+    shard, a broadcast one's Partial share."""
+    case = _vjp_case(name)
+    args, whole, sigs = _signatures(case, n)
+    assert len(sigs) > 1, sigs
     for sig in sigs:
         check_signature(case, args, whole, sig, n)
 

@@ -166,7 +166,7 @@ class ReadTwice(nn.Module):
             x = x + b["fc2"](torch.tanh(b["fc1"](x)))
             if i == 3:
                 x = x @ self.blocks[0]["fc2"].weight[:, :8].t()
-        return nn.functional.mse_loss(x, y)
+        return nn.functional.mse_loss(x.cumsum(-1), y)  # the features whole
 
 
 def _read_twice_job():
