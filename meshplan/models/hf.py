@@ -6,7 +6,9 @@ Invariants:
   `ModelConfig`'s sizes, random weights (the global RNG, as zoo models),
   every dropout `ModelConfig.dropout` (0 unless asked), and nothing
   downloaded: `transformers` is an optional extra (`pip install -e
-  '.[hf]'`), imported only when such a model is asked for.
+  '.[hf]'`), imported only when such a model is asked for. The sizes go
+  under the common names here, under a config's own structure
+  (`block_sizes`, SSM heads, ...) in `hf_sizes`.
 - The module is `HFLoss(model)`: `forward(input_ids, labels)` returns the
   model's own `.loss`, so it captures like a zoo model. A type is trained
   as one task (`task_of`): a causal LM takes labels equal to the inputs
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from meshplan.errors import ConfigError
+from meshplan.models import hf_sizes
 
 PREFIX = "hf:"
 # The model types tests/models/test_hf_families.py trains equal to eager
@@ -47,12 +50,15 @@ TESTED = (
     "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "codegen", "ctrl", "biogpt", "bloom",
     "falcon", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite",
     "glm", "internlm3", "phi", "phi3", "olmo", "bitnet", "lfm2", "mamba", "cpmant",
-    "xlm", "hrm_text",
+    "xlm", "hrm_text", "cohere_compass_text", "gemma4_unified",
+    # config fields under their own names (models/hf_sizes.py)
+    "lfm2_moe", "longcat_flash",
     # torch.autograd.Functions with their own backward (kept whole by capture)
     "recurrent_gemma", "yoso",
     # masked LMs
     "bert", "albert", "distilbert", "electra", "roberta", "xlm-roberta", "camembert",
-    "deberta-v2", "megatron-bert", "modernbert", "data2vec-text", "esm",
+    "deberta-v2", "megatron-bert", "modernbert", "data2vec-text", "esm", "esmc", "funnel",
+    "mobilebert", "squeezebert",
     # encoder-decoders
     "bart", "mbart", "t5", "marian", "pegasus", "m2m_100", "longt5",
     # mixtures of experts (transformers' grouped matmul; experts replicated over tp)
@@ -218,7 +224,7 @@ def hf_config(cfg):
                           f"tested: {', '.join(TESTED[:3])}, ... (README)")
     cls = tf.CONFIG_MAPPING[model_type]
     try:
-        return cls(**_fields(cls(), cfg))
+        return cls(**hf_sizes.quirks(model_type, _fields(cls(), cfg), cfg))
     except Exception as e:  # noqa: BLE001 - one line for any config that will not take ours
         raise _unbuildable(cfg, e) from None
 
@@ -239,15 +245,19 @@ def _fields(probe, cfg) -> dict:
                          (("max_position_embeddings", "n_positions"), cfg.seq_len),
                          (("vocab_size",), cfg.vocab)):
         name = next((n for n in names if hasattr(probe, n)), names[0])
-        kw[name] = value
+        # under the field's own name: an alias is set after __post_init__ derives from it
+        name = getattr(probe, "attribute_map", {}).get(name, name)  # (DBRX's experts' width)
+        if hf_sizes.settable(probe, name):  # else derived from fields sized below
+            kw[name] = value
     if getattr(probe, "is_encoder_decoder", False):  # the encoder and the decoder alike
-        for names, value in (
-                (("encoder_layers", "decoder_layers", "num_layers", "num_decoder_layers"),
-                 cfg.layers),
-                (("encoder_attention_heads", "decoder_attention_heads", "num_heads"), cfg.heads),
+        for stacks, value in (
+                (("encoder_layers", "decoder_layers", "num_layers", "num_encoder_layers",
+                  "num_decoder_layers"), cfg.layers),
+                (("encoder_attention_heads", "decoder_attention_heads", "num_heads",
+                  "num_encoder_attention_heads", "num_decoder_attention_heads"), cfg.heads),
                 (("encoder_ffn_dim", "decoder_ffn_dim", "d_ff"), 4 * cfg.hidden),
                 (("d_model",), cfg.hidden), (("d_kv",), cfg.hidden // cfg.heads)):
-            kw.update({n: value for n in names if hasattr(probe, n)})
+            kw.update({n: value for n in stacks if hasattr(probe, n)})
         if getattr(probe, "decoder_start_token_id", None) is None:  # T5: the decoder starts
             kw["decoder_start_token_id"] = getattr(probe, "pad_token_id", None) or 0  # at pad
         if getattr(probe, "pad_token_id", 0) is None:  # EncoderDecoderModel's: what shifting
@@ -265,10 +275,11 @@ def _fields(probe, cfg) -> dict:
     kw.update(_dropouts(probe, cfg))
     kw["tie_word_embeddings"] = cfg.tie_embeddings
     kw.update(_per_layer(probe, cfg.layers))
+    kw.update(hf_sizes.fields(probe, cfg))
     base = _transformers().PreTrainedConfig
     for name, sub in vars(probe).items():  # gemma3's text_config, t5gemma's encoder, ...
         if isinstance(sub, base):
-            kw[name] = sub.to_dict() | _fields(sub, cfg)
+            kw[name] = hf_sizes.sub_dict(sub) | _fields(sub, cfg)
     for token in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
         if isinstance(getattr(probe, token, None), int) and getattr(probe, token) >= cfg.vocab:
             kw[token] = cfg.vocab - 1
@@ -320,7 +331,9 @@ def _width(name: str, v: int | None, probe, cfg) -> int | None:
     ranks and its rotary part of a head), experts, vocabularies."""
     head = cfg.hidden // cfg.heads
     if name == "head_dim":
-        return None if hasattr(probe, "qk_rope_head_dim") else head  # MLA derives it
+        if hasattr(probe, "qk_rope_head_dim"):  # MLA derives it, but for longcat_flash's,
+            return head // 2 if v == probe.qk_rope_head_dim else None  # its rotary part
+        return head
     if "intermediate_size" in name:
         return 4 * cfg.hidden
     if name.endswith("lora_rank"):
@@ -335,7 +348,7 @@ def _width(name: str, v: int | None, probe, cfg) -> int | None:
         return _EXPERTS[name]
     if name.endswith("vocab_size") or name.startswith("vocab_size"):
         return cfg.vocab  # fsmt's src_vocab_size, gemma3n's per-layer vocabulary
-    return None
+    return hf_sizes.width(name, v, probe, cfg)
 
 
 def _per_layer(probe, layers: int) -> dict:
@@ -347,7 +360,7 @@ def _per_layer(probe, layers: int) -> dict:
         return {}
     out: dict = {}
     for name, v in vars(probe).items():
-        if isinstance(v, (list, tuple)) and len(v) == n and n > 1:
+        if isinstance(v, (list, tuple)) and len(v) == n and n > 1 and not hf_sizes.index_list(v):
             out[name] = type(v)(v[round(i * (n - 1) / max(1, layers - 1))]
                                 for i in range(layers))
         elif isinstance(v, dict) and v and all(isinstance(k, int) for k in v):

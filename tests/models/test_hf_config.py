@@ -16,6 +16,7 @@ from meshplan.models import (  # noqa: E402
     build_model,
     example_batch,
     hf,  # noqa: E402
+    hf_sizes,  # noqa: E402
     model_config,
 )
 
@@ -104,3 +105,92 @@ def test_an_encoder_decoder_with_no_pad_token_gets_one():
     conf = hf.hf_config(model_config("hf:encoder-decoder", "tiny"))
     assert (conf.pad_token_id, conf.decoder_start_token_id) == (0, 0)
     assert hf.hf_config(model_config("hf:bart", "tiny")).pad_token_id == 1  # its own kept
+
+
+# models/hf_sizes.py: configs whose fields do not follow the common names
+
+
+def test_a_layer_count_derived_from_other_fields_is_set_through_them():
+    """funnel's and prophetnet's `num_hidden_layers` and XLNet's positions are
+    properties whose setter raises: ours go to the fields they come from."""
+    tiny = model_config("hf:gpt2", "tiny")
+    funnel = hf.hf_config(model_config("hf:funnel", "tiny"))
+    assert list(funnel.block_sizes) == [2, 1, 1] and funnel.num_hidden_layers == tiny.layers
+    assert (funnel.d_head, funnel.d_inner) == (16, 256)
+    prophet = hf.hf_config(model_config("hf:prophetnet", "tiny"))
+    assert (prophet.num_encoder_layers, prophet.num_decoder_layers) == (4, 4)
+    assert (prophet.num_encoder_attention_heads, prophet.num_decoder_attention_heads) == (4, 4)
+    xlnet = hf.hf_config(model_config("hf:xlnet", "tiny"))
+    assert (xlnet.d_model, xlnet.d_head, xlnet.d_inner) == (64, 16, 256)
+
+
+def test_an_aliased_size_is_set_under_its_own_name():
+    """DBRX derives its experts' width from `d_model` before it applies the
+    `hidden_size` alias: set by the alias, the experts kept 2048."""
+    conf = hf.hf_config(model_config("hf:dbrx", "tiny"))
+    assert conf.d_model == conf.ffn_config.hidden_size == 64
+    assert conf.ffn_config.ffn_hidden_size == 256
+    # hf_sizes.QUIRKS: what DbrxAttentionConfig lacks, and a clip the default makes raise
+    assert (conf.attn_config.rope_theta, conf.attn_config.clip_qkv) == (10000.0, 8.0)
+
+
+def test_embeddings_keep_their_share_of_the_width():
+    """SqueezeBERT's embeddings are as wide as its layers; MobileBERT's and its
+    bottleneck a quarter (its LM head is as wide as the difference)."""
+    assert hf.hf_config(model_config("hf:squeezebert", "tiny")).embedding_size == 64
+    mobile = hf.hf_config(model_config("hf:mobilebert", "tiny"))
+    assert (mobile.embedding_size, mobile.intra_bottleneck_size) == (16, 16)
+    assert hf.hf_config(model_config("hf:albert", "tiny")).embedding_size == 128  # as before
+
+
+def test_ssm_heads_span_the_expanded_width():
+    conf = hf.hf_config(model_config("hf:mamba2", "tiny"))
+    assert conf.num_heads == 4 and conf.num_heads * conf.head_dim == conf.expand * 64
+    assert conf.num_heads % conf.n_groups == 0
+
+
+def test_axial_positions_multiply_to_the_sequence():
+    cfg = model_config("hf:reformer", "tiny")
+    conf = hf.hf_config(cfg)
+    assert conf.axial_pos_shape[0] * conf.axial_pos_shape[1] == cfg.seq_len
+    assert sum(conf.axial_pos_embds_dim) == 64 and conf.is_decoder  # QUIRKS: its LM head's
+    assert cfg.seq_len % conf.local_attn_chunk_length == 0
+
+
+def test_fields_left_to_the_checkpoint_get_defaults():
+    """lfm2_moe's `layer_types` (None): attention everywhere, as lfm2's;
+    Cohere Compass's `rope_parameters` ({}): default RoPE per layer kind."""
+    assert hf.hf_config(model_config("hf:lfm2_moe", "tiny")).layer_types == ["full_attention"] * 4
+    conf = hf.hf_config(model_config("hf:cohere_compass_text", "tiny"))
+    assert set(conf.rope_parameters) == set(conf.layer_types)
+    assert all(p["rope_theta"] == 10000.0 for p in conf.rope_parameters.values())
+
+
+def test_a_list_of_source_layers_is_derived_at_our_depth():
+    assert hf_sizes.index_list([0, 1, 2, 2, 4]) and not hf_sizes.index_list([0, 1, 2, 3])
+    assert not hf_sizes.index_list([1, 1, 0, 1])  # llama4's no-RoPE flags
+    conf = hf.hf_config(model_config("hf:kolibri1_1", "tiny"))
+    sources = conf.kv_source_layers
+    assert len(sources) == 4 and all(s <= i for i, s in enumerate(sources))
+    assert conf.index_num_heads <= conf.num_attention_heads // conf.num_key_value_heads
+
+
+def test_a_sub_config_derives_its_per_layer_overrides_at_our_depth():
+    """Gemma 4's text_config: overrides keyed by the default's 30 layers."""
+    text = hf.hf_config(model_config("hf:gemma4", "tiny")).text_config
+    assert text.num_hidden_layers == 4 and text.layer_types[-1] == "full_attention"
+    assert {int(k) for k in text.to_dict()["per_layer_config"]} == {3}  # its full layer
+    assert "per_layer_config" not in hf_sizes.sub_dict(text)
+
+
+def test_per_type_quirks():
+    assert hf.hf_config(model_config("hf:esmc", "tiny")).num_key_value_heads == 4
+    zamba = hf.hf_config(model_config("hf:zamba", "tiny", layers=6))
+    assert zamba.layers_block_type.count("hybrid") == 3  # one block tied across several
+
+
+def test_a_rotary_head_dim_beside_latent_attention_follows_its_rotary_part():
+    """longcat_flash's `head_dim` is the width its RoPE rotates, MLA's
+    `qk_rope_head_dim` (64 and 64 by default)."""
+    conf = hf.hf_config(model_config("hf:longcat_flash", "tiny"))
+    assert conf.head_dim == conf.qk_rope_head_dim == 8
