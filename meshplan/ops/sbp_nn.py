@@ -53,6 +53,27 @@ def matmul(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     return sigs + [replicated(2, 1)]
 
 
+def einsum(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """einsum(equation, operands): a letter of the output split on every
+    operand holding it (whole on the others) splits the output; a letter
+    summed away, split on every operand holding it, gives a Partial. A
+    letter whose sizes differ (broadcast) or an ellipsis: whole."""
+    ts = tensors((args, kwargs))
+    eq = args[0].replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return [replicated(len(ts), 1)]
+    ins, out = eq.split("->")
+    terms = ins.split(",")
+    sigs = []
+    for letter in dict.fromkeys(ins):
+        sizes = {t.shape[term.index(letter)] for t, term in zip(ts, terms) if letter in term}
+        if len(sizes) != 1 or sizes.pop() < 2:
+            continue
+        layout = tuple(Shard(term.index(letter)) if letter in term else R for term in terms)
+        sigs.append(SbpSig(layout, (Shard(out.index(letter)) if letter in out else P,)))
+    return sigs + [replicated(len(ts), 1)]
+
+
 def addmm(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     return [SbpSig((R, Shard(0), R), (Shard(0),)), replicated(3, 1)]
 

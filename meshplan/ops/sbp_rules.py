@@ -292,3 +292,62 @@ def leading_dims(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     sigs = [SbpSig((Shard(d),) + w, (Shard(d),) * len(outs))
             for d in range(lead) if x.shape[d] > 1]
     return sigs + [replicated(len(ts), len(outs))]
+
+
+def select_backward(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """select_backward(g, sizes, dim, index): g is the output without `dim`;
+    any other dim may be split on both. Linear in g."""
+    nd = len(out_meta(outs).shape)
+    dim = norm_dim(args[2], nd)
+    sigs = [SbpSig((Shard(d - (d > dim)),), (Shard(d),)) for d in range(nd)
+            if d != dim and out_meta(outs).shape[d] > 1]
+    return sigs + [SbpSig((P,), (P,)), replicated(1, 1)]
+
+
+def padded(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """pad / constant_pad_nd(x, pad, ...): `pad` holds (before, after) pairs
+    from the last dim back; a dim padded by neither may be split."""
+    (x,) = tensors(args[:1])
+    nd, pad = len(x.shape), args[1]
+    grown = {nd - 1 - i // 2 for i in range(len(pad)) if pad[i]}
+    sigs = [SbpSig((Shard(d),), (Shard(d),)) for d in range(nd)
+            if d not in grown and x.shape[d] > 1]
+    return sigs + [replicated(1, 1)]
+
+
+def scatter_value(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """scatter(x, dim, index, value): a dim other than `dim` may be split on
+    x and the index where they are equal (each rank writes its own rows)."""
+    x, index = tensors((args, kwargs))
+    nd = len(x.shape)
+    dim = norm_dim(args[1], nd)
+    sigs = [SbpSig((Shard(d), Shard(d)), (Shard(d),)) for d in range(nd)
+            if d != dim and x.shape[d] > 1 and x.shape[d] == index.shape[d]]
+    return sigs + [replicated(2, 1)]
+
+
+def repeat_interleave(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """repeat_interleave(x, repeats: int, dim): along `dim` (None: the
+    flattened input, so whole)."""
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim is None:
+        return [replicated(1, 1)]
+    return along_dim(2)(args, kwargs, outs, n)
+
+
+def baddbmm(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """baddbmm(x, b1, b2) = beta x + alpha b1 @ b2, x broadcast to the
+    product's [batch, rows, cols]: the batch split on all, the rows on b1,
+    the columns on b2; x split where it has the dim, else whole."""
+    x, b1, b2 = tensors((args, kwargs))
+    out = (b1.shape[0], b1.shape[1], b2.shape[2])
+
+    def on_x(d: int):
+        j = d - (3 - len(x.shape))
+        return Shard(j) if j >= 0 and x.shape[j] == out[d] else R
+
+    sigs = []
+    for d, (s1, s2) in enumerate(((Shard(0), Shard(0)), (Shard(1), R), (R, Shard(2)))):
+        if out[d] > 1:
+            sigs.append(SbpSig((on_x(d), s1, s2), (Shard(d),)))
+    return sigs + [replicated(3, 1)]

@@ -65,7 +65,8 @@ SBP: dict[str, SbpRule] = {
     **{f"aten.{k}": r.pointwise() for k in (
         "ne.Scalar", "eq.Scalar", "lt.Scalar", "le.Scalar", "gt.Scalar", "ge.Scalar",
         "clamp.default", "clamp_min.default", "clamp_max.default", "abs.default")},
-    **{f"aten.{k}.default": r.meta_only for k in ("new_zeros", "new_ones", "new_full")},
+    **{f"aten.{k}.default": r.meta_only for k in ("new_zeros", "new_ones", "new_full",
+                                                   "new_empty")},
     "aten.one_hot.default": r.keeps_dims,
     "aten.topk.default": r.along_dim(2, default_dim=-1, linear=False),
     "aten.cumsum.default": r.along_dim(1),
@@ -85,6 +86,9 @@ SBP: dict[str, SbpRule] = {
     "aten.chunk.default": r.along_dim(2),
     "aten.unbind.int": r.along_dim(1, removes_dim=True),
     "aten.cat.default": r.along_dim(1),
+    "aten.concatenate.default": r.along_dim(1),
+    "aten.scatter.value": r.scatter_value,
+    "aten.repeat_interleave.self_int": r.repeat_interleave,
     "aten.stack.default": r.stack,
     "aten.broadcast_tensors.default": r.broadcast,
     "aten.mse_loss.default": r.elementwise_loss,
@@ -94,6 +98,10 @@ SBP: dict[str, SbpRule] = {
     "aten.select.int": r.along_dim(1, removes_dim=True),
     "aten.slice_backward.default": r.along_dim(2),
     "aten.slice_scatter.default": r.along_dim(2),
+    "aten.select_backward.default": r.select_backward,
+    "aten.tensor_split.indices": r.along_dim(2),
+    "aten.pad.default": r.padded,
+    "aten.constant_pad_nd.default": r.padded,
     "aten.select_scatter.default": r.select_scatter,
     "aten.copy.default": r.pointwise((1,)),  # the output is src, broadcast
     "aten.masked_fill.Scalar": r.pointwise(),
@@ -108,6 +116,8 @@ SBP: dict[str, SbpRule] = {
     "aten.mean.dim": r.reduction("mean"),
     "aten.amax.default": r.reduction("max"),
     "aten.linear.default": nn.linear,
+    "aten.baddbmm.default": r.baddbmm,
+    "aten.einsum.default": nn.einsum,
     "aten.mm.default": nn.matmul,
     "aten.bmm.default": nn.matmul,
     "aten.matmul.default": nn.matmul,
@@ -150,7 +160,10 @@ SPLIT_VJP = frozenset({
     "aten.gather.default", "aten.sort.default", "aten.conv1d.default", "aten.rms_norm.default",
     "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar",
     "aten.log_sigmoid.default", "aten.multiply.Tensor", "aten.broadcast_tensors.default",
-    "aten.mse_loss.default"})
+    "aten.mse_loss.default", "aten.tensor_split.indices", "aten.pad.default",
+    "aten.constant_pad_nd.default", "aten.concatenate.default", "aten.scatter.value",
+    "aten.repeat_interleave.self_int", "aten.baddbmm.default", "aten.einsum.default",
+    "aten.cumsum.default"})
 _POINTWISE = r.pointwise()
 
 

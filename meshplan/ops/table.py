@@ -138,6 +138,7 @@ _SHAPE_ARGS = {
     "aten._unsafe_view.default": ((1, 0),),
     "aten.expand.default": ((1, 0),),
     "aten.new_zeros.default": ((1, 0),),
+    "aten.new_empty.default": ((1, 0),),
     "aten.slice_backward.default": ((1, 0),),
     "aten.select_backward.default": ((1, 0),),
     "aten.zeros.default": ((0, 0),),
@@ -149,6 +150,9 @@ _NONDIFF = {
     "aten.arange.start", "aten.arange.default", "aten.zeros_like.default",
     "aten.ones_like.default", "aten.full_like.default", "aten.eq.Tensor", "aten.ne.Scalar",
     "aten.argmax.default", "aten.detach.default", "aten.lift_fresh_copy.default",
+    # read only their input's dtype and device
+    "aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
+    "aten.new_empty.default",
     nn.GROUPED_MM_BACKWARD,  # a gradient op: never differentiated itself
 }
 # Ops with float outputs that carry no gradient: the outputs that do (nll_loss's
