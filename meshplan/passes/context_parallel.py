@@ -31,9 +31,10 @@ Invariants:
   for its forward and again for its backward (`gathered_keys`, boxing's
   regather), so between the two a rank keeps only its own rows.
 - A model whose attention cannot compute on a split over cp (no
-  `scaled_dot_product_attention` at all, or one replicated over cp: a
-  causal one with grouped-query heads, which SDPA runs only whole) gains
-  nothing from cp: one ConfigError line naming the op and its module.
+  `scaled_dot_product_attention` at all, or one whose queries arrive
+  whole: an op before it with no split rule) gains nothing from cp: one
+  ConfigError line naming the attention and the op that took the split
+  whole.
 """
 
 from __future__ import annotations
@@ -157,9 +158,30 @@ def check_attention_split(graph: Graph, sigs: dict, cp_axis: int, cp: int,
                 raise ConfigError(f"--cp {cp} does not divide the sequence's {seq} tokens, so "
                                   f"the attention in {where} would run whole on every cp rank; "
                                   f"choose --cp among {', '.join(map(str, ok[:8]))}")
-            raise ConfigError(f"--cp {cp}: the attention {op.kind} in {where} cannot compute on "
-                              "a split of the sequence (a causal one with grouped-query heads "
-                              "runs only whole); use --cp 1")
+            raise ConfigError(f"--cp {cp}: the attention {op.kind} in {where} gets its queries "
+                              f"whole{_whole_at(graph, sigs, cp_axis, op)}, so it cannot "
+                              "compute on a split of the sequence; use --cp 1")
+
+
+def _whole_at(graph: Graph, sigs: dict, axis: int, attention) -> str:
+    """Where the queries of `attention` became whole: the op nearest before
+    it, on their way back, that takes a split input whole (its rule has no
+    split for it), as a clause for the error line; "" if none."""
+    made = {o: (op, i) for op in graph.ops if op.id in sigs for i, o in enumerate(op.outputs)}
+    todo, seen = [attention.refs()[0]], set()
+    while todo:
+        v = todo.pop(0)
+        if v in seen or v not in made:
+            continue
+        seen.add(v)
+        op, _ = made[v]
+        for r, need in zip(op.refs(), sigs[op.id][axis].ins):
+            prev = made.get(r)
+            if prev and isinstance(sigs[prev[0].id][axis].outs[prev[1]], Shard) and \
+                    not isinstance(need, Shard):
+                return f" ({op.kind} in {op.module_path or 'the model'} runs whole)"
+            todo.append(r)
+    return ""
 
 
 def ring_note(graph: Graph, sigs: dict, cp_axis: int) -> tuple[str, ...]:

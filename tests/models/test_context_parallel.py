@@ -322,3 +322,31 @@ def test_a_model_reading_neighbouring_positions_stays_in_order_and_says_so():
     _, s, job = _job("hf:llama", dict(cp=2))
     assert job.strategy.cp_balance is False
     assert any(n.startswith("cp: the sequence is split in order") for n in job.notes)
+
+
+class Flipped(torch.nn.Module):
+    """Attention with a causal mask (transformers' form) between two
+    reversals (`flip`, an op with no split rule: it runs whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids).flip(1)
+        q, k, v = self.qkv(h).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).flip(2)
+        out = self.head(a.transpose(1, 2).reshape(*ids.shape, 16))
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())
+
+
+def test_attention_whose_queries_arrive_whole_names_the_op_that_made_them_whole():
+    import meshplan.api as mp
+
+    ids = torch.randint(0, 32, (2, 16))
+    graph = mp.capture(Flipped(), (ids, ids))
+    with pytest.raises(ConfigError) as e:
+        mp.plan(graph, Mesh(1, 2), mp.Strategy(cp=2, global_batch_size=2, micro_batch_size=2))
+    assert "\n" not in str(e.value) and "gets its queries whole (aten.flip.default" in str(e.value)
