@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 from meshplan.autodiff import OptimizerConfig  # noqa: E402
 from meshplan.driver.plan import plan_model, zoo_strategy  # noqa: E402
 from meshplan.driver.verify import against_eager  # noqa: E402
+from meshplan.ir.kinds import ALL_GATHER  # noqa: E402
 from meshplan.ir.mesh import Mesh  # noqa: E402
 from meshplan.models import build_model, example_batch, model_config  # noqa: E402
 from meshplan.models.hf import SPLIT_TESTED, TESTED, attention_of  # noqa: E402
@@ -28,7 +29,8 @@ from meshplan.runtime.local import run_local  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYOUTS = {"1rank": (1, {}), "tp2": (2, dict(tp=2, micro_batch_size=4)),
            "tp2pp2": (4, dict(tp=2, pp=2, micro_batch_size=2)),
-           "pp4": (4, dict(pp=4, micro_batch_size=2))}
+           "pp4": (4, dict(pp=4, micro_batch_size=2)),
+           "dp2": (2, dict(dp=2, micro_batch_size=2))}
 STEPS = 2
 
 
@@ -61,7 +63,10 @@ CASES = [pytest.param(t, ONE_RANK.get(t, "1rank"), id=f"{t}-1rank") for t in TES
     for t in SPLIT_TESTED] + [
     # the encoder's output (and masks) go from stage 1 to both decoder stages, 2 and 3:
     # one stage sending a micro-batch to two (the executor once sent both at the first)
-    pytest.param(t, "pp4", id=f"{t}-pp4") for t in ("bart", "t5")]
+    pytest.param(t, "pp4", id=f"{t}-pp4") for t in ("bart", "t5")] + [
+    # ops that once gathered dp's batch whole (ESM's type_as and erf, Mamba's
+    # scan of selects, BLOOM's alibi baddbmm): the batch stays split
+    pytest.param(t, "dp2", id=f"{t}-dp2") for t in ("esm", "mamba", "bloom")]
 
 
 @pytest.mark.parametrize("model_type, layout", CASES)
@@ -70,6 +75,8 @@ def test_family_trains_as_eager(model_type, layout):
     assert verdict["ok"], verdict["problems"]
     assert verdict["max_abs_diff"] <= 1e-5
     assert verdict["params"] and all(d["ok"] for d in verdict["params"].values())
+    if layout == "dp2":
+        assert not [op.module_path for op in job.graph.ops if op.kind == ALL_GATHER]
     if attention_of(cfg) == "eager":  # bloom: no SDPA kernel in transformers
         assert any("eager implementation" in n for n in job.notes), job.notes
 
