@@ -37,6 +37,9 @@ _FP32 = (
     "aten.cumsum.default", "aten.exp.default", "aten.log.default", "aten.pow.Tensor_Scalar",
     "aten.rsqrt.default", "aten.var.correction", "aten.var_mean.correction",
     "aten.norm.ScalarOpt_dim", "aten.linalg_vector_norm.default", "aten.cdist.default",
+    # not autocast's: complex numbers have no bf16 (a model's `.float()` before
+    # it is an identity in the fp32 capture, so it is lost: DeepSeek-V2's rotary)
+    "aten.view_as_complex.default",
 )
 PRECISION: dict[str, OpPrecision] = ({k: OpPrecision.LOW for k in _LOW}
                                      | {k: OpPrecision.FP32 for k in _FP32})

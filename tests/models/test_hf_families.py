@@ -138,3 +138,16 @@ def test_planted_export_alone_trains_yoso_wrong(monkeypatch, tmp_path):
     monkeypatch.setattr(torch_export, "kept_whole", nullcontext)
     _, verdict, _ = train("yoso", "1rank")
     assert not verdict["ok"]
+
+
+def test_deepseek_v2_trains_under_bf16_as_eager_autocast(capsys):
+    """Its rotary takes `xq.float()` before `view_as_complex`; the fp32
+    capture drops that cast (it changes nothing there), so bf16 planning
+    once asked for the complex view of a bf16 tensor, which torch refuses:
+    `view_as_complex` computes in fp32 (`ops/policy.py`)."""
+    from meshplan.cli.main import main
+
+    code = main(["verify", "--hf", "deepseek_v2", "--precision", "bf16", "--steps", "2",
+                 "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and '"ok": true' in out, out[-2000:]
