@@ -57,7 +57,7 @@ def einsum(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """einsum(equation, operands): a letter of the output split on every
     operand holding it (whole on the others) splits the output; a letter
     summed away, split on every operand holding it, gives a Partial. A
-    letter whose sizes differ (broadcast) or an ellipsis: whole."""
+    letter whose sizes differ (broadcast), a diagonal or an ellipsis: whole."""
     ts = tensors((args, kwargs))
     eq = args[0].replace(" ", "")
     if "..." in eq or "->" not in eq:
@@ -65,10 +65,10 @@ def einsum(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     ins, out = eq.split("->")
     terms = ins.split(",")
     sigs = []
-    for letter in dict.fromkeys(ins):
+    for letter in dict.fromkeys(ins.replace(",", "")):
         sizes = {t.shape[term.index(letter)] for t, term in zip(ts, terms) if letter in term}
-        if len(sizes) != 1 or sizes.pop() < 2:
-            continue
+        if len(sizes) != 1 or sizes.pop() < 2 or any(term.count(letter) > 1 for term in terms):
+            continue  # broadcast, a dim of 1, or a diagonal (a letter twice in one operand)
         layout = tuple(Shard(term.index(letter)) if letter in term else R for term in terms)
         sigs.append(SbpSig(layout, (Shard(out.index(letter)) if letter in out else P,)))
     return sigs + [replicated(len(ts), 1)]

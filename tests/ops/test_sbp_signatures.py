@@ -216,6 +216,7 @@ CASES: dict[str, Case] = {
     "einsum_three": _c("aten.einsum.default",
                        lambda: ("bc,cd,bd->b", (f(6, 4), f(4, 6), f(6, 6)))),
     "einsum_bcast": _c("aten.einsum.default", lambda: ("ij,kj->ik", (f(6, 1), f(4, 6)))),
+    "einsum_diagonal": _c("aten.einsum.default", lambda: ("bii,bj->bij", (f(6, 4, 4), f(6, 6)))),
     "einsum_ellipsis": _c("aten.einsum.default", lambda: ("...d,d->...", (f(6, 4), f(4)))),
     "concatenate": _c("aten.concatenate.default", lambda: ((f(6, 4), f(6, 2)), 1)),
     "scatter_value": _c("aten.scatter.value", lambda: (f(6, 6, 4), 2, ints(4, 6, 6, 2), 1.0)),
