@@ -10,7 +10,7 @@ from typing import Callable
 
 from meshplan.ir import TensorMeta
 from meshplan.ir.choices import KernelVariant
-from meshplan.ir.sbp import Partial, Shard
+from meshplan.ir.sbp import Partial, Sbp, Shard
 from meshplan.ops.sbp_sig import (
     Outs,
     P,
@@ -342,12 +342,51 @@ def baddbmm(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     x, b1, b2 = tensors((args, kwargs))
     out = (b1.shape[0], b1.shape[1], b2.shape[2])
 
-    def on_x(d: int):
+    def on_x(d: int) -> Sbp:
         j = d - (3 - len(x.shape))
         return Shard(j) if j >= 0 and x.shape[j] == out[d] else R
 
     sigs = []
-    for d, (s1, s2) in enumerate(((Shard(0), Shard(0)), (Shard(1), R), (R, Shard(2)))):
+    pairs: tuple[tuple[Sbp, Sbp], ...] = ((Shard(0), Shard(0)), (Shard(1), R), (R, Shard(2)))
+    for d, (s1, s2) in enumerate(pairs):
         if out[d] > 1:
             sigs.append(SbpSig((on_x(d), s1, s2), (Shard(d),)))
     return sigs + [replicated(3, 1)]
+
+
+def last_two(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """tril / triu: a mask over the last two dims; the dims before them may
+    be split. Linear."""
+    (x,) = tensors(args[:1])
+    sigs = [SbpSig((Shard(d),), (Shard(d),)) for d in range(len(x.shape) - 2) if x.shape[d] > 1]
+    return sigs + [SbpSig((P,), (P,)), replicated(1, 1)]
+
+
+def reduces_whole(dims_at: int, keep_at: int) -> SbpRule:
+    """A reduction no Partial finishes (a norm, logsumexp, max with its
+    index, var): the dims it keeps may be split, the reduced ones not.
+    `dims_at`, `keep_at`: the positions of its dims and keepdim arguments
+    (their keyword names `dim`, `keepdim` too); no dims: all of them."""
+
+    def rule(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+        (x,) = tensors(args[:1])
+        nd = len(x.shape)
+        dims = args[dims_at] if len(args) > dims_at else kwargs.get("dim")
+        dims = tuple(range(nd)) if dims in (None, ()) else (
+            (dims,) if isinstance(dims, int) else tuple(dims))
+        dims = {norm_dim(d, nd) for d in dims}
+        keep = bool(args[keep_at]) if len(args) > keep_at else bool(kwargs.get("keepdim"))
+        sigs = [SbpSig((Shard(d),), (Shard(d if keep else d - sum(r < d for r in dims)),)
+                       * len(outs)) for d in range(nd) if d not in dims and x.shape[d] > 1]
+        return sigs + [replicated(1, len(outs))]
+
+    return rule
+
+
+def complex_view(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """view_as_complex (the last dim, of 2, becomes the value) and
+    view_as_real (a last dim of 2 appears): the other dims may be split."""
+    (x,) = tensors(args[:1])
+    last = len(x.shape) - (not x.dtype.name.startswith("complex"))
+    sigs = [SbpSig((Shard(d),), (Shard(d),)) for d in range(last) if x.shape[d] > 1]
+    return sigs + [replicated(1, 1)]

@@ -115,6 +115,15 @@ SBP: dict[str, SbpRule] = {
     "aten.mean.default": r.reduction("mean"),
     "aten.mean.dim": r.reduction("mean"),
     "aten.amax.default": r.reduction("max"),
+    "aten.linalg_vector_norm.default": r.reduces_whole(2, 3),
+    "aten.logsumexp.default": r.reduces_whole(1, 2),
+    "aten.max.dim": r.reduces_whole(1, 2),
+    "aten.var.correction": r.reduces_whole(1, 3),
+    "aten.tril.default": r.last_two,
+    "aten.triu.default": r.last_two,
+    "aten.expand_as.default": _LINEAR_IN_0,
+    "aten.view_as_complex.default": r.complex_view,
+    "aten.view_as_real.default": r.complex_view,
     "aten.linear.default": nn.linear,
     "aten.baddbmm.default": r.baddbmm,
     "aten.einsum.default": nn.einsum,
@@ -163,7 +172,9 @@ SPLIT_VJP = frozenset({
     "aten.mse_loss.default", "aten.tensor_split.indices", "aten.pad.default",
     "aten.constant_pad_nd.default", "aten.concatenate.default", "aten.scatter.value",
     "aten.repeat_interleave.self_int", "aten.baddbmm.default", "aten.einsum.default",
-    "aten.cumsum.default"})
+    "aten.cumsum.default", "aten.linalg_vector_norm.default", "aten.logsumexp.default",
+    "aten.max.dim", "aten.var.correction", "aten.tril.default", "aten.triu.default",
+    "aten.expand_as.default", "aten.view_as_complex.default", "aten.view_as_real.default"})
 _POINTWISE = r.pointwise()
 
 

@@ -218,6 +218,17 @@ CASES: dict[str, Case] = {
     "einsum_bcast": _c("aten.einsum.default", lambda: ("ij,kj->ik", (f(6, 1), f(4, 6)))),
     "einsum_diagonal": _c("aten.einsum.default", lambda: ("bii,bj->bij", (f(6, 4, 4), f(6, 6)))),
     "einsum_ellipsis": _c("aten.einsum.default", lambda: ("...d,d->...", (f(6, 4), f(4)))),
+    "tril": _c("aten.tril.default", lambda: (f(6, 4, 4), 1)),
+    "triu": _c("aten.triu.default", lambda: (f(6, 6, 4, 4),)),
+    "expand_as": _c("aten.expand_as.default", lambda: (f(6, 1, 4), f(6, 6, 4))),
+    "vector_norm": _c("aten.linalg_vector_norm.default", lambda: (f(6, 6, 4), 2, (-1,), True)),
+    "vector_norm_all": _c("aten.linalg_vector_norm.default", lambda: (f(6, 4),)),
+    "logsumexp": _c("aten.logsumexp.default", lambda: (f(6, 6, 4), (1,))),
+    "max_dim": _c("aten.max.dim", lambda: (f(6, 6, 4), 2, True)),
+    "var": _c("aten.var.correction", lambda: (f(6, 6, 4), (0, 2)), correction=1, keepdim=False),
+    "view_as_complex": _c("aten.view_as_complex.default", lambda: (f(6, 4, 2),)),
+    "view_as_real": _c("aten.view_as_real.default",
+                       lambda: (torch.randn(6, 4, dtype=torch.complex128),)),
     "concatenate": _c("aten.concatenate.default", lambda: ((f(6, 4), f(6, 2)), 1)),
     "scatter_value": _c("aten.scatter.value", lambda: (f(6, 6, 4), 2, ints(4, 6, 6, 2), 1.0)),
     "repeat_interleave": _c("aten.repeat_interleave.self_int", lambda: (f(6, 6, 4), 2, 1)),
@@ -578,7 +589,10 @@ VJPS = {"erf": (TAGGED["erf"], (0,)), "pow": (TAGGED["pow"], (0, 1)),
         "baddbmm": (CASES["baddbmm_bcast"], (0, 1, 2)),
         "repeat_interleave": (CASES["repeat_interleave"], (0,)),
         "scatter_value": (CASES["scatter_value"], (0,)),
-        "einsum": (CASES["einsum_three"], (0, 1, 2)), "cumsum": (CASES["cumsum"], (0,))}
+        "einsum": (CASES["einsum_three"], (0, 1, 2)), "cumsum": (CASES["cumsum"], (0,)),
+        "vector_norm": (CASES["vector_norm"], (0,)), "tril": (CASES["tril"], (0,)),
+        "expand_as": (CASES["expand_as"], (0,)), "logsumexp": (CASES["logsumexp"], (0,)),
+        "view_as_complex": (CASES["view_as_complex"], (0,))}
 
 
 def _vjp_case(name: str) -> Case:
@@ -586,7 +600,7 @@ def _vjp_case(name: str) -> Case:
     torch.manual_seed(zlib.crc32(name.encode()))
     args = fwd.make()
     out = _outputs(rule_for(fwd.kind).kernel(*_walk(args, torch.clone), **dict(fwd.kw)))
-    gouts = tuple(f(*o.shape) for o in out)
+    gouts = tuple(torch.randn(o.shape, dtype=o.dtype) for o in out)
     return _c(VJP, lambda: (fwd.kind, args, tuple(fwd.kw), gouts, wrt), tol=1e-9)
 
 
