@@ -108,8 +108,12 @@ def cast(e: Emits, args: tuple, kw: dict, ctx: Any) -> tuple[Ref, ...]:
     to the dtype they name (`_to_copy`, whose rule splits as its input and
     passes a Partial), or the input itself when it has that dtype already.
     The device is the rank's (capture writes every device as it), and a
-    `type_as`'s other tensor gives only its dtype, so it is no input."""
+    `type_as`'s other tensor gives only its dtype, so it is no input. The IR
+    carries no memory formats (as `clone`): channels_last is one line."""
     x = args[0]
+    if any(isinstance(a, str) and "channels_last" in a for a in (*args, *kw.values())):
+        raise CaptureError("a cast to memory format channels_last is not supported; keep "
+                           "the default layout in the model")
     dtype: Any
     if len(args) > 1 and isinstance(args[1], Ref):  # type_as, to.other
         dtype = e.meta(args[1]).dtype

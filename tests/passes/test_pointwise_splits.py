@@ -94,3 +94,23 @@ def test_esm_at_dp2_gathers_no_activation():
     s = zoo_strategy("hf:esm", cfg, dp=2, global_batch_size=4, micro_batch_size=2)
     job = plan_model("hf:esm", "tiny", mp.Mesh(1, 2), s, "sgd", None).job
     assert not _gathers(job), _gathers(job)
+
+
+class ChannelsLast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x, y):
+        h = self.conv(x).to(x.device, memory_format=torch.channels_last)
+        return nn.functional.mse_loss(h.mean((2, 3)), y)
+
+
+def test_a_cast_to_channels_last_is_one_line():
+    """The IR carries no memory formats (a cast is `_to_copy` or nothing),
+    so a cast asking for one is refused, as `clone` to one is."""
+    from meshplan.errors import CaptureError
+
+    with pytest.raises(CaptureError) as e:
+        mp.capture(ChannelsLast(), (torch.randn(2, 3, 8, 8), torch.randn(2, 4)))
+    assert "\n" not in str(e.value) and "channels_last is not supported" in str(e.value)
