@@ -11,6 +11,7 @@ Invariants:
     R -> P(sum)  local_partial (no communication: the axis's first rank
                keeps the value, the others hold zeros; exact, where DTensor's
                divides by the axis size)
+    S(d) -> P(sum)  all_gather, then local_partial
   Partial axes are reduced first.
 - Across placements: a value Partial across the stages holding copies of a
   shared parameter (its per-stage gradient) becomes Replicate by one
@@ -237,7 +238,9 @@ def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, Sbp]]:
     of a batch split over (dp, ep) must wait for ep's gather; and a step
     that would block a pending outer one waits too. When every pending step
     waits so, the innermost axis that blocks one is gathered first (and
-    split again later)."""
+    split again later). A shard that must become a Partial (a gradient
+    accumulator's share, whose layout its first contribution chose) is
+    gathered first, then made the share (`local_partial`)."""
     cur, n = list(have), len(have)
     order = sorted(range(n), key=lambda a: not isinstance(have[a], Partial))
 
@@ -254,7 +257,9 @@ def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, Sbp]]:
         if not pending:
             return steps
         a = next((a for a in pending if ready(a, pending)), None)
-        if a is not None:
+        if a is not None and isinstance(need[a], Partial) and isinstance(cur[a], Shard):
+            step = (a, Replicate())  # a share of a sum is made from the whole value
+        elif a is not None:
             step = (a, need[a])
         else:  # gather the innermost axis that blocks a pending step
             step = (max(b for b in range(n) if any(blocks(b, cur[b], a) for a in pending)),

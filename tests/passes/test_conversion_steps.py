@@ -91,3 +91,12 @@ def test_a_whole_value_becomes_its_share_of_a_sum_locally():
     x = torch.randn(3, 5)
     shares = [_share_of_sum(SimpleNamespace(coord=(0, k)), 1)(x) for k in range(3)]
     assert torch.equal(sum(shares), x) and torch.equal(shares[0], x)
+
+
+def test_a_shard_becomes_a_share_of_a_sum_through_the_whole_value():
+    """S(d) -> P(sum): a gradient accumulator laid out Partial takes a split
+    contribution (a cumsum's vjp taking its splits, tests/passes/test_shared.py's
+    ReadTwice at tp2·pp2 crashed planning: `cannot make P from S(1)`). It is
+    gathered, then made the share; other axes are left alone."""
+    assert conversion_steps((R, Shard(1)), (R, P)) == [(1, R), (1, P)]
+    assert conversion_steps((Shard(0), Shard(1)), (Shard(0), P)) == [(1, R), (1, P)]
