@@ -257,6 +257,7 @@ def conversion_steps(have: NdSbp, need: NdSbp) -> list[tuple[int, Sbp]]:
         if not pending:
             return steps
         a = next((a for a in pending if ready(a, pending)), None)
+        step: tuple[int, Sbp]
         if a is not None and isinstance(need[a], Partial) and isinstance(cur[a], Shard):
             step = (a, Replicate())  # a share of a sum is made from the whole value
         elif a is not None:
