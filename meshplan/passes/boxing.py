@@ -32,7 +32,10 @@ Invariants:
 - A conversion is made once per (value, layout, stage) and shared by every
   consumer that needs it; a hinted value is converted right after its
   producer, and all consumers, state updates and the loss read the
-  converted value.
+  converted value. The step (optimizer phase) makes its own conversions:
+  it runs once, after the micro-batches' values are gone, so it never
+  shares one made for a forward or backward op (a ZeRO-1 AdamW read the
+  parameter shard that Omni-ASR's backward had sliced: a rank crash).
 - Boxing ops run in the phase of the op that needs them: a gradient
   accumulator's data-parallel all-reduce therefore runs once per step, in
   the optimizer phase, however many micro-batches there are.
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from meshplan.ir import Graph, Op, Ref
+from meshplan.ir import Graph, Op, Phase, Ref
 from meshplan.ir.kinds import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -164,8 +167,9 @@ def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:
 
 def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     """A value holding `r` in layout `need` on stage `at[0]` (made if missing)."""
+    per_phase = r in ctx.regather or at[2] is Phase.OPTIMIZER
     base = ctx.default.get(r, r)
-    if r in ctx.regather and base != r and ctx.where[base][2] is not at[2]:
+    if per_phase and base != r and ctx.where[base][2] is not at[2]:
         base = r  # hinted, but converted again in this phase rather than kept from the producer's
     have = ctx.layout.get(base)
     src_at = ctx.where.get(r, at)  # graph inputs are local to every stage
@@ -174,7 +178,7 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
         return r
     if have == need and src_at[0] == at[0]:
         return base
-    key = (r, need, at[0], at[2] if r in ctx.regather else None)
+    key = (r, need, at[0], at[2] if per_phase else None)
     if key in ctx.versions:
         return ctx.versions[key]
     arrived = ctx.arrived.get((r, at[0]))

@@ -116,9 +116,11 @@ def _raise_if_failed(procs, results: Path, progress, job_bytes) -> None:
         error = first.get("error", "") if first else ""
         if error.startswith("TrainingHalted: "):  # the guard stopped every rank alike
             raise TrainingHalted(error.removeprefix("TrainingHalted: "))
-        if error.startswith("KernelFault: "):  # the input's fault (2) or meshplan's (1)
-            raise KernelFault(message, first.get("exit_code", 1))
-        raise RuntimeFault(message)
+        fault = KernelFault(message, first.get("exit_code", 1)) if \
+            error.startswith("KernelFault: ") else RuntimeFault(message)
+        if first and first.get("traceback"):  # shown under --debug, after the launcher's own
+            fault.add_note(f"rank {first['rank']}'s traceback:\n{first['traceback']}")
+        raise fault
 
 
 def _raise_if_stalled(procs, beats, stall_s: float, progress, job_bytes) -> None:

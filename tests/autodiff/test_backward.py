@@ -9,6 +9,7 @@ accumulation of loss / num_microbatches.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from meshplan.autodiff.backward import build_train_step
 from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer
 from meshplan.capture import capture
 from meshplan.driver.executor import Executor
-from meshplan.ir import ABSENT, Phase, Ref, Role
+from meshplan.ir import ABSENT, Phase, Ref, Role, check_well_formed
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops.table import rule_for
 
@@ -202,3 +203,18 @@ def test_accumulation_when_gradients_alias(mode):
         (model(x) / 2).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(state[f"{name}@grad"], p.grad, rtol=0, atol=1e-12)
+
+
+def test_the_step_reads_only_state_and_its_own_values(gpt_step):
+    """The step runs once, after the micro-batches' values are gone: its ops
+    read the state (the accumulators' sums among it), never a forward or
+    backward value. Planted: an optimizer op reads a forward activation."""
+    _, step = gpt_step
+    check_well_formed(step)
+    i = next(k for k, op in enumerate(step.ops) if op.phase is Phase.OPTIMIZER)
+    activation = step.ops[0].outputs[0]
+    op = step.ops[i]
+    planted = replace(step, ops=step.ops[:i] + (
+        replace(op, args=(Ref(activation),) + op.args[1:]),) + step.ops[i + 1:])
+    with pytest.raises(AssertionError, match="made per micro-batch"):
+        check_well_formed(planted)

@@ -30,22 +30,23 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYOUTS = {"1rank": (1, {}), "tp2": (2, dict(tp=2, micro_batch_size=4)),
            "tp2pp2": (4, dict(tp=2, pp=2, micro_batch_size=2)),
            "pp4": (4, dict(pp=4, micro_batch_size=2)),
-           "dp2": (2, dict(dp=2, micro_batch_size=2))}
+           "dp2": (2, dict(dp=2, micro_batch_size=2)),
+           "dp2-zero1": (2, dict(dp=2, micro_batch_size=2, zero=1))}
 STEPS = 2
 
 
-def train(model_type: str, layout: str):
+def train(model_type: str, layout: str, optimizer: str = "sgd"):
     world, fields = LAYOUTS[layout]
     model = f"hf:{model_type}"
     cfg = model_config(model, "tiny")
     s = zoo_strategy(model, cfg, global_batch_size=8, **fields)
-    job = plan_model(model, "tiny", Mesh(1, world), s, "sgd", None).job
+    job = plan_model(model, "tiny", Mesh(1, world), s, optimizer, None).job
     torch.manual_seed(0)
     module = build_model(cfg)
     batches = [example_batch(cfg, 8, seed=i) for i in range(STEPS)]
     run = run_local(job, copy.deepcopy(module), batches)
     verdict, _ = against_eager(run.rank_losses, run.slices, module, batches,
-                               s.num_microbatches, OptimizerConfig.default("sgd", None))
+                               s.num_microbatches, OptimizerConfig.default(optimizer, None))
     return job, verdict, cfg
 
 
@@ -138,6 +139,16 @@ def test_planted_export_alone_trains_yoso_wrong(monkeypatch, tmp_path):
     monkeypatch.setattr(torch_export, "kept_whole", nullcontext)
     _, verdict, _ = train("yoso", "1rank")
     assert not verdict["ok"]
+
+
+def test_zero1_adamw_makes_its_own_parameter_shard():
+    """Omni-ASR at dp2, ZeRO-1 AdamW: its backward slices a parameter to dp's
+    shard, the shard the step's AdamW reads too. Boxing once handed the step
+    the backward's slice, gone by the time the step runs: every rank crashed
+    (KeyError). The step now makes its own (passes/boxing.py)."""
+    _, verdict, _ = train("omniasr", "dp2-zero1", "adamw")
+    assert verdict["ok"], verdict["problems"]
+    assert any(name.endswith("@exp_avg") for name in verdict["optimizer_state"])
 
 
 def test_deepseek_v2_trains_under_bf16_as_eager_autocast(capsys):

@@ -100,3 +100,20 @@ def test_run_compiled_plans_and_reject_a_mismatched_world(tmp_path):
     assert max(abs(a - b) for a, b in zip(r["losses"], _eager("gpt", 2, 8, 1))) <= 1e-5
     with pytest.raises(RuntimeFault, match="holds plans for 2 ranks but 4"):
         run("gpt", "tiny", Mesh(1, 4), s, steps=1, plan_dir=str(tmp_path / "plans"))
+
+
+def test_a_ranks_own_error_is_one_line_and_keeps_its_traceback_for_debug(tmp_path):
+    """A rank's report (`fail_R.json`) becomes one line; its traceback rides
+    along as the error's note, which `--debug` prints (`meshplan --debug`
+    re-raises) and the one line leaves out."""
+    from types import SimpleNamespace
+
+    report = {"rank": 1, "action": "STEP", "time": 1.0, "error": "KeyError: 7",
+              "traceback": "Traceback (most recent call last):\n  File \"<meshplan step>\"\n"}
+    (tmp_path / "fail_1.json").write_text(json.dumps(report))
+    procs = [SimpleNamespace(exitcode=0, is_alive=lambda: False),
+             SimpleNamespace(exitcode=1, is_alive=lambda: False)]
+    with pytest.raises(RuntimeFault) as e:
+        launch._raise_if_failed(procs, tmp_path, None, b"")
+    assert str(e.value) == "rank 1 failed in action STEP: KeyError: 7; the other ranks were stopped"
+    assert e.value.__notes__ == ["rank 1's traceback:\n" + report["traceback"]]
