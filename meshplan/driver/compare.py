@@ -193,11 +193,12 @@ def update_rel(mine: torch.Tensor, ref: torch.Tensor, start: torch.Tensor,
 
 
 def tensor_diff(mine: torch.Tensor, ref: torch.Tensor, bounds: Bounds,
-                noise: float = 0.0, quiet: torch.Tensor | None = None,
+                noise: float | torch.Tensor = 0.0, quiet: torch.Tensor | None = None,
                 flips: Flips | None = None) -> dict:
     """Max absolute and relative difference of one tensor, and whether it
-    passes; with `flips` and this tensor's `quiet` mask, AdamW's rounding-
-    decided elements are allowed (counted in `flips`)."""
+    passes (`noise`: the tensor's, or each element's); with `flips` and this
+    tensor's `quiet` mask, AdamW's rounding-decided elements are allowed
+    (counted in `flips`)."""
     a, b = wide(mine), wide(ref)
     if a.shape != b.shape:
         return {"max_abs": float("inf"), "max_rel": float("inf"), "bound_used": float("inf"),
@@ -221,7 +222,8 @@ def tensor_diff(mine: torch.Tensor, ref: torch.Tensor, bounds: Bounds,
 
 
 def compare_state(assembled: Assembled, ref: dict[str, torch.Tensor], bounds: Bounds,
-                  noise: dict[str, float] | None = None, flips: Flips | None = None,
+                  noise: dict[str, float | torch.Tensor] | None = None,
+                  flips: Flips | None = None,
                   start: dict[str, torch.Tensor] | None = None) -> dict:
     """Per reference tensor: `max_abs`, `max_rel`, `bound_used`, `ok` (and
     `replica_spread` where replicas differ, `missing` where the run lacks it,
@@ -245,8 +247,11 @@ def compare_state(assembled: Assembled, ref: dict[str, torch.Tensor], bounds: Bo
         quiet = flips.quiet.get(name) if flips is not None else None
         d = tensor_diff(assembled.tensors[name], ref[name], bounds, noise.get(name, 0.0),
                         quiet, flips)
-        if noise.get(name):
-            d["noise"] = noise[name]
+        n = noise.get(name, 0.0)
+        most = float(n.max()) if isinstance(n, torch.Tensor) and n.numel() else \
+            0.0 if isinstance(n, torch.Tensor) else n
+        if most:
+            d["noise"] = most
         if start is not None and name in start:
             rel = update_rel(assembled.tensors[name], ref[name], start[name], quiet)
             if rel is not None:

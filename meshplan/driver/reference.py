@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer, torch_scheduler
+from meshplan.driver.kinks import KinksFlipped
 from meshplan.ir import LOSS_SCALE
 from meshplan.ir.choices import Precision
 from meshplan.ir.state_name import StateName
@@ -65,14 +66,16 @@ def eager_state(module: nn.Module, opt: torch.optim.Optimizer | None = None,
 def eager_train(
     module: nn.Module, batches, num_microbatches: int, optimizer: OptimizerConfig,
     precision: Precision = Precision.FP32, init_scale: float = INIT_SCALE, device: str = "cpu",
-    after_step=None, masks=None,
+    after_step=None, masks=None, flip_kinks: bool = False,
 ) -> EagerRun:
     """Train `module` in place on `batches`; returns losses, step seconds and
     the final state (on the CPU). On `device` cuda the module moves there,
     each micro-batch is copied there, and a step's time ends at a device
     synchronize. `after_step(k)` is called after the k-th step (k from 1),
     e.g. to evaluate. With `masks` (a `same_masks.SameMasks`) each
-    micro-batch's random calls draw meshplan's numbers; else torch's own."""
+    micro-batch's random calls draw meshplan's numbers; else torch's own.
+    With `flip_kinks` each ReLU's backward takes the other side where fp32
+    cannot tell its side (`kinks.KinksFlipped`: the judge's rounding noise)."""
     dev = torch.device(device)
     module.to(dev)
     opt = torch_optimizer(optimizer, module)
@@ -90,7 +93,8 @@ def eager_train(
         for k, mb in enumerate(split_microbatches(batch, num_microbatches)):
             mb = tuple(t.to(dev) for t in mb)
             with torch.autocast(dev.type, dtype=LOW.get(precision), enabled=precision in LOW), \
-                    masks.at(step, k) if masks is not None else contextlib.nullcontext():
+                    masks.at(step, k) if masks is not None else contextlib.nullcontext(), \
+                    KinksFlipped() if flip_kinks else contextlib.nullcontext():
                 loss = module(*mb)
             scaled = loss / num_microbatches if num_microbatches > 1 else loss
             (scaler.scale(scaled) if scaler else scaled).backward()

@@ -32,6 +32,7 @@ from meshplan.driver.compare import (
     compare_losses,
     compare_norms,
     compare_state,
+    gap_of,
     max_abs,
     spread_verdict,
 )
@@ -190,9 +191,11 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
     if verdict["ok"] or precision != Precision.FP32:
         return verdict, ref
     # fp32's own error only widens the bounds: a run within them is judged without it
+    flipped = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale,
+                          device, masks=masks(), flip_kinks=True)
     exact = exact_train(module, batches, m, opt, device, masks())
-    return (judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,
-                  eager_state(module), rank_grad_norms, exact) if exact else verdict), ref
+    return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,
+                 eager_state(module), rank_grad_norms, exact, flipped), ref
 
 
 def exact_train(module, batches: list[tuple], m: int, opt: OptimizerConfig, device: str,
@@ -212,7 +215,7 @@ def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: Eag
           bounds: Bounds, twin: EagerRun | None = None, flips: Flips | None = None,
           start: dict | None = None,
           rank_grad_norms: dict[str, list[float]] | None = None,
-          exact: EagerRun | None = None) -> dict:
+          exact: EagerRun | None = None, flipped: EagerRun | None = None) -> dict:
     """The verdict on a run, from its ranks' losses and final state slices:
     `ok`, `problems` (one line each), `max_abs_diff` (losses), and per tensor
     `params` (parameters and buffers) and `optimizer_state` (slots, the loss
@@ -222,16 +225,24 @@ def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: Eag
     initial state, each tensor's update (`compare.update_rel`); `rank_grad_norms`,
     each rank's gradient norm per step, against `clip_grad_norm_`'s; `exact`,
     the reference in float64, each tensor's and the loss's fp32 rounding error
-    (a second noise: a plan's rounding differs from eager's by as much)."""
+    (a second noise: a plan's rounding differs from eager's by as much);
+    `flipped`, the reference with its ReLUs on the other side where fp32
+    cannot tell (`kinks.py`), each element's distance from it a noise there
+    (elementwise: a flip moves the rows it touches, and only those)."""
     loss_noise, noise = 0.0, {}
     if twin is not None:
         loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))
         noise = {k: max_abs(t, twin.state[k]) for k, t in ref.state.items() if k in twin.state}
     loss_error = loss_noise
+    for other in (r for r in (exact, flipped) if r is not None):
+        loss_error = max(loss_error, *(abs(a - b) for a, b in zip(ref.losses, other.losses)))
     if exact is not None:
-        loss_error = max(loss_noise, *(abs(a - b) for a, b in zip(ref.losses, exact.losses)))
         noise = {k: max(noise.get(k, 0.0), max_abs(t, exact.state[k]))
                  if k in exact.state else noise.get(k, 0.0) for k, t in ref.state.items()}
+    if flipped is not None:
+        noise = {k: gap_of(t, flipped.state[k]).clamp_min(noise.get(k, 0.0))
+                 if k in flipped.state and t.shape == flipped.state[k].shape
+                 else noise.get(k, 0.0) for k, t in ref.state.items()}
     losses = compare_losses(rank_losses, ref.losses, bounds, loss_error)
     shapes = {k: tuple(t.shape) for k, t in ref.state.items()}
     state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips, start)
