@@ -24,8 +24,10 @@ Invariants:
   float64 is from the fp32 one (`verify.exact_train`). A plan's other
   reductions (tp's split sums) round by as much, and the twin, whose sums
   differ only in sample order, can see 100x less (CPM-Ant, Gemma 4 at
-  tp2·pp2: the twin 1e-6, fp32 itself 1e-4, the run 3e-5). It only widens
-  the bounds, so a run within them is never run in float64.
+  tp2·pp2: the twin 1e-6, fp32 itself 1e-4, the run 3e-5). So is the
+  distance, per element, from the reference with its ReLUs on the other side
+  where fp32 cannot tell (`kinks.py`). They only widen the bounds, so a run
+  within them is never run again.
 - AdamW (`Flips`): Adam's step is about +-lr whatever the gradient's size,
   so where a gradient is within rounding of zero its direction is rounding's
   choice, in eager as in any parallel plan. Those elements may differ by up
