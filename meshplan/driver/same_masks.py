@@ -12,8 +12,10 @@ the ranks draw their pieces of the same ones. Outside the mode the module
 draws from torch's own generator, as stock PyTorch does.
 
 With `flip` (the micro-batch's rows), a draw whose first dim has that size
-is reversed along it: the masks of verify's twin reference, which trains on
-each micro-batch's samples in reverse order (`verify.reordered`), follow
+is reversed along it, and one whose first dim is a multiple of it (a
+routing's draw over the batch's tokens, flattened sample-major: PhiMoE's)
+has its blocks reversed: the masks of verify's twin reference, which trains
+on each micro-batch's samples in reverse order (`verify.reordered`), follow
 their samples.
 """
 
@@ -63,7 +65,9 @@ class SameMasks(TorchFunctionMode):
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """A draw in the twin's sample order (see the module docstring)."""
-        return t.flip(0) if self.flip and t.dim() and t.shape[0] == self.flip else t
+        if not (self.flip and t.dim() and t.shape[0] and t.shape[0] % self.flip == 0):
+            return t
+        return t.unflatten(0, (self.flip, -1)).flip(0).flatten(0, 1)
 
 
 def _dropout(m: SameMasks, x, p=0.5, training=True, inplace=False):

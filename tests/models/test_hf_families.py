@@ -162,3 +162,30 @@ def test_deepseek_v2_trains_under_bf16_as_eager_autocast(capsys):
                  "--json"])
     out = capsys.readouterr().out
     assert code == 0 and '"ok": true' in out, out[-2000:]
+
+
+def test_phimoe_at_dp2_tp2_zero2_adamw_is_judged_not_called_chaotic(capsys):
+    """PhiMoE draws its routing's noise over the batch's tokens, flattened
+    (`uniform_` on (tokens, experts)). verify's twin reverses each
+    micro-batch's samples, and drew those numbers in the old order: another
+    routing, its loss 1.5e-3 away, and the run (losses bit-equal) refused as
+    chaotic. The twin's draws now follow its samples (`same_masks._rows`)."""
+    from meshplan.cli.main import main
+
+    code = main(["verify", "--hf", "phimoe", "--steps", "2", "--devices-per-node", "4",
+                 "--dp", "2", "--tp", "2", "--zero", "2", "--optimizer", "adamw", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and '"ok": true' in out, out[-2000:]
+
+
+def test_ctrl_at_cp2_is_judged_equal_where_a_relu_fell_the_other_way(capsys):
+    """CTRL tiny (seed 2) at cp2: one ReLU input 3.6e-8 from 0 fell on the
+    other side of the kink (on this machine's rounding), a momentum row 2%
+    off, the losses bit-equal; judged equal with the kink noise
+    (`driver/kinks.py`; its planted test is tests/driver/test_kinks.py)."""
+    from meshplan.cli.main import main
+
+    code = main(["verify", "--hf", "ctrl", "--steps", "1", "--devices-per-node", "2",
+                 "--cp", "2", "--seed", "2", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and '"ok": true' in out, out[-2000:]
