@@ -29,10 +29,10 @@ WINDOW = 1e-6  # ~3x fp32's own error on a layer's pre-activations (CTRL tiny: 3
 
 class _FlippedRelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z):
-        near = z.abs() <= WINDOW * z.abs().max()
-        ctx.on = (z > 0) ^ near  # a mask, not `z`: an in-place ReLU overwrites it
-        return torch.relu(z)
+    def forward(ctx, x):
+        near = x.abs() <= WINDOW * x.abs().max()
+        ctx.on = (x > 0) ^ near  # a mask, not `x`: an in-place ReLU overwrites it
+        return torch.relu(x)
 
     @staticmethod
     def backward(ctx, grad):
