@@ -35,6 +35,7 @@ from meshplan.driver.compare import (
     gap_of,
     max_abs,
     spread_verdict,
+    update_rel,
 )
 from meshplan.driver.executor import Executor
 from meshplan.driver.reference import EagerRun, eager_state, eager_train, split_microbatches
@@ -125,15 +126,17 @@ def verify(
     if reference_rng == "torch":
         return _against_spread(mine, reference, batches, num_microbatches, opt, precision,
                                init_scale, device, seed, ref_runs)
+    # the second judge, for information: full-precision eager (and AdamW's quiet gradients)
+    wide = eager_train(fp32_reference, batches, num_microbatches, opt, device=device,
+                       masks=SameMasks(seed)) if precision != Precision.FP32 else None
     reset_peak(device)
     verdict, ref = against_eager(mine["rank_losses"], mine.pop("slices"), reference, batches,
                                  num_microbatches, opt, precision, init_scale, bounds, device,
-                                 mine.get("rank_grad_norms"), seed)
+                                 mine.get("rank_grad_norms"), seed, wide)
     ref_peak = peak_of(device)
     extra = {"precision": precision, "device": device, "ref_measured_peak_bytes": ref_peak}
-    if precision != Precision.FP32:  # the second judge, for information: full-precision eager
-        fp32 = eager_train(fp32_reference, batches, num_microbatches, opt,
-                           device=device).losses
+    if wide is not None:
+        fp32 = wide.losses
         extra |= {"ref_fp32_losses": fp32,
                   "vs_fp32": {"mean_rel_diff": mean_rel_diff(mine["losses"], fp32),
                               "autocast_mean_rel_diff": mean_rel_diff(ref.losses, fp32)}}
@@ -170,13 +173,15 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
                   precision: Precision = Precision.FP32,
                   init_scale: float = INIT_SCALE, bounds: Bounds | None = None,
                   device: str = "cpu", rank_grad_norms: dict | None = None,
-                  seed: int | None = 0):
+                  seed: int | None = 0, wide: EagerRun | None = None):
     """Train `module` (its starting weights; not changed) eagerly on `batches`
     on `device`, and once more on `reordered` batches for the noise; returns
     (`judge`'s verdict on the run's losses and state slices, the reference
     `EagerRun`). The reference's random ops draw the run's numbers from
     `seed` (`same_masks.py`; the twin's follow its reversed samples), or with
-    `seed` None torch's own (a statistical comparison only)."""
+    `seed` None torch's own (a statistical comparison only). `wide`, the
+    same training in fp32 for a bf16/fp16 AdamW run (trained here if None):
+    which gradients are mostly rounding (`compare.adam_flips`)."""
     def masks(flip: int = 0):
         return SameMasks(seed, flip) if seed is not None else None
 
@@ -184,16 +189,28 @@ def against_eager(rank_losses: dict[str, list[float]], slices: dict[int, dict], 
                       masks=masks())
     twin = eager_train(copy.deepcopy(module), reordered(batches, m), m, opt, precision,
                        init_scale, device, masks=masks(batches[0][0].shape[0] // m))
-    flips = adam_flips(ref.state, opt.lr, len(batches), opt.betas) \
-        if opt.kind == OptimizerKind.ADAMW else None
+    flips = None
+    if opt.kind == OptimizerKind.ADAMW:
+        if precision != Precision.FP32 and wide is None:
+            wide = eager_train(copy.deepcopy(module), batches, m, opt, device=device,
+                               masks=masks())
+        flips = adam_flips(ref.state, opt.lr, len(batches), opt.betas,
+                           wide=wide.state if precision != Precision.FP32 and wide else None)
     verdict = judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,
                     eager_state(module), rank_grad_norms)
-    if verdict["ok"] or precision != Precision.FP32:
+    if verdict["ok"]:
         return verdict, ref
-    # fp32's own error only widens the bounds: a run within them is judged without it
-    flipped = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale,
-                          device, masks=masks(), flip_kinks=True)
-    exact = exact_train(module, batches, m, opt, device, masks())
+    # the reference's own rounding error only widens the bounds: a run within
+    # them is judged without it. fp32's: float64's training, and ReLUs flipped
+    # where fp32 cannot tell; bf16's and fp16's: fp32's training
+    flipped, exact = None, wide
+    if precision == Precision.FP32:
+        flipped = eager_train(copy.deepcopy(module), batches, m, opt, precision, init_scale,
+                              device, masks=masks(), flip_kinks=True)
+        exact = exact_train(module, batches, m, opt, device, masks())
+    elif exact is None:
+        exact = eager_train(copy.deepcopy(module), batches, m, opt, device=device,
+                            masks=masks())
     return judge(rank_losses, slices, ref, bounds or BOUNDS[precision], twin, flips,
                  eager_state(module), rank_grad_norms, exact, flipped), ref
 
@@ -228,7 +245,11 @@ def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: Eag
     (a second noise: a plan's rounding differs from eager's by as much);
     `flipped`, the reference with its ReLUs on the other side where fp32
     cannot tell (`kinks.py`), each element's distance from it a noise there
-    (elementwise: a flip moves the rows it touches, and only those)."""
+    (elementwise: a flip moves the rows it touches, and only those). For a
+    bf16/fp16 reference `exact` is the fp32 training: its distance is
+    autocast's own error, and each tensor's update may also be as far from
+    eager's as twice eager's is from fp32's (a gradient mostly rounding,
+    Qwen2's key bias: eager autocast's update 50-80% off fp32's)."""
     loss_noise, noise = 0.0, {}
     if twin is not None:
         loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))
@@ -245,7 +266,11 @@ def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: Eag
                  else noise.get(k, 0.0) for k, t in ref.state.items()}
     losses = compare_losses(rank_losses, ref.losses, bounds, loss_error)
     shapes = {k: tuple(t.shape) for k, t in ref.state.items()}
-    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips, start)
+    own = {k: update_rel(ref.state[k], exact.state[k], start[k]) or 0.0
+           for k in ref.state if k in start and k in exact.state
+           and exact.state[k].shape == ref.state[k].shape} \
+        if exact is not None and start is not None else {}
+    state = compare_state(assemble(slices, shapes), ref.state, bounds, noise, flips, start, own)
     norms = compare_norms(rank_grad_norms or {}, ref.grad_norms, bounds)
     problems = losses["problems"] + norms["problems"] + [
         f"{name}: {'held by no rank' if d.get('missing') else _describe(d)}"

@@ -134,3 +134,50 @@ def test_fp32s_own_rounding_error_is_noise_a_plan_may_show_and_a_bug_is_not():
     name = "model.cpmant.encoder.layers.0.ffn.ffn.w_out.weight"
     wrong = dict(run, **{name: run[name] * 1.01})
     assert not verdict(wrong, True)["ok"]
+
+
+def test_bf16s_own_error_is_noise_a_plan_may_show_and_a_frozen_tensor_is_not():
+    """A bf16 run the bounds refuse is judged again with autocast's own error:
+    each tensor's distance from the same training in fp32, and its update
+    may be twice as far from eager's as eager's is from fp32's. Qwen2's key
+    bias under AdamW is mostly rounding (eager autocast's update 50-80% off
+    fp32's): at tp2 the run's was 30-64% off eager's and refused. A run
+    holding fp32's own key bias is refused by the bounds and passes the
+    second judge; a frozen weight (update 100% off, eager's own ~8%) fails
+    it."""
+    import copy
+
+    import torch
+
+    pytest.importorskip("transformers")
+    from meshplan.autodiff import OptimizerConfig
+    from meshplan.driver.compare import BOUNDS, adam_flips
+    from meshplan.driver.reference import eager_state, eager_train
+    from meshplan.driver.verify import judge, reordered, whole_slices
+    from meshplan.ir.choices import Precision
+    from meshplan.models import build_model, example_batch, model_config
+
+    cfg = model_config("hf:qwen2", "tiny")
+    torch.manual_seed(0)
+    module = build_model(cfg)
+    start = eager_state(module)
+    batches = [example_batch(cfg, 8, seed=s) for s in range(2)]
+    opt = OptimizerConfig.default("adamw")
+
+    def train(b, precision=Precision.BF16):
+        return eager_train(copy.deepcopy(module), b, 1, opt, precision)
+
+    ref, twin = train(batches), train(reordered(batches, 1))
+    wide = train(batches, Precision.FP32)
+    flips = adam_flips(ref.state, opt.lr, 2, opt.betas, wide=wide.state)
+
+    def verdict(state, exact):
+        return judge({"0": list(ref.losses)}, whole_slices(state), ref, BOUNDS[Precision.BF16],
+                     twin, flips, start, exact=exact)
+
+    bias, weight = (f"model.model.layers.1.self_attn.k_proj.{p}" for p in ("bias", "weight"))
+    other = dict(ref.state, **{bias: wide.state[bias].to(ref.state[bias].dtype)})
+    assert not verdict(other, None)["ok"]
+    assert verdict(other, wide)["ok"], verdict(other, wide)["problems"]
+    frozen = dict(ref.state, **{weight: start[weight]})
+    assert not verdict(frozen, wide)["ok"]

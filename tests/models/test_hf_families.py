@@ -189,3 +189,19 @@ def test_ctrl_at_cp2_is_judged_equal_where_a_relu_fell_the_other_way(capsys):
                  "--cp", "2", "--seed", "2", "--json"])
     out = capsys.readouterr().out
     assert code == 0 and '"ok": true' in out, out[-2000:]
+
+
+@pytest.mark.parametrize("model_type, layout", [("qwen2", "--tp"), ("blenderbot-small", "--dp")])
+def test_bf16_adamw_judges_a_key_bias_by_autocasts_own_error(model_type, layout, capsys):
+    """bf16 AdamW at 2 ranks. BlenderBot-Small's separate `k_proj.bias` has a
+    gradient of zero in exact arithmetic, all rounding, so Adam's steps on it
+    are rounding's coin tosses: quiet where fp32's gradient is 100x smaller
+    (`compare.adam_flips`'s `wide`). Qwen2's (rotated with its keys) is not
+    zero but mostly rounding: judged by autocast's own distance from fp32
+    (`verify.judge`'s second chance). Both were refused, losses 2e-5 apart."""
+    from meshplan.cli.main import main
+
+    code = main(["verify", "--hf", model_type, "--steps", "2", "--devices-per-node", "2",
+                 layout, "2", "--precision", "bf16", "--optimizer", "adamw", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and '"ok": true' in out, out[-2000:]
