@@ -37,6 +37,9 @@ _FP32 = (
     "aten.cumsum.default", "aten.exp.default", "aten.log.default", "aten.pow.Tensor_Scalar",
     "aten.rsqrt.default", "aten.var.correction", "aten.var_mean.correction",
     "aten.norm.ScalarOpt_dim", "aten.linalg_vector_norm.default", "aten.cdist.default",
+    *(f"aten.fft_{k}.default" for k in (  # no FFT kernel takes bf16 (FNet's mixing)
+        "fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2",
+        "rfftn", "irfftn", "hfft", "ihfft")),
     # not autocast's: complex numbers have no bf16 (a model's `.float()` before
     # it is an identity in the fp32 capture, so it is lost: DeepSeek-V2's rotary)
     "aten.view_as_complex.default",

@@ -205,3 +205,14 @@ def test_bf16_adamw_judges_a_key_bias_by_autocasts_own_error(model_type, layout,
                  layout, "2", "--precision", "bf16", "--optimizer", "adamw", "--json"])
     out = capsys.readouterr().out
     assert code == 0 and '"ok": true' in out, out[-2000:]
+
+
+def test_fnet_trains_under_bf16_its_ffts_in_fp32(capsys):
+    """No FFT kernel takes bf16: FNet's token mixing (`fft_fftn`) was refused
+    under bf16 ('no shape rule ... Unsupported dtype BFloat16'); as autocast
+    does, the FFTs compute in fp32 (`ops/policy.py`)."""
+    from meshplan.cli.main import main
+
+    code = main(["verify", "--hf", "fnet", "--precision", "bf16", "--steps", "2", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and '"ok": true' in out, out[-2000:]
