@@ -146,8 +146,9 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
                        if not p.requires_grad)
     graph, env = _translate(ep, prefix, type(module).__name__, same, frozen)
     graph = fuse_routed_experts(graph)
+    ran = frozenset(op.module_path.removeprefix(prefix) for op in graph.ops)
     graph = replace(graph, facts=replace(graph.facts, aliases=_aliases(same, graph),
-                                         structure=structure_facts(module),
+                                         structure=structure_facts(module, ran),
                                          op_modules=modules_of(graph.ops)))
     check_well_formed(graph)
     return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix, exported)

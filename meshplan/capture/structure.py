@@ -10,7 +10,9 @@ Invariants:
 - They live in the graph's facts (`GraphFacts.structure`), so a captured
   graph carries them into planning, caches and files.
 - The layer list is transformers' `_pp_plan` ModuleList if declared, else
-  the longest `nn.ModuleList` whose children are all of one class; an
+  the longest `nn.ModuleList` whose children are all of one class, of the
+  lists the forward runs (ModernVBERT's vision encoder is the longest, and
+  a text batch never enters it); an
   encoder-decoder has two, the encoder's then the decoder's (`layers` holds
   their paths joined by commas, in the order the forward runs them).
 - Module paths are relative to the captured module, as op module paths are.
@@ -25,11 +27,14 @@ from torch import nn
 from meshplan.ir.graph_facts import Structure
 
 
-def structure_facts(module: nn.Module) -> Structure:
-    """The structure facts of `module`."""
+def structure_facts(module: nn.Module, ran: frozenset[str] | None = None) -> Structure:
+    """The structure facts of `module`; `ran`, the module paths of the
+    captured forward's ops (None: every module runs)."""
     hf_path, hf = _transformers_model(module)
     conf = getattr(hf, "config", None)
-    layers, layers_from = _layer_list(module, hf_path, hf)
+    runs = (lambda path: True) if ran is None else \
+        (lambda path: any(p.startswith(path + ".") for p in ran))
+    layers, layers_from = _layer_list(module, hf_path, hf, runs)
     vocab = _int(conf, "vocab_size") or _largest_embedding(module)
     tp, tp_from = _declared_tp(hf_path, hf)
     if not tp:
@@ -67,18 +72,18 @@ def _join(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if prefix and path else prefix or path
 
 
-def _layer_list(module: nn.Module, hf_path: str, hf) -> tuple[str, str]:
+def _layer_list(module: nn.Module, hf_path: str, hf, runs) -> tuple[str, str]:
     named = dict(module.named_modules())
     for key in (getattr(hf, "_pp_plan", None) or {}):  # a key may name no module (hrm_text)
         path = _join(hf_path, key)
-        if isinstance(named.get(path), nn.ModuleList):
+        if isinstance(named.get(path), nn.ModuleList) and runs(path):
             return path, "transformers _pp_plan"
     stacks = _stacks(module, hf)
-    lists = [p for p in (_longest_list(module, s) for s in stacks) if p]
+    lists = [p for p in (_longest_list(module, s, runs) for s in stacks) if p]
     if len(lists) == len(stacks) > 1:
         return ",".join(lists), ("structure: the longest nn.ModuleList of one block class "
                                  "in the encoder, then in the decoder")
-    best = _longest_list(module, "")
+    best = _longest_list(module, "", runs)
     return best, "structure: the longest nn.ModuleList of one block class" if best else ""
 
 
@@ -93,14 +98,15 @@ def _stacks(module: nn.Module, hf) -> list[str]:
     return [p for p in found if p] if all(found) else [""]
 
 
-def _longest_list(module: nn.Module, under: str) -> str:
-    """The longest nn.ModuleList of one class under the module path `under`."""
+def _longest_list(module: nn.Module, under: str, runs) -> str:
+    """The longest nn.ModuleList of one class under the module path `under`
+    that the forward runs."""
     best = ""
     size = 0
     root = module.get_submodule(under) if under else module
     for path, m in root.named_modules():
         kinds = {type(c) for c in m.children()} if isinstance(m, nn.ModuleList) else set()
-        if len(kinds) == 1 and len(m) > size:
+        if len(kinds) == 1 and len(m) > size and runs(_join(under, path)):
             best, size = _join(under, path), len(m)
     return best
 

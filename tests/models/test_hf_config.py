@@ -194,3 +194,17 @@ def test_a_rotary_head_dim_beside_latent_attention_follows_its_rotary_part():
     `qk_rope_head_dim` (64 and 64 by default)."""
     conf = hf.hf_config(model_config("hf:longcat_flash", "tiny"))
     assert conf.head_dim == conf.qk_rope_head_dim == 8
+
+
+def test_the_layer_list_is_one_the_forward_runs():
+    """ModernVBERT's vision encoder holds its longest list of blocks, and a
+    text batch never enters it: every parallel layout was refused ('layer
+    pattern ... matches no forward op's module path'). The layer list is now
+    the longest the forward runs, the text model's."""
+    from meshplan.driver.plan import capture_zoo
+
+    cfg = model_config("hf:modernvbert", "tiny")
+    module = build_model(cfg, device="meta")
+    assert structure_facts(module).layers.startswith("model.model.vision_model")  # all modules
+    layers = capture_zoo(cfg, 2).facts.structure.layers
+    assert layers == "model.model.text_model.layers", layers
