@@ -260,11 +260,9 @@ def compare_state(assembled: Assembled, ref: dict[str, torch.Tensor], bounds: Bo
         quiet = flips.quiet.get(name) if flips is not None else None
         d = tensor_diff(assembled.tensors[name], ref[name], bounds, noise.get(name, 0.0),
                         quiet, flips)
-        n = noise.get(name, 0.0)
-        most = float(n.max()) if isinstance(n, torch.Tensor) and n.numel() else \
-            0.0 if isinstance(n, torch.Tensor) else n
-        if most:
-            d["noise"] = most
+        most = torch.as_tensor(noise.get(name, 0.0))  # the tensor's, or its elements'
+        if most.numel() and float(most.max()):
+            d["noise"] = float(most.max())
         if start is not None and name in start:
             rel = update_rel(assembled.tensors[name], ref[name], start[name], quiet)
             if rel is not None:

@@ -7,7 +7,7 @@ fp32's rounding of 0 (CTRL tiny: 5 of a layer's million, the closest at
 goes, and a plan rounds otherwise than eager (cp's attention sums its keys
 in blocks): one flipped element moves a whole row of the next gradient, by
 1% of it. Neither side is wrong. `KinksFlipped` is a `TorchFunctionMode`
-for the judge's second chance only (`verify.rounding_runs`): the forward is
+for the judge's second chance only (`verify.against_eager`): the forward is
 the module's, bit for bit; the backward of every ReLU (`F.relu`,
 `torch.relu`, `Tensor.relu` and their in-place forms: `nn.ReLU` and
 transformers' "relu") takes the other side at each element within `WINDOW`

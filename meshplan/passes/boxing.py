@@ -167,9 +167,8 @@ def _apply_hint(ctx: _Ctx, o: int, module_path: str) -> None:
 
 def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
     """A value holding `r` in layout `need` on stage `at[0]` (made if missing)."""
-    per_phase = r in ctx.regather or at[2] is Phase.OPTIMIZER
-    base = ctx.default.get(r, r)
-    if per_phase and base != r and ctx.where[base][2] is not at[2]:
+    base = ctx.default.get(r, r)  # a hinted value: what the updates name, a state too
+    if r in ctx.regather and base != r and ctx.where[base][2] is not at[2]:
         base = r  # hinted, but converted again in this phase rather than kept from the producer's
     have = ctx.layout.get(base)
     src_at = ctx.where.get(r, at)  # graph inputs are local to every stage
@@ -178,6 +177,7 @@ def _ready(ctx: _Ctx, r: int, need: NdSbp, at, module_path: str) -> int:
         return r
     if have == need and src_at[0] == at[0]:
         return base
+    per_phase = r in ctx.regather or at[2] is Phase.OPTIMIZER
     key = (r, need, at[0], at[2] if per_phase else None)
     if key in ctx.versions:
         return ctx.versions[key]
