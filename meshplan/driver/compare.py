@@ -241,8 +241,8 @@ def compare_state(assembled: Assembled, ref: dict[str, torch.Tensor], bounds: Bo
     `unused` where it lacks it and eager left it at its `start` value,
     `noise` where the reference's reordering noise is not zero, `flips` in
     an AdamW run, `update_rel` for a tensor in `start`, the initial state,
-    within `update_rtol` or twice the reference's own (`own_update`: its
-    update's distance from a wider training's))."""
+    within `update_rtol` or `NOISE_FACTOR` times the reference's own
+    (`own_update`: its update's distance from a wider training's))."""
     out = {}
     noise = noise or {}
     for name in sorted(ref):
@@ -266,7 +266,7 @@ def compare_state(assembled: Assembled, ref: dict[str, torch.Tensor], bounds: Bo
         if start is not None and name in start:
             rel = update_rel(assembled.tensors[name], ref[name], start[name], quiet)
             if rel is not None:
-                allowed = max(bounds.update_rtol, 2 * (own_update or {}).get(name, 0.0))
+                allowed = max(bounds.update_rtol, NOISE_FACTOR * (own_update or {}).get(name, 0.0))
                 d |= {"update_rel": rel, "ok": d["ok"] and rel <= allowed}
         spread = assembled.replica_spread.get(name, 0.0)
         if spread > 0:

@@ -247,9 +247,9 @@ def judge(rank_losses: dict[str, list[float]], slices: dict[int, dict], ref: Eag
     cannot tell (`kinks.py`), each element's distance from it a noise there
     (elementwise: a flip moves the rows it touches, and only those). For a
     bf16/fp16 reference `exact` is the fp32 training: its distance is
-    autocast's own error, and each tensor's update may also be as far from
-    eager's as twice eager's is from fp32's (a gradient mostly rounding,
-    Qwen2's key bias: eager autocast's update 50-80% off fp32's)."""
+    autocast's own error, and so is eager's update's distance from fp32's
+    for each tensor's update (a gradient mostly rounding, Qwen2's key bias:
+    eager autocast's update 50-80% off fp32's; a MoE router's)."""
     loss_noise, noise = 0.0, {}
     if twin is not None:
         loss_noise = max(abs(a - b) for a, b in zip(ref.losses, twin.losses, strict=True))

@@ -19,6 +19,7 @@ from meshplan.ir.choices import OpPrecision, OpRecompute
 _LOW = (
     "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
     "aten.matmul.default", "aten.baddbmm.default", "aten.conv1d.default",
+    "aten.einsum.default",  # not listed by autocast, but computed as its bmm, which is
     "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
     "aten.scaled_dot_product_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",

@@ -138,8 +138,8 @@ def test_fp32s_own_rounding_error_is_noise_a_plan_may_show_and_a_bug_is_not():
 
 def test_bf16s_own_error_is_noise_a_plan_may_show_and_a_frozen_tensor_is_not():
     """A bf16 run the bounds refuse is judged again with autocast's own error:
-    each tensor's distance from the same training in fp32, and its update
-    may be twice as far from eager's as eager's is from fp32's. Qwen2's key
+    each tensor's distance from the same training in fp32, and its update's
+    (4x, as every noise). Qwen2's key
     bias under AdamW is mostly rounding (eager autocast's update 50-80% off
     fp32's): at tp2 the run's was 30-64% off eager's and refused. A run
     holding fp32's own key bias is refused by the bounds and passes the
