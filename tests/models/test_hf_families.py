@@ -70,6 +70,15 @@ CASES = [pytest.param(t, ONE_RANK.get(t, "1rank"), id=f"{t}-1rank") for t in TES
     pytest.param(t, "dp2", id=f"{t}-dp2") for t in ("esm", "mamba", "bloom")]
 
 
+def verifies_equal(capsys, *args: str) -> None:
+    """`meshplan verify ARGS --json` exits 0 with the verdict equal."""
+    from meshplan.cli.main import main
+
+    code = main(["verify", *args, "--json"])
+    out = capsys.readouterr().out
+    assert code == 0 and '"ok": true' in out, out[-2000:]
+
+
 @pytest.mark.parametrize("model_type, layout", CASES)
 def test_family_trains_as_eager(model_type, layout):
     job, verdict, cfg = train(model_type, layout)
@@ -156,12 +165,7 @@ def test_deepseek_v2_trains_under_bf16_as_eager_autocast(capsys):
     capture drops that cast (it changes nothing there), so bf16 planning
     once asked for the complex view of a bf16 tensor, which torch refuses:
     `view_as_complex` computes in fp32 (`ops/policy.py`)."""
-    from meshplan.cli.main import main
-
-    code = main(["verify", "--hf", "deepseek_v2", "--precision", "bf16", "--steps", "2",
-                 "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and '"ok": true' in out, out[-2000:]
+    verifies_equal(capsys, "--hf", "deepseek_v2", "--precision", "bf16", "--steps", "2")
 
 
 def test_phimoe_at_dp2_tp2_zero2_adamw_is_judged_not_called_chaotic(capsys):
@@ -170,12 +174,8 @@ def test_phimoe_at_dp2_tp2_zero2_adamw_is_judged_not_called_chaotic(capsys):
     micro-batch's samples, and drew those numbers in the old order: another
     routing, its loss 1.5e-3 away, and the run (losses bit-equal) refused as
     chaotic. The twin's draws now follow its samples (`same_masks._rows`)."""
-    from meshplan.cli.main import main
-
-    code = main(["verify", "--hf", "phimoe", "--steps", "2", "--devices-per-node", "4",
-                 "--dp", "2", "--tp", "2", "--zero", "2", "--optimizer", "adamw", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and '"ok": true' in out, out[-2000:]
+    verifies_equal(capsys, "--hf", "phimoe", "--steps", "2", "--devices-per-node", "4",
+                   "--dp", "2", "--tp", "2", "--zero", "2", "--optimizer", "adamw")
 
 
 def test_ctrl_at_cp2_is_judged_equal_where_a_relu_fell_the_other_way(capsys):
@@ -183,12 +183,8 @@ def test_ctrl_at_cp2_is_judged_equal_where_a_relu_fell_the_other_way(capsys):
     other side of the kink (on this machine's rounding), a momentum row 2%
     off, the losses bit-equal; judged equal with the kink noise
     (`driver/kinks.py`; its planted test is tests/driver/test_kinks.py)."""
-    from meshplan.cli.main import main
-
-    code = main(["verify", "--hf", "ctrl", "--steps", "1", "--devices-per-node", "2",
-                 "--cp", "2", "--seed", "2", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and '"ok": true' in out, out[-2000:]
+    verifies_equal(capsys, "--hf", "ctrl", "--steps", "1", "--devices-per-node", "2",
+                   "--cp", "2", "--seed", "2")
 
 
 @pytest.mark.parametrize("model_type, layout", [("qwen2", "--tp"), ("blenderbot-small", "--dp")])
@@ -199,12 +195,8 @@ def test_bf16_adamw_judges_a_key_bias_by_autocasts_own_error(model_type, layout,
     (`compare.adam_flips`'s `wide`). Qwen2's (rotated with its keys) is not
     zero but mostly rounding: judged by autocast's own distance from fp32
     (`verify.judge`'s second chance). Both were refused, losses 2e-5 apart."""
-    from meshplan.cli.main import main
-
-    code = main(["verify", "--hf", model_type, "--steps", "2", "--devices-per-node", "2",
-                 layout, "2", "--precision", "bf16", "--optimizer", "adamw", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and '"ok": true' in out, out[-2000:]
+    verifies_equal(capsys, "--hf", model_type, "--steps", "2", "--devices-per-node", "2",
+                   layout, "2", "--precision", "bf16", "--optimizer", "adamw")
 
 
 @pytest.mark.parametrize("model_type", ["fnet", "pegasus_x"])
@@ -214,11 +206,7 @@ def test_trains_under_bf16_as_autocast_computes(model_type, capsys):
     (`fft_fftn`) computes in fp32; PEGASUS-X's `einsum` of a bf16 and an fp32
     tensor computes in bf16, as its bmm does under autocast ('expected
     scalar type torch.float32 but found torch.bfloat16')."""
-    from meshplan.cli.main import main
-
-    code = main(["verify", "--hf", model_type, "--precision", "bf16", "--steps", "2", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and '"ok": true' in out, out[-2000:]
+    verifies_equal(capsys, "--hf", model_type, "--precision", "bf16", "--steps", "2")
 
 
 def test_a_moe_router_under_bf16_adamw_is_judged_by_autocasts_own_error(capsys):
@@ -226,9 +214,5 @@ def test_a_moe_router_under_bf16_adamw_is_judged_by_autocasts_own_error(capsys):
     18% off fp32's, the run's 30-40% off eager's (a router's gradient is
     mostly rounding in bf16), refused by the 25% update bound; within 4x
     eager's own, as every noise (`compare.compare_state`'s `own_update`)."""
-    from meshplan.cli.main import main
-
-    code = main(["verify", "--hf", "llama4_text", "--steps", "2", "--precision", "bf16",
-                 "--optimizer", "adamw", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0 and '"ok": true' in out, out[-2000:]
+    verifies_equal(capsys, "--hf", "llama4_text", "--steps", "2", "--precision", "bf16",
+                   "--optimizer", "adamw")
