@@ -63,7 +63,8 @@ __all__ = ["Mesh", "OptimizerConfig", "Strategy", "TokenFeed", "capture", "check
            "plan", "plan_eval", "run", "search", "train", "verify"]
 
 
-def capture(module, inputs: tuple, loss_fn=None, targets: tuple = (), self_check: bool = True):
+def capture(module, inputs: tuple, loss_fn=None, targets: tuple = (), self_check: bool = True,
+            precision: str = "fp32"):
     """Capture `module` called on `inputs` (one micro-batch: micro_batch_size x
     dp samples) as a forward `Graph` ending in a scalar loss.
 
@@ -71,8 +72,11 @@ def capture(module, inputs: tuple, loss_fn=None, targets: tuple = (), self_check
     `loss_fn(module(*inputs), *targets)`. On real inputs and weights the
     captured forward is run once and compared with the module's own
     (`self_check=False` skips it): a `CaptureError` names the first op that
-    differs."""
-    return checked_capture(module, tuple(inputs), loss_fn, tuple(targets), self_check)
+    differs. `precision` is the strategy's ("fp32", "bf16", "fp16"): a
+    model's own casts (`x.to(input_dtype)`) resolve as under autocast in it,
+    and `plan` takes the graph only with that precision."""
+    return checked_capture(module, tuple(inputs), loss_fn, tuple(targets), self_check,
+                           precision)
 
 
 def plan(graph, mesh, strategy, optimizer="sgd", lr: float | None = None,

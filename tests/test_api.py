@@ -67,7 +67,8 @@ def test_run_checks_batches_and_the_optimizer_round_trips():
 
 def test_plan_applies_the_strategys_precision_and_recompute():
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
-    graph = mp.capture(_tiny(), (x,), loss_fn=torch.nn.functional.cross_entropy, targets=(y,))
+    graph = mp.capture(_tiny(), (x,), loss_fn=torch.nn.functional.cross_entropy, targets=(y,),
+                       precision="bf16")
     s = mp.Strategy(global_batch_size=4, micro_batch_size=4, precision="bf16",
                     recompute="full", recompute_pattern=r"\d+")
     job = mp.plan(graph, mp.Mesh(1, 1), s)

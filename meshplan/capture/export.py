@@ -40,6 +40,12 @@ import torch
 from torch import nn
 
 from meshplan.capture.grad_regions import detach_no_grad_values, has_regions
+from meshplan.capture.model_casts import (
+    autocast_flow,
+    is_fake,
+    on_fake_device,
+    on_meta,
+)
 from meshplan.capture.routed_experts import fuse_routed_experts
 from meshplan.capture.structure import structure_facts
 from meshplan.capture.torch_export import (
@@ -61,6 +67,7 @@ from meshplan.ir import (
     Update,
     check_well_formed,
 )
+from meshplan.ir.choices import Precision
 from meshplan.ir.graph_facts import GraphFacts
 from meshplan.ops.emit import Emitter
 from meshplan.ops.random_ops import draws
@@ -126,21 +133,29 @@ class Traced:
     exported: torch.export.ExportedProgram
 
 
-def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -> Graph:
+def capture(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = (),
+            precision: Precision | str = Precision.FP32) -> Graph:
     """Capture `module` on example `inputs` as a forward Graph ending in a loss.
 
     With `loss_fn`, the loss is `loss_fn(module(*inputs), *targets)`.
-    Works on a module built on the `meta` device (no weights allocated)."""
-    return trace(module, inputs, loss_fn, targets).graph
+    Works on a module built on the `meta` device (no weights allocated).
+    `precision` is the one the graph will be planned in: under bf16/fp16 the
+    model's own casts resolve as under autocast (`capture/model_casts.py`)."""
+    return trace(module, inputs, loss_fn, targets, precision).graph
 
 
-def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -> Traced:
+def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = (),
+          precision: Precision | str = Precision.FP32) -> Traced:
     """`capture`, keeping the exported program and each fx node's Refs."""
+    precision = Precision(precision)
     model = _WithLoss(module, loss_fn, len(inputs)) if loss_fn is not None else module
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
-    ep = export_program(model, args, type(module).__name__)
-    exported, ep = ep, functional(ep, type(module).__name__)
+    if precision is Precision.FP32:
+        ep = export_program(model, args, type(module).__name__)
+        exported, ep = ep, functional(ep, type(module).__name__)
+    else:
+        ep = exported = _export_in_flow(model, args, type(module).__name__, precision)
     same = _tensor_ids(module)
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
                        if not p.requires_grad)
@@ -149,7 +164,8 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
     ran = frozenset(op.module_path.removeprefix(prefix) for op in graph.ops)
     graph = replace(graph, facts=replace(graph.facts, aliases=_aliases(same, graph),
                                          structure=structure_facts(module, ran),
-                                         op_modules=modules_of(graph.ops)))
+                                         op_modules=modules_of(graph.ops),
+                                         captured_for=precision))
     check_well_formed(graph)
     return Traced(graph, ep, {node.name: r for node, r in env.items()}, prefix, exported)
 
@@ -164,14 +180,28 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = ()) -
 # capture_cost.md: ResNet-50's BatchNorms, 1.82 -> 3.81 s with the
 # self-check), paid only by programs that mutate: a program with no mutating
 # node is already functional, and is what functionalization would return.
-def functional(ep, model_name: str):
+def _export_in_flow(model: nn.Module, args: tuple, name: str,
+                    precision: Precision) -> torch.export.ExportedProgram:
+    """`model` exported and functionalized under autocast in `precision`
+    (`capture/model_casts.py`); a meta module on fake CPU tensors."""
+    if not on_meta(model, args):
+        with autocast_flow(precision, args):
+            ep = export_program(model, args, name)
+            return functional(ep, name, retrace=True)
+    with on_fake_device(model, args) as fake_args, autocast_flow(precision, fake_args):
+        ep = export_program(model, fake_args, name)
+        return functional(ep, name, retrace=True)
+
+
+def functional(ep, model_name: str, retrace: bool = False):
     """`ep` with every mutation functionalized by torch, and its grad-mode
     and autocast regions inlined (`capture/grad_regions.py`; itself if it
-    has neither)."""
+    has neither, unless `retrace`: a program traced under autocast, whose
+    casts the retrace inlines)."""
     mutates = any(node.op == "call_function" and str(node.target).startswith("aten.")
                   and rule_for(str(node.target)).mutates for node in ep.graph.nodes)
     regions = has_regions(ep.graph_module)
-    if not mutates and not regions:
+    if not mutates and not regions and not retrace:
         return ep
     if regions:  # their mutations are inside them, where the scan above does not look
         detach_no_grad_values(ep.graph_module)
@@ -281,7 +311,7 @@ def _constant(ctx: _Ctx, t: torch.Tensor, name: str, node) -> Ref:
     else, up to `CONSTANT_ELEMENTS`, each element an `aten.scalar_tensor`
     stacked into the constant's shape (an index list, `torch.tensor([0, 1,
     1, 3])`): the values live in the graph, so every rank makes them."""
-    if t.is_meta and t.numel():
+    if (t.is_meta or is_fake(t)) and t.numel():
         raise ConstantOnMeta(f"tensor constant '{name}' ({list(t.shape)}) was made on the "
                              "meta device, so its value is unknown; capture the module with "
                              "its weights")

@@ -44,6 +44,7 @@ from meshplan.capture.export import Traced, trace, where
 from meshplan.driver.same_masks import SameMasks
 from meshplan.errors import CaptureError
 from meshplan.ir import Graph, Phase, Ref, Role
+from meshplan.ir.choices import Precision
 from meshplan.ir.state_name import StateName
 from meshplan.ops import random_ops
 from meshplan.runtime.codegen import compile_segment
@@ -61,14 +62,19 @@ RTOL_FP32 = 1e-4
 
 
 def checked_capture(module, inputs: tuple, loss_fn=None, targets: tuple = (),
-                    self_check: bool = True) -> Graph:
+                    self_check: bool = True,
+                    precision: Precision | str = Precision.FP32) -> Graph:
     """`capture`, then (on real inputs and weights, unless `self_check` is
     False) the self-check: a `CaptureError` if the captured forward's loss
-    differs from the module's own."""
+    differs from the module's own. The check runs on the fp32 capture, the
+    module's own forward; a bf16/fp16 capture (the model's casts resolved
+    under autocast) is traced after it."""
     traced = trace(module, tuple(inputs), loss_fn, tuple(targets))
     if self_check and _is_real(module, (*inputs, *targets)):
         check_capture(traced, module, tuple(inputs), loss_fn, tuple(targets))
-    return traced.graph
+    if Precision(precision) is Precision.FP32:
+        return traced.graph
+    return trace(module, tuple(inputs), loss_fn, tuple(targets), precision).graph
 
 
 def check_capture(traced: Traced, module, inputs: tuple, loss_fn=None,

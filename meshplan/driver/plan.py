@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from meshplan.autodiff import OptimizerConfig
 from meshplan.capture import cached, capture, capture_key
 from meshplan.capture.export import ConstantOnMeta
+from meshplan.ir.choices import Precision
 from meshplan.ir.gc_pause import paused_gc
 from meshplan.ir.job import Job
 from meshplan.ir.mesh import DERIVED, Mesh, Strategy
@@ -45,24 +46,29 @@ def zoo_strategy(model: str, cfg, **fields) -> Strategy:
     return Strategy(**fields)
 
 
-def capture_zoo(cfg, batch_size: int, use_cache: bool = True):
+def capture_zoo(cfg, batch_size: int, precision: Precision | str = Precision.FP32,
+                use_cache: bool = True):
     """The forward Graph of a zoo model for one micro-batch of `batch_size`,
-    captured on the meta device (no weights) and cached by config and shape."""
-    key = capture_key(config=cfg, batch_size=batch_size, kind="zoo",
+    captured for `precision` on the meta device (no weights) and cached by
+    config, shape and precision."""
+    precision = Precision(precision)
+    key = capture_key(config=cfg, batch_size=batch_size, kind="zoo", precision=precision,
                       saved=saved_config(cfg.source) if cfg.source else None)
 
-    return cached(key, lambda: capture_built(cfg, batch_size), enabled=use_cache)[0]
+    return cached(key, lambda: capture_built(cfg, batch_size, precision=precision),
+                  enabled=use_cache)[0]
 
 
-def capture_built(cfg, batch_size: int, on_meta=None):
-    """`cfg`'s model (`on_meta`, built there if None) captured on the meta
-    device; with weights (on the CPU) where its forward makes a tensor
-    constant whose value meta cannot know."""
+def capture_built(cfg, batch_size: int, on_meta=None,
+                  precision: Precision | str = Precision.FP32):
+    """`cfg`'s model (`on_meta`, built there if None) captured for
+    `precision` on the meta device; with weights (on the CPU) where its
+    forward makes a tensor constant whose value meta cannot know."""
     try:
         return capture(on_meta or build_model(cfg, device="meta"),
-                       example_batch(cfg, batch_size, device="meta"))
+                       example_batch(cfg, batch_size, device="meta"), precision=precision)
     except ConstantOnMeta:
-        return capture(build_model(cfg), example_batch(cfg, batch_size))
+        return capture(build_model(cfg), example_batch(cfg, batch_size), precision=precision)
 
 
 def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
@@ -76,7 +82,7 @@ def plan_model(model: str, size: str, mesh: Mesh, strategy: Strategy,
     if not model.startswith(HF):  # an auto plan checks the heads it splits
         check_heads(cfg.heads, strategy.tp, model)
     t0 = time.perf_counter()
-    forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp)
+    forward = capture_zoo(cfg, strategy.micro_batch_size * strategy.dp, strategy.precision)
     t1 = time.perf_counter()
     timings: dict = {}  # seconds per pass (the pass manager's), then the Job's bytes
     with paused_gc():  # the master: see ir/gc_pause.py

@@ -93,7 +93,7 @@ def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimiz
     sized = overrides | {"vocab": cfg.vocab}
     job = plan_model(model, size, mesh, strategy, optimizer, None, **sized).job
     s = job.strategy
-    eval_job = plan_forward(capture_zoo(cfg, s.micro_batch_size * s.dp), mesh, s)
+    eval_job = plan_forward(capture_zoo(cfg, s.micro_batch_size * s.dp, s.precision), mesh, s)
     torch.manual_seed(seed)
     return LanguageModel(cfg.seq_len, build_model(cfg), job, eval_job, layout)
 
@@ -125,7 +125,7 @@ def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer
     reader = FeedReader(TokenFeed(data_dir, "train", seq_len, seed), strategy.global_batch_size,
                         strategy.num_microbatches)
     x, y = reader.microbatches(0)[0]
-    graph = checked_capture(module, (x, y))
+    graph = checked_capture(module, (x, y), precision=strategy.precision)
     job = PASSES.run(Compilation(graph, mesh, strategy, optimizer)).job
     eval_job = plan_forward(graph, mesh, job.strategy)
     return LanguageModel(seq_len, module, job, eval_job, Layout.NEXT_TOKEN)

@@ -338,7 +338,7 @@ def _single(module, batches, opt, m: int, precision: Precision = Precision.FP32,
     """meshplan on this one process: capture, autodiff, the one-rank executor."""
     micro = [split_microbatches(b, m) for b in batches]
     t0 = time.perf_counter()
-    forward = capture(module, micro[0][0])
+    forward = capture(module, micro[0][0], precision=precision)
     t1 = time.perf_counter()
     strategy = Strategy(global_batch_size=m, precision=precision, initial_loss_scale=init_scale)
     graph = PASSES.run(Compilation(forward, Mesh(1, 1), strategy, opt),

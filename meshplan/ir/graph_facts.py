@@ -3,8 +3,9 @@ graph beside its ops (`Graph.facts`), as one typed, frozen record.
 
 Invariants:
 - Facts, not decisions: the model's class, the other names of tied tensors,
-  the module structure derived plans read, the precision the casts were made
-  for, the train step's optimizer, micro-batch count and loss scale, and the
+  the module structure derived plans read, the precision the model's own
+  casts were captured for and the one the precision pass cast for, the
+  train step's optimizer, micro-batch count and loss scale, and the
   modules that register its custom ops (`torch.library`), which a process
   reading the graph imports, as unpickling imports a class's module.
 - A pass adds its facts with `dataclasses.replace`; no field is a string
@@ -59,3 +60,6 @@ class GraphFacts:
     train: TrainFacts | None = None  # None: a forward graph
     # the Python modules whose import registers the graph's custom ops, sorted
     op_modules: tuple[str, ...] = ()
+    # the precision whose dtypes the model's own casts resolved under (capture,
+    # `capture/model_casts.py`); the precision pass takes only its own
+    captured_for: Precision = Precision.FP32

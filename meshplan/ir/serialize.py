@@ -79,6 +79,8 @@ def facts_to_pairs(f: GraphFacts) -> list[list[str]]:
             ("model", s.model))]
     if f.precision != Precision.FP32:
         out.append(["precision", str(f.precision)])
+    if f.captured_for != Precision.FP32:
+        out.append(["captured_for", str(f.captured_for)])
     if (t := f.train) is not None:
         out += [["optimizer", str(t.optimizer)], ["num_microbatches", str(t.num_microbatches)],
                 ["optimizer_config", t.optimizer_config.to_json()]]
@@ -111,7 +113,8 @@ def facts_from_pairs(pairs) -> GraphFacts:
     facts = GraphFacts(d.get("model_class"),
                        tuple((k[len(ALIAS):], v) for k, v in rows if k.startswith(ALIAS)),
                        structure, Precision(d.get("precision", Precision.FP32)), train,
-                       tuple(v for k, v in rows if k == OP_MODULE))
+                       tuple(v for k, v in rows if k == OP_MODULE),
+                       Precision(d.get("captured_for", Precision.FP32)))
     if facts_to_pairs(facts) != rows:
         raise Malformed(f"graph facts {[k for k, _ in rows]} are not in the written form")
     for module in facts.op_modules:  # the graph's custom ops exist here once imported

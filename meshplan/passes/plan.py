@@ -106,6 +106,12 @@ class Compilation:
 
 def _check_strategy(c: Compilation) -> None:
     c.strategy = check_strategy(c.mesh, c.strategy)
+    captured, wanted = c.graph.facts.captured_for, c.strategy.precision
+    fresh = c.graph.facts.train is None and c.graph.facts.precision is Precision.FP32
+    if fresh and captured != wanted:  # a model's own casts resolve by the dtypes it runs in
+        raise ConfigError(f"the graph was captured for {captured} but the strategy trains in "
+                          f"{wanted}, and a model's own casts (x.to(input_dtype)) depend on "
+                          f"the precision; capture with precision=\"{wanted}\"")
 
 
 def _apply_precision(c: Compilation) -> None:

@@ -16,6 +16,11 @@ listed in `ops/policy.py`):
 - any other op runs in whatever its inputs promote to (a residual add of an
   fp32 stream and a bf16 branch is fp32).
 
+The model's own casts are ops of the captured graph, resolved as under
+autocast (`capture/model_casts.py`); one that casts a value to the dtype it
+already has in this flow (an upcast where meshplan's lists made fp32) is
+dropped.
+
 Invariants: parameters, buffers and the optimizer state stay fp32 (master
 weights); the loss is fp32; fp32 precision returns the graph unchanged.
 One cast is made per (value, dtype) and shared by its readers.
@@ -73,6 +78,9 @@ def apply_precision(graph: Graph, precision: Precision) -> Graph:
             else None
         args = tuple(arg(e, a, want) for a in op.args)
         kwargs = tuple((k, arg(e, v, want)) for k, v in op.kwargs)
+        if op.kind == CAST and kwargs == (("dtype", b.meta(args[0].id).dtype),):
+            vmap[op.outputs[0]] = args[0].id  # the model's cast, an identity in this flow
+            continue
         same = all(b.meta(vmap[r]) == graph.values[r].meta for r in op.refs()) and \
             not any(r in casts_of for r in refs_in(args, kwargs))
         if same:  # no input changed dtype: the outputs are as captured

@@ -62,7 +62,8 @@ def test_with_checks_the_verifier_runs_after_every_pass_that_ran(forward):
         ran.append(list(timings)[-1])  # the pass that just ran
 
     manager = PassManager(PASSES.passes, check)
-    c = manager.run(_state(forward, dp=2, pp=2, precision="bf16", recompute="full",
+    in_bf16 = capture(Mlp(), (torch.randn(4, 4),), precision="bf16")
+    c = manager.run(_state(in_bf16, dp=2, pp=2, precision="bf16", recompute="full",
                            schedule="zb1p"), checks=True, timings=timings)
     assert c.job is not None
     assert ran == list(timings) == [p for p in PASSES.names
