@@ -40,7 +40,10 @@ class OpPrecision(enum.StrEnum):
     """How an op computes under mixed precision (`OpRule.precision`, autocast's lists)."""
 
     PROMOTE = ""   # follow type promotion
-    LOW = "low"    # in bf16/fp16: every floating-point input cast down
+    LOW = "low"    # in bf16/fp16: every floating-point input cast down (a graph captured
+    #                under autocast has them cast already; one left fp32 ran with autocast off)
+    LOW_INSIDE = "low_inside"  # as LOW in any graph: autocast lists not the op but lowers
+    #                the matmul it computes by (einsum's bmm), which a capture does not see
     FP32 = "fp32"  # in fp32: low-precision inputs cast back
 
 

@@ -19,7 +19,6 @@ from meshplan.ir.choices import OpPrecision, OpRecompute
 _LOW = (
     "aten.linear.default", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
     "aten.matmul.default", "aten.baddbmm.default", "aten.conv1d.default",
-    "aten.einsum.default",  # not listed by autocast, but computed as its bmm, which is
     "aten.conv2d.default", "aten.conv3d.default", "aten.convolution.default",
     "aten.scaled_dot_product_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
@@ -41,15 +40,19 @@ _FP32 = (
     *(f"aten.fft_{k}.default" for k in (  # no FFT kernel takes bf16 (FNet's mixing)
         "fft", "ifft", "fft2", "ifft2", "fftn", "ifftn", "rfft", "irfft", "rfft2", "irfft2",
         "rfftn", "irfftn", "hfft", "ihfft")),
-    # not autocast's: complex numbers have no bf16 (a model's `.float()` before
-    # it is an identity in the fp32 capture, so it is lost: DeepSeek-V2's rotary)
+    # not autocast's: complex numbers have no bf16 (DeepSeek-V2's rotary casts
+    # to fp32 before it; a graph captured in fp32 holds no such cast)
     "aten.view_as_complex.default",
 )
+# not listed by autocast, but computed as its bmm, which is; a capture under
+# autocast records it whole, in fp32 (PEGASUS-X)
+_LOW_INSIDE = ("aten.einsum.default",)
 PRECISION: dict[str, OpPrecision] = ({k: OpPrecision.LOW for k in _LOW}
+                                     | {k: OpPrecision.LOW_INSIDE for k in _LOW_INSIDE}
                                      | {k: OpPrecision.FP32 for k in _FP32})
 
 # The expensive kinds are exactly those that compute in low precision.
-RECOMPUTE: dict[str, OpRecompute] = {k: OpRecompute.KEEP for k in _LOW}
+RECOMPUTE: dict[str, OpRecompute] = {k: OpRecompute.KEEP for k in (*_LOW, *_LOW_INSIDE)}
 
 
 def recompute_class(kind: str) -> OpRecompute:

@@ -16,10 +16,15 @@ listed in `ops/policy.py`):
 - any other op runs in whatever its inputs promote to (a residual add of an
   fp32 stream and a bf16 branch is fp32).
 
-The model's own casts are ops of the captured graph, resolved as under
-autocast (`capture/model_casts.py`); one that casts a value to the dtype it
-already has in this flow (an upcast where meshplan's lists made fp32) is
-dropped.
+A graph captured for this precision was traced under autocast
+(`capture/model_casts.py`): it holds the model's own casts, resolved as
+eager resolves them, and autocast's. There the pass adds the casts of its
+lists that the capture's (CPU autocast's) lack: `FP32` ops' (norms, softmax),
+`LOW_INSIDE` ops' (einsum), and a `LOW` op's whose input an `FP32` op made
+fp32 again; it leaves a `LOW` op with no low input as it is: autocast was
+off there (a router's `torch.autocast(enabled=False)`). A cast to the
+dtype a value already has in this flow is dropped. A graph captured in fp32 (the
+passes' own tests) gets every cast the lists name.
 
 Invariants: parameters, buffers and the optimizer state stay fp32 (master
 weights); the loss is fp32; fp32 precision returns the graph unchanged.
@@ -71,15 +76,21 @@ def apply_precision(graph: Graph, precision: Precision) -> Graph:
             return tuple(arg(e, x, want) for x in a)
         return a
 
+    in_flow = graph.facts.captured_for == precision  # autocast's casts are ops already
     for op in graph.ops:
         e = rb.emitter(op)
         policy = rule_for(op.kind).precision
-        want = low if policy is OpPrecision.LOW else FP32 if policy is OpPrecision.FP32 \
-            else None
+        if in_flow and policy is OpPrecision.LOW and \
+                all(graph.values[r].meta.dtype != low for r in op.refs()):
+            policy = OpPrecision.PROMOTE  # autocast was off here: the model's fp32
+        want = low if policy in (OpPrecision.LOW, OpPrecision.LOW_INSIDE) \
+            else FP32 if policy is OpPrecision.FP32 else None
         args = tuple(arg(e, a, want) for a in op.args)
         kwargs = tuple((k, arg(e, v, want)) for k, v in op.kwargs)
-        if op.kind == CAST and kwargs == (("dtype", b.meta(args[0].id).dtype),):
-            vmap[op.outputs[0]] = args[0].id  # the model's cast, an identity in this flow
+        if op.kind == CAST and len(kwargs) == 1 and kwargs[0][0] == "dtype" \
+                and kwargs[0][1].torch.is_floating_point and b.meta(args[0].id).is_float:
+            # the capture's own cast: shared as the pass's are, none where it changes nothing
+            vmap[op.outputs[0]] = cast(e, args[0], kwargs[0][1]).id
             continue
         same = all(b.meta(vmap[r]) == graph.values[r].meta for r in op.refs()) and \
             not any(r in casts_of for r in refs_in(args, kwargs))

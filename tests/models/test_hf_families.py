@@ -216,3 +216,15 @@ def test_a_moe_router_under_bf16_adamw_is_judged_by_autocasts_own_error(capsys):
     eager's own, as every noise (`compare.compare_state`'s `own_update`)."""
     verifies_equal(capsys, "--hf", "llama4_text", "--steps", "2", "--precision", "bf16",
                    "--optimizer", "adamw")
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "inkling_text"])
+def test_bf16_adamw_keeps_the_models_own_casts(model_type, capsys):
+    """OLMo 2's q/k norms return `x.to(input_dtype)`, bf16 under autocast;
+    Inkling's router runs under `torch.autocast(enabled=False)`. The fp32
+    capture lost both (an identity cast; a linear the lists lower), and
+    bf16 AdamW said MISMATCH on those tensors, 20-40% off eager's updates.
+    A bf16 capture runs the forward under autocast (`capture/model_casts.py`);
+    its planted tests are tests/capture/test_model_casts.py."""
+    verifies_equal(capsys, "--hf", model_type, "--steps", "3", "--precision", "bf16",
+                   "--optimizer", "adamw")
