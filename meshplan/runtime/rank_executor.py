@@ -526,12 +526,16 @@ _LOW_DTYPE_ERRORS = ("not implemented for 'Half'", "Unsupported dtype Half",
                      "Low precision dtypes not supported", "not implemented for 'BFloat16'")
 # A kernel refusing its input's values: the data or the model's config is at fault
 _INPUT_ERRORS = ("out of bounds", "out of range", "index ", "Target ", "must be in range")
+# A scalar the model writes into a low-precision tensor that cannot hold it (DeBERTa's
+# `masked_fill(m, torch.finfo(torch.float32).min)` on bf16 scores: eager autocast fails alike)
+_OVERFLOW = "without overflow"
 
 
 def _kernel_error(view, ops: tuple[int, ...], err: Exception, device) -> Exception:
     """A kernel's failure, named by op and module, as one line: a missing
     fp16/bf16 kernel is the user's choice of precision, with the fix; an
-    index out of range the input's (exit 2); anything else meshplan's (exit 1)."""
+    index out of range the input's, a scalar a low dtype cannot hold the
+    model's (exit 2); anything else meshplan's (exit 1)."""
     if not ops:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         return KernelFault(f"a kernel failed: {text} (rerun with --debug for the "
@@ -544,6 +548,10 @@ def _kernel_error(view, ops: tuple[int, ...], err: Exception, device) -> Excepti
         other = Precision.BF16 if low == "float16" else Precision.FP32
         return ConfigError(f"{where} has no {low} kernel on {device.type} ({text}); "
                            f"use --precision {other}")
+    if _OVERFLOW in text:
+        return KernelFault(f"{where} writes a value its tensor's dtype cannot hold ({text}): "
+                           "the model's code does not run in this precision (eager "
+                           "torch.autocast fails there alike); use --precision fp32", 2)
     if any(m in text for m in _INPUT_ERRORS):
         return KernelFault(f"{where} failed on its input: {text}; check the data and the "
                            "model's config (vocabulary, positions) against each other", 2)

@@ -53,3 +53,32 @@ def test_a_kernel_failing_otherwise_is_meshplans_fault(monkeypatch):
     with pytest.raises(KernelFault) as e:
         ex.step(state, [(torch.zeros(2, 3, dtype=torch.long),)])
     assert e.value.exit_code == 1 and "boom" in str(e.value) and "report it" in str(e.value)
+
+
+class FillsFp32Min(nn.Module):
+    """DeBERTa's mask: `torch.finfo(torch.float32).min` into bf16 scores,
+    which eager autocast refuses alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scores = self.q(x)
+        return scores.masked_fill(x > 0, torch.finfo(torch.float32).min).float().mean()
+
+
+def test_a_value_a_low_dtype_cannot_hold_is_the_models_fault():
+    from meshplan.passes.precision import apply_precision
+
+    model, x = FillsFp32Min(), torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="without overflow"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)  # eager's own failure
+    graph = apply_precision(capture(model, (x,), precision="bf16"), "bf16")
+    ex = Executor(build_train_step(graph))
+    with pytest.raises(KernelFault) as e:
+        ex.step(ex.init_state(model), [(x,)])
+    message = str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in message and "module 'q'" not in message
+    assert "--precision fp32" in message and "masked_fill" in message
