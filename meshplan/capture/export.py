@@ -1,7 +1,9 @@
 """capture: `nn.Module` -> forward `Graph`, through `torch.export`.
 
 Invariants:
-- The export is the training IR (not decomposed), non-strict.
+- The export is the training IR (not decomposed), non-strict; a module on
+  the meta device is traced on fake CPU tensors, and one for bf16/fp16
+  under autocast (`capture/model_casts.py`).
 - Every op keeps its module path (`blocks.3.attn.qkv`) and source line;
   params and buffers keep their FQNs, shapes and dtypes.
 - The graph ends in a scalar loss: the model's output, or `loss_fn(output,
@@ -43,8 +45,8 @@ from meshplan.capture.grad_regions import detach_no_grad_values, has_regions
 from meshplan.capture.model_casts import (
     autocast_flow,
     is_fake,
+    lower_inside,
     on_fake_device,
-    on_meta,
 )
 from meshplan.capture.routed_experts import fuse_routed_experts
 from meshplan.capture.structure import structure_facts
@@ -151,11 +153,12 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = (),
     model = _WithLoss(module, loss_fn, len(inputs)) if loss_fn is not None else module
     args = tuple(inputs) + tuple(targets)
     prefix = "model." if loss_fn is not None else ""
-    if precision is Precision.FP32:
-        ep = export_program(model, args, type(module).__name__)
-        exported, ep = ep, functional(ep, type(module).__name__)
-    else:
-        ep = exported = _export_in_flow(model, args, type(module).__name__, precision)
+    name = type(module).__name__
+    with on_fake_device(model, args) as traced_on, autocast_flow(precision, traced_on):
+        exported = export_program(model, traced_on, name)
+        if precision is not Precision.FP32:
+            lower_inside(exported.graph_module, precision)
+        ep = functional(exported, name, retrace=precision is not Precision.FP32)
     same = _tensor_ids(module)
     frozen = frozenset(n for n, p in module.named_parameters(remove_duplicate=False)
                        if not p.requires_grad)
@@ -180,19 +183,6 @@ def trace(module: nn.Module, inputs: tuple, loss_fn=None, targets: tuple = (),
 # capture_cost.md: ResNet-50's BatchNorms, 1.82 -> 3.81 s with the
 # self-check), paid only by programs that mutate: a program with no mutating
 # node is already functional, and is what functionalization would return.
-def _export_in_flow(model: nn.Module, args: tuple, name: str,
-                    precision: Precision) -> torch.export.ExportedProgram:
-    """`model` exported and functionalized under autocast in `precision`
-    (`capture/model_casts.py`); a meta module on fake CPU tensors."""
-    if not on_meta(model, args):
-        with autocast_flow(precision, args):
-            ep = export_program(model, args, name)
-            return functional(ep, name, retrace=True)
-    with on_fake_device(model, args) as fake_args, autocast_flow(precision, fake_args):
-        ep = export_program(model, fake_args, name)
-        return functional(ep, name, retrace=True)
-
-
 def functional(ep, model_name: str, retrace: bool = False):
     """`ep` with every mutation functionalized by torch, and its grad-mode
     and autocast regions inlined (`capture/grad_regions.py`; itself if it

@@ -20,9 +20,11 @@ meshplan's lists (CUDA autocast's, `ops/policy.py`) on top: a cast they
 add where the capture's flow made the dtype already is none, and a
 model's `_to_copy` that is an identity in meshplan's flow is dropped.
 
-The flow is the autocast of the device the capture's tensors are on; a
-module on the meta device is traced on fake CPU tensors (`on_fake_device`),
-so it is CPU autocast's, the eager reference's on this machine. Both put
+Every capture of a module on the meta device, fp32's too, is traced on
+fake CPU tensors (`on_fake_device`): the model's code runs as on the CPU,
+where the eager reference runs (a tensor it makes on the default device
+meets its weights; a branch on the device type goes the CPU's way). So
+the flow is CPU autocast's, the eager reference's on this machine. Both put
 matmuls, linears, convolutions and attention in the low dtype; CPU's adds
 fp32 for losses and a few rare ops (`prod`, `cdist`, the FFTs), which stay
 fp32 on a GPU too. So a plan for a GPU computes CUDA autocast's step but
@@ -32,28 +34,27 @@ for those.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from meshplan.ir.choices import Precision
+from meshplan.ir.choices import OpPrecision, Precision
+from meshplan.ops.table import rule_for
 
 LOW = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+_GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 
 def autocast_flow(precision: Precision, inputs: tuple):
     """`torch.autocast` in `precision`'s low dtype, on the device type of
-    `inputs` (fake CPU tensors for a meta module: `on_fake_device`)."""
+    `inputs` (fake CPU tensors for a meta module: `on_fake_device`); none
+    for fp32."""
+    if precision not in LOW:
+        return nullcontext()
     device = next((t.device.type for t in inputs if isinstance(t, torch.Tensor)), "cpu")
     return torch.autocast(device, dtype=LOW[precision])
-
-
-def on_meta(module: nn.Module, inputs: tuple) -> bool:
-    """Whether the module or its inputs live on the meta device."""
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers(), *inputs)
-               if isinstance(t, torch.Tensor))
 
 
 @contextmanager
@@ -61,7 +62,10 @@ def on_fake_device(module: nn.Module, inputs: tuple) -> Iterator[tuple]:
     """While it lasts, every meta tensor of `module` (parameters, buffers and
     plain tensor attributes) is a fake CPU tensor, the same one for a tensor
     held under several names (ties stay ties); yields `inputs` made fake
-    alike. Autocast applies to CPU tensors, never to meta ones, and fake
+    alike. The model's code then runs as on the CPU, where the reference
+    runs: autocast applies (never to meta tensors), a tensor it makes on
+    the default device meets its weights (XLNet's masks: meta and CPU
+    mixed, refused), a branch on the device type goes the CPU's way. Fake
     tensors allocate nothing. The module's own tensors are put back after."""
     mode = FakeTensorMode()
     made: dict[int, torch.Tensor] = {}
@@ -91,3 +95,35 @@ def on_fake_device(module: nn.Module, inputs: tuple) -> Iterator[tuple]:
 def is_fake(t: torch.Tensor) -> bool:
     """A tensor `on_fake_device` made: it has no value, as a meta one."""
     return isinstance(t, FakeTensor)
+
+
+def lower_inside(gm: fx.GraphModule, precision: Precision) -> None:
+    """In place, before the retrace: each float input of an op autocast
+    lowers only inside (`OpPrecision.LOW_INSIDE`: einsum, whose bmm it
+    casts) cast to the low dtype, as eager autocast computes it. Export
+    keeps the op whole, and its retrace would run it below autocast, on
+    the dtypes the model gave it (PEGASUS-X: bf16 with fp32, refused). An
+    autocast region of the model's own keeps its own rule (not entered)."""
+    low = LOW[precision]
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is _GRAD_REGION:
+            lower_inside(getattr(gm, node.args[1].target), precision)
+        elif str(node.target).startswith("aten.") and \
+                rule_for(str(node.target)).precision is OpPrecision.LOW_INSIDE:
+            node.args = tuple(_cast_before(gm, a, node, low) for a in node.args)
+    gm.recompile()
+
+
+def _cast_before(gm: fx.GraphModule, a, before: fx.Node, low: torch.dtype):
+    """`a` (a node, or a list of them) cast to `low` before `before`, where a float."""
+    if isinstance(a, (list, tuple)):
+        return type(a)(_cast_before(gm, x, before, low) for x in a)
+    val = a.meta.get("val") if isinstance(a, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dtype == low:
+        return a
+    with gm.graph.inserting_before(before):
+        out = gm.graph.call_function(torch.ops.aten._to_copy.default, (a,), {"dtype": low})
+    out.meta = {**a.meta, "val": val.to(low)}
+    return out

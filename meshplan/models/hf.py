@@ -50,7 +50,7 @@ TESTED = (
     "gpt2", "gpt_neox", "gptj", "gpt_bigcode", "codegen", "ctrl", "biogpt", "bloom",
     "falcon", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "cohere", "granite",
     "glm", "internlm3", "phi", "phi3", "olmo", "bitnet", "lfm2", "mamba", "cpmant",
-    "xlm", "hrm_text", "cohere_compass_text", "gemma4_unified",
+    "xlm", "xlnet", "hrm_text", "cohere_compass_text", "gemma4_unified",
     # config fields under their own names (models/hf_sizes.py)
     "lfm2_moe", "longcat_flash",
     # torch.autograd.Functions with their own backward (kept whole by capture)

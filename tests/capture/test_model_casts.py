@@ -73,6 +73,19 @@ class Routed(nn.Module):
         return (self.proj(x).float() * logits.softmax(-1)).sum()
 
 
+class Mixes(nn.Module):
+    """An einsum of a linear's bf16 output and an fp32 weight (PEGASUS-X):
+    eager autocast computes it as its bmm, in bf16."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.w = nn.Parameter(torch.randn(d, d) / d)
+
+    def forward(self, x):
+        return torch.einsum("bi,ij->bj", self.proj(x), self.w).float().pow(2).mean()
+
+
 def _grads(step_graph, module, x) -> tuple[float, dict]:
     """meshplan's loss and each parameter's gradient (SGD at rate 1)."""
     ex = Executor(step_graph)
@@ -141,6 +154,19 @@ def test_a_linear_run_with_autocast_off_stays_fp32():
     mine, mine_grads = _grads(build_train_step(g, OptimizerConfig("sgd", lr=1.0)), module, x)
     assert mine == pytest.approx(loss, rel=1e-6)
     assert _rel(mine_grads["router.weight"], grads["router.weight"]) < 2e-3
+
+
+def test_an_einsum_of_bf16_and_fp32_computes_in_bf16_as_eager():
+    torch.manual_seed(0)
+    module, x = Mixes(), torch.randn(8, 16)
+    loss, grads = _eager(module, x)
+    g = apply_precision(capture(module, (x,), precision="bf16"), "bf16")
+    (op,) = [op for op in g.ops if op.kind == "aten.einsum.default"]
+    assert {g.values[r].meta.dtype.name for r in op.refs()} == {"bfloat16"}
+    mine, mine_grads = _grads(build_train_step(g, OptimizerConfig("sgd", lr=1.0)), module, x)
+    assert mine == pytest.approx(loss, rel=1e-6)
+    # each gradient within bf16's rounding (2^-8) of eager's, which takes the bmm's backward
+    assert all(_rel(mine_grads[k], grads[k]) < 4e-3 for k in grads)
 
 
 def test_a_meta_module_is_captured_as_one_with_weights():
