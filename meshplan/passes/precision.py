@@ -23,8 +23,8 @@ lists that the capture's (CPU autocast's) lack: `FP32` ops' (norms, softmax),
 `LOW_INSIDE` ops' (einsum), and a `LOW` op's whose input an `FP32` op made
 fp32 again; it leaves a `LOW` op with no low input as it is: autocast was
 off there (a router's `torch.autocast(enabled=False)`). A cast to the
-dtype a value already has in this flow is dropped. A graph captured in fp32 (the
-passes' own tests) gets every cast the lists name.
+dtype a value already has in this flow is dropped. A graph captured in
+fp32 (the passes' own tests) gets every cast the lists name.
 
 Invariants: parameters, buffers and the optimizer state stay fp32 (master
 weights); the loss is fp32; fp32 precision returns the graph unchanged.
