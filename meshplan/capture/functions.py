@@ -80,6 +80,9 @@ def _as_op(cls: type, args: tuple, kwargs: dict):
                            "function, where a rank's process cannot import it; define it at "
                            f"the top level of module {cls.__module__}")
     layout, tensors = spelled(cls, (args, kwargs))
+    device = next((t.device.type for t in tensors), "cpu")
+    if torch.is_autocast_enabled(device):  # its forward runs under it, as eager's does
+        layout["autocast"] = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
     text = json.dumps(layout)
     flat = apply_op(path, text, tensors)  # its kernel spells the outputs' structure
     return unflatten(OUTPUTS[path, text], flat)

@@ -2,8 +2,9 @@
 forward and its own backward (capture makes it, `capture/functions.py`).
 
 - Its arguments: the Function's import path (`module:qualname`), the
-  structure and non-tensor values of its arguments as JSON (`layout`), and
-  its tensors, in the places the layout marks.
+  structure and non-tensor values of its arguments as JSON (`layout`, and
+  the autocast dtype it was applied under, if any: a bf16/fp16 capture's,
+  `capture/model_casts.py`), and its tensors, in the places the layout marks.
 - Its kernel applies the Function (torch's own `apply`), and so does its
   fake kernel, on fake tensors, for the shapes; its autograd formula runs
   the Function's own backward: the forward again under torch's autograd,
@@ -20,10 +21,12 @@ from __future__ import annotations
 import importlib
 import json
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -93,16 +96,39 @@ def spelled(cls: type, tree) -> tuple[dict, list[Tensor]]:
 def _call(path: str, layout: str, tensors: list[Tensor]) -> list[Tensor]:
     """Apply the Function at `path` (torch's own `apply`) to the arguments
     `layout` and `tensors` spell; its tensor outputs, in order (their
-    structure in `OUTPUTS`)."""
+    structure in `OUTPUTS`). Under the autocast the layout names, as eager
+    applied it; on meta tensors (shape inference), where autocast never
+    applies, on fake CPU tensors instead."""
+    spelled_args = json.loads(layout)
+    if spelled_args.get("autocast") and any(t.is_meta for t in tensors):
+        return _on_fake_cpu(path, layout, tensors)
     cls = resolve_function(path)
-    args, kwargs = unflatten(json.loads(layout), tensors)
+    args, kwargs = unflatten(spelled_args, tensors)
     was, HERE.inside = getattr(HERE, "inside", False), True
     try:
-        out = APPLY.__func__(cls, *args, **kwargs)
+        with _autocast(layout, tensors):
+            out = APPLY.__func__(cls, *args, **kwargs)
     finally:
         HERE.inside = was
     OUTPUTS[path, layout], flat = spelled(cls, out)
     return flat
+
+
+def _autocast(layout: str, tensors: list[Tensor]):
+    """The autocast `layout` names, on `tensors`' device type (none if none)."""
+    low = json.loads(layout).get("autocast")
+    device = next((t.device.type for t in tensors), "cpu")
+    return torch.autocast(device, dtype=getattr(torch, low)) if low else nullcontext()
+
+
+def _on_fake_cpu(path: str, layout: str, tensors: list[Tensor]) -> list[Tensor]:
+    """`_call` on fake CPU copies of meta `tensors`; its outputs on meta."""
+    with FakeTensorMode() as mode:
+        fakes = [mode.fake_tensor_converter.from_meta_and_device(mode, t, torch.device("cpu"))
+                 if t.is_meta else t for t in tensors]
+        outs = [(o.shape, o.stride(), o.dtype) for o in _call(path, layout, fakes)]
+    return [torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            for shape, stride, dtype in outs]
 
 
 def _unaliased(outs: list[Tensor], tensors: list[Tensor]) -> list[Tensor]:
@@ -168,8 +194,10 @@ def _backward(ctx, grads: list[Tensor]):
         outs = _call(ctx.path, ctx.layout, leaves)
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
     wrt = [t for t in leaves if t.requires_grad]
-    got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                   allow_unused=True) if pairs and wrt else [None] * len(wrt))
+    with _autocast(ctx.layout, leaves):  # the Function's own backward, as the reference runs it
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                       allow_unused=True) if pairs and wrt
+                   else [None] * len(wrt))
     return None, None, [next(got) if t.requires_grad else None for t in leaves]
 
 

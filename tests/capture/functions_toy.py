@@ -109,3 +109,29 @@ def batches(steps: int, size: int) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(size, 8, generator=g), torch.randn(size, 8, generator=g))
             for _ in range(steps)]
+
+
+
+class MixedMatmul(torch.autograd.Function):
+    """YOSO's form: a matmul of a bf16 operand and an fp32 one, which runs
+    only under autocast (as eager applies it); a backward that casts."""
+
+    @staticmethod
+    def forward(ctx, q, w):
+        ctx.save_for_backward(q, w)
+        return torch.matmul(q, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, w = ctx.saved_tensors
+        return torch.matmul(g, w.t().to(g.dtype)), torch.matmul(q.t().to(g.dtype), g).to(w.dtype)
+
+
+class Mixed(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.w = nn.Parameter(torch.randn(d, d) / d)
+
+    def forward(self, x):
+        return MixedMatmul.apply(self.q(x), self.w).float().pow(2).mean()

@@ -15,6 +15,7 @@ from meshplan.driver.executor import Executor
 from meshplan.errors import ConfigError
 from meshplan.ir import Role
 from meshplan.passes.precision import CAST, apply_precision
+from tests.capture.functions_toy import Mixed
 
 
 class Norm(nn.Module):
@@ -167,6 +168,19 @@ def test_an_einsum_of_bf16_and_fp32_computes_in_bf16_as_eager():
     assert mine == pytest.approx(loss, rel=1e-6)
     # each gradient within bf16's rounding (2^-8) of eager's, which takes the bmm's backward
     assert all(_rel(mine_grads[k], grads[k]) < 4e-3 for k in grads)
+
+
+def test_a_kept_whole_function_runs_under_the_autocast_it_was_captured_in():
+    """A `torch.autograd.Function` (`ops/function_op.py`) whose matmuls mix
+    bf16 and fp32, as YOSO's: planned (its shapes on fake CPU tensors),
+    trained, and equal to eager autocast's step."""
+    torch.manual_seed(0)
+    module, x = Mixed(), torch.randn(4, 8)
+    loss, grads = _eager(module, x)
+    g = apply_precision(capture(module, (x,), precision="bf16"), "bf16")
+    mine, mine_grads = _grads(build_train_step(g, OptimizerConfig("sgd", lr=1.0)), module, x)
+    assert mine == loss
+    assert all(_rel(mine_grads[k], grads[k]) < 2e-3 for k in grads)  # bf16's reordering
 
 
 def test_a_meta_module_is_captured_as_one_with_weights():

@@ -199,13 +199,16 @@ def test_bf16_adamw_judges_a_key_bias_by_autocasts_own_error(model_type, layout,
                    layout, "2", "--precision", "bf16", "--optimizer", "adamw")
 
 
-@pytest.mark.parametrize("model_type", ["fnet", "pegasus_x"])
+@pytest.mark.parametrize("model_type", ["fnet", "pegasus_x", "yoso"])
 def test_trains_under_bf16_as_autocast_computes(model_type, capsys):
     """Refused under bf16 until the precision table (`ops/policy.py`) said
     what autocast does: no FFT kernel takes bf16, and FNet's token mixing
     (`fft_fftn`) computes in fp32; PEGASUS-X's `einsum` of a bf16 and an fp32
     tensor computes in bf16, as its bmm does under autocast ('expected
-    scalar type torch.float32 but found torch.bfloat16')."""
+    scalar type torch.float32 but found torch.bfloat16'). YOSO's kept-whole
+    `autograd.Function` mixes bf16 and fp32 as autocast lets it: its op
+    applies it, forward and backward, under the autocast it was captured in
+    (`ops/function_op.py`)."""
     verifies_equal(capsys, "--hf", model_type, "--precision", "bf16", "--steps", "2")
 
 
