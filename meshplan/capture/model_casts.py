@@ -41,9 +41,9 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from meshplan.ir.choices import OpPrecision, Precision
+from meshplan.ir.graph import LOW_DTYPES
 from meshplan.ops.table import rule_for
 
-LOW = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 _GRAD_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 
@@ -51,10 +51,10 @@ def autocast_flow(precision: Precision, inputs: tuple):
     """`torch.autocast` in `precision`'s low dtype, on the device type of
     `inputs` (fake CPU tensors for a meta module: `on_fake_device`); none
     for fp32."""
-    if precision not in LOW:
+    if precision not in LOW_DTYPES:
         return nullcontext()
     device = next((t.device.type for t in inputs if isinstance(t, torch.Tensor)), "cpu")
-    return torch.autocast(device, dtype=LOW[precision])
+    return torch.autocast(device, dtype=LOW_DTYPES[precision].torch)
 
 
 @contextmanager
@@ -104,7 +104,7 @@ def lower_inside(gm: fx.GraphModule, precision: Precision) -> None:
     keeps the op whole, and its retrace would run it below autocast, on
     the dtypes the model gave it (PEGASUS-X: bf16 with fp32, refused). An
     autocast region of the model's own keeps its own rule (not entered)."""
-    low = LOW[precision]
+    low = LOW_DTYPES[precision].torch
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue

@@ -69,11 +69,13 @@ def checked_capture(module, inputs: tuple, loss_fn=None, targets: tuple = (),
     differs from the module's own. The check runs on the fp32 capture, the
     module's own forward; a bf16/fp16 capture (the model's casts resolved
     under autocast) is traced after it."""
-    traced = trace(module, tuple(inputs), loss_fn, tuple(targets))
-    if self_check and _is_real(module, (*inputs, *targets)):
-        check_capture(traced, module, tuple(inputs), loss_fn, tuple(targets))
-    if Precision(precision) is Precision.FP32:
-        return traced.graph
+    checks = self_check and _is_real(module, (*inputs, *targets))
+    if checks or Precision(precision) is Precision.FP32:
+        traced = trace(module, tuple(inputs), loss_fn, tuple(targets))
+        if checks:
+            check_capture(traced, module, tuple(inputs), loss_fn, tuple(targets))
+        if Precision(precision) is Precision.FP32:
+            return traced.graph
     return trace(module, tuple(inputs), loss_fn, tuple(targets), precision).graph
 
 

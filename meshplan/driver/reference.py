@@ -26,11 +26,10 @@ from meshplan.autodiff.optimizer import OptimizerConfig, torch_optimizer, torch_
 from meshplan.driver.kinks import KinksFlipped
 from meshplan.ir import LOSS_SCALE
 from meshplan.ir.choices import Precision
+from meshplan.ir.graph import LOW_DTYPES
 from meshplan.ir.state_name import StateName
 from meshplan.runtime.amp import GROWTH_INTERVAL, INIT_SCALE
 from meshplan.runtime.data import split_microbatches
-
-LOW = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 class EagerRun(NamedTuple):
@@ -77,6 +76,7 @@ def eager_train(
     With `flip_kinks` each ReLU's backward takes the other side where fp32
     cannot tell its side (`kinks.KinksFlipped`: the judge's rounding noise)."""
     dev = torch.device(device)
+    low = LOW_DTYPES[precision].torch if precision in LOW_DTYPES else None
     module.to(dev)
     opt = torch_optimizer(optimizer, module)
     with warnings.catch_warnings():  # SequentialLR's own call of step(0) is deprecated
@@ -92,7 +92,7 @@ def eager_train(
         total = 0.0
         for k, mb in enumerate(split_microbatches(batch, num_microbatches)):
             mb = tuple(t.to(dev) for t in mb)
-            with torch.autocast(dev.type, dtype=LOW.get(precision), enabled=precision in LOW), \
+            with torch.autocast(dev.type, dtype=low, enabled=low is not None), \
                     masks.at(step, k) if masks is not None else contextlib.nullcontext(), \
                     KinksFlipped() if flip_kinks else contextlib.nullcontext():
                 loss = module(*mb)

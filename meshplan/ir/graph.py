@@ -26,6 +26,7 @@ from typing import Callable, Union
 
 import torch
 
+from meshplan.ir.choices import Precision
 from meshplan.ir.graph_facts import GraphFacts
 
 
@@ -70,6 +71,11 @@ class DType:
     @property
     def itemsize(self) -> int:
         return self.torch.itemsize
+
+
+# the dtype each mixed precision computes in (the precision pass's casts,
+# capture's and the eager reference's autocast)
+LOW_DTYPES = {Precision.BF16: DType("bfloat16"), Precision.FP16: DType("float16")}
 
 
 @dataclass(frozen=True, slots=True)

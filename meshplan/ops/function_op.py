@@ -106,7 +106,7 @@ def _call(path: str, layout: str, tensors: list[Tensor]) -> list[Tensor]:
     args, kwargs = unflatten(spelled_args, tensors)
     was, HERE.inside = getattr(HERE, "inside", False), True
     try:
-        with _autocast(layout, tensors):
+        with _autocast(spelled_args, tensors):
             out = APPLY.__func__(cls, *args, **kwargs)
     finally:
         HERE.inside = was
@@ -114,9 +114,9 @@ def _call(path: str, layout: str, tensors: list[Tensor]) -> list[Tensor]:
     return flat
 
 
-def _autocast(layout: str, tensors: list[Tensor]):
-    """The autocast `layout` names, on `tensors`' device type (none if none)."""
-    low = json.loads(layout).get("autocast")
+def _autocast(spelled_args: dict, tensors: list[Tensor]):
+    """The autocast a layout names, on `tensors`' device type (none if none)."""
+    low = spelled_args.get("autocast")
     device = next((t.device.type for t in tensors), "cpu")
     return torch.autocast(device, dtype=getattr(torch, low)) if low else nullcontext()
 
@@ -194,7 +194,7 @@ def _backward(ctx, grads: list[Tensor]):
         outs = _call(ctx.path, ctx.layout, leaves)
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
     wrt = [t for t in leaves if t.requires_grad]
-    with _autocast(ctx.layout, leaves):  # the Function's own backward, as the reference runs it
+    with _autocast(json.loads(ctx.layout), leaves):  # its own backward, as eager runs it
         got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
                                        allow_unused=True) if pairs and wrt
                    else [None] * len(wrt))

@@ -37,12 +37,11 @@ from dataclasses import replace
 
 from meshplan.ir import DType, Graph, Phase, Ref
 from meshplan.ir.choices import OpPrecision, Precision
-from meshplan.ir.graph import refs_in
+from meshplan.ir.graph import LOW_DTYPES, refs_in
 from meshplan.ops.emit import Emitter
 from meshplan.ops.table import rule_for
 from meshplan.passes.rebuild import Rebuild
 
-DTYPES = {Precision.BF16: DType("bfloat16"), Precision.FP16: DType("float16")}
 FP32 = DType("float32")
 CAST = "aten._to_copy.default"
 
@@ -51,7 +50,7 @@ def apply_precision(graph: Graph, precision: Precision) -> Graph:
     if precision == Precision.FP32:
         return graph
     assert all(op.phase is Phase.FORWARD for op in graph.ops), "runs before autodiff"
-    low = DTYPES[precision]
+    low = LOW_DTYPES[precision]
     rb = Rebuild(graph, fresh=True)  # every value made again: casts sit beside their readers
     b, vmap = rb.b, rb.vmap
     casts: dict[tuple[int, DType], Ref] = {}
