@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
@@ -44,6 +45,7 @@ from meshplan.driver.train import (
     train_job,
 )
 from meshplan.driver.train_model import (
+    fill_sample,
     language_model,
     sample_text,
     sized_config,
@@ -136,7 +138,11 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     g.add_argument("--sample-tokens", type=int, default=120, metavar="N",
                    help="print N tokens the trained model writes after a validation prompt "
-                   "(0: none)")
+                   "(a masked or denoising model: its guesses at a validation sample's masked "
+                   "tokens; 0: none)")
+    g.add_argument("--mask-rate", type=float, default=0.15, metavar="R",
+                   help="a masked LM (BERT's recipe) or an encoder-decoder (denoising): the "
+                   "share of tokens masked for it to predict (default 0.15)")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="also write TensorBoard events (default: when tensorboard is installed)")
     add_config_file_flags(g)
@@ -153,9 +159,9 @@ def cmd_train(a: argparse.Namespace) -> int:
     init_from = _init_source(a, lm) if a.init_from else ""
     _check_exports(a, lm)
     s = lm.job.strategy
-    feed = TokenFeed(data_dir, "train", lm.seq_len, a.seed, lm.layout)
-    eval_feed = TokenFeed(data_dir, "validation", lm.seq_len, a.seed, lm.layout,
-                          shuffle=False)
+    feed = TokenFeed(data_dir, "train", lm.seq_len, a.seed, lm.layout, mask_id=lm.mask_id,
+                     mask_rate=a.mask_rate)
+    eval_feed = replace(feed, split="validation", shuffle=False)
     if a.eval_every:
         _check_validation(eval_feed, a.eval_batches, s.global_batch_size)
     resume_from = _resume_point(a, lm.job, feed) if a.resume else ""
@@ -245,7 +251,9 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics] or [0.0]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
                "mfu": median([m["mfu"] for m in r.metrics] or [0.0]), "exports": exports}
-    if a.sample_tokens and (hasattr(lm.module, "logits") or hasattr(lm.module, "model")):
+    if a.sample_tokens and feed.mask_id >= 0:
+        summary["fill"] = fill_sample(lm.module, feed)
+    elif a.sample_tokens and (hasattr(lm.module, "logits") or hasattr(lm.module, "model")):
         prompt, text = sample_text(lm.module, data_dir, lm.seq_len, a.sample_tokens, a.seed)
         summary["sample"] = {"prompt": prompt, "continuation": text}
     if a.json:
@@ -280,6 +288,11 @@ def print_summary(s: dict) -> None:
     if "sample" in s:
         print("sample (prompt, then the model's continuation):")
         print(s["sample"]["prompt"] + "\u2502" + s["sample"]["continuation"])
+    if "fill" in s:
+        f = s["fill"]
+        print(f"sample (a validation sample, masked as in training; the model's guess at each "
+              f"of its {f['masked']} masked tokens in [brackets], {f['right']} right):")
+        print(f["text"])
 
 
 def _check_exports(a: argparse.Namespace, lm) -> None:
@@ -347,6 +360,9 @@ def _check(a: argparse.Namespace) -> None:
         raise ConfigError(f"--steps {a.steps} must be >= 0 (0: evaluate and export only)")
     if a.steps == 0:
         a.lr_schedule = "constant"  # no step is taken: no schedule to check
+    if not 0 < a.mask_rate < 1:
+        raise ConfigError(f"--mask-rate {a.mask_rate} must be between 0 and 1, e.g. "
+                          "--mask-rate 0.15")
     if not a.stall_timeout > 0:
         raise ConfigError(f"--stall-timeout {a.stall_timeout} must be a positive number of "
                           "seconds, e.g. --stall-timeout 300")

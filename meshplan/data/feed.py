@@ -13,6 +13,8 @@ Invariants:
   `b = global_batch_size / num_microbatches`; a rank reads rows `[lo, hi)`
   of each (`runtime/data.data_rows`), nothing else, and none at all when its
   plan reads no data.
+- A masked LM's or an encoder-decoder's noise is drawn per global position
+  (`data/masking.py`), so it too is the same whatever the layout.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from enum import StrEnum
 import numpy as np
 import torch
 
+from meshplan.data.masking import Noise, mask_rows
 from meshplan.data.sampler import SampleReader
 from meshplan.data.tokens import TokenData
 
@@ -33,14 +36,21 @@ class Layout(StrEnum):
 
     NEXT_TOKEN = "next-token"  # (s[:-1], s[1:]): the labels are the next tokens (the zoo)
     SHIFTED_BY_MODEL = "shifted-by-model"  # (s[:-1], s[:-1]): the model shifts (transformers)
+    MASKED = "masked"  # s[:-1] masked as BERT's, labelled where masked (a masked LM)
+    DENOISE = "denoise"  # s[:-1] masked, labelled whole (an encoder-decoder)
 
 
-def token_batch(samples: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """A model's (inputs, labels) from `samples` [n, seq_len + 1]."""
+def token_batch(samples: torch.Tensor, layout: Layout, positions: np.ndarray | None = None,
+                noise: Noise | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's (inputs, labels) from `samples` [n, seq_len + 1] (read at
+    global `positions`, which a masking layout draws its `noise` by)."""
     x = samples[:, :-1].contiguous()
     if layout is Layout.NEXT_TOKEN:
         return x, samples[:, 1:].contiguous()
-    return x, x.clone()
+    if layout is Layout.SHIFTED_BY_MODEL:
+        return x, x.clone()
+    assert noise is not None and positions is not None, layout
+    return mask_rows(x, positions, noise, whole_labels=layout is Layout.DENOISE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +63,8 @@ class TokenFeed:
     seed: int
     layout: str = Layout.NEXT_TOKEN
     shuffle: bool = True
+    mask_id: int = -1  # the id a masking layout writes (the tokenizer's, else vocab_size)
+    mask_rate: float = 0.15  # the share of positions a masking layout predicts
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -72,6 +84,8 @@ class FeedReader:
         self.reader = SampleReader(self.data, feed.seq_len, feed.seed, shuffle=feed.shuffle)
         self.gbs, self.m = global_batch_size, num_microbatches
         self.layout = Layout(feed.layout)
+        self.noise = Noise(feed.mask_id, self.data.vocab_size, self.data.eod, feed.mask_rate,
+                           feed.seed)
         self.step_samples: list[int] = []  # the sample ids the last `microbatches` read
 
     @property
@@ -87,7 +101,8 @@ class FeedReader:
         self.step_samples = []
         for i in range(self.m):
             positions = step * self.gbs + i * b + np.arange(lo, hi, dtype=np.int64)
-            out.append(token_batch(self.reader.read(positions), self.layout))
+            out.append(token_batch(self.reader.read(positions), self.layout, positions,
+                                   self.noise))
             self.step_samples += self.reader.last_ids.tolist()
         return out
 

@@ -12,6 +12,8 @@ Invariants:
 - `spec()` is JSON and holds what `load_tokenizer` needs to rebuild the
   same tokenizer from a token directory (a relative file for `bpe`).
 - `decode` skips eod, so a document's ids decode to its text.
+- `mask` is the tokenizer's mask token (a transformers tokenizer's own), or
+  None: bytes and a BPE made here have none.
 - A missing optional library or a bad argument is one ConfigError line.
 """
 
@@ -64,10 +66,11 @@ def parse_tokenizer_arg(text: str) -> TokenizerArg:
 
 
 class Tokenizer:
-    """The interface: `vocab_size`, `eod`, `encode`, `decode`, `spec`."""
+    """The interface: `vocab_size`, `eod`, `mask`, `encode`, `decode`, `spec`."""
 
     vocab_size: int
     eod: int
+    mask: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, without eod."""
@@ -173,6 +176,7 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(f"--tokenizer {path} has neither an eos nor a sep token to end "
                               "documents with; add one to its tokenizer config")
         self.path, self.eod, self.vocab_size = path, int(eod), len(self._tok)
+        self.mask = self._tok.mask_token_id
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
@@ -205,3 +209,10 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer:
         return HFTokenizer(spec["path"])
     raise ConfigError(f"{data_dir}: unknown tokenizer {spec!r} in its index; "
                       "run `meshplan prepare-data` again")
+
+
+def mask_token(data_dir: str | Path) -> int | None:
+    """The mask token of the tokenizer a token directory was prepared with:
+    a transformers tokenizer's own, else None."""
+    spec = read_index(data_dir).get("tokenizer") or {}
+    return HFTokenizer(spec["path"]).mask if spec.get("kind") == TokenizerKind.PATH else None

@@ -3,8 +3,12 @@ directory: the model sized from the data, its train and eval Jobs, and what
 the run leaves behind (the weights file, a sample).
 
 Invariants:
-- The model's vocabulary is the data's: a `--vocab` that differs is one line
-  (exit 2), as is a sequence longer than the data allows.
+- The model's vocabulary is the data's (and one mask token more, for a
+  masked or denoising model whose tokenizer has none): a `--vocab` that
+  differs is one line (exit 2), as is a sequence longer than the data allows.
+- A model feeds by its task (`layout_of`): next tokens for a causal LM,
+  BERT's masking for a masked LM, masked inputs and the whole sample as
+  labels for an encoder-decoder (`data/masking.py`).
 - The weights the ranks start from are the module built here (seeded), the
   very weights an eager reference would start from.
 - The eval Job is the forward graph planned with the train Job's strategy
@@ -18,14 +22,14 @@ import importlib.util
 import inspect
 import json
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from meshplan.data.feed import FeedReader, Layout, TokenFeed
-from meshplan.data.tokenizer import load_tokenizer
+from meshplan.data.tokenizer import load_tokenizer, mask_token
 from meshplan.data.tokens import TokenData
 from meshplan.driver.capture_check import checked_capture
 from meshplan.driver.plan import capture_zoo, plan_model
@@ -34,10 +38,13 @@ from meshplan.errors import ConfigError
 from meshplan.ir.fileio import write_torch
 from meshplan.models import build_model, model_config
 from meshplan.models.generate import generate
-from meshplan.models.hf import CAUSAL, task_of
+from meshplan.models.hf import CAUSAL, MASKED, SEQ2SEQ, HFLoss, task_of
 from meshplan.passes.plan import PASSES, Compilation, plan_forward
 
-_ZOO_LAYOUTS = {"gpt": "next-token"}
+_ZOO_LAYOUTS = {"gpt": Layout.NEXT_TOKEN, "bert": Layout.MASKED}
+_TASK_LAYOUTS = {CAUSAL: Layout.SHIFTED_BY_MODEL, MASKED: Layout.MASKED,
+                 SEQ2SEQ: Layout.DENOISE}
+MASKING = (Layout.MASKED, Layout.DENOISE)
 
 
 @dataclass(frozen=True)
@@ -49,40 +56,60 @@ class LanguageModel:
     job: object
     eval_job: object
     layout: str
+    mask_id: int = -1  # the id a masking layout writes (`mask_id`)
 
 
 def sized_config(model: str, size: str, data_dir: str, overrides: dict):
-    """`model`'s config with the data's vocabulary; its sequence checked
-    against the data (one line for each mismatch)."""
+    """`model`'s config with the data's vocabulary, and one more id, the mask
+    token, for a masked or denoising model whose tokenizer has none; its
+    sequence checked against the data (one line for each mismatch)."""
     data = TokenData(data_dir, "train")
-    vocab = overrides.get("vocab")
-    if vocab is not None and vocab != data.vocab_size:
-        raise ConfigError(f"--vocab {vocab} differs from the vocabulary of {data_dir} "
-                          f"({data.vocab_size} tokens, its tokenizer's); leave --vocab out to "
-                          "take the data's, or prepare the data with a matching tokenizer")
     if overrides.get("source"):  # a saved model's vocabulary is its own: the data's fits in it
         cfg = model_config(model, size, **overrides)
         if data.vocab_size > cfg.vocab:
             raise ConfigError(f"{data_dir} has {data.vocab_size} token ids but the model in "
                               f"{cfg.source} embeds {cfg.vocab}; prepare the data with the "
                               "model's own tokenizer (--tokenizer PATH)")
+        if layout_of(model, cfg) in MASKING and mask_token(data_dir) is None:
+            raise ConfigError(f"the model in {cfg.source} predicts masked tokens, and the "
+                              f"tokenizer {data_dir} was prepared with has no mask token; "
+                              "prepare the data with the model's own tokenizer (--tokenizer "
+                              "PATH)")
     else:
         cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size}))
+        extra = layout_of(model, cfg) in MASKING and mask_token(data_dir) is None
+        vocab, given = data.vocab_size + extra, overrides.get("vocab")
+        if given is not None and given != vocab:
+            raise ConfigError(f"--vocab {given} differs from the vocabulary of {data_dir} "
+                              f"({data.vocab_size} tokens, its tokenizer's"
+                              f"{', and a mask token' if extra else ''}); leave --vocab out "
+                              "to take the data's, or prepare the data with a matching "
+                              "tokenizer")
+        if extra:
+            cfg = model_config(model, size, **(overrides | {"vocab": vocab}))
     data.check_seq_len(cfg.seq_len)
     return cfg
 
 
-def layout_of(model: str, cfg) -> str:
-    """How token samples feed `model` (`data/feed.Layout`)."""
+def layout_of(model: str, cfg) -> Layout:
+    """How token samples feed `model` (`data/feed.Layout`): by its task."""
     if model in _ZOO_LAYOUTS:
         return _ZOO_LAYOUTS[model]
     if model.startswith("hf:"):
+        return _TASK_LAYOUTS[task_of(cfg)]
+    raise ConfigError(f"meshplan train reads token data into language models (--model gpt "
+                      f"or bert, or an --hf type such as gpt2, bert or t5); {model} is not "
+                      "one. Train it on synthetic data with `meshplan run`")
 
-        if task_of(cfg) == CAUSAL:
-            return "shifted-by-model"
-    raise ConfigError(f"meshplan train reads token data into causal language models (--model "
-                      f"gpt, or a causal --hf type such as gpt2 or llama); {model} is not one. "
-                      "Train it on synthetic data with `meshplan run`")
+
+def mask_id(data_dir: str, layout: Layout) -> int:
+    """The id a masking layout writes: the tokenizer's mask token, else the
+    one id past the data's vocabulary (`sized_config` embeds it); -1 for
+    the others."""
+    if layout not in MASKING:
+        return -1
+    token = mask_token(data_dir)
+    return TokenData(data_dir, "train").vocab_size if token is None else token
 
 
 def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimizer,
@@ -95,7 +122,8 @@ def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimiz
     s = job.strategy
     eval_job = plan_forward(capture_zoo(cfg, s.micro_batch_size * s.dp, s.precision), mesh, s)
     torch.manual_seed(seed)
-    return LanguageModel(cfg.seq_len, build_model(cfg), job, eval_job, layout)
+    return LanguageModel(cfg.seq_len, build_model(cfg), job, eval_job, layout,
+                         mask_id(data_dir, layout))
 
 
 def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer,
@@ -178,6 +206,42 @@ def sample_text(module, data_dir: str, seq_len: int, new_tokens: int = 120,
     prompt = [int(x) for x in val.tokens[:n] if int(x) != tok.eod]
     ids = generate(module, prompt, new_tokens, seq_len, top_k=5, seed=seed)
     return tok.decode(prompt), tok.decode([i for i in ids[len(prompt):] if i != tok.eod])
+
+
+def fill_sample(module, feed: TokenFeed) -> dict:
+    """A masked or denoising model's guesses (eager PyTorch, greedy): the
+    validation split's first sample masked as the run masks it, with the
+    most likely token at each masked position. {"text": the sample with
+    each guess in [brackets], "right": guesses equal to the original,
+    "masked": positions}."""
+    tok = load_tokenizer(feed.data_dir)
+    reader = FeedReader(replace(feed, split="validation", shuffle=False), 1, 1)
+    (x, labels), = reader.microbatches(0)
+    whole = Layout(feed.layout) is Layout.DENOISE
+    original = labels if whole else torch.where(labels < 0, x, labels)
+    chosen = x == feed.mask_id if whole else labels >= 0
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            if isinstance(module, HFLoss):
+                logits = module.model(input_ids=x, labels=labels if whole else None).logits
+            else:
+                logits = module.logits(x)
+    finally:
+        module.train(was_training)
+    guess, original, chosen = logits.argmax(-1)[0], original[0], chosen[0]
+    text: list[str] = []
+    run: list[int] = []
+    for t, g, c in zip(original.tolist(), guess.tolist(), chosen.tolist()):
+        if c:
+            text += [tok.decode(run), f"[{tok.decode([g])}]"]
+            run = []
+        else:
+            run.append(t)
+    text.append(tok.decode(run))
+    return {"text": "".join(text), "right": int((guess == original)[chosen].sum()),
+            "masked": int(chosen.sum())}
 
 
 def stdlib_files() -> list[str]:

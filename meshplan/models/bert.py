@@ -60,15 +60,18 @@ class BERT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Return mean cross-entropy over labelled positions (labels != -100)."""
+        logits = self.logits(tokens)
+        return F.cross_entropy(
+            logits.view(-1, self.vocab), labels.view(-1), ignore_index=IGNORE_INDEX
+        )
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The MLM logits (B, T, vocab) of `tokens` (B, T)."""
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.drop(self.ln_emb(self.wte(tokens) + self.wpe(pos)))
         for block in self.blocks:
             x = block(x)
-        x = self.head_ln(F.gelu(self.head_dense(x)))
-        logits = self.head(x)
-        return F.cross_entropy(
-            logits.view(-1, self.vocab), labels.view(-1), ignore_index=IGNORE_INDEX
-        )
+        return self.head(self.head_ln(F.gelu(self.head_dense(x))))
 
 
 def mlm_batch(
