@@ -38,10 +38,10 @@ from meshplan.errors import ConfigError
 from meshplan.ir.fileio import write_torch
 from meshplan.models import build_model, model_config
 from meshplan.models.generate import generate
-from meshplan.models.hf import CAUSAL, MASKED, SEQ2SEQ, HFLoss, task_of
+from meshplan.models.hf import CAUSAL, MASKED, PREFIX, SEQ2SEQ, HFLoss, task_of
 from meshplan.passes.plan import PASSES, Compilation, plan_forward
 
-_ZOO_LAYOUTS = {"gpt": Layout.NEXT_TOKEN, "bert": Layout.MASKED}
+_ZOO_LAYOUTS = {"gpt": Layout.NEXT_TOKEN, "moe": Layout.NEXT_TOKEN, "bert": Layout.MASKED}
 _TASK_LAYOUTS = {CAUSAL: Layout.SHIFTED_BY_MODEL, MASKED: Layout.MASKED,
                  SEQ2SEQ: Layout.DENOISE}
 MASKING = (Layout.MASKED, Layout.DENOISE)
@@ -63,6 +63,10 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
     """`model`'s config with the data's vocabulary, and one more id, the mask
     token, for a masked or denoising model whose tokenizer has none; its
     sequence checked against the data (one line for each mismatch)."""
+    if model not in _ZOO_LAYOUTS and not model.startswith(PREFIX):
+        raise ConfigError(f"meshplan train reads token data into language models (--model "
+                          f"gpt or bert, or an --hf type such as gpt2, bert or t5); {model} is "
+                          "not one. Train it on synthetic data with `meshplan run`")
     data = TokenData(data_dir, "train")
     if overrides.get("source"):  # a saved model's vocabulary is its own: the data's fits in it
         cfg = model_config(model, size, **overrides)
@@ -93,13 +97,7 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
 
 def layout_of(model: str, cfg) -> Layout:
     """How token samples feed `model` (`data/feed.Layout`): by its task."""
-    if model in _ZOO_LAYOUTS:
-        return _ZOO_LAYOUTS[model]
-    if model.startswith("hf:"):
-        return _TASK_LAYOUTS[task_of(cfg)]
-    raise ConfigError(f"meshplan train reads token data into language models (--model gpt "
-                      f"or bert, or an --hf type such as gpt2, bert or t5); {model} is not "
-                      "one. Train it on synthetic data with `meshplan run`")
+    return _ZOO_LAYOUTS.get(model) or _TASK_LAYOUTS[task_of(cfg)]
 
 
 def mask_id(data_dir: str, layout: Layout) -> int:

@@ -61,6 +61,14 @@ def test_an_unknown_config_key(data, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("rate", ["0", "1", "-0.1"])
+def test_a_mask_rate_outside_zero_to_one(data, tmp_path, capsys, rate):
+    out = tmp_path / "run"
+    _one_line(capsys, ["train", "--data", str(data), "--out", str(out), "--model", "bert",
+                       *TINY, "--mask-rate", rate], "between 0 and 1")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("setting", ["steps", "steps=many", "nosuchkey=1"])
 def test_a_set_that_does_not_parse(data, tmp_path, capsys, setting):
     out = tmp_path / "run"
@@ -71,8 +79,8 @@ def test_a_set_that_does_not_parse(data, tmp_path, capsys, setting):
 
 def test_a_model_that_reads_no_tokens(data, tmp_path, capsys):
     out = tmp_path / "run"
-    _one_line(capsys, ["train", "--data", str(data), "--out", str(out), "--model", "bert",
-                       *TINY], "causal language models")
+    _one_line(capsys, ["train", "--data", str(data), "--out", str(out), "--model", "resnet",
+                       *TINY], "reads token data into language models")
     assert not out.exists()
 
 
