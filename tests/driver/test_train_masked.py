@@ -11,8 +11,8 @@ being the bytes and eod.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
