@@ -53,7 +53,8 @@ def mask_rows(x: torch.Tensor, positions: np.ndarray, noise: Noise,
     for row, position in enumerate(np.asarray(positions, dtype=np.int64).tolist()):
         rng = np.random.default_rng([noise.seed, position, _STREAM])
         n = tokens.shape[1]
-        u, kind, other = rng.random(n), rng.random(n), rng.integers(0, noise.vocab_size, n)
+        u, kind = rng.random(n), rng.random(n)
+        other: np.ndarray = rng.integers(0, noise.vocab_size, size=(n,))
         may = tokens[row] != noise.eod
         pick = (u < noise.rate) & may
         if not pick.any() and may.any():
