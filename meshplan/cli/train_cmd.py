@@ -73,7 +73,9 @@ examples:
       --steps 30 --eval-every 10 --out run1/
   meshplan train --config run.toml --set lr=3e-4 --set steps=200
   meshplan train --hf llama --size tiny --data data/ --devices-per-node 2 --tp 1 --pp 2 --vpp 1
-  meshplan train --module mymodels:tiny_lm --data data/ --devices-per-node 2 --tp 1 --pp 2 \
+  meshplan train --hf bert --size tiny --data data/ --devices-per-node 2 --tp 1 --pp 2 --vpp 1 \\
+      --mask-rate 0.15                             # a masked LM: BERT's masking
+  meshplan train --module mymodels:tiny_lm --data data/ --devices-per-node 2 --tp 1 --pp 2 \\
       --vpp 1 --seq-len 64"""
 
 MAIN_JOB = {"size": "small", "devices_per_node": 8, "tp": 2, "pp": 2, "vpp": 2,
