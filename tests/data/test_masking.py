@@ -4,28 +4,21 @@ micro-batch mask as the whole batch does."""
 
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from meshplan.cli.main import main
 from meshplan.data.feed import FeedReader, Layout, TokenFeed
 from meshplan.data.masking import IGNORE_INDEX
+from tests.token_data import prepare, stdlib_sources
 
 MASK = 257  # one past the byte tokenizer's 257 ids (bytes and eod 256)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("masking") / "data"
-    root = Path(sysconfig.get_paths()["stdlib"]) / "json"
-    assert main(["-q", "prepare-data", "--input", str(root / "decoder.py"),
-                 str(root / "encoder.py"), str(root / "scanner.py"), "--out", str(d),
-                 "--val-fraction", "0.2"]) == 0
-    return str(d)
+    return prepare(tmp_path_factory.mktemp("masking") / "data", stdlib_sources(4)[1:],
+                   "--val-fraction", "0.2")
 
 
 def feed(data: str, layout: Layout, **kw) -> TokenFeed:

@@ -10,8 +10,6 @@ evaluating every 10. The reference is torch's own AdamW, cosine schedule
 from __future__ import annotations
 
 import json
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from meshplan.data.feed import FeedReader, TokenFeed
 from meshplan.driver.metrics import read_metrics, read_tensorboard
 from meshplan.driver.reference import eager_eval, eager_train
 from meshplan.driver.same_masks import SameMasks
+from tests.token_data import stdlib_sources
 
 RUN_TOML = """\
 # GPT tiny at dp2 pp2 on 4 local ranks
@@ -51,12 +50,6 @@ eval_every = 10
 eval_batches = 2
 sample_tokens = 16
 """
-
-
-def stdlib_sources(n: int) -> list[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return [str(root / "json" / name) for name in ("__init__.py", "decoder.py", "encoder.py",
-                                                    "scanner.py", "tool.py")][:n]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ being the bytes and eod.
 from __future__ import annotations
 
 import json
-import sysconfig
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from meshplan.driver.same_masks import SameMasks
 from meshplan.driver.train_model import sized_config
 from meshplan.ir.lr_schedule import LrSchedule
 from meshplan.models import build_model
+from tests.token_data import prepare, stdlib_sources
 
 STEPS, GBS, MBS = 6, 8, 2
 RUN = ["--steps", str(STEPS), "--global-batch-size", str(GBS), "--micro-batch-size", str(MBS),
@@ -37,12 +37,8 @@ RUN = ["--steps", str(STEPS), "--global-batch-size", str(GBS), "--micro-batch-si
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("masked") / "data"
-    root = Path(sysconfig.get_paths()["stdlib"]) / "json"
-    assert main(["-q", "prepare-data", "--input", str(root / "decoder.py"),
-                 str(root / "encoder.py"), str(root / "scanner.py"), "--out", str(d),
-                 "--val-fraction", "0.3"]) == 0
-    return str(d)
+    return prepare(tmp_path_factory.mktemp("masked") / "data", stdlib_sources(4)[1:],
+                   "--val-fraction", "0.3")
 
 
 def train_and_compare(data: str, out: Path, model: list[str], layout: Layout, dp: int,
@@ -135,16 +131,14 @@ def test_a_tokenizers_own_mask_token_is_the_one_written(data, tmp_path):
     from meshplan.data.tokenizer import BPETokenizer
     from meshplan.driver.train_model import mask_id
 
-    root = Path(sysconfig.get_paths()["stdlib"]) / "json"
-    texts = [(root / f).read_text() for f in ("decoder.py", "encoder.py", "scanner.py")]
+    sources = stdlib_sources(4)[1:]
+    texts = [Path(f).read_text() for f in sources]
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=BPETokenizer.train(iter(texts), 300)._tok, eos_token="<|endoftext|>",
         mask_token="<mask>")
     fast.save_pretrained(tmp_path / "tok")
-    d = str(tmp_path / "data")
-    assert main(["-q", "prepare-data", "--input", str(root / "decoder.py"),
-                 str(root / "encoder.py"), str(root / "scanner.py"), "--out", d,
-                 "--tokenizer", str(tmp_path / "tok"), "--val-fraction", "0.3"]) == 0
+    d = prepare(tmp_path / "data", sources, "--tokenizer", str(tmp_path / "tok"),
+                "--val-fraction", "0.3")
     assert sized_config("hf:bert", "tiny", d, {}).vocab == len(fast)
     assert mask_id(d, Layout.MASKED) == fast.mask_token_id
     x, y = FeedReader(TokenFeed(d, "train", 16, 0, Layout.MASKED, mask_id=fast.mask_token_id),
