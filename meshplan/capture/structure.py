@@ -132,31 +132,55 @@ def _declared_tp(hf_path: str, hf) -> tuple[list, str]:
 
 # The layers Megatron splits, by their names in transformers' models: a
 # column-split group and the row-split layer that reads it, in one parent
-# (attention's q/k/v and its output; the MLP's up and down projections)
-_COLWISE = frozenset({"q_proj", "k_proj", "v_proj", "q", "k", "v", "fc1", "wi", "wi_0", "wi_1",
-                      "up_proj", "gate_proj"})
-_ROWWISE = frozenset({"out_proj", "o_proj", "o", "fc2", "wo", "down_proj"})
+# (attention's q/k/v and its output; the MLP's up and down projections). A
+# two-part name places its parent one level up: BERT's attention.self.query
+# and attention.output.dense are both attention's, its intermediate.dense
+# and output.dense the block's. Absent: a fused q/k/v (GPT-2's c_attn,
+# ModernBERT's Wqkv), whose output is q|k|v, which a column split would not
+# cut by heads; and attentions whose scores meet a whole tensor of all heads
+# (DeBERTa's disentangled query_proj.., CPM-Ant's project_q.. beside its
+# position bias), which a head split gathers back at every layer.
+_COLWISE = frozenset({
+    "q_proj", "k_proj", "v_proj", "q", "k", "v", "fc1", "wi", "wi_0", "wi_1", "up_proj",
+    "gate_proj", "fc_in", "c_fc", "self.query", "self.key", "self.value",
+    "intermediate.dense", "query", "key", "value", "ffn", "q_lin", "k_lin", "v_lin", "lin1",
+    "Wq", "Wk", "Wv", "q_head", "k_head", "v_head", "linear_1", "w_in.w_0", "w_in.w_1",
+    "layer_1"})
+_ROWWISE = frozenset({
+    "out_proj", "o_proj", "o", "fc2", "wo", "down_proj", "fc_out", "c_proj", "output.dense",
+    "dense", "ffn_output", "out_lin", "lin2", "post_proj", "linear_2", "w_out", "layer_2"})
+
+
+def _named(sub: str) -> tuple[str, str] | None:
+    """(parent, style) of the layer at `sub` by its name: its last two
+    names when they are one of ours, else its last."""
+    parts = sub.split(".")
+    for k in (2, 1):
+        name = ".".join(parts[-k:])
+        if len(parts) >= k and name in _COLWISE | _ROWWISE:
+            return ".".join(parts[:-k]), "colwise" if name in _COLWISE else "rowwise"
+    return None
 
 
 def _named_pairs(module: nn.Module, layers: str) -> list[list[str]]:
     """tp entries for the Linear layers of the first block of each layer list
     whose names pair a column split with a row split under one parent (BART's
     self_attn.q_proj/k_proj/v_proj with out_proj, fc1 with fc2; T5's q/k/v
-    with o, wi with wo); any block index."""
+    with o, wi with wo; BERT's above); any block index."""
     out = []
     for path in filter(None, layers.split(",")):
         blocks = module.get_submodule(path)
         if not len(blocks):
             continue
-        kids: dict[str, dict[str, str]] = {}  # parent path -> leaf -> style
+        kids: dict[str, dict[str, str]] = {}  # parent path -> sub path -> style
         for sub, m in blocks[0].named_modules():
-            parent, _, leaf = sub.rpartition(".")
-            if isinstance(m, nn.Linear) and leaf in _COLWISE | _ROWWISE:
-                kids.setdefault(parent, {})[leaf] = "colwise" if leaf in _COLWISE else "rowwise"
-        for parent, leaves in kids.items():
+            found = _named(sub) if isinstance(m, nn.Linear) else None
+            if found:
+                kids.setdefault(found[0], {})[sub] = found[1]
+        for leaves in kids.values():
             if {"colwise", "rowwise"} <= set(leaves.values()):
-                out += [[rf"{re.escape(path)}\.\d+\.{re.escape(_join(parent, leaf))}$",
-                         style, "structure"] for leaf, style in leaves.items()]
+                out += [[rf"{re.escape(path)}\.\d+\.{re.escape(sub)}$", style, "structure"]
+                        for sub, style in leaves.items()]
     return out
 
 

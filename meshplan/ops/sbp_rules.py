@@ -214,6 +214,26 @@ def along_dim(dim_index: int, removes_dim: bool = False, default_dim: int = 0,
     return rule
 
 
+_CAT = along_dim(1)
+
+
+def cat(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
+    """cat's signatures (`along_dim`) over the pieces that take part; a
+    legacy empty piece (shape (0,), which torch.cat skips: XLM's empty
+    key/value cache) is the same on every rank, so Replicate in each, and
+    cannot make the others whole."""
+    pieces = args[0]
+    empty = [isinstance(t, TensorMeta) and t.shape == (0,) for t in pieces]
+    if not any(empty) or all(empty):
+        return _CAT(args, kwargs, outs, n)
+    kept = tuple(t for t, e in zip(pieces, empty) if not e)
+    sigs = []
+    for sig in _CAT((kept, *args[1:]), kwargs, outs, n):
+        ins = iter(sig.ins)
+        sigs.append(SbpSig(tuple(R if e else next(ins) for e in empty), sig.outs))
+    return sigs
+
+
 def select_scatter(args: tuple, kwargs: dict, outs: Outs, n: int) -> list[SbpSig]:
     """select_scatter(x, src, dim, index): src is x without `dim`; any other
     dim may be sharded on both; linear in (x, src) together."""

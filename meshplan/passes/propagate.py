@@ -33,6 +33,13 @@ Invariants:
   scalar's is not charged: one all-reduce of a number, however reached). (A
   backward's is most often a weight's gradient, reduced once a step however
   many micro-batches there are, and inherent to data parallelism.)
+- A gradient's sum (`grad_sum`) of two Partial contributions or more stays
+  Partial, one reduction later, however many there are: a Replicate contribution (a
+  post-LN block's residual, beside its q, k and v projections' Partial
+  input gradients) becomes its share where it is (`local_partial`: the
+  axis's first rank keeps it, the others add zeros), not each Partial
+  reduced to meet it. A Partial is otherwise never made from a value that
+  is not one.
 - Decisions are cached by (signature of the op, its input layouts), so a
   layer repeated 96 times is decided once.
 """
@@ -44,7 +51,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import Graph, Phase, Role, TensorMeta
 from meshplan.ir.choices import KernelVariant
-from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, VJP
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, GRAD_SUM, VJP
 from meshplan.ir.mesh import CP_ATTENTION
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
@@ -69,13 +76,18 @@ class SbpAssignment:
     visible: dict         # value id -> NdSbp consumers see (after hints)
 
 
-def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int, settled: bool = False) -> float:
+def box_cost(src: Sbp, dst: Sbp, nbytes: int, n: int, settled: bool = False,
+             shares: bool = False) -> float:
     """Bytes-equivalent cost of turning layout `src` into `dst` on an axis of
-    n ranks; `settled`: `dst` is where the value is meant to stay (a hint's)."""
+    n ranks; `settled`: `dst` is where the value is meant to stay (a hint's);
+    `shares`: a Replicate may become the Partial its consumer sums (a local
+    op, `local_partial`)."""
     if src == dst:
         return 0.0
     frac = (n - 1) / n
     if isinstance(dst, Partial):
+        if shares and isinstance(src, Replicate):
+            return 1e-3 * nbytes / n
         return INF  # a Partial is never made from a value that is not one
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
@@ -384,11 +396,14 @@ def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted,
     if keep is not None and any(keep(c) for c in candidates):
         candidates = [c for c in candidates if keep(c)]
     best, best_cost = candidates[-1], INF
+    # a gradient summing two Partials or more keeps them so (one reduction
+    # later, not one each); with one, either way reduces once
+    shares = kind == GRAD_SUM and sum(isinstance(h, Partial) for h in avail) > 1
     for cand in candidates:
         cost = 0.0
         for need, h, b in zip(cand.ins, avail, nbytes):
             if h is not None:
-                cost += box_cost(h, need, b, n)
+                cost += box_cost(h, need, b, n, shares=shares)
             if cost >= best_cost:
                 break
         made_partial = forward and not any(isinstance(s, Partial) for s in cand.ins)

@@ -244,6 +244,8 @@ CASES: dict[str, Case] = {
     **{k: _c(f"aten.__{k}__.Tensor", lambda: (mask(6, 6), mask(6))) for k in ("and", "or", "xor")},
     "log_sigmoid": _c("aten.log_sigmoid.default", lambda: (f(6, 6),)),
     "cat_dim0": _c("aten.cat.default", lambda: ((f(6, 6, 6), f(6, 6, 6)),)),
+    # a legacy empty piece (XLM's empty cache), Replicate while the others split
+    "cat_empty": _c("aten.cat.default", lambda: ((torch.empty(0), f(6, 4, 6)), -2)),
     "slice": _c("aten.slice.Tensor", lambda: (f(6, 12), 1, 2, 10, 2)),
     "select": _c("aten.select.int", lambda: (f(6, 4, 6), 1, 2)),
     # the functional forms of writes into a tensor
