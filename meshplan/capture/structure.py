@@ -136,19 +136,21 @@ def _declared_tp(hf_path: str, hf) -> tuple[list, str]:
 # two-part name places its parent one level up: BERT's attention.self.query
 # and attention.output.dense are both attention's, its intermediate.dense
 # and output.dense the block's. Absent: a fused q/k/v (GPT-2's c_attn,
-# ModernBERT's Wqkv), whose output is q|k|v, which a column split would not
-# cut by heads; and attentions whose scores meet a whole tensor of all heads
-# (DeBERTa's disentangled query_proj.., CPM-Ant's project_q.. beside its
-# position bias), which a head split gathers back at every layer.
+# ModernBERT's Wqkv, Falcon's query_key_value), whose output is q|k|v, which
+# a column split would not cut by heads; and attentions whose scores meet a
+# whole tensor of all heads (DeBERTa's disentangled query_proj.., CPM-Ant's
+# project_q.. beside its position bias), which a head split gathers back at
+# every layer.
 _COLWISE = frozenset({
     "q_proj", "k_proj", "v_proj", "q", "k", "v", "fc1", "wi", "wi_0", "wi_1", "up_proj",
     "gate_proj", "fc_in", "c_fc", "self.query", "self.key", "self.value",
     "intermediate.dense", "query", "key", "value", "ffn", "q_lin", "k_lin", "v_lin", "lin1",
     "Wq", "Wk", "Wv", "q_head", "k_head", "v_head", "linear_1", "w_in.w_0", "w_in.w_1",
-    "layer_1"})
+    "layer_1", "dense_h_to_4h"})
 _ROWWISE = frozenset({
     "out_proj", "o_proj", "o", "fc2", "wo", "down_proj", "fc_out", "c_proj", "output.dense",
-    "dense", "ffn_output", "out_lin", "lin2", "post_proj", "linear_2", "w_out", "layer_2"})
+    "dense", "ffn_output", "out_lin", "lin2", "post_proj", "linear_2", "w_out", "layer_2",
+    "dense_4h_to_h"})
 
 
 def _named(sub: str) -> tuple[str, str] | None:

@@ -36,9 +36,9 @@ def in_layers(job):
 # pairs per block: BERT's attention.self.{query,key,value} with attention.output.dense
 # and intermediate.dense with output.dense (two-part names); DistilBERT's and XLM's
 # q_lin..out_lin; CTRL's Wq..dense; XLNet's ff.layer_1/layer_2; BigCode's c_fc/c_proj
-# (its fused c_attn is not split: its output is q|k|v, not heads)
+# (its fused c_attn is not split: its output is q|k|v, not heads); BLOOM's MLP
 PAIRS = {"bert": 2, "esm": 2, "distilbert": 2, "xlm": 1, "ctrl": 1, "xlnet": 1,
-         "gpt_bigcode": 1}
+         "gpt_bigcode": 1, "bloom": 1}
 
 
 @pytest.mark.parametrize("model_type", list(PAIRS))
