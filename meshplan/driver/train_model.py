@@ -69,6 +69,7 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
                           "not one. Train it on synthetic data with `meshplan run`")
     data = TokenData(data_dir, "train")
     if overrides.get("source"):  # a saved model's vocabulary is its own: the data's fits in it
+        _check_vocab(overrides.get("vocab"), data.vocab_size, data_dir, False)
         cfg = model_config(model, size, **overrides)
         if data.vocab_size > cfg.vocab:
             raise ConfigError(f"{data_dir} has {data.vocab_size} token ids but the model in "
@@ -82,17 +83,20 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
     else:
         cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size}))
         extra = layout_of(model, cfg) in MASKING and mask_token(data_dir) is None
-        vocab, given = data.vocab_size + extra, overrides.get("vocab")
-        if given is not None and given != vocab:
-            raise ConfigError(f"--vocab {given} differs from the vocabulary of {data_dir} "
-                              f"({data.vocab_size} tokens, its tokenizer's"
-                              f"{', and a mask token' if extra else ''}); leave --vocab out "
-                              "to take the data's, or prepare the data with a matching "
-                              "tokenizer")
+        _check_vocab(overrides.get("vocab"), data.vocab_size, data_dir, extra)
         if extra:
-            cfg = model_config(model, size, **(overrides | {"vocab": vocab}))
+            cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size + 1}))
     data.check_seq_len(cfg.seq_len)
     return cfg
+
+
+def _check_vocab(given: int | None, data_vocab: int, data_dir: str, mask: bool) -> None:
+    """A `--vocab` other than the data's (and its mask token's): one line."""
+    if given is not None and given != data_vocab + mask:
+        raise ConfigError(f"--vocab {given} differs from the vocabulary of {data_dir} "
+                          f"({data_vocab} tokens, its tokenizer's"
+                          f"{', and a mask token' if mask else ''}); leave --vocab out to "
+                          "take the data's, or prepare the data with a matching tokenizer")
 
 
 def layout_of(model: str, cfg) -> Layout:

@@ -170,3 +170,6 @@ def test_the_vocabulary_a_masked_model_needs_is_named(data):
                                           r"tokenizer's, and a mask token\)"):
         sized_config("bert", "tiny", data, {"vocab": 257})
     assert sized_config("bert", "tiny", data, {"vocab": 258}).vocab == 258
+    with pytest.raises(ConfigError, match=r"--vocab 258 differs .* \(257 tokens, its "
+                                          r"tokenizer's\); leave"):
+        sized_config("gpt", "tiny", data, {"vocab": 258})  # no mask token for a causal LM
