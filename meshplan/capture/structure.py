@@ -151,6 +151,7 @@ _ROWWISE = frozenset({
     "out_proj", "o_proj", "o", "fc2", "wo", "down_proj", "fc_out", "c_proj", "output.dense",
     "dense", "ffn_output", "out_lin", "lin2", "post_proj", "linear_2", "w_out", "layer_2",
     "dense_4h_to_h"})
+_NAMES = _COLWISE | _ROWWISE
 
 
 def _named(sub: str) -> tuple[str, str] | None:
@@ -159,7 +160,7 @@ def _named(sub: str) -> tuple[str, str] | None:
     parts = sub.split(".")
     for k in (2, 1):
         name = ".".join(parts[-k:])
-        if len(parts) >= k and name in _COLWISE | _ROWWISE:
+        if len(parts) >= k and name in _NAMES:
             return ".".join(parts[:-k]), "colwise" if name in _COLWISE else "rowwise"
     return None
 

@@ -50,9 +50,9 @@ def mask_rows(x: torch.Tensor, positions: np.ndarray, noise: Noise,
     tokens = x.numpy()
     inputs = tokens.copy()
     chosen = np.zeros(tokens.shape, dtype=bool)
+    n = tokens.shape[1]
     for row, position in enumerate(np.asarray(positions, dtype=np.int64).tolist()):
         rng = np.random.default_rng([noise.seed, position, _STREAM])
-        n = tokens.shape[1]
         u, kind = rng.random(n), rng.random(n)
         other: np.ndarray = rng.integers(0, noise.vocab_size, size=(n,))
         may = tokens[row] != noise.eod

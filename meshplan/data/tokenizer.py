@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from meshplan.data.tokens import read_index
@@ -211,8 +212,10 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer:
                       "run `meshplan prepare-data` again")
 
 
-def mask_token(data_dir: str | Path) -> int | None:
+@lru_cache(maxsize=8)
+def mask_token(data_dir: str) -> int | None:
     """The mask token of the tokenizer a token directory was prepared with:
-    a transformers tokenizer's own, else None."""
+    a transformers tokenizer's own, else None (loaded once per directory:
+    sizing and the feed both ask)."""
     spec = read_index(data_dir).get("tokenizer") or {}
     return HFTokenizer(spec["path"]).mask if spec.get("kind") == TokenizerKind.PATH else None

@@ -105,6 +105,10 @@ class OpRule:
     batched_temp: Optional[Callable[[list, dict, str], int]] = None
     # SBP signatures along one mesh axis (see `sbp_sig.py`); default: replicated.
     sbp: Optional[SbpRule] = None
+    # The op sums its inputs (a gradient's contributions): a Replicate input may
+    # become its Partial share in place (`local_partial`), so Partial inputs
+    # stay Partial and are reduced once, after the sum (`passes/propagate.py`).
+    sums: bool = False
     # (argument position, output index): the argument is a shape that must
     # equal that output's shape; lowering puts the rank's local shape there.
     shape_args: tuple[tuple[int, int], ...] = ()

@@ -180,7 +180,7 @@ def _boxing_rule(kind: str, category: Category) -> OpRule:
 
 
 _MESHPLAN_KINDS = {rule.kind: rule for rule in (
-    _meshplan_rule(k.GRAD_SUM, kernels.grad_sum),
+    _meshplan_rule(k.GRAD_SUM, kernels.grad_sum, sums=True),
     _meshplan_rule(k.ACCUMULATE_GRAD, kernels.accumulate_grad, infer=lambda a, kw: (a[1],)),
     _meshplan_rule(k.VJP, vjp_kernel, infer=vjp_infer),
     _meshplan_rule(k.SGD, kernels.sgd_step, Category.OPTIMIZER,

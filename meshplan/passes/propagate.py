@@ -33,8 +33,8 @@ Invariants:
   scalar's is not charged: one all-reduce of a number, however reached). (A
   backward's is most often a weight's gradient, reduced once a step however
   many micro-batches there are, and inherent to data parallelism.)
-- A gradient's sum (`grad_sum`) of two Partial contributions or more stays
-  Partial, one reduction later, however many there are: a Replicate contribution (a
+- A gradient's sum (`grad_sum`, `OpRule.sums`) of two Partial contributions
+  or more stays Partial, one reduction later: a Replicate contribution (a
   post-LN block's residual, beside its q, k and v projections' Partial
   input gradients) becomes its share where it is (`local_partial`: the
   axis's first rank keeps it, the others add zeros), not each Partial
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from meshplan.ir import Graph, Phase, Role, TensorMeta
 from meshplan.ir.choices import KernelVariant
-from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, GRAD_SUM, VJP
+from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SQ, VJP
 from meshplan.ir.mesh import CP_ATTENTION
 from meshplan.ir.sbp import NdSbp, Partial, Replicate, Sbp, Shard
 from meshplan.ir.state_name import StateName
@@ -396,9 +396,9 @@ def _choose(kind, sig_args, sig_kw, outs, n, avail, nbytes, wanted,
     if keep is not None and any(keep(c) for c in candidates):
         candidates = [c for c in candidates if keep(c)]
     best, best_cost = candidates[-1], INF
-    # a gradient summing two Partials or more keeps them so (one reduction
-    # later, not one each); with one, either way reduces once
-    shares = kind == GRAD_SUM and sum(isinstance(h, Partial) for h in avail) > 1
+    # a sum of two Partials or more keeps them so (one reduction later, not
+    # one each); with one, either way reduces once
+    shares = rule_for(kind).sums and sum(isinstance(h, Partial) for h in avail) > 1
     for cand in candidates:
         cost = 0.0
         for need, h, b in zip(cand.ins, avail, nbytes):
