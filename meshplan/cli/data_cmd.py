@@ -21,7 +21,8 @@ from meshplan.errors import ConfigError
 EPILOG = """examples:
   meshplan prepare-data --input 'corpus/**/*.txt' --out data/corpus
   meshplan prepare-data --input shards/*.jsonl --text-field body --tokenizer bpe:8192 --out data/b
-  meshplan prepare-data --hf-dataset saved/wikitext --tokenizer ./gpt2-tokenizer --out data/w"""
+  meshplan prepare-data --hf-dataset saved/wikitext --tokenizer ./gpt2-tokenizer --out data/w
+  meshplan prepare-data --input pairs.jsonl --text-field en --target-field fr --out data/en-fr"""
 
 
 def add_prepare_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,10 @@ def add_prepare_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-field", default="text",
                    help="the JSON field (.jsonl) or dataset column holding the text "
                    "(default text)")
+    p.add_argument("--target-field", default=None, metavar="FIELD",
+                   help="paired data (a translation, a summary, a prompt's answer): the JSON "
+                   "field or column of each row's target, --text-field being its source; "
+                   "`meshplan train` then learns the target from the source")
     p.add_argument("--hf-dataset", default=None, metavar="PATH",
                    help="a local Hugging Face dataset (save_to_disk directory or data files) "
                    "instead of --input")
@@ -54,9 +59,13 @@ def summary_lines(index: dict, out: str) -> list[str]:
                                                                         tok.get("path"))
     lines = [f"token directory {out}: tokenizer {name}, vocab {index['vocab_size']}, "
              f"eod {index['eod']}, {index['dtype']}"]
+    what = "documents" if "pairs" not in index else "pairs"
     for split, s in index["splits"].items():
-        lines.append(f"  {split:<10} {s['documents']:>10,} documents {s['tokens']:>14,} tokens "
-                     f"(longest document {s['longest_document']:,})")
+        lines.append(f"  {split:<10} {s['documents']:>10,} {what} {s['tokens']:>14,} tokens "
+                     f"(longest {what[:-1]} {s['longest_document']:,})")
+    if "pairs" in index:
+        lines.append(f"  pairs: source {index['pairs']['source']!r}, target "
+                     f"{index['pairs']['target']!r}")
     return lines
 
 
@@ -68,7 +77,7 @@ def cmd_prepare_data(a: argparse.Namespace) -> int:
     with a.progress.task("files", total) as update:
         index = prepare_data(a.input or [], a.out, tokenizer=a.tokenizer,
                              val_fraction=a.val_fraction, text_field=a.text_field,
-                             hf_dataset=a.hf_dataset,
+                             hf_dataset=a.hf_dataset, target_field=a.target_field,
                              progress=lambda done, _total: update(done))
     if getattr(a, "json", False):
         print(json.dumps(index))

@@ -29,7 +29,7 @@ from meshplan.cli.flags import mesh_of, optimizer_config, overrides, strategy_fi
 from meshplan.cli.pictures import draw_training
 from meshplan.cli.train_config import add_config_file_flags, is_config_file, resolve, write_resolved
 from meshplan.costmodel.load import meshplan_home
-from meshplan.data.feed import TokenFeed
+from meshplan.data.feed import PAIRED, Layout, TokenFeed
 from meshplan.data.prepare import prepare_data
 from meshplan.data.tokens import TokenData
 from meshplan.driver.export import ExportFormat, check_out, export, memory_source
@@ -45,6 +45,7 @@ from meshplan.driver.train import (
     train_job,
 )
 from meshplan.driver.train_model import (
+    answer_sample,
     fill_sample,
     language_model,
     sample_text,
@@ -162,7 +163,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     _check_exports(a, lm)
     s = lm.job.strategy
     feed = TokenFeed(data_dir, "train", lm.seq_len, a.seed, lm.layout, mask_id=lm.mask_id,
-                     mask_rate=a.mask_rate)
+                     mask_rate=a.mask_rate, pad_id=lm.pad_id)
     eval_feed = replace(feed, split="validation", shuffle=False)
     if a.eval_every:
         _check_validation(eval_feed, a.eval_batches, s.global_batch_size)
@@ -253,9 +254,11 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics] or [0.0]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
                "mfu": median([m["mfu"] for m in r.metrics] or [0.0]), "exports": exports}
-    if a.sample_tokens and feed.mask_id >= 0:
+    if a.sample_tokens and Layout(feed.layout) in PAIRED and _can_generate(lm.module):
+        summary["answer"] = answer_sample(lm.module, feed, a.sample_tokens)
+    elif a.sample_tokens and feed.mask_id >= 0:
         summary["fill"] = fill_sample(lm.module, feed)
-    elif a.sample_tokens and (hasattr(lm.module, "logits") or hasattr(lm.module, "model")):
+    elif a.sample_tokens and _can_generate(lm.module):
         prompt, text = sample_text(lm.module, data_dir, lm.seq_len, a.sample_tokens, a.seed)
         summary["sample"] = {"prompt": prompt, "continuation": text}
     if a.json:
@@ -263,6 +266,11 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
         return 0
     print_summary(summary)
     return 0
+
+
+def _can_generate(module) -> bool:
+    """Whether the summary can sample `module`: a zoo model or a transformers one."""
+    return hasattr(module, "logits") or hasattr(module, "model")
 
 
 def _record(a: argparse.Namespace, lm, data_dir: str) -> dict:
@@ -290,6 +298,10 @@ def print_summary(s: dict) -> None:
     if "sample" in s:
         print("sample (prompt, then the model's continuation):")
         print(s["sample"]["prompt"] + "\u2502" + s["sample"]["continuation"])
+    if "answer" in s:
+        print("sample (a validation pair: its source, the model's answer, the target):")
+        for key in ("source", "answer", "target"):
+            print(f"  {key}: {s['answer'][key]}")
     if "fill" in s:
         f = s["fill"]
         print(f"sample (a validation sample, masked as in training; the model's guess at each "

@@ -15,6 +15,8 @@ Invariants:
   plan reads no data.
 - A masked LM's or an encoder-decoder's noise is drawn per global position
   (`data/masking.py`), so it too is the same whatever the layout.
+- Paired data (`prepare-data --target-field`) feeds only the paired layouts
+  (`PAIRED`) and token data only the others: a mismatch is one line.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import numpy as np
 import torch
 
 from meshplan.data.masking import Noise, mask_rows
+from meshplan.data.pairs import PairReader, joined, source_target
 from meshplan.data.sampler import SampleReader
 from meshplan.data.tokens import TokenData
+from meshplan.errors import ConfigError
 
 
 class Layout(StrEnum):
@@ -38,6 +42,13 @@ class Layout(StrEnum):
     SHIFTED_BY_MODEL = "shifted-by-model"  # (s[:-1], s[:-1]): the model shifts (transformers)
     MASKED = "masked"  # s[:-1] masked as BERT's, labelled where masked (a masked LM)
     DENOISE = "denoise"  # s[:-1] masked, labelled whole (an encoder-decoder)
+    # paired data (`data/pairs.py`): a source and its target
+    SOURCE_TARGET = "source-target"  # the source in, the target labelled (an encoder-decoder)
+    JOINED = "joined"  # source then target, the target's next tokens labelled (the zoo)
+    JOINED_SHIFTED = "joined-shifted-by-model"  # the same labelled in place (transformers)
+
+
+PAIRED = (Layout.SOURCE_TARGET, Layout.JOINED, Layout.JOINED_SHIFTED)
 
 
 def token_batch(samples: torch.Tensor, layout: Layout, positions: np.ndarray | None = None,
@@ -65,6 +76,7 @@ class TokenFeed:
     shuffle: bool = True
     mask_id: int = -1  # the id a masking layout writes (the tokenizer's, else vocab_size)
     mask_rate: float = 0.15  # the share of positions a masking layout predicts
+    pad_id: int = -1  # the id SOURCE_TARGET pads a source with (the tokenizer's, else vocab_size)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -81,9 +93,16 @@ class FeedReader:
     def __init__(self, feed: TokenFeed, global_batch_size: int, num_microbatches: int):
         self.feed = feed
         self.data = TokenData(feed.data_dir, feed.split)
-        self.reader = SampleReader(self.data, feed.seq_len, feed.seed, shuffle=feed.shuffle)
         self.gbs, self.m = global_batch_size, num_microbatches
         self.layout = Layout(feed.layout)
+        if (self.layout in PAIRED) != (self.data.pairs is not None):
+            raise ConfigError(
+                f"{feed.data_dir} holds {'pairs' if self.data.pairs else 'text'}, and this "
+                f"model reads {'pairs' if self.layout in PAIRED else 'text'} ({self.layout}); "
+                "prepare the data with --target-field for pairs, without it for text")
+        self.reader: SampleReader | PairReader = (
+            PairReader if self.data.pairs else SampleReader)(self.data, feed.seq_len, feed.seed,
+                                                            shuffle=feed.shuffle)
         self.noise = Noise(feed.mask_id, self.data.vocab_size, self.data.eod, feed.mask_rate,
                            feed.seed)
         self.step_samples: list[int] = []  # the sample ids the last `microbatches` read
@@ -101,10 +120,19 @@ class FeedReader:
         self.step_samples = []
         for i in range(self.m):
             positions = step * self.gbs + i * b + np.arange(lo, hi, dtype=np.int64)
-            out.append(token_batch(self.reader.read(positions), self.layout, positions,
-                                   self.noise))
+            out.append(self._batch(positions))
             self.step_samples += self.reader.last_ids.tolist()
         return out
+
+    def _batch(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (inputs, labels) of the samples at global `positions`."""
+        if isinstance(self.reader, SampleReader):
+            return token_batch(self.reader.read(positions), self.layout, positions, self.noise)
+        pairs = self.reader.read(positions)
+        if self.layout is Layout.SOURCE_TARGET:
+            return source_target(pairs, self.feed.seq_len, self.feed.pad_id)
+        return joined(pairs, self.feed.seq_len, self.data.eod,
+                      shifted=self.layout is Layout.JOINED_SHIFTED)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Step `step`'s whole global batch (the eager reference's)."""

@@ -6,6 +6,10 @@ Invariants:
   expanded sorted (recursive `**` allowed), a file once; a `.jsonl` file
   gives one document per non-blank line (its `text_field`), any other file
   is one document (UTF-8, undecodable bytes replaced). Empty texts are skipped.
+- Paired data (`target_field`): a `.jsonl` line or a dataset row is one
+  pair, its `text_field` the source and its `target_field` the target; a
+  pair with an empty target is skipped (an empty source is kept). A BPE
+  trains on both.
 - Document k (in that order) goes to validation when a salted hash of k
   falls below `val_fraction`: the split depends on nothing else. With
   val_fraction > 0 and >= 2 documents each split gets at least one: the last
@@ -61,7 +65,7 @@ def _read_text(path: str) -> str:
                           "and is readable, or leave it out of --input") from None
 
 
-def _jsonl_texts(path: str, field: str) -> Iterator[str]:
+def _jsonl_rows(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
@@ -72,25 +76,37 @@ def _jsonl_texts(path: str, field: str) -> Iterator[str]:
                 except ValueError as e:
                     raise ConfigError(f"{path}:{lineno}: not JSON ({e}); every line of a "
                                       ".jsonl file must be one JSON object") from None
-                text = row.get(field) if isinstance(row, dict) else None
-                if not isinstance(text, str):
-                    raise ConfigError(f"{path}:{lineno}: no string field {field!r}; give the "
-                                      "field that holds the text with --text-field")
-                if text:
-                    yield text
+                texts = tuple(row.get(f) if isinstance(row, dict) else None for f in fields)
+                for field, text in zip(fields, texts):
+                    if not isinstance(text, str):
+                        raise ConfigError(f"{path}:{lineno}: no string field {field!r}; give "
+                                          "the field that holds the text with "
+                                          f"{_flag(field, fields)}")
+                if texts[-1]:
+                    yield texts  # type: ignore[misc]
     except OSError as e:
         raise ConfigError(f"cannot read {path} ({e.strerror}); check that it exists "
                           "and is readable, or leave it out of --input") from None
 
 
-def file_texts(path: str, text_field: str = "text") -> Iterator[str]:
-    """The documents of one input file (see the module docstring)."""
+def _flag(field: str, fields: tuple[str, ...]) -> str:
+    """The flag that names `field`: the source's or text's, or the target's."""
+    return "--text-field" if field == fields[0] else "--target-field"
+
+
+def file_texts(path: str, fields: tuple[str, ...] = ("text",)) -> Iterator[tuple[str, ...]]:
+    """The documents of one input file (see the module docstring): each a
+    tuple of its `fields`' texts (a `.jsonl` file's; another file is one
+    text, and cannot hold pairs)."""
     if path.endswith(".jsonl"):
-        yield from _jsonl_texts(path, text_field)
-    else:
-        text = _read_text(path)
-        if text:
-            yield text
+        yield from _jsonl_rows(path, fields)
+        return
+    if len(fields) > 1:
+        raise ConfigError(f"--target-field reads pairs from .jsonl files or --hf-dataset "
+                          f"columns; {path} is neither: give .jsonl inputs")
+    text = _read_text(path)
+    if text:
+        yield (text,)
 
 
 def _load_hf(path: str):
@@ -116,28 +132,34 @@ def _load_hf(path: str):
                           "; give a local dataset directory (save_to_disk) or data files") from None
 
 
-def hf_texts(path: str, text_field: str = "text") -> Iterator[str]:
-    """The documents of a local HF dataset's `text_field` column (all its splits, sorted)."""
+def hf_texts(path: str, fields: tuple[str, ...] = ("text",)) -> Iterator[tuple[str, ...]]:
+    """The documents of a local HF dataset (all its splits, sorted): each a
+    tuple of its `fields` columns' texts."""
     ds = _load_hf(path)
     parts = [ds[k] for k in sorted(ds)] if isinstance(ds, dict) else [ds]
     for part in parts:
-        if text_field not in part.column_names:
-            raise ConfigError(f"--hf-dataset {path} has no column {text_field!r} (it has "
-                              f"{', '.join(part.column_names)}); choose one with --text-field")
-        for batch in part.select_columns([text_field]).iter(batch_size=1024):
-            yield from (t for t in batch[text_field] if isinstance(t, str) and t)
+        for field in fields:
+            if field not in part.column_names:
+                raise ConfigError(f"--hf-dataset {path} has no column {field!r} (it has "
+                                  f"{', '.join(part.column_names)}); choose one with "
+                                  f"{_flag(field, fields)}")
+        for batch in part.select_columns(list(fields)).iter(batch_size=1024):
+            for texts in zip(*(batch[f] for f in fields)):
+                if all(isinstance(t, str) for t in texts) and texts[-1]:
+                    yield texts
 
 
-def _documents(files: list[str], hf_dataset: str | None, text_field: str,
-               progress: Progress | None) -> Iterator[str]:
-    """Every document, in reading order; `progress(done, total)` after each file."""
+def _documents(files: list[str], hf_dataset: str | None, fields: tuple[str, ...],
+               progress: Progress | None) -> Iterator[tuple[str, ...]]:
+    """Every document (a tuple of its fields' texts), in reading order;
+    `progress(done, total)` after each file."""
     if hf_dataset is not None:
-        yield from hf_texts(hf_dataset, text_field)
+        yield from hf_texts(hf_dataset, fields)
         if progress:
             progress(1, 1)
         return
     for done, path in enumerate(files, 1):
-        yield from file_texts(path, text_field)
+        yield from file_texts(path, fields)
         if progress:
             progress(done, len(files))
 
@@ -158,18 +180,18 @@ def _last_split(k: int, writer: TokenWriter, val_fraction: float) -> str:
 
 
 def _write_documents(writer: TokenWriter, encode: Callable[[str], list[int]],
-                     texts: Iterator[str], val_fraction: float, where: str) -> None:
-    held: tuple[int, list[int]] | None = None  # the latest document, placed when the next comes
-    for k, text in enumerate(texts):
-        ids = encode(text)
+                     texts: Iterator[tuple[str, ...]], val_fraction: float, where: str) -> None:
+    held: tuple[int, list[list[int]]] | None = None  # the latest, placed when the next comes
+    for k, parts in enumerate(texts):
+        ids = [encode(text) for text in parts]
         if held is not None:
             split = "validation" if goes_to_validation(held[0], val_fraction) else "train"
-            writer.add(split, held[1])
+            writer.add(split, *held[1])
         held = (k, ids)
     if held is None:
         raise ConfigError(f"{where} hold no text (every file or row is empty); "
                           "give inputs with text")
-    writer.add(_last_split(held[0], writer, val_fraction), held[1])
+    writer.add(_last_split(held[0], writer, val_fraction), *held[1])
 
 
 def _check_out(out: str) -> Path:
@@ -194,22 +216,27 @@ def _check_args(inputs: list[str], hf_dataset: str | None, val_fraction: float) 
 
 def prepare_data(inputs: list[str], out: str, tokenizer: str = "bytes",
                  val_fraction: float = 0.05, text_field: str = "text",
-                 hf_dataset: str | None = None,
-                 progress: Progress | None = None) -> dict:
+                 hf_dataset: str | None = None, progress: Progress | None = None,
+                 target_field: str | None = None) -> dict:
     """Tokenize `inputs` (globs) or `hf_dataset` into the token directory `out`;
-    return its index. `progress(done_files, total_files)` as files are done."""
+    return its index. `progress(done_files, total_files)` as files are done.
+    With `target_field`, each row is a pair: `text_field` its source (a
+    prompt, a text to translate), `target_field` what is learned from it."""
     _check_args(inputs, hf_dataset, val_fraction)
     arg = parse_tokenizer_arg(tokenizer)
     files = expand_inputs(inputs) if hf_dataset is None else []
     out_path = _check_out(out)
     sources = files if hf_dataset is None else [hf_dataset]
     where = "the inputs " + (", ".join(inputs[:3]) if hf_dataset is None else hf_dataset)
+    fields = (text_field,) if target_field is None else (text_field, target_field)
+    pairs = None if target_field is None else {"source": text_field, "target": target_field}
     with staged_directory(out_path) as tmp:
-        tok = make_tokenizer(arg, _documents(files, hf_dataset, text_field, None))
+        every = (t for doc in _documents(files, hf_dataset, fields, None) for t in doc)
+        tok = make_tokenizer(arg, every)
         if isinstance(tok, BPETokenizer):
             tok.save(tmp / BPE_FILE)
-        with TokenWriter(tmp, tok.vocab_size, tok.eod) as writer:
-            texts = _documents(files, hf_dataset, text_field, progress)
+        with TokenWriter(tmp, tok.vocab_size, tok.eod, pairs) as writer:
+            texts = _documents(files, hf_dataset, fields, progress)
             _write_documents(writer, tok.encode, texts, val_fraction, where)
             index = writer.finish(tok.spec(), sources, val_fraction)
     return index

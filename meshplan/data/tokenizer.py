@@ -12,8 +12,8 @@ Invariants:
 - `spec()` is JSON and holds what `load_tokenizer` needs to rebuild the
   same tokenizer from a token directory (a relative file for `bpe`).
 - `decode` skips eod, so a document's ids decode to its text.
-- `mask` is the tokenizer's mask token (a transformers tokenizer's own), or
-  None: bytes and a BPE made here have none.
+- `mask` and `pad` are the tokenizer's mask and padding tokens (a
+  transformers tokenizer's own), or None: bytes and a BPE made here have none.
 - A missing optional library or a bad argument is one ConfigError line.
 """
 
@@ -67,11 +67,12 @@ def parse_tokenizer_arg(text: str) -> TokenizerArg:
 
 
 class Tokenizer:
-    """The interface: `vocab_size`, `eod`, `mask`, `encode`, `decode`, `spec`."""
+    """The interface: `vocab_size`, `eod`, `mask`, `pad`, `encode`, `decode`, `spec`."""
 
     vocab_size: int
     eod: int
     mask: int | None = None
+    pad: int | None = None
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, without eod."""
@@ -177,7 +178,7 @@ class HFTokenizer(Tokenizer):
             raise ConfigError(f"--tokenizer {path} has neither an eos nor a sep token to end "
                               "documents with; add one to its tokenizer config")
         self.path, self.eod, self.vocab_size = path, int(eod), len(self._tok)
-        self.mask = self._tok.mask_token_id
+        self.mask, self.pad = self._tok.mask_token_id, self._tok.pad_token_id
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
@@ -212,10 +213,16 @@ def load_tokenizer(data_dir: str | Path) -> Tokenizer:
                       "run `meshplan prepare-data` again")
 
 
+def special_token(data_dir: str, kind: str) -> int | None:
+    """The `kind` ("mask" or "pad") token of the tokenizer a token directory
+    was prepared with: a transformers tokenizer's own, else None."""
+    return getattr(_specials(data_dir), kind)
+
+
 @lru_cache(maxsize=8)
-def mask_token(data_dir: str) -> int | None:
-    """The mask token of the tokenizer a token directory was prepared with:
-    a transformers tokenizer's own, else None (loaded once per directory:
-    sizing and the feed both ask)."""
+def _specials(data_dir: str) -> Tokenizer:
+    """The tokenizer whose special tokens `special_token` reads: loaded once
+    per directory (sizing and the feed both ask), a bare one for kinds
+    that have none."""
     spec = read_index(data_dir).get("tokenizer") or {}
-    return HFTokenizer(spec["path"]).mask if spec.get("kind") == TokenizerKind.PATH else None
+    return HFTokenizer(spec["path"]) if spec.get("kind") == TokenizerKind.PATH else Tokenizer()

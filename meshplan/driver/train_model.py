@@ -3,12 +3,16 @@ directory: the model sized from the data, its train and eval Jobs, and what
 the run leaves behind (the weights file, a sample).
 
 Invariants:
-- The model's vocabulary is the data's (and one mask token more, for a
-  masked or denoising model whose tokenizer has none): a `--vocab` that
-  differs is one line (exit 2), as is a sequence longer than the data allows.
-- A model feeds by its task (`layout_of`): next tokens for a causal LM,
-  BERT's masking for a masked LM, masked inputs and the whole sample as
-  labels for an encoder-decoder (`data/masking.py`).
+- The model's vocabulary is the data's, and one id more where its layout
+  writes an id that is not text (a mask, a source's padding) and the
+  tokenizer has none of its own: a `--vocab` that differs is one line
+  (exit 2), as is a sequence longer than the data allows.
+- A model feeds by its task and the data (`layout_of`): on text, next
+  tokens for a causal LM, BERT's masking for a masked LM, masked inputs
+  and the whole sample as labels for an encoder-decoder
+  (`data/masking.py`); on pairs, the source in and the target labelled for
+  an encoder-decoder, source then target with the target labelled for a
+  causal LM (`data/pairs.py`); a masked LM takes text only.
 - The weights the ranks start from are the module built here (seeded), the
   very weights an eager reference would start from.
 - The eval Job is the forward graph planned with the train Job's strategy
@@ -29,15 +33,15 @@ import numpy as np
 import torch
 
 from meshplan.data.feed import FeedReader, Layout, TokenFeed
-from meshplan.data.tokenizer import load_tokenizer, mask_token
-from meshplan.data.tokens import TokenData
+from meshplan.data.tokenizer import load_tokenizer, special_token
+from meshplan.data.tokens import TokenData, read_index
 from meshplan.driver.capture_check import checked_capture
 from meshplan.driver.plan import capture_zoo, plan_model
 from meshplan.driver.weights_out import OutTensor, write_safetensors
 from meshplan.errors import ConfigError
 from meshplan.ir.fileio import write_torch
 from meshplan.models import build_model, model_config
-from meshplan.models.generate import generate
+from meshplan.models.generate import generate, translate
 from meshplan.models.hf import CAUSAL, MASKED, PREFIX, SEQ2SEQ, HFLoss, task_of
 from meshplan.passes.plan import PASSES, Compilation, plan_forward
 
@@ -45,6 +49,9 @@ _ZOO_LAYOUTS = {"gpt": Layout.NEXT_TOKEN, "moe": Layout.NEXT_TOKEN, "bert": Layo
 _TASK_LAYOUTS = {CAUSAL: Layout.SHIFTED_BY_MODEL, MASKED: Layout.MASKED,
                  SEQ2SEQ: Layout.DENOISE}
 MASKING = (Layout.MASKED, Layout.DENOISE)
+_ON_PAIRS = {Layout.NEXT_TOKEN: Layout.JOINED, Layout.SHIFTED_BY_MODEL: Layout.JOINED_SHIFTED,
+             Layout.DENOISE: Layout.SOURCE_TARGET}  # a text layout's task, on paired data
+_WRITES = {Layout.MASKED: "mask", Layout.DENOISE: "mask", Layout.SOURCE_TARGET: "pad"}
 
 
 @dataclass(frozen=True)
@@ -56,13 +63,15 @@ class LanguageModel:
     job: object
     eval_job: object
     layout: str
-    mask_id: int = -1  # the id a masking layout writes (`mask_id`)
+    mask_id: int = -1  # the id a masking layout writes (`written_id`)
+    pad_id: int = -1  # the id SOURCE_TARGET pads sources with (`written_id`)
 
 
 def sized_config(model: str, size: str, data_dir: str, overrides: dict):
-    """`model`'s config with the data's vocabulary, and one more id, the mask
-    token, for a masked or denoising model whose tokenizer has none; its
-    sequence checked against the data (one line for each mismatch)."""
+    """`model`'s config with the data's vocabulary, and one more id (a mask,
+    a pad) where its layout writes one the tokenizer has not; on paired data
+    an encoder-decoder's `pad_id`; its sequence checked against the data
+    (one line for each mismatch)."""
     if model not in _ZOO_LAYOUTS and not model.startswith(PREFIX):
         raise ConfigError(f"meshplan train reads token data into language models (--model "
                           f"gpt or bert, or an --hf type such as gpt2, bert or t5); {model} is "
@@ -75,42 +84,59 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
             raise ConfigError(f"{data_dir} has {data.vocab_size} token ids but the model in "
                               f"{cfg.source} embeds {cfg.vocab}; prepare the data with the "
                               "model's own tokenizer (--tokenizer PATH)")
-        if layout_of(model, cfg) in MASKING and mask_token(data_dir) is None:
-            raise ConfigError(f"the model in {cfg.source} predicts masked tokens, and the "
-                              f"tokenizer {data_dir} was prepared with has no mask token; "
+        layout = layout_of(model, cfg, data_dir)
+        if layout in _WRITES and special_token(data_dir, _WRITES[layout]) is None:
+            does = "predicts masked tokens" if layout in MASKING else "reads padded sources"
+            raise ConfigError(f"the model in {cfg.source} {does}, and the tokenizer "
+                              f"{data_dir} was prepared with has no {_WRITES[layout]} token; "
                               "prepare the data with the model's own tokenizer (--tokenizer "
                               "PATH)")
     else:
         cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size}))
-        extra = layout_of(model, cfg) in MASKING and mask_token(data_dir) is None
+        layout = layout_of(model, cfg, data_dir)
+        extra = _WRITES[layout] if layout in _WRITES and \
+            special_token(data_dir, _WRITES[layout]) is None else ""
         _check_vocab(overrides.get("vocab"), data.vocab_size, data_dir, extra)
         if extra:
             cfg = model_config(model, size, **(overrides | {"vocab": data.vocab_size + 1}))
+    if layout is Layout.SOURCE_TARGET:
+        cfg = model_config(model, size, **(overrides | {"vocab": cfg.vocab,
+                                                        "pad_id": written_id(data_dir, layout)}))
     data.check_seq_len(cfg.seq_len)
     return cfg
 
 
-def _check_vocab(given: int | None, data_vocab: int, data_dir: str, mask: bool) -> None:
-    """A `--vocab` other than the data's (and its mask token's): one line."""
-    if given is not None and given != data_vocab + mask:
+def _check_vocab(given: int | None, data_vocab: int, data_dir: str, extra: str) -> None:
+    """A `--vocab` other than the data's (and its `extra` token's): one line."""
+    if given is not None and given != data_vocab + bool(extra):
         raise ConfigError(f"--vocab {given} differs from the vocabulary of {data_dir} "
                           f"({data_vocab} tokens, its tokenizer's"
-                          f"{', and a mask token' if mask else ''}); leave --vocab out to "
-                          "take the data's, or prepare the data with a matching tokenizer")
+                          f"{f', and a {extra} token' if extra else ''}); leave --vocab out "
+                          "to take the data's, or prepare the data with a matching tokenizer")
 
 
-def layout_of(model: str, cfg) -> Layout:
-    """How token samples feed `model` (`data/feed.Layout`): by its task."""
-    return _ZOO_LAYOUTS.get(model) or _TASK_LAYOUTS[task_of(cfg)]
+def layout_of(model: str, cfg, data_dir: str | None = None) -> Layout:
+    """How the samples of `data_dir` feed `model` (`data/feed.Layout`): by
+    its task, and whether the data is text or pairs (a masked LM on pairs:
+    one line)."""
+    text = _ZOO_LAYOUTS.get(model) or _TASK_LAYOUTS[task_of(cfg)]
+    if data_dir is None or "pairs" not in read_index(data_dir):
+        return text
+    if text not in _ON_PAIRS:
+        raise ConfigError(f"{data_dir} holds pairs (source, target), and {model} is a masked "
+                          "LM, which learns from text; prepare the data without "
+                          "--target-field, or train a causal LM or an encoder-decoder "
+                          "(e.g. --hf t5) on the pairs")
+    return _ON_PAIRS[text]
 
 
-def mask_id(data_dir: str, layout: Layout) -> int:
-    """The id a masking layout writes: the tokenizer's mask token, else the
-    one id past the data's vocabulary (`sized_config` embeds it); -1 for
-    the others."""
-    if layout not in MASKING:
+def written_id(data_dir: str, layout: Layout) -> int:
+    """The id `layout` writes that is not text (a masking layout's mask, a
+    source's padding): the tokenizer's own token, else the one id past the
+    data's vocabulary (`sized_config` embeds it); -1 for the others."""
+    if layout not in _WRITES:
         return -1
-    token = mask_token(data_dir)
+    token = special_token(data_dir, _WRITES[layout])
     return TokenData(data_dir, "train").vocab_size if token is None else token
 
 
@@ -118,14 +144,16 @@ def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimiz
                    seed: int, overrides: dict) -> LanguageModel:
     """The model, sized from the data, with its train and eval Jobs."""
     cfg = sized_config(model, size, data_dir, overrides)
-    layout = layout_of(model, cfg)
-    sized = overrides | {"vocab": cfg.vocab}
+    layout = layout_of(model, cfg, data_dir)
+    sized = overrides | {"vocab": cfg.vocab} | ({"pad_id": cfg.pad_id} if cfg.pad_id >= 0 else {})
     job = plan_model(model, size, mesh, strategy, optimizer, None, **sized).job
     s = job.strategy
     eval_job = plan_forward(capture_zoo(cfg, s.micro_batch_size * s.dp, s.precision), mesh, s)
     torch.manual_seed(seed)
+    written = written_id(data_dir, layout)
     return LanguageModel(cfg.seq_len, build_model(cfg), job, eval_job, layout,
-                         mask_id(data_dir, layout))
+                         written if layout in MASKING else -1,
+                         written if layout is Layout.SOURCE_TARGET else -1)
 
 
 def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer,
@@ -133,9 +161,10 @@ def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer
     """A user's `nn.Module` from `PKG.MODULE:FACTORY`: the factory is called
     with the keyword arguments it takes of `vocab_size` (the data's) and
     `seq_len`, and returns a module whose `forward(inputs, targets)` returns
-    the loss of predicting `targets`, the next tokens. It is captured on the
-    data's first micro-batch (and self-checked), then planned for training
-    and for evaluation."""
+    the loss of predicting `targets`, the next tokens (on pairs, only the
+    target's: the others are `IGNORE_INDEX`, -100, which cross entropy skips
+    by default). It is captured on the data's first micro-batch (and
+    self-checked), then planned for training and for evaluation."""
 
     modname, _, attr = path.partition(":")
     try:
@@ -152,24 +181,30 @@ def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer
     module = factory(**{k: v for k, v in given.items() if k in wants})
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"--module {path} returned {type(module).__name__}, not an nn.Module")
-    reader = FeedReader(TokenFeed(data_dir, "train", seq_len, seed), strategy.global_batch_size,
-                        strategy.num_microbatches)
+    layout = Layout.JOINED if data.pairs else Layout.NEXT_TOKEN
+    reader = FeedReader(TokenFeed(data_dir, "train", seq_len, seed, layout),
+                        strategy.global_batch_size, strategy.num_microbatches)
     x, y = reader.microbatches(0)[0]
     graph = checked_capture(module, (x, y), precision=strategy.precision)
     job = PASSES.run(Compilation(graph, mesh, strategy, optimizer)).job
     eval_job = plan_forward(graph, mesh, job.strategy)
-    return LanguageModel(seq_len, module, job, eval_job, Layout.NEXT_TOKEN)
+    return LanguageModel(seq_len, module, job, eval_job, layout)
 
 
 def unigram_entropy(data_dir: str) -> float:
-    """The entropy (nats) of the training split's token frequencies: the
-    loss of a model that knows only how often each token occurs."""
+    """The entropy (nats) of the training split's token frequencies (of
+    paired data, its targets', the tokens a model learns): the loss of a
+    model that knows only how often each token occurs."""
     data = TokenData(data_dir, "train")
     counts = np.zeros(data.vocab_size, dtype=np.int64)
     chunk = 1 << 24
     for i in range(0, len(data.tokens), chunk):
-        counts += np.bincount(np.asarray(data.tokens[i:i + chunk]),
-                              minlength=data.vocab_size)[:data.vocab_size]
+        tokens = np.asarray(data.tokens[i:i + chunk])
+        if data.pairs is not None:  # position p is in pair k, a target from ends[k, 0] on
+            at = np.arange(i, i + len(tokens), dtype=np.uint64)
+            k = np.searchsorted(data.ends[:, 1], at, side="right")
+            tokens = tokens[at >= data.ends[k, 0]]
+        counts += np.bincount(tokens, minlength=data.vocab_size)[:data.vocab_size]
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
@@ -244,6 +279,26 @@ def fill_sample(module, feed: TokenFeed) -> dict:
     text.append(tok.decode(run))
     return {"text": "".join(text), "right": int((guess == original)[chosen].sum()),
             "masked": int(chosen.sum())}
+
+
+def answer_sample(module, feed: TokenFeed, new_tokens: int) -> dict:
+    """A model trained on pairs answering the validation split's first
+    source (eager PyTorch, greedy, up to `new_tokens` tokens or eod): an
+    encoder-decoder from the source as trained, a causal LM after it.
+    {"source", "answer", "target"}: texts."""
+    tok = load_tokenizer(feed.data_dir)
+    reader = FeedReader(replace(feed, split="validation", shuffle=False), 1, 1)
+    (x, labels), = reader.microbatches(0)
+    source, target = reader.reader.read([0])[0]  # type: ignore[union-attr]
+    if Layout(feed.layout) is Layout.SOURCE_TARGET:
+        answer = translate(module, x, new_tokens, tok.eod)
+    else:  # the prompt: the source as trained, up to the first labelled position
+        first = int((labels[0] >= 0).nonzero()[0])  # JOINED labels the next token: one more
+        prompt = x[0, :first + (Layout(feed.layout) is Layout.JOINED)].tolist()
+        ids = generate(module, prompt, new_tokens, feed.seq_len)[len(prompt):]
+        answer = ids[:ids.index(tok.eod)] if tok.eod in ids else ids
+    return {"source": tok.decode(source.tolist()), "answer": tok.decode(answer),
+            "target": tok.decode(target.tolist())}
 
 
 def stdlib_files() -> list[str]:

@@ -42,3 +42,30 @@ def generate(module: nn.Module, prompt: list[int], new_tokens: int, seq_len: int
     finally:
         module.train(was_training)
     return ids
+
+
+def translate(module: nn.Module, source: torch.Tensor, new_tokens: int, stop: int) -> list[int]:
+    """An encoder-decoder's greedy answer to `source` (1, T) (a transformers
+    model wrapped in `HFLoss`, which masks the source's padding): up to
+    `new_tokens` tokens, ending before `stop`."""
+    model = module.model  # type: ignore[union-attr]
+    start = model.config.decoder_start_token_id
+    start = model.config.pad_token_id if start is None else start
+    out: list[int] = []
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            mask = module.attention_mask(source)  # type: ignore[operator]
+            encoded = model.get_encoder()(input_ids=source, attention_mask=mask)
+            for _ in range(new_tokens):
+                decoder_ids = torch.tensor([[start, *out]], dtype=torch.long)
+                logits = model(encoder_outputs=encoded, attention_mask=mask,
+                               decoder_input_ids=decoder_ids).logits
+                token = int(logits[0, -1].argmax())
+                if token == stop:
+                    break
+                out.append(token)
+    finally:
+        module.train(was_training)
+    return out

@@ -98,20 +98,29 @@ class HFLoss(nn.Module):
     """A transformers model whose forward returns its loss. An encoder-decoder
     (`masked`: its config's `is_encoder_decoder`, so not the speech models
     trained as one, whose mask places audio) is given its encoder's attention
-    mask, every token kept, as a real batch comes with one: under export,
-    T5's kind (LongT5) makes none of its own and fails without it."""
+    mask, as a real batch comes with one: under export, T5's kind (LongT5)
+    makes none of its own and fails without it. The mask keeps every token,
+    or with `pad_id` (paired data, `data/pairs.py`) every token but the
+    source's padding."""
 
-    def __init__(self, model: nn.Module, masked: bool = False):
+    def __init__(self, model: nn.Module, masked: bool = False, pad_id: int = -1):
         super().__init__()
         self.model = model
         self.masked = masked
+        self.pad_id = pad_id
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's own loss of predicting `labels` from `input_ids`."""
         if self.masked:
             return self.model(input_ids=input_ids, labels=labels,
-                              attention_mask=torch.ones_like(input_ids)).loss
+                              attention_mask=self.attention_mask(input_ids)).loss
         return self.model(input_ids=input_ids, labels=labels).loss
+
+    def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """1 where the encoder attends: every token but padding."""
+        if self.pad_id < 0:
+            return torch.ones_like(input_ids)
+        return (input_ids != self.pad_id).to(input_ids.dtype)
 
 
 def sizes() -> tuple[str, ...]:
@@ -454,7 +463,8 @@ def build_hf(cfg) -> nn.Module:
         raise
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
         raise _unbuildable(cfg, e) from None
-    return HFLoss(model, masked=bool(getattr(conf, "is_encoder_decoder", False))).train()
+    return HFLoss(model, masked=bool(getattr(conf, "is_encoder_decoder", False)),
+                  pad_id=cfg.pad_id).train()
 
 
 def _check_size(cfg, model: nn.Module) -> None:

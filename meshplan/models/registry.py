@@ -57,6 +57,7 @@ class ModelConfig:
     top_k: int = 0  # moe: experts each token takes
     capacity_factor: float | None = None  # moe: None = dropless (models/moe.py)
     source: str = ""  # hf: a `save_pretrained` directory whose config.json is the model's
+    pad_id: int = -1  # hf encoder-decoder on pairs: the id sources are padded with, -1: none
 
 
 def _transformer(model: str, layers: int, heads: int, hidden: int,
@@ -158,13 +159,14 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
 def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
     given = {k: v for k, v in overrides.items() if v is not None}
     source = given.pop("source", "")
+    pad = {"pad_id": given.pop("pad_id")} if "pad_id" in given else {}  # set by the data
     if source:
-        return ModelConfig(**hf.saved_fields(source, model, size, given))
+        return ModelConfig(**hf.saved_fields(source, model, size, given), **pad)
     bad = sorted(set(given) - _GPT_KEYS)
     if bad:
         raise ConfigError(f"{model}: override {bad[0]!r} does not apply; use only "
                           f"{_choices(sorted(_GPT_KEYS))}")
-    cfg = ModelConfig(model, **(hf.preset(model.removeprefix(hf.PREFIX), size) | given))
+    cfg = ModelConfig(model, **(hf.preset(model.removeprefix(hf.PREFIX), size) | given | pad))
     validate(cfg)
     hf.hf_config(cfg)  # an unknown model_type, or no transformers: one line now
     return cfg

@@ -10,83 +10,21 @@ being the bytes and eod.
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
-from meshplan.autodiff import OptimizerConfig
-from meshplan.cli.main import main
 from meshplan.data.feed import FeedReader, Layout, TokenFeed
-from meshplan.driver.metrics import read_metrics
-from meshplan.driver.reference import eager_eval, eager_train
-from meshplan.driver.same_masks import SameMasks
 from meshplan.driver.train_model import sized_config
-from meshplan.ir.lr_schedule import LrSchedule
 from meshplan.models import build_model
 from tests.token_data import prepare, stdlib_sources
-
-STEPS, GBS, MBS = 6, 8, 2
-RUN = ["--steps", str(STEPS), "--global-batch-size", str(GBS), "--micro-batch-size", str(MBS),
-       "--optimizer", "adamw", "--lr", "3e-3", "--lr-schedule", "cosine", "--warmup-steps", "2",
-       "--min-lr", "0", "--clip-grad-norm", "1.0", "--eval-every", "3", "--eval-batches", "2",
-       "--vpp", "1", "--json"]
+from tests.train_compare import train_and_compare
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return prepare(tmp_path_factory.mktemp("masked") / "data", stdlib_sources(4)[1:],
                    "--val-fraction", "0.3")
-
-
-def train_and_compare(data: str, out: Path, model: list[str], layout: Layout, dp: int,
-                      capsys, stray: int = 0) -> dict:
-    """Train from the command line, then eagerly from the same weights on
-    the same feed, in the run's micro-batches; returns the run's summary.
-    Every parameter element within 1e-5 of eager's, but for at most `stray`
-    of them, within 1e-4."""
-    m = GBS // (MBS * dp)
-    assert main(["-q", "train", *model, "--size", "tiny", "--data", data, "--out", str(out),
-                 *RUN]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    name = model[1] if model[0] == "--model" else f"hf:{model[1]}"
-    cfg = sized_config(name, "tiny", data, {})
-    masks = layout in (Layout.MASKED, Layout.DENOISE)
-    assert cfg.vocab == 257 + masks  # the bytes, eod and (masking) the mask token
-    torch.manual_seed(0)
-    module = build_model(cfg)
-    feed = TokenFeed(data, "train", cfg.seq_len, 0, layout, mask_id=257 if masks else -1)
-    val = FeedReader(replace(feed, split="validation", shuffle=False), GBS, m)
-    reader = FeedReader(feed, GBS, m)
-    opt = OptimizerConfig.of("adamw", 3e-3, max_grad_norm=1.0,
-                             lr_schedule=LrSchedule("cosine", 2, None, 0.0, STEPS))
-    evals = {0: eager_eval(module, [val.batch(b) for b in range(2)], m)}
-
-    def evaluate(k: int) -> None:
-        if k % 3 == 0:
-            evals[k] = eager_eval(module, [val.batch(b) for b in range(2)], m)
-
-    ref = eager_train(module, [reader.batch(k) for k in range(STEPS)], m, opt,
-                      after_step=evaluate, masks=SameMasks(0))
-    rows = read_metrics(out / "metrics.jsonl")
-    mine = [r["loss"] for r in rows if r["kind"] == "train"]
-    assert len(mine) == STEPS and max(abs(a - b) for a, b in zip(mine, ref.losses)) < 1e-5
-    got = {r["step"]: r["eval_loss"] for r in rows if r["kind"] == "eval"}
-    assert got.keys() == evals.keys() and max(abs(got[k] - evals[k]) for k in evals) < 1e-5
-    assert ref.losses[-1] < ref.losses[0]
-    from safetensors.torch import load_file
-
-    weights = load_file(str(out / "model.safetensors"))
-    state = {k: t for k, t in module.state_dict().items() if k in weights}
-    assert state
-    off = sum(int((~torch.isclose(weights[k], t, atol=1e-5, rtol=1e-5)).sum())
-              for k, t in state.items())
-    assert off <= stray
-    for key, t in state.items():
-        assert torch.allclose(weights[key], t, atol=1e-4, rtol=1e-5), key
-    return summary
 
 
 @pytest.mark.slow
@@ -129,7 +67,7 @@ def test_a_tokenizers_own_mask_token_is_the_one_written(data, tmp_path):
     the model's vocabulary is the tokenizer's, and that token is masked in."""
     transformers = pytest.importorskip("transformers")
     from meshplan.data.tokenizer import BPETokenizer
-    from meshplan.driver.train_model import mask_id
+    from meshplan.driver.train_model import written_id
 
     sources = stdlib_sources(4)[1:]
     texts = [Path(f).read_text() for f in sources]
@@ -140,14 +78,14 @@ def test_a_tokenizers_own_mask_token_is_the_one_written(data, tmp_path):
     d = prepare(tmp_path / "data", sources, "--tokenizer", str(tmp_path / "tok"),
                 "--val-fraction", "0.3")
     assert sized_config("hf:bert", "tiny", d, {}).vocab == len(fast)
-    assert mask_id(d, Layout.MASKED) == fast.mask_token_id
+    assert written_id(d, Layout.MASKED) == fast.mask_token_id
     x, y = FeedReader(TokenFeed(d, "train", 16, 0, Layout.MASKED, mask_id=fast.mask_token_id),
                       8, 1).batch(0)
     written = x == fast.mask_token_id
     assert written.any() and (y[written] >= 0).all()  # written only where labelled
     # the byte data's model embeds its own mask id, one past the data's
     assert sized_config("hf:bert", "tiny", data, {}).vocab == 258
-    assert mask_id(data, Layout.MASKED) == 257 and mask_id(data, Layout.NEXT_TOKEN) == -1
+    assert written_id(data, Layout.MASKED) == 257 and written_id(data, Layout.NEXT_TOKEN) == -1
 
 
 def test_a_saved_masked_lm_needs_data_with_its_mask_token(data, tmp_path):

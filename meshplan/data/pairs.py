@@ -1,0 +1,100 @@
+"""Paired samples: a source and its target (`prepare-data --target-field`:
+a text and its translation, a prompt and its answer) as a model's
+(inputs, labels).
+
+Invariants:
+- Sample `i` of a paired split is pair `i`; a global position reads pair
+  `sample_ids(p)` of the same seeded order as token samples
+  (`data/sampler.py`), so what a rank reads is a pure function of (seed,
+  step, row), the same at any layout.
+- Each row fits `seq_len` by cutting, never by dropping the row: a part
+  cut short keeps its first tokens, and a source keeps its closing eod
+  (the separator a model learns to answer after).
+- `SOURCE_TARGET` (an encoder-decoder): inputs are the source padded with
+  `pad` (the model masks it out of attention), labels the target padded
+  with `IGNORE_INDEX`: [n, seq_len] each.
+- `JOINED` / `JOINED_SHIFTED` (a causal LM): the row is source then target,
+  padded with eod; only the target's tokens are labelled. The source is
+  cut first, to no less than half the row, so every row labels at least
+  one token: a micro-batch never averages its loss over nothing.
+- Reads touch only the pages of the pairs asked for, then release them
+  (`TokenData.release`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from meshplan.data.masking import IGNORE_INDEX
+from meshplan.data.sampler import sample_ids
+from meshplan.data.tokens import TokenData
+
+
+class PairReader:
+    """Reads pairs of one paired split in the order of `seed`: `read`
+    returns each position's (source, target), each with its eod."""
+
+    def __init__(self, data: TokenData, seq_len: int, seed: int, shuffle: bool = True):
+        assert data.pairs is not None, data.data_dir
+        data.check_seq_len(seq_len)
+        self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
+        self.num_samples = data.documents
+        self.rows_read = 0
+        self.last_ids = np.empty(0, dtype=np.int64)  # the ids the last `read` read
+
+    def sample_ids(self, positions) -> np.ndarray:
+        """The pair ids `positions` read."""
+        return sample_ids(positions, self.num_samples, self.seed, self.shuffle)
+
+    def read(self, positions) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The (source, target) int64 arrays of the pairs at `positions`."""
+        ids = self.last_ids = self.sample_ids(positions)
+        out = []
+        for i in ids.tolist():
+            start = int(self.data.ends[i - 1, 1]) if i else 0
+            mid, end = (int(e) for e in self.data.ends[i])
+            row = np.asarray(self.data.tokens[start:end]).astype(np.int64)
+            out.append((row[:mid - start], row[mid - start:]))
+        self.data.release()
+        self.rows_read += len(ids)
+        return out
+
+
+def _cut(ids: np.ndarray, n: int) -> np.ndarray:
+    """`ids` cut to `n` tokens, keeping its last one (its eod)."""
+    return ids if len(ids) <= n else np.concatenate([ids[:n - 1], ids[-1:]])
+
+
+def source_target(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int,
+                  pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An encoder-decoder's (inputs, labels): sources padded with `pad`,
+    targets with `IGNORE_INDEX` (see the module docstring)."""
+    x = np.full((len(pairs), seq_len), pad, dtype=np.int64)
+    y = np.full((len(pairs), seq_len), IGNORE_INDEX, dtype=np.int64)
+    for row, (source, target) in enumerate(pairs):
+        source, target = _cut(source, seq_len), _cut(target, seq_len)
+        x[row, :len(source)] = source
+        y[row, :len(target)] = target
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def joined(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int,
+           shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal LM's (inputs, labels) of source then target, labelled on
+    the target: labels the next tokens, or (`shifted`, a model that shifts
+    them itself) the tokens in place."""
+    budget = seq_len + (not shifted)  # the positions a label can reach
+    s = np.full((len(pairs), seq_len + 1), eod, dtype=np.int64)
+    learn = np.zeros(s.shape, dtype=bool)
+    for row, (source, target) in enumerate(pairs):
+        keep = min(len(source), max(budget - len(target), budget // 2))
+        source = _cut(source, keep)
+        target = target[:budget - len(source)]
+        s[row, :len(source)] = source
+        s[row, len(source):len(source) + len(target)] = target
+        learn[row, len(source):len(source) + len(target)] = True
+    x = s[:, :-1]
+    y = np.where(learn[:, :-1], x, IGNORE_INDEX) if shifted else \
+        np.where(learn[:, 1:], s[:, 1:], IGNORE_INDEX)
+    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
