@@ -291,7 +291,7 @@ def answer_sample(module, feed: TokenFeed, new_tokens: int) -> dict:
     (x, labels), = reader.microbatches(0)
     source, target = reader.reader.read([0])[0]  # type: ignore[union-attr]
     if Layout(feed.layout) is Layout.SOURCE_TARGET:
-        answer = translate(module, x, new_tokens, tok.eod)
+        answer = translate(module, x, min(new_tokens, feed.seq_len), tok.eod)  # its positions
     else:  # the prompt: the source as trained, up to the first labelled position
         first = int((labels[0] >= 0).nonzero()[0])  # JOINED labels the next token: one more
         prompt = x[0, :first + (Layout(feed.layout) is Layout.JOINED)].tolist()

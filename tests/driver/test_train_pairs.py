@@ -114,3 +114,36 @@ def test_a_saved_encoder_decoder_needs_data_with_its_pad_token(data, tmp_path):
     with pytest.raises(ConfigError, match="reads padded sources, and the tokenizer .* has no "
                                           "pad token; prepare the data with the model's own"):
         sized_config("hf:", "tiny", data, {"source": str(tmp_path / "t5")})
+
+
+@pytest.mark.slow
+def test_a_users_module_learns_targets_after_sources(data, tmp_path, monkeypatch):
+    """`--module`: a user's causal LM, whose cross entropy skips -100, reads
+    pairs as the zoo's GPT does, and trains at dp2 as eager does."""
+    from safetensors.torch import load_file
+
+    from meshplan.autodiff import OptimizerConfig
+    from meshplan.cli.main import main
+    from meshplan.driver.reference import eager_train
+    from tests.driver.test_train import MODULE
+
+    (tmp_path / "pair_lm.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["-q", "train", "--module", "pair_lm:build", "--data", data, "--out", str(out),
+                 "--devices-per-node", "2", "--dp", "2", "--tp", "1", "--pp", "1",
+                 "--seq-len", str(SEQ), "--steps", "4", "--global-batch-size", "8",
+                 "--micro-batch-size", "2", "--eval-every", "0", "--optimizer", "sgd", "--lr",
+                 "0.3", "--lr-schedule", "constant", "--warmup-steps", "0", "--clip-grad-norm",
+                 "1.0", "--json"]) == 0
+    import pair_lm
+
+    torch.manual_seed(0)
+    module = pair_lm.build(257)
+    reader = FeedReader(TokenFeed(data, "train", SEQ, 0, Layout.JOINED), 8, 2)
+    ref = eager_train(module, [reader.batch(k) for k in range(4)], 2,
+                      OptimizerConfig.of("sgd", 0.3, max_grad_norm=1.0))
+    weights = load_file(str(out / "model.safetensors"))
+    assert ref.losses[-1] < ref.losses[0]
+    for name, t in module.state_dict().items():
+        assert torch.allclose(weights[name], t, atol=1e-5, rtol=1e-5), name
