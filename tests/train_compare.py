@@ -27,15 +27,16 @@ RUN = ["--steps", str(STEPS), "--global-batch-size", str(GBS), "--micro-batch-si
 
 
 def train_and_compare(data: str, out: Path, model: list[str], layout: Layout, dp: int,
-                      capsys, stray: int = 0, seq_len: int | None = None,
+                      capsys, stray: int = 0, sizes: dict | None = None,
                       optimizer: tuple[str, float] = ("adamw", 3e-3)) -> dict:
     """Train from the command line, then eagerly from the same weights on
     the same feed, in the run's micro-batches, with `optimizer` (its kind
-    and learning rate); returns the run's summary. Every parameter element
-    within 1e-5 of eager's, but for at most `stray` of them, within 1e-4."""
+    and learning rate) and `sizes` (`seq_len`, `target_len`: the flags);
+    returns the run's summary. Every parameter element within 1e-5 of
+    eager's, but for at most `stray` of them, within 1e-4."""
     m = GBS // (MBS * dp)
-    overrides = {} if seq_len is None else {"seq_len": seq_len}
-    length = [] if seq_len is None else ["--seq-len", str(seq_len)]
+    overrides = sizes or {}
+    length = [x for k, v in overrides.items() for x in ("--" + k.replace("_", "-"), str(v))]
     assert main(["-q", "train", *model, "--size", "tiny", "--data", data, "--out", str(out),
                  *length, *RUN, "--optimizer", optimizer[0], "--lr", str(optimizer[1])]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -47,7 +48,8 @@ def train_and_compare(data: str, out: Path, model: list[str], layout: Layout, dp
     module = build_model(cfg)
     feed = TokenFeed(data, "train", cfg.seq_len, 0, layout,
                      mask_id=written if layout in MASKING else -1,
-                     pad_id=written if layout is Layout.SOURCE_TARGET else -1)
+                     pad_id=written if layout is Layout.SOURCE_TARGET else -1,
+                     target_len=cfg.target_len)
     val = FeedReader(replace(feed, split="validation", shuffle=False), GBS, m)
     reader = FeedReader(feed, GBS, m)
     opt = OptimizerConfig.of(optimizer[0], optimizer[1], max_grad_norm=1.0,

@@ -44,6 +44,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    "bert-large, resnet50 (default tiny)")
     for flag in ("layers", "heads", "hidden", "seq-len", "vocab"):
         g.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
+    g.add_argument("--target-len", type=int, default=None, metavar="N",
+                   help="an encoder-decoder (--hf t5, bart, ...): its targets' length, the "
+                   "decoder's (default: --seq-len, the source's)")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the output head shares the token embedding's weight (gpt, --hf)")
     g.add_argument("--experts", type=int, default=None, help="moe: experts per block")
@@ -58,7 +61,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def overrides(a: argparse.Namespace) -> dict:
     keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings", "dropout", "source",
-            "experts", "top_k", "capacity_factor")
+            "experts", "top_k", "capacity_factor", "target_len")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

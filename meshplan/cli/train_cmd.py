@@ -163,7 +163,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     _check_exports(a, lm)
     s = lm.job.strategy
     feed = TokenFeed(data_dir, "train", lm.seq_len, a.seed, lm.layout, mask_id=lm.mask_id,
-                     mask_rate=a.mask_rate, pad_id=lm.pad_id)
+                     mask_rate=a.mask_rate, pad_id=lm.pad_id, target_len=lm.target_len)
     eval_feed = replace(feed, split="validation", shuffle=False)
     if a.eval_every:
         _check_validation(eval_feed, a.eval_batches, s.global_batch_size)

@@ -77,6 +77,7 @@ class TokenFeed:
     mask_id: int = -1  # the id a masking layout writes (the tokenizer's, else vocab_size)
     mask_rate: float = 0.15  # the share of positions a masking layout predicts
     pad_id: int = -1  # the id SOURCE_TARGET pads a source with (the tokenizer's, else vocab_size)
+    target_len: int = 0  # SOURCE_TARGET's labels' length (the model's target_len); 0: seq_len
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,7 +131,8 @@ class FeedReader:
             return token_batch(self.reader.read(positions), self.layout, positions, self.noise)
         pairs = self.reader.read(positions)
         if self.layout is Layout.SOURCE_TARGET:
-            return source_target(pairs, self.feed.seq_len, self.feed.pad_id)
+            return source_target(pairs, self.feed.seq_len, self.feed.pad_id,
+                                 self.feed.target_len)
         return joined(pairs, self.feed.seq_len, self.data.eod,
                       shifted=self.layout is Layout.JOINED_SHIFTED)
 

@@ -11,8 +11,9 @@ Invariants:
   cut short keeps its first tokens, and a source keeps its closing eod
   (the separator a model learns to answer after).
 - `SOURCE_TARGET` (an encoder-decoder): inputs are the source padded with
-  `pad` (the model masks it out of attention), labels the target padded
-  with `IGNORE_INDEX`: [n, seq_len] each.
+  `pad` (the model masks it out of attention) to [n, seq_len], labels the
+  target padded with `IGNORE_INDEX` to [n, target_len] (seq_len unless
+  the model's own).
 - `JOINED` / `JOINED_SHIFTED` (a causal LM): the row is source then target,
   padded with eod; only the target's tokens are labelled. The source is
   cut first, to no less than half the row, so every row labels at least
@@ -66,14 +67,15 @@ def _cut(ids: np.ndarray, n: int) -> np.ndarray:
     return ids if len(ids) <= n else np.concatenate([ids[:n - 1], ids[-1:]])
 
 
-def source_target(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int,
-                  pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def source_target(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int,
+                  target_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """An encoder-decoder's (inputs, labels): sources padded with `pad`,
     targets with `IGNORE_INDEX` (see the module docstring)."""
+    target_len = target_len or seq_len
     x = np.full((len(pairs), seq_len), pad, dtype=np.int64)
-    y = np.full((len(pairs), seq_len), IGNORE_INDEX, dtype=np.int64)
+    y = np.full((len(pairs), target_len), IGNORE_INDEX, dtype=np.int64)
     for row, (source, target) in enumerate(pairs):
-        source, target = _cut(source, seq_len), _cut(target, seq_len)
+        source, target = _cut(source, seq_len), _cut(target, target_len)
         x[row, :len(source)] = source
         y[row, :len(target)] = target
     return torch.from_numpy(x), torch.from_numpy(y)

@@ -65,6 +65,7 @@ class LanguageModel:
     layout: str
     mask_id: int = -1  # the id a masking layout writes (`written_id`)
     pad_id: int = -1  # the id SOURCE_TARGET pads sources with (`written_id`)
+    target_len: int = 0  # an encoder-decoder's labels' length (`ModelConfig`); 0: seq_len
 
 
 def sized_config(model: str, size: str, data_dir: str, overrides: dict):
@@ -102,6 +103,11 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
     if layout is Layout.SOURCE_TARGET:
         cfg = model_config(model, size, **(overrides | {"vocab": cfg.vocab,
                                                         "pad_id": written_id(data_dir, layout)}))
+    elif cfg.target_len and cfg.target_len != cfg.seq_len:
+        raise ConfigError(f"--target-len {cfg.target_len} is the length of an encoder-decoder's "
+                          f"targets on paired data; {data_dir} holds text, whose denoising "
+                          "reconstructs the whole sample: leave --target-len out, or prepare "
+                          "pairs (--target-field)")
     data.check_seq_len(cfg.seq_len)
     return cfg
 
@@ -153,7 +159,7 @@ def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimiz
     written = written_id(data_dir, layout)
     return LanguageModel(cfg.seq_len, build_model(cfg), job, eval_job, layout,
                          written if layout in MASKING else -1,
-                         written if layout is Layout.SOURCE_TARGET else -1)
+                         written if layout is Layout.SOURCE_TARGET else -1, cfg.target_len)
 
 
 def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer,
@@ -291,7 +297,8 @@ def answer_sample(module, feed: TokenFeed, new_tokens: int) -> dict:
     (x, labels), = reader.microbatches(0)
     source, target = reader.reader.read([0])[0]  # type: ignore[union-attr]
     if Layout(feed.layout) is Layout.SOURCE_TARGET:
-        answer = translate(module, x, min(new_tokens, feed.seq_len), tok.eod)  # its positions
+        longest = feed.target_len or feed.seq_len  # the decoder's positions
+        answer = translate(module, x, min(new_tokens, longest), tok.eod)
     else:  # the prompt: the source as trained, up to the first labelled position
         first = int((labels[0] >= 0).nonzero()[0])  # JOINED labels the next token: one more
         prompt = x[0, :first + (Layout(feed.layout) is Layout.JOINED)].tolist()

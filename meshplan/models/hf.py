@@ -205,16 +205,19 @@ def saved_fields(path: str, model: str, size: str, given: dict) -> dict:
     longest = next((conf[n] for n in _POSITIONS if isinstance(conf.get(n), int)), None)
     seq_len = given.get("seq_len") or preset(conf["model_type"], size)["seq_len"]
     if longest is not None:
-        if "seq_len" in given and given["seq_len"] > longest:
-            raise ConfigError(f"--seq-len {given['seq_len']} is longer than the saved model's "
-                              f"{longest} positions; give --seq-len {longest} or less")
+        for key in ("seq_len", "target_len"):
+            if given.get(key, 0) > longest:
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(f"{flag} {given[key]} is longer than the saved model's "
+                                  f"{longest} positions; give {flag} {longest} or less")
         seq_len = min(seq_len, longest)
     tied = bool(conf.get("tie_word_embeddings", _tied_by_default(conf["model_type"])))
     if given.get("tie_embeddings", tied) != tied:
         raise ConfigError(f"--tie-embeddings differs from the saved model's "
                           f"tie_word_embeddings {tied}; leave it out")
     return {"model": kind, "seq_len": seq_len, "tie_embeddings": tied,
-            "source": str(Path(path).resolve()), **sizes}
+            "source": str(Path(path).resolve()), "target_len": given.get("target_len", 0),
+            **sizes}
 
 
 def hf_config(cfg):
@@ -251,7 +254,8 @@ def _fields(probe, cfg) -> dict:
     for names, value in ((("num_hidden_layers", "n_layer"), cfg.layers),
                          (("num_attention_heads", "n_head"), cfg.heads),
                          (("hidden_size", "n_embd"), cfg.hidden),
-                         (("max_position_embeddings", "n_positions"), cfg.seq_len),
+                         (("max_position_embeddings", "n_positions"),
+                          max(cfg.seq_len, cfg.target_len)),
                          (("vocab_size",), cfg.vocab)):
         name = next((n for n in names if hasattr(probe, n)), names[0])
         # under the field's own name: an alias is set after __post_init__ derives from it
@@ -494,7 +498,8 @@ def attention_of(cfg) -> str:
 def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels): next-token data for a causal LM; masked tokens
     (15%, id 0) for a masked LM, labelled only where masked, and for an
-    encoder-decoder, which reconstructs the whole sequence."""
+    encoder-decoder, which reconstructs the whole sequence (with a
+    `target_len` of its own, learns random tokens of that length)."""
     ids = torch.randint(1, cfg.vocab, (batch_size, cfg.seq_len), generator=gen)
     task = task_of(cfg)
     if task == CAUSAL:
@@ -502,4 +507,6 @@ def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, 
     mask = torch.rand(batch_size, cfg.seq_len, generator=gen) < 0.15
     mask[:, 0] = True  # every row predicts at least one token
     masked = torch.where(mask, torch.zeros_like(ids), ids)
+    if task == SEQ2SEQ and cfg.target_len:
+        return masked, torch.randint(1, cfg.vocab, (batch_size, cfg.target_len), generator=gen)
     return masked, ids.clone() if task == SEQ2SEQ else torch.where(mask, ids, -100)

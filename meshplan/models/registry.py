@@ -58,6 +58,7 @@ class ModelConfig:
     capacity_factor: float | None = None  # moe: None = dropless (models/moe.py)
     source: str = ""  # hf: a `save_pretrained` directory whose config.json is the model's
     pad_id: int = -1  # hf encoder-decoder on pairs: the id sources are padded with, -1: none
+    target_len: int = 0  # hf encoder-decoder: its labels' length (the decoder's); 0: seq_len
 
 
 def _transformer(model: str, layers: int, heads: int, hidden: int,
@@ -114,6 +115,7 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
 _TRANSFORMER_KEYS = frozenset({"layers", "heads", "hidden", "seq_len", "vocab", "dropout"})
 _RESNET_KEYS = frozenset({"hidden", "width", "image_size", "num_classes", "blocks"})
 _GPT_KEYS = _TRANSFORMER_KEYS | {"tie_embeddings"}
+_HF_KEYS = _GPT_KEYS | {"target_len"}
 _MOE_KEYS = (_TRANSFORMER_KEYS - {"dropout"}) | {"experts", "top_k", "capacity_factor"}
 _ALLOWED = {"gpt": _GPT_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS,
             "moe": _MOE_KEYS}
@@ -161,14 +163,18 @@ def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
     source = given.pop("source", "")
     pad = {"pad_id": given.pop("pad_id")} if "pad_id" in given else {}  # set by the data
     if source:
-        return ModelConfig(**hf.saved_fields(source, model, size, given), **pad)
-    bad = sorted(set(given) - _GPT_KEYS)
-    if bad:
-        raise ConfigError(f"{model}: override {bad[0]!r} does not apply; use only "
-                          f"{_choices(sorted(_GPT_KEYS))}")
-    cfg = ModelConfig(model, **(hf.preset(model.removeprefix(hf.PREFIX), size) | given | pad))
-    validate(cfg)
-    hf.hf_config(cfg)  # an unknown model_type, or no transformers: one line now
+        cfg = ModelConfig(**hf.saved_fields(source, model, size, given), **pad)
+    else:
+        bad = sorted(set(given) - _HF_KEYS)
+        if bad:
+            raise ConfigError(f"{model}: override {bad[0]!r} does not apply; use only "
+                              f"{_choices(sorted(_HF_KEYS))}")
+        cfg = ModelConfig(model, **(hf.preset(model.removeprefix(hf.PREFIX), size) | given | pad))
+        validate(cfg)
+        hf.hf_config(cfg)  # an unknown model_type, or no transformers: one line now
+    if cfg.target_len and hf.task_of(cfg) != hf.SEQ2SEQ:
+        raise ConfigError(f"--target-len sets an encoder-decoder's target length; {cfg.model} "
+                          "is not one (its labels are as long as its inputs): leave it out")
     return cfg
 
 
@@ -211,6 +217,9 @@ def validate(cfg: ModelConfig) -> None:
         raise ConfigError(f"bert: vocab={cfg.vocab} is too small; use vocab >= 2")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"{cfg.model}: dropout={cfg.dropout} must be in [0, 1)")
+    if not isinstance(cfg.target_len, int) or cfg.target_len < 0:
+        raise ConfigError(f"{cfg.model}: target_len={cfg.target_len!r} must be a positive "
+                          "integer (--target-len)")
     if cfg.model == "moe":
         _validate_moe(cfg)
 
@@ -304,7 +313,7 @@ def batch_spec(
         size = cfg.image_size
         return ((batch_size, 3, size, size), torch.float32), ((batch_size,), torch.long)
     shape = (batch_size, cfg.seq_len)
-    return (shape, torch.long), (shape, torch.long)
+    return (shape, torch.long), ((batch_size, cfg.target_len or cfg.seq_len), torch.long)
 
 
 def layer_pattern(cfg: ModelConfig) -> str:
@@ -328,4 +337,4 @@ def active_param_count(cfg: ModelConfig, model: nn.Module) -> int | None:
 
 
 # Guard against a field rename drifting away from the override tables.
-assert _GPT_KEYS | _RESNET_KEYS | _MOE_KEYS <= {f.name for f in fields(ModelConfig)}
+assert _HF_KEYS | _RESNET_KEYS | _MOE_KEYS <= {f.name for f in fields(ModelConfig)}

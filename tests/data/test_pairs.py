@@ -64,6 +64,9 @@ def test_an_encoder_decoders_rows_are_cut_and_padded():
     assert y[0].tolist() == [120] * 7 + [EOD]  # cut, its eod kept
     assert x[1].tolist() == [120] * 7 + [EOD]
     assert y[1].tolist() == [99, EOD] + [IGNORE_INDEX] * 6
+    # targets of a length of their own (an encoder-decoder's --target-len)
+    x, y = source_target([pair("ab", long)], 8, PAD, target_len=4)
+    assert x.shape == (1, 8) and y[0].tolist() == [120] * 3 + [EOD]
 
 
 def test_a_causal_lms_rows_label_the_target_only():

@@ -67,7 +67,8 @@ def test_t5_at_dp2_learns_targets_as_eager(data, tmp_path, capsys):
     pytest.importorskip("transformers")
     s = train_and_compare(data, tmp_path / "run", ["--hf", "t5", "--devices-per-node", "2",
                                                    "--dp", "2", "--tp", "1", "--pp", "1"],
-                          Layout.SOURCE_TARGET, 2, capsys, seq_len=SEQ, optimizer=SGD)
+                          Layout.SOURCE_TARGET, 2, capsys, optimizer=SGD,
+                          sizes={"seq_len": SEQ, "target_len": 16})
     answer = s["answer"]  # the summary's sample: a validation source, answered
     assert answer["source"] and answer["target"] and isinstance(answer["answer"], str)
 
@@ -83,7 +84,7 @@ def test_a_causal_lm_learns_targets_after_sources_as_eager(data, tmp_path, capsy
         pytest.importorskip("transformers")
     dp = 2 if "--dp" in flags else 1
     s = train_and_compare(data, tmp_path / "run", [*model, "--devices-per-node", "2", *flags],
-                          layout, dp, capsys, seq_len=SEQ, optimizer=SGD)
+                          layout, dp, capsys, sizes={"seq_len": SEQ}, optimizer=SGD)
     assert set(s["answer"]) == {"source", "answer", "target"}
 
 
@@ -147,3 +148,17 @@ def test_a_users_module_learns_targets_after_sources(data, tmp_path, monkeypatch
     assert ref.losses[-1] < ref.losses[0]
     for name, t in module.state_dict().items():
         assert torch.allclose(weights[name], t, atol=1e-5, rtol=1e-5), name
+
+
+def test_a_target_length_of_its_own_is_an_encoder_decoders_on_pairs(data, tmp_path):
+    pytest.importorskip("transformers")
+    from meshplan.errors import ConfigError
+    from tests.token_data import stdlib_sources
+
+    assert sized_config("hf:t5", "tiny", data, {"target_len": 12}).target_len == 12
+    with pytest.raises(ConfigError, match="hf:gpt2 is not one .* leave it out"):
+        sized_config("hf:gpt2", "tiny", data, {"target_len": 12})
+    text = prepare(tmp_path / "text", stdlib_sources(2))
+    with pytest.raises(ConfigError, match="holds text, whose denoising reconstructs the whole "
+                                          "sample: leave --target-len out"):
+        sized_config("hf:t5", "tiny", text, {"target_len": 12})
