@@ -5,7 +5,10 @@ one rank or at a layout, judged against eager `torch.autocast`
 
 Each type runs in its own process, as a user runs it. Writes
 `benchmarks/results/bf16_sweep[_LAYOUT].json` and `.md`: per type EQUAL,
-MISMATCH (the tensors named) or ERROR (the error's line).
+MISMATCH (the tensors named), REFUSED (meshplan's one line, exit 2: a
+user's mistake or an unsupported layout) or ERROR (anything else: its
+last line). Types named on the command line replace their rows of the
+results already there; no types: every tested type, the files anew.
 
     python benchmarks/bf16_sweep.py [--layout tp2|dp2pp2|...] [TYPE ...]
 """
@@ -38,19 +41,23 @@ def verdict(model_type: str, layout: tuple[str, ...], cache: str) -> dict:
         d = json.loads(run.stdout)
     except json.JSONDecodeError:
         lines = run.stderr.strip().splitlines()
-        return {"type": model_type, "result": "ERROR", "detail": lines[-1] if lines else ""}
+        return {"type": model_type, "result": "REFUSED" if run.returncode == 2 else "ERROR",
+                "detail": lines[-1] if lines else ""}
     return {"type": model_type, "result": "EQUAL" if d["ok"] else "MISMATCH",
             "max_abs_diff": d["max_abs_diff"], "detail": "; ".join(d["problems"][:2])}
 
 
-def main(types: list[str], layout: str) -> None:
+def main(types: list[str], layout: str, update: bool) -> None:
     args = (*ARGS, *LAYOUTS[layout])
     name = "bf16_sweep" if layout == "1" else f"bf16_sweep_{layout}"
+    old = RESULTS / f"{name}.json"
+    rows = json.loads(old.read_text()) if update and old.exists() else []
     with tempfile.TemporaryDirectory() as cache:
-        rows = []
         for t in types:
-            rows.append(verdict(t, LAYOUTS[layout], cache))
-            print(rows[-1]["result"], t, rows[-1].get("detail", "")[:120], flush=True)
+            row = verdict(t, LAYOUTS[layout], cache)
+            at = next((i for i, r in enumerate(rows) if r["type"] == t), len(rows))
+            rows[at:at + 1] = [row]
+            print(row["result"], t, row.get("detail", "")[:120], flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     equal = sum(r["result"] == "EQUAL" for r in rows)
@@ -70,4 +77,4 @@ if __name__ == "__main__":
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="1")
     ap.add_argument("types", nargs="*")
     a = ap.parse_args()
-    main(a.types or list(TESTED), a.layout)
+    main(a.types or list(TESTED), a.layout, update=bool(a.types))
