@@ -29,8 +29,8 @@ Invariants:
 - A `.bin` whose size disagrees with `index.json` is refused on opening, so
   every later read is in bounds.
 - `longest_document` counts a document's tokens with its eod.
-- A paired split's `.idx` is memory-mapped and checked against the index
-  as the `.bin` is; its ends rise and the last is the split's tokens.
+- A paired split's `.idx` is memory-mapped, its size checked against the
+  index as the `.bin`'s is, and its last end against the split's tokens.
 - `TokenWriter` appends one document (or pair) at a time: no list of all tokens.
 """
 
