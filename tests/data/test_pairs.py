@@ -175,3 +175,18 @@ def test_prepare_data_takes_pairs_from_the_command_line(rows, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pairs" in out and "source 'text', target 'target'" in out
     assert TokenData(tmp_path / "o").pairs == {"source": "text", "target": "target"}
+
+
+def test_pairs_from_a_local_hf_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"en": ["one", "two", "", "four"], "fr": ["un", "", "x", "quatre"]}
+                               ).save_to_disk(str(tmp_path / "ds"))
+    prepare_data([], str(tmp_path / "o"), text_field="en", target_field="fr",
+                 hf_dataset=str(tmp_path / "ds"), val_fraction=0)
+    d = TokenData(tmp_path / "o")
+    read = PairReader(d, 16, 0, shuffle=False).read(np.arange(d.documents))
+    assert [(bytes(s[:-1].tolist()), bytes(t[:-1].tolist())) for s, t in read] == \
+        [(b"one", b"un"), (b"", b"x"), (b"four", b"quatre")]  # an empty target: skipped
+    with pytest.raises(ConfigError, match="no column 'de' .* --target-field"):
+        prepare_data([], str(tmp_path / "p"), text_field="en", target_field="de",
+                     hf_dataset=str(tmp_path / "ds"))
