@@ -274,15 +274,15 @@ def fill_sample(module, feed: TokenFeed) -> dict:
     finally:
         module.train(was_training)
     guess, original, chosen = logits.argmax(-1)[0], original[0], chosen[0]
+    shown = torch.where(chosen, guess, original).tolist()
     text: list[str] = []
-    run: list[int] = []
-    for t, g, c in zip(original.tolist(), guess.tolist(), chosen.tolist()):
-        if c:
-            text += [tok.decode(run), f"[{tok.decode([g])}]"]
-            run = []
-        else:
-            run.append(t)
-    text.append(tok.decode(run))
+    done = ""
+    for i, c in enumerate(chosen.tolist()):  # each token's piece of the decoded whole, so a
+        upto = tok.decode(shown[:i + 1])  # word piece (WordPiece's ##ing) joins its word
+        piece, done = upto[len(done):], upto
+        piece = piece.removeprefix("##") if i == 0 else piece  # a sample can start mid-word
+        word = piece.lstrip()
+        text.append(f"{piece[:len(piece) - len(word)]}[{word}]" if c else piece)
     return {"text": "".join(text), "right": int((guess == original)[chosen].sum()),
             "masked": int(chosen.sum())}
 

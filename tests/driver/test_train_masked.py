@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshplan.data.feed import FeedReader, Layout, TokenFeed
 from meshplan.driver.train_model import sized_config
@@ -111,3 +112,33 @@ def test_the_vocabulary_a_masked_model_needs_is_named(data):
     with pytest.raises(ConfigError, match=r"--vocab 258 differs .* \(257 tokens, its "
                                           r"tokenizer's\); leave"):
         sized_config("gpt", "tiny", data, {"vocab": 258})  # no mask token for a causal LM
+
+
+def test_a_word_piece_guess_joins_its_word(tmp_path):
+    """The fill sample decodes the sample whole, each token's piece of it:
+    WordPiece's `##ing` shows as `ing`, and a guess keeps its word's space."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from meshplan.driver.train_model import fill_sample
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[SEP]": 2, "[MASK]": 3, "the": 4, "walk": 5, "##ing": 6,
+             "dog": 7, "is": 8}
+    wp = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wp.pre_tokenizer, wp.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=wp, sep_token="[SEP]", mask_token="[MASK]", unk_token="[UNK]",
+        pad_token="[PAD]").save_pretrained(tmp_path / "tok")
+    for name in ("a", "b"):  # a document each split
+        (tmp_path / f"{name}.txt").write_text("the dog is walking " * 40)
+    d = prepare(tmp_path / "data", [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+                "--tokenizer", str(tmp_path / "tok"), "--val-fraction", "0.5")
+
+    class Guesses(torch.nn.Module):  # guesses ##ing everywhere
+        def logits(self, x):
+            return torch.nn.functional.one_hot(torch.full_like(x, 6), 9).float()
+
+    feed = TokenFeed(d, "train", 16, 0, Layout.MASKED, mask_id=3, mask_rate=0.5)
+    fill = fill_sample(Guesses(), feed)
+    assert "##" not in fill["text"] and fill["text"].count("[ing]") == fill["masked"] >= 1
+    assert " [ing]" in fill["text"] or fill["text"].startswith("[ing]")
