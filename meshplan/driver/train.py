@@ -307,15 +307,18 @@ def _restart_point(error: RuntimeFault, out: str, attempt: int, max_restarts: in
 def trained_weights(job: Job, slices, initial: dict[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `job`, whole, from the ranks' final
-    slices, under each of its names (a tied weight's aliases too); a buffer
-    no rank holds (no op reads it) keeps its `initial` value."""
+    slices, under each of its names (a tied weight's aliases too); one no
+    rank holds because no op of the step reads it (a buffer, or a pooler's
+    or another tower's weight that a text-only loss never uses: it gets no
+    gradient, and torch's optimizers skip it) keeps its `initial` value."""
     g = job.graph
     values = [g.values[i] for i in g.inputs if g.values[i].role in (Role.PARAM, Role.BUFFER)]
     got = assemble(slices, {v.name: tuple(v.meta.shape) for v in values})
     full = dict(got.tensors)
+    read = g.consumers()
     for v in values:
         if v.name in got.uncovered:
-            if v.role is Role.PARAM or v.name in got.tensors:
+            if v.name in got.tensors or (v.role is Role.PARAM and v.id in read):
                 raise RuntimeFault(f"the ranks' final state leaves out part of '{v.name}'; "
                                    "this is meshplan's fault: report it")
             full[v.name] = initial[v.name].detach().clone()

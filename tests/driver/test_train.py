@@ -227,3 +227,40 @@ def test_tokens_as_steps_cover_them(tokens, gbs, seq_len, steps):
 
     assert tokens_to_steps(tokens, gbs, seq_len) == steps
     assert steps * gbs * seq_len >= tokens > (steps - 1) * gbs * seq_len or steps == 1
+
+
+@pytest.mark.slow
+def test_a_parameter_the_loss_never_reads_keeps_its_start(tmp_path, monkeypatch):
+    """A weight no op of the step reads (a pooler, another modality's tower)
+    is held by no rank; the run's weights keep it as it started, as eager's
+    optimizer, which skips a parameter without a gradient, does."""
+    from safetensors.torch import load_file
+
+    from tests.token_data import prepare, stdlib_sources
+
+    data = prepare(tmp_path / "data", stdlib_sources(3), "--val-fraction", "0.4")
+    (tmp_path / "pooled_lm.py").write_text(MODULE + '''
+
+class Pooled(TinyLM):
+    def __init__(self, vocab_size):
+        super().__init__(vocab_size)
+        self.pooler = nn.Linear(32, 32)  # never called by forward
+
+
+def build_pooled(vocab_size):
+    return Pooled(vocab_size)
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    assert main(["-q", "train", "--module", "pooled_lm:build_pooled", "--data", data, "--out",
+                 str(out), "--devices-per-node", "2", "--dp", "2", "--tp", "1", "--pp", "1",
+                 "--seq-len", "32", "--steps", "2", "--eval-every", "0", "--optimizer",
+                 "adamw", "--lr", "0.01", "--lr-schedule", "constant", "--warmup-steps", "0",
+                 "--json"]) == 0
+    import pooled_lm
+
+    torch.manual_seed(0)
+    start = pooled_lm.build_pooled(257)
+    weights = load_file(str(out / "model.safetensors"))
+    assert torch.equal(weights["pooler.weight"], start.pooler.weight.detach())
+    assert not torch.equal(weights["head.weight"], start.head.weight.detach())  # trained
