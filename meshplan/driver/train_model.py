@@ -42,7 +42,7 @@ from meshplan.errors import ConfigError
 from meshplan.ir.fileio import write_torch
 from meshplan.models import build_model, model_config
 from meshplan.models.generate import generate, translate
-from meshplan.models.hf import CAUSAL, MASKED, PREFIX, SEQ2SEQ, HFLoss, task_of
+from meshplan.models.hf import CAUSAL, MASKED, PREFIX, SEQ2SEQ, HFLoss, encoder_decoder, task_of
 from meshplan.passes.plan import PASSES, Compilation, plan_forward
 
 _ZOO_LAYOUTS = {"gpt": Layout.NEXT_TOKEN, "moe": Layout.NEXT_TOKEN, "bert": Layout.MASKED}
@@ -124,10 +124,13 @@ def _check_vocab(given: int | None, data_vocab: int, data_dir: str, extra: str) 
 def layout_of(model: str, cfg, data_dir: str | None = None) -> Layout:
     """How the samples of `data_dir` feed `model` (`data/feed.Layout`): by
     its task, and whether the data is text or pairs (a masked LM on pairs:
-    one line)."""
+    one line; a sequence-to-sequence type that decodes one stream, a speech
+    model's, reads a pair as a causal LM does)."""
     text = _ZOO_LAYOUTS.get(model) or _TASK_LAYOUTS[task_of(cfg)]
     if data_dir is None or "pairs" not in read_index(data_dir):
         return text
+    if text is Layout.DENOISE and not encoder_decoder(cfg):
+        return Layout.JOINED_SHIFTED
     if text not in _ON_PAIRS:
         raise ConfigError(f"{data_dir} holds pairs (source, target), and {model} is a masked "
                           "LM, which learns from text; prepare the data without "

@@ -467,8 +467,15 @@ def build_hf(cfg) -> nn.Module:
         raise
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
         raise _unbuildable(cfg, e) from None
-    return HFLoss(model, masked=bool(getattr(conf, "is_encoder_decoder", False)),
-                  pad_id=cfg.pad_id).train()
+    return HFLoss(model, masked=encoder_decoder(cfg), pad_id=cfg.pad_id).train()
+
+
+def encoder_decoder(cfg) -> bool:
+    """Whether `cfg`'s model encodes its inputs and decodes its labels (its
+    config's `is_encoder_decoder`): T5, BART, ..., not the speech models that
+    transformers lists as sequence-to-sequence, which decode one stream of
+    input ids (audio placed among them) and take labels aligned to it."""
+    return bool(getattr(hf_config(cfg), "is_encoder_decoder", False))
 
 
 def _check_size(cfg, model: nn.Module) -> None:

@@ -172,7 +172,7 @@ def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
         cfg = ModelConfig(model, **(hf.preset(model.removeprefix(hf.PREFIX), size) | given | pad))
         validate(cfg)
         hf.hf_config(cfg)  # an unknown model_type, or no transformers: one line now
-    if cfg.target_len and hf.task_of(cfg) != hf.SEQ2SEQ:
+    if cfg.target_len and not hf.encoder_decoder(cfg):
         raise ConfigError(f"--target-len sets an encoder-decoder's target length; {cfg.model} "
                           "is not one (its labels are as long as its inputs): leave it out")
     return cfg
