@@ -284,10 +284,15 @@ def fill_sample(module, feed: TokenFeed) -> dict:
         upto = tok.decode(shown[:i + 1])  # word piece (WordPiece's ##ing) joins its word
         piece, done = upto[len(done):], upto
         piece = piece.removeprefix("##") if i == 0 else piece  # a sample can start mid-word
-        word = piece.lstrip()
-        text.append(f"{piece[:len(piece) - len(word)]}[{word}]" if c else piece)
+        word = piece.lstrip() or _unwritten(shown[i], tok.eod, feed.mask_id) if c else ""
+        text.append(f"{piece[:len(piece) - len(piece.lstrip())]}[{word}]" if c else piece)
     return {"text": "".join(text), "right": int((guess == original)[chosen].sum()),
             "masked": int(chosen.sum())}
+
+
+def _unwritten(token: int, eod: int, mask: int) -> str:
+    """What a guess the tokenizer decodes to nothing shows as."""
+    return {eod: "<eod>", mask: "<mask>"}.get(token, f"<{token}>")
 
 
 def answer_sample(module, feed: TokenFeed, new_tokens: int) -> dict:
