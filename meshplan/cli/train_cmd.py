@@ -48,6 +48,7 @@ from meshplan.driver.train_model import (
     answer_sample,
     fill_sample,
     language_model,
+    pair_cuts,
     sample_text,
     sized_config,
     stdlib_files,
@@ -254,6 +255,8 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                "tokens_per_s": median([m["tokens_per_s"] for m in r.metrics] or [0.0]),
                "mfu_of": peak_capacity(a.device, lm.job.mesh.world, a.threads)[1],
                "mfu": median([m["mfu"] for m in r.metrics] or [0.0]), "exports": exports}
+    if Layout(feed.layout) in PAIRED:
+        summary["cut"] = pair_cuts(feed)
     if a.sample_tokens and Layout(feed.layout) in PAIRED and _can_generate(lm.module):
         summary["answer"] = answer_sample(lm.module, feed, a.sample_tokens)
     elif a.sample_tokens and feed.mask_id >= 0:
@@ -298,6 +301,12 @@ def print_summary(s: dict) -> None:
     if "sample" in s:
         print("sample (prompt, then the model's continuation):")
         print(s["sample"]["prompt"] + "\u2502" + s["sample"]["continuation"])
+    if "cut" in s:
+        c = s["cut"]
+        print("pairs cut to fit a row: " + (
+            f"{c['pairs']:.1%} (source and target longer than the row)" if "pairs" in c else
+            f"{c['sources']:.1%} of sources (--seq-len), {c['targets']:.1%} of targets "
+            "(--target-len)"))
     if "answer" in s:
         print("sample (a validation pair: its source, the model's answer, the target):")
         for key in ("source", "answer", "target"):

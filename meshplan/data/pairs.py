@@ -62,6 +62,30 @@ class PairReader:
         return out
 
 
+def cut_shares(data: TokenData, seq_len: int, target_len: int = 0,
+               joined_budget: int = 0) -> dict[str, float]:
+    """The shares of a paired split's pairs that its rows cut: of sources
+    longer than `seq_len` and of targets longer than `target_len` (0:
+    `seq_len`), or with `joined_budget` (a causal LM's row: `seq_len + 1`,
+    or `seq_len` for a model that shifts its labels) of pairs longer than
+    that. Read in chunks of the `.idx`: memory does not grow with it."""
+    n = len(data.ends)
+    counts = np.zeros(2, dtype=np.int64)
+    chunk = 1 << 22
+    for lo in range(0, n, chunk):
+        ends = np.asarray(data.ends[lo:lo + chunk]).astype(np.int64)
+        start = np.concatenate([[int(data.ends[lo - 1, 1]) if lo else 0], ends[:-1, 1]])
+        source, target = ends[:, 0] - start, ends[:, 1] - ends[:, 0]
+        if joined_budget:
+            counts[0] += int((source + target > joined_budget).sum())
+        else:
+            counts += [int((source > seq_len).sum()), int((target > (target_len or seq_len)).sum())]
+    data.release()
+    shares = counts / max(n, 1)
+    return {"pairs": float(shares[0])} if joined_budget else \
+        {"sources": float(shares[0]), "targets": float(shares[1])}
+
+
 def _cut(ids: np.ndarray, n: int) -> np.ndarray:
     """`ids` cut to `n` tokens, keeping its last one (its eod)."""
     return ids if len(ids) <= n else np.concatenate([ids[:n - 1], ids[-1:]])

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from meshplan.data.feed import FeedReader, Layout, TokenFeed
+from meshplan.data.pairs import cut_shares
 from meshplan.data.tokenizer import load_tokenizer, special_token
 from meshplan.data.tokens import TokenData, read_index
 from meshplan.driver.capture_check import checked_capture
@@ -293,6 +294,13 @@ def fill_sample(module, feed: TokenFeed) -> dict:
 def _unwritten(token: int, eod: int, mask: int) -> str:
     """What a guess the tokenizer decodes to nothing shows as."""
     return {eod: "<eod>", mask: "<mask>"}.get(token, f"<{token}>")
+
+
+def pair_cuts(feed: TokenFeed) -> dict[str, float]:
+    """The shares of the training pairs that `feed`'s rows cut (`pairs.cut_shares`)."""
+    layout = Layout(feed.layout)
+    budget = 0 if layout is Layout.SOURCE_TARGET else feed.seq_len + (layout is Layout.JOINED)
+    return cut_shares(TokenData(feed.data_dir, "train"), feed.seq_len, feed.target_len, budget)
 
 
 def answer_sample(module, feed: TokenFeed, new_tokens: int) -> dict:

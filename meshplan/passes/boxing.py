@@ -20,7 +20,9 @@ Invariants:
   coordinate on each of those stages, before its own axes are converted.
 - Across stages: Partial axes are reduced on the source stage, then one
   `meshplan.transfer` carries the value to the consumer's stage in the layout
-  the consumer needs (lowering cuts it into send/recv pieces); its
+  the consumer needs, but for a Partial the consumer asks of it (a sum's
+  share, `OpRule.sums`): that is made where it arrives, by `local_partial`
+  (lowering cuts the transfer into send/recv pieces); its
   `src_phase` (the phase that made the value) says which way it flows. A value
   crosses to a stage once, for its first consumer there; a later consumer
   that needs another layout converts the arrived copy on its own stage.
@@ -214,8 +216,8 @@ def _transfer(ctx, vid, have, need, src_at, at, module_path) -> int:
     vid = ctx.emit(TRANSFER, vid, target, at, module_path,
                    src_stage=src_at[0], src_chunk=src_at[1], dst_stage=at[0],
                    src_phase=src_at[2].value)
-    if target != need:
-        raise AssertionError(f"value {vid} needs {need} after a stage transfer")
+    if target != need:  # a sum's share (`OpRule.sums`) of a value from another stage:
+        vid = _convert_local(ctx, vid, target, need, at, module_path)  # made where it arrives
     return vid
 
 

@@ -190,3 +190,16 @@ def test_pairs_from_a_local_hf_dataset(tmp_path):
     with pytest.raises(ConfigError, match="no column 'de' .* --target-field"):
         prepare_data([], str(tmp_path / "p"), text_field="en", target_field="de",
                      hf_dataset=str(tmp_path / "ds"))
+
+
+def test_the_share_of_pairs_cut_is_counted(data):
+    from meshplan.data.pairs import cut_shares
+
+    d = TokenData(data, "train")
+    starts = [0] + d.ends[:-1, 1].tolist()
+    sizes = [(int(e0) - s, int(e1) - int(e0)) for s, (e0, e1) in zip(starts, d.ends.tolist())]
+    n = len(sizes)
+    assert cut_shares(d, 40, 30) == {"sources": sum(s > 40 for s, _ in sizes) / n,
+                                     "targets": sum(t > 30 for _, t in sizes) / n}
+    assert cut_shares(d, 40, joined_budget=41) == {"pairs": sum(s + t > 41 for s, t in sizes) / n}
+    assert 0 < cut_shares(d, 40, 30)["sources"] < 1  # the fixture's lines: some cut, some not

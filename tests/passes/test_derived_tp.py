@@ -68,3 +68,17 @@ def test_a_gradient_is_reduced_once_however_many_partials_it_sums(model_type):
     count = tuple(sum(1 for c in comm if c[0] == phase and c[2] > 1)
                   for phase in (Phase.FORWARD, Phase.BACKWARD))
     assert count == REDUCES[model_type]
+
+
+@pytest.mark.parametrize("model_type", ["t5", "bart"])
+def test_a_sums_share_of_a_value_from_another_stage_is_made_where_it_arrives(model_type):
+    """At tp2·pp2·vpp2 a `grad_sum` on one stage shares a gradient that comes
+    from another: the transfer carries it Replicate, and `local_partial` makes
+    the share there (this plan used to stop on an AssertionError)."""
+    s = Strategy(tp=2, pp=2, vpp=2, global_batch_size=8, micro_batch_size=2,
+                 layer_pattern=DERIVED, tp_plan=DERIVED)
+    g = plan_model(f"hf:{model_type}", "tiny", Mesh(1, 4), s, "sgd").job.graph
+    made = {o: op for op in g.ops for o in op.outputs}
+    shared = [op for op in g.ops if op.kind == "meshplan.local_partial"
+              and made[op.args[0].id].kind == "meshplan.transfer"]
+    assert shared
