@@ -7,8 +7,10 @@ Invariants:
   reads it, and `model.json` against the marker's `files` digest. Each
   failure is one line, before anything is written.
 - Only parameters and buffers are exported: optimizer slots and the
-  step-level `optim@`/`amp@` entries (state names, `is_state`) never are,
-  nor a buffer no rank held a value of (no slice saved: one no op reads).
+  step-level `optim@`/`amp@` entries (state names, `is_state`) never are.
+  A weight no op reads has no slice; it comes from the checkpoint's
+  `unread_weights.pt` (`driver/unread.py`), and a checkpoint saved before
+  those were kept lacks it.
 - Streaming: a checkpoint's tensors are read one at a time (`read_tensor`,
   each whole, in manifest order) and each is dropped once written; names,
   shapes and dtypes, hence every file's layout, come from the manifest
@@ -47,12 +49,20 @@ from meshplan.data.tokenizer import BPE_FILE, EOD_TEXT, TokenizerKind
 from meshplan.data.tokens import read_index
 from meshplan.driver.model_record import MODEL_FILE
 from meshplan.driver.train import CHECKPOINTS, complete_checkpoints
+from meshplan.driver.unread import saved_unread
 from meshplan.driver.weights_out import OutTensor, parse_size, write_shards
 from meshplan.errors import ConfigError, MeshplanError, RuntimeFault
 from meshplan.ir.fileio import staged_directory, write_atomic
 from meshplan.ir.state_name import is_state
 from meshplan.models.hf import meta_model
-from meshplan.runtime.checkpoint import COMPLETE, METADATA, read_marker, read_tensor, saved_boxes
+from meshplan.runtime.checkpoint import (
+    COMPLETE,
+    METADATA,
+    file_sha256,
+    read_marker,
+    read_tensor,
+    saved_boxes,
+)
 
 DEFAULT_SHARD_SIZE = "5GB"
 # the files of a local transformers tokenizer directory that travel with it
@@ -122,7 +132,7 @@ def checkpoint_source(path: str) -> Source:
     if not isinstance(state, dict) or not isinstance(files, dict) or MODEL_FILE not in files:
         raise RuntimeFault(f"checkpoint {root} was saved without a model record ({MODEL_FILE} "
                            "in its marker); save it again with this meshplan")
-    if _digest(root / METADATA) != meta.get("metadata_sha256"):
+    if file_sha256(root / METADATA) != meta.get("metadata_sha256"):
         raise RuntimeFault(f"checkpoint {root}: {METADATA} is missing or not the one saved "
                            "with it (edited or corrupted); export another checkpoint")
     record_bytes = _read(root / MODEL_FILE)
@@ -132,12 +142,15 @@ def checkpoint_source(path: str) -> Source:
     tensors = {name: (tuple(shape), _dtype(dtype, root, name))
                for name, (shape, dtype) in sorted(state.items()) if not is_state(name)}
     boxes = saved_boxes(str(root))  # the pickle, only now that its digest is checked
-    # a name no rank held a value of (a buffer no op reads, e.g. llama's
-    # original_inv_freq) has no slice: DCP's index, checked above, is whole
-    tensors = {name: v for name, v in tensors.items() if name in boxes}
+    # a weight no rank held (one no op reads) has no slice: it is in the
+    # checkpoint's unread weights, or (saved before they were kept) nowhere
+    unread = saved_unread(root, meta)
+    tensors = {name: v for name, v in tensors.items() if name in boxes or name in unread}
 
     def fetch(name: str) -> torch.Tensor:
         shape, dtype = tensors[name]
+        if name in unread:
+            return unread[name].to(dtype)
         return read_tensor(str(root), name, boxes[name], shape, dtype)
 
     return Source(str(root), tensors, fetch, json.loads(record_bytes))
@@ -296,11 +309,6 @@ def _read(path: Path) -> bytes | None:
         return path.read_bytes()
     except OSError:
         return None
-
-
-def _digest(path: Path) -> str | None:
-    data = _read(path)
-    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def _dtype(name, root: Path, tensor: str) -> torch.dtype:

@@ -40,6 +40,7 @@ from meshplan.driver.compare import assemble
 from meshplan.driver.metrics import MetricsLog
 from meshplan.driver.model_record import MODEL_FILE
 from meshplan.driver.run import launch
+from meshplan.driver.unread import UNREAD_FILE, start_values, write_unread
 from meshplan.errors import KernelFault, RuntimeFault, TrainingHalted
 from meshplan.ir import Phase, Role
 from meshplan.ir.fileio import write_atomic
@@ -214,7 +215,8 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
 
     t0 = time.perf_counter()
     tokens = isinstance(data, TokenFeed)
-    spec = run_spec(job, data, steps, out, record, eval_job=eval_job, eval_data=eval_data,
+    unread = start_values(job, weights, init_from, resume_from)
+    spec = run_spec(job, data, steps, out, record, unread, eval_job=eval_job, eval_data=eval_data,
                     eval_every=eval_every, eval_batches=eval_batches,
                     checkpoint_every=checkpoint_every, async_checkpoint=async_checkpoint,
                     resume_from=resume_from, threads=threads, timeout_s=timeout_s,
@@ -261,23 +263,28 @@ def train_job(job: Job, weights: dict[str, torch.Tensor], data, steps: int, out:
                 break
     losses = [x["loss"] for x in rows] + r.losses
     return TrainResult(losses, evals + merger.eval_written,
-                       trained_weights(job, r.state_slices, weights), rows + merger.written,
+                       trained_weights(job, r.state_slices, unread), rows + merger.written,
                        r.rows_read, time.perf_counter() - t0, first)
 
 
-def run_spec(job: Job, data, steps: int, out: str, record: dict | None, *, eval_job=None,
+def run_spec(job: Job, data, steps: int, out: str, record: dict | None,
+             unread: dict[str, torch.Tensor] | None, *, eval_job=None,
              eval_data=None, eval_every: int = 0, eval_batches: int = 0,
              checkpoint_every: int = 0, async_checkpoint: bool = False,
              resume_from: str = "", threads: int = 1, timeout_s: float = 300.0,
              stall_s: float = 300.0, device: str = "cpu", backend: str = "",
              init_from: str = "", kernels: str = "eager"):
     """What every rank of a training run is told (`RunSpec`); writes `record`
-    as `out/model.json`, copied, with `out/config.toml`, into each checkpoint."""
+    as `out/model.json` and `unread` (`driver/unread.py`) as
+    `out/unread_weights.pt`, copied, with `out/config.toml`, into each
+    checkpoint (None: this process does not report the run)."""
     check_kernels(kernels, device)
     Path(out).mkdir(parents=True, exist_ok=True)
     if record is not None:
         write_atomic(Path(out) / MODEL_FILE, json.dumps(record, indent=1).encode())
-    files = tuple(str(Path(out) / f) for f in ("config.toml", MODEL_FILE)
+    if unread is not None:
+        write_unread(out, unread)
+    files = tuple(str(Path(out) / f) for f in ("config.toml", MODEL_FILE, UNREAD_FILE)
                   if (Path(out) / f).is_file())
     return RunSpec(steps, "", threads, timeout_s, device=device,
                    backend=backend, kernels=kernels, report_state=True, step_rows=True,
@@ -304,13 +311,14 @@ def _restart_point(error: RuntimeFault, out: str, attempt: int, max_restarts: in
     return done[-1]
 
 
-def trained_weights(job: Job, slices, initial: dict[str, torch.Tensor]
+def trained_weights(job: Job, slices, unread: dict[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of `job`, whole, from the ranks' final
     slices, under each of its names (a tied weight's aliases too); one no
     rank holds because no op of the step reads it (a buffer, or a pooler's
     or another tower's weight that a text-only loss never uses: it gets no
-    gradient, and torch's optimizers skip it) keeps its `initial` value."""
+    gradient, and torch's optimizers skip it) is its `unread` value, the
+    one the run started it at (`driver/unread.start_values`)."""
     g = job.graph
     values = [g.values[i] for i in g.inputs if g.values[i].role in (Role.PARAM, Role.BUFFER)]
     got = assemble(slices, {v.name: tuple(v.meta.shape) for v in values})
@@ -321,7 +329,7 @@ def trained_weights(job: Job, slices, initial: dict[str, torch.Tensor]
             if v.name in got.tensors or (v.role is Role.PARAM and v.id in read):
                 raise RuntimeFault(f"the ranks' final state leaves out part of '{v.name}'; "
                                    "this is meshplan's fault: report it")
-            full[v.name] = initial[v.name].detach().clone()
+            full[v.name] = unread[v.name]
     return {alias: t for name, t in full.items() for alias in g.names_of(name)}
 
 

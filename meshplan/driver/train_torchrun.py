@@ -42,6 +42,7 @@ from meshplan.driver.train import (
     step_flops,
     trained_weights,
 )
+from meshplan.driver.unread import start_values
 from meshplan.errors import RuntimeFault
 from meshplan.ir.fileio import write_atomic
 from meshplan.runtime.checkpoint import check_resumable
@@ -80,7 +81,9 @@ def train_here(job, weights: dict, data, steps: int, out: str, *, eval_job=None,
     resume_from = resume_point(out, job, resume_from)
     results = Path(out) / RANKS_DIR / f"attempt_{restart_count()}"
     results.mkdir(parents=True, exist_ok=True)
-    spec = run_spec(job, data, steps, out, record if rank == 0 else None,
+    unread = start_values(job, weights, run.get("init_from", ""), resume_from) \
+        if rank == 0 else None
+    spec = run_spec(job, data, steps, out, record if rank == 0 else None, unread,
                     eval_job=eval_job, resume_from=resume_from, **run)
     eval_file = ""
     if eval_job is not None:  # this process's own copy, in the attempt's folder (removed
@@ -102,7 +105,7 @@ def train_here(job, weights: dict, data, steps: int, out: str, *, eval_job=None,
         raise RuntimeFault(f"rank {rank} failed in action {fail['action']}: {fail['error']}")
     if rank != 0:
         return None
-    r = merging.result(world, t0, weights, spec.timeout_s)
+    r = merging.result(world, t0, unread, spec.timeout_s)
     if keep:
         prune_checkpoints(Path(out) / CHECKPOINTS, keep)
     shutil.rmtree(Path(out) / RANKS_DIR, ignore_errors=True)
@@ -147,7 +150,7 @@ class _Merging:
         self.merger.poll(final=True)
         self.log.close()
 
-    def result(self, world: int, t0: float, weights: dict, timeout_s: float):
+    def result(self, world: int, t0: float, unread: dict, timeout_s: float):
         """The run's result, once every rank has written its own."""
         deadline = time.monotonic() + timeout_s
         while not all((self.results / result_name(r)).is_file() for r in range(world)):
@@ -160,6 +163,6 @@ class _Merging:
                   for r in range(world)}
         r = merge(per_rank, self.job, time.perf_counter() - t0)
         return TrainResult(r.losses, self.merger.eval_written,
-                           trained_weights(self.job, slices, weights), self.merger.written,
+                           trained_weights(self.job, slices, unread), self.merger.written,
                            {str(k): v.rows_read for k, v in sorted(per_rank.items())},
                            time.perf_counter() - t0, self.first)

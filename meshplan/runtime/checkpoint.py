@@ -43,8 +43,9 @@ Invariants:
   name (each stage's copy is the same slice under the same key, which DCP
   writes once), and found on load under any of its names.
 - Files the driver names (`RunSpec.checkpoint_files`: the resolved
-  `config.toml`, the `model.json` an export reads) are copied in by rank 0
-  before `COMPLETE`, which holds each one's sha256.
+  `config.toml`, the `model.json` an export reads, the weights no op reads,
+  `driver/unread.py`) are linked or copied in by rank 0 before `COMPLETE`,
+  which holds each one's sha256.
 - The data position (the next step) is saved with it; data is a pure
   function of the step, so a resumed run sees exactly the batches an
   uninterrupted one would.
@@ -65,7 +66,7 @@ import torch.distributed.checkpoint as dcp
 
 from meshplan.errors import ConfigError, PlanError, RuntimeFault
 from meshplan.ir import Role
-from meshplan.ir.fileio import read_sealed, seal, write_atomic
+from meshplan.ir.fileio import atomic_stream, read_sealed, seal, write_atomic
 from meshplan.ir.job import Job, JobReader
 from meshplan.ir.sbp import Shard, intersect
 from meshplan.ir.state_name import StateName, is_state
@@ -192,15 +193,48 @@ def mark(path: str, job: SavedJob, next_step: int, files) -> None:
     sealed `COMPLETE` (manifest, `.metadata`'s hash, the files' hashes)."""
     if _rank() != 0:
         return
-    copied = {}
-    for f in map(Path, files):
-        data = f.read_bytes()
-        write_atomic(Path(path) / f.name, data)
-        copied[f.name] = hashlib.sha256(data).hexdigest()
+    copied = {f.name: _copy_in(f, Path(path) / f.name) for f in map(Path, files)}
     meta = _manifest(job, next_step) | {"metadata_sha256": _metadata_hash(path),
                                         "files": copied,
                                         "digests": shard_digests.digest_files(path)}
     write_atomic(Path(path) / COMPLETE, seal(KIND, VERSION, meta))
+
+
+_LINK_BYTES = 64 << 20  # a file this large is linked, not copied, into a checkpoint
+
+
+def _copy_in(src: Path, dst: Path) -> str:
+    """`src` as `dst`, whole before it appears; its sha256. A large file (the
+    weights no op reads: a tower can be GBs, and nothing rewrites it in
+    place) is hard-linked where the file system allows it; a small one (a
+    config a user may edit in place) is copied, so the copy stays the one hashed."""
+    if src.stat().st_size >= _LINK_BYTES:
+        tmp = dst.with_name(f".{dst.name}.link")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+            os.replace(tmp, dst)
+            return file_sha256(dst)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    h = hashlib.sha256()
+    with open(src, "rb") as f, atomic_stream(dst) as out:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+            out.write(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of the file at `path`, read in chunks ("" if unreadable)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    except OSError:
+        return ""
+    return h.hexdigest()
 
 
 def shard_writer(path: str, next_step: int):

@@ -36,11 +36,12 @@ def load_weights(source: str, state: dict, ctx) -> None:
             continue
         box = ctx.box(ids[name])
         with torch.no_grad():
-            state[name].copy_(_read(files, file, key, box))
+            state[name].copy_(read_box(files, file, key, box))
 
 
-def _read(files: dict, file: str, key: str, box) -> torch.Tensor:
-    """The `box` of tensor `key` of `file`, reading no more of it than that."""
+def read_box(files: dict, file: str, key: str, box) -> torch.Tensor:
+    """The `box` (`()`: all) of tensor `key` of `file`, reading no more of it
+    than that; `files` keeps each file opened once."""
     index = tuple(slice(a, b) for a, b in box)
     if file.endswith(".safetensors"):
         if file not in files:

@@ -137,7 +137,7 @@ def test_each_rank_reads_only_its_slices(saved, monkeypatch):
             asked.append((key, "whole"))
             return self.f.get_tensor(key)
 
-    real = init_weights._read
+    real = init_weights.read_box
 
     def recording_read(files, file, key, box):
         if file not in files:
@@ -145,7 +145,7 @@ def test_each_rank_reads_only_its_slices(saved, monkeypatch):
             files[file] = Recording(safe_open(file, framework="pt"))
         return real(files, file, key, box)
 
-    monkeypatch.setattr(init_weights, "_read", recording_read)
+    monkeypatch.setattr(init_weights, "read_box", recording_read)
     init_weights.load_weights(source, state, ctx)
     full = safetensors_torch.load_file(models["gpt2"] / "model.safetensors")
     split = 0
