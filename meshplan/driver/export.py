@@ -17,7 +17,7 @@ Invariants:
   before any tensor is read. Peak: one tensor plus, for torch, one shard.
 - `hf`: transformers' own names (the record's `prefix` stripped); a tied
   tensor once, under the name of it that the model built from the config
-  on the meta device keeps (`named_parameters()` keeps a shared parameter's
+  on the meta device (as the record's class: `architecture`) keeps (`named_parameters()` keeps a shared parameter's
   first name), or a persistent buffer's; a name that model does not hold
   (a non-persistent buffer) is not written, and a parameter it holds that
   the checkpoint lacks is one line. `config.json` is the record's config
@@ -217,7 +217,7 @@ def _torch_tensors(source: Source, model: torch.nn.Module | None) -> list[OutTen
 
 
 def _meta_model(record: dict) -> torch.nn.Module:
-    return meta_model(record["hf_config"])
+    return meta_model(record["hf_config"], record.get("architecture", ""))
 
 
 def _hf_tensors(source: Source, model: torch.nn.Module) -> list[OutTensor]:

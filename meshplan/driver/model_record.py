@@ -7,8 +7,10 @@ Invariants:
   (`hf:gpt2`), or a user's module (`module:PKG.MOD:FACTORY`, or `module`
   from the API).
 - `hf_config` is the transformers config (`to_dict()`) a transformers model
-  was trained with, or None; `prefix` is the state names' prefix before
-  transformers' own names (`model.`: the `HFLoss` wrapper).
+  was trained with, or None; `architecture` the class trained (its config
+  may be a sub-config no Auto class maps, as `MllamaForCausalLM`'s text
+  config); `prefix` is the state names' prefix before transformers' own
+  names (`model.`: the `HFLoss` wrapper).
 - `aliases` maps a tied tensor's saved name (the graph input's) to all its
   names, so an export can write it once under the name its format expects.
 - `data` is the token directory the run read (its tokenizer travels with an
@@ -32,9 +34,9 @@ def model_record(job, module, model: str, data_dir: str = "",
     export, when not the module's own, e.g. the one an `--init-from`
     directory holds)."""
     g = job.graph
-    prefix = ""
+    prefix, architecture = "", ""
     if isinstance(module, HFLoss):
-        prefix = "model."
+        prefix, architecture = "model.", type(module.model).__name__
         if hf_config is None:
             hf_config = json.loads(module.model.config.to_json_string(use_diff=False))
     aliases = {}
@@ -42,7 +44,8 @@ def model_record(job, module, model: str, data_dir: str = "",
         names = g.names_of(g.values[i].name)
         if len(names) > 1:
             aliases[g.values[i].name] = list(names)
-    return {"model": model, "hf_config": hf_config, "prefix": prefix, "aliases": aliases,
+    return {"model": model, "hf_config": hf_config, "architecture": architecture,
+            "prefix": prefix, "aliases": aliases,
             "data": str(Path(data_dir).resolve()) if data_dir else ""}
 
 

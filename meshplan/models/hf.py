@@ -435,18 +435,36 @@ def _auto_class(cfg):
     return _auto_for(task_of(cfg))
 
 
-def meta_model(config: dict) -> nn.Module:
+def meta_model(config: dict, architecture: str = "") -> nn.Module:
     """The transformers model (no `HFLoss` around it) of a config dict (a
-    record's `hf_config`, `to_dict()`'s form), built on the meta device for
-    the task `task_of` trains its type as: its names, shapes and tying."""
+    record's `hf_config`, `to_json_string()`'s form: a non-finite float is
+    `{"__float__": "Infinity"}`), built on the meta device as the class
+    `architecture` (a record's), or else for the task `task_of` trains its
+    type as: its names, shapes and tying."""
     tf = _transformers()
     model_type = config.get("model_type", "")
-    if model_type not in tf.CONFIG_MAPPING:
-        raise ConfigError(f"transformers {tf.__version__} has no model_type {model_type!r}; "
-                          "export it with --format torch")
-    conf = tf.CONFIG_MAPPING[model_type].from_dict(config)
+    cls = getattr(tf, architecture, None) if architecture else None
+    if model_type not in tf.CONFIG_MAPPING or (architecture and cls is None):
+        raise ConfigError(f"transformers {tf.__version__} has no model_type {model_type!r} "
+                          f"({architecture or 'no class recorded'}); export it with "
+                          "--format torch")
+    conf = tf.CONFIG_MAPPING[model_type].from_dict(_special_floats(config))
     with torch.device("meta"):
+        if cls is not None:
+            return cls._from_config(conf)
         return _auto_for(_task(model_type, type(conf))).from_config(conf)
+
+
+def _special_floats(obj):
+    """`obj` with transformers' JSON form of a non-finite float
+    (`{"__float__": "NaN" | "Infinity" | "-Infinity"}`) made a float again."""
+    if isinstance(obj, dict):
+        if obj.keys() == {"__float__"}:
+            return float(obj["__float__"])
+        return {k: _special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_special_floats(v) for v in obj]
+    return obj
 
 
 def build_hf(cfg) -> nn.Module:

@@ -208,3 +208,30 @@ def test_the_layer_list_is_one_the_forward_runs():
     assert structure_facts(module).layers.startswith("model.model.vision_model")  # all modules
     layers = capture_zoo(cfg, 2).facts.structure.layers
     assert layers == "model.model.text_model.layers", layers
+
+
+@pytest.mark.parametrize("model_type", ["mllama", "emu3", "mamba2", "falcon_h1", "gpt2", "t5"])
+def test_an_export_rebuilds_the_class_trained_from_its_record(model_type):
+    """`meta_model` of a record's config and class is the model trained:
+    mllama's and emu3's causal LMs hold a text sub-config no Auto class maps,
+    and mamba2's `time_step_limit` holds an infinity, which transformers
+    writes as `{"__float__": "Infinity"}`."""
+    import json
+
+    import torch
+
+    with torch.device("meta"):
+        trained = hf.build_hf(model_config(f"hf:{model_type}")).model
+    config = json.loads(trained.config.to_json_string(use_diff=False))
+    built = hf.meta_model(config, type(trained).__name__)
+    assert type(built) is type(trained)
+    assert {n: p.shape for n, p in built.state_dict().items()} == \
+        {n: p.shape for n, p in trained.state_dict().items()}
+
+
+def test_a_non_finite_float_of_a_config_is_a_float_again():
+    got = hf._special_floats({"a": [0.0, {"__float__": "Infinity"}],
+                              "b": {"__float__": "-Infinity"}, "c": {"__float__": "NaN"},
+                              "d": {"__float__": 1, "e": 2}})
+    assert got["a"] == [0.0, float("inf")] and got["b"] == float("-inf")
+    assert got["c"] != got["c"] and got["d"] == {"__float__": 1, "e": 2}
