@@ -17,9 +17,10 @@ Invariants:
   before any tensor is read. Peak: one tensor plus, for torch, one shard.
 - `hf`: transformers' own names (the record's `prefix` stripped); a tied
   tensor once, under the name of it that the model built from the config
-  on the meta device (as the record's class: `architecture`) keeps (`named_parameters()` keeps a shared parameter's
-  first name), or a persistent buffer's; a name that model does not hold
-  (a non-persistent buffer) is not written, and a parameter it holds that
+  on the meta device (as the record's class: `architecture`) keeps
+  (`named_parameters()` keeps a shared parameter's first name), or a
+  persistent buffer's; a name that model does not hold (a non-persistent
+  buffer) is not written, and a parameter it holds that
   the checkpoint lacks is one line. `config.json` is the record's config
   with `architectures`; the data's tokenizer travels with it when
   transformers can load it (a BPE's `tokenizer.json`, a tokenizer
