@@ -7,7 +7,9 @@ trained and exported as a user would, then loaded by transformers:
 3. in a fresh process, A and B loaded by their recorded class
    (`config.json`'s `architectures`) with `from_pretrained`: no key missing
    or unexpected, and every tensor of both equal to the run's weights
-   (`model.safetensors`).
+   (`model.safetensors`);
+4. `meshplan train --init-from B --steps 0`: the new run's weights are the
+   first run's (a masked LM is refused on byte data: it has no mask token).
 
 Writes benchmarks/results/hf_round_trip.{json,md}; each row names the commit.
 
@@ -43,6 +45,11 @@ run, dirs = sys.argv[1], sys.argv[2:]
 prefix = json.load(open(f"{run}/model.json"))["prefix"]
 weights = {k.removeprefix(prefix): v for k, v in load_file(f"{run}/model.safetensors").items()}
 out = {}
+if dirs[0].endswith("run2"):  # step 4: a run started from B, 0 steps
+    again = load_file(f"{dirs[0]}/model.safetensors")
+    differ = [k for k, v in weights.items() if not torch.equal(v, again[prefix + k])]
+    print(json.dumps({"n_differ": len(differ), "differ": differ[:3]}))
+    sys.exit(0)
 for d in dirs:
     arch = json.load(open(f"{d}/config.json"))["architectures"][0]
     model, info = getattr(transformers, arch).from_pretrained(d, output_loading_info=True)
@@ -84,11 +91,31 @@ def try_type(name: str, data: str, timeout: float) -> dict:
                 return row | {"outcome": f"{what} {'traceback' if trace else 'refused'}",
                               "line": _line(p), "s": round(time.perf_counter() - t0, 1)}
         loaded = json.loads(p.stdout)
+        row["init_from"] = _init_from(run, b, data, timeout)
     ok = all(v["n_bad"] == 0 and v["n_differ"] == 0 for v in loaded.values())
     first = loaded[a]
     return row | {"outcome": "loads equal" if ok else "mismatch", "class": first["class"],
                   "tensors": first["tensors"], "s": round(time.perf_counter() - t0, 1),
                   **({} if ok else {"line": json.dumps(loaded)[:300]})}
+
+
+def _init_from(run: str, export: str, data: str, timeout: float) -> str:
+    """Step 4: "equal", or what went wrong."""
+    run2 = f"{run}2"
+    cmd = [sys.executable, "-m", "meshplan", "-q", "train", "--init-from", export, "--data",
+           data, "--out", run2, *STEPS[2:], "--steps", "0"]
+    try:
+        p = _run(cmd, timeout)
+        if p.returncode != 0:
+            trace = "Traceback (most recent call last)" in p.stderr
+            return f"{'traceback' if trace else 'refused'}: {_line(p)}"
+        p = _run([sys.executable, "-c", LOAD, run, run2], timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    if p.returncode != 0:
+        return f"load failed: {_line(p)}"
+    got = json.loads(p.stdout)
+    return "equal" if got["n_differ"] == 0 else f"differ: {got['differ']}"
 
 
 def main() -> None:
@@ -117,7 +144,8 @@ def main() -> None:
             r = try_type(name, data, a.timeout) | {"commit": commit}
             with PARTIAL.open("a") as f:
                 f.write(json.dumps(r) + "\n")
-            print(f"{r['type']:<28} {r['outcome']:<16} {r.get('line', '')[:150]}", flush=True)
+            print(f"{r['type']:<28} {r['outcome']:<16} {r.get('init_from', '')[:60]:<60} "
+                  f"{r.get('line', '')[:100]}", flush=True)
             return r
 
         with ThreadPoolExecutor(a.jobs) as pool:
@@ -125,6 +153,10 @@ def main() -> None:
     outcomes: dict[str, int] = {}
     for r in rows:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    starts: dict[str, int] = {}
+    for r in rows:
+        kind = r.get("init_from", "not tried").split(":")[0]
+        starts[kind] = starts.get(kind, 0) + 1
     data_out = {"transformers": transformers.__version__, "rows": rows}
     (RESULTS / "hf_round_trip.json").write_text(json.dumps(data_out, indent=1) + "\n")
     lines = [f"# transformers {transformers.__version__}: trained, exported, loaded back", "",
@@ -132,12 +164,16 @@ def main() -> None:
              "byte data, 1 rank, 2 steps, a checkpoint, `--export-hf A`; `meshplan export RUN "
              "--format hf --out B`; A and B loaded by `from_pretrained` of their recorded class "
              "in a fresh process, no key missing or unexpected, every tensor equal to the "
-             "run's weights (`benchmarks/hf_round_trip.py`).", "",
+             "run's weights; then `train --init-from B --steps 0`, its weights the run's "
+             "(`benchmarks/hf_round_trip.py`).", "",
              ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items())), "",
-             "| type | outcome | class | tensors | s | line | commit |",
-             "|---|---|---|---|---|---|---|"]
+             "--init-from the export: " + ", ".join(
+                 f"{v} {k}" for k, v in sorted(starts.items())), "",
+             "| type | outcome | class | tensors | s | --init-from B | line | commit |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('class', '')} | "
               f"{r.get('tensors', '')} | {r.get('s', '')} | "
+              f"{r.get('init_from', '').replace('|', '/')[:120]} | "
               f"{r.get('line', '').replace('|', '/')[:200]} | {r['commit']} |" for r in rows]
     (RESULTS / "hf_round_trip.md").write_text("\n".join(lines) + "\n")
     PARTIAL.unlink(missing_ok=True)

@@ -22,7 +22,9 @@ Invariants:
   `ModelConfig.tie_embeddings`.
 - A model may instead come from a `save_pretrained` directory
   (`ModelConfig.source`, `saved_fields`): its config.json is the model,
-  exactly, but for dropout (as above); the ModelConfig's sizes are read
+  exactly, but for dropout (as above), and where no Auto class maps its
+  config type (the text LM of a multimodal type, `MllamaTextConfig`) the
+  class its `architectures` names is; the ModelConfig's sizes are read
   from it (a size given beside it must agree), its sequence length is the
   one trained at (the preset's, capped by the model's positions).
 """
@@ -412,7 +414,38 @@ def _positions_after_padding(model_type: str) -> bool:
 @lru_cache(maxsize=16)
 def task_of(cfg) -> str:
     """What `cfg`'s model is trained to do: CAUSAL, MASKED or SEQ2SEQ."""
-    return _task(cfg.model.removeprefix(PREFIX), type(hf_config(cfg)))
+    conf = hf_config(cfg)
+    saved = _saved_class(conf) if cfg.source else None
+    if saved is not None:
+        return _task_of_class(saved.__name__)
+    return _task(cfg.model.removeprefix(PREFIX), type(conf))
+
+
+def _saved_class(conf):
+    """The class a saved config's `architectures` names, when no Auto class
+    of a language model maps its config type (the causal LM of a multimodal
+    type: `MllamaForCausalLM` over `MllamaTextConfig`, as an export of
+    `--hf mllama` writes it); else None."""
+    tf = _transformers()
+    if any(type(conf) in _auto_for(t)._model_mapping for t in (CAUSAL, MASKED, SEQ2SEQ)):
+        return None
+    for name in getattr(conf, "architectures", None) or ():
+        cls = getattr(tf, name, None)
+        if getattr(cls, "config_class", None) is type(conf) and _task_of_class(name):
+            return cls
+    return None
+
+
+def _task_of_class(name: str) -> str:
+    """The task whose Auto class lists the class `name` ("" if none does)."""
+    from transformers.models.auto import modeling_auto as m
+
+    for task, names in ((SEQ2SEQ, m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+                        (CAUSAL, m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                        (MASKED, m.MODEL_FOR_MASKED_LM_MAPPING_NAMES)):
+        if any(name == v or (isinstance(v, tuple) and name in v) for v in names.values()):
+            return task
+    return ""
 
 
 def _task(model_type: str, conf_type) -> str:
@@ -430,9 +463,12 @@ def _auto_for(task: str):
             SEQ2SEQ: tf.AutoModelForSeq2SeqLM}[task]
 
 
-def _auto_class(cfg):
-    """The transformers Auto class that builds `cfg`'s model for its task."""
-    return _auto_for(task_of(cfg))
+def _model_class(cfg, conf):
+    """The transformers class that `cfg`'s model is (`conf`: its config):
+    a saved model's own (`_saved_class`), or the one the Auto class of its
+    task maps its config type to; None if there is none."""
+    saved = _saved_class(conf) if cfg.source else None
+    return saved or _auto_for(task_of(cfg))._model_mapping.get(type(conf), None)
 
 
 def meta_model(config: dict, architecture: str = "") -> nn.Module:
@@ -471,16 +507,18 @@ def build_hf(cfg) -> nn.Module:
     """`HFLoss` around a random `cfg` model (on the current default device)."""
     conf = hf_config(cfg)
     conf.use_cache = False  # a training step keeps no KV cache (its update detaches in place)
-    auto = _auto_class(cfg)
-    if type(conf) not in auto._model_mapping:
+    saved = _saved_class(conf) if cfg.source else None
+    auto = _auto_for(task_of(cfg))
+    if saved is None and type(conf) not in auto._model_mapping:
         raise ConfigError(f"cannot build {cfg.model}: transformers has no causal-LM, "
                           f"masked-LM or encoder-decoder LM for it; use e.g. "
                           f"{', '.join(TESTED[:3])}")
+    build = saved._from_config if saved is not None else auto.from_config
     try:
         if torch.empty(0).device.type != "meta":
             with torch.device("meta"):  # a field left at its full size: one line, no OOM
-                _check_size(cfg, auto.from_config(conf, attn_implementation=attention_of(cfg)))
-        model = auto.from_config(conf, attn_implementation=attention_of(cfg))
+                _check_size(cfg, build(conf, attn_implementation=attention_of(cfg)))
+        model = build(conf, attn_implementation=attention_of(cfg))
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - one line for any type that will not build
@@ -516,7 +554,7 @@ def attention_of(cfg) -> str:
     """The attention implementation a model is built with: "sdpa" (one
     fused op, torch's flash kernels), else "eager" (transformers' own
     matmul, softmax, matmul) for a type with no SDPA kernel (bloom, ...)."""
-    cls = _auto_class(cfg)._model_mapping.get(type(hf_config(cfg)), None)
+    cls = _model_class(cfg, hf_config(cfg))
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
 
 

@@ -184,6 +184,32 @@ def test_a_state_dict_and_a_checkpoint_start_the_run(saved, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_text_model_of_a_multimodal_type_starts_as_its_class(saved, tmp_path):
+    """A save_pretrained `MllamaForCausalLM` (as `export --format hf` of
+    `--hf mllama` writes it) holds `MllamaTextConfig`, which no Auto class
+    maps: the run is that class (its config's `architectures`), a causal LM,
+    its weights the saved ones."""
+    tmp, _ = saved
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(2)
+    cfg = transformers.MllamaTextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, cross_attention_layers=[1],
+        max_position_embeddings=64, pad_token_id=0)
+    transformers.MllamaForCausalLM(cfg).save_pretrained(tmp_path / "mllama")
+    out = tmp_path / "run"
+    assert main(["-q", "train", "--data", str(tmp / "data"), "--out", str(out), "--init-from",
+                 str(tmp_path / "mllama"), "--devices-per-node", "1", "--tp", "1", "--pp", "1",
+                 "--vpp", "1", "--global-batch-size", "2", "--micro-batch-size", "2",
+                 "--sample-tokens", "0", "--steps", "0", "--eval-every", "0"]) == 0
+    given = safetensors_torch.load_file(tmp_path / "mllama" / "model.safetensors")
+    got = safetensors_torch.load_file(out / "model.safetensors")
+    assert all(torch.equal(t, got["model." + k]) for k, t in given.items())
+    # (taken for a masked LM, it was refused: the BPE data has no mask token)
+    assert json.loads((out / "model.json").read_text())["architecture"] == "MllamaForCausalLM"
+
+
+@pytest.mark.slow
 def test_bad_weights_are_one_line_and_write_nothing(saved, tmp_path, capsys):
     """A tensor missing, a shape of another size, another model's checkpoint,
     a corrupted file: exit 2, one line naming it, no run directory."""
