@@ -17,6 +17,8 @@ Invariants:
   (`data/masking.py`), so it too is the same whatever the layout.
 - Paired data (`prepare-data --target-field`) feeds only the paired layouts
   (`PAIRED`) and token data only the others: a mismatch is one line.
+- A micro-batch is (inputs, labels), and packed (`PACKED_SHIFTED`) also
+  the position ids, the model's third input.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from meshplan.data.masking import Noise, mask_rows
-from meshplan.data.pairs import PairReader, joined, source_target
+from meshplan.data.pairs import PackedPairReader, PairReader, joined, packed, source_target
 from meshplan.data.sampler import SampleReader
 from meshplan.data.tokens import TokenData
 from meshplan.errors import ConfigError
@@ -46,9 +48,11 @@ class Layout(StrEnum):
     SOURCE_TARGET = "source-target"  # the source in, the target labelled (an encoder-decoder)
     JOINED = "joined"  # source then target, the target's next tokens labelled (the zoo)
     JOINED_SHIFTED = "joined-shifted-by-model"  # the same labelled in place (transformers)
+    # whole pairs packed into each row, with position ids that restart at each (`--pack`)
+    PACKED_SHIFTED = "packed-shifted-by-model"
 
 
-PAIRED = (Layout.SOURCE_TARGET, Layout.JOINED, Layout.JOINED_SHIFTED)
+PAIRED = (Layout.SOURCE_TARGET, Layout.JOINED, Layout.JOINED_SHIFTED, Layout.PACKED_SHIFTED)
 
 
 def token_batch(samples: torch.Tensor, layout: Layout, positions: np.ndarray | None = None,
@@ -101,9 +105,10 @@ class FeedReader:
                 f"{feed.data_dir} holds {'pairs' if self.data.pairs else 'text'}, and this "
                 f"model reads {'pairs' if self.layout in PAIRED else 'text'} ({self.layout}); "
                 "prepare the data with --target-field for pairs, without it for text")
-        self.reader: SampleReader | PairReader = (
-            PairReader if self.data.pairs else SampleReader)(self.data, feed.seq_len, feed.seed,
-                                                            shuffle=feed.shuffle)
+        kind = SampleReader if not self.data.pairs else \
+            PackedPairReader if self.layout is Layout.PACKED_SHIFTED else PairReader
+        self.reader: SampleReader | PairReader | PackedPairReader = kind(
+            self.data, feed.seq_len, feed.seed, shuffle=feed.shuffle)
         self.noise = Noise(feed.mask_id, self.data.vocab_size, self.data.eod, feed.mask_rate,
                            feed.seed)
         self.step_samples: list[int] = []  # the sample ids the last `microbatches` read
@@ -125,10 +130,13 @@ class FeedReader:
             self.step_samples += self.reader.last_ids.tolist()
         return out
 
-    def _batch(self, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (inputs, labels) of the samples at global `positions`."""
+    def _batch(self, positions: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """The (inputs, labels) of the samples at global `positions` (and,
+        packed, their position ids)."""
         if isinstance(self.reader, SampleReader):
             return token_batch(self.reader.read(positions), self.layout, positions, self.noise)
+        if isinstance(self.reader, PackedPairReader):
+            return packed(self.reader.read(positions), self.feed.seq_len, self.data.eod)
         pairs = self.reader.read(positions)
         if self.layout is Layout.SOURCE_TARGET:
             return source_target(pairs, self.feed.seq_len, self.feed.pad_id,
@@ -136,7 +144,7 @@ class FeedReader:
         return joined(pairs, self.feed.seq_len, self.data.eod,
                       shifted=self.layout is Layout.JOINED_SHIFTED)
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int) -> tuple[torch.Tensor, ...]:
         """Step `step`'s whole global batch (the eager reference's)."""
         parts = self.microbatches(step)
-        return tuple(torch.cat([p[k] for p in parts]) for k in range(2))  # type: ignore[return-value]
+        return tuple(torch.cat([p[k] for p in parts]) for k in range(len(parts[0])))

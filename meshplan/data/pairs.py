@@ -18,6 +18,14 @@ Invariants:
   padded with eod; only the target's tokens are labelled. The source is
   cut first, to no less than half the row, so every row labels at least
   one token: a micro-batch never averages its loss over nothing.
+- `PACKED_SHIFTED` (a transformers causal LM, `--pack`): each row holds
+  whole pairs, next-fit in the seeded order of each epoch (`pack_rows`),
+  each laid out and cut as in `JOINED_SHIFTED`, with position ids that
+  restart at 0 at each pair, from which transformers masks attention to
+  the pair's own tokens; the row's tail is eod, unlabelled, positions of a
+  document of its own. Row `r` is a pure function of (seed, r): each rank
+  packs the epochs up to the one it reads (one pass over the pairs'
+  lengths each, cached).
 - Reads touch only the pages of the pairs asked for, then release them
   (`TokenData.release`).
 """
@@ -28,7 +36,7 @@ import numpy as np
 import torch
 
 from meshplan.data.masking import IGNORE_INDEX
-from meshplan.data.sampler import sample_ids
+from meshplan.data.sampler import permute, sample_ids
 from meshplan.data.tokens import TokenData
 
 
@@ -59,6 +67,76 @@ class PairReader:
             out.append((row[:mid - start], row[mid - start:]))
         self.data.release()
         self.rows_read += len(ids)
+        return out
+
+
+def pair_lengths(data: TokenData) -> np.ndarray:
+    """Each pair's tokens (source and target, with their eods), int64 [pairs]."""
+    ends = np.asarray(data.ends[:, 1]).astype(np.int64)
+    data.release()
+    return np.diff(ends, prepend=0)
+
+
+def pack_rows(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """Next-fit packing of pairs of `lengths` (in order) into rows of
+    `budget` tokens: the start of each row and, last, the end. A row takes
+    the next pairs while they fit; a pair longer than `budget` is a row of
+    its own (and cut)."""
+    cum = np.concatenate([[0], np.cumsum(np.minimum(lengths, budget))])
+    starts = [0]
+    while starts[-1] < len(lengths):
+        s = starts[-1]
+        starts.append(max(s + 1, int(np.searchsorted(cum, cum[s] + budget, side="right")) - 1))
+    return np.asarray(starts, dtype=np.int64)
+
+
+class PackedPairReader:
+    """Reads rows of packed pairs (`PACKED_SHIFTED`): `read` returns each row
+    position's pairs, (source, target) each, in the order they are laid out."""
+
+    def __init__(self, data: TokenData, seq_len: int, seed: int, shuffle: bool = True):
+        self.pairs = PairReader(data, seq_len, seed, shuffle)
+        self.lengths = pair_lengths(data)
+        sample_ids([], len(self.lengths), seed)  # no pairs: one line, as the others read
+        self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
+        self.starts: list[np.ndarray] = []  # each packed epoch's row starts
+        self.first_rows = [0]  # the global row each epoch starts at (one more: the next's)
+        self.rows_read = 0
+        self.last_ids = np.empty(0, dtype=np.int64)
+
+    def _locate(self, row: int) -> tuple[int, int]:
+        """(epoch, row within it) of global row `row`, packing epochs as needed."""
+        n = len(self.lengths)
+        while self.first_rows[-1] <= row:
+            e = len(self.starts)
+            order = np.arange(n, dtype=np.int64)
+            if self.shuffle:
+                order = permute(order, n, self.seed, e)
+            self.starts.append(pack_rows(self.lengths[order], self.seq_len))
+            self.first_rows.append(self.first_rows[-1] + len(self.starts[-1]) - 1)
+        e = int(np.searchsorted(self.first_rows, row, side="right")) - 1
+        return e, row - self.first_rows[e]
+
+    def rows_in_epoch(self, epoch: int = 0) -> int:
+        """The rows epoch `epoch` packs into."""
+        while len(self.starts) <= epoch:
+            self._locate(self.first_rows[-1])
+        return len(self.starts[epoch]) - 1
+
+    def read(self, positions) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """The pairs of the rows at global `positions`."""
+        spans = []
+        for p in np.asarray(positions, dtype=np.int64).tolist():
+            e, r = self._locate(p)
+            lo, hi = self.starts[e][r], self.starts[e][r + 1]
+            spans.append(e * len(self.lengths) + np.arange(lo, hi, dtype=np.int64))
+        flat = self.pairs.read(np.concatenate(spans)) if spans else []
+        self.last_ids = self.pairs.last_ids
+        self.rows_read += len(spans)
+        out, at = [], 0
+        for s in spans:
+            out.append(flat[at:at + len(s)])
+            at += len(s)
         return out
 
 
@@ -105,6 +183,14 @@ def source_target(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad:
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
+def _fit(source: np.ndarray, target: np.ndarray, budget: int
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """A pair cut to `budget` tokens: the source first, to no less than half."""
+    keep = min(len(source), max(budget - len(target), budget // 2))
+    source = _cut(source, keep)
+    return source, target[:budget - len(source)]
+
+
 def joined(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int,
            shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A causal LM's (inputs, labels) of source then target, labelled on
@@ -114,9 +200,7 @@ def joined(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int,
     s = np.full((len(pairs), seq_len + 1), eod, dtype=np.int64)
     learn = np.zeros(s.shape, dtype=bool)
     for row, (source, target) in enumerate(pairs):
-        keep = min(len(source), max(budget - len(target), budget // 2))
-        source = _cut(source, keep)
-        target = target[:budget - len(source)]
+        source, target = _fit(source, target, budget)
         s[row, :len(source)] = source
         s[row, len(source):len(source) + len(target)] = target
         learn[row, len(source):len(source) + len(target)] = True
@@ -124,3 +208,25 @@ def joined(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int,
     y = np.where(learn[:, :-1], x, IGNORE_INDEX) if shifted else \
         np.where(learn[:, 1:], s[:, 1:], IGNORE_INDEX)
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
+
+
+def packed(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, eod: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A transformers causal LM's (inputs, labels, position ids) of packed
+    rows: each pair source then target, labelled in place on the target,
+    its positions from 0; the tail eod, unlabelled (the module docstring)."""
+    x = np.full((len(rows), seq_len), eod, dtype=np.int64)
+    y = np.full(x.shape, IGNORE_INDEX, dtype=np.int64)
+    pos = np.zeros(x.shape, dtype=np.int64)
+    for row, pairs in enumerate(rows):
+        at = 0
+        for source, target in pairs:
+            source, target = _fit(source, target, seq_len)
+            n = len(source) + len(target)
+            assert at + n <= seq_len, (at, n, seq_len)  # pack_rows fitted them
+            x[row, at:at + len(source)] = source
+            x[row, at + len(source):at + n] = y[row, at + len(source):at + n] = target
+            pos[row, at:at + n] = np.arange(n)
+            at += n
+        pos[row, at:] = np.arange(seq_len - at)
+    return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(pos)
