@@ -36,7 +36,8 @@ def train_and_compare(data: str, out: Path, model: list[str], layout: Layout, dp
     eager's, but for at most `stray` of them, within 1e-4."""
     m = GBS // (MBS * dp)
     overrides = sizes or {}
-    length = [x for k, v in overrides.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    length = [x for k, v in overrides.items() if not isinstance(v, bool)
+              for x in ("--" + k.replace("_", "-"), str(v))]  # a flag (--pack) is in `model`
     assert main(["-q", "train", *model, "--size", "tiny", "--data", data, "--out", str(out),
                  *length, *RUN, "--optimizer", optimizer[0], "--lr", str(optimizer[1])]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

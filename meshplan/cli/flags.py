@@ -47,6 +47,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-len", type=int, default=None, metavar="N",
                    help="an encoder-decoder (--hf t5, bart, ...): its targets' length, the "
                    "decoder's (default: --seq-len, the source's)")
+    g.add_argument("--pack", dest="packed", action="store_true", default=None,
+                   help="a transformers causal LM on pairs: pack whole pairs into each row, "
+                   "each attending to its own tokens (position ids restart at each pair)")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the output head shares the token embedding's weight (gpt, --hf)")
     g.add_argument("--experts", type=int, default=None, help="moe: experts per block")
@@ -61,7 +64,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def overrides(a: argparse.Namespace) -> dict:
     keys = ("layers", "heads", "hidden", "seq_len", "vocab", "tie_embeddings", "dropout", "source",
-            "experts", "top_k", "capacity_factor", "target_len")
+            "experts", "top_k", "capacity_factor", "target_len", "packed")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

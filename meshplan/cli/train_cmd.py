@@ -29,9 +29,8 @@ from meshplan.cli.flags import mesh_of, optimizer_config, overrides, strategy_fi
 from meshplan.cli.pictures import draw_training
 from meshplan.cli.train_config import add_config_file_flags, is_config_file, resolve, write_resolved
 from meshplan.costmodel.load import meshplan_home
-from meshplan.data.feed import PAIRED, Layout, TokenFeed
+from meshplan.data.feed import PAIRED, FeedReader, Layout, TokenFeed
 from meshplan.data.prepare import prepare_data
-from meshplan.data.tokens import TokenData
 from meshplan.driver.export import ExportFormat, check_out, export, memory_source
 from meshplan.driver.init_from import is_pretrained_dir, weight_source
 from meshplan.driver.metrics import perplexity, read_metrics
@@ -48,6 +47,7 @@ from meshplan.driver.train_model import (
     answer_sample,
     fill_sample,
     language_model,
+    pack_fill,
     pair_cuts,
     sample_text,
     sized_config,
@@ -205,6 +205,11 @@ def _language_model(a: argparse.Namespace, data_dir: str):
 
 def _user_model(a: argparse.Namespace, data_dir: str):
     """The user's module (`--module`), and its Jobs."""
+    sized = sorted(k for k in overrides(a) if k != "seq_len")
+    if sized:
+        flag = {"packed": "pack"}.get(sized[0], sized[0]).replace("_", "-")
+        raise ConfigError(f"--module {a.module}: --{flag} shapes a model meshplan builds (--hf, "
+                          "--model), and your factory builds this one: leave it out")
     fields = strategy_fields(a)
     fields.setdefault("layer_pattern", DERIVED)
     if a.tp > 1:
@@ -257,6 +262,8 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                "mfu": median([m["mfu"] for m in r.metrics] or [0.0]), "exports": exports}
     if Layout(feed.layout) in PAIRED:
         summary["cut"] = pair_cuts(feed)
+    if Layout(feed.layout) is Layout.PACKED_SHIFTED:
+        summary["packed"] = pack_fill(feed)
     if a.sample_tokens and Layout(feed.layout) in PAIRED and _can_generate(lm.module):
         summary["answer"] = answer_sample(lm.module, feed, a.sample_tokens)
     elif a.sample_tokens and feed.mask_id >= 0:
@@ -307,6 +314,9 @@ def print_summary(s: dict) -> None:
             f"{c['pairs']:.1%} (source and target longer than the row)" if "pairs" in c else
             f"{c['sources']:.1%} of sources (--seq-len), {c['targets']:.1%} of targets "
             "(--target-len)"))
+    if "packed" in s:
+        print(f"pairs packed: {s['packed']['pairs_per_row']:.2f} a row, "
+              f"{s['packed']['filled']:.1%} of the row's positions real tokens")
     if "answer" in s:
         print("sample (a validation pair: its source, the model's answer, the target):")
         for key in ("source", "answer", "target"):
@@ -392,9 +402,10 @@ def _check(a: argparse.Namespace) -> None:
 
 
 def _check_validation(feed, batches: int, gbs: int) -> None:
-    n = (len(TokenData(feed.data_dir, "validation").tokens) - 1) // feed.seq_len
+    n = FeedReader(feed, gbs, 1).samples()
     if n < batches * gbs:
-        raise ConfigError(f"the validation split of {feed.data_dir} has {n} samples of "
+        raise ConfigError(f"the validation split of {feed.data_dir} has {n} "
+                          f"{'rows of pairs' if feed.layout in PAIRED else 'samples'} of "
                           f"seq_len {feed.seq_len}; --eval-batches {batches} x global batch "
                           f"{gbs} needs {batches * gbs}. Lower --eval-batches, or prepare the "
                           "data with a larger --val-fraction")

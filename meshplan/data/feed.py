@@ -117,6 +117,13 @@ class FeedReader:
     def rows_read(self) -> int:
         return self.reader.rows_read
 
+    def samples(self) -> int:
+        """The rows one pass over the split makes: windows of text, pairs,
+        or the rows the first epoch packs its pairs into."""
+        if isinstance(self.reader, PackedPairReader):
+            return self.reader.rows_in_epoch(0)
+        return self.reader.num_samples
+
     def microbatches(self, step: int, rows: tuple[int, int] | None = None) -> list[tuple]:
         """Step `step`'s micro-batches: rows `[lo, hi)` of each (all of them
         when `rows` is None); [] per micro-batch for `rows` () (no data)."""

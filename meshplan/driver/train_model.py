@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from meshplan.data.feed import FeedReader, Layout, TokenFeed
-from meshplan.data.pairs import cut_shares
+from meshplan.data.pairs import PackedPairReader, cut_shares
 from meshplan.data.tokenizer import load_tokenizer, special_token
 from meshplan.data.tokens import TokenData, read_index
 from meshplan.driver.capture_check import checked_capture
@@ -129,6 +129,10 @@ def layout_of(model: str, cfg, data_dir: str | None = None) -> Layout:
     model's, reads a pair as a causal LM does)."""
     text = _ZOO_LAYOUTS.get(model) or _TASK_LAYOUTS[task_of(cfg)]
     if data_dir is None or "pairs" not in read_index(data_dir):
+        if data_dir is not None and getattr(cfg, "packed", False):
+            raise ConfigError(f"--pack packs pairs into rows; {data_dir} holds text, whose rows "
+                              "are full windows already: leave --pack out, or prepare pairs "
+                              "(--target-field)")
         return text
     if text is Layout.DENOISE and not encoder_decoder(cfg):
         return Layout.JOINED_SHIFTED
@@ -137,7 +141,7 @@ def layout_of(model: str, cfg, data_dir: str | None = None) -> Layout:
                           "LM, which learns from text; prepare the data without "
                           "--target-field, or train a causal LM or an encoder-decoder "
                           "(e.g. --hf t5) on the pairs")
-    return _ON_PAIRS[text]
+    return Layout.PACKED_SHIFTED if getattr(cfg, "packed", False) else _ON_PAIRS[text]
 
 
 def written_id(data_dir: str, layout: Layout) -> int:
@@ -161,9 +165,34 @@ def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimiz
     eval_job = plan_forward(capture_zoo(cfg, s.micro_batch_size * s.dp, s.precision), mesh, s)
     torch.manual_seed(seed)
     written = written_id(data_dir, layout)
-    return LanguageModel(cfg.seq_len, build_model(cfg), job, eval_job, layout,
+    module = build_model(cfg)
+    if layout is Layout.PACKED_SHIFTED:
+        _check_packing(module, model)
+    return LanguageModel(cfg.seq_len, module, job, eval_job, layout,
                          written if layout in MASKING else -1,
                          written if layout is Layout.SOURCE_TARGET else -1, cfg.target_len)
+
+
+def _check_packing(module: torch.nn.Module, model: str) -> None:
+    """One line unless `module` keeps each pair of a packed row to itself:
+    the logits of a pair packed after another are its logits alone."""
+    hf = module.model  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(0)
+    vocab = hf.get_input_embeddings().num_embeddings
+    first, second = (torch.randint(1, vocab, (1, n), generator=gen) for n in (5, 6))
+    was = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            row = hf(input_ids=torch.cat([first, second], 1), position_ids=torch.cat(
+                [torch.arange(5), torch.arange(6)])[None]).logits[0, 5:]
+            alone = hf(input_ids=second, position_ids=torch.arange(6)[None]).logits[0]
+    finally:
+        module.train(was)
+    if not torch.allclose(row, alone, rtol=1e-4, atol=1e-4):
+        raise ConfigError(f"--pack: {model} attends across the pairs of a row (its attention "
+                          "does not follow position ids that restart at each pair); leave "
+                          "--pack out")
 
 
 def user_model(path: str, data_dir: str, seq_len: int, mesh, strategy, optimizer,
@@ -303,12 +332,24 @@ def pair_cuts(feed: TokenFeed) -> dict[str, float]:
     return cut_shares(TokenData(feed.data_dir, "train"), feed.seq_len, feed.target_len, budget)
 
 
+def pack_fill(feed: TokenFeed) -> dict[str, float]:
+    """How full packing makes the training rows (its first epoch): pairs a
+    row, and the share of positions that hold a pair's token, not padding."""
+    reader = PackedPairReader(TokenData(feed.data_dir, "train"), feed.seq_len, feed.seed)
+    rows = reader.rows_in_epoch(0)
+    tokens = int(np.minimum(reader.lengths, feed.seq_len).sum())
+    return {"pairs_per_row": len(reader.lengths) / rows, "filled": tokens / (rows * feed.seq_len)}
+
+
 def answer_sample(module, feed: TokenFeed, new_tokens: int) -> dict:
     """A model trained on pairs answering the validation split's first
     source (eager PyTorch, greedy, up to `new_tokens` tokens or eod): an
-    encoder-decoder from the source as trained, a causal LM after it.
+    encoder-decoder from the source as trained, a causal LM after it (a
+    packed one as a pair alone is laid out).
     {"source", "answer", "target"}: texts."""
     tok = load_tokenizer(feed.data_dir)
+    if Layout(feed.layout) is Layout.PACKED_SHIFTED:
+        feed = replace(feed, layout=Layout.JOINED_SHIFTED)
     reader = FeedReader(replace(feed, split="validation", shuffle=False), 1, 1)
     (x, labels), = reader.microbatches(0)
     source, target = reader.reader.read([0])[0]  # type: ignore[union-attr]

@@ -103,7 +103,9 @@ class HFLoss(nn.Module):
     mask, as a real batch comes with one: under export, T5's kind (LongT5)
     makes none of its own and fails without it. The mask keeps every token,
     or with `pad_id` (paired data, `data/pairs.py`) every token but the
-    source's padding."""
+    source's padding. Packed rows (`--pack`, `data/pairs.py`) come with
+    position ids that restart at each pair, from which transformers masks
+    each token's attention to its own pair."""
 
     def __init__(self, model: nn.Module, masked: bool = False, pad_id: int = -1):
         super().__init__()
@@ -111,11 +113,14 @@ class HFLoss(nn.Module):
         self.masked = masked
         self.pad_id = pad_id
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The model's own loss of predicting `labels` from `input_ids`."""
         if self.masked:
             return self.model(input_ids=input_ids, labels=labels,
                               attention_mask=self.attention_mask(input_ids)).loss
+        if position_ids is not None:
+            return self.model(input_ids=input_ids, labels=labels, position_ids=position_ids).loss
         return self.model(input_ids=input_ids, labels=labels).loss
 
     def attention_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -558,13 +563,18 @@ def attention_of(cfg) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels): next-token data for a causal LM; masked tokens
-    (15%, id 0) for a masked LM, labelled only where masked, and for an
-    encoder-decoder, which reconstructs the whole sequence (with a
-    `target_len` of its own, learns random tokens of that length)."""
+def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(input_ids, labels): next-token data for a causal LM (`packed`: and
+    position ids of two pairs a row); masked tokens (15%, id 0) for a
+    masked LM, labelled only where masked, and for an encoder-decoder,
+    which reconstructs the whole sequence (with a `target_len` of its own,
+    learns random tokens of that length)."""
     ids = torch.randint(1, cfg.vocab, (batch_size, cfg.seq_len), generator=gen)
     task = task_of(cfg)
+    if task == CAUSAL and cfg.packed:  # two pairs a row, the second from a third of it on
+        cut = cfg.seq_len // 3
+        pos = torch.arange(cfg.seq_len).repeat(batch_size, 1)
+        return ids, ids.clone(), torch.where(pos < cut, pos, pos - cut)
     if task == CAUSAL:
         return ids, ids.clone()
     mask = torch.rand(batch_size, cfg.seq_len, generator=gen) < 0.15

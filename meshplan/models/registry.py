@@ -59,6 +59,7 @@ class ModelConfig:
     source: str = ""  # hf: a `save_pretrained` directory whose config.json is the model's
     pad_id: int = -1  # hf encoder-decoder on pairs: the id sources are padded with, -1: none
     target_len: int = 0  # hf encoder-decoder: its labels' length (the decoder's); 0: seq_len
+    packed: bool = False  # hf causal LM: its batch has position ids restarting at each pair
 
 
 def _transformer(model: str, layers: int, heads: int, hidden: int,
@@ -115,7 +116,7 @@ PRESETS: dict[str, dict[str, ModelConfig]] = {
 _TRANSFORMER_KEYS = frozenset({"layers", "heads", "hidden", "seq_len", "vocab", "dropout"})
 _RESNET_KEYS = frozenset({"hidden", "width", "image_size", "num_classes", "blocks"})
 _GPT_KEYS = _TRANSFORMER_KEYS | {"tie_embeddings"}
-_HF_KEYS = _GPT_KEYS | {"target_len"}
+_HF_KEYS = _GPT_KEYS | {"target_len", "packed"}
 _MOE_KEYS = (_TRANSFORMER_KEYS - {"dropout"}) | {"experts", "top_k", "capacity_factor"}
 _ALLOWED = {"gpt": _GPT_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS,
             "moe": _MOE_KEYS}
@@ -146,6 +147,10 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
     given = {k: v for k, v in overrides.items() if v is not None}
     allowed = _ALLOWED[model]
     for key in given:
+        if key == "packed" and key not in allowed:
+            raise ConfigError(f"--pack packs pairs into the rows of a transformers causal LM "
+                              f"(--hf TYPE), whose position ids keep each pair to itself; "
+                              f"{model} has none: leave --pack out")
         if key not in allowed:
             raise ConfigError(
                 f"{model}: override {key!r} does not apply to {model}; "
@@ -175,6 +180,10 @@ def _hf_config(model: str, size: str, overrides: dict) -> ModelConfig:
     if cfg.target_len and not hf.encoder_decoder(cfg):
         raise ConfigError(f"--target-len sets an encoder-decoder's target length; {cfg.model} "
                           "is not one (its labels are as long as its inputs): leave it out")
+    if cfg.packed and hf.task_of(cfg) != hf.CAUSAL:
+        raise ConfigError(f"--pack packs pairs into a causal LM's rows; {cfg.model} is "
+                          f"{'an encoder-decoder' if hf.encoder_decoder(cfg) else 'not one'}: "
+                          "leave --pack out")
     return cfg
 
 
@@ -313,7 +322,8 @@ def batch_spec(
         size = cfg.image_size
         return ((batch_size, 3, size, size), torch.float32), ((batch_size,), torch.long)
     shape = (batch_size, cfg.seq_len)
-    return (shape, torch.long), ((batch_size, cfg.target_len or cfg.seq_len), torch.long)
+    return ((shape, torch.long), ((batch_size, cfg.target_len or cfg.seq_len), torch.long),
+            *([(shape, torch.long)] if cfg.packed else []))
 
 
 def layer_pattern(cfg: ModelConfig) -> str:
