@@ -166,8 +166,9 @@ def _transformers():
 
 
 CONFIG_FILE = "config.json"  # transformers' config in a save_pretrained directory
-_SIZE_FIELDS = {"layers": ("num_hidden_layers", "n_layer", "num_layers"),
-                "heads": ("num_attention_heads", "n_head", "num_heads"),
+_SIZE_FIELDS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
+                "heads": ("num_attention_heads", "n_head", "num_heads",
+                          "encoder_attention_heads"),
                 "hidden": ("hidden_size", "n_embd", "d_model"),
                 "vocab": ("vocab_size",)}
 _POSITIONS = ("max_position_embeddings", "n_positions")
@@ -188,6 +189,20 @@ def saved_config(path: str) -> dict:
     return conf
 
 
+def _saved_size(conf: dict, names: tuple[str, ...]) -> tuple[str, int] | None:
+    """(name, value) of the first of `names` a saved config sets to an
+    integer: its own fields first, then its text sub-config's (a multimodal
+    model's `text_config`), then any other sub-config's; None if none does."""
+    subs = [conf, conf.get("text_config")] + [v for k, v in conf.items() if k != "text_config"
+                                              and isinstance(v, dict) and "model_type" in v]
+    for sub in (s for s in subs if isinstance(s, dict)):
+        for name in names:
+            value = sub.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return name, value
+    return None
+
+
 def saved_fields(path: str, model: str, size: str, given: dict) -> dict:
     """The ModelConfig fields of the model saved in `path`: sizes from its
     config.json; `given` sizes must agree with it; `model` ("hf:" alone, or
@@ -200,16 +215,16 @@ def saved_fields(path: str, model: str, size: str, given: dict) -> dict:
                           "config says what the model is)")
     sizes = {}
     for key, names in _SIZE_FIELDS.items():
-        name = next((n for n in names if isinstance(conf.get(n), int)), None)
-        if name is None:
+        found = _saved_size(conf, names)
+        if found is None:
             raise ConfigError(f"{Path(path) / CONFIG_FILE} has no {' or '.join(names)}; "
                               "meshplan reads a transformer's sizes from it")
-        sizes[key] = conf[name]
-        if given.get(key, conf[name]) != conf[name]:
-            raise ConfigError(f"--{key} {given[key]} differs from {name} {conf[name]} in "
+        name, sizes[key] = found
+        if given.get(key, sizes[key]) != sizes[key]:
+            raise ConfigError(f"--{key} {given[key]} differs from {name} {sizes[key]} in "
                               f"{Path(path) / CONFIG_FILE}; leave --{key} out (the saved "
                               "model's own size is used)")
-    longest = next((conf[n] for n in _POSITIONS if isinstance(conf.get(n), int)), None)
+    longest = (_saved_size(conf, _POSITIONS) or (None, None))[1]
     seq_len = given.get("seq_len") or preset(conf["model_type"], size)["seq_len"]
     if longest is not None:
         for key in ("seq_len", "target_len"):

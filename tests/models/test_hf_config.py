@@ -235,3 +235,25 @@ def test_a_non_finite_float_of_a_config_is_a_float_again():
                               "d": {"__float__": 1, "e": 2}})
     assert got["a"] == [0.0, float("inf")] and got["b"] == float("-inf")
     assert got["c"] != got["c"] and got["d"] == {"__float__": 1, "e": 2}
+
+
+def test_a_saved_configs_sizes_are_read_where_its_type_keeps_them(tmp_path):
+    """BART's `encoder_layers` and `d_model`; a multimodal model's sizes in
+    its `text_config` (gemma3), read as the run's sizes."""
+    import json
+
+    bart = {"model_type": "bart", "encoder_layers": 3, "decoder_layers": 3,
+            "encoder_attention_heads": 4, "d_model": 64, "vocab_size": 300,
+            "max_position_embeddings": 128}
+    gemma3 = {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "num_hidden_layers": 2, "num_attention_heads": 4,
+        "hidden_size": 32, "vocab_size": 400, "max_position_embeddings": 96},
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 7}}
+    for name, conf, want in (("bart", bart, (3, 4, 64, 300)), ("gemma3", gemma3, (2, 4, 32, 400))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(conf))
+        got = hf.saved_fields(str(tmp_path / name), "hf:", "tiny", {})
+        assert (got["layers"], got["heads"], got["hidden"], got["vocab"]) == want
+        assert got["seq_len"] <= conf.get("max_position_embeddings", 96)
+    with pytest.raises(ConfigError, match="differs from encoder_layers 3"):
+        hf.saved_fields(str(tmp_path / "bart"), "hf:", "tiny", {"layers": 2})
