@@ -25,7 +25,8 @@ Invariants:
   the pair's own tokens; the row's tail is eod, unlabelled, positions of a
   document of its own. Row `r` is a pure function of (seed, r): each rank
   packs the epochs up to the one it reads (one pass over the pairs'
-  lengths each, cached).
+  lengths each; the rows of every epoch and the starts of the last two
+  are kept, so memory does not grow with the run).
 - Reads touch only the pages of the pairs asked for, then release them
   (`TokenData.release`).
 """
@@ -99,36 +100,45 @@ class PackedPairReader:
         self.lengths = pair_lengths(data)
         sample_ids([], len(self.lengths), seed)  # no pairs: one line, as the others read
         self.seq_len, self.seed, self.shuffle = seq_len, seed, shuffle
-        self.starts: list[np.ndarray] = []  # each packed epoch's row starts
-        self.first_rows = [0]  # the global row each epoch starts at (one more: the next's)
+        self.first_rows = [0]  # the global row each epoch packed so far starts at, and the next
+        self._starts: dict[int, np.ndarray] = {}  # the row starts of the last epochs used
         self.rows_read = 0
         self.last_ids = np.empty(0, dtype=np.int64)
 
-    def _locate(self, row: int) -> tuple[int, int]:
-        """(epoch, row within it) of global row `row`, packing epochs as needed."""
-        n = len(self.lengths)
-        while self.first_rows[-1] <= row:
-            e = len(self.starts)
+    def _starts_of(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s row starts (kept for the last two epochs used:
+        memory does not grow with the run)."""
+        if epoch not in self._starts:
+            n = len(self.lengths)
             order = np.arange(n, dtype=np.int64)
             if self.shuffle:
-                order = permute(order, n, self.seed, e)
-            self.starts.append(pack_rows(self.lengths[order], self.seq_len))
-            self.first_rows.append(self.first_rows[-1] + len(self.starts[-1]) - 1)
+                order = permute(order, n, self.seed, epoch)
+            if len(self._starts) >= 2:
+                del self._starts[min(self._starts)]
+            self._starts[epoch] = pack_rows(self.lengths[order], self.seq_len)
+        return self._starts[epoch]
+
+    def _locate(self, row: int) -> tuple[int, int]:
+        """(epoch, row within it) of global row `row`, packing epochs as needed."""
+        while self.first_rows[-1] <= row:
+            self.rows_in_epoch(len(self.first_rows) - 1)
         e = int(np.searchsorted(self.first_rows, row, side="right")) - 1
         return e, row - self.first_rows[e]
 
     def rows_in_epoch(self, epoch: int = 0) -> int:
         """The rows epoch `epoch` packs into."""
-        while len(self.starts) <= epoch:
-            self._locate(self.first_rows[-1])
-        return len(self.starts[epoch]) - 1
+        while len(self.first_rows) <= epoch + 1:
+            e = len(self.first_rows) - 1
+            self.first_rows.append(self.first_rows[-1] + len(self._starts_of(e)) - 1)
+        return self.first_rows[epoch + 1] - self.first_rows[epoch]
 
     def read(self, positions) -> list[list[tuple[np.ndarray, np.ndarray]]]:
         """The pairs of the rows at global `positions`."""
         spans = []
         for p in np.asarray(positions, dtype=np.int64).tolist():
             e, r = self._locate(p)
-            lo, hi = self.starts[e][r], self.starts[e][r + 1]
+            starts = self._starts_of(e)
+            lo, hi = starts[r], starts[r + 1]
             spans.append(e * len(self.lengths) + np.arange(lo, hi, dtype=np.int64))
         flat = self.pairs.read(np.concatenate(spans)) if spans else []
         self.last_ids = self.pairs.last_ids
