@@ -29,7 +29,7 @@ from meshplan.cli.flags import mesh_of, optimizer_config, overrides, strategy_fi
 from meshplan.cli.pictures import draw_training
 from meshplan.cli.train_config import add_config_file_flags, is_config_file, resolve, write_resolved
 from meshplan.costmodel.load import meshplan_home
-from meshplan.data.feed import PAIRED, FeedReader, Layout, TokenFeed
+from meshplan.data.feed import PACKED, PAIRED, FeedReader, Layout, TokenFeed
 from meshplan.data.prepare import prepare_data
 from meshplan.driver.export import ExportFormat, check_out, export, memory_source
 from meshplan.driver.init_from import is_pretrained_dir, weight_source
@@ -262,7 +262,7 @@ def _run(a, lm, feed, eval_feed, steps: int, data_dir: str, resume_from: str = "
                "mfu": median([m["mfu"] for m in r.metrics] or [0.0]), "exports": exports}
     if Layout(feed.layout) in PAIRED:
         summary["cut"] = pair_cuts(feed)
-    if Layout(feed.layout) is Layout.PACKED_SHIFTED:
+    if Layout(feed.layout) in PACKED:
         summary["packed"] = pack_fill(feed)
     if a.sample_tokens and Layout(feed.layout) in PAIRED and _can_generate(lm.module):
         summary["answer"] = answer_sample(lm.module, feed, a.sample_tokens)

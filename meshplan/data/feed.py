@@ -17,8 +17,8 @@ Invariants:
   (`data/masking.py`), so it too is the same whatever the layout.
 - Paired data (`prepare-data --target-field`) feeds only the paired layouts
   (`PAIRED`) and token data only the others: a mismatch is one line.
-- A micro-batch is (inputs, labels), and packed (`PACKED_SHIFTED`) also
-  the position ids, the model's third input.
+- A micro-batch is (inputs, labels), and packed (`PACKED`) also the
+  position ids, the model's third input.
 """
 
 from __future__ import annotations
@@ -49,10 +49,13 @@ class Layout(StrEnum):
     JOINED = "joined"  # source then target, the target's next tokens labelled (the zoo)
     JOINED_SHIFTED = "joined-shifted-by-model"  # the same labelled in place (transformers)
     # whole pairs packed into each row, with position ids that restart at each (`--pack`)
-    PACKED_SHIFTED = "packed-shifted-by-model"
+    PACKED = "packed"  # the targets' next tokens labelled (the zoo)
+    PACKED_SHIFTED = "packed-shifted-by-model"  # labelled in place (transformers)
 
 
-PAIRED = (Layout.SOURCE_TARGET, Layout.JOINED, Layout.JOINED_SHIFTED, Layout.PACKED_SHIFTED)
+PAIRED = (Layout.SOURCE_TARGET, Layout.JOINED, Layout.JOINED_SHIFTED, Layout.PACKED,
+          Layout.PACKED_SHIFTED)
+PACKED = (Layout.PACKED, Layout.PACKED_SHIFTED)
 
 
 def token_batch(samples: torch.Tensor, layout: Layout, positions: np.ndarray | None = None,
@@ -106,7 +109,7 @@ class FeedReader:
                 f"model reads {'pairs' if self.layout in PAIRED else 'text'} ({self.layout}); "
                 "prepare the data with --target-field for pairs, without it for text")
         kind = SampleReader if not self.data.pairs else \
-            PackedPairReader if self.layout is Layout.PACKED_SHIFTED else PairReader
+            PackedPairReader if self.layout in PACKED else PairReader
         self.reader: SampleReader | PairReader | PackedPairReader = kind(
             self.data, feed.seq_len, feed.seed, shuffle=feed.shuffle)
         self.noise = Noise(feed.mask_id, self.data.vocab_size, self.data.eod, feed.mask_rate,
@@ -143,7 +146,8 @@ class FeedReader:
         if isinstance(self.reader, SampleReader):
             return token_batch(self.reader.read(positions), self.layout, positions, self.noise)
         if isinstance(self.reader, PackedPairReader):
-            return packed(self.reader.read(positions), self.feed.seq_len, self.data.eod)
+            return packed(self.reader.read(positions), self.feed.seq_len, self.data.eod,
+                          shifted=self.layout is Layout.PACKED_SHIFTED)
         pairs = self.reader.read(positions)
         if self.layout is Layout.SOURCE_TARGET:
             return source_target(pairs, self.feed.seq_len, self.feed.pad_id,

@@ -18,15 +18,17 @@ Invariants:
   padded with eod; only the target's tokens are labelled. The source is
   cut first, to no less than half the row, so every row labels at least
   one token: a micro-batch never averages its loss over nothing.
-- `PACKED_SHIFTED` (a transformers causal LM, `--pack`): each row holds
+- `PACKED` / `PACKED_SHIFTED` (a causal LM, `--pack`): each row holds
   whole pairs, next-fit in the seeded order of each epoch (`pack_rows`),
-  each laid out and cut as in `JOINED_SHIFTED`, with position ids that
-  restart at 0 at each pair, from which transformers masks attention to
-  the pair's own tokens; the row's tail is eod, unlabelled, positions of a
-  document of its own. Row `r` is a pure function of (seed, r): each rank
-  packs the epochs up to the one it reads (one pass over the pairs'
-  lengths each; the rows of every epoch and the starts of the last two
-  are kept, so memory does not grow with the run).
+  each laid out and cut as in `JOINED_SHIFTED` (a row of `seq_len`, labels
+  the next tokens for the zoo's GPT), with position ids that restart at 0
+  at each pair, from which the model masks attention to the pair's own
+  tokens (transformers; the zoo's `gpt.pair_mask`); the row's tail is
+  eod, unlabelled, positions of a document of its own. Row `r` is a pure
+  function of (seed, r): each rank packs the epochs up to the one it
+  reads (one pass over the pairs' lengths each; the rows of every epoch
+  and the starts of the last two are kept, so memory does not grow with
+  the run).
 - Reads touch only the pages of the pairs asked for, then release them
   (`TokenData.release`).
 """
@@ -220,11 +222,12 @@ def joined(pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, eod: int,
     return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
 
 
-def packed(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, eod: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A transformers causal LM's (inputs, labels, position ids) of packed
-    rows: each pair source then target, labelled in place on the target,
-    its positions from 0; the tail eod, unlabelled (the module docstring)."""
+def packed(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, eod: int,
+           shifted: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A causal LM's (inputs, labels, position ids) of packed rows: each
+    pair source then target, labelled on the target (in place, `shifted`:
+    a transformers model shifts them; else the next tokens), its positions
+    from 0; the tail eod, unlabelled (the module docstring)."""
     x = np.full((len(rows), seq_len), eod, dtype=np.int64)
     y = np.full(x.shape, IGNORE_INDEX, dtype=np.int64)
     pos = np.zeros(x.shape, dtype=np.int64)
@@ -239,4 +242,7 @@ def packed(rows: list[list[tuple[np.ndarray, np.ndarray]]], seq_len: int, eod: i
             pos[row, at:at + n] = np.arange(n)
             at += n
         pos[row, at:] = np.arange(seq_len - at)
+    if not shifted:  # position i predicts token i + 1 where that is a target token: a pair
+        # begins with its source (at least its eod), so i is of the same pair
+        y = np.concatenate([y[:, 1:], np.full((len(rows), 1), IGNORE_INDEX)], axis=1)
     return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(pos)

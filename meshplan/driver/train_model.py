@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshplan.data.feed import FeedReader, Layout, TokenFeed
+from meshplan.data.feed import PACKED, FeedReader, Layout, TokenFeed
 from meshplan.data.pairs import PackedPairReader, cut_shares
 from meshplan.data.tokenizer import load_tokenizer, special_token
 from meshplan.data.tokens import TokenData, read_index
@@ -141,7 +141,9 @@ def layout_of(model: str, cfg, data_dir: str | None = None) -> Layout:
                           "LM, which learns from text; prepare the data without "
                           "--target-field, or train a causal LM or an encoder-decoder "
                           "(e.g. --hf t5) on the pairs")
-    return Layout.PACKED_SHIFTED if getattr(cfg, "packed", False) else _ON_PAIRS[text]
+    if getattr(cfg, "packed", False):
+        return Layout.PACKED if text is Layout.NEXT_TOKEN else Layout.PACKED_SHIFTED
+    return _ON_PAIRS[text]
 
 
 def written_id(data_dir: str, layout: Layout) -> int:
@@ -166,7 +168,7 @@ def language_model(model: str, size: str, data_dir: str, mesh, strategy, optimiz
     torch.manual_seed(seed)
     written = written_id(data_dir, layout)
     module = build_model(cfg)
-    if layout is Layout.PACKED_SHIFTED:
+    if layout is Layout.PACKED_SHIFTED:  # a transformers type (the zoo's GPT: `pair_mask`)
         _check_packing(module, model)
     return LanguageModel(cfg.seq_len, module, job, eval_job, layout,
                          written if layout in MASKING else -1,
@@ -348,8 +350,9 @@ def answer_sample(module, feed: TokenFeed, new_tokens: int) -> dict:
     packed one as a pair alone is laid out).
     {"source", "answer", "target"}: texts."""
     tok = load_tokenizer(feed.data_dir)
-    if Layout(feed.layout) is Layout.PACKED_SHIFTED:
-        feed = replace(feed, layout=Layout.JOINED_SHIFTED)
+    if Layout(feed.layout) in PACKED:  # a pair alone
+        feed = replace(feed, layout=Layout.JOINED_SHIFTED if Layout(feed.layout) is
+                       Layout.PACKED_SHIFTED else Layout.JOINED)
     reader = FeedReader(replace(feed, split="validation", shuffle=False), 1, 1)
     (x, labels), = reader.microbatches(0)
     source, target = reader.reader.read([0])[0]  # type: ignore[union-attr]

@@ -13,6 +13,10 @@ Invariants:
   first and the last stage (docs/concepts/sbp.md, shared parameters).
 - `forward(tokens, targets)` returns the scalar mean cross-entropy loss and
   has no Python control flow on tensor values, so it captures to one graph.
+- Packed rows (`--pack`, `data/pairs.py`) come with `positions`, which
+  restart at 0 at each pair: they index `wpe`, and attention is causal
+  within each pair only (`pair_mask`), so a packed pair computes what it
+  would alone.
 """
 
 from __future__ import annotations
@@ -36,15 +40,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attend over the sequence; `x` is (B, T, hidden)."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend over the sequence; `x` is (B, T, hidden); `mask` (B, 1, T, T),
+        True where a query may attend a key, replaces the causal mask."""
         batch, seq, hidden = x.shape
         # Head-major view: each head's q, k, v sit next to each other, so a
         # column split of qkv over ranks never cuts a head in two.
         qkv = self.qkv(x).view(batch, seq, self.heads, 3 * self.head_dim)
         q, k, v = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                           is_causal=self.causal and mask is None)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
 
 
@@ -73,9 +79,9 @@ class Block(nn.Module):
         self.mlp = MLP(hidden)
         self.drop2 = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply both residual sub-layers."""
-        x = x + self.drop1(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply both residual sub-layers (`mask`: the attention's, packed rows)."""
+        x = x + self.drop1(self.attn(self.ln1(x), mask))
         return x + self.drop2(self.mlp(self.ln2(x)))
 
 
@@ -96,18 +102,32 @@ class GPT(nn.Module):
             self.head.weight = self.wte.weight
         init_weights(self)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Return mean cross-entropy of predicting `targets` from `tokens` (both B, T)."""
-        logits = self.logits(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Return mean cross-entropy of predicting `targets` from `tokens` (both
+        B, T; `positions` of packed rows, see the module docstring)."""
+        logits = self.logits(tokens, positions)
         return F.cross_entropy(logits.view(-1, self.vocab), targets.view(-1))
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """The next-token logits (B, T, vocab) of `tokens` (B, T)."""
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        mask = None if positions is None else pair_mask(positions)
+        pos = torch.arange(tokens.shape[1], device=tokens.device) if positions is None \
+            else positions
         x = self.drop(self.wte(tokens) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.head(self.ln_f(x))
+
+
+def pair_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) True where query i may attend key j: j <= i, in i's pair
+    (a pair starts where `positions` (B, T) is 0)."""
+    pair = torch.cumsum(positions == 0, dim=1)
+    seq = positions.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return ((pair[:, :, None] == pair[:, None, :]) & causal)[:, None]
 
 
 def init_weights(model: nn.Module) -> None:

@@ -578,6 +578,14 @@ def attention_of(cfg) -> str:
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
 
 
+def packed_positions(seq_len: int, batch_size: int) -> torch.Tensor:
+    """Position ids of packed rows for a model's example batch: two pairs a
+    row, the second from a third of it on."""
+    cut = seq_len // 3
+    pos = torch.arange(seq_len).repeat(batch_size, 1)
+    return torch.where(pos < cut, pos, pos - cut)
+
+
 def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """(input_ids, labels): next-token data for a causal LM (`packed`: and
     position ids of two pairs a row); masked tokens (15%, id 0) for a
@@ -586,10 +594,8 @@ def hf_batch(cfg, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, 
     learns random tokens of that length)."""
     ids = torch.randint(1, cfg.vocab, (batch_size, cfg.seq_len), generator=gen)
     task = task_of(cfg)
-    if task == CAUSAL and cfg.packed:  # two pairs a row, the second from a third of it on
-        cut = cfg.seq_len // 3
-        pos = torch.arange(cfg.seq_len).repeat(batch_size, 1)
-        return ids, ids.clone(), torch.where(pos < cut, pos, pos - cut)
+    if task == CAUSAL and cfg.packed:
+        return ids, ids.clone(), packed_positions(cfg.seq_len, batch_size)
     if task == CAUSAL:
         return ids, ids.clone()
     mask = torch.rand(batch_size, cfg.seq_len, generator=gen) < 0.15

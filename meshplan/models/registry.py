@@ -118,7 +118,7 @@ _RESNET_KEYS = frozenset({"hidden", "width", "image_size", "num_classes", "block
 _GPT_KEYS = _TRANSFORMER_KEYS | {"tie_embeddings"}
 _HF_KEYS = _GPT_KEYS | {"target_len", "packed"}
 _MOE_KEYS = (_TRANSFORMER_KEYS - {"dropout"}) | {"experts", "top_k", "capacity_factor"}
-_ALLOWED = {"gpt": _GPT_KEYS, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS,
+_ALLOWED = {"gpt": _GPT_KEYS | {"packed"}, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS,
             "moe": _MOE_KEYS}
 
 
@@ -148,9 +148,9 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
     allowed = _ALLOWED[model]
     for key in given:
         if key == "packed" and key not in allowed:
-            raise ConfigError(f"--pack packs pairs into the rows of a transformers causal LM "
-                              f"(--hf TYPE), whose position ids keep each pair to itself; "
-                              f"{model} has none: leave --pack out")
+            raise ConfigError(f"--pack packs pairs into the rows of a causal LM (--model gpt, "
+                              f"or a transformers one: --hf TYPE); {model} is not one: leave "
+                              "--pack out")
         if key not in allowed:
             raise ConfigError(
                 f"{model}: override {key!r} does not apply to {model}; "
@@ -303,7 +303,8 @@ def example_batch(
     if cfg.model in ("gpt", "moe"):
         # One (T + 1)-long stream per row gives consistent next-token targets.
         stream = markov_tokens(cfg.vocab, batch_size, cfg.seq_len + 1, gen)
-        batch = (stream[:, :-1].contiguous(), stream[:, 1:].contiguous())
+        batch = (stream[:, :-1].contiguous(), stream[:, 1:].contiguous(),
+                 *([hf.packed_positions(cfg.seq_len, batch_size)] if cfg.packed else []))
     elif cfg.model == "bert":
         tokens = markov_tokens(cfg.vocab, batch_size, cfg.seq_len, gen)
         batch = mlm_batch(tokens, gen)

@@ -51,11 +51,17 @@ def test_a_packed_row_lays_out_each_pair_as_a_joined_row_does():
         [6, 7, 8, EOD]
     assert pos[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
     assert (x[0, 12:] == EOD).all() and (y[0, 12:] == IGNORE_INDEX).all()
-    # each pair, cut out at its positions, is its joined row's start
+    # each pair, cut out at its positions, is its joined row's start; the
+    # zoo's labels (the next tokens) too, never the next pair's first token
+    nx, ny, npos = packed([[a, b], [b]], 16, EOD, shifted=False)
+    assert torch.equal(nx, x) and torch.equal(npos, pos)
+    assert ny[0, :12].tolist() == [IGNORE_INDEX] * 2 + [3, 4, EOD] + [IGNORE_INDEX] * 2 + \
+        [6, 7, 8, EOD, IGNORE_INDEX]
     for row, (lo, hi), p in ((0, (0, 6), a), (0, (6, 12), b), (1, (0, 6), b)):
-        jx, jy = joined([p], 16, EOD, shifted=True)
-        assert torch.equal(x[row, lo:hi], jx[0, :hi - lo])
-        assert torch.equal(y[row, lo:hi], jy[0, :hi - lo])
+        for shifted, labels in ((True, y), (False, ny)):
+            jx, jy = joined([p], 16, EOD, shifted=shifted)
+            assert torch.equal(x[row, lo:hi], jx[0, :hi - lo])
+            assert torch.equal(labels[row, lo:hi], jy[0, :hi - lo])
 
 
 def test_a_pair_longer_than_the_row_is_cut_as_a_joined_row_is():

@@ -1,6 +1,6 @@
-"""`meshplan train --pack`: whole pairs packed into each row of a
-transformers causal LM, each pair attending to its own tokens (position ids
-that restart at it); against an eager PyTorch loop reading the same feed
+"""`meshplan train --pack`: whole pairs packed into each row of a causal LM
+(the zoo's GPT, a transformers one), each pair attending to its own tokens
+(position ids that restart at it); against an eager PyTorch loop reading the same feed
 (`tests/train_compare.py`), every loss, evaluation and parameter within
 1e-5 (SGD, as the other pair tests: `test_train_pairs.py`). A model whose
 attention ignores the restarts, and every other misuse, is one line."""
@@ -39,29 +39,33 @@ def data(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, flags, dp", [
-    ("llama", ["--dp", "2", "--tp", "1", "--pp", "1"], 2),
-    ("gpt2", ["--dp", "1", "--tp", "1", "--pp", "2"], 1),
+    (["--hf", "llama"], ["--dp", "2", "--tp", "1", "--pp", "1"], 2),
+    (["--hf", "gpt2"], ["--dp", "1", "--tp", "1", "--pp", "2"], 1),
+    (["--model", "gpt"], ["--dp", "1", "--tp", "2", "--pp", "1"], 1),
 ])
 def test_a_packed_causal_lm_learns_as_eager(data, tmp_path, capsys, model, flags, dp):
-    s = train_and_compare(data, tmp_path / "run", ["--hf", model, "--pack",
-                                                   "--devices-per-node", "2", *flags],
-                          Layout.PACKED_SHIFTED, dp, capsys, optimizer=("sgd", 0.3),
+    layout = Layout.PACKED if model[0] == "--model" else Layout.PACKED_SHIFTED
+    s = train_and_compare(data, tmp_path / "run", [*model, "--pack", "--devices-per-node", "2",
+                                                   *flags],
+                          layout, dp, capsys, optimizer=("sgd", 0.3),
                           sizes={"seq_len": SEQ, "packed": True})
     assert s["packed"]["pairs_per_row"] > 1.5 and 0 < s["packed"]["filled"] <= 1
     assert set(s["answer"]) == {"source", "answer", "target"}
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("model", ["hf:llama", "hf:gpt2", "gpt"])
 def test_a_pair_packed_after_another_computes_as_alone(data, model):
     """The loss of a row of two packed pairs is the mean of each pair's own
     loss, as if each had its row (the labels weigh them by target tokens)."""
     torch.manual_seed(0)
-    module = build_model(sized_config(f"hf:{model}", "tiny", data, {"seq_len": SEQ,
-                                                                     "packed": True})).eval()
+    module = build_model(sized_config(model, "tiny", data, {"seq_len": SEQ,
+                                                            "packed": True})).eval()
     gen = torch.Generator().manual_seed(1)
     a, b = (torch.randint(0, 256, (1, n), generator=gen) for n in (20, 30))
     la, lb = a.clone(), b.clone()
     la[:, :8] = lb[:, :12] = -100  # the sources
+    if model == "gpt":  # the zoo labels the next tokens: a pair's last position none
+        la, lb = (torch.cat([t[:, 1:], torch.full((1, 1), -100)], 1) for t in (la, lb))
     row = torch.cat([a, b], 1)
     labels = torch.cat([la, lb], 1)
     pos = torch.cat([torch.arange(20), torch.arange(30)])[None]
@@ -69,7 +73,8 @@ def test_a_pair_packed_after_another_computes_as_alone(data, model):
         both = module(row, labels, pos)
         alone = [module(x, y, torch.arange(x.shape[1])[None]) for x, y in ((a, la), (b, lb))]
         across = module(row, labels, torch.arange(50)[None])  # one document: b sees a
-    n = [int((la[:, 1:] >= 0).sum()), int((lb[:, 1:] >= 0).sum())]
+    n = [int((t[:, 1:] >= 0).sum()) for t in (la, lb)] if model != "gpt" else \
+        [int((t >= 0).sum()) for t in (la, lb)]
     assert torch.allclose(both, (alone[0] * n[0] + alone[1] * n[1]) / sum(n), atol=1e-5)
     assert not torch.allclose(both, across, atol=1e-4)
 
@@ -91,7 +96,7 @@ def test_the_layout_is_packed_only_for_a_causal_lm_on_pairs(data, tmp_path, caps
               "--warmup-steps", "0", "--devices-per-node", "1", "--tp", "1", "--pp", "1"]
     cases = [(["--hf", "llama", "--pack", "--data", text], "holds text"),
              (["--hf", "t5", "--pack", "--data", data], "is an encoder-decoder"),
-             (["--model", "gpt", "--pack", "--data", data], "gpt has none"),
+             (["--model", "bert", "--pack", "--data", data], "bert is not one"),
              (["--hf", "bloom", "--pack", "--data", data], "attends across the pairs")]
     for flags, says in cases:
         out = tmp_path / "out"
