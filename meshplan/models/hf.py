@@ -166,10 +166,13 @@ def _transformers():
 
 
 CONFIG_FILE = "config.json"  # transformers' config in a save_pretrained directory
-_SIZE_FIELDS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers"),
-                "heads": ("num_attention_heads", "n_head", "num_heads",
-                          "encoder_attention_heads"),
-                "hidden": ("hidden_size", "n_embd", "d_model"),
+_SIZE_FIELDS = {"layers": ("num_hidden_layers", "n_layer", "num_layers", "n_layers",
+                           "encoder_layers", "decoder_layers", "block_sizes",
+                           "layers_block_type"),
+                "heads": ("num_attention_heads", "n_head", "num_heads", "n_heads",
+                          "attention_heads", "encoder_attention_heads",
+                          "decoder_attention_heads"),
+                "hidden": ("hidden_size", "n_embd", "d_model", "dim", "emb_dim"),
                 "vocab": ("vocab_size",)}
 _POSITIONS = ("max_position_embeddings", "n_positions")
 
@@ -191,13 +194,17 @@ def saved_config(path: str) -> dict:
 
 def _saved_size(conf: dict, names: tuple[str, ...]) -> tuple[str, int] | None:
     """(name, value) of the first of `names` a saved config sets to an
-    integer: its own fields first, then its text sub-config's (a multimodal
-    model's `text_config`), then any other sub-config's; None if none does."""
+    integer (or a list: of block sizes, summed, funnel's; of layer kinds,
+    counted, nemotron_h's): its own fields first, then its text
+    sub-config's (a multimodal model's `text_config`), then any other
+    sub-config's; None if none does."""
     subs = [conf, conf.get("text_config")] + [v for k, v in conf.items() if k != "text_config"
                                               and isinstance(v, dict) and "model_type" in v]
     for sub in (s for s in subs if isinstance(s, dict)):
         for name in names:
             value = sub.get(name)
+            if isinstance(value, list) and value:
+                value = sum(value) if all(isinstance(v, int) for v in value) else len(value)
             if isinstance(value, int) and not isinstance(value, bool):
                 return name, value
     return None

@@ -238,8 +238,10 @@ def test_a_non_finite_float_of_a_config_is_a_float_again():
 
 
 def test_a_saved_configs_sizes_are_read_where_its_type_keeps_them(tmp_path):
-    """BART's `encoder_layers` and `d_model`; a multimodal model's sizes in
-    its `text_config` (gemma3), read as the run's sizes."""
+    """BART's `encoder_layers` and `d_model`, DistilBERT's `n_layers` and
+    `dim`, funnel's block sizes, nemotron_h's layer kinds; a multimodal
+    model's sizes in its `text_config` (gemma3): read as the run's sizes
+    (every type of the survey has them; `benchmarks/hf_round_trip.py`)."""
     import json
 
     bart = {"model_type": "bart", "encoder_layers": 3, "decoder_layers": 3,
@@ -249,7 +251,16 @@ def test_a_saved_configs_sizes_are_read_where_its_type_keeps_them(tmp_path):
         "model_type": "gemma3_text", "num_hidden_layers": 2, "num_attention_heads": 4,
         "hidden_size": 32, "vocab_size": 400, "max_position_embeddings": 96},
         "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 7}}
-    for name, conf, want in (("bart", bart, (3, 4, 64, 300)), ("gemma3", gemma3, (2, 4, 32, 400))):
+    distilbert = {"model_type": "distilbert", "n_layers": 2, "n_heads": 4, "dim": 64,
+                  "vocab_size": 300, "max_position_embeddings": 64}
+    funnel = {"model_type": "funnel", "block_sizes": [2, 1, 1], "n_head": 4, "d_model": 64,
+              "vocab_size": 300}
+    nemotron_h = {"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention"],
+                  "num_attention_heads": 4, "hidden_size": 64, "vocab_size": 300}
+    for name, conf, want in (("bart", bart, (3, 4, 64, 300)), ("gemma3", gemma3, (2, 4, 32, 400)),
+                             ("distilbert", distilbert, (2, 4, 64, 300)),
+                             ("funnel", funnel, (4, 4, 64, 300)),
+                             ("nemotron_h", nemotron_h, (2, 4, 64, 300))):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(conf))
         got = hf.saved_fields(str(tmp_path / name), "hf:", "tiny", {})
