@@ -87,7 +87,10 @@ def sized_config(model: str, size: str, data_dir: str, overrides: dict):
                               f"{cfg.source} embeds {cfg.vocab}; prepare the data with the "
                               "model's own tokenizer (--tokenizer PATH)")
         layout = layout_of(model, cfg, data_dir)
-        if layout in _WRITES and special_token(data_dir, _WRITES[layout]) is None:
+        # a model meshplan trained on this data embeds the token the tokenizer lacks as
+        # one id past its vocabulary (`written_id`): a vocabulary one larger is that
+        if layout in _WRITES and special_token(data_dir, _WRITES[layout]) is None and \
+                cfg.vocab != data.vocab_size + 1:
             does = "predicts masked tokens" if layout in MASKING else "reads padded sources"
             raise ConfigError(f"the model in {cfg.source} {does}, and the tokenizer "
                               f"{data_dir} was prepared with has no {_WRITES[layout]} token; "

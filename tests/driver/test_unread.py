@@ -113,3 +113,20 @@ def test_a_damaged_or_missing_copy_is_one_line(first, tmp_path, capsys):
                  str(tmp_path / "old")]) == 2
     assert "contact_head" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists() and not (tmp_path / "old").exists()
+
+
+@pytest.mark.slow
+def test_a_masked_lm_meshplan_trained_starts_a_run_from_its_export(first, tmp_path, capsys):
+    """The export of a masked LM trained on byte data (its mask one id past
+    the bytes, as meshplan embeds it) starts a run on that data: the mask
+    is that id again, and the weights are the export's. A saved model whose
+    vocabulary is not one past the data's is still refused (`test_train_pairs`)."""
+    tmp, data = first
+    out = tmp_path / "again"
+    assert main(["-q", "train", "--data", data, "--out", str(out), "--init-from",
+                 str(tmp / "e1"), "--devices-per-node", "1", "--dp", "1", "--tp", "1",
+                 "--pp", "1", "--vpp", "1", "--steps", "0", "--eval-every", "0",
+                 "--sample-tokens", "0"]) == 0
+    given = safetensors_torch.load_file(tmp / "e1" / "model.safetensors")
+    got = safetensors_torch.load_file(out / "model.safetensors")
+    assert all(torch.equal(t, got["model." + k]) for k, t in given.items())
