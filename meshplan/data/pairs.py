@@ -74,10 +74,11 @@ class PairReader:
 
 
 def pair_lengths(data: TokenData) -> np.ndarray:
-    """Each pair's tokens (source and target, with their eods), int64 [pairs]."""
+    """Each pair's tokens (source and target, with their eods), int32
+    [pairs]: what packing an epoch needs in memory, 4 bytes a pair."""
     ends = np.asarray(data.ends[:, 1]).astype(np.int64)
     data.release()
-    return np.diff(ends, prepend=0)
+    return np.diff(ends, prepend=0).astype(np.int32)
 
 
 def pack_rows(lengths: np.ndarray, budget: int) -> np.ndarray:
@@ -85,7 +86,7 @@ def pack_rows(lengths: np.ndarray, budget: int) -> np.ndarray:
     `budget` tokens: the start of each row and, last, the end. A row takes
     the next pairs while they fit; a pair longer than `budget` is a row of
     its own (and cut)."""
-    cum = np.concatenate([[0], np.cumsum(np.minimum(lengths, budget))])
+    cum = np.concatenate([[0], np.cumsum(np.minimum(lengths, budget), dtype=np.int64)])
     starts = [0]
     while starts[-1] < len(lengths):
         s = starts[-1]
@@ -94,7 +95,7 @@ def pack_rows(lengths: np.ndarray, budget: int) -> np.ndarray:
 
 
 class PackedPairReader:
-    """Reads rows of packed pairs (`PACKED_SHIFTED`): `read` returns each row
+    """Reads rows of packed pairs (`PACKED`): `read` returns each row
     position's pairs, (source, target) each, in the order they are laid out."""
 
     def __init__(self, data: TokenData, seq_len: int, seed: int, shuffle: bool = True):
@@ -127,7 +128,7 @@ class PackedPairReader:
         e = int(np.searchsorted(self.first_rows, row, side="right")) - 1
         return e, row - self.first_rows[e]
 
-    def rows_in_epoch(self, epoch: int = 0) -> int:
+    def rows_in_epoch(self, epoch: int) -> int:
         """The rows epoch `epoch` packs into."""
         while len(self.first_rows) <= epoch + 1:
             e = len(self.first_rows) - 1
