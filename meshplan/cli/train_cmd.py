@@ -427,7 +427,8 @@ RUN_FILE = "run.json"  # what a resumed run must share with the first: its data 
 
 def _run_identity(feed, global_batch_size: int) -> dict:
     return {"seed": feed.seed, "global_batch_size": global_batch_size,
-            "seq_len": feed.seq_len, "data": str(Path(feed.data_dir).resolve())}
+            "seq_len": feed.seq_len, "packed": Layout(feed.layout) in PACKED,
+            "data": str(Path(feed.data_dir).resolve())}
 
 
 def _resume_point(a: argparse.Namespace, job, feed) -> str:
@@ -447,8 +448,14 @@ def _resume_point(a: argparse.Namespace, job, feed) -> str:
     if first.is_file():
         was, now = json.loads(first.read_text()), _run_identity(feed, job.strategy
                                                                  .global_batch_size)
-        for key in ("global_batch_size", "seed", "seq_len"):
-            if was[key] != now[key]:
+        for key in ("global_batch_size", "seed", "seq_len", "packed"):
+            if was.get(key, False) != now[key]:  # a run.json before --pack: not packed
+                if key == "packed":
+                    raise ConfigError(f"--resume {point}: that run read its pairs "
+                                      f"{'packed' if was.get(key) else 'one a row'}, this one "
+                                      f"{'packed' if now[key] else 'one a row'}; resume "
+                                      f"{'with' if was.get(key) else 'without'} --pack, so the "
+                                      "data goes on where it stopped")
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(f"--resume {point}: that run read its data with {key} "
                                   f"{was[key]}, this one {now[key]}; resume with {flag} "

@@ -104,3 +104,17 @@ def test_the_layout_is_packed_only_for_a_causal_lm_on_pairs(data, tmp_path, caps
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
         assert not out.exists()
+
+
+def test_a_resume_keeps_the_packing_of_the_run(data, tmp_path, capsys):
+    """The rows a step reads differ packed and not: a resume that changes
+    --pack is one line (the data would not go on where it stopped)."""
+    common = ["--hf", "llama", "--size", "tiny", "--data", data, "--out", str(tmp_path / "run"),
+              "--devices-per-node", "1", "--tp", "1", "--pp", "1", "--vpp", "1",
+              "--seq-len", str(SEQ), "--global-batch-size", "4", "--eval-every", "0",
+              "--sample-tokens", "0", "--lr-schedule", "constant", "--warmup-steps", "0"]
+    assert main(["-q", "train", *common, "--pack", "--steps", "2", "--checkpoint-every", "2"]) == 0
+    capsys.readouterr()
+    assert main(["-q", "train", *common, "--steps", "4", "--resume"]) == 2
+    assert "resume with --pack" in capsys.readouterr().err
+    assert main(["-q", "train", *common, "--pack", "--steps", "4", "--resume"]) == 0
