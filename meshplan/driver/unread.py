@@ -27,7 +27,7 @@ import torch
 
 from meshplan.errors import RuntimeFault
 from meshplan.ir import Role
-from meshplan.ir.fileio import atomic_stream
+from meshplan.ir.fileio import write_torch
 from meshplan.ir.job import Job
 from meshplan.runtime.checkpoint import file_sha256, read_marker
 from meshplan.runtime.init_weights import open_torch, read_box
@@ -71,8 +71,7 @@ def write_unread(out: str, values: dict[str, torch.Tensor]) -> None:
     if not values:
         path.unlink(missing_ok=True)
         return
-    with atomic_stream(path) as f:
-        torch.save(values, f)
+    write_torch(path, values)
 
 
 def saved_unread(checkpoint: str | Path, marker: dict | None = None) -> dict[str, torch.Tensor]:

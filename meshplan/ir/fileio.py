@@ -150,7 +150,8 @@ def staged_directory(path: str | os.PathLike):
 
 def write_torch(path: str | os.PathLike, obj) -> None:
     """`torch.save(obj)` to `path`, atomically (a state_dict for people and
-    tools; meshplan itself never reads pickles back)."""
+    tools; the one meshplan reads back, a checkpoint's unread weights, it
+    loads `weights_only` once its sha256 is checked: `driver/unread.py`)."""
     with atomic_stream(path) as f:
         torch.save(obj, f)
 

@@ -465,7 +465,7 @@ def _saved_class(conf):
 
 def _task_of_class(name: str) -> str:
     """The task whose Auto class lists the class `name` ("" if none does)."""
-    from transformers.models.auto import modeling_auto as m
+    from transformers.models.auto import modeling_auto as m  # optional: transformers
 
     for task, names in ((SEQ2SEQ, m.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
                         (CAUSAL, m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
