@@ -6,8 +6,10 @@ type, equal to eager, refused with one line (the line), or a traceback.
     python benchmarks/hf_survey.py [--jobs 2] [--timeout 300] [TYPE ...]
     python benchmarks/hf_survey.py --again TYPE ...   # measure these anew, keep the rest
     python benchmarks/hf_survey.py --render           # the tables from hf_survey.json
+    python benchmarks/hf_survey.py --layout tp2pp2    # the types equal at one rank, at a layout
 
-Each row names the meshplan commit it was measured at.
+Each row names the meshplan commit it was measured at. A layout's survey
+writes hf_survey_LAYOUT.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-PARTIAL = RESULTS / "hf_survey.partial.jsonl"  # one row per type as it finishes
+LAYOUTS = {"1": (), "dp2": ("--devices-per-node", "2", "--dp", "2"),
+           "tp2pp2": ("--devices-per-node", "4", "--tp", "2", "--pp", "2"),
+           "dp2tp2": ("--devices-per-node", "4", "--dp", "2", "--tp", "2")}
 
 
 def model_types() -> list[str]:
@@ -36,9 +40,10 @@ def model_types() -> list[str]:
                   | set(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES))
 
 
-def try_type(name: str, timeout: float) -> dict:
+def try_type(name: str, timeout: float, layout: tuple[str, ...] = ()) -> dict:
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "meshplan", "verify", "--hf", name, "--steps", "2", "--json"]
+    cmd = [sys.executable, "-m", "meshplan", "verify", "--hf", name, "--steps", "2", *layout,
+           "--json"]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -119,41 +124,51 @@ def main() -> None:
                     help="measure the TYPEs anew and keep the other rows of hf_survey.json")
     ap.add_argument("--render", action="store_true",
                     help="write hf_survey.md and the README's list from hf_survey.json only")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="1",
+                    help="verify at this layout the types equal at one rank (hf_survey.json)")
     a = ap.parse_args()
     import transformers
 
+    stem = "hf_survey" if a.layout == "1" else f"hf_survey_{a.layout}"
+    partial = RESULTS / f"{stem}.partial.jsonl"  # one row per type as it finishes
+    layout = LAYOUTS[a.layout]
     names = model_types() if a.again or not a.types else a.types
+    if a.layout != "1" and not a.types:
+        names = [r["type"] for r in json.loads((RESULTS / "hf_survey.json").read_text())["rows"]
+                 if r["outcome"] == "equal"]
     RESULTS.mkdir(exist_ok=True)
     done = {}  # rows already measured (a survey cut short goes on where it stopped)
     if a.again:
-        old = json.loads((RESULTS / "hf_survey.json").read_text())["rows"]
+        old = json.loads((RESULTS / f"{stem}.json").read_text())["rows"]
         done = {r["type"]: r for r in old if r["type"] not in a.types}
-    if PARTIAL.is_file():
-        done |= {r["type"]: r for r in map(json.loads, PARTIAL.read_text().splitlines())}
+    if partial.is_file():
+        done |= {r["type"]: r for r in map(json.loads, partial.read_text().splitlines())}
 
     commit = _commit()
 
     def one(name: str) -> dict:
         if name in done:
             return done[name]
-        r = try_type(name, a.timeout) | {"commit": commit}
-        with PARTIAL.open("a") as f:
+        r = try_type(name, a.timeout, layout) | {"commit": commit}
+        with partial.open("a") as f:
             f.write(json.dumps(r) + "\n")
         print(f"{r['type']:<28} {r['outcome']:<9} {r.get('line', '')[:150]}", flush=True)
         return r
 
     if a.render:
-        rows = json.loads((RESULTS / "hf_survey.json").read_text())["rows"]
+        rows = json.loads((RESULTS / f"{stem}.json").read_text())["rows"]
     else:
         with ThreadPoolExecutor(a.jobs) as pool:
             rows = list(pool.map(one, names))
-    data = {"transformers": transformers.__version__, "command":
-            "meshplan verify --hf TYPE --steps 2 --json", "rows": rows}
-    (RESULTS / "hf_survey.json").write_text(json.dumps(data, indent=1) + "\n")
+    command = " ".join(("meshplan verify --hf TYPE --steps 2", *layout, "--json"))
+    data = {"transformers": transformers.__version__, "command": command, "rows": rows}
+    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
     counts = {k: sum(r["outcome"] == k for r in rows)
               for k in ("equal", "mismatch", "refused", "traceback", "timeout", "killed")}
     lines = [f"# transformers {transformers.__version__}: every causal-LM, masked-LM and "
-             "encoder-decoder LM model type", "", f"`{data['command']}`, one rank, fp32, each "
+             "encoder-decoder LM model type" + ("" if a.layout == "1" else
+                                                 f" equal at one rank, at {a.layout}"),
+             "", f"`{command}`, {'one rank' if a.layout == '1' else a.layout}, fp32, each "
              "in a fresh process (`benchmarks/hf_survey.py`); each row at the meshplan commit "
              "it names.", "",
              ", ".join(f"{v} {k}" for k, v in counts.items()), "",
@@ -161,9 +176,10 @@ def main() -> None:
              "| type | outcome | what the user sees | commit |", "|---|---|---|---|"]
     lines += [f"| `{r['type']}` | {r['outcome']} | {r.get('line', '').replace('|', '/')} | "
               f"{r.get('commit', '')} |" for r in rows]
-    (RESULTS / "hf_survey.md").write_text("\n".join(lines) + "\n")
-    _readme(rows, counts)
-    PARTIAL.unlink(missing_ok=True)
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    if a.layout == "1":
+        _readme(rows, counts)
+    partial.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -230,9 +230,12 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    strategy_fields(a)  # the flags' batch arithmetic, checked on either path
-    parallel = a.nodes * a.devices_per_node > 1 or a.tp * a.pp * (a.dp or 1) > 1 or \
-        (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE) or a.auto
+    f = strategy_fields(a)  # the flags' batch arithmetic, checked on either path
+    # one process with no plan only when no flag asks for more: a layout flag on a 1-rank
+    # mesh goes to the plan's check, which refuses it, never to a silent 1-rank run
+    parallel = a.nodes * a.devices_per_node > 1 or a.auto or f["zero"] or \
+        any(f[k] > 1 for k in ("dp", "tp", "pp", "vpp", "ep", "cp")) or \
+        (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE)
     if parallel:
         cfg = model_config(a.model, a.size, **overrides(a))
         strategy = strategy_of(a, cfg)

@@ -49,6 +49,7 @@ from meshplan.ir.state_name import is_state
 from meshplan.models import build_model, example_batch, model_config
 from meshplan.ops.device_kernels import FALLBACKS, RAN
 from meshplan.passes.plan import PASSES, Compilation
+from meshplan.passes.strategy import check_strategy
 from meshplan.runtime.amp import INIT_SCALE
 from meshplan.runtime.checkpoint import box_key
 from meshplan.runtime.devices import resolve_device
@@ -108,9 +109,10 @@ def verify(
     init_scale = strategy.initial_loss_scale if strategy is not None else INIT_SCALE
     opt = OptimizerConfig.of(optimizer, lr)
     batches = [example_batch(cfg, global_batch_size, seed=seed + s) for s in range(steps)]
-    if strategy is not None and (mesh is None or mesh.world > 1
-                                 or strategy.recompute != Recompute.NONE):
-        mesh = mesh or Mesh(1, strategy.dp * strategy.tp * strategy.pp)
+    if strategy is not None:  # a layout its mesh cannot hold is refused, as plan refuses it
+        mesh = mesh or Mesh(1, strategy.dp * strategy.cp * strategy.tp * strategy.pp)
+        strategy = check_strategy(mesh, strategy)
+    if strategy is not None and (mesh.world > 1 or strategy.recompute != Recompute.NONE):
         result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr,
                      report_state=True, device=device, **(run_options or {}), **overrides)
         mine = {"mode": "distributed", "losses": result.losses,

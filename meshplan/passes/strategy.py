@@ -48,8 +48,10 @@ def check_strategy(mesh: Mesh, s: Strategy) -> Strategy:
         cp, cps = (f"*{s.cp}", "cp*") if s.cp > 1 else ("", "")
         raise ConfigError(
             f"dp*{cps}tp*pp = {s.dp}{cp}*{s.tp}*{s.pp} = {s.dp * s.cp * s.tp * s.pp} but the "
-            f"mesh has {mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; choose "
-            f"dp, {cps.replace('*', ', ')}tp, pp whose product is {mesh.world}")
+            f"mesh has {mesh.nodes}x{mesh.devices_per_node} = {mesh.world} ranks; pass "
+            f"--devices-per-node {s.dp * s.cp * s.tp * s.pp // mesh.nodes or 1} (ranks per "
+            f"machine; --nodes x it = all ranks), or choose dp, {cps.replace('*', ', ')}tp, pp "
+            f"whose product is {mesh.world}")
     if s.cp_attention not in CP_ATTENTION:
         raise ConfigError(f"cp attention {s.cp_attention!r} is unknown; choose one of "
                           f"{', '.join(CP_ATTENTION)}")

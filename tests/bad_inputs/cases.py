@@ -144,6 +144,11 @@ CASES: list[Case] = [
     # ---- strategy and mesh arithmetic ------------------------------------------------
     cli("product", "strategy", ConfigError, "choose dp, tp, pp whose product is 4",
         "plan", "--devices-per-node", "4", "--dp", "3", "--tp", "2"),
+    # verify once ran such a layout on its one-process path and said OK: dp2 tp2 untested
+    cli("verify-layout-one-rank", "strategy", ConfigError, "pass --devices-per-node 4",
+        "verify", "--steps", "1", "--dp", "2", "--tp", "2"),
+    cli("verify-cp-one-rank", "strategy", ConfigError, "pass --devices-per-node 2",
+        "verify", "--steps", "1", "--cp", "2"),
     cli("tp-zero", "strategy", ConfigError, "--tp 0 must be >= 1", "plan", "--tp", "0"),
     cli("nodes-zero", "strategy", ConfigError, "--nodes 0 must be >= 1",
         "compile", "--nodes", "0", *OUT),
