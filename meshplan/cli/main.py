@@ -40,7 +40,6 @@ from meshplan.cli.flags import (
     mesh_of,
     optimizer_config,
     overrides,
-    strategy_fields,
 )
 from meshplan.cli.progress import Progress
 from meshplan.cli.run_cmd import cmd_run, loss_table
@@ -59,7 +58,6 @@ from meshplan.driver.job_report import report
 from meshplan.driver.plan import plan_model
 from meshplan.driver.verify import verify
 from meshplan.errors import ConfigError, MeshplanError
-from meshplan.ir.choices import Precision, Recompute
 from meshplan.models import model_config
 from meshplan.models.moe import capacity_words
 from meshplan.runtime.devices import DEVICES
@@ -230,26 +228,14 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def _cmd_verify(a: argparse.Namespace) -> int:
-    f = strategy_fields(a)  # the flags' batch arithmetic, checked on either path
-    # one process with no plan only when no flag asks for more: a layout flag on a 1-rank
-    # mesh goes to the plan's check, which refuses it, never to a silent 1-rank run
-    parallel = a.nodes * a.devices_per_node > 1 or a.auto or f["zero"] or \
-        any(f[k] > 1 for k in ("dp", "tp", "pp", "vpp", "ep", "cp")) or \
-        (a.precision, a.recompute) != (Precision.FP32, Recompute.NONE)
-    if parallel:
-        cfg = model_config(a.model, a.size, **overrides(a))
-        strategy = strategy_of(a, cfg)
-        r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a), seed=a.seed,
-                   mesh=mesh_of(a), strategy=strategy, lr=a.lr, bounds=bounds_of(a),
-                   device=a.device, run_options={"backend": a.backend, "kernels": a.kernels},
-                   reference_rng=a.reference_rng, ref_runs=a.ref_runs, **overrides(a))
-    else:
-        m = a.num_microbatches or 1
-        r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a),
-                   global_batch_size=a.global_batch_size or m * (a.micro_batch_size or 8 // m),
-                   num_microbatches=m, seed=a.seed, lr=a.lr, bounds=bounds_of(a),
-                   device=a.device, reference_rng=a.reference_rng, ref_runs=a.ref_runs,
-                   run_options={"kernels": a.kernels}, **overrides(a))
+    # every flag goes through the plan's arithmetic and check (a layout the mesh cannot
+    # hold is refused, as plan refuses it); verify runs one process with no plan only
+    # where the strategy is one rank and one stage
+    strategy = strategy_of(a, model_config(a.model, a.size, **overrides(a)))
+    r = verify(a.model, a.size, steps=a.steps, optimizer=optimizer_config(a), seed=a.seed,
+               mesh=mesh_of(a), strategy=strategy, lr=a.lr, bounds=bounds_of(a),
+               device=a.device, run_options={"backend": a.backend, "kernels": a.kernels},
+               reference_rng=a.reference_rng, ref_runs=a.ref_runs, **overrides(a))
     if a.json:
         print(json.dumps(r.to_json()))
         return 0 if r.ok else 1

@@ -112,7 +112,8 @@ def verify(
     if strategy is not None:  # a layout its mesh cannot hold is refused, as plan refuses it
         mesh = mesh or Mesh(1, strategy.dp * strategy.cp * strategy.tp * strategy.pp)
         strategy = check_strategy(mesh, strategy)
-    if strategy is not None and (mesh.world > 1 or strategy.recompute != Recompute.NONE):
+    if strategy is not None and (mesh.world > 1 or strategy.pp * strategy.vpp > 1
+                                 or strategy.recompute != Recompute.NONE):
         result = run(model, size, mesh, strategy, steps, optimizer, seed, lr=lr,
                      report_state=True, device=device, **(run_options or {}), **overrides)
         mine = {"mode": "distributed", "losses": result.losses,

@@ -149,6 +149,8 @@ CASES: list[Case] = [
         "verify", "--steps", "1", "--dp", "2", "--tp", "2"),
     cli("verify-cp-one-rank", "strategy", ConfigError, "pass --devices-per-node 2",
         "verify", "--steps", "1", "--cp", "2"),
+    cli("verify-sp-tp1", "strategy", ConfigError, "it needs tp > 1",
+        "verify", "--steps", "1", "--sequence-parallel"),
     cli("tp-zero", "strategy", ConfigError, "--tp 0 must be >= 1", "plan", "--tp", "0"),
     cli("nodes-zero", "strategy", ConfigError, "--nodes 0 must be >= 1",
         "compile", "--nodes", "0", *OUT),

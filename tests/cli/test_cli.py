@@ -32,6 +32,17 @@ def test_verify_json_reports_equal_losses():
     assert all({"max_abs", "max_rel"} <= set(d) for d in r["params"].values())
 
 
+def test_verify_runs_the_plan_a_flag_asks_for():
+    """--vpp 2 on one rank is two virtual stages: verify trains that plan, not
+    one process of the whole model (it once did, and said OK for a layout it
+    never ran)."""
+    p = run("verify", "--model", "gpt", "--steps", "1", "--vpp", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["mode"] == "distributed"
+    plain = json.loads(run("verify", "--model", "gpt", "--steps", "1", "--json").stdout)
+    assert plain["mode"] == "single"
+
+
 def test_verify_table():
     p = run("verify", "--model", "resnet", "--steps", "2")
     assert p.returncode == 0, p.stderr
