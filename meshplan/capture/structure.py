@@ -12,7 +12,9 @@ Invariants:
 - The layer list is transformers' `_pp_plan` ModuleList if declared, else
   the longest `nn.ModuleList` whose children are all of one class, of the
   lists the forward runs (ModernVBERT's vision encoder is the longest, and
-  a text batch never enters it); an
+  a text batch never enters it); with none, the longest list the forward
+  runs of blocks of several classes (Mllama's self- and cross-attention
+  layers, Inkling 2's full and sliding ones); an
   encoder-decoder has two, the encoder's then the decoder's (`layers` holds
   their paths joined by commas, in the order the forward runs them).
 - Module paths are relative to the captured module, as op module paths are.
@@ -84,7 +86,11 @@ def _layer_list(module: nn.Module, hf_path: str, hf, runs) -> tuple[str, str]:
         return ",".join(lists), ("structure: the longest nn.ModuleList of one block class "
                                  "in the encoder, then in the decoder")
     best = _longest_list(module, "", runs)
-    return best, "structure: the longest nn.ModuleList of one block class" if best else ""
+    if best:
+        return best, "structure: the longest nn.ModuleList of one block class"
+    best = _longest_list(module, "", runs, classes=0)
+    return best, "structure: the longest nn.ModuleList, of blocks of several classes" \
+        if best else ""
 
 
 def _stacks(module: nn.Module, hf) -> list[str]:
@@ -98,15 +104,16 @@ def _stacks(module: nn.Module, hf) -> list[str]:
     return [p for p in found if p] if all(found) else [""]
 
 
-def _longest_list(module: nn.Module, under: str, runs) -> str:
-    """The longest nn.ModuleList of one class under the module path `under`
-    that the forward runs."""
+def _longest_list(module: nn.Module, under: str, runs, classes: int = 1) -> str:
+    """The longest nn.ModuleList of `classes` block classes (0: any number)
+    under the module path `under` that the forward runs."""
     best = ""
     size = 0
     root = module.get_submodule(under) if under else module
     for path, m in root.named_modules():
         kinds = {type(c) for c in m.children()} if isinstance(m, nn.ModuleList) else set()
-        if len(kinds) == 1 and len(m) > size and runs(_join(under, path)):
+        if kinds and len(kinds) == (classes or len(kinds)) and len(m) > size \
+                and runs(_join(under, path)):
             best, size = _join(under, path), len(m)
     return best
 

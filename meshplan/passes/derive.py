@@ -78,8 +78,9 @@ def _layer_pattern(facts: Structure, s: Strategy, notes: list[str]) -> str:
     if not path:
         if s.pp > 1 or s.vpp > 1 or (s.recompute != Recompute.NONE and not s.recompute_pattern):
             raise ConfigError(f"layer_pattern '{DERIVED}' found no layer list in {facts.model} "
-                              "(no nn.ModuleList of blocks of one class); pass --layer-pattern "
-                              "with a regex naming one layer, e.g. 'blocks\\.\\d+'")
+                              "(no nn.ModuleList of blocks that the forward runs); pass "
+                              "--layer-pattern with a regex naming one layer, e.g. "
+                              "'blocks\\.\\d+'")
         return ""
     pattern = "|".join(p.replace(".", r"\.") + r"\.(\d+)" for p in path.split(","))
     notes.append(f"layer_pattern {DERIVED} = '{pattern}' ({facts.layers_from})")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from meshplan.errors import ConfigError
 from meshplan.ir import Graph, Op, Phase, Ref, Role
 from meshplan.ir.kinds import ACCUMULATE_GRAD, GRAD_SUM
+from meshplan.ir.mesh import BALANCED
 from meshplan.ir.stage_placement import StagePlacement
 from meshplan.ir.state_name import StateName
 
@@ -218,13 +219,14 @@ def _check_divisible(n: int, pp: int, vpp: int, pattern: str) -> None:
         return
     what = (f"{n} layers (matches of '{pattern}') do not split into pp*vpp = "
             f"{pp}*{vpp} = {pp * vpp} equal segments")
+    uneven = f", or pass --stage-layers {BALANCED} for unequal ones" if n >= pp * vpp else ""
     if n % pp:
         valid = [p for p in range(1, n + 1) if n % p == 0]
         raise ConfigError(f"{what}; pp must divide the layer count: "
-                          f"valid pp values: {', '.join(map(str, valid))}")
+                          f"valid pp values: {', '.join(map(str, valid))}{uneven}")
     valid = [v for v in range(1, n // pp + 1) if n % (pp * v) == 0]
     raise ConfigError(f"{what}; pass a --vpp that divides {n // pp}: "
-                      f"valid vpp values: {', '.join(map(str, valid))}")
+                      f"valid vpp values: {', '.join(map(str, valid))}{uneven}")
 
 
 def _check_user(user: tuple[int, ...], n: int, pp: int) -> None:
