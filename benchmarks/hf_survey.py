@@ -72,6 +72,7 @@ CLASSES = (
     ("no language-model head", r"has no causal-LM"),
     ("torch.export fails", r"torch\.export failed"),
     ("an op or value meshplan cannot capture", r"cannot capture|neither an aten op|unsupported"),
+    ("the layers do not form pp stages", r"equal segments|not contiguous"),
 )
 
 
@@ -132,10 +133,10 @@ def main() -> None:
     stem = "hf_survey" if a.layout == "1" else f"hf_survey_{a.layout}"
     partial = RESULTS / f"{stem}.partial.jsonl"  # one row per type as it finishes
     layout = LAYOUTS[a.layout]
-    names = model_types() if a.again or not a.types else a.types
-    if a.layout != "1" and not a.types:
-        names = [r["type"] for r in json.loads((RESULTS / "hf_survey.json").read_text())["rows"]
-                 if r["outcome"] == "equal"]
+    universe = model_types() if a.layout == "1" else [  # at a layout: those equal at one
+        r["type"] for r in json.loads((RESULTS / "hf_survey.json").read_text())["rows"]
+        if r["outcome"] == "equal"]
+    names = universe if a.again or not a.types else a.types
     RESULTS.mkdir(exist_ok=True)
     done = {}  # rows already measured (a survey cut short goes on where it stopped)
     if a.again:

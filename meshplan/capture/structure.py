@@ -10,11 +10,12 @@ Invariants:
 - They live in the graph's facts (`GraphFacts.structure`), so a captured
   graph carries them into planning, caches and files.
 - The layer list is transformers' `_pp_plan` ModuleList if declared, else
-  the longest `nn.ModuleList` whose children are all of one class, of the
-  lists the forward runs (ModernVBERT's vision encoder is the longest, and
-  a text batch never enters it); with none, the longest list the forward
-  runs of blocks of several classes (Mllama's self- and cross-attention
-  layers, Inkling 2's full and sliding ones); an
+  the longest `nn.ModuleList` of the lists the forward runs (ModernVBERT's
+  vision encoder is the longest, and a text batch never enters it), of one
+  block class where two are as long; its blocks may be of several classes
+  (Mllama's self- and cross-attention layers, Inkling 2's full and sliding
+  ones, Zamba 2's Mamba and hybrid ones, whose one-class lists are adapters
+  inside a layer); an
   encoder-decoder has two, the encoder's then the decoder's (`layers` holds
   their paths joined by commas, in the order the forward runs them).
 - Module paths are relative to the captured module, as op module paths are.
@@ -81,16 +82,13 @@ def _layer_list(module: nn.Module, hf_path: str, hf, runs) -> tuple[str, str]:
         if isinstance(named.get(path), nn.ModuleList) and runs(path):
             return path, "transformers _pp_plan"
     stacks = _stacks(module, hf)
-    lists = [p for p in (_longest_list(module, s, runs) for s in stacks) if p]
+    lists = [p for p, _ in (_longest_list(module, s, runs) for s in stacks) if p]
     if len(lists) == len(stacks) > 1:
-        return ",".join(lists), ("structure: the longest nn.ModuleList of one block class "
-                                 "in the encoder, then in the decoder")
-    best = _longest_list(module, "", runs)
-    if best:
-        return best, "structure: the longest nn.ModuleList of one block class"
-    best = _longest_list(module, "", runs, classes=0)
-    return best, "structure: the longest nn.ModuleList, of blocks of several classes" \
-        if best else ""
+        return ",".join(lists), ("structure: the longest nn.ModuleList of blocks in the "
+                                 "encoder, then in the decoder")
+    best, one_class = _longest_list(module, "", runs)
+    kinds = "one block class" if one_class else "blocks of several classes"
+    return best, f"structure: the longest nn.ModuleList of {kinds}" if best else ""
 
 
 def _stacks(module: nn.Module, hf) -> list[str]:
@@ -104,18 +102,19 @@ def _stacks(module: nn.Module, hf) -> list[str]:
     return [p for p in found if p] if all(found) else [""]
 
 
-def _longest_list(module: nn.Module, under: str, runs, classes: int = 1) -> str:
-    """The longest nn.ModuleList of `classes` block classes (0: any number)
-    under the module path `under` that the forward runs."""
-    best = ""
-    size = 0
+def _longest_list(module: nn.Module, under: str, runs) -> tuple[str, bool]:
+    """The longest nn.ModuleList under the module path `under` that the
+    forward runs (of one block class where two are as long), and whether
+    its blocks are of one class."""
+    best, key = "", (0, False)
     root = module.get_submodule(under) if under else module
     for path, m in root.named_modules():
-        kinds = {type(c) for c in m.children()} if isinstance(m, nn.ModuleList) else set()
-        if kinds and len(kinds) == (classes or len(kinds)) and len(m) > size \
-                and runs(_join(under, path)):
-            best, size = _join(under, path), len(m)
-    return best
+        if not isinstance(m, nn.ModuleList):
+            continue
+        k = (len(m), len({type(c) for c in m.children()}) == 1)
+        if k > key and runs(_join(under, path)):
+            best, key = _join(under, path), k
+    return best, key[1]
 
 
 def _declared_tp(hf_path: str, hf) -> tuple[list, str]:

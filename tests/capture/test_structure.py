@@ -1,7 +1,8 @@
 """The layer list capture records (`capture/structure.py`): the longest
-`nn.ModuleList` of one block class the forward runs, else the longest of
-blocks of several classes (Mllama's self- and cross-attention layers), so
-`layer_pattern="derived"` pipelines such a model."""
+`nn.ModuleList` the forward runs, of one block class where two are as
+long, its blocks of one class or several (Mllama's self- and
+cross-attention layers), so `layer_pattern="derived"` pipelines such a
+model."""
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +32,13 @@ class Gated(nn.Module):
 
 
 class Mixed(nn.Module):
-    """Four layers of two classes, and a one-class list the forward never runs."""
+    """Four layers of two classes, and a shorter one-class list (Zamba 2's adapters)."""
 
     def __init__(self):
         super().__init__()
         self.embed = nn.Linear(4, 8)
         self.layers = nn.ModuleList([Dense(), Gated(), Dense(), Gated()])
-        self.unused = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.adapters = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
         self.head = nn.Linear(8, 3)
 
     def forward(self, x, y):
@@ -47,13 +48,18 @@ class Mixed(nn.Module):
         return F.cross_entropy(self.head(h), y)
 
 
-def test_a_list_of_two_block_classes_is_the_layer_list_when_no_one_class_list_runs():
+def test_the_longest_list_is_the_layer_list_whatever_its_classes():
     module = Mixed()
     ran = frozenset({"embed", "layers.0.fc", "layers.1.fc", "layers.1.gate", "layers.2.fc",
                      "layers.3.fc", "layers.3.gate", "head"})
     assert structure_facts(module, ran).layers == "layers"
-    # a one-class list the forward runs is still preferred, as before
-    assert structure_facts(module, ran | {"unused.0", "unused.1"}).layers == "unused"
+    assert structure_facts(module, ran | {"adapters.0.x", "adapters.1.x"}).layers == "layers"
+    # the forward never enters it: not a layer list, however long
+    alone = frozenset({"embed", "adapters.0.x", "head"})
+    assert structure_facts(module, alone).layers == "adapters"
+    # of two lists as long, the one of one class
+    module.layers = module.layers[:2]
+    assert structure_facts(module, ran | {"adapters.0.x", "adapters.1.x"}).layers == "adapters"
 
 
 def test_derived_layers_of_two_classes_train_at_pp2_as_eager():

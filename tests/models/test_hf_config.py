@@ -83,6 +83,15 @@ def test_a_pp_plan_naming_no_module_falls_back_to_the_longest_layer_list():
     assert structure_facts(module).layers == "model.model.L_module.layers"
 
 
+@pytest.mark.parametrize("model_type", ["mllama", "inkling2_text", "zamba2"])
+def test_layers_of_several_classes_are_the_layer_list(model_type):
+    """Mllama's self- and cross-attention layers, Inkling 2's full and sliding
+    ones, Zamba 2's Mamba and hybrid ones: one list of blocks of two classes
+    (Zamba 2's one-class lists are a layer's adapters, which pp2 once split)."""
+    module = build_model(model_config(f"hf:{model_type}", "tiny"), device="meta")
+    assert structure_facts(module).layers == "model.model.layers"
+
+
 def test_expert_counts_left_to_the_checkpoint_get_ours():
     """dots1's config leaves its experts, those per token and its shared ones
     to the checkpoint (None); its experts' own width says it has them."""
