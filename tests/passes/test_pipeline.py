@@ -88,7 +88,9 @@ def test_grid_round_robin_or_suggested_vpp(gpt, n, pp, vpp):
             assign_stages(g, pp, vpp, PATTERN)
         msg = str(e.value)
         assert f"{n} layers" in msg and f"{pp}*{vpp} = {pp * vpp}" in msg
-        listed = re.search(r"valid vpp values: ([\d, ]+)$", msg).group(1)
+        hint = ", or pass --stage-layers balanced for unequal ones"
+        assert msg.endswith(hint) == (n >= pp * vpp)  # unequal segments, where there are enough
+        listed = re.search(r"valid vpp values: ([\d, ]+?)(, or .*)?$", msg).group(1)
         assert [int(x) for x in listed.split(", ")] == \
             [v for v in range(1, n + 1) if n % (pp * v) == 0]
         return
@@ -104,7 +106,8 @@ def test_grid_round_robin_or_suggested_vpp(gpt, n, pp, vpp):
 def test_pp_not_dividing_layers_lists_valid_pp(gpt):
     with pytest.raises(ConfigError, match=r"pp must divide the layer count") as e:
         assign_stages(gpt(4), pp=3, vpp=1, layer_pattern=PATTERN)
-    assert str(e.value).endswith("valid pp values: 1, 2, 4")
+    assert str(e.value).endswith("valid pp values: 1, 2, 4, or pass --stage-layers balanced "
+                                 "for unequal ones")
 
 
 @pytest.mark.parametrize("pp,vpp", [(0, 1), (2, 0)])
