@@ -120,7 +120,7 @@ def add_strategy_flags(p: argparse.ArgumentParser, default_gbs: int = 8) -> None
                    "in the step)")
     g.add_argument("--layer-pattern", default=None,
                    help=r"regex over module paths naming a layer (default: blocks\.(\d+)); "
-                   "'derived': the model's longest list of same-class blocks")
+                   "'derived': the longest nn.ModuleList the forward runs")
     g.add_argument("--tp-plan", choices=(DERIVED,), default=None,
                    help="derived: the tensor-parallel plan read off the model (transformers' "
                    "own plan, else its vocabulary embedding and head)")
