@@ -48,8 +48,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="an encoder-decoder (--hf t5, bart, ...): its targets' length, the "
                    "decoder's (default: --seq-len, the source's)")
     g.add_argument("--pack", dest="packed", action="store_true", default=None,
-                   help="a causal LM on pairs (gpt, a transformers one): pack whole pairs into "
-                   "each row, each attending to its own tokens (position ids restart at each)")
+                   help="a causal LM on pairs (gpt, moe dropless, a transformers one): pack whole "
+                   "pairs into each row, each attending to its own tokens (position ids "
+                   "restart at each)")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="the output head shares the token embedding's weight (gpt, --hf)")
     g.add_argument("--experts", type=int, default=None, help="moe: experts per block")

@@ -22,6 +22,13 @@ Invariants:
   blocks of the load-balancing loss E * sum_e f_e * P_e (Switch/GShard: f_e
   the fraction of the group's choices routed to e, P_e its mean router
   probability), averaged over the samples.
+- Packed rows (`--pack`) come with `positions`, as GPT's (`gpt.pair_mask`):
+  attention stays within each pair, positions restart at it. Dropless
+  routing is per token, so a packed pair's tokens compute what they do
+  alone; a capacity would share a row's slots among its pairs, so packing
+  takes the dropless model only (`registry.validate`). The load-balancing
+  loss stays the row's: a regularizer over the row's tokens, as over a
+  padded row's.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshplan.models.gpt import Attention, init_weights
+from meshplan.models.gpt import Attention, init_weights, pair_mask
 
 AUX_COEF = 0.01  # the load-balancing loss's weight (Switch Transformer's)
 
@@ -113,8 +120,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(hidden)
         self.moe = MoE(hidden, experts, top_k, cap)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.ln1(x), mask)
         y, aux = self.moe(self.ln2(x))
         return x + y, aux
 
@@ -139,17 +147,29 @@ class MoEGPT(nn.Module):
                 if not w.is_meta:
                     nn.init.normal_(w, mean=0.0, std=0.02)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross-entropy of predicting `targets` from `tokens` (both B, T),
-        plus the weighted load-balancing losses."""
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        plus the weighted load-balancing losses (`positions`: packed rows')."""
+        logits, aux = self._run(tokens, positions)
+        return F.cross_entropy(logits.view(-1, self.vocab), targets.view(-1)) + AUX_COEF * aux
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """(B, T, vocab) next-token logits (what `models/generate.py` samples)."""
+        return self._run(tokens, positions)[0]
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = None if positions is None else pair_mask(positions)
+        pos = torch.arange(tokens.shape[1], device=tokens.device) if positions is None \
+            else positions
         x = self.wte(tokens) + self.wpe(pos)
         aux = x.new_zeros(())
         for block in self.blocks:
-            x, a = block(x)
+            x, a = block(x, mask)
             aux = aux + a
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, self.vocab), targets.view(-1)) + AUX_COEF * aux
+        return self.head(self.ln_f(x)), aux
 
 
 def active_numel(named_params, experts: int, top_k: int) -> int:

@@ -119,7 +119,7 @@ _GPT_KEYS = _TRANSFORMER_KEYS | {"tie_embeddings"}
 _HF_KEYS = _GPT_KEYS | {"target_len", "packed"}
 _MOE_KEYS = (_TRANSFORMER_KEYS - {"dropout"}) | {"experts", "top_k", "capacity_factor"}
 _ALLOWED = {"gpt": _GPT_KEYS | {"packed"}, "bert": _TRANSFORMER_KEYS, "resnet": _RESNET_KEYS,
-            "moe": _MOE_KEYS}
+            "moe": _MOE_KEYS | {"packed"}}
 
 
 def _choices(names) -> str:
@@ -148,9 +148,9 @@ def model_config(model: str, size: str = "tiny", **overrides) -> ModelConfig:
     allowed = _ALLOWED[model]
     for key in given:
         if key == "packed" and key not in allowed:
-            raise ConfigError(f"--pack packs pairs into the rows of a causal LM (--model gpt, "
-                              f"or a transformers one: --hf TYPE); {model} is not one: leave "
-                              "--pack out")
+            raise ConfigError(f"--pack packs pairs into the rows of a causal LM (--model gpt "
+                              f"or moe, or a transformers one: --hf TYPE); {model} is not one: "
+                              "leave --pack out")
         if key not in allowed:
             raise ConfigError(
                 f"{model}: override {key!r} does not apply to {model}; "
@@ -242,6 +242,10 @@ def _validate_moe(cfg: ModelConfig) -> None:
     if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
         raise ConfigError(f"moe: capacity_factor={cfg.capacity_factor!r} must be above 0 "
                           "(--capacity-factor; leave it out for dropless)")
+    if cfg.packed and cfg.capacity_factor is not None:
+        raise ConfigError(f"--pack with --capacity-factor {cfg.capacity_factor:g}: an expert's "
+                          "slots are a row's, so one pair's tokens would take them from the "
+                          "others of its row; leave --capacity-factor out (dropless) to pack")
 
 
 def _validate_resnet(cfg: ModelConfig) -> None:

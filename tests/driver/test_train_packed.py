@@ -42,6 +42,7 @@ def data(tmp_path_factory):
     (["--hf", "llama"], ["--dp", "2", "--tp", "1", "--pp", "1"], 2),
     (["--hf", "gpt2"], ["--dp", "1", "--tp", "1", "--pp", "2"], 1),
     (["--model", "gpt"], ["--dp", "1", "--tp", "2", "--pp", "1"], 1),
+    (["--model", "moe"], ["--dp", "2", "--ep", "2", "--tp", "1", "--pp", "1"], 2),
 ])
 def test_a_packed_causal_lm_learns_as_eager(data, tmp_path, capsys, model, flags, dp):
     layout = Layout.PACKED if model[0] == "--model" else Layout.PACKED_SHIFTED
@@ -53,10 +54,13 @@ def test_a_packed_causal_lm_learns_as_eager(data, tmp_path, capsys, model, flags
     assert set(s["answer"]) == {"source", "answer", "target"}
 
 
-@pytest.mark.parametrize("model", ["hf:llama", "hf:gpt2", "gpt"])
-def test_a_pair_packed_after_another_computes_as_alone(data, model):
+@pytest.mark.parametrize("model", ["hf:llama", "hf:gpt2", "gpt", "moe"])
+def test_a_pair_packed_after_another_computes_as_alone(data, model, monkeypatch):
     """The loss of a row of two packed pairs is the mean of each pair's own
-    loss, as if each had its row (the labels weigh them by target tokens)."""
+    loss, as if each had its row (the labels weigh them by target tokens).
+    The MoE's load-balancing term is its row's, a regularizer: left out
+    here, its cross-entropy is the pairs'."""
+    monkeypatch.setattr("meshplan.models.moe.AUX_COEF", 0.0)
     torch.manual_seed(0)
     module = build_model(sized_config(model, "tiny", data, {"seq_len": SEQ,
                                                             "packed": True})).eval()
@@ -64,7 +68,7 @@ def test_a_pair_packed_after_another_computes_as_alone(data, model):
     a, b = (torch.randint(0, 256, (1, n), generator=gen) for n in (20, 30))
     la, lb = a.clone(), b.clone()
     la[:, :8] = lb[:, :12] = -100  # the sources
-    if model == "gpt":  # the zoo labels the next tokens: a pair's last position none
+    if model in ("gpt", "moe"):  # the zoo labels the next tokens: a pair's last position none
         la, lb = (torch.cat([t[:, 1:], torch.full((1, 1), -100)], 1) for t in (la, lb))
     row = torch.cat([a, b], 1)
     labels = torch.cat([la, lb], 1)
@@ -73,8 +77,8 @@ def test_a_pair_packed_after_another_computes_as_alone(data, model):
         both = module(row, labels, pos)
         alone = [module(x, y, torch.arange(x.shape[1])[None]) for x, y in ((a, la), (b, lb))]
         across = module(row, labels, torch.arange(50)[None])  # one document: b sees a
-    n = [int((t[:, 1:] >= 0).sum()) for t in (la, lb)] if model != "gpt" else \
-        [int((t >= 0).sum()) for t in (la, lb)]
+    n = [int((t >= 0).sum()) for t in (la, lb)] if model in ("gpt", "moe") else \
+        [int((t[:, 1:] >= 0).sum()) for t in (la, lb)]
     assert torch.allclose(both, (alone[0] * n[0] + alone[1] * n[1]) / sum(n), atol=1e-5)
     assert not torch.allclose(both, across, atol=1e-4)
 
@@ -97,7 +101,9 @@ def test_the_layout_is_packed_only_for_a_causal_lm_on_pairs(data, tmp_path, caps
     cases = [(["--hf", "llama", "--pack", "--data", text], "holds text"),
              (["--hf", "t5", "--pack", "--data", data], "is an encoder-decoder"),
              (["--model", "bert", "--pack", "--data", data], "bert is not one"),
-             (["--hf", "bloom", "--pack", "--data", data], "attends across the pairs")]
+             (["--hf", "bloom", "--pack", "--data", data], "attends across the pairs"),
+             (["--model", "moe", "--pack", "--capacity-factor", "1.25", "--data", data],
+              "leave --capacity-factor out (dropless) to pack")]
     for flags, says in cases:
         out = tmp_path / "out"
         assert main(["-q", "train", *flags, "--out", str(out), *common]) == 2, flags
