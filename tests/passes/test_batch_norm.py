@@ -19,7 +19,9 @@ from meshplan.passes.batch_norm import BACKWARD, FORWARD, expand_batch_norm
 def test_expanded_batch_norm_trains_like_the_fused_kernel():
     # seeded: unseeded, the weights were whatever the worker's earlier tests
     # left the generator at, and one such draw in a full run trained away
-    # from eager beyond the bounds (bn1.bias 12% off after 4 steps)
+    # from eager beyond the bounds (bn1.bias 12% off after 4 steps); of seeds
+    # 8-47, 32 does (the verdict calls it chaotic) and 42 (7%, not called so:
+    # its cause is open)
     torch.manual_seed(0)
     cfg = model_config("resnet", "tiny")
     module = build_model(cfg)
